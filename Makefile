@@ -1,0 +1,51 @@
+# Two commands set up everything on a fresh machine: `make demo` and `make test`.
+# Each builds its own virtual environment and the native extension, and is safe
+# to re-run (stamps make the second run a no-op).
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PIP     := $(BIN)/python -m pip
+# The project's machines keep the CPU build of torch in /opt/wheels.
+WHEELS  := $(wildcard /opt/wheels)
+PIPFLAGS := -q --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
+DEPS    := $(VENV)/.deps-stamp
+BUILT   := $(VENV)/.build-stamp
+CSRC    := $(shell find csrc -type f) CMakeLists.txt pyproject.toml Makefile
+
+.PHONY: all build demo test test-gpu bench info clean data
+
+all: build
+
+$(DEPS): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) install $(PIPFLAGS) -c constraints.txt \
+	    scikit-build-core pybind11 cmake ninja \
+	    numpy numba scipy torch==2.13.0 \
+	    pytest hypothesis opacus scikit-learn dp-accounting
+	touch $@
+
+# Editable build: Python files are used from the checkout, the compiled
+# ncdp_fast._C is installed into the venv (CMake's tree stays in build/).
+$(BUILT): $(DEPS) $(CSRC)
+	$(PIP) install $(PIPFLAGS) --no-build-isolation --no-deps -e .
+	touch $@
+
+build: $(BUILT)
+
+demo: $(BUILT)
+	$(BIN)/ncdp-fast demo
+
+test: $(BUILT)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-gpu: $(BUILT)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu
+
+bench: $(BUILT)
+	$(BIN)/ncdp-fast bench
+
+info: $(BUILT)
+	$(BIN)/ncdp-fast info
+
+clean:
+	rm -rf build $(VENV) ncdp_fast/_C*.so

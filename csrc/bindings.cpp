@@ -1,0 +1,67 @@
+// The Python face of the native core: m.def lines only. Every kernel takes raw
+// device pointers (as integers from __cuda_array_interface__), sizes, scalars
+// and the caller's stream; validation and allocation live in Python.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "common/capabilities.h"
+#ifdef NCDP_WITH_CUDA
+#include "clip/clip_noise.h"
+#include "rng/gaussian.h"
+#endif
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "ncdp_fast native kernels";
+  m.def("cuda_compiled", &ncdp::cuda_compiled, "Whether the CUDA kernels were compiled in.");
+  m.def("cuda_archs", &ncdp::cuda_archs, "CMAKE_CUDA_ARCHITECTURES of this build ('' without CUDA).");
+#ifdef NCDP_WITH_CUDA
+  m.def("cuda_device_count", &ncdp::cuda_device_count, "Visible CUDA devices (0 without driver).");
+  m.def("cuda_device_name", &ncdp::cuda_device_name, py::arg("device"));
+  m.def("cuda_versions", &ncdp::cuda_versions, "(runtime, driver) versions.");
+  m.def("launch_fill_gaussian", &ncdp::launch_fill_gaussian,
+        "out[j] (=, or += when accumulate) scale * normal(seed, offset + j), j < count.",
+        py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("seed"), py::arg("offset"),
+        py::arg("scale"), py::arg("accumulate"), py::arg("stream"));
+  m.def("launch_row_sq_norms", &ncdp::launch_row_sq_norms,
+        "sq[i] (=, or +=) sum_j g[i, j]^2 in float64; g [B, p], sq [B] float64.", py::arg("g"),
+        py::arg("B"), py::arg("p"), py::arg("dtype"), py::arg("sq"), py::arg("accumulate"),
+        py::arg("stream"));
+  m.def("launch_clip_factors", &ncdp::launch_clip_factors,
+        "norms = sqrt(sq); factors = 1, max_norm / norm, or 0 for non-finite norms (float64 [B]).",
+        py::arg("sq"), py::arg("B"), py::arg("max_norm"), py::arg("factors"), py::arg("norms"),
+        py::arg("stream"));
+  m.def("weighted_row_sum_workspace_bytes", &ncdp::weighted_row_sum_workspace_bytes,
+        "Workspace bytes of launch_weighted_row_sum_noise.", py::arg("B"), py::arg("p"),
+        py::arg("dtype"));
+  m.def("launch_weighted_row_sum_noise", &ncdp::launch_weighted_row_sum_noise,
+        "out = inv_denom * (sum_i factors[i] g[i] + noise_std * normals(seed, offset)); "
+        "deterministic.",
+        py::arg("g"), py::arg("B"), py::arg("p"), py::arg("dtype"), py::arg("factors"),
+        py::arg("noise_std"), py::arg("inv_denom"), py::arg("seed"), py::arg("offset"),
+        py::arg("out"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"));
+  m.def("clip_noise_rows_workspace_bytes", &ncdp::clip_noise_rows_workspace_bytes,
+        "Workspace bytes of launch_clip_noise_rows.", py::arg("B"), py::arg("p"),
+        py::arg("dtype"));
+  m.def("launch_clip_noise_rows", &ncdp::launch_clip_noise_rows,
+        "Fused per-sample clipping with noise: norms [B] float64, out [p].", py::arg("g"),
+        py::arg("B"), py::arg("p"), py::arg("dtype"), py::arg("max_norm"), py::arg("noise_std"),
+        py::arg("inv_denom"), py::arg("seed"), py::arg("offset"), py::arg("out"),
+        py::arg("norms"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"));
+  m.def("launch_linear_sq_norms", &ncdp::launch_linear_sq_norms,
+        "sq[i] (=, or +=) squared norm of the per-sample linear-layer gradient (+ bias).",
+        py::arg("a"), py::arg("g"), py::arg("B"), py::arg("T"), py::arg("d"), py::arg("K"),
+        py::arg("dtype"), py::arg("bias"), py::arg("sq"), py::arg("accumulate"),
+        py::arg("stream"));
+  m.def("clipped_linear_sum_workspace_bytes", &ncdp::clipped_linear_sum_workspace_bytes,
+        "Workspace bytes that let launch_clipped_linear_sum split the B*T reduction.",
+        py::arg("B"), py::arg("T"), py::arg("d"), py::arg("K"), py::arg("dtype"));
+  m.def("launch_clipped_linear_sum", &ncdp::launch_clipped_linear_sum,
+        "gw = inv_denom * ((factors (.) g)^T a + noise_std * xi); gb likewise (gb = 0: no bias).",
+        py::arg("a"), py::arg("g"), py::arg("factors"), py::arg("B"), py::arg("T"), py::arg("d"),
+        py::arg("K"), py::arg("dtype"), py::arg("noise_std"), py::arg("inv_denom"),
+        py::arg("seed"), py::arg("offset"), py::arg("gw"), py::arg("gb"), py::arg("stream"),
+        py::arg("workspace") = 0, py::arg("workspace_bytes") = 0);
+#endif
+}

@@ -1,0 +1,643 @@
+#include <algorithm>
+#include <cmath>
+
+#include "clip/clip_noise.h"
+#include "common/block_reduce.cuh"
+#include "common/launch_config.h"
+#include "common/vector_io.cuh"
+#include "rng/gaussian.h"
+
+namespace ncdp {
+namespace kernels {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Sizing constants.
+
+// The fused dense op splits each row into segments of this many elements for
+// its norms, so that a chunk of a few long rows still spreads over many blocks
+// (4096 elements = 16 per thread of a 256-thread block).
+constexpr std::int64_t kNormSegment = 4096;
+
+// Weighted row sums: each thread owns 4 consecutive columns (one 16-byte float4
+// load per row); rows are split into slabs until the grid holds about 4 waves
+// of resident threads on the target GPU, but never fewer than 8 rows per slab
+// (the partial rows are extra traffic for the final pass).
+constexpr std::int64_t kColumnsPerThread = 4;
+constexpr std::int64_t kRowSumTargetThreads = kTargetSMs * kResidentThreadsPerSM * 4;
+constexpr std::int64_t kRowSumMinRowsPerSlab = 8;
+// gridDim.y / gridDim.z limit.
+constexpr std::int64_t kMaxSlabs = 65535;
+
+// Linear-layer norms: 16 x 16 thread tiles, each thread one entry of a tile of
+// dot products, contraction staged through shared memory 32 elements at a time.
+constexpr int kDotTile = 16;
+constexpr int kDotDepth = 32;
+
+// Clipped linear GEMM: 64 x 64 output tiles (k x j), 16 rows of the B*T
+// reduction per shared-memory stage, 256 threads each computing 4 x 4 outputs
+// strided by 16 (conflict-free shared reads, coalesced stores).
+constexpr int kGemmTile = 64;
+constexpr int kGemmDepth = 16;
+constexpr int kGemmMicro = 4;
+constexpr int kGemmThreadsPerSide = kGemmTile / kGemmMicro;
+static_assert(kGemmThreadsPerSide * kGemmThreadsPerSide == kBlockThreads, "16 x 16 threads");
+static_assert(kDotTile * kDotTile == kBlockThreads, "16 x 16 threads");
+// About 2 waves of GEMM blocks (some 4 resident per SM); at least 16 stages per slab.
+constexpr std::int64_t kGemmTargetBlocks = kTargetSMs * 4 * 2;
+constexpr std::int64_t kGemmMinRowsPerSlab = 16 * kGemmDepth;
+
+__device__ __forceinline__ double clip_factor(double norm, double max_norm) {
+  if (norm <= max_norm) return 1.0;
+  // NaN compares false above and is not finite: such rows get factor 0.
+  return isfinite(norm) ? max_norm / norm : 0.0;
+}
+
+// ---------------------------------------------------------------------------
+// Dense rows.
+
+// dst[w] (=, or +=) sum of squares of segment w % segments of row w / segments,
+// segments being consecutive runs of segment_len columns. One block per
+// (row, segment), grid-striding; the standalone op uses one segment per row.
+template <typename Real>
+__global__ void __launch_bounds__(kBlockThreads) row_sq_norms_kernel(
+    const Real* __restrict__ grads,  // [rows, p]
+    std::int64_t rows, std::int64_t p, std::int64_t segments, std::int64_t segment_len,
+    double* __restrict__ dst,  // [rows, segments]
+    bool accumulate) {
+  __shared__ double scratch[kBlockThreads / 32];
+  const std::int64_t work = rows * segments;
+  for (std::int64_t w = blockIdx.x; w < work; w += gridDim.x) {
+    const std::int64_t row = w / segments;
+    const std::int64_t begin = (w % segments) * segment_len;
+    const std::int64_t length = std::min(segment_len, p - begin);
+    double sum = thread_sum_of_squares(grads + row * p + begin, length,
+                                       static_cast<int>(threadIdx.x), kBlockThreads);
+    sum = block_sum<kBlockThreads>(sum, scratch);
+    if (threadIdx.x == 0) dst[w] = accumulate ? dst[w] + sum : sum;
+  }
+}
+
+// norms[i] = sqrt(sum_s sq_partials[i, s]) (segments summed in order), factors[i]
+// its clip factor.
+__global__ void __launch_bounds__(kBlockThreads) clip_factors_kernel(
+    const double* __restrict__ sq_partials,  // [B, segments]
+    std::int64_t B, std::int64_t segments, double max_norm,
+    double* __restrict__ factors,  // [B]
+    double* __restrict__ norms) {  // [B]
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < B;
+       i += stride) {
+    double sq = 0.0;
+    for (std::int64_t s = 0; s < segments; ++s) sq += sq_partials[i * segments + s];
+    const double norm = sqrt(sq);
+    norms[i] = norm;
+    factors[i] = clip_factor(norm, max_norm);
+  }
+}
+
+// partials[s, j] (=, or += across chunks) sum over the rows r of slab s of
+// factors[r] * grads[r, j], in Real. Block (x, s) covers 256 column groups of
+// 4 columns of slab s; a thread walks its slab's rows down its 4 columns, so
+// each row read is coalesced. kAligned: every group of 4 starts on a 16-byte
+// boundary (base aligned and p a multiple of the vector width).
+template <typename Real, bool kAligned>
+__global__ void __launch_bounds__(kBlockThreads) weighted_row_sum_partials_kernel(
+    const Real* __restrict__ grads,      // [rows, p]
+    const double* __restrict__ factors,  // [rows]
+    std::int64_t rows, std::int64_t p, std::int64_t rows_per_slab,
+    Real* __restrict__ partials,  // [slabs, p], slabs = gridDim.y
+    bool accumulate) {
+  const std::int64_t slab = blockIdx.y;
+  const std::int64_t row_begin = slab * rows_per_slab;
+  const std::int64_t row_end = std::min(rows, row_begin + rows_per_slab);
+  const std::int64_t groups = (p + kColumnsPerThread - 1) / kColumnsPerThread;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t group = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       group < groups; group += stride) {
+    const std::int64_t column = group * kColumnsPerThread;
+    const std::int64_t remaining = p - column;
+    const int width = remaining < kColumnsPerThread ? static_cast<int>(remaining)
+                                                    : static_cast<int>(kColumnsPerThread);
+    Real* dst = partials + slab * p + column;
+    // Loops over q are fully unrolled with `q < width` as a predicate, so the
+    // small arrays stay in registers (a runtime bound would index them in
+    // local memory).
+    Real acc[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc[q] = (accumulate && q < width) ? dst[q] : Real(0);
+#pragma unroll 4
+    for (std::int64_t r = row_begin; r < row_end; ++r) {
+      const double factor = factors[r];
+      // Rows with factor 0 are dropped, not multiplied: they may hold NaN.
+      const bool keep = factor != 0.0;
+      const Real f = static_cast<Real>(factor);
+      const Real* src = grads + r * p + column;
+      Real v[4];
+      if (kAligned && width == 4) {
+        load4_aligned(src, v);
+      } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) v[q] = q < width ? src[q] : Real(0);
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[q] += keep ? f * v[q] : Real(0);
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      if (q < width) dst[q] = acc[q];
+    }
+  }
+}
+
+template <typename Real>
+void launch_weighted_row_sum_partials(const Real* grads,      // [rows, p]
+                                      const double* factors,  // [rows]
+                                      std::int64_t rows, std::int64_t p, std::int64_t slabs,
+                                      Real* partials,  // [slabs, p]
+                                      bool accumulate, cudaStream_t stream) {
+  const std::int64_t rows_per_slab = std::max<std::int64_t>(1, ceil_div(rows, slabs));
+  const dim3 grid(grid_blocks(ceil_div(p, kColumnsPerThread), kBlockThreads),
+                  static_cast<unsigned int>(slabs));
+  const bool aligned = is_aligned16(grads) && p % Vec16<Real>::kWidth == 0;
+  if (aligned) {
+    weighted_row_sum_partials_kernel<Real, true><<<grid, kBlockThreads, 0, stream>>>(
+        grads, factors, rows, p, rows_per_slab, partials, accumulate);
+  } else {
+    weighted_row_sum_partials_kernel<Real, false><<<grid, kBlockThreads, 0, stream>>>(
+        grads, factors, rows, p, rows_per_slab, partials, accumulate);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Factored (linear-layer) norms.
+
+// A read-only matrix view with arbitrary strides: the direct method contracts
+// over t, i.e. works on the transposes of the [T, K] and [T, d] blocks.
+template <typename Real>
+struct StridedMatrix {
+  const Real* data;
+  std::int64_t rows;
+  std::int64_t cols;
+  std::int64_t row_stride;
+  std::int64_t col_stride;
+};
+
+// Copies X[r0 : r0+16, c0 : c0+32] into a shared tile, zero outside X. Threads
+// walk the tile along whichever dimension is contiguous in memory, so that the
+// global reads are coalesced in both the Gram (rows contiguous) and the direct
+// (columns contiguous) layouts.
+template <typename Real>
+__device__ __forceinline__ void stage_tile(const StridedMatrix<Real>& x, std::int64_t r0,
+                                           std::int64_t c0,
+                                           Real (*tile)[kDotDepth + 1]) {  // [16][33]
+  for (int e = threadIdx.x; e < kDotTile * kDotDepth; e += kBlockThreads) {
+    const bool along_cols = x.col_stride == 1;
+    const int r = along_cols ? e / kDotDepth : e % kDotTile;
+    const int c = along_cols ? e % kDotDepth : e / kDotTile;
+    const std::int64_t gr = r0 + r;
+    const std::int64_t gc = c0 + c;
+    tile[r][c] = (gr < x.rows && gc < x.cols) ? x.data[gr * x.row_stride + gc * x.col_stride]
+                                              : Real(0);
+  }
+}
+
+// sum_c X[r0 + ty, c] * Y[s0 + tx, c] in double, ty = threadIdx.x / 16,
+// tx = threadIdx.x % 16: one entry of a 16 x 16 tile of X Y^T per thread (rows
+// beyond the end count as zero). X and Y have the same number of columns. All
+// threads of the block must call it.
+template <typename Real>
+__device__ __forceinline__ double tile_dot(const StridedMatrix<Real>& x, std::int64_t r0,
+                           const StridedMatrix<Real>& y, std::int64_t s0,
+                           Real (*x_tile)[kDotDepth + 1],   // shared [16][33]
+                           Real (*y_tile)[kDotDepth + 1]) {  // shared [16][33]
+  const int ty = threadIdx.x / kDotTile;
+  const int tx = threadIdx.x % kDotTile;
+  double acc = 0.0;
+  for (std::int64_t c0 = 0; c0 < x.cols; c0 += kDotDepth) {
+    // The previous stage (or the previous call) may still be reading the tiles.
+    __syncthreads();
+    stage_tile(x, r0, c0, x_tile);
+    stage_tile(y, s0, c0, y_tile);
+    __syncthreads();
+#pragma unroll 8
+    for (int c = 0; c < kDotDepth; ++c) {
+      acc += static_cast<double>(x_tile[ty][c]) * static_cast<double>(y_tile[tx][c]);
+    }
+  }
+  return acc;
+}
+
+__device__ __forceinline__ void store_sum(double* dst, double value, bool accumulate) {
+  *dst = accumulate ? *dst + value : value;
+}
+
+// T == 1: ||g_i a_i^T||_F^2 = ||g_i||^2 ||a_i||^2, plus ||g_i||^2 for the bias.
+template <typename Real>
+__global__ void __launch_bounds__(kBlockThreads) linear_sq_norms_rank1_kernel(
+    const Real* __restrict__ acts,   // [B, d]
+    const Real* __restrict__ grads,  // [B, K]
+    std::int64_t B, std::int64_t d, std::int64_t K, bool bias,
+    double* __restrict__ sq,  // [B]
+    bool accumulate) {
+  __shared__ double scratch[kBlockThreads / 32];
+  const int tid = static_cast<int>(threadIdx.x);
+  for (std::int64_t i = blockIdx.x; i < B; i += gridDim.x) {
+    const double a_sq = block_sum<kBlockThreads>(
+        thread_sum_of_squares(acts + i * d, d, tid, kBlockThreads), scratch);
+    const double g_sq = block_sum<kBlockThreads>(
+        thread_sum_of_squares(grads + i * K, K, tid, kBlockThreads), scratch);
+    if (tid == 0) store_sum(sq + i, g_sq * a_sq + (bias ? g_sq : 0.0), accumulate);
+  }
+}
+
+// Gram form, cheaper when 2 T^2 <= K d:
+// ||G_i||_F^2 = sum_{t,s} (a_it . a_is)(g_it . g_is), bias ||sum_t g_it||^2 = sum_{t,s} g_it . g_is.
+// Only tile pairs (tt <= ss) are formed; off-diagonal pairs count twice.
+template <typename Real>
+__global__ void __launch_bounds__(kBlockThreads) linear_sq_norms_gram_kernel(
+    const Real* __restrict__ acts,   // [B, T, d]
+    const Real* __restrict__ grads,  // [B, T, K]
+    std::int64_t B, std::int64_t T, std::int64_t d, std::int64_t K, bool bias,
+    double* __restrict__ sq,  // [B]
+    bool accumulate) {
+  __shared__ Real x_tile[kDotTile][kDotDepth + 1];
+  __shared__ Real y_tile[kDotTile][kDotDepth + 1];
+  __shared__ double scratch[kBlockThreads / 32];
+  const std::int64_t tiles = (T + kDotTile - 1) / kDotTile;
+  for (std::int64_t i = blockIdx.x; i < B; i += gridDim.x) {
+    const StridedMatrix<Real> a{acts + i * T * d, T, d, d, 1};
+    const StridedMatrix<Real> g{grads + i * T * K, T, K, K, 1};
+    double weight_sq = 0.0;
+    double bias_sq = 0.0;
+    for (std::int64_t tt = 0; tt < tiles; ++tt) {
+      for (std::int64_t ss = tt; ss < tiles; ++ss) {
+        const double aa = tile_dot(a, tt * kDotTile, a, ss * kDotTile, x_tile, y_tile);
+        const double gg = tile_dot(g, tt * kDotTile, g, ss * kDotTile, x_tile, y_tile);
+        const double multiplicity = tt == ss ? 1.0 : 2.0;
+        weight_sq += multiplicity * aa * gg;
+        bias_sq += multiplicity * gg;
+      }
+    }
+    const double total =
+        block_sum<kBlockThreads>(weight_sq + (bias ? bias_sq : 0.0), scratch);
+    if (threadIdx.x == 0) store_sum(sq + i, total, accumulate);
+  }
+}
+
+// Direct form, cheaper when 2 T^2 > K d: form G_i = g_i^T a_i tile by tile
+// (each thread one (k, j) entry, summed over t) and add up the squares; the bias
+// term sums each column of g_i over t.
+template <typename Real>
+__global__ void __launch_bounds__(kBlockThreads) linear_sq_norms_direct_kernel(
+    const Real* __restrict__ acts,   // [B, T, d]
+    const Real* __restrict__ grads,  // [B, T, K]
+    std::int64_t B, std::int64_t T, std::int64_t d, std::int64_t K, bool bias,
+    double* __restrict__ sq,  // [B]
+    bool accumulate) {
+  __shared__ Real x_tile[kDotTile][kDotDepth + 1];
+  __shared__ Real y_tile[kDotTile][kDotDepth + 1];
+  __shared__ double scratch[kBlockThreads / 32];
+  const std::int64_t k_tiles = (K + kDotTile - 1) / kDotTile;
+  const std::int64_t j_tiles = (d + kDotTile - 1) / kDotTile;
+  for (std::int64_t i = blockIdx.x; i < B; i += gridDim.x) {
+    const Real* a_i = acts + i * T * d;
+    const Real* g_i = grads + i * T * K;
+    const StridedMatrix<Real> g_transposed{g_i, K, T, 1, K};  // (k, t)
+    const StridedMatrix<Real> a_transposed{a_i, d, T, 1, d};  // (j, t)
+    double weight_sq = 0.0;
+    for (std::int64_t kt = 0; kt < k_tiles; ++kt) {
+      for (std::int64_t jt = 0; jt < j_tiles; ++jt) {
+        const double entry = tile_dot(g_transposed, kt * kDotTile, a_transposed, jt * kDotTile,
+                                      x_tile, y_tile);
+        weight_sq += entry * entry;
+      }
+    }
+    double bias_sq = 0.0;
+    if (bias) {
+      for (std::int64_t k = threadIdx.x; k < K; k += kBlockThreads) {
+        double column_sum = 0.0;
+        for (std::int64_t t = 0; t < T; ++t) column_sum += static_cast<double>(g_i[t * K + k]);
+        bias_sq += column_sum * column_sum;
+      }
+    }
+    const double total = block_sum<kBlockThreads>(weight_sq + bias_sq, scratch);
+    if (threadIdx.x == 0) store_sum(sq + i, total, accumulate);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Clipped linear sum: (factors (.) g)^T a as one GEMM over the R = B*T rows.
+
+// weight_partials[s, k, j] = sum over the rows r of slab s of
+// factors[r / T] * grads[r, k] * acts[r, j]; with bias, column j = d of the
+// tile is a virtual column of ones in `acts`, whose results go to
+// bias_partials[s, k]. Block (x, y, s): output tile (k0, j0) = (64 y, 64 x) of
+// slab s; the factor is applied while staging g, so the inner loop is a plain
+// FMA micro-kernel. Accumulates in Real, rows in increasing order.
+template <typename Real>
+__global__ void __launch_bounds__(kBlockThreads) clipped_linear_gemm_kernel(
+    const Real* __restrict__ acts,       // [R, d]
+    const Real* __restrict__ grads,      // [R, K]
+    const double* __restrict__ factors,  // [R / T]
+    std::int64_t R, std::int64_t T, std::int64_t d, std::int64_t K, bool bias,
+    std::int64_t rows_per_slab,
+    Real* __restrict__ weight_partials,  // [slabs, K, d], slabs = gridDim.z
+    Real* __restrict__ bias_partials) {  // [slabs, K] (only with bias)
+  __shared__ Real g_tile[kGemmDepth][kGemmTile];
+  __shared__ Real a_tile[kGemmDepth][kGemmTile];
+  __shared__ Real row_factor[kGemmDepth];
+  const int ty = static_cast<int>(threadIdx.x) / kGemmThreadsPerSide;
+  const int tx = static_cast<int>(threadIdx.x) % kGemmThreadsPerSide;
+  const std::int64_t k0 = static_cast<std::int64_t>(blockIdx.y) * kGemmTile;
+  const std::int64_t j0 = static_cast<std::int64_t>(blockIdx.x) * kGemmTile;
+  const std::int64_t slab = blockIdx.z;
+  const std::int64_t row_begin = slab * rows_per_slab;
+  const std::int64_t row_end = std::min(R, row_begin + rows_per_slab);
+
+  Real acc[kGemmMicro][kGemmMicro];
+#pragma unroll
+  for (int m = 0; m < kGemmMicro; ++m) {
+#pragma unroll
+    for (int n = 0; n < kGemmMicro; ++n) acc[m][n] = Real(0);
+  }
+
+  for (std::int64_t r0 = row_begin; r0 < row_end; r0 += kGemmDepth) {
+    // One 64-bit division per row of the stage instead of one per element.
+    // (Safe to overwrite: every thread finished reading row_factor before the
+    // previous stage's second barrier.)
+    if (threadIdx.x < kGemmDepth) {
+      const std::int64_t r = r0 + threadIdx.x;
+      row_factor[threadIdx.x] = r < row_end ? static_cast<Real>(factors[r / T]) : Real(0);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < kGemmDepth * kGemmTile; e += kBlockThreads) {
+      const int rr = e / kGemmTile;
+      const int cc = e % kGemmTile;
+      const std::int64_t r = r0 + rr;
+      const Real f = row_factor[rr];
+      // A zero factor drops the sample (and pads past row_end): its g and a may
+      // hold NaN, and 0 * NaN is NaN, so neither is read.
+      const bool keep = f != Real(0);
+      const std::int64_t k = k0 + cc;
+      const std::int64_t j = j0 + cc;
+      g_tile[rr][cc] = (keep && k < K) ? f * grads[r * K + k] : Real(0);
+      Real a = Real(0);
+      if (keep) {
+        if (j < d) {
+          a = acts[r * d + j];
+        } else if (bias && j == d) {
+          a = Real(1);
+        }
+      }
+      a_tile[rr][cc] = a;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int rr = 0; rr < kGemmDepth; ++rr) {
+      Real gv[kGemmMicro];
+      Real av[kGemmMicro];
+#pragma unroll
+      for (int m = 0; m < kGemmMicro; ++m) gv[m] = g_tile[rr][ty + kGemmThreadsPerSide * m];
+#pragma unroll
+      for (int n = 0; n < kGemmMicro; ++n) av[n] = a_tile[rr][tx + kGemmThreadsPerSide * n];
+#pragma unroll
+      for (int m = 0; m < kGemmMicro; ++m) {
+#pragma unroll
+        for (int n = 0; n < kGemmMicro; ++n) acc[m][n] += gv[m] * av[n];
+      }
+    }
+  }
+
+#pragma unroll
+  for (int m = 0; m < kGemmMicro; ++m) {
+    const std::int64_t k = k0 + ty + kGemmThreadsPerSide * m;
+    if (k >= K) continue;
+#pragma unroll
+    for (int n = 0; n < kGemmMicro; ++n) {
+      const std::int64_t j = j0 + tx + kGemmThreadsPerSide * n;
+      if (j < d) {
+        weight_partials[(slab * K + k) * d + j] = acc[m][n];
+      } else if (bias && j == d) {
+        bias_partials[slab * K + k] = acc[m][n];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Launchers.
+
+template <typename Real>
+void launch_row_sq_norms(const Real* grads, std::int64_t B, std::int64_t p, double* sq,
+                         bool accumulate, cudaStream_t stream) {
+  if (B <= 0) return;
+  row_sq_norms_kernel<Real><<<grid_blocks(B, 1), kBlockThreads, 0, stream>>>(
+      grads, B, p, /*segments=*/1, /*segment_len=*/p, sq, accumulate);
+}
+
+void launch_clip_factors(const double* sq, std::int64_t B, double max_norm, double* factors,
+                         double* norms, cudaStream_t stream) {
+  if (B <= 0) return;
+  clip_factors_kernel<<<grid_blocks(B, kBlockThreads), kBlockThreads, 0, stream>>>(
+      sq, B, /*segments=*/1, max_norm, factors, norms);
+}
+
+std::int64_t weighted_row_sum_slabs(std::int64_t B, std::int64_t p) {
+  if (B <= 0 || p <= 0) return 0;
+  const std::int64_t column_threads =
+      ceil_div(ceil_div(p, kColumnsPerThread), kBlockThreads) * kBlockThreads;
+  std::int64_t slabs = ceil_div(kRowSumTargetThreads, column_threads);
+  slabs = std::min(slabs, ceil_div(B, kRowSumMinRowsPerSlab));
+  slabs = std::min(slabs, kMaxSlabs);
+  return std::max<std::int64_t>(slabs, 1);
+}
+
+std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p,
+                                              std::int64_t element_bytes) {
+  return align_bytes(weighted_row_sum_slabs(B, p) * p * element_bytes);
+}
+
+template <typename Real>
+void launch_weighted_row_sum_noise(const Real* grads, const double* factors, std::int64_t B,
+                                   std::int64_t p, double noise_std, double inv_denom,
+                                   std::uint64_t seed, std::uint64_t offset, Real* out,
+                                   void* workspace, cudaStream_t stream) {
+  if (p <= 0) return;
+  const std::int64_t slabs = weighted_row_sum_slabs(B, p);
+  Real* partials = static_cast<Real*>(workspace);
+  if (slabs > 0) {
+    launch_weighted_row_sum_partials(grads, factors, B, p, slabs, partials,
+                                     /*accumulate=*/false, stream);
+  }
+  launch_slab_sum_plus_gaussian<Real>(partials, slabs, p, noise_std, inv_denom, seed, offset,
+                                      out, stream);
+}
+
+ClipNoiseRowsLayout clip_noise_rows_layout(std::int64_t B, std::int64_t p,
+                                           std::int64_t element_bytes) {
+  ClipNoiseRowsLayout layout{};
+  layout.norm_segments = std::max<std::int64_t>(1, ceil_div(p, kNormSegment));
+  layout.slabs = weighted_row_sum_slabs(B, p);
+  layout.factors_offset = 0;
+  layout.sq_partials_offset = layout.factors_offset + align_bytes(B * sizeof(double));
+  layout.partials_offset =
+      layout.sq_partials_offset + align_bytes(B * layout.norm_segments * sizeof(double));
+  layout.total_bytes = layout.partials_offset + align_bytes(layout.slabs * p * element_bytes);
+  return layout;
+}
+
+template <typename Real>
+void launch_clip_noise_rows(const Real* grads, std::int64_t B, std::int64_t p, double max_norm,
+                            double noise_std, double inv_denom, std::uint64_t seed,
+                            std::uint64_t offset, Real* out, double* norms, void* workspace,
+                            std::int64_t l2_bytes, cudaStream_t stream) {
+  const ClipNoiseRowsLayout layout = clip_noise_rows_layout(B, p, sizeof(Real));
+  char* base = static_cast<char*>(workspace);
+  double* factors = reinterpret_cast<double*>(base + layout.factors_offset);
+  double* sq_partials = reinterpret_cast<double*>(base + layout.sq_partials_offset);
+  Real* partials = reinterpret_cast<Real*>(base + layout.partials_offset);
+
+  // Rows go in chunks of about half the L2: the norms pass pulls a chunk from
+  // DRAM and the weighted-sum pass over the same rows then hits L2, so the
+  // gradients cross the DRAM bus once. Chunk partials accumulate into the same
+  // slab rows, in chunk order.
+  const std::int64_t row_bytes = p * static_cast<std::int64_t>(sizeof(Real));
+  std::int64_t chunk_rows = B;
+  if (l2_bytes > 0 && row_bytes > 0) {
+    chunk_rows = std::max<std::int64_t>(1, (l2_bytes / 2) / row_bytes);
+  }
+  for (std::int64_t r0 = 0; r0 < B; r0 += chunk_rows) {
+    const std::int64_t rows = std::min(chunk_rows, B - r0);
+    row_sq_norms_kernel<Real>
+        <<<grid_blocks(rows * layout.norm_segments, 1), kBlockThreads, 0, stream>>>(
+            grads + r0 * p, rows, p, layout.norm_segments, kNormSegment,
+            sq_partials + r0 * layout.norm_segments, /*accumulate=*/false);
+    clip_factors_kernel<<<grid_blocks(rows, kBlockThreads), kBlockThreads, 0, stream>>>(
+        sq_partials + r0 * layout.norm_segments, rows, layout.norm_segments, max_norm,
+        factors + r0, norms + r0);
+    if (p > 0) {
+      launch_weighted_row_sum_partials(grads + r0 * p, factors + r0, rows, p, layout.slabs,
+                                       partials, /*accumulate=*/r0 > 0, stream);
+    }
+  }
+  launch_slab_sum_plus_gaussian<Real>(partials, layout.slabs, p, noise_std, inv_denom, seed,
+                                      offset, out, stream);
+}
+
+template <typename Real>
+void launch_linear_sq_norms(const Real* acts, const Real* grads, std::int64_t B, std::int64_t T,
+                            std::int64_t d, std::int64_t K, bool bias, double* sq,
+                            bool accumulate, cudaStream_t stream) {
+  if (B <= 0) return;
+  const unsigned int blocks = grid_blocks(B, 1);
+  if (T == 1) {
+    linear_sq_norms_rank1_kernel<Real><<<blocks, kBlockThreads, 0, stream>>>(
+        acts, grads, B, d, K, bias, sq, accumulate);
+  } else if (2.0 * static_cast<double>(T) * static_cast<double>(T) <=
+             static_cast<double>(K) * static_cast<double>(d)) {
+    linear_sq_norms_gram_kernel<Real><<<blocks, kBlockThreads, 0, stream>>>(
+        acts, grads, B, T, d, K, bias, sq, accumulate);
+  } else {
+    linear_sq_norms_direct_kernel<Real><<<blocks, kBlockThreads, 0, stream>>>(
+        acts, grads, B, T, d, K, bias, sq, accumulate);
+  }
+}
+
+std::int64_t clipped_linear_sum_slabs(std::int64_t rows, std::int64_t d, std::int64_t K) {
+  if (rows <= 0 || K <= 0) return 0;
+  // d + 1: the bias column, counted whether or not it is used.
+  const std::int64_t tiles = ceil_div(d + 1, kGemmTile) * ceil_div(K, kGemmTile);
+  std::int64_t slabs = ceil_div(kGemmTargetBlocks, tiles);
+  slabs = std::min(slabs, ceil_div(rows, kGemmMinRowsPerSlab));
+  slabs = std::min(slabs, kMaxSlabs);
+  return std::max<std::int64_t>(slabs, 1);
+}
+
+std::int64_t clipped_linear_sum_layout_bytes(std::int64_t slabs, std::int64_t d, std::int64_t K,
+                                             std::int64_t element_bytes) {
+  // One slab needs no workspace: the GEMM writes straight into gw / gb.
+  if (slabs <= 1) return 0;
+  return align_bytes(slabs * K * d * element_bytes) + align_bytes(slabs * K * element_bytes);
+}
+
+template <typename Real>
+void launch_clipped_linear_sum(const Real* acts, const Real* grads, const double* factors,
+                               std::int64_t B, std::int64_t T, std::int64_t d, std::int64_t K,
+                               double noise_std, double inv_denom, std::uint64_t seed,
+                               std::uint64_t offset, Real* gw, Real* gb, void* workspace,
+                               std::int64_t workspace_bytes, cudaStream_t stream) {
+  if (K <= 0) return;
+  const bool bias = gb != nullptr;
+  const std::int64_t R = B * T;
+  const std::int64_t weight_count = K * d;
+
+  // As many slabs as wanted and as the given workspace holds; with 0 or 1 the
+  // GEMM writes its sums into gw / gb and the noise is added in place.
+  std::int64_t slabs = clipped_linear_sum_slabs(R, d, K);
+  if (slabs > 1) {
+    const std::int64_t per_slab = (weight_count + K) * static_cast<std::int64_t>(sizeof(Real));
+    slabs = std::min(slabs, std::max<std::int64_t>(0, workspace_bytes - 512) / per_slab);
+    while (slabs > 1 && clipped_linear_sum_layout_bytes(slabs, d, K, sizeof(Real)) >
+                            workspace_bytes) {
+      --slabs;
+    }
+    slabs = std::max<std::int64_t>(slabs, 1);
+  }
+  Real* weight_partials = gw;
+  Real* bias_partials = gb;
+  if (slabs > 1) {
+    char* base = static_cast<char*>(workspace);
+    weight_partials = reinterpret_cast<Real*>(base);
+    bias_partials = reinterpret_cast<Real*>(base + align_bytes(slabs * weight_count *
+                                                               static_cast<std::int64_t>(
+                                                                   sizeof(Real))));
+  }
+
+  if (slabs > 0) {
+    const std::int64_t columns = d + (bias ? 1 : 0);
+    const std::int64_t rows_per_slab = ceil_div(ceil_div(R, slabs), kGemmDepth) * kGemmDepth;
+    const dim3 grid(static_cast<unsigned int>(ceil_div(columns, kGemmTile)),
+                    static_cast<unsigned int>(ceil_div(K, kGemmTile)),
+                    static_cast<unsigned int>(slabs));
+    clipped_linear_gemm_kernel<Real><<<grid, kBlockThreads, 0, stream>>>(
+        acts, grads, factors, R, T, d, K, bias, rows_per_slab, weight_partials, bias_partials);
+  }
+  launch_slab_sum_plus_gaussian<Real>(weight_partials, slabs, weight_count, noise_std, inv_denom,
+                                      seed, offset, gw, stream);
+  if (bias) {
+    launch_slab_sum_plus_gaussian<Real>(bias_partials, slabs, K, noise_std, inv_denom, seed,
+                                        offset + static_cast<std::uint64_t>(weight_count), gb,
+                                        stream);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Instantiations.
+
+#define NCDP_INSTANTIATE_CLIP(Real)                                                           \
+  template void launch_row_sq_norms<Real>(const Real*, std::int64_t, std::int64_t, double*,    \
+                                          bool, cudaStream_t);                                 \
+  template void launch_weighted_row_sum_noise<Real>(                                           \
+      const Real*, const double*, std::int64_t, std::int64_t, double, double, std::uint64_t,   \
+      std::uint64_t, Real*, void*, cudaStream_t);                                              \
+  template void launch_clip_noise_rows<Real>(const Real*, std::int64_t, std::int64_t, double,  \
+                                             double, double, std::uint64_t, std::uint64_t,     \
+                                             Real*, double*, void*, std::int64_t,              \
+                                             cudaStream_t);                                    \
+  template void launch_linear_sq_norms<Real>(const Real*, const Real*, std::int64_t,           \
+                                             std::int64_t, std::int64_t, std::int64_t, bool,   \
+                                             double*, bool, cudaStream_t);                     \
+  template void launch_clipped_linear_sum<Real>(                                               \
+      const Real*, const Real*, const double*, std::int64_t, std::int64_t, std::int64_t,       \
+      std::int64_t, double, double, std::uint64_t, std::uint64_t, Real*, Real*, void*,         \
+      std::int64_t, cudaStream_t);
+
+NCDP_INSTANTIATE_CLIP(float)
+NCDP_INSTANTIATE_CLIP(double)
+#undef NCDP_INSTANTIATE_CLIP
+
+}  // namespace kernels
+}  // namespace ncdp

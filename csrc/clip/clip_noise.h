@@ -1,0 +1,172 @@
+// Kernel 1 of DESIGN.md: per-sample clipping with Gaussian noise, dense rows and
+// factored linear layers. Norms and clip factors are float64; every reduction is
+// deterministic (fixed-order trees and slab sums, no floating-point atomics).
+//
+// Clip factor of a row with norm n (C = max_norm): 1 if n <= C, C / n if n is
+// finite and larger, 0 if n is not finite. Rows with factor 0 are skipped by the
+// sums (their entries may be NaN, and 0 * NaN is NaN); the Python layer raises
+// on them or reports them as dropped.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace ncdp {
+
+// ---- Python-facing wrappers (pointers as integers, dtype 0 = float32, 1 = float64,
+// stream a cudaStream_t as an integer). Sizes are validated, empty work returns
+// at once, CUDA errors raise.
+
+// sq[i] (=, or += when accumulate) sum_j g[i, j]^2, accumulated in float64.
+void launch_row_sq_norms(std::uintptr_t g,  // [B, p], dtype, row-major contiguous
+                         std::int64_t B, std::int64_t p, int dtype,
+                         std::uintptr_t sq,  // [B] float64
+                         bool accumulate, std::uintptr_t stream);
+
+// norms[i] = sqrt(sq[i]); factors[i] = the clip factor of norms[i].
+void launch_clip_factors(std::uintptr_t sq,  // [B] float64
+                         std::int64_t B, double max_norm,
+                         std::uintptr_t factors,  // [B] float64
+                         std::uintptr_t norms,    // [B] float64
+                         std::uintptr_t stream);
+
+std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p, int dtype);
+
+// out[j] = inv_denom * (sum_i factors[i] * g[i, j] + noise_std * normal(seed, offset + j)).
+// Consumes p draws. B = 0 gives pure noise.
+void launch_weighted_row_sum_noise(std::uintptr_t g,  // [B, p], dtype
+                                   std::int64_t B, std::int64_t p, int dtype,
+                                   std::uintptr_t factors,  // [B] float64
+                                   double noise_std, double inv_denom, std::uint64_t seed,
+                                   std::uint64_t offset,
+                                   std::uintptr_t out,        // [p], dtype
+                                   std::uintptr_t workspace,  // weighted_row_sum_workspace_bytes
+                                   std::int64_t workspace_bytes, std::uintptr_t stream);
+
+std::int64_t clip_noise_rows_workspace_bytes(std::int64_t B, std::int64_t p, int dtype);
+
+// The fused dense op: norms (pre-clip), clip factors, and
+// out = inv_denom * (sum_i factor_i g_i + noise_std * xi), xi = normals offset .. offset+p-1.
+void launch_clip_noise_rows(std::uintptr_t g,  // [B, p], dtype
+                            std::int64_t B, std::int64_t p, int dtype, double max_norm,
+                            double noise_std, double inv_denom, std::uint64_t seed,
+                            std::uint64_t offset,
+                            std::uintptr_t out,        // [p], dtype
+                            std::uintptr_t norms,      // [B] float64
+                            std::uintptr_t workspace,  // clip_noise_rows_workspace_bytes
+                            std::int64_t workspace_bytes, std::uintptr_t stream);
+
+// sq[i] (=, or += when accumulate) ||G_i||_F^2 (+ ||sum_t g_it||^2 with bias),
+// G_i = sum_t g_it a_it^T, in float64. T = 1 is the 2-D case.
+void launch_linear_sq_norms(std::uintptr_t a,  // [B, T, d], dtype
+                            std::uintptr_t g,  // [B, T, K], dtype
+                            std::int64_t B, std::int64_t T, std::int64_t d, std::int64_t K,
+                            int dtype, bool bias,
+                            std::uintptr_t sq,  // [B] float64
+                            bool accumulate, std::uintptr_t stream);
+
+std::int64_t clipped_linear_sum_workspace_bytes(std::int64_t B, std::int64_t T, std::int64_t d,
+                                                std::int64_t K, int dtype);
+
+// gw[k, j] = inv_denom * (sum_{i,t} factors[i] g[i,t,k] a[i,t,j] + noise_std * normal(offset + k*d + j)),
+// gb[k]    = inv_denom * (sum_{i,t} factors[i] g[i,t,k]          + noise_std * normal(offset + K*d + k)).
+// Consumes K*d (+ K with bias) draws. The workspace is optional: with none the
+// GEMM has one output tile per block and no split of the B*T reduction; with
+// clipped_linear_sum_workspace_bytes of it the reduction is split across blocks
+// (results then depend on the workspace size, deterministically).
+void launch_clipped_linear_sum(std::uintptr_t a,        // [B, T, d], dtype
+                               std::uintptr_t g,        // [B, T, K], dtype
+                               std::uintptr_t factors,  // [B] float64
+                               std::int64_t B, std::int64_t T, std::int64_t d, std::int64_t K,
+                               int dtype, double noise_std, double inv_denom, std::uint64_t seed,
+                               std::uint64_t offset,
+                               std::uintptr_t gw,  // [K, d], dtype
+                               std::uintptr_t gb,  // [K], dtype, or 0 without bias
+                               std::uintptr_t stream,
+                               std::uintptr_t workspace,  // optional, see above
+                               std::int64_t workspace_bytes);
+
+// ---- Typed launchers (kernels + launch code in clip_noise.cu). They assume
+// validated arguments, the right current device, and enough workspace.
+namespace kernels {
+
+template <typename Real>
+void launch_row_sq_norms(const Real* grads,  // [B, p]
+                         std::int64_t B, std::int64_t p,
+                         double* sq,  // [B]
+                         bool accumulate, cudaStream_t stream);
+
+void launch_clip_factors(const double* sq,  // [B]
+                         std::int64_t B, double max_norm,
+                         double* factors,  // [B]
+                         double* norms,    // [B]
+                         cudaStream_t stream);
+
+// Rows of a weighted row sum are split into this many slabs, each summed into
+// its own partial row; 0 when there is nothing to sum.
+std::int64_t weighted_row_sum_slabs(std::int64_t B, std::int64_t p);
+std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p,
+                                              std::int64_t element_bytes);
+
+template <typename Real>
+void launch_weighted_row_sum_noise(const Real* grads,     // [B, p]
+                                   const double* factors,  // [B]
+                                   std::int64_t B, std::int64_t p, double noise_std,
+                                   double inv_denom, std::uint64_t seed, std::uint64_t offset,
+                                   Real* out,   // [p]
+                                   void* workspace,  // weighted_row_sum_workspace_bytes
+                                   cudaStream_t stream);
+
+// Byte offsets of the fused op's workspace regions (each 256-byte aligned):
+// factors [B] float64 | squared-norm partials [B, norm_segments] float64 |
+// slab partials [slabs, p] Real.
+struct ClipNoiseRowsLayout {
+  std::int64_t norm_segments;
+  std::int64_t slabs;
+  std::int64_t factors_offset;
+  std::int64_t sq_partials_offset;
+  std::int64_t partials_offset;
+  std::int64_t total_bytes;
+};
+ClipNoiseRowsLayout clip_noise_rows_layout(std::int64_t B, std::int64_t p,
+                                           std::int64_t element_bytes);
+
+// l2_bytes: the device's L2 size, which sets the rows per chunk (0: one chunk).
+template <typename Real>
+void launch_clip_noise_rows(const Real* grads,  // [B, p]
+                            std::int64_t B, std::int64_t p, double max_norm, double noise_std,
+                            double inv_denom, std::uint64_t seed, std::uint64_t offset,
+                            Real* out,       // [p]
+                            double* norms,   // [B]
+                            void* workspace,  // clip_noise_rows_layout(...).total_bytes
+                            std::int64_t l2_bytes, cudaStream_t stream);
+
+template <typename Real>
+void launch_linear_sq_norms(const Real* acts,   // [B, T, d]
+                            const Real* grads,  // [B, T, K]
+                            std::int64_t B, std::int64_t T, std::int64_t d, std::int64_t K,
+                            bool bias,
+                            double* sq,  // [B]
+                            bool accumulate, cudaStream_t stream);
+
+// Slabs of the B*T reduction the clipped linear GEMM would like (0: no rows or
+// no outputs); the same with and without bias, so one workspace size serves both.
+std::int64_t clipped_linear_sum_slabs(std::int64_t rows, std::int64_t d, std::int64_t K);
+// Bytes of workspace for `slabs` slabs: weight partials [slabs, K, d] | bias partials [slabs, K].
+std::int64_t clipped_linear_sum_layout_bytes(std::int64_t slabs, std::int64_t d, std::int64_t K,
+                                             std::int64_t element_bytes);
+
+template <typename Real>
+void launch_clipped_linear_sum(const Real* acts,      // [B, T, d]
+                               const Real* grads,     // [B, T, K]
+                               const double* factors,  // [B]
+                               std::int64_t B, std::int64_t T, std::int64_t d, std::int64_t K,
+                               double noise_std, double inv_denom, std::uint64_t seed,
+                               std::uint64_t offset,
+                               Real* gw,  // [K, d]
+                               Real* gb,  // [K] or nullptr
+                               void* workspace, std::int64_t workspace_bytes,
+                               cudaStream_t stream);
+
+}  // namespace kernels
+}  // namespace ncdp

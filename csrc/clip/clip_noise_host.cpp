@@ -1,0 +1,218 @@
+// Python-facing wrappers of the clipping kernels: argument validation, the device
+// guard, dtype dispatch and launch error checks. Shapes are in clip_noise.h.
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "clip/clip_noise.h"
+#include "common/cuda_check.h"
+#include "common/device_info.h"
+
+namespace ncdp {
+namespace {
+
+template <typename Real>
+Real* typed(std::uintptr_t ptr) {
+  return reinterpret_cast<Real*>(ptr);
+}
+
+void require_workspace(std::uintptr_t workspace, std::int64_t workspace_bytes,
+                       std::int64_t needed, const char* op) {
+  require_non_negative(workspace_bytes, "workspace_bytes");
+  if (workspace_bytes < needed) {
+    throw std::invalid_argument(std::string("ncdp_fast: ") + op + " needs " +
+                                std::to_string(needed) + " workspace bytes, got " +
+                                std::to_string(workspace_bytes));
+  }
+  require_pointer(workspace, needed > 0, sizeof(double), "workspace");
+}
+
+}  // namespace
+
+void launch_row_sq_norms(std::uintptr_t g, std::int64_t B, std::int64_t p, int dtype,
+                         std::uintptr_t sq, bool accumulate, std::uintptr_t stream) {
+  require_non_negative(B, "B");
+  require_non_negative(p, "p");
+  const std::size_t element = dtype_size(dtype);
+  require_pointer(g, checked_mul(B, p, "B * p") > 0, element, "g");
+  require_pointer(sq, B > 0, sizeof(double), "sq");
+  if (B == 0) return;
+  DeviceGuard guard(first_pointer({p > 0 ? g : 0, sq}), "g");
+  if (dtype == kDtypeFloat32) {
+    kernels::launch_row_sq_norms(typed<const float>(g), B, p, typed<double>(sq), accumulate,
+                                 as_stream(stream));
+  } else {
+    kernels::launch_row_sq_norms(typed<const double>(g), B, p, typed<double>(sq), accumulate,
+                                 as_stream(stream));
+  }
+  check_launch("row_sq_norms");
+}
+
+void launch_clip_factors(std::uintptr_t sq, std::int64_t B, double max_norm,
+                         std::uintptr_t factors, std::uintptr_t norms, std::uintptr_t stream) {
+  require_non_negative(B, "B");
+  require_pointer(sq, B > 0, sizeof(double), "sq");
+  require_pointer(factors, B > 0, sizeof(double), "factors");
+  require_pointer(norms, B > 0, sizeof(double), "norms");
+  if (B == 0) return;
+  DeviceGuard guard(sq, "sq");
+  kernels::launch_clip_factors(typed<const double>(sq), B, max_norm, typed<double>(factors),
+                               typed<double>(norms), as_stream(stream));
+  check_launch("clip_factors");
+}
+
+std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p, int dtype) {
+  require_non_negative(B, "B");
+  require_non_negative(p, "p");
+  const std::size_t element = dtype_size(dtype);
+  checked_mul(checked_mul(B, p, "B * p"), static_cast<std::int64_t>(element), "B * p bytes");
+  return kernels::weighted_row_sum_workspace_bytes(B, p, static_cast<std::int64_t>(element));
+}
+
+void launch_weighted_row_sum_noise(std::uintptr_t g, std::int64_t B, std::int64_t p, int dtype,
+                                   std::uintptr_t factors, double noise_std, double inv_denom,
+                                   std::uint64_t seed, std::uint64_t offset, std::uintptr_t out,
+                                   std::uintptr_t workspace, std::int64_t workspace_bytes,
+                                   std::uintptr_t stream) {
+  const std::int64_t needed = weighted_row_sum_workspace_bytes(B, p, dtype);
+  const std::size_t element = dtype_size(dtype);
+  require_pointer(g, B * p > 0, element, "g");
+  require_pointer(factors, B > 0 && p > 0, sizeof(double), "factors");
+  require_pointer(out, p > 0, element, "out");
+  require_workspace(workspace, workspace_bytes, needed, "weighted_row_sum_noise");
+  if (p == 0) return;
+  DeviceGuard guard(first_pointer({B > 0 ? g : 0, out}), "g");
+  if (dtype == kDtypeFloat32) {
+    kernels::launch_weighted_row_sum_noise(typed<const float>(g), typed<const double>(factors), B,
+                                           p, noise_std, inv_denom, seed, offset,
+                                           typed<float>(out), typed<void>(workspace),
+                                           as_stream(stream));
+  } else {
+    kernels::launch_weighted_row_sum_noise(typed<const double>(g), typed<const double>(factors),
+                                           B, p, noise_std, inv_denom, seed, offset,
+                                           typed<double>(out), typed<void>(workspace),
+                                           as_stream(stream));
+  }
+  check_launch("weighted_row_sum_noise");
+}
+
+std::int64_t clip_noise_rows_workspace_bytes(std::int64_t B, std::int64_t p, int dtype) {
+  require_non_negative(B, "B");
+  require_non_negative(p, "p");
+  const std::size_t element = dtype_size(dtype);
+  checked_mul(checked_mul(B, p, "B * p"), static_cast<std::int64_t>(element), "B * p bytes");
+  return kernels::clip_noise_rows_layout(B, p, static_cast<std::int64_t>(element)).total_bytes;
+}
+
+void launch_clip_noise_rows(std::uintptr_t g, std::int64_t B, std::int64_t p, int dtype,
+                            double max_norm, double noise_std, double inv_denom,
+                            std::uint64_t seed, std::uint64_t offset, std::uintptr_t out,
+                            std::uintptr_t norms, std::uintptr_t workspace,
+                            std::int64_t workspace_bytes, std::uintptr_t stream) {
+  const std::int64_t needed = clip_noise_rows_workspace_bytes(B, p, dtype);
+  const std::size_t element = dtype_size(dtype);
+  require_pointer(g, B * p > 0, element, "g");
+  require_pointer(out, p > 0, element, "out");
+  require_pointer(norms, B > 0, sizeof(double), "norms");
+  require_workspace(workspace, workspace_bytes, needed, "clip_noise_rows");
+  if (B == 0 && p == 0) return;
+  DeviceGuard guard(first_pointer({B * p > 0 ? g : 0, out, norms}), "g");
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const std::int64_t l2 = l2_cache_bytes(device);
+  if (dtype == kDtypeFloat32) {
+    kernels::launch_clip_noise_rows(typed<const float>(g), B, p, max_norm, noise_std, inv_denom,
+                                    seed, offset, typed<float>(out), typed<double>(norms),
+                                    typed<void>(workspace), l2, as_stream(stream));
+  } else {
+    kernels::launch_clip_noise_rows(typed<const double>(g), B, p, max_norm, noise_std, inv_denom,
+                                    seed, offset, typed<double>(out), typed<double>(norms),
+                                    typed<void>(workspace), l2, as_stream(stream));
+  }
+  check_launch("clip_noise_rows");
+}
+
+void launch_linear_sq_norms(std::uintptr_t a, std::uintptr_t g, std::int64_t B, std::int64_t T,
+                            std::int64_t d, std::int64_t K, int dtype, bool bias,
+                            std::uintptr_t sq, bool accumulate, std::uintptr_t stream) {
+  require_non_negative(B, "B");
+  require_non_negative(T, "T");
+  require_non_negative(d, "d");
+  require_non_negative(K, "K");
+  const std::size_t element = dtype_size(dtype);
+  const std::int64_t rows = checked_mul(B, T, "B * T");
+  const std::int64_t a_count = checked_mul(rows, d, "B * T * d");
+  const std::int64_t g_count = checked_mul(rows, K, "B * T * K");
+  checked_mul(K, d, "K * d");
+  require_pointer(a, a_count > 0, element, "a");
+  require_pointer(g, g_count > 0, element, "g");
+  require_pointer(sq, B > 0, sizeof(double), "sq");
+  if (B == 0) return;
+  DeviceGuard guard(first_pointer({a_count > 0 ? a : 0, g_count > 0 ? g : 0, sq}), "a");
+  if (dtype == kDtypeFloat32) {
+    kernels::launch_linear_sq_norms(typed<const float>(a), typed<const float>(g), B, T, d, K,
+                                    bias, typed<double>(sq), accumulate, as_stream(stream));
+  } else {
+    kernels::launch_linear_sq_norms(typed<const double>(a), typed<const double>(g), B, T, d, K,
+                                    bias, typed<double>(sq), accumulate, as_stream(stream));
+  }
+  check_launch("linear_sq_norms");
+}
+
+std::int64_t clipped_linear_sum_workspace_bytes(std::int64_t B, std::int64_t T, std::int64_t d,
+                                                std::int64_t K, int dtype) {
+  require_non_negative(B, "B");
+  require_non_negative(T, "T");
+  require_non_negative(d, "d");
+  require_non_negative(K, "K");
+  const std::int64_t element = static_cast<std::int64_t>(dtype_size(dtype));
+  const std::int64_t rows = checked_mul(B, T, "B * T");
+  checked_mul(checked_mul(K, d + 1, "K * (d + 1)"), element, "K * (d + 1) bytes");
+  const std::int64_t slabs = kernels::clipped_linear_sum_slabs(rows, d, K);
+  checked_mul(checked_mul(slabs, K * (d + 1), "workspace elements"), element, "workspace bytes");
+  return kernels::clipped_linear_sum_layout_bytes(slabs, d, K, element);
+}
+
+void launch_clipped_linear_sum(std::uintptr_t a, std::uintptr_t g, std::uintptr_t factors,
+                               std::int64_t B, std::int64_t T, std::int64_t d, std::int64_t K,
+                               int dtype, double noise_std, double inv_denom, std::uint64_t seed,
+                               std::uint64_t offset, std::uintptr_t gw, std::uintptr_t gb,
+                               std::uintptr_t stream, std::uintptr_t workspace,
+                               std::int64_t workspace_bytes) {
+  // Validates B, T, d, K and dtype, and the size arithmetic below.
+  clipped_linear_sum_workspace_bytes(B, T, d, K, dtype);
+  const std::size_t element = dtype_size(dtype);
+  const std::int64_t rows = B * T;
+  const std::int64_t weight_count = K * d;
+  require_pointer(a, rows * d > 0 && K > 0, element, "a");
+  require_pointer(g, rows * K > 0, element, "g");
+  require_pointer(factors, rows > 0 && K > 0, sizeof(double), "factors");
+  require_pointer(gw, weight_count > 0, element, "gw");
+  require_pointer(gb, false, element, "gb");
+  require_non_negative(workspace_bytes, "workspace_bytes");
+  require_pointer(workspace, workspace_bytes > 0, sizeof(double), "workspace");
+  // The GEMM puts 64-row tiles of K on gridDim.y (at most 65535).
+  if ((K + 63) / 64 > 65535) {
+    throw std::invalid_argument("ncdp_fast: K = " + std::to_string(K) +
+                                " exceeds the clipped linear GEMM's grid (K <= 4194240)");
+  }
+  if (weight_count == 0 && gb == 0) return;
+  if (K == 0) return;
+  DeviceGuard guard(first_pointer({weight_count > 0 ? gw : 0, gb}), "gw");
+  if (dtype == kDtypeFloat32) {
+    kernels::launch_clipped_linear_sum(typed<const float>(a), typed<const float>(g),
+                                       typed<const double>(factors), B, T, d, K, noise_std,
+                                       inv_denom, seed, offset, typed<float>(gw),
+                                       typed<float>(gb), typed<void>(workspace), workspace_bytes,
+                                       as_stream(stream));
+  } else {
+    kernels::launch_clipped_linear_sum(typed<const double>(a), typed<const double>(g),
+                                       typed<const double>(factors), B, T, d, K, noise_std,
+                                       inv_denom, seed, offset, typed<double>(gw),
+                                       typed<double>(gb), typed<void>(workspace),
+                                       workspace_bytes, as_stream(stream));
+  }
+  check_launch("clipped_linear_sum");
+}
+
+}  // namespace ncdp

@@ -1,0 +1,115 @@
+// The one random stream of ncdp_fast (DESIGN.md, "Random numbers"): Philox4x32-10
+// keyed by a 64-bit seed, addressed by a 64-bit word index. ncdp_fast/reference.py
+// is the specification; the numba kernels implement the same formulas, so every
+// helper here is usable from host code too (the host-side tests compile this
+// header with a plain C++ compiler).
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define NCDP_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define NCDP_HOST_DEVICE inline
+#endif
+
+namespace ncdp {
+namespace philox {
+
+constexpr std::uint32_t kM0 = 0xD2511F53u;
+constexpr std::uint32_t kM1 = 0xCD9E8D57u;
+constexpr std::uint32_t kW0 = 0x9E3779B9u;
+constexpr std::uint32_t kW1 = 0xBB67AE85u;
+constexpr int kRounds = 10;
+// Four 32-bit words per Philox block.
+constexpr int kWordsPerBlock = 4;
+// 2 * pi exactly as reference.py forms it (2.0 * np.pi), so the angle matches bit for bit.
+constexpr double kTwoPi = 2.0 * 3.141592653589793;
+constexpr double kTwoPow32 = 4294967296.0;
+
+struct Block {
+  std::uint32_t w[4];
+};
+
+// Philox4x32-10 of counter (c0..c3) under key (k0, k1).
+NCDP_HOST_DEVICE Block philox4x32_10(std::uint32_t k0, std::uint32_t k1, std::uint32_t c0,
+                                     std::uint32_t c1, std::uint32_t c2, std::uint32_t c3) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int round = 0; round < kRounds; ++round) {
+    if (round > 0) {
+      k0 += kW0;
+      k1 += kW1;
+    }
+    // A 32x32->64 product; nvcc lowers it to mul.lo/mul.hi, so no __umulhi branch is needed.
+    const std::uint64_t p0 = static_cast<std::uint64_t>(kM0) * c0;
+    const std::uint64_t p1 = static_cast<std::uint64_t>(kM1) * c2;
+    const std::uint32_t hi0 = static_cast<std::uint32_t>(p0 >> 32);
+    const std::uint32_t lo0 = static_cast<std::uint32_t>(p0);
+    const std::uint32_t hi1 = static_cast<std::uint32_t>(p1 >> 32);
+    const std::uint32_t lo1 = static_cast<std::uint32_t>(p1);
+    const std::uint32_t n0 = hi1 ^ c1 ^ k0;
+    const std::uint32_t n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+  }
+  return Block{{c0, c1, c2, c3}};
+}
+
+// Block b of stream `seed`: key (seed mod 2^32, seed >> 32), counter (b mod 2^32, b >> 32, 0, 0).
+NCDP_HOST_DEVICE Block stream_block(std::uint64_t seed, std::uint64_t block) {
+  return philox4x32_10(static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
+                       static_cast<std::uint32_t>(block), static_cast<std::uint32_t>(block >> 32),
+                       0u, 0u);
+}
+
+// Draw (32-bit word) `index` of stream `seed`.
+NCDP_HOST_DEVICE std::uint32_t word_at(std::uint64_t seed, std::uint64_t index) {
+  return stream_block(seed, index >> 2).w[index & 3];
+}
+
+// A word as a uniform in the open interval (0, 1): (w + 0.5) / 2^32 in float64.
+NCDP_HOST_DEVICE double uniform_open01(std::uint32_t word) {
+  return (static_cast<double>(word) + 0.5) / kTwoPow32;
+}
+
+// Box-Muller on one aligned pair of words (w_even, w_odd) = words (2m, 2m+1):
+// z_even = r cos(theta), z_odd = r sin(theta) with r and theta below, in float64.
+NCDP_HOST_DEVICE double box_muller_radius(std::uint32_t w_even) {
+  return sqrt(-2.0 * log(uniform_open01(w_even)));
+}
+NCDP_HOST_DEVICE double box_muller_angle(std::uint32_t w_odd) {
+  return kTwoPi * uniform_open01(w_odd);
+}
+NCDP_HOST_DEVICE void box_muller(std::uint32_t w_even, std::uint32_t w_odd, double* z_even,
+                                 double* z_odd) {
+  const double radius = box_muller_radius(w_even);
+  const double angle = box_muller_angle(w_odd);
+  *z_even = radius * cos(angle);
+  *z_odd = radius * sin(angle);
+}
+
+// The four normals of stream indices 4*block .. 4*block+3 (two Box-Muller pairs
+// from one Philox block); kernels that need consecutive normals use this so that
+// each block is computed once.
+NCDP_HOST_DEVICE void normals_of_block(std::uint64_t seed, std::uint64_t block, double z[4]) {
+  const Block b = stream_block(seed, block);
+  box_muller(b.w[0], b.w[1], &z[0], &z[1]);
+  box_muller(b.w[2], b.w[3], &z[2], &z[3]);
+}
+
+// Normal variate `index` of stream `seed` (index = offset + j), on its own; only
+// the sine or the cosine it needs is evaluated.
+NCDP_HOST_DEVICE double normal_at(std::uint64_t seed, std::uint64_t index) {
+  const Block b = stream_block(seed, index >> 2);
+  const int pair = static_cast<int>(index & 2);
+  const double radius = box_muller_radius(b.w[pair]);
+  const double angle = box_muller_angle(b.w[pair + 1]);
+  return (index & 1) ? radius * sin(angle) : radius * cos(angle);
+}
+
+}  // namespace philox
+}  // namespace ncdp

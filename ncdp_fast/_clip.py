@@ -1,0 +1,343 @@
+"""Op 1 of DESIGN.md: fused per-sample clipping with noise (dense and factored).
+
+Layer 2 code: validates, converts arrays, picks the backend once per call,
+allocates outputs and calls the kernels of the chosen backend.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _backend
+
+__all__ = ["ClipResult", "LinearClipResult", "LayersClipResult", "clip_and_noise",
+           "clip_and_noise_linear", "clip_and_noise_layers"]
+
+_F64 = np.dtype(np.float64)
+
+
+@dataclass(frozen=True)
+class _Accounting:
+    norms: Any           # (B,) float64 pre-clip per-sample norms, caller's array type/device
+    num_clipped: int     # samples whose norm exceeded max_norm (their gradient was scaled down)
+    num_nonfinite: int   # samples dropped under nan_policy="zero"
+    seed: int            # the Philox key used (drawn from the OS when the caller gave none)
+    offset: int          # first draw of the stream this call used
+    draws: int           # draws consumed: the next call should start at offset + draws
+
+    @property
+    def next_offset(self) -> int:
+        return self.offset + self.draws
+
+
+@dataclass(frozen=True)
+class ClipResult(_Accounting):
+    grad: Any = None     # (p,) noisy clipped sum (or mean), dtype of the gradients
+
+
+@dataclass(frozen=True)
+class LinearClipResult(_Accounting):
+    grad_weight: Any = None  # (K, d)
+    grad_bias: Any = None    # (K,) or None
+
+
+@dataclass(frozen=True)
+class LayersClipResult(_Accounting):
+    grads: list = None   # per layer: an array shaped like the per-sample block without B,
+                         # or (grad_weight, grad_bias) for an (activations, backprops) pair
+
+
+# ------------------------------------------------------------------ validation
+
+def _positive_finite(value, name):
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _nonneg_finite(value, name):
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_common(max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy,
+                  seed, offset):
+    max_norm = _positive_finite(max_norm, "max_norm")
+    noise_multiplier = _nonneg_finite(noise_multiplier, "noise_multiplier")
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction: expected 'sum' or 'mean', got {reduction!r}")
+    if reduction == "mean":
+        if expected_batch_size is None:
+            raise ValueError("expected_batch_size: reduction='mean' needs the expected batch size "
+                             "(sample_rate * dataset size); dividing by the realized batch size "
+                             "would leak it, so it is never used")
+        inv_denom = 1.0 / _positive_finite(expected_batch_size, "expected_batch_size")
+    else:
+        inv_denom = 1.0
+    if nan_policy not in ("raise", "zero"):
+        raise ValueError(f"nan_policy: expected 'raise' or 'zero', got {nan_policy!r}")
+    seed = _backend.resolve_seed(seed)
+    offset = _backend.check_uint64(offset, "offset")
+    return max_norm, noise_multiplier * max_norm, inv_denom, seed, offset
+
+
+def _check_draws(offset, draws):
+    if offset + draws > 2**64:
+        raise ValueError(f"offset: {offset} + {draws} draws runs past the end of the 2**64 stream")
+
+
+def _shape(x, name):
+    try:
+        return tuple(int(s) for s in x.shape)
+    except AttributeError:
+        raise TypeError(f"{name}: expected an array (NumPy, torch or CuPy), "
+                        f"got {type(x).__name__}") from None
+
+
+def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws):
+    host = be.io.to_numpy(norms)
+    bad = np.flatnonzero(~np.isfinite(host))
+    if bad.size and nan_policy == "raise":
+        shown = ", ".join(str(i) for i in bad[:10]) + (", ..." if bad.size > 10 else "")
+        raise ValueError(f"per-sample gradients of rows [{shown}] ({bad.size} of {host.size}) are not "
+                         "finite (NaN/Inf, or a norm overflowing float64); fix the model or pass "
+                         "nan_policy='zero' to drop those samples")
+    return dict(norms=be.io.to_user(norms), num_clipped=int(np.count_nonzero(host > max_norm)),
+                num_nonfinite=int(bad.size), seed=seed, offset=offset, draws=draws)
+
+
+# ------------------------------------------------------------------- dense op
+
+def clip_and_noise(grads, *, max_norm, noise_multiplier, seed=None, offset=0, reduction="sum",
+                   expected_batch_size=None, nan_policy="raise") -> ClipResult:
+    """Clip each per-sample gradient to norm ``max_norm``, sum, add Gaussian noise.
+
+    ``grad = (sum_i g_i * min(1, C/||g_i||) + sigma*C*xi) / D`` (DESIGN.md kernel 1;
+    the Gaussian mechanism of DP-SGD, Abadi et al. 2016, and the noisy step of
+    NoisyGD, eq. 2.1 of 000_82fe6240ae4b04be.txt).
+
+    Args:
+        grads: (B, p) float32/float64 per-sample gradients; NumPy, torch (CPU or
+            CUDA) or CuPy.  B = 0 is valid and yields pure noise.  A
+            non-contiguous array is copied once (cost B*p).
+        max_norm: C > 0, the per-sample L2 sensitivity bound.
+        noise_multiplier: sigma >= 0; the noise standard deviation is sigma*C.
+        seed: 64-bit Philox key; None draws one from the OS (returned in the result).
+        offset: first draw of the stream to use; the call consumes ``p`` draws.
+        reduction: "sum", or "mean" to divide by ``expected_batch_size`` -- never by
+            the realized B, which would reveal it without accounting.
+        nan_policy: "raise" (ValueError naming the rows) or "zero" (drop them;
+            counted in ``num_nonfinite``).
+
+    Returns a :class:`ClipResult` whose ``grad`` (p,) has the input's dtype and
+    array type; ``norms`` are float64.  Norms accumulate in float64; the
+    weighted sum accumulates in the input dtype over at most 8 slabs combined in
+    float64 (see ``_numba.clip``).
+    """
+    max_norm, noise_std, inv_denom, seed, offset = _check_common(
+        max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy, seed, offset)
+    shape = _shape(grads, "grads")
+    if len(shape) != 2:
+        raise ValueError(f"grads: expected shape (B, p), got {shape}")
+    be = _backend.select("clip", grads=grads)
+    dtype = be.check_float(grads, "grads")
+    B, p = shape
+    _check_draws(offset, p)
+    g = be.io.to_kernel(grads)
+    out = be.io.empty((p,), dtype)
+    norms = be.io.empty((B,), _F64)
+    factors = be.io.empty((B,), _F64)
+    be.kernels.clip_noise_rows(g, max_norm, noise_std, inv_denom, seed, offset, out, norms, factors)
+    acc = _accounting(be, norms, max_norm, nan_policy, seed, offset, p)
+    return ClipResult(grad=be.io.to_user(out), **acc)
+
+
+# --------------------------------------------------------------- factored ops
+
+def _as_pair(activations, backprops, where=""):
+    sa, sg = _shape(activations, f"activations{where}"), _shape(backprops, f"backprops{where}")
+    if len(sa) not in (2, 3) or len(sg) != len(sa):
+        raise ValueError(f"activations{where}, backprops{where}: expected shapes (B, d) and (B, K), "
+                         f"or (B, T, d) and (B, T, K); got {sa} and {sg}")
+    if sa[0] != sg[0]:
+        raise ValueError(f"backprops{where}: batch size {sg[0]} does not match activations{where} "
+                         f"batch size {sa[0]}")
+    if len(sa) == 3 and sa[1] != sg[1]:
+        raise ValueError(f"backprops{where}: sequence length {sg[1]} does not match "
+                         f"activations{where} sequence length {sa[1]}")
+    return sa, sg
+
+
+class _Layer:
+    """One parameter block of a layered clip: a dense (B, ...) per-sample gradient,
+    or a linear layer given by (activations, backprops[, bias])."""
+
+    def __init__(self, spec, index, be, dtype):
+        where = f"[{index}]"
+        if isinstance(spec, (tuple, list)):
+            if len(spec) not in (2, 3):
+                raise ValueError(f"layers{where}: expected a (B, ...) array or a tuple "
+                                 f"(activations, backprops[, bias]), got a tuple of {len(spec)}")
+            a, g = spec[0], spec[1]
+            self.bias = bool(spec[2]) if len(spec) == 3 else True
+            sa, sg = _as_pair(a, g, where)
+            for name, x in (("activations", a), ("backprops", g)):
+                if be.check_float(x, f"{name}{where}") != dtype:
+                    raise TypeError(f"{name}{where}: dtype {be.io.dtype_of(x)} differs from {dtype} "
+                                    "of the other inputs")
+            B, T = sa[0], (sa[1] if len(sa) == 3 else 1)
+            self.a = be.io.to_kernel(a).reshape(B, T, sa[-1])
+            self.g = be.io.to_kernel(g).reshape(B, T, sg[-1])
+            self.dense = False
+            self.K, self.d = sg[-1], sa[-1]
+            self.draws = self.K * self.d + (self.K if self.bias else 0)
+        else:
+            s = _shape(spec, f"layers{where}")
+            if len(s) < 2:
+                raise ValueError(f"layers{where}: expected a per-sample gradient of shape (B, ...), "
+                                 f"got {s}")
+            if be.check_float(spec, f"layers{where}") != dtype:
+                raise TypeError(f"layers{where}: dtype {be.io.dtype_of(spec)} differs from {dtype}")
+            B = s[0]
+            self.param_shape = s[1:]
+            self.g = be.io.to_kernel(spec).reshape(B, -1) if B else be.io.to_kernel(spec).reshape(
+                0, int(np.prod(s[1:])))
+            self.dense = True
+            self.draws = int(np.prod(s[1:]))
+        self.B = B
+
+    def add_sq_norms(self, kernels, sq):
+        if self.dense:
+            kernels.row_sq_norms(self.g, sq, True)
+        else:
+            kernels.linear_sq_norms(self.a, self.g, self.bias, sq, True)
+
+    def drop_rows(self, io, rows):
+        """Zero the given samples (a copy, never the caller's data): 0 * NaN would
+        still be NaN inside the GEMM."""
+        rows = list(int(r) for r in rows)
+        if self.dense:
+            self.g = io.copy(self.g)
+            self.g[rows] = 0
+        else:
+            self.a, self.g = io.copy(self.a), io.copy(self.g)
+            self.a[rows] = 0
+            self.g[rows] = 0
+
+    def reduce(self, be, dtype, factors, noise_std, inv_denom, seed, offset):
+        if self.dense:
+            out = be.io.empty((self.draws,), dtype)
+            be.kernels.weighted_row_sum_noise(self.g, factors, noise_std, inv_denom, seed, offset,
+                                              out)
+            return be.io.to_user(out.reshape(self.param_shape))
+        gw = be.io.empty((self.K, self.d), dtype)
+        gb = be.io.empty((self.K,), dtype) if self.bias else None
+        be.kernels.clipped_linear_sum(self.a, self.g, factors, noise_std, inv_denom, seed, offset,
+                                      gw, gb)
+        return be.io.to_user(gw), (None if gb is None else be.io.to_user(gb))
+
+
+def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, reduction,
+                 expected_batch_size, nan_policy):
+    max_norm, noise_std, inv_denom, seed, offset = _check_common(
+        max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy, seed, offset)
+    be = _backend.select("clip", **arrays)
+    first = next(iter(arrays))
+    dtype = be.check_float(arrays[first], first)
+    layers = [_Layer(spec, i, be, dtype) for i, spec in enumerate(layer_specs)]
+    B = layers[0].B
+    for i, layer in enumerate(layers):
+        if layer.B != B:
+            raise ValueError(f"layers[{i}]: batch size {layer.B} differs from layers[0] batch size {B}")
+    draws = sum(layer.draws for layer in layers)
+    _check_draws(offset, draws)
+    sq = be.io.zeros((B,), _F64)
+    for layer in layers:
+        layer.add_sq_norms(be.kernels, sq)
+    factors, norms = be.io.empty((B,), _F64), be.io.empty((B,), _F64)
+    be.kernels.clip_factors(sq, max_norm, factors, norms)
+    acc = _accounting(be, norms, max_norm, nan_policy, seed, offset, draws)
+    if acc["num_nonfinite"]:
+        bad = np.flatnonzero(~np.isfinite(be.io.to_numpy(norms)))
+        for layer in layers:
+            layer.drop_rows(be.io, bad)
+    grads, start = [], offset
+    for layer in layers:
+        grads.append(layer.reduce(be, dtype, factors, noise_std, inv_denom, seed, start))
+        start += layer.draws
+    return grads, acc
+
+
+def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier, bias=True,
+                          seed=None, offset=0, reduction="sum", expected_batch_size=None,
+                          nan_policy="raise") -> LinearClipResult:
+    """Clipped, noised gradient of a linear layer without per-sample gradients.
+
+    The per-sample weight gradient of ``y = x W^T + b`` is ``G_i = sum_t g_it a_it^T``;
+    its norm comes from the factored identities of DESIGN.md kernel 1
+    (``||g_i|| ||a_i||`` for 2-D inputs; the Gram form
+    ``sum_ts (a_it.a_is)(g_it.g_is)`` or the formed K x d matrix for sequences,
+    whichever 2T^2 <= K d picks), plus ``||sum_t g_it||^2`` for the bias; the
+    clipped sum is one GEMM ``(c * g)^T a``.
+
+    Args:
+        activations: (B, d) or (B, T, d) layer inputs.
+        backprops: (B, K) or (B, T, K) gradients of each sample's *own* loss with
+            respect to the layer output (with a mean-reduced loss, multiply by the
+            realized batch size first, as Opacus does).
+        bias: whether the layer has a (trainable) bias; its gradient shares the
+            sample's clip factor.
+        Other arguments as :func:`clip_and_noise`.  Noise: weight entry (k, j) is
+        draw ``offset + k*d + j``, bias entry k is draw ``offset + K*d + k``.
+
+    Returns a :class:`LinearClipResult` with ``grad_weight`` (K, d) and
+    ``grad_bias`` (K,) or None.
+    """
+    _as_pair(activations, backprops)
+    grads, acc = _clip_layers([(activations, backprops, bias)],
+                              dict(activations=activations, backprops=backprops), max_norm,
+                              noise_multiplier, seed, offset, reduction, expected_batch_size,
+                              nan_policy)
+    gw, gb = grads[0]
+    return LinearClipResult(grad_weight=gw, grad_bias=gb, **acc)
+
+
+def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=None, offset=0,
+                          reduction="sum", expected_batch_size=None,
+                          nan_policy="raise") -> LayersClipResult:
+    """Clip several parameter blocks jointly: one factor per sample from the total norm.
+
+    Each element of ``layers`` is either a dense per-sample gradient (B, ...)
+    (e.g. Opacus's ``p.grad_sample``) or a linear layer ``(activations,
+    backprops)`` / ``(activations, backprops, bias)`` as in
+    :func:`clip_and_noise_linear`.  The sample's norm is
+    ``sqrt(sum over blocks of its squared block norms)``; every block gets its
+    own disjoint range of the noise stream, in order (dense: prod(shape[1:])
+    draws; linear: K*d, then K for the bias).  Other arguments as
+    :func:`clip_and_noise`.
+
+    Returns a :class:`LayersClipResult`; ``grads[l]`` is an array of shape
+    ``shape[1:]`` for a dense block, ``(grad_weight, grad_bias)`` for a pair.
+    """
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
+        raise TypeError(f"layers: expected a non-empty list of arrays or (activations, backprops) "
+                        f"tuples, got {type(layers).__name__}")
+    arrays = {}
+    for i, spec in enumerate(layers):
+        if isinstance(spec, (tuple, list)):
+            arrays[f"layers[{i}][0]"] = spec[0] if len(spec) else None
+            arrays[f"layers[{i}][1]"] = spec[1] if len(spec) > 1 else None
+        else:
+            arrays[f"layers[{i}]"] = spec
+    grads, acc = _clip_layers(layers, arrays, max_norm, noise_multiplier, seed, offset, reduction,
+                              expected_batch_size, nan_policy)
+    return LayersClipResult(grads=grads, **acc)

@@ -1,0 +1,112 @@
+"""CUDA kernels behind the same signatures as the numba ones (``_numba.*``).
+
+Pure adaptors: take the caller's CUDA arrays (torch or CuPy, already validated
+and contiguous), pass their device pointers and the current stream to
+``ncdp_fast._C``, allocate the workspace the launchers ask for in the caller's
+library (so it comes from the library's caching allocator).  No dispatch
+decisions are made here; ``_backend.select`` made them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _C
+
+
+def _ptr(x) -> int:
+    if hasattr(x, "data_ptr"):
+        return int(x.data_ptr())
+    return int(x.__cuda_array_interface__["data"][0])
+
+
+def _dtype_code(x) -> int:
+    name = str(x.dtype).replace("torch.", "")
+    return {"float32": 0, "float64": 1}[name]
+
+
+def _stream(x) -> int:
+    if hasattr(x, "data_ptr"):
+        import torch
+        return int(torch.cuda.current_stream(x.device).cuda_stream)
+    import cupy
+    return int(cupy.cuda.get_current_stream().ptr)
+
+
+def _workspace(like, nbytes: int):
+    if nbytes == 0:
+        return None, 0
+    if hasattr(like, "data_ptr"):
+        import torch
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+    else:
+        import cupy
+        with cupy.cuda.Device(like.device.id):
+            buf = cupy.empty(nbytes, dtype=np.uint8)
+    return buf, _ptr(buf)
+
+
+def _opt_ptr(x) -> int:
+    return 0 if x is None else _ptr(x)
+
+
+# ----------------------------------------------------------------------- rng
+
+def add_gaussian(out, seed, offset, scale, accumulate, post):
+    if post != 1.0:
+        raise NotImplementedError("post-scaling is applied by the fused CUDA kernels")
+    _C.launch_fill_gaussian(_ptr(out), out.numel() if hasattr(out, "numel") else out.size,
+                            _dtype_code(out), int(seed), int(offset), float(scale),
+                            bool(accumulate), _stream(out))
+
+
+# ---------------------------------------------------------------------- clip
+
+def row_sq_norms(g, sq, accumulate):
+    B, p = g.shape
+    _C.launch_row_sq_norms(_ptr(g), B, p, _dtype_code(g), _ptr(sq), bool(accumulate), _stream(g))
+
+
+def clip_factors(sq, max_norm, factors, norms):
+    _C.launch_clip_factors(_ptr(sq), sq.shape[0], float(max_norm), _ptr(factors), _ptr(norms),
+                           _stream(sq))
+
+
+def clip_noise_rows(g, max_norm, noise_std, inv_denom, seed, offset, out, norms, factors):
+    # ``factors`` is unused: the fused launcher keeps them in its workspace.
+    B, p = g.shape
+    dt = _dtype_code(g)
+    nbytes = _C.clip_noise_rows_workspace_bytes(B, p, dt)
+    ws, ws_ptr = _workspace(g, nbytes)
+    _C.launch_clip_noise_rows(_ptr(g), B, p, dt, float(max_norm), float(noise_std),
+                              float(inv_denom), int(seed), int(offset), _ptr(out), _ptr(norms),
+                              ws_ptr, nbytes, _stream(g))
+
+
+def weighted_row_sum_noise(g, factors, noise_std, inv_denom, seed, offset, out):
+    B, p = g.shape
+    dt = _dtype_code(g)
+    nbytes = _C.weighted_row_sum_workspace_bytes(B, p, dt)
+    ws, ws_ptr = _workspace(g, nbytes)
+    _C.launch_weighted_row_sum_noise(_ptr(g), B, p, dt, _ptr(factors), float(noise_std),
+                                     float(inv_denom), int(seed), int(offset), _ptr(out),
+                                     ws_ptr, nbytes, _stream(g))
+
+
+def linear_sq_norms(a, g, bias, sq, accumulate):
+    B, T, d = a.shape
+    K = g.shape[2]
+    _C.launch_linear_sq_norms(_ptr(a), _ptr(g), B, T, d, K, _dtype_code(a), bool(bias), _ptr(sq),
+                              bool(accumulate), _stream(a))
+
+
+def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb):
+    B, T, d = a.shape
+    K = g.shape[2]
+    dt = _dtype_code(a)
+    # The workspace lets the GEMM split the B*T reduction over many blocks
+    # (slab partials, no atomics): a K x d output alone would fill few SMs.
+    nbytes = _C.clipped_linear_sum_workspace_bytes(B, T, d, K, dt)
+    ws, ws_ptr = _workspace(a, nbytes)
+    _C.launch_clipped_linear_sum(_ptr(a), _ptr(g), _ptr(factors), B, T, d, K, dt,
+                                 float(noise_std), float(inv_denom), int(seed), int(offset),
+                                 _ptr(gw), _opt_ptr(gb), _stream(a), ws_ptr, nbytes)

@@ -1,0 +1,38 @@
+"""The shared Philox4x32-10 stream as a public op (DESIGN.md, "Random numbers")."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _backend
+
+
+def gaussian(count, *, seed, offset=0, dtype=np.float32, like=None):
+    """The stream's normals ``offset .. offset+count-1`` for key ``seed``.
+
+    Exactly the variates every noisy op of ncdp_fast adds (see
+    :mod:`ncdp_fast.reference` for the formula): an op called with
+    ``(seed, offset)`` that consumes ``p`` draws adds ``scale * gaussian(p,
+    seed=seed, offset=offset)``.  Backends agree to one float32 ulp.
+
+    Args:
+        count: number of normals (>= 0); consumes ``count`` draws.
+        seed: 64-bit key (required: a stream accessor has no default key).
+        offset: first draw, in [0, 2**64 - count].
+        dtype: float32 or float64 (computed in float64, rounded once).
+        like: an array whose library and device the result should share
+            (NumPy by default; a torch CPU/CUDA tensor or a CuPy array).
+    """
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+        raise ValueError(f"count: expected an integer >= 0, got {count!r}")
+    seed = _backend.check_uint64(seed, "seed")
+    offset = _backend.check_uint64(offset, "offset")
+    if offset + int(count) > 2**64:
+        raise ValueError(f"offset: {offset} + {count} draws runs past the end of the 2**64 stream")
+    dt = np.dtype(dtype)
+    if dt not in _backend.FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected float32 or float64, got {dt}")
+    be = _backend.select("rng", like=like if like is not None else np.empty(0))
+    out = be.io.empty((int(count),), dt)
+    if count:
+        be.kernels.add_gaussian(out, np.uint64(seed), np.uint64(offset), 1.0, False, 1.0)
+    return be.io.to_user(out)

@@ -1,0 +1,72 @@
+"""The ``ncdp-fast`` command: ``info``, ``demo``, ``bench``."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _cmd_info(args) -> int:
+    from . import info
+    info()
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+    run_demo(epochs=args.epochs, noise_multiplier=args.noise_multiplier,
+             max_grad_norm=args.max_grad_norm, batch_size=args.batch_size, delta=args.delta,
+             seed=args.seed)
+    return 0
+
+
+BENCHES = ["bench_clip.py", "bench_privacy.py"]
+
+
+def _cmd_bench(args) -> int:
+    """Run the benchmark scripts of bench/ (they live in the source tree, next to
+    the package, because they compare against peers a user installs separately)."""
+    root = Path(__file__).resolve().parent.parent / "bench"
+    if not root.is_dir():
+        print(f"ncdp-fast bench: no bench/ directory next to the package ({root}); run from a "
+              "source checkout", file=sys.stderr)
+        return 2
+    names = args.only or BENCHES
+    status = 0
+    for name in names:
+        script = root / name
+        if not script.exists():
+            print(f"ncdp-fast bench: {script} not found", file=sys.stderr)
+            status = 2
+            continue
+        cmd = [sys.executable, str(script), "--out", args.out] + (["--quick"] if args.quick else [])
+        print("$", " ".join(cmd), flush=True)
+        status = max(status, subprocess.call(cmd))
+    return status
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ncdp-fast", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="what this installation can do").set_defaults(fn=_cmd_info)
+    demo = sub.add_parser("demo", help="private linear probe on scikit-learn's digits")
+    demo.add_argument("--epochs", type=int, default=20)
+    demo.add_argument("--noise-multiplier", type=float, default=3.0)
+    demo.add_argument("--max-grad-norm", type=float, default=1.0)
+    demo.add_argument("--batch-size", type=int, default=256, help="expected (Poisson) batch size")
+    demo.add_argument("--delta", type=float, default=1e-5)
+    demo.add_argument("--seed", type=int, default=None,
+                      help="seed for data split, sampling and noise (default: from the OS)")
+    demo.set_defaults(fn=_cmd_demo)
+    bench = sub.add_parser("bench", help="run the benchmarks of bench/ against their peers")
+    bench.add_argument("--out", default="bench/results")
+    bench.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
+    bench.add_argument("--only", nargs="*", choices=BENCHES)
+    bench.set_defaults(fn=_cmd_bench)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

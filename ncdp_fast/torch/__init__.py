@@ -1,0 +1,355 @@
+"""Drop-ins for torch training loops (needs torch; the rest of ncdp_fast does not).
+
+* :class:`FusedDPOptimizer` replaces Opacus's ``DPOptimizer``: it reads the
+  per-sample gradients Opacus's ``GradSampleModule`` leaves in ``p.grad_sample``
+  and clips, sums and noises all parameters in one fused op.
+* :class:`GhostClipper` needs no per-sample gradients at all for models whose
+  trainable parameters all sit in ``nn.Linear`` layers (a linear probe, an MLP
+  head): hooks keep each layer's inputs and output gradients during one
+  ordinary ``loss.backward()``, and :meth:`GhostClipper.privatize_` replaces
+  every ``p.grad`` by the clipped, noised, reduced gradient.
+
+Both follow Opacus's conventions for ``loss_reduction`` ("mean": the loss is the
+batch mean, gradients are divided by the *expected* batch size) and keep the
+Philox stream position (``seed``, ``offset``) so that no noise is ever reused.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import torch
+    from torch import nn
+except ImportError as exc:  # pragma: no cover - torch is an optional extra
+    raise ImportError("ncdp_fast.torch needs PyTorch: pip install 'ncdp_fast[torch]'") from exc
+
+from .. import _backend
+from .._clip import LayersClipResult, clip_and_noise_layers
+
+__all__ = ["FusedDPOptimizer", "GhostClipper"]
+
+
+class _StreamState:
+    """Philox key and next offset shared by the drop-ins: one step consumes
+    exactly the draws its noise needs, and the offset moves past them."""
+
+    def __init__(self, seed, offset):
+        self.seed = _backend.resolve_seed(seed)
+        self.offset = _backend.check_uint64(offset, "offset")
+        self.steps = 0
+
+    def advance(self, result: LayersClipResult) -> None:
+        self.offset = result.next_offset
+        self.steps += 1
+
+
+def _check_reduction(loss_reduction):
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction: expected 'mean' or 'sum', got {loss_reduction!r}")
+    return loss_reduction
+
+
+class FusedDPOptimizer:
+    """DP-SGD step from Opacus per-sample gradients, in one fused clip-and-noise op.
+
+    Wraps ``optimizer``; on :meth:`step` every trainable parameter's
+    ``p.grad_sample`` (B, *p.shape) -- or the list of them Opacus accumulates
+    over several backward passes, concatenated along the batch -- is clipped
+    jointly (one factor per sample from the norm over all parameters, bound
+    ``max_grad_norm``), summed, noised with std ``noise_multiplier *
+    max_grad_norm`` and, with ``loss_reduction="mean"``, divided by
+    ``expected_batch_size``; the result goes to ``p.grad`` and the wrapped
+    optimizer steps.  Same semantics as ``opacus.optimizers.DPOptimizer`` except
+    the clip factor ``min(1, C/||g||)`` (Opacus uses ``C/(||g|| + 1e-6)``).
+
+    Privacy meaning: each step is a Gaussian mechanism with sensitivity
+    ``max_grad_norm`` (add/remove one sample) and noise multiplier
+    ``noise_multiplier``; account for it with ``ncdp_fast.privacy`` using your
+    sampling rate.  ``expected_batch_size`` must be ``sample_rate * n``, not the
+    realized batch size.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
+                 max_grad_norm: float, expected_batch_size: float | None,
+                 loss_reduction: str = "mean", seed: int | None = None, offset: int = 0,
+                 nan_policy: str = "raise"):
+        self.original_optimizer = optimizer
+        self.noise_multiplier = noise_multiplier
+        self.max_grad_norm = max_grad_norm
+        self.expected_batch_size = expected_batch_size
+        self.loss_reduction = _check_reduction(loss_reduction)
+        self.nan_policy = nan_policy
+        if loss_reduction == "mean" and expected_batch_size is None:
+            raise ValueError("expected_batch_size: required with loss_reduction='mean'")
+        self._stream = _StreamState(seed, offset)
+        self.params = [p for group in optimizer.param_groups for p in group["params"]
+                       if p.requires_grad]
+        self.last_result: LayersClipResult | None = None
+
+    # --- state of the noise stream -------------------------------------------------
+    @property
+    def seed(self) -> int:
+        return self._stream.seed
+
+    @property
+    def offset(self) -> int:
+        """Next unused draw of the stream."""
+        return self._stream.offset
+
+    @property
+    def steps(self) -> int:
+        return self._stream.steps
+
+    # --- optimizer protocol ----------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.original_optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    def state_dict(self):
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        for p in self.params:
+            p.grad_sample = None
+
+    def _grad_samples(self):
+        blocks = []
+        for i, p in enumerate(self.params):
+            gs = getattr(p, "grad_sample", None)
+            if gs is None:
+                raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) has no grad_sample: wrap "
+                                 "the model in opacus.GradSampleModule and run backward first")
+            if isinstance(gs, (list, tuple)):
+                gs = torch.cat(list(gs), dim=0)
+            if gs.dtype != p.dtype:
+                gs = gs.to(p.dtype)
+            blocks.append(gs)
+        return blocks
+
+    def privatize_(self) -> LayersClipResult:
+        """Overwrite every ``p.grad`` with the private gradient; returns the clip result."""
+        result = clip_and_noise_layers(
+            self._grad_samples(), max_norm=self.max_grad_norm,
+            noise_multiplier=self.noise_multiplier, seed=self._stream.seed,
+            offset=self._stream.offset, reduction=self.loss_reduction,
+            expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy)
+        for p, g in zip(self.params, result.grads):
+            p.grad = g.view_as(p)
+            p.grad_sample = None
+        self._stream.advance(result)
+        self.last_result = result
+        return result
+
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        if self.params:
+            self.privatize_()
+        return self.original_optimizer.step()
+
+    def __repr__(self):
+        return (f"FusedDPOptimizer(noise_multiplier={self.noise_multiplier}, "
+                f"max_grad_norm={self.max_grad_norm}, expected_batch_size="
+                f"{self.expected_batch_size}, {self.original_optimizer!r})")
+
+
+class _LinearTap:
+    """Inputs and output gradients of one nn.Linear across the forward calls of a step."""
+
+    def __init__(self, name: str, module: nn.Linear):
+        self.name = name
+        self.module = module
+        self.has_bias = module.bias is not None and module.bias.requires_grad
+        self.acts: list = []
+        self.grads: dict[int, Any] = {}
+
+    def clear(self):
+        self.acts.clear()
+        self.grads.clear()
+
+
+def _as_sequence(x, width):
+    """(B, ..., width) -> (B, T, width); explicit T so that B = 0 reshapes too."""
+    T = 1
+    for s in x.shape[1:-1]:
+        T *= s
+    return x.reshape(x.shape[0], T, width)
+
+
+class GhostClipper:
+    """Private gradients for all-``nn.Linear`` models with no per-sample gradient.
+
+    Usage::
+
+        clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.1,
+                               expected_batch_size=256)
+        loss = criterion(model(x), y)      # loss reduced by mean (or sum)
+        loss.backward()                   # ordinary backward: hooks record a, g
+        clipper.privatize_()              # p.grad <- clipped, noised, reduced
+        optimizer.step()
+
+    Every trainable parameter of ``model`` must be the weight or bias of an
+    ``nn.Linear`` and appear in exactly one such layer; anything else (a
+    trainable norm layer, an embedding, tied weights) raises at construction.
+    Inputs may be (B, d) or (B, ..., d) (a sequence: every position is summed
+    into the per-sample gradient), and a layer may run several times in one
+    forward.  The per-sample norm over all layers is computed from the
+    factored identities (DESIGN.md kernel 1) and the clipped sum is one GEMM
+    per layer: memory O(B*(d+K)) per layer instead of O(B*K*d).
+
+    Privacy meaning as :class:`FusedDPOptimizer`: each :meth:`privatize_` is one
+    Gaussian mechanism (sensitivity ``max_grad_norm``, noise multiplier
+    ``noise_multiplier``) over the batch; the realized batch size is used only
+    to undo the mean of a mean-reduced loss, never to normalise the output.
+    """
+
+    def __init__(self, model: nn.Module, *, max_grad_norm: float, noise_multiplier: float,
+                 expected_batch_size: float | None, loss_reduction: str = "mean",
+                 seed: int | None = None, offset: int = 0, nan_policy: str = "raise"):
+        self.model = model
+        self.max_grad_norm = max_grad_norm
+        self.noise_multiplier = noise_multiplier
+        self.expected_batch_size = expected_batch_size
+        self.loss_reduction = _check_reduction(loss_reduction)
+        self.nan_policy = nan_policy
+        if loss_reduction == "mean" and expected_batch_size is None:
+            raise ValueError("expected_batch_size: required with loss_reduction='mean'")
+        self._stream = _StreamState(seed, offset)
+        self.taps = self._find_layers(model)
+        self._handles = [tap.module.register_forward_hook(self._forward_hook(tap))
+                         for tap in self.taps]
+        self.last_result: LayersClipResult | None = None
+
+    @staticmethod
+    def _find_layers(model: nn.Module) -> list[_LinearTap]:
+        owner: dict[int, str] = {}
+        taps = []
+        for name, module in model.named_modules(remove_duplicate=False):
+            for pname, p in module.named_parameters(recurse=False):
+                if not p.requires_grad:
+                    continue
+                full = f"{name}.{pname}" if name else pname
+                if not isinstance(module, nn.Linear):
+                    raise ValueError(f"GhostClipper: trainable parameter {full!r} belongs to "
+                                     f"{type(module).__name__}; only nn.Linear layers are supported "
+                                     "(freeze it, or use opacus.GradSampleModule + FusedDPOptimizer)")
+                if id(p) in owner:
+                    raise ValueError(f"GhostClipper: parameter {full!r} is shared with "
+                                     f"{owner[id(p)]!r} (tied weights are not supported)")
+                owner[id(p)] = full
+            if isinstance(module, nn.Linear) and module.weight.requires_grad:
+                if any(t.module is module for t in taps):
+                    raise ValueError(f"GhostClipper: layer {name!r} appears twice in the model "
+                                     "(shared modules are not supported)")
+                taps.append(_LinearTap(name, module))
+            elif isinstance(module, nn.Linear) and module.bias is not None \
+                    and module.bias.requires_grad:
+                raise ValueError(f"GhostClipper: layer {name!r} has a trainable bias but a frozen "
+                                 "weight; not supported")
+        if not taps:
+            raise ValueError("GhostClipper: the model has no trainable nn.Linear layer")
+        return taps
+
+    def _forward_hook(self, tap: _LinearTap):
+        def hook(module, inputs, output):
+            if not (torch.is_grad_enabled() and output.requires_grad):
+                return
+            call = len(tap.acts)
+            tap.acts.append(inputs[0].detach())
+
+            def keep_grad(grad, call=call):
+                tap.grads[call] = grad.detach()
+            output.register_hook(keep_grad)
+        return hook
+
+    @property
+    def seed(self) -> int:
+        return self._stream.seed
+
+    @property
+    def offset(self) -> int:
+        """Next unused draw of the stream."""
+        return self._stream.offset
+
+    @property
+    def steps(self) -> int:
+        return self._stream.steps
+
+    def clear(self) -> None:
+        """Forget recorded activations and gradients (e.g. after an aborted step)."""
+        for tap in self.taps:
+            tap.clear()
+
+    def remove(self) -> None:
+        """Detach the hooks from the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+    def _layer_specs(self):
+        batch = None
+        for tap in self.taps:
+            if len(tap.grads) != len(tap.acts):
+                raise RuntimeError(
+                    f"GhostClipper: layer {tap.name!r} ran forward {len(tap.acts)} time(s) but "
+                    f"backward reached it {len(tap.grads)} time(s); run exactly one "
+                    "loss.backward() per recorded forward (call clear() to discard a forward)")
+            for a in tap.acts:
+                if batch is None:
+                    batch = a.shape[0]
+                elif a.shape[0] != batch:
+                    raise RuntimeError(f"GhostClipper: layer {tap.name!r} saw batch size "
+                                       f"{a.shape[0]}, another layer {batch}")
+        if batch is None:
+            raise RuntimeError("GhostClipper: no forward/backward was recorded since the last step")
+        specs = []
+        for tap in self.taps:
+            w = tap.module.weight
+            d, K = w.shape[1], w.shape[0]
+            if tap.acts:
+                a = torch.cat([_as_sequence(x, d) for x in tap.acts], dim=1)
+                g = torch.cat([_as_sequence(tap.grads[i], K) for i in range(len(tap.acts))], dim=1)
+                if self.loss_reduction == "mean":
+                    # Undo the batch mean so g holds each sample's own loss gradient.
+                    g = g * batch
+            else:  # unused this step: zero per-sample gradient, pure noise
+                a = w.new_zeros((batch, 0, d))
+                g = w.new_zeros((batch, 0, K))
+            if a.dim() == 3 and a.shape[1] == 1:
+                a, g = a[:, 0], g[:, 0]
+            specs.append((a.to(w.dtype), g.to(w.dtype), tap.has_bias))
+        return specs
+
+    def privatize_(self) -> LayersClipResult:
+        """Overwrite every trainable ``p.grad`` with its private gradient and forget
+        the recorded tensors.  Returns the clip result (norms, clipped count,
+        stream position)."""
+        specs = self._layer_specs()
+        result = clip_and_noise_layers(
+            specs, max_norm=self.max_grad_norm, noise_multiplier=self.noise_multiplier,
+            seed=self._stream.seed, offset=self._stream.offset, reduction=self.loss_reduction,
+            expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy)
+        for tap, (gw, gb) in zip(self.taps, result.grads):
+            tap.module.weight.grad = gw
+            if tap.has_bias:
+                tap.module.bias.grad = gb
+        self._stream.advance(result)
+        self.last_result = result
+        self.clear()
+        return result

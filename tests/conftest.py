@@ -1,0 +1,61 @@
+"""Shared test helpers: backends present on this machine and rounding bounds.
+
+Tolerances are derived from the standard error bound of recursive summation
+(Higham, "Accuracy and Stability of Numerical Algorithms", eq. 3.4): a sum of n
+terms computed in precision u has error at most gamma_n * sum |terms| with
+gamma_n = n u / (1 - n u).  Each comparison names the n it uses and why.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def unit_roundoff(dtype) -> float:
+    return float(np.finfo(dtype).eps) / 2
+
+
+def gamma(n: int, dtype) -> float:
+    nu = n * unit_roundoff(dtype)
+    assert nu < 0.5, "bound meaningless at this size"
+    return nu / (1 - nu)
+
+
+def assert_within_sum_bound(actual, expected, abs_terms, n, dtype, what=""):
+    """|actual - expected| <= gamma_n(dtype) * abs_terms elementwise, plus one
+    rounding of the result to dtype (|expected| * u), plus the float64
+    reference's own error (negligible, but counted)."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    bound = (gamma(n, dtype) + gamma(n, np.float64)) * np.asarray(abs_terms) \
+        + unit_roundoff(dtype) * np.abs(expected)
+    err = np.abs(actual - expected)
+    worst = np.max(err - bound) if err.size else 0.0
+    assert worst <= 0, (f"{what}: error exceeds the rounding bound by {worst:.3g} "
+                        f"(max err {err.max():.3g}, n={n}, {np.dtype(dtype).name})")
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    import ncdp_fast._backend as be
+    return be.CUDA_COMPILED and torch.cuda.is_available()
+
+
+@pytest.fixture
+def require_cuda():
+    """For tests marked gpu: skip unless torch sees a GPU and _C has CUDA kernels."""
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible")
+    import ncdp_fast._backend as be
+    if not be.CUDA_COMPILED:
+        pytest.skip("ncdp_fast._C was built without CUDA")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch.device("cuda")

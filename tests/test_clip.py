@@ -1,0 +1,356 @@
+"""Op 1 (fused per-sample clipping with noise) against reference.py, properties,
+reproducibility, statistics and bad input, on the CPU backend (the GPU versions
+of the same comparisons are in test_gpu.py)."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from scipy import stats
+
+import ncdp_fast as nf
+from ncdp_fast import reference as R
+from ncdp_fast._numba.clip import NUM_SLABS
+
+from conftest import assert_within_sum_bound
+
+DTYPES = [np.float32, np.float64]
+# Empty, one row, p = 1, and sizes that are multiples of no tile or slab count.
+DENSE_SHAPES = [(0, 5), (1, 1), (1, 7), (3, 1), (5, 33), (17, 129), (65, 1000)]
+
+
+def _rows(rng, shape, dtype, scale=3.0):
+    g = rng.standard_normal(shape) * scale
+    if shape[0] > 2:
+        g[1] = 0.0          # zero row: factor 1, contributes nothing
+        g[2] *= 1e-3        # well inside the ball: unclipped
+    return g.astype(dtype)
+
+
+def _dense_bound_terms(g, factors, noise_std, seed, offset):
+    """sum_i |f_i g_ij| + |noise_j|: what the rounding bound scales with."""
+    noise = noise_std * R.gaussian(g.shape[1], seed=seed, offset=offset, dtype=np.float64)
+    return np.abs(factors[:, None] * g.astype(np.float64)).sum(axis=0) + np.abs(noise)
+
+
+def _slab_terms(B):
+    # Per-slab recursive sum of ceil(B/slabs) rows (grouped by four), then the
+    # slabs and the noise are added in float64: n = rows per slab + 2 covers the
+    # float32 factor cast and the final scaling.
+    return -(-B // NUM_SLABS) + 2 if B else 2
+
+
+@pytest.mark.parametrize("shape", DENSE_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_dense_matches_reference(shape, dtype, reduction):
+    rng = np.random.default_rng(sum(shape))
+    g = _rows(rng, shape, dtype)
+    kw = dict(max_norm=1.5, noise_multiplier=0.7, seed=11, offset=5, reduction=reduction,
+              expected_batch_size=4.0 if reduction == "mean" else None)
+    res = nf.clip_and_noise(g, **kw)
+    ref, ref_norms = R.clip_and_noise(g, **kw)
+    assert res.grad.dtype == dtype and res.grad.shape == (shape[1],)
+    assert res.norms.dtype == np.float64 and res.norms.shape == (shape[0],)
+    # Norms: float64 sums of p squares, both sides.
+    np.testing.assert_allclose(res.norms, ref_norms, rtol=4 * shape[1] * 1.2e-16, atol=0)
+    factors, _ = R.clip_factors(ref_norms ** 2, 1.5)
+    terms = _dense_bound_terms(g, factors, 0.7 * 1.5, 11, 5) / (4.0 if reduction == "mean" else 1)
+    assert_within_sum_bound(res.grad, ref, terms, _slab_terms(shape[0]), dtype, "dense grad")
+    assert res.num_clipped == int(np.sum(ref_norms > 1.5))
+    assert (res.seed, res.offset, res.draws, res.next_offset) == (11, 5, shape[1], 5 + shape[1])
+
+
+def test_dense_empty_batch_is_pure_noise():
+    res = nf.clip_and_noise(np.zeros((0, 6), np.float32), max_norm=2.0, noise_multiplier=0.5,
+                            seed=3)
+    expected = (1.0 * R.gaussian(6, seed=3, dtype=np.float64)).astype(np.float32)
+    np.testing.assert_allclose(res.grad, expected, rtol=2e-7)
+    assert res.norms.shape == (0,) and res.num_clipped == 0
+
+
+LINEAR_SHAPES = [
+    # (B, T or None, d, K): 2-D, Gram (2T^2 <= Kd) and direct (2T^2 > Kd) sequences,
+    # one row, empty batch, d = 1 or K = 1.
+    (0, None, 4, 3), (1, None, 1, 1), (7, None, 13, 5), (33, None, 70, 11),
+    (5, 3, 9, 4), (6, 9, 5, 3), (1, 1, 3, 2), (4, 17, 31, 7), (0, 4, 5, 2), (3, 0, 4, 2),
+]
+
+
+def _linear_inputs(shape, dtype, seed=0):
+    B, T, d, K = shape
+    rng = np.random.default_rng(seed + B + d)
+    sa = (B, d) if T is None else (B, T, d)
+    sg = (B, K) if T is None else (B, T, K)
+    return (rng.standard_normal(sa) * 2).astype(dtype), (rng.standard_normal(sg)).astype(dtype)
+
+
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_reference(shape, dtype, bias):
+    a, g = _linear_inputs(shape, dtype)
+    kw = dict(max_norm=2.0, noise_multiplier=0.3, bias=bias, seed=2, offset=9)
+    res = nf.clip_and_noise_linear(a, g, **kw)
+    gw, gb, norms = R.clip_and_noise_linear(a, g, **kw)
+    B, T, d, K = shape
+    T = 1 if T is None else T
+    assert res.grad_weight.shape == (K, d) and res.grad_weight.dtype == dtype
+    assert (res.grad_bias is None) == (not bias)
+    # Norm identities vs the explicit per-sample matrix, both in float64: the Gram
+    # form sums T^2 signed terms of size |a_t.a_s||g_t.g_s| (cancellation is
+    # possible), so the bound is relative to those absolute terms.
+    flat = R.per_sample_linear_grads(a, g, bias=bias)
+    a3 = a.reshape(B, T, d).astype(np.float64)
+    g3 = g.reshape(B, T, K).astype(np.float64)
+    abs_terms = np.einsum("bts,bts->b", np.abs(a3 @ a3.transpose(0, 2, 1)),
+                          np.abs(g3 @ g3.transpose(0, 2, 1))) + np.abs(flat ** 2).sum(axis=1)
+    n_norm = T * T + T * max(d, K) + K * d
+    assert np.all(np.abs(res.norms ** 2 - norms ** 2)
+                  <= 2 * n_norm * np.finfo(np.float64).eps * abs_terms + 1e-300)
+    factors, _ = R.clip_factors(norms ** 2, 2.0)
+    noise = 0.6 * R.gaussian(K * d + K, seed=2, offset=9, dtype=np.float64)
+    w_terms = np.abs(factors[:, None] * flat).sum(axis=0) + np.abs(noise[:flat.shape[1]])
+    # GEMM over B*T rows in the input precision, factor applied in that precision.
+    n = B * T + 3
+    assert_within_sum_bound(res.grad_weight.ravel(), gw.ravel(), w_terms[:K * d], n, dtype, "weight")
+    if bias:
+        assert_within_sum_bound(res.grad_bias, gb, w_terms[K * d:], n, dtype, "bias")
+    assert res.draws == K * d + (K if bias else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layers_share_one_factor(dtype):
+    rng = np.random.default_rng(4)
+    dense = (rng.standard_normal((9, 3, 4)) * 2).astype(dtype)
+    a, g = _linear_inputs((9, 5, 6, 3), dtype)
+    a2, g2 = _linear_inputs((9, None, 7, 2), dtype, seed=1)
+    kw = dict(max_norm=1.0, noise_multiplier=0.4, seed=8, offset=3)
+    res = nf.clip_and_noise_layers([dense, (a, g), (a2, g2, False)], **kw)
+    blocks = [dense.reshape(9, -1), R.per_sample_linear_grads(a, g, True),
+              R.per_sample_linear_grads(a2, g2, False)]
+    ref, norms = R.clip_and_noise_layers(blocks, **kw)
+    np.testing.assert_allclose(res.norms, norms, rtol=1e-12)
+    factors, _ = R.clip_factors(norms ** 2, 1.0)
+    noise = 0.4 * R.gaussian(sum(b.shape[1] for b in blocks), seed=8, offset=3, dtype=np.float64)
+    terms = np.abs(factors[:, None] * np.concatenate(blocks, axis=1)).sum(axis=0) + np.abs(noise)
+    got = np.concatenate([res.grads[0].ravel(), res.grads[1][0].ravel(), res.grads[1][1],
+                          res.grads[2][0].ravel()])
+    assert res.grads[0].shape == (3, 4) and res.grads[2][1] is None
+    assert_within_sum_bound(got, np.concatenate(ref), terms, 9 * 5 + 3, dtype, "layers")
+    assert res.draws == 12 + 3 * 6 + 3 + 2 * 7
+
+
+def test_layers_noise_ranges_are_disjoint_and_in_order():
+    zeros = [np.zeros((4, 5)), (np.zeros((4, 3)), np.zeros((4, 2))), np.zeros((4, 2, 2))]
+    res = nf.clip_and_noise_layers(zeros, max_norm=1.0, noise_multiplier=1.0, seed=77, offset=10)
+    stream = nf.gaussian(5 + 6 + 2 + 4, seed=77, offset=10, dtype=np.float64)
+    got = np.concatenate([res.grads[0], res.grads[1][0].ravel(), res.grads[1][1],
+                          res.grads[2].ravel()])
+    np.testing.assert_allclose(got, stream, rtol=1e-15)
+
+
+# ------------------------------------------------------------------- properties
+
+finite64 = st.floats(-1e6, 1e6, allow_nan=False, width=64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(g=hnp.arrays(np.float64, hnp.array_shapes(min_dims=2, max_dims=2, min_side=1, max_side=12),
+                    elements=finite64),
+       max_norm=st.floats(1e-3, 1e3))
+def test_property_dense_sensitivity_at_most_c(g, max_norm):
+    """Removing any one sample moves the noise-free sum by at most C: the DP
+    sensitivity the noise is calibrated to (add/remove neighbours)."""
+    full = nf.clip_and_noise(g, max_norm=max_norm, noise_multiplier=0.0, seed=0).grad
+    scale = np.abs(g).sum() * 1e-12 + 1e-300   # float64 summation slack
+    for i in range(g.shape[0]):
+        rest = nf.clip_and_noise(np.delete(g, i, axis=0), max_norm=max_norm,
+                                 noise_multiplier=0.0, seed=0).grad
+        assert np.linalg.norm(full - rest) <= max_norm * (1 + 1e-6) + scale
+
+
+@settings(max_examples=60, deadline=None)
+@given(row=hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=1, min_side=1,
+                                                    max_side=300),
+                      elements=st.floats(-2.0**50, 2.0**50, allow_nan=False, width=32)),
+       max_norm=st.floats(1e-3, 1e3))
+def test_property_single_clipped_row_norm_at_most_c(row, max_norm):
+    out = nf.clip_and_noise(row[None, :], max_norm=max_norm, noise_multiplier=0.0, seed=0).grad
+    assert np.linalg.norm(out.astype(np.float64)) <= max_norm * (1 + 1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 6), T=st.integers(1, 5), d=st.integers(1, 6), K=st.integers(1, 6),
+       seed=st.integers(0, 2**32), bias=st.booleans(), max_norm=st.floats(1e-2, 1e2))
+def test_property_linear_sensitivity_at_most_c(B, T, d, K, seed, bias, max_norm):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((B, T, d)) * rng.uniform(0.01, 100)
+    g = rng.standard_normal((B, T, K)) * rng.uniform(0.01, 100)
+    kw = dict(max_norm=max_norm, noise_multiplier=0.0, bias=bias, seed=0)
+
+    def flat(r):
+        return np.concatenate([r.grad_weight.ravel()] + ([r.grad_bias] if bias else []))
+    full = flat(nf.clip_and_noise_linear(a, g, **kw))
+    for i in range(B):
+        rest = flat(nf.clip_and_noise_linear(np.delete(a, i, 0), np.delete(g, i, 0), **kw))
+        assert np.linalg.norm(full - rest) <= max_norm * (1 + 1e-6)
+
+
+# ------------------------------------------------------------- reproducibility
+
+def test_same_seed_offset_same_output_bitwise_any_thread_count():
+    import numba
+    rng = np.random.default_rng(1)
+    g = rng.standard_normal((37, 501)).astype(np.float32)
+    before = numba.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, before):
+            numba.set_num_threads(threads)
+            outs.append(nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=1.0, seed=5,
+                                          offset=123).grad)
+    finally:
+        numba.set_num_threads(before)
+    assert np.array_equal(outs[0], outs[1])
+    other = nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=1.0, seed=5, offset=124).grad
+    assert not np.array_equal(outs[0], other)
+
+
+def test_seed_defaults_to_os_randomness():
+    g = np.zeros((2, 3))
+    seeds = {nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=1.0).seed for _ in range(4)}
+    assert len(seeds) == 4
+
+
+def test_noise_has_stated_std():
+    # Zero gradients: the output is sigma*C*xi / D exactly.  Chi-square test of
+    # the sample variance, two-sided false-alarm rate 1e-6 (fixed seed).
+    p, sigma, C, D = 200_000, 1.3, 0.7, 8.0
+    out = nf.clip_and_noise(np.zeros((3, p)), max_norm=C, noise_multiplier=sigma, seed=31,
+                            reduction="mean", expected_batch_size=D).grad
+    std = sigma * C / D
+    lo, hi = stats.chi2.ppf([0.5e-6, 1 - 0.5e-6], p - 1) / (p - 1)
+    assert lo < out.var(ddof=1) / std ** 2 < hi
+    assert abs(out.mean()) < 4.89 * std / np.sqrt(p)
+
+
+# ------------------------------------------------------------------ non-finite
+
+def test_nonfinite_rows_raise_naming_rows():
+    g = np.ones((5, 3))
+    g[1, 2] = np.nan
+    g[3, 0] = np.inf
+    with pytest.raises(ValueError, match=r"rows \[1, 3\]"):
+        nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=0.0, seed=0)
+
+
+@pytest.mark.parametrize("B", [5, 11])  # 11: grouped rows and a tail in one slab
+def test_nonfinite_rows_dropped_with_zero_policy(B):
+    g = np.full((B, 3), 0.1)
+    g[1, 2] = np.nan
+    g[3, 0] = -np.inf
+    res = nf.clip_and_noise(g, max_norm=10.0, noise_multiplier=0.0, seed=0, nan_policy="zero")
+    assert res.num_nonfinite == 2
+    np.testing.assert_allclose(res.grad, np.full(3, 0.1 * (B - 2)))
+    a = np.ones((4, 2, 3))
+    a[2, 1, 1] = np.nan
+    r = nf.clip_and_noise_linear(a, np.ones((4, 2, 2)), max_norm=100.0, noise_multiplier=0.0,
+                                 seed=0, nan_policy="zero")
+    assert r.num_nonfinite == 1 and np.all(np.isfinite(r.grad_weight))
+    np.testing.assert_allclose(r.grad_weight, np.full((2, 3), 6.0))
+    assert np.isnan(a[2, 1, 1])  # the caller's array is untouched
+
+
+# ------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(max_norm=0.0), ValueError, "max_norm"),
+    (dict(max_norm=-1.0), ValueError, "max_norm"),
+    (dict(max_norm=float("inf")), ValueError, "max_norm"),
+    (dict(max_norm=float("nan")), ValueError, "max_norm"),
+    (dict(max_norm="1"), TypeError, "max_norm"),
+    (dict(noise_multiplier=-0.1), ValueError, "noise_multiplier"),
+    (dict(reduction="avg"), ValueError, "reduction"),
+    (dict(reduction="mean"), ValueError, "expected_batch_size"),
+    (dict(reduction="mean", expected_batch_size=0), ValueError, "expected_batch_size"),
+    (dict(nan_policy="ignore"), ValueError, "nan_policy"),
+    (dict(seed=-3), ValueError, "seed"),
+    (dict(offset=2**64 - 2), ValueError, "offset"),
+])
+def test_dense_bad_arguments(kwargs, err, match):
+    base = dict(max_norm=1.0, noise_multiplier=1.0, seed=0)
+    base.update(kwargs)
+    with pytest.raises(err, match=match):
+        nf.clip_and_noise(np.ones((2, 3)), **base)
+
+
+@pytest.mark.parametrize("grads,err,match", [
+    (np.ones(3), ValueError, r"grads: expected shape \(B, p\)"),
+    (np.ones((2, 3, 4)), ValueError, "grads"),
+    (np.ones((2, 3), dtype=np.int64), TypeError, "grads: expected float32 or float64"),
+    (np.ones((2, 3), dtype=np.float16), TypeError, "float16"),
+    ([[1.0, 2.0]], TypeError, "grads: expected an array"),
+])
+def test_dense_bad_arrays(grads, err, match):
+    with pytest.raises(err, match=match):
+        nf.clip_and_noise(grads, max_norm=1.0, noise_multiplier=1.0, seed=0)
+
+
+@pytest.mark.parametrize("a,g,match", [
+    (np.ones((3, 4)), np.ones((2, 5)), "batch size 2 does not match"),
+    (np.ones((3, 2, 4)), np.ones((3, 5, 5)), "sequence length"),
+    (np.ones((3, 4)), np.ones((3, 2, 5)), "expected shapes"),
+    (np.ones(4), np.ones(4), "expected shapes"),
+])
+def test_linear_bad_shapes(a, g, match):
+    with pytest.raises(ValueError, match=match):
+        nf.clip_and_noise_linear(a, g, max_norm=1.0, noise_multiplier=1.0, seed=0)
+
+
+def test_linear_mixed_dtypes_refused():
+    with pytest.raises(TypeError, match="backprops"):
+        nf.clip_and_noise_linear(np.ones((3, 4)), np.ones((3, 2), np.float32), max_norm=1.0,
+                                 noise_multiplier=1.0, seed=0)
+
+
+def test_layers_bad_input():
+    with pytest.raises(TypeError, match="layers"):
+        nf.clip_and_noise_layers([], max_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=r"layers\[1\]: batch size"):
+        nf.clip_and_noise_layers([np.ones((3, 2)), np.ones((4, 2))], max_norm=1.0,
+                                 noise_multiplier=1.0)
+
+
+def test_cuda_array_without_cuda_build_is_refused_clearly():
+    import ncdp_fast._backend as be
+    if be.CUDA_COMPILED:
+        pytest.skip("this build has CUDA")
+
+    class FakeCuda:
+        __cuda_array_interface__ = {"shape": (2, 3), "typestr": "<f4", "data": (0, False),
+                                    "version": 3}
+        shape = (2, 3)
+        dtype = np.dtype(np.float32)
+        device = type("Device", (), {"id": 0})()
+    FakeCuda.__module__ = "cupy._core.core"
+    with pytest.raises(RuntimeError, match="built without CUDA"):
+        nf.clip_and_noise(FakeCuda(), max_norm=1.0, noise_multiplier=1.0, seed=0)
+
+
+# ------------------------------------------------------------------ array types
+
+def test_torch_cpu_in_torch_out():
+    torch = pytest.importorskip("torch")
+    g = torch.randn(6, 5, dtype=torch.float64)
+    res = nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=0.5, seed=4)
+    assert isinstance(res.grad, torch.Tensor) and isinstance(res.norms, torch.Tensor)
+    ref = nf.clip_and_noise(g.numpy(), max_norm=1.0, noise_multiplier=0.5, seed=4)
+    assert np.array_equal(res.grad.numpy(), ref.grad)
+    # Non-contiguous input: copied once, same answer.
+    res_t = nf.clip_and_noise(g.t().contiguous().t(), max_norm=1.0, noise_multiplier=0.5, seed=4)
+    assert np.array_equal(res_t.grad.numpy(), ref.grad)
+    # requires_grad tensors are read, not differentiated through.
+    res_rg = nf.clip_and_noise(g.clone().requires_grad_(), max_norm=1.0, noise_multiplier=0.5,
+                               seed=4)
+    assert np.array_equal(res_rg.grad.numpy(), ref.grad)

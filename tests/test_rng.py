@@ -1,0 +1,129 @@
+"""Philox4x32-10 stream: known answers, backends agree, statistics, offsets."""
+import numpy as np
+import pytest
+from scipy import stats
+
+import ncdp_fast as nf
+from ncdp_fast import reference as R
+from ncdp_fast._numba import rng as nrng
+
+# DESIGN.md's known-answer vectors (Random123's kat_vectors for philox4x32_10).
+KAT = [
+    ((0x00000000, 0x00000000), (0, 0, 0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF,) * 4, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0xA4093822, 0x299F31D0), (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("key,counter,expected", KAT)
+def test_reference_known_answers(key, counter, expected):
+    assert R.philox4x32_10(key, counter) == expected
+
+
+@pytest.mark.parametrize("key,counter,expected", KAT)
+def test_numba_block_known_answers(key, counter, expected):
+    words = [np.uint64(v) for v in (*key, *counter)]
+    assert tuple(int(w) for w in nrng.philox4x32_10(*words)) == expected
+
+
+def test_stream_layout_is_key_seed_counter_block():
+    seed, block = 0x299F31D0A4093822, 0x05A308D3243F6A88
+    assert tuple(int(w) for w in nrng.philox_block(np.uint64(seed), np.uint64(block))) == \
+        R.philox4x32_10((seed & 0xFFFFFFFF, seed >> 32), (block & 0xFFFFFFFF, block >> 32, 0, 0))
+    assert np.array_equal(R.philox_words(4, seed=seed, offset=4 * block),
+                          np.array(nrng.philox_block(np.uint64(seed), np.uint64(block)), np.uint32))
+
+
+CASES = [(0, 0, 1), (1, 3, 9), (7, 1, 2), (2**40 + 5, 2**33 + 1, 13), (2**64 - 1, 2**64 - 21, 21),
+         (12345, 0, 257)]
+
+
+@pytest.mark.parametrize("seed,offset,count", CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_numba_matches_reference(seed, offset, count, dtype):
+    got = nf.gaussian(count, seed=seed, offset=offset, dtype=dtype)
+    ref = R.gaussian(count, seed=seed, offset=offset, dtype=np.float64)
+    assert got.dtype == dtype
+    if dtype == np.float32:
+        # Both round the same float64 value once: within one float32 ulp.
+        ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64)
+        assert np.all(np.abs(got.astype(np.float64) - ref) <= ulp)
+    else:
+        # log/sin/cos of libm and numba's LLVM intrinsics may differ by an ulp each.
+        assert np.allclose(got, ref, rtol=8 * np.finfo(np.float64).eps, atol=1e-300)
+
+
+def test_offsets_index_one_stream():
+    whole = nf.gaussian(1000, seed=99, offset=0, dtype=np.float64)
+    for start, n in [(0, 1), (1, 7), (3, 100), (513, 487)]:
+        part = nf.gaussian(n, seed=99, offset=start, dtype=np.float64)
+        assert np.array_equal(part, whole[start:start + n])
+
+
+def test_disjoint_offsets_give_independent_draws():
+    a = nf.gaussian(100_000, seed=5, offset=0, dtype=np.float64)
+    b = nf.gaussian(100_000, seed=5, offset=100_000, dtype=np.float64)
+    c = nf.gaussian(100_000, seed=6, offset=0, dtype=np.float64)
+    assert len(np.intersect1d(a, b)) == 0 and len(np.intersect1d(a, c)) == 0
+    # Correlation of independent N(0,1) samples: sd 1/sqrt(n); |r| > 5.3 sd has
+    # probability 1e-7 (false-alarm rate of this assertion, per pair).
+    for u, v in ((a, b), (a, c)):
+        assert abs(np.corrcoef(u, v)[0, 1]) < 5.3 / np.sqrt(len(u))
+
+
+def test_moments_and_ks_on_a_million_draws():
+    z = nf.gaussian(10**6, seed=2024, offset=17, dtype=np.float64)
+    n = z.size
+    # Each test below has false-alarm rate 1e-6 under the null (fixed seed: the
+    # outcome is deterministic; the rate says how surprising a failure would be).
+    assert abs(z.mean()) < 4.89 / np.sqrt(n)
+    var = z.var(ddof=1)
+    lo, hi = stats.chi2.ppf([0.5e-6, 1 - 0.5e-6], n - 1) / (n - 1)
+    assert lo < var < hi
+    assert stats.kstest(z, "norm").pvalue > 1e-6
+    # Box-Muller on 32-bit uniforms truncates at sqrt(-2 ln(2^-33)) ~ 6.75.
+    assert np.max(np.abs(z)) < 6.76
+
+
+def test_gaussian_returns_like_type():
+    torch = pytest.importorskip("torch")
+    t = nf.gaussian(5, seed=3, like=torch.zeros(1))
+    assert isinstance(t, torch.Tensor) and t.dtype == torch.float32
+    assert np.array_equal(t.numpy(), nf.gaussian(5, seed=3))
+
+
+@pytest.mark.parametrize("kwargs,err", [
+    (dict(count=-1, seed=1), ValueError),
+    (dict(count=3, seed=-1), ValueError),
+    (dict(count=3, seed=2**64), ValueError),
+    (dict(count=3, seed=1.5), TypeError),
+    (dict(count=3, seed=1, offset=2**64 - 2), ValueError),
+    (dict(count=3, seed=1, dtype=np.float16), TypeError),
+    (dict(count=3, seed=True), TypeError),
+])
+def test_gaussian_bad_input(kwargs, err):
+    count = kwargs.pop("count")
+    with pytest.raises(err):
+        nf.gaussian(count, **kwargs)
+
+
+def test_gaussian_empty():
+    assert nf.gaussian(0, seed=1).shape == (0,)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed,offset,count", CASES + [(3, 5, 100_003)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_cuda_matches_reference(require_cuda, seed, offset, count, dtype):
+    import torch
+    like = torch.zeros(1, device=require_cuda)
+    got = nf.gaussian(count, seed=seed, offset=offset, dtype=dtype, like=like)
+    assert got.is_cuda
+    cpu = nf.gaussian(count, seed=seed, offset=offset, dtype=dtype)
+    ref64 = nf.gaussian(count, seed=seed, offset=offset, dtype=np.float64)
+    if dtype == "float32":
+        ulp = np.spacing(np.abs(ref64).astype(np.float32)).astype(np.float64)
+        assert np.all(np.abs(got.cpu().numpy().astype(np.float64) - ref64) <= ulp)
+    else:
+        assert np.allclose(got.cpu().numpy(), cpu, rtol=8 * np.finfo(np.float64).eps, atol=1e-300)
