@@ -108,6 +108,10 @@ class _NumpyIO:
     def copy(self, k):
         return k.copy()
 
+    # CPU GEMMs run on the caller's library so that a torch training loop never
+    # wakes a second BLAS thread pool while torch's OpenMP workers still spin.
+    matmul = staticmethod(np.matmul)
+
 
 class _TorchCpuIO(_NumpyIO):
     """torch CPU tensors: kernels see a zero-copy NumPy view (a copy only when the
@@ -123,6 +127,12 @@ class _TorchCpuIO(_NumpyIO):
     def to_user(self, k):
         import torch
         return torch.from_numpy(k)
+
+    @staticmethod
+    def matmul(x, y, out):
+        import torch
+        torch.matmul(torch.from_numpy(x), torch.from_numpy(y), out=torch.from_numpy(out))
+        return out
 
 
 class _TorchCudaIO:

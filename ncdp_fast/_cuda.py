@@ -99,7 +99,8 @@ def linear_sq_norms(a, g, bias, sq, accumulate):
                               bool(accumulate), _stream(a))
 
 
-def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb):
+def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb, matmul=None):
+    # ``matmul`` is the CPU path's BLAS hook; the CUDA launcher has its own GEMM.
     B, T, d = a.shape
     K = g.shape[2]
     dt = _dtype_code(a)

