@@ -26,7 +26,7 @@ def git_commit() -> str:
                                  "bench"], cwd=ROOT, stderr=subprocess.DEVNULL)
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return "uncommitted"
 
 
 def cpu_name() -> str:

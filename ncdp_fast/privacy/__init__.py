@@ -1,0 +1,61 @@
+r"""Privacy accounting and noise calibration for ncdp_fast.
+
+Built on Google's dp-accounting (PLD and RDP accountants), imported lazily by the
+functions that need it (``pip install dp-accounting``); the closed forms it lacks
+(zCDP conversions, exact mu-GDP tradeoff, the GDP central-limit theorem,
+NeuroMixGDP's Theorem 3.1) are written here. Needs neither torch nor Opacus.
+
+Neighbouring relation everywhere: add/remove one record (dp-accounting's
+``ADD_OR_REMOVE_ONE``, Opacus's convention for Poisson subsampling).
+
+Which function for which paper:
+
+* NoisyGD (``000_82fe6240ae4b04be``, zCDP): :func:`gaussian_zcdp`,
+  :func:`noisygd_sigma`, :func:`zcdp_to_dp`, :func:`dp_to_zcdp`.
+* NeuroMixGDP (``002_1ce43e1ce6039d97``, GDP + CLT): :func:`dp_to_gdp`,
+  :func:`gdp_to_dp`, :func:`poisson_gdp_mu`, :func:`neuromix_noise`,
+  :func:`optimal_mixup_degree`.
+* DP-SGD / any Poisson-subsampled Gaussian: :func:`epsilon_poisson_gaussian`,
+  :func:`calibrate_noise_multiplier`, :class:`Accountant`.
+
+See ``docs/privacy.md``.
+"""
+
+from .accountant import Accountant, GaussianEvent, ZCDPEvent
+from .gdp import clt_noise_multiplier, dp_to_gdp, gdp_delta, gdp_to_dp, poisson_gdp_mu
+from .neuromix import NU_STAR_OVER_MU, NeuroMixNoise, neuromix_noise, optimal_mixup_degree
+from .subsampled import (
+    DEFAULT_EPSILON_RTOL,
+    DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+    calibrate_noise_multiplier,
+    epsilon_poisson_gaussian,
+)
+from .zcdp import dp_to_zcdp, gaussian_zcdp, noisygd_sigma, zcdp_to_dp
+
+__all__ = [
+    # zCDP (NoisyGD)
+    "zcdp_to_dp",
+    "dp_to_zcdp",
+    "gaussian_zcdp",
+    "noisygd_sigma",
+    # GDP (NeuroMixGDP)
+    "gdp_delta",
+    "gdp_to_dp",
+    "dp_to_gdp",
+    "poisson_gdp_mu",
+    "clt_noise_multiplier",
+    # Poisson-subsampled Gaussian
+    "epsilon_poisson_gaussian",
+    "calibrate_noise_multiplier",
+    "DEFAULT_VALUE_DISCRETIZATION_INTERVAL",
+    "DEFAULT_EPSILON_RTOL",
+    # NeuroMixGDP
+    "neuromix_noise",
+    "NeuroMixNoise",
+    "optimal_mixup_degree",
+    "NU_STAR_OVER_MU",
+    # Accountant
+    "Accountant",
+    "GaussianEvent",
+    "ZCDPEvent",
+]

@@ -1,0 +1,356 @@
+r"""A privacy accountant for training loops, serialisable to JSON.
+
+Neighbouring relation: add/remove one record, for every event and accountant.
+
+Two kinds of event are recorded:
+
+* :class:`GaussianEvent` ``(noise_multiplier, sample_rate, steps)`` -- ``steps``
+  compositions of the Poisson-subsampled Gaussian mechanism (DP-SGD; NoisyGD is
+  ``sample_rate = 1``). Consecutive calls with the same (sigma, q) are merged.
+* :class:`ZCDPEvent` ``(rho, count)`` -- ``count`` mechanisms each known only to be
+  rho-zCDP (e.g. from :func:`ncdp_fast.privacy.gaussian_zcdp`).
+
+How :meth:`Accountant.epsilon` composes them:
+
+* ``"pld"`` (default): all Gaussian events composed in one dp-accounting
+  :class:`~dp_accounting.pld.PLDAccountant` (pessimistic discretisation). A bare
+  rho-zCDP guarantee does not determine a privacy loss distribution, so a history
+  with zCDP events raises ``ValueError`` here; record NoisyGD steps as Gaussian events
+  (``step(noise_multiplier=..., sample_rate=1.0)``) to get PLD accounting for them.
+* ``"rdp"``: dp-accounting :class:`~dp_accounting.rdp.RdpAccountant`; a rho-zCDP
+  event enters as the RDP curve :math:`\varepsilon(\alpha) = \rho\alpha`
+  (``ZCDpEvent``) and RDP curves add.
+* ``"gdp"``: :math:`\mu^2` adds over events (Dong et al. 2022, Cor. 2; Bu et al. 2020
+  Thm 5 for the CLT part): :math:`\mu^2 = \sum q^2T(e^{1/\sigma^2}-1)` for q < 1
+  (CLT approximation) and :math:`T/\sigma^2` for q = 1 (exact). zCDP events raise
+  (rho-zCDP does not imply any mu-GDP).
+* ``"zcdp"``: total :math:`\rho = \sum T/(2\sigma^2) + \sum \text{count}\cdot\rho`,
+  converted by the Canonne--Kamath--Steinke bound; only for histories without
+  subsampled (q < 1) events. Also available as :meth:`Accountant.zcdp_rho`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Union
+
+from ._validate import (
+    check_choice,
+    check_delta,
+    check_int_at_least,
+    check_nonnegative,
+    check_positive,
+    check_sample_rate,
+    check_steps,
+    import_dp_accounting,
+)
+from .gdp import gdp_to_dp
+from .subsampled import (
+    DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+    _check_interval,
+    _gaussian_event,
+)
+from .zcdp import zcdp_to_dp
+
+__all__ = ["Accountant", "GaussianEvent", "ZCDPEvent"]
+
+_FORMAT = "ncdp_fast.privacy.Accountant"
+_VERSION = 1
+_ACCOUNTANTS = ("pld", "rdp", "gdp", "zcdp")
+
+
+@dataclass(frozen=True)
+class GaussianEvent:
+    """``steps`` compositions of the Poisson(``sample_rate``)-subsampled Gaussian
+    mechanism with noise multiplier ``noise_multiplier`` (std / L2 sensitivity)."""
+
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+
+    def to_dict(self) -> dict:
+        return {
+            "type": "poisson_gaussian",
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "steps": self.steps,
+        }
+
+
+@dataclass(frozen=True)
+class ZCDPEvent:
+    """``count`` mechanisms, each rho-zCDP."""
+
+    rho: float
+    count: int
+
+    def to_dict(self) -> dict:
+        return {"type": "zcdp", "rho": self.rho, "count": self.count}
+
+
+Event = Union[GaussianEvent, ZCDPEvent]
+
+
+class Accountant:
+    r"""Records privacy events of a run and answers epsilon(delta).
+
+    Neighbouring relation: add/remove one record. Accountants: ``"pld"``
+    (default, dp-accounting PLD, rigorous), ``"rdp"`` (dp-accounting RDP, rigorous),
+    ``"gdp"`` (CLT approximation), ``"zcdp"`` (no subsampling only); see the module
+    docstring for how events of different kinds compose under each.
+
+    Example::
+
+        acc = Accountant()
+        for _ in range(steps):
+            ...
+            acc.step(noise_multiplier=1.1, sample_rate=256 / 60000)
+        eps = acc.epsilon(1e-5)
+        open("privacy.json", "w").write(acc.to_json())
+    """
+
+    def __init__(self) -> None:
+        self._events: list[Event] = []
+
+    # -- recording -----------------------------------------------------------------
+    def step(self, *, noise_multiplier, sample_rate=1.0, steps=1) -> "Accountant":
+        r"""Record ``steps`` steps of the Poisson-subsampled Gaussian mechanism.
+
+        Each step includes every record independently with probability q and adds
+        :math:`N(0, \sigma^2 C^2 I)` to the sum of clipped (norm <= C) contributions
+        (DP-SGD; NoisyGD eq. 2.1 when q = 1). Neighbouring relation: add/remove one.
+        Accounted by whichever accountant :meth:`epsilon` is asked for.
+
+        Args:
+            noise_multiplier: :math:`\sigma > 0`, noise std / L2 sensitivity
+                (clipping norm).
+            sample_rate: Poisson sampling probability :math:`q \in (0, 1]`; 1 for
+                full-batch NoisyGD.
+            steps: integer >= 1.
+
+        Returns:
+            self (calls chain). Merged into the previous event when (sigma, q) match.
+        """
+        s = check_positive("noise_multiplier", noise_multiplier)
+        q = check_sample_rate(sample_rate)
+        t = check_steps(steps)
+        last = self._events[-1] if self._events else None
+        if isinstance(last, GaussianEvent) and last.noise_multiplier == s and last.sample_rate == q:
+            self._events[-1] = GaussianEvent(s, q, last.steps + t)
+        else:
+            self._events.append(GaussianEvent(s, q, t))
+        return self
+
+    def add_zcdp(self, rho, count=1) -> "Accountant":
+        r"""Record ``count`` mechanisms, each :math:`\rho`-zCDP (add/remove one).
+
+        Accountant: zCDP events compose additively (:math:`\sum \rho`) and are
+        answered by ``epsilon(..., accountant="rdp")`` (as the RDP curve
+        :math:`\rho\alpha`) or ``"zcdp"``; ``"pld"`` and ``"gdp"`` refuse them. For a
+        Gaussian mechanism prefer :meth:`step` with ``sample_rate=1.0``, which every
+        accountant handles exactly.
+
+        Args:
+            rho: :math:`\rho > 0` of one mechanism.
+            count: integer >= 1.
+
+        Returns:
+            self. Merged into the previous event when rho matches.
+        """
+        r = check_positive("rho", rho)
+        c = check_int_at_least("count", count, 1)
+        last = self._events[-1] if self._events else None
+        if isinstance(last, ZCDPEvent) and last.rho == r:
+            self._events[-1] = ZCDPEvent(r, last.count + c)
+        else:
+            self._events.append(ZCDPEvent(r, c))
+        return self
+
+    # -- inspection ----------------------------------------------------------------
+    @property
+    def history(self) -> tuple:
+        """The recorded events, oldest first (immutable :class:`GaussianEvent` /
+        :class:`ZCDPEvent` records)."""
+        return tuple(self._events)
+
+    @property
+    def total_steps(self) -> int:
+        """Number of Gaussian steps recorded."""
+        return sum(e.steps for e in self._events if isinstance(e, GaussianEvent))
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def __repr__(self) -> str:
+        return f"Accountant(events={list(self._events)!r})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Accountant) and self._events == other._events
+
+    def _grouped_gaussian(self):
+        """Gaussian events with equal (sigma, q) merged (composition commutes)."""
+        groups: "OrderedDict[tuple, int]" = OrderedDict()
+        for e in self._events:
+            if isinstance(e, GaussianEvent):
+                key = (e.noise_multiplier, e.sample_rate)
+                groups[key] = groups.get(key, 0) + e.steps
+        return groups
+
+    def _zcdp_events(self):
+        return [e for e in self._events if isinstance(e, ZCDPEvent)]
+
+    def dp_event(self):
+        """The history as one dp-accounting ``ComposedDpEvent`` (zCDP events as
+        ``ZCDpEvent``), for use with any dp-accounting accountant."""
+        dpa = import_dp_accounting()
+        events = [_gaussian_event(dpa, s, q, t) for (s, q), t in self._grouped_gaussian().items()]
+        rho_total = sum(e.rho * e.count for e in self._zcdp_events())
+        if rho_total > 0.0:
+            events.append(dpa.ZCDpEvent(rho_total))
+        return dpa.ComposedDpEvent(events)
+
+    def zcdp_rho(self) -> float:
+        r"""Total zCDP :math:`\rho` of the history.
+
+        Gaussian events with q = 1 contribute :math:`T/(2\sigma^2)` (exact), zCDP events
+        ``count * rho``. Raises ``ValueError`` when a subsampled (q < 1) event is
+        present: the subsampled Gaussian has no useful closed-form zCDP bound.
+        """
+        rho = 0.0
+        for e in self._events:
+            if isinstance(e, ZCDPEvent):
+                rho += e.rho * e.count
+            elif e.sample_rate == 1.0:
+                rho += e.steps / (2.0 * e.noise_multiplier**2)
+            else:
+                raise ValueError(
+                    "zcdp_rho() is defined only without subsampling; the history has a "
+                    f"Poisson-subsampled event with sample_rate={e.sample_rate!r}; "
+                    "use epsilon(delta, accountant='pld' or 'rdp')"
+                )
+        return rho
+
+    # -- answers -------------------------------------------------------------------
+    def epsilon(
+        self,
+        delta,
+        accountant: str = "pld",
+        *,
+        value_discretization_interval=DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+    ) -> float:
+        r"""epsilon of everything recorded so far, at the given delta.
+
+        Accountant: ``"pld"`` (default; dp-accounting PLDAccountant, pessimistic,
+        Gaussian events only), ``"rdp"`` (dp-accounting RdpAccountant; zCDP events
+        as RDP curves :math:`\rho\alpha`), ``"gdp"`` (:math:`\mu^2` adds; CLT for
+        q < 1, an approximation; Gaussian events only) or ``"zcdp"`` (CKS conversion
+        of :meth:`zcdp_rho`; no subsampled events). Neighbouring relation:
+        add/remove one record.
+
+        Args:
+            delta: :math:`\delta \in (0, 1)`.
+            accountant: ``"pld"``, ``"rdp"``, ``"gdp"`` or ``"zcdp"``.
+            value_discretization_interval: PLD grid step (``"pld"`` only).
+
+        Returns:
+            epsilon >= 0 (0.0 for an empty history; ``inf`` if unbounded).
+        """
+        d = check_delta(delta)
+        check_choice("accountant", accountant, _ACCOUNTANTS)
+        interval = _check_interval(value_discretization_interval)
+        if not self._events:
+            return 0.0
+        if accountant == "zcdp":
+            return zcdp_to_dp(self.zcdp_rho(), d)
+        has_zcdp = bool(self._zcdp_events())
+        if has_zcdp and accountant in ("pld", "gdp"):
+            raise ValueError(
+                f"accountant={accountant!r} cannot compose zCDP events: a rho-zCDP guarantee "
+                "determines neither a privacy loss distribution nor a GDP mu. Use "
+                "accountant='rdp' (zCDP enters as the RDP curve rho*alpha) or 'zcdp', or "
+                "record Gaussian steps with step(noise_multiplier=..., sample_rate=1.0)"
+            )
+        if accountant == "gdp":
+            mu2 = 0.0
+            for (s, q), t in self._grouped_gaussian().items():
+                if q == 1.0:
+                    mu2 += t / (s * s)
+                else:
+                    x = 1.0 / (s * s)
+                    if x > 700.0:
+                        return math.inf
+                    mu2 += q * q * t * math.expm1(x)
+            return gdp_to_dp(math.sqrt(mu2), d) if math.isfinite(mu2) else math.inf
+        dpa = import_dp_accounting()
+        rel = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+        if accountant == "pld":
+            acc = dpa.pld.PLDAccountant(neighboring_relation=rel, value_discretization_interval=interval)
+        else:
+            acc = dpa.rdp.RdpAccountant(neighboring_relation=rel)
+        acc.compose(self.dp_event())
+        return float(acc.get_epsilon(d))
+
+    # -- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """JSON-ready description: format, version, neighbouring relation, events."""
+        return {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "neighboring_relation": "add_or_remove_one",
+            "events": [e.to_dict() for e in self._events],
+        }
+
+    def to_json(self, **kwargs) -> str:
+        """Serialise to JSON (floats written with full round-trip precision)."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Accountant":
+        """Rebuild from :meth:`to_dict` output, validating every field."""
+        if not isinstance(data, dict):
+            raise TypeError(f"data must be a dict, got {type(data).__name__}")
+        if data.get("format") != _FORMAT:
+            raise ValueError(f"format must be {_FORMAT!r}, got {data.get('format')!r}")
+        if data.get("version") != _VERSION:
+            raise ValueError(f"version must be {_VERSION}, got {data.get('version')!r}")
+        rel = data.get("neighboring_relation", "add_or_remove_one")
+        if rel != "add_or_remove_one":
+            raise ValueError(f"neighboring_relation must be 'add_or_remove_one', got {rel!r}")
+        events = data.get("events")
+        if not isinstance(events, list):
+            raise ValueError(f"events must be a list, got {type(events).__name__}")
+        acc = cls()
+        for i, ev in enumerate(events):
+            if not isinstance(ev, dict):
+                raise ValueError(f"events[{i}] must be an object, got {ev!r}")
+            kind = ev.get("type")
+            if kind == "poisson_gaussian":
+                acc._events.append(
+                    GaussianEvent(
+                        check_positive(f"events[{i}].noise_multiplier", ev.get("noise_multiplier")),
+                        check_sample_rate(ev.get("sample_rate"), f"events[{i}].sample_rate"),
+                        check_steps(ev.get("steps"), f"events[{i}].steps"),
+                    )
+                )
+            elif kind == "zcdp":
+                rho = check_nonnegative(f"events[{i}].rho", ev.get("rho"))
+                if rho <= 0.0:
+                    raise ValueError(f"events[{i}].rho must be > 0, got {ev.get('rho')!r}")
+                acc._events.append(
+                    ZCDPEvent(rho, check_int_at_least(f"events[{i}].count", ev.get("count"), 1))
+                )
+            else:
+                raise ValueError(
+                    f"events[{i}].type must be 'poisson_gaussian' or 'zcdp', got {kind!r}"
+                )
+        return acc
+
+    @classmethod
+    def from_json(cls, s: str) -> "Accountant":
+        """Rebuild an accountant from :meth:`to_json` output."""
+        if not isinstance(s, (str, bytes, bytearray)):
+            raise TypeError(f"s must be a JSON string, got {type(s).__name__}")
+        return cls.from_dict(json.loads(s))
