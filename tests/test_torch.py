@@ -126,7 +126,8 @@ def test_ghost_clipper_noise_std_and_stream():
     clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=sigma, expected_batch_size=E,
                            seed=123, offset=40)
     nn.functional.cross_entropy(model(x), y).backward()
-    noisy = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+    # The ordinary backward no longer computes the tapped parameters' gradients.
+    assert all(p.grad is None for p in model.parameters())
     model2 = _mlp()
     clipper2 = GhostClipper(model2, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=E,
                             seed=0)
@@ -178,6 +179,33 @@ def test_ghost_clipper_mismatched_forward_backward():
     clipper.remove()
     model(torch.randn(4, 4)).sum().backward()
     assert all(not t.acts for t in clipper.taps)
+
+
+def test_ghost_clipper_restores_requires_grad_and_handles_inplace_and_no_grad():
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 2))
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=3,
+                           seed=0)
+    with torch.no_grad():
+        model(torch.randn(3, 4))
+    assert all(t.acts == [] for t in clipper.taps)
+    with pytest.raises(RuntimeError):
+        model(torch.randn(3, 5))      # shape error inside the forward
+    assert all(p.requires_grad for p in model.parameters())
+    clipper.clear()
+    x = torch.randn(3, 4)
+    nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 1])).backward()
+    clipper.privatize_()
+    ref = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    ref.load_state_dict(model.state_dict())
+    from torch.func import functional_call, grad, vmap
+    params = {k: v.detach() for k, v in ref.named_parameters()}
+    y = torch.tensor([0, 1, 1])
+    ps = vmap(grad(lambda p, xi, yi: nn.functional.cross_entropy(
+        functional_call(ref, p, (xi[None],)), yi[None])), in_dims=(None, 0, 0))(params, x, y)
+    flat = torch.cat([ps[k].reshape(3, -1) for k in params], dim=1)
+    expected = torch.einsum("i,ij->j", (1.0 / flat.norm(dim=1)).clamp(max=1.0), flat) / 3
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert _rel(got, expected) < 1e-5
 
 
 def test_ghost_clipper_frozen_backbone_ok():

@@ -16,8 +16,11 @@ import types
 import numba
 from numba import njit
 
-# Elements touched below which a kernel runs on the calling thread.
-PARALLEL_MIN_WORK = 1 << 18
+# Elements touched below which a kernel runs on the calling thread (~8 MB of
+# float32: a few hundred microseconds serially).  Lower thresholds lost more to
+# waking and then contending with torch's pool than the second core gained
+# (measured on the (512, 768, 10) GhostClipper step).
+PARALLEL_MIN_WORK = 1 << 21
 
 
 class SizedKernel:

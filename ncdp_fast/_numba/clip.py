@@ -164,8 +164,15 @@ def _finish(acc, B, noise_std, inv_denom, seed, offset, out):
     add_gaussian(out, np.uint64(seed), np.uint64(offset), float(noise_std), True, float(inv_denom))
 
 
-@sized_kernel(lambda a, g, *_: a.size + g.size + a.shape[0] * g.shape[2] * a.shape[2],
-              fastmath=_FM)
+def _linear_norm_work(a, g, *_):
+    B, T, d = a.shape
+    K = g.shape[2]
+    if T <= 1:
+        return a.size + g.size
+    return B * T * T * (d + K) // 2 if 2 * T * T <= K * d else B * T * K * d
+
+
+@sized_kernel(_linear_norm_work, fastmath=_FM)
 def linear_sq_norms(a, g, bias, sq, accumulate):
     """Squared norms of the per-sample gradients of a linear layer, float64.
 

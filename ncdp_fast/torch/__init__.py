@@ -162,6 +162,24 @@ class FusedDPOptimizer:
                 f"{self.expected_batch_size}, {self.original_optimizer!r})")
 
 
+class _CaptureGrad(torch.autograd.Function):
+    """Identity on a layer's output whose backward hands the output gradient to
+    ``store`` and passes it on unchanged.  Returns a copy, not a view: a view
+    made in a custom Function may not be modified in place (an inplace ReLU
+    after the layer would fail), and the copy (B x K) costs far less than the
+    weight-gradient GEMM (B x K x d) it lets backward skip."""
+
+    @staticmethod
+    def forward(ctx, output, anchor, store):
+        ctx.store = store
+        return output.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.store(grad.detach())
+        return grad, None, None
+
+
 class _LinearTap:
     """Inputs and output gradients of one nn.Linear across the forward calls of a step."""
 
@@ -169,6 +187,8 @@ class _LinearTap:
         self.name = name
         self.module = module
         self.has_bias = module.bias is not None and module.bias.requires_grad
+        self.params = [module.weight] + ([module.bias] if self.has_bias else [])
+        self.recording = False
         self.acts: list = []
         self.grads: dict[int, Any] = {}
 
@@ -231,8 +251,15 @@ class GhostClipper:
             raise ValueError("expected_batch_size: required with loss_reduction='mean'")
         self._stream = _StreamState(seed, offset)
         self.taps = self._find_layers(model)
-        self._handles = [tap.module.register_forward_hook(self._forward_hook(tap))
-                         for tap in self.taps]
+        # A leaf that requires grad, so that a layer's output enters the graph
+        # (and its gradient reaches us) even when neither its input nor, during
+        # the forward, its parameters require grad.
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._handles = []
+        for tap in self.taps:
+            self._handles.append(tap.module.register_forward_pre_hook(self._pre_hook(tap)))
+            self._handles.append(tap.module.register_forward_hook(self._forward_hook(tap),
+                                                                  always_call=True))
         self.last_result: LayersClipResult | None = None
 
     @staticmethod
@@ -265,16 +292,33 @@ class GhostClipper:
             raise ValueError("GhostClipper: the model has no trainable nn.Linear layer")
         return taps
 
+    def _pre_hook(self, tap: _LinearTap):
+        def hook(module, inputs):
+            # The weight (and bias) gradient of the ordinary backward would be
+            # overwritten by privatize_(); switching requires_grad off for the
+            # duration of this forward keeps autograd from computing it at all
+            # (one GEMM of the size of the forward saved per layer).
+            tap.recording = torch.is_grad_enabled()
+            if tap.recording:
+                for p in tap.params:
+                    p.requires_grad_(False)
+        return hook
+
     def _forward_hook(self, tap: _LinearTap):
         def hook(module, inputs, output):
-            if not (torch.is_grad_enabled() and output.requires_grad):
-                return
+            if not getattr(tap, "recording", False):
+                return None
+            tap.recording = False
+            for p in tap.params:       # always_call=True: restored even on error
+                p.requires_grad_(True)
+            if not isinstance(output, torch.Tensor):
+                return None
             call = len(tap.acts)
             tap.acts.append(inputs[0].detach())
 
             def keep_grad(grad, call=call):
-                tap.grads[call] = grad.detach()
-            output.register_hook(keep_grad)
+                tap.grads[call] = grad
+            return _CaptureGrad.apply(output, self._anchor, keep_grad)
         return hook
 
     @property
