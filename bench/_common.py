@@ -87,6 +87,38 @@ def current_rss_mb() -> float:
         return float("nan")
 
 
+def sync_for(torch, device):
+    """A synchronize callable for timing on ``device`` (None on the CPU)."""
+    return torch.cuda.synchronize if device == "cuda" else None
+
+
+def mem_start(torch, device):
+    """Reset the peak counter; returns the baseline (MB) that mem_peak subtracts."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() / 2**20
+    return current_rss_mb()
+
+
+def mem_peak(torch, device, start):
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20 - start
+    return peak_rss_mb() - start
+
+
+def run_worker(script: str, cfg: dict, timeout: float = 1200) -> dict:
+    """Run ``script --worker <json cfg>`` in a fresh process (so peak memory is
+    that configuration's own) and return the JSON it prints last, or
+    ``{"error": ...}``."""
+    proc = subprocess.run([sys.executable, script, "--worker", json.dumps(cfg)],
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-3:]
+        return dict(error=" | ".join(tail))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def write_report(name: str, out_dir: str, meta: dict, rows: list[dict], columns: list[tuple],
                  notes: list[str] = ()) -> Path:
     """Write ``<name>-<device>-<date>.json`` and ``.md`` (a table of ``columns``:

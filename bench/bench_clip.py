@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import warnings
 
 import numpy as np
 
-from _common import current_rss_mb, machine, peak_rss_mb, timeit, write_report
+from _common import machine, mem_peak, mem_start, sync_for, timeit, write_report
+from _common import run_worker as _run_worker
 
 DENSE_SHAPES = [(512, 7680), (1024, 409600)]
 DENSE_SHAPES_QUICK = [(512, 7680), (256, 65536)]
@@ -33,24 +32,6 @@ STEP_METHODS = ["nonprivate", "ncdp_ghost", "ncdp_fused", "opacus_hooks", "opacu
 
 
 # ----------------------------------------------------------------- workers
-
-def _sync_for(torch, device):
-    return torch.cuda.synchronize if device == "cuda" else None
-
-
-def _mem_start(torch, device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated() / 2**20
-    return current_rss_mb()
-
-
-def _mem_peak(torch, device, start):
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20 - start
-    return peak_rss_mb() - start
-
 
 def worker_dense(cfg):
     import torch
@@ -63,7 +44,7 @@ def worker_dense(cfg):
     if device == "cuda":
         g = g.cuda()
     arr = g if device == "cuda" else g.numpy()
-    sync = _sync_for(torch, device)
+    sync = sync_for(torch, device)
     C, sigma = 1.0, 1.0
 
     if method == "ncdp":
@@ -97,9 +78,9 @@ def worker_dense(cfg):
     else:
         raise ValueError(method)
     fn()
-    start = _mem_start(torch, device)
+    start = mem_start(torch, device)
     med, best = timeit(fn, repeats=repeats, warmup=2, sync=sync, min_time=0.5)
-    return dict(median_s=med, best_s=best, peak_extra_mb=_mem_peak(torch, device, start),
+    return dict(median_s=med, best_s=best, peak_extra_mb=mem_peak(torch, device, start),
                 bytes=g.numel() * 4)
 
 
@@ -188,19 +169,14 @@ def worker_step(cfg):
     device = cfg["device"]
     step = _build_step(cfg, torch, nn)
     step()
-    start = _mem_start(torch, device)
-    med, best = timeit(step, repeats=cfg["repeats"], warmup=1, sync=_sync_for(torch, device),
+    start = mem_start(torch, device)
+    med, best = timeit(step, repeats=cfg["repeats"], warmup=1, sync=sync_for(torch, device),
                        min_time=1.0)
-    return dict(median_s=med, best_s=best, peak_extra_mb=_mem_peak(torch, device, start))
+    return dict(median_s=med, best_s=best, peak_extra_mb=mem_peak(torch, device, start))
 
 
-def run_worker(cfg, timeout=1200):
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(cfg)],
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-3:]
-        return dict(error=" | ".join(tail))
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def run_worker(cfg):
+    return _run_worker(__file__, cfg)
 
 
 # ----------------------------------------------------------------- driver

@@ -111,3 +111,32 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     _C.launch_clipped_linear_sum(_ptr(a), _ptr(g), _ptr(factors), B, T, d, K, dt,
                                  float(noise_std), float(inv_denom), int(seed), int(offset),
                                  _ptr(gw), _opt_ptr(gb), _stream(a), ws_ptr, nbytes)
+
+
+# ----------------------------------------------------------------------- mix
+
+def _upload(like, host, dtype=None):
+    """A small host array (population description) on the device of ``like``."""
+    if host is None:
+        return None
+    host = np.ascontiguousarray(host if dtype is None else host.astype(dtype))
+    if hasattr(like, "data_ptr"):
+        import torch
+        return torch.from_numpy(host).to(like.device)
+    import cupy
+    with cupy.cuda.Device(like.device.id):
+        return cupy.asarray(host)
+
+
+def mix_rows(features, labels, soft, group_ptr, members, select_rate, walk_rate, seed, offset,
+             inv_m, clip_x, noise_std_x, noise_std_y, out_x, out_y, counts):
+    n, d = features.shape
+    K = out_y.shape[1]
+    T = out_x.shape[0]
+    dev = [_upload(features, a) for a in (labels, group_ptr, members, select_rate, walk_rate)]
+    lab_d, ptr_d, mem_d, sel_d, walk_d = dev
+    _C.launch_mix_rows(_ptr(features), _dtype_code(features), n, d, _ptr(lab_d), _opt_ptr(soft),
+                       K, _ptr(ptr_d), _opt_ptr(mem_d), group_ptr.shape[0] - 1, _opt_ptr(sel_d),
+                       _ptr(walk_d), T, int(seed), int(offset), float(inv_m), float(clip_x),
+                       float(noise_std_x), float(noise_std_y), _ptr(out_x), _ptr(out_y),
+                       _ptr(counts), _stream(features))

@@ -167,3 +167,122 @@ def clip_and_noise_layers(flat_blocks, *, max_norm, noise_multiplier, seed, offs
         out.append(total[start:start + np.shape(b)[1]])
         start += np.shape(b)[1]
     return out, norms
+
+
+# --------------------------------------------------------------------------
+# Kernel 2: Poisson / hierarchical subsampling with averaging (DESIGN.md).
+#
+# Sampling draws never come from the main stream (counter words 2-3 zero) but
+# from *sub-streams*: sub-stream ``sid >= 1`` is Philox with counter
+# ``(b lo, b hi, sid lo, sid hi)``.  A *uniform* is a pair of sub-stream words
+# (2j, 2j+1) turned into a 53-bit float in (0, 1):
+#     u_j = ((w_2j >> 5) * 2^26 + (w_2j+1 >> 6) + 0.5) / 2^53.
+#
+# Output row t of a mix call at (seed, offset) with d features and K classes:
+#   * its Gaussian noise is main-stream normals offset + t(d+K) + c, c < d for x,
+#     then d <= c < d+K for y: the call consumes T(d+K) draws;
+#   * its sampling uses sub-stream sid = 1 + offset + t(d+K), so a row range
+#     [t0, t1) run alone with offset' = offset + t0(d+K) reproduces those rows,
+#     and calls whose noise ranges are disjoint never share a sub-stream;
+#   * hierarchical sampling spends uniforms 0..K-1 on the classes (class k is
+#     selected iff u_k < p_k), then, class by class in increasing k, walks the
+#     class's members (in increasing example index) by geometric skipping;
+#     Poisson sampling walks all n examples as one class, from uniform 0;
+#   * geometric skipping with rate q: gap = floor(log(u) / log1p(-q)) unselected
+#     members are skipped, then one is selected; stops when past the end.
+#     Exactly the Bernoulli(q) process (P(gap >= g) = (1-q)^g).
+# A DP-SGD batch plan (poisson_batches) walks all n examples for step s with
+# sub-stream sid = 1 + offset + s and advances the offset by ``steps``.
+# --------------------------------------------------------------------------
+
+TWO_POW_53 = 9007199254740992.0
+
+
+def substream_words(count, *, seed, sid):
+    """Words 0 .. count-1 of sub-stream ``sid`` (uint32 array)."""
+    seed, _ = _check_seed_offset(seed, 0)
+    key = (seed & MASK32, seed >> 32)
+    out = np.empty(count, dtype=np.uint32)
+    for w in range(count):
+        b = w >> 2
+        out[w] = philox4x32_10(key, (b & MASK32, b >> 32, sid & MASK32, sid >> 32))[w & 3]
+    return out
+
+
+class _Uniforms:
+    """Sequential 53-bit uniforms of one sub-stream."""
+
+    def __init__(self, seed, sid):
+        self.seed, self.sid, self.j = seed, sid, 0
+
+    def next(self):
+        key = (self.seed & MASK32, self.seed >> 32)
+        w0, w1 = (philox4x32_10(key, ((2 * self.j + k) >> 2 & MASK32, (2 * self.j + k) >> 34,
+                                      self.sid & MASK32, self.sid >> 32))[(2 * self.j + k) & 3]
+                  for k in (0, 1))
+        self.j += 1
+        return ((w0 >> 5) * 67108864.0 + (w1 >> 6) + 0.5) / TWO_POW_53
+
+
+def _walk(uniforms, n_members, q):
+    """Positions selected by the Bernoulli(q) process over n_members, by skipping."""
+    picked, pos = [], -1
+    log1mq = np.log1p(-q)
+    while True:
+        u = uniforms.next()
+        gap = np.floor(np.log(u) / log1mq) if log1mq != 0 else np.inf
+        if pos + 1 + gap >= n_members:
+            return picked
+        pos = int(pos + 1 + gap)
+        picked.append(pos)
+
+
+def sample_groups(labels, *, num_samples, mixup_degree, class_rate=None, num_classes=None,
+                  seed, offset=0, row_stride=1):
+    """Membership lists I_t of DESIGN.md kernel 2, in sampler order (selected
+    classes in increasing k, increasing example id within a class).
+
+    ``row_stride`` is the number of main-stream draws a row owns (d + K for
+    ``mix``), which fixes its sub-stream id ``1 + offset + t * row_stride``.
+    """
+    labels = np.asarray(labels)
+    n = labels.shape[0]
+    m = mixup_degree
+    groups = []
+    if class_rate is None:
+        q = m / n
+        for t in range(num_samples):
+            groups.append(_walk(_Uniforms(seed, 1 + offset + t * row_stride), n, q))
+        return groups
+    K = num_classes
+    p = np.broadcast_to(np.asarray(class_rate, dtype=np.float64), (K,))
+    members = [np.flatnonzero(labels == k) for k in range(K)]
+    for t in range(num_samples):
+        uni = _Uniforms(seed, 1 + offset + t * row_stride)
+        chosen = [k for k in range(K) if uni.next() < p[k]]
+        picked = []
+        for k in chosen:
+            q = m / (n * p[k])
+            picked += [int(members[k][i]) for i in _walk(uni, len(members[k]), q)]
+        groups.append(picked)
+    return groups
+
+
+def mix_from_groups(features, labels_onehot, groups, *, mixup_degree, noise_std_x, noise_std_y,
+                    seed, offset=0, clip_x=None):
+    """The dense formula of kernel 2 given the memberships, in float64:
+    x_t = (1/m) sum_{i in I_t} clip(x_i) + s_x xi, y_t = (1/m) sum y_i + s_y xi'."""
+    X = np.asarray(features, dtype=np.float64)
+    Y = np.asarray(labels_onehot, dtype=np.float64)
+    if clip_x is not None:
+        norms = np.sqrt((X ** 2).sum(axis=1))
+        X = X * np.minimum(1.0, clip_x / np.maximum(norms, 1e-300))[:, None]
+    T, d, K = len(groups), X.shape[1], Y.shape[1]
+    noise = gaussian(T * (d + K), seed=seed, offset=offset, dtype=np.float64).reshape(T, d + K)
+    x = np.zeros((T, d))
+    y = np.zeros((T, K))
+    for t, g in enumerate(groups):
+        if len(g):
+            x[t] = X[g].sum(axis=0) / mixup_degree
+            y[t] = Y[g].sum(axis=0) / mixup_degree
+    return x + noise_std_x * noise[:, :d], y + noise_std_y * noise[:, d:]

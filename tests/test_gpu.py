@@ -147,3 +147,50 @@ def test_cuda_rejects_mixed_devices(require_cuda):
     with pytest.raises(ValueError, match="same device"):
         nf.clip_and_noise_linear(torch.ones(3, 4, device=require_cuda), torch.ones(3, 2),
                                  max_norm=1.0, noise_multiplier=1.0, seed=0)
+
+
+# ------------------------------------------------------------------ kernel 2
+
+@pytest.mark.parametrize("class_rate", [None, 0.5])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("soft", [False, True])
+def test_cuda_mix_matches_cpu_and_reference(require_cuda, class_rate, dtype, soft):
+    if soft and class_rate is not None:
+        pytest.skip("hierarchical sampling needs integer labels")
+    from ncdp_fast import reference as R
+    rng = np.random.default_rng(1)
+    n, d, K = 700, 133, 5                      # d not a multiple of any vector width
+    X = (rng.standard_normal((n, d)) * 2).astype(dtype)
+    lab = rng.integers(0, K, n)
+    labels = np.eye(K, dtype=dtype)[lab] if soft else lab
+    kw = dict(num_samples=57, mixup_degree=40, noise_std_x=0.3, noise_std_y=0.1,
+              class_rate=class_rate, clip_x=3.0, seed=12, offset=5)
+    if not soft:
+        kw["num_classes"] = K
+    gpu = nf.mix(_cuda(X, require_cuda), _cuda(labels, require_cuda), **kw)
+    cpu = nf.mix(X, labels, return_groups=True, **kw)
+    assert gpu.x.is_cuda and gpu.counts.is_cuda
+    np.testing.assert_array_equal(gpu.counts.cpu().numpy(), cpu.counts)
+    groups = R.sample_groups(lab, num_samples=57, mixup_degree=40, class_rate=class_rate,
+                             num_classes=K, seed=12, offset=5, row_stride=d + K)
+    assert [list(g) for g in cpu.groups] == groups
+    rx, ry = R.mix_from_groups(X, np.eye(K)[lab], groups, mixup_degree=40, noise_std_x=0.3,
+                               noise_std_y=0.1, seed=12, offset=5, clip_x=3.0)
+    u = np.finfo(dtype).eps / 2
+    c = int(cpu.counts.max()) + 3
+    absx = np.array([np.abs(X[g]).sum(axis=0) / 40 if len(g) else np.zeros(d) for g in groups])
+    assert np.all(np.abs(gpu.x.cpu().numpy() - rx) <= c * u * (absx + np.abs(rx)) + 1e-30)
+    assert np.all(np.abs(gpu.y.cpu().numpy() - ry) <= c * u * (1 + np.abs(ry)) + 1e-30)
+
+
+def test_cuda_mix_row_range_and_reproducible(require_cuda):
+    rng = np.random.default_rng(2)
+    X = _cuda(rng.standard_normal((5000, 64)).astype(np.float32), require_cuda)
+    lab = _cuda(rng.integers(0, 10, 5000), require_cuda)
+    kw = dict(mixup_degree=64, noise_std_x=0.1, noise_std_y=0.1, num_classes=10, class_rate=0.3,
+              seed=4)
+    full = nf.mix(X, lab, num_samples=300, offset=0, **kw)
+    again = nf.mix(X, lab, num_samples=300, offset=0, **kw)
+    part = nf.mix(X, lab, num_samples=50, offset=100 * 74, **kw)
+    assert bool((full.x == again.x).all())
+    assert bool((part.x == full.x[100:150]).all()) and bool((part.y == full.y[100:150]).all())

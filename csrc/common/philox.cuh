@@ -111,5 +111,36 @@ NCDP_HOST_DEVICE double normal_at(std::uint64_t seed, std::uint64_t index) {
   return (index & 1) ? radius * sin(angle) : radius * cos(angle);
 }
 
+// ---------------------------------------------------------------------------
+// Sub-streams (reference.py, "Kernel 2"): sampling draws never touch the main
+// stream. Sub-stream `sid` (>= 1) is Philox with counter (b lo, b hi, sid lo,
+// sid hi); its uniform j is the pair of words (2j, 2j+1) as a 53-bit float.
+
+constexpr double kTwoPow26 = 67108864.0;
+constexpr double kTwoPow53 = 9007199254740992.0;
+
+// Block b of sub-stream `sid` of stream `seed`.
+NCDP_HOST_DEVICE Block substream_block(std::uint64_t seed, std::uint64_t sid, std::uint64_t block) {
+  return philox4x32_10(static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
+                       static_cast<std::uint32_t>(block), static_cast<std::uint32_t>(block >> 32),
+                       static_cast<std::uint32_t>(sid), static_cast<std::uint32_t>(sid >> 32));
+}
+
+// ((w_even >> 5) * 2^26 + (w_odd >> 6) + 0.5) / 2^53 in float64, in (0, 1]
+// (the top value rounds to 1.0). The product is exact and the integer sum below
+// 2^53, so a fused multiply-add gives the same bits as reference.py.
+NCDP_HOST_DEVICE double uniform53(std::uint32_t w_even, std::uint32_t w_odd) {
+  return (static_cast<double>(w_even >> 5) * kTwoPow26 + static_cast<double>(w_odd >> 6) + 0.5) /
+         kTwoPow53;
+}
+
+// Uniform `index` of sub-stream `sid`: words 2*index and 2*index+1, i.e. the
+// first or the second half of block index / 2.
+NCDP_HOST_DEVICE double substream_uniform(std::uint64_t seed, std::uint64_t sid,
+                                          std::uint64_t index) {
+  const Block b = substream_block(seed, sid, index >> 1);
+  return (index & 1) ? uniform53(b.w[2], b.w[3]) : uniform53(b.w[0], b.w[1]);
+}
+
 }  // namespace philox
 }  // namespace ncdp

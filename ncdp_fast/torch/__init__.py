@@ -25,8 +25,9 @@ except ImportError as exc:  # pragma: no cover - torch is an optional extra
 
 from .. import _backend
 from .._clip import LayersClipResult, clip_and_noise_layers
+from .._mix import poisson_batches
 
-__all__ = ["FusedDPOptimizer", "GhostClipper"]
+__all__ = ["FusedDPOptimizer", "GhostClipper", "PoissonBatchSampler", "collate_with_empty"]
 
 
 class _StreamState:
@@ -403,3 +404,64 @@ class GhostClipper:
         self.last_result = result
         self.clear()
         return result
+
+
+class PoissonBatchSampler:
+    """True Poisson sampling for ``DataLoader(dataset, batch_sampler=...)``.
+
+    Each of the ``steps`` batches includes every index 0..n-1 independently with
+    probability ``sample_rate`` (:func:`ncdp_fast.poisson_batches`); empty
+    batches are yielded as empty lists -- skipping them would change the
+    privacy analysis -- so pair the loader with :func:`collate_with_empty`.
+    Every pass over the sampler (every epoch) draws fresh batches from the next
+    range of the stream; ``seed`` defaults to the OS.
+    """
+
+    def __init__(self, n: int, *, sample_rate: float, steps: int, seed: int | None = None,
+                 offset: int = 0):
+        self.n, self.sample_rate, self.steps = n, sample_rate, steps
+        self._stream = _StreamState(seed, offset)
+        poisson_batches(n, sample_rate=sample_rate, steps=0, seed=self._stream.seed)  # validate
+
+    @property
+    def seed(self) -> int:
+        return self._stream.seed
+
+    @property
+    def offset(self) -> int:
+        return self._stream.offset
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):
+        plan = poisson_batches(self.n, sample_rate=self.sample_rate, steps=self.steps,
+                               seed=self._stream.seed, offset=self._stream.offset)
+        self._stream.offset = plan.next_offset
+        for batch in plan:
+            yield batch.tolist()
+
+
+def collate_with_empty(dataset, collate_fn=None):
+    """A collate function that turns an empty batch into correctly shaped empty
+    tensors (shape (0, *item_shape) for every field), the shapes and dtypes being
+    read once from ``dataset[0]`` (shapes are public; no value is used)."""
+    from torch.utils.data import default_collate
+    collate = collate_fn or default_collate
+    template = []
+
+    def empty_like(item):
+        if isinstance(item, (tuple, list)):
+            return type(item)(empty_like(x) for x in item)
+        if isinstance(item, dict):
+            return {k: empty_like(v) for k, v in item.items()}
+        t = torch.as_tensor(item)
+        return t.new_empty((0, *t.shape))
+
+    def fn(batch):
+        if len(batch):
+            return collate(batch)
+        if not template:
+            template.append(empty_like(dataset[0]))
+        return template[0]
+    return fn

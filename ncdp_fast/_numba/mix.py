@@ -1,0 +1,199 @@
+"""Poisson / hierarchical subsampling with averaging on the CPU (DESIGN.md kernel 2).
+
+The sampler follows reference.py's contract exactly: row r owns sub-stream
+``sid = 1 + offset + r * row_stride``; hierarchical sampling spends uniforms
+0..G-1 on the groups, then walks each selected group's members, in increasing
+group order, by geometric skipping; a uniform is two sub-stream words turned
+into a 53-bit float.  The T x n Bernoulli mask is never formed: a row costs
+O(G + |I_r|) time and its output row only.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ._dispatch import sized_kernel
+from .rng import add_gaussian, philox4x32_10
+
+_M32 = np.uint64(0xFFFFFFFF)
+_S32 = np.uint64(32)
+_TWO_26 = 67108864.0
+_INV_2_53 = 1.0 / 9007199254740992.0
+
+
+@njit(cache=True, inline="always")
+def uniform53(seed, sid, j):
+    """Uniform ``j`` of sub-stream ``sid``: words 2j and 2j+1 as a 53-bit float in (0, 1)."""
+    block = np.uint64(j) >> np.uint64(1)
+    w = philox4x32_10(seed & _M32, seed >> _S32, block & _M32, block >> _S32, sid & _M32,
+                      sid >> _S32)
+    if j & 1:
+        hi, lo = w[2], w[3]
+    else:
+        hi, lo = w[0], w[1]
+    return (np.float64(hi >> np.uint64(5)) * _TWO_26 + np.float64(lo >> np.uint64(6)) + 0.5) \
+        * _INV_2_53
+
+
+@njit(cache=True)
+def sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_select, walk_rate,
+               selected, buf):
+    """Selected example ids of one row, in sampler order, written to ``buf``
+    (grown by doubling when full).  ``selected`` is a [G] bool scratch.
+    Returns ``(buf, count)``."""
+    G = group_ptr.shape[0] - 1
+    j = 0
+    for k in range(G):
+        if has_select:
+            selected[k] = uniform53(seed, sid, j) < select_rate[k]
+            j += 1
+        else:
+            selected[k] = True
+    count = 0
+    for k in range(G):
+        if not selected[k]:
+            continue
+        start = group_ptr[k]
+        size = group_ptr[k + 1] - start
+        log1mq = math.log1p(-walk_rate[k])
+        pos = -1
+        while True:
+            u = uniform53(seed, sid, j)
+            j += 1
+            # q = 1: log1p(-1) = -inf and the gap is -0.0, i.e. every member.
+            gap = math.floor(math.log(u) / log1mq) if log1mq != 0.0 else math.inf
+            if gap >= size - pos - 1:
+                break
+            pos += np.int64(gap) + 1
+            if count == buf.shape[0]:
+                grown = np.empty(2 * buf.shape[0], dtype=buf.dtype)
+                grown[:count] = buf
+                buf = grown
+            buf[count] = members[start + pos] if has_members else start + pos
+            count += 1
+    return buf, count
+
+
+@sized_kernel(lambda seed, offset, row_stride, group_ptr, members, has_members, select_rate,
+              has_select, walk_rate, counts: 64 * counts.shape[0])
+def sample_counts(seed, offset, row_stride, group_ptr, members, has_members, select_rate,
+                  has_select, walk_rate, counts):
+    """counts[r] = |I_r| for rows r < len(counts)."""
+    G = group_ptr.shape[0] - 1
+    for r in prange(counts.shape[0]):
+        sid = np.uint64(1) + offset + np.uint64(r) * row_stride
+        buf = np.empty(64, dtype=np.int64)
+        selected = np.empty(G, dtype=np.bool_)
+        buf, c = sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_select,
+                            walk_rate, selected, buf)
+        counts[r] = c
+
+
+@sized_kernel(lambda seed, offset, row_stride, group_ptr, members, has_members, select_rate,
+              has_select, walk_rate, indptr, indices: 64 * indptr.shape[0])
+def sample_fill(seed, offset, row_stride, group_ptr, members, has_members, select_rate,
+                has_select, walk_rate, indptr, indices):
+    """indices[indptr[r]:indptr[r+1]] = I_r (indptr from sample_counts)."""
+    G = group_ptr.shape[0] - 1
+    for r in prange(indptr.shape[0] - 1):
+        sid = np.uint64(1) + offset + np.uint64(r) * row_stride
+        selected = np.empty(G, dtype=np.bool_)
+        out = indices[indptr[r]:indptr[r + 1]]
+        buf, c = sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_select,
+                            walk_rate, selected, out if out.shape[0] > 0 else np.empty(1, np.int64))
+        # The row fits exactly: sample_row never grows a buffer it fills to the end.
+
+
+@sized_kernel(lambda features, *args: features.shape[1] * 64 * args[-1].shape[0],
+              fastmath={"contract"})
+def _mix_block(features, labels, soft, has_soft, group_ptr, members, has_members, select_rate,
+               has_select, walk_rate, seed, offset, first_row, row_stride, inv_m, clip_x,
+               noise, noise_std_x, noise_std_y, out_x, out_y, counts):
+    """Rows first_row .. first_row + len(out_x) - 1 of the mix op (noise: their
+    (d+K) float64 normals per row, already drawn)."""
+    d = features.shape[1]
+    K = out_y.shape[1]
+    G = group_ptr.shape[0] - 1
+    for rr in prange(out_x.shape[0]):
+        r = first_row + rr
+        sid = np.uint64(1) + offset + np.uint64(r) * row_stride
+        buf = np.empty(128, dtype=np.int64)
+        selected = np.empty(G, dtype=np.bool_)
+        buf, c = sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_select,
+                            walk_rate, selected, buf)
+        counts[rr] = c
+        ax = np.zeros(d, dtype=out_x.dtype)
+        ay = np.zeros(K, dtype=out_y.dtype)
+        for s in range(c):
+            i = buf[s]
+            xi = features[i]
+            f = 1.0
+            if clip_x > 0.0:
+                sq = 0.0
+                for j in range(d):
+                    v = np.float64(xi[j])
+                    sq += v * v
+                nrm = math.sqrt(sq)
+                if nrm > clip_x:
+                    f = clip_x / nrm
+            fc = ax.dtype.type(f)
+            for j in range(d):
+                ax[j] += fc * xi[j]
+            if has_soft:
+                for k in range(K):
+                    ay[k] += soft[i, k]
+            else:
+                ay[labels[i]] += 1
+        for j in range(d):
+            out_x[rr, j] = np.float64(ax[j]) * inv_m + noise_std_x * noise[rr, j]
+        for k in range(K):
+            out_y[rr, k] = np.float64(ay[k]) * inv_m + noise_std_y * noise[rr, d + k]
+
+
+# Rows per block of the mix op: bounds the float64 noise buffer to ~8 MB.
+def _rows_per_block(d, K):
+    return max(1, min(4096, (1 << 20) // max(1, d + K)))
+
+
+def mix_rows(features, labels, soft, group_ptr, members, select_rate, walk_rate, seed, offset,
+             inv_m, clip_x, noise_std_x, noise_std_y, out_x, out_y, counts):
+    """The mix op on [T, d] / [T, K] outputs (see ``_mix_block``).  ``soft`` (n, K)
+    or None, ``members`` or None (identity), ``select_rate`` or None (Poisson)."""
+    T, d = out_x.shape
+    K = out_y.shape[1]
+    has_soft = soft is not None
+    has_members = members is not None
+    has_select = select_rate is not None
+    soft_a = soft if has_soft else np.zeros((1, 1), dtype=features.dtype)
+    members_a = members if has_members else np.zeros(1, dtype=np.int64)
+    select_a = select_rate if has_select else np.zeros(1)
+    step = _rows_per_block(d, K)
+    row_stride = np.uint64(d + K)
+    for r0 in range(0, T, step):
+        r1 = min(T, r0 + step)
+        noise = np.empty((r1 - r0, d + K))
+        add_gaussian(noise.reshape(-1), np.uint64(seed), np.uint64(offset + r0 * (d + K)), 1.0,
+                     False, 1.0)
+        _mix_block(features, labels, soft_a, has_soft, group_ptr, members_a, has_members,
+                   select_a, has_select, walk_rate, np.uint64(seed), np.uint64(offset), r0,
+                   row_stride, float(inv_m), float(clip_x), noise, float(noise_std_x),
+                   float(noise_std_y), out_x[r0:r1], out_y[r0:r1], counts[r0:r1])
+
+
+def sample_plan(group_ptr, members, select_rate, walk_rate, seed, offset, row_stride, rows):
+    """CSR (indptr [rows+1], indices) of the memberships of ``rows`` rows."""
+    has_members = members is not None
+    has_select = select_rate is not None
+    members_a = members if has_members else np.zeros(1, dtype=np.int64)
+    select_a = select_rate if has_select else np.zeros(1)
+    counts = np.empty(rows, dtype=np.int64)
+    args = (np.uint64(seed), np.uint64(offset), np.uint64(row_stride), group_ptr, members_a,
+            has_members, select_a, has_select, walk_rate)
+    sample_counts(*args, counts)
+    indptr = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    indices = np.empty(int(indptr[-1]), dtype=np.int64)
+    sample_fill(*args, indptr, indices)
+    return indptr, indices
