@@ -2,6 +2,7 @@
 and the JSON + Markdown report written to bench/results/."""
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -149,3 +150,30 @@ def write_report(name: str, out_dir: str, meta: dict, rows: list[dict], columns:
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return out / f"{stem}.json"
+
+
+def bench_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """The options every benchmark takes (--out, --quick, --device) plus the
+    hidden --worker used to run one configuration in a fresh process."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
+    ap.add_argument("--device", default="all", choices=["cpu", "cuda", "all"])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    return ap
+
+
+def devices(args):
+    """(device, report metadata) for each requested device this machine has."""
+    import torch
+
+    import ncdp_fast
+    devs = ["cpu"]
+    if args.device in ("cuda", "all") and torch.cuda.is_available() and \
+            ncdp_fast._backend.CUDA_COMPILED:
+        devs = ["cuda"] if args.device == "cuda" else ["cpu", "cuda"]
+    m = machine(torch)
+    for dev in devs:
+        yield dev, dict(m, device_tag=dev, quick=args.quick,
+                        device=(torch.cuda.get_device_name() if dev == "cuda" else
+                                f"CPU: {m['cpu']}, {m['numba_threads']} threads"))

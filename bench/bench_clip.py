@@ -15,13 +15,10 @@ the CPU, torch.cuda.max_memory_allocated on a GPU) is its own.  Run:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import warnings
 
-import numpy as np
-
-from _common import machine, mem_peak, mem_start, sync_for, timeit, write_report
+from _common import bench_parser, devices, mem_peak, mem_start, sync_for, timeit, write_report
 from _common import run_worker as _run_worker
 
 DENSE_SHAPES = [(512, 7680), (1024, 409600)]
@@ -239,29 +236,13 @@ def bench_steps(device, quick):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--device", default="all", choices=["cpu", "cuda", "all"])
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap = bench_parser(__doc__.split("\n\n")[0])
     args = ap.parse_args()
     if args.worker:
         cfg = json.loads(args.worker)
-        out = worker_dense(cfg) if cfg["kind"] == "dense" else worker_step(cfg)
-        print(json.dumps(out))
+        print(json.dumps(worker_dense(cfg) if cfg["kind"] == "dense" else worker_step(cfg)))
         return
-    import torch
-
-    import ncdp_fast
-    devices = ["cpu"]
-    if args.device in ("cuda", "all") and torch.cuda.is_available() and \
-            ncdp_fast._backend.CUDA_COMPILED:
-        devices = ["cuda"] if args.device == "cuda" else ["cpu", "cuda"]
-    for dev in devices:
-        meta = dict(machine(torch), device_tag=dev,
-                    device=(torch.cuda.get_device_name() if dev == "cuda" else
-                            f"CPU: {machine()['cpu']}, {machine()['numba_threads']} threads"),
-                    quick=args.quick)
+    for dev, meta in devices(args):
         dense = bench_dense(dev, args.quick)
         write_report(
             "bench_clip_dense", args.out, meta, dense,

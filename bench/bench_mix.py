@@ -20,12 +20,9 @@ Each configuration runs in a fresh subprocess (peak memory is its own).
 """
 from __future__ import annotations
 
-import argparse
 import json
 
-import numpy as np
-
-from _common import machine, mem_peak, mem_start, run_worker, sync_for, timeit, write_report
+from _common import bench_parser, devices, mem_peak, mem_start, run_worker, sync_for, timeit, write_report
 
 MIX_SHAPES = [dict(n=10000, T=10000, d=512, K=10, m=64, classes_per_row=None),
               dict(n=50000, T=50000, d=2048, K=100, m=64, classes_per_row=3)]
@@ -160,29 +157,15 @@ def bench_batches(quick):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--device", default="all", choices=["cpu", "cuda", "all"])
+    ap = bench_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--dense-max-gb", type=float, default=6.0,
                     help="largest dense float mask (GB) the peer may allocate")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         cfg = json.loads(args.worker)
         print(json.dumps(worker_mix(cfg) if cfg["kind"] == "mix" else worker_batches(cfg)))
         return
-    import torch
-
-    import ncdp_fast
-    devices = ["cpu"]
-    if args.device in ("cuda", "all") and torch.cuda.is_available() and \
-            ncdp_fast._backend.CUDA_COMPILED:
-        devices = ["cuda"] if args.device == "cuda" else ["cpu", "cuda"]
-    for dev in devices:
-        meta = dict(machine(torch), device_tag=dev, quick=args.quick,
-                    device=(torch.cuda.get_device_name() if dev == "cuda" else
-                            f"CPU: {machine()['cpu']}, {machine()['numba_threads']} threads"))
+    for dev, meta in devices(args):
         rows = bench_mix(dev, args.quick, args.dense_max_gb)
         write_report(
             "bench_mix", args.out, meta, rows,

@@ -28,7 +28,6 @@ import logging
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import tracemalloc

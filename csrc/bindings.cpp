@@ -7,6 +7,8 @@
 #include "common/capabilities.h"
 #ifdef NCDP_WITH_CUDA
 #include "clip/clip_noise.h"
+#include "mix/mix.h"
+#include "ntk/hadamard_gram.h"
 #include "rng/gaussian.h"
 #endif
 
@@ -63,5 +65,29 @@ PYBIND11_MODULE(_C, m) {
         py::arg("K"), py::arg("dtype"), py::arg("noise_std"), py::arg("inv_denom"),
         py::arg("seed"), py::arg("offset"), py::arg("gw"), py::arg("gb"), py::arg("stream"),
         py::arg("workspace") = 0, py::arg("workspace_bytes") = 0);
+  m.def("launch_sample_counts", &ncdp::launch_sample_counts,
+        "counts[r] = number of ids row r selects (sub-stream 1 + offset + r * row_stride).",
+        py::arg("group_ptr"), py::arg("members"), py::arg("G"), py::arg("select_rate"),
+        py::arg("walk_rate"), py::arg("rows"), py::arg("row_stride"), py::arg("seed"),
+        py::arg("offset"), py::arg("counts"), py::arg("stream"));
+  m.def("launch_sample_fill", &ncdp::launch_sample_fill,
+        "indices[indptr[r]:indptr[r+1]] = the ids row r selects, in sampler order.",
+        py::arg("group_ptr"), py::arg("members"), py::arg("G"), py::arg("select_rate"),
+        py::arg("walk_rate"), py::arg("rows"), py::arg("row_stride"), py::arg("seed"),
+        py::arg("offset"), py::arg("indptr"), py::arg("indices"), py::arg("stream"));
+  m.def("launch_mix_rows", &ncdp::launch_mix_rows,
+        "Subsample-and-average rows: out_x [rows, d], out_y [rows, K], counts [rows] int64.",
+        py::arg("features"), py::arg("dtype"), py::arg("n"), py::arg("d"), py::arg("labels"),
+        py::arg("soft_labels"), py::arg("K"), py::arg("group_ptr"), py::arg("members"),
+        py::arg("G"), py::arg("select_rate"), py::arg("walk_rate"), py::arg("rows"),
+        py::arg("seed"), py::arg("offset"), py::arg("inv_m"), py::arg("clip_x"),
+        py::arg("noise_std_x"), py::arg("noise_std_y"), py::arg("out_x"), py::arg("out_y"),
+        py::arg("counts"), py::arg("stream"));
+  m.def("launch_hadamard_gram", &ncdp::launch_hadamard_gram,
+        "K [n, n2] (out_dtype) = sum_l (f[l] f2[l]^T) o (b[l] b2[l]^T); f[l] = f2[l] = 0: the "
+        "constant-1 factor; symmetric: one triangle, mirrored.",
+        py::arg("f"), py::arg("a"), py::arg("b_ptrs"), py::arg("b"), py::arg("f2"),
+        py::arg("b2_ptrs"), py::arg("n"), py::arg("n2"), py::arg("dtype"), py::arg("symmetric"),
+        py::arg("accumulate_f64"), py::arg("out"), py::arg("out_dtype"), py::arg("stream"));
 #endif
 }

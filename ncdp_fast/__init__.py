@@ -3,7 +3,7 @@
 Ops (one function each; NumPy, torch CPU/CUDA tensors or CuPy arrays in, the
 same type out): :func:`gaussian`, :func:`clip_and_noise`,
 :func:`clip_and_noise_linear`, :func:`clip_and_noise_layers`, :func:`mix`,
-:func:`poisson_batches`.  Drop-ins for
+:func:`poisson_batches`, :func:`ntk_gram`; NTK analysis in :mod:`ncdp_fast.ntk`.  Drop-ins for
 torch training loops live in :mod:`ncdp_fast.torch`; :func:`info` says what
 this installation can do.
 """
@@ -15,8 +15,9 @@ from ._clip import (ClipResult, LayersClipResult, LinearClipResult, clip_and_noi
                     clip_and_noise_layers, clip_and_noise_linear)
 from ._info import info
 from ._mix import BatchPlan, MixResult, mix, poisson_batches
+from ._ntk import ntk_gram
 from ._rng import gaussian
 
 __all__ = ["__version__", "info", "gaussian", "clip_and_noise", "clip_and_noise_linear",
            "clip_and_noise_layers", "ClipResult", "LinearClipResult", "LayersClipResult",
-           "mix", "poisson_batches", "MixResult", "BatchPlan"]
+           "mix", "poisson_batches", "MixResult", "BatchPlan", "ntk_gram"]

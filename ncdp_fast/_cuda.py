@@ -140,3 +140,35 @@ def mix_rows(features, labels, soft, group_ptr, members, select_rate, walk_rate,
                        _ptr(walk_d), T, int(seed), int(offset), float(inv_m), float(clip_x),
                        float(noise_std_x), float(noise_std_y), _ptr(out_x), _ptr(out_y),
                        _ptr(counts), _stream(features))
+
+
+# ----------------------------------------------------------------------- ntk
+
+def hadamard_gram(f, b, f2, b2, out, symmetric, matmul=None, accumulate_f64=False):
+    # ``matmul`` is the CPU path's BLAS hook; the CUDA kernel tiles its own products.
+    n, n2 = out.shape
+    _C.launch_hadamard_gram([_opt_ptr(x) for x in f], [0 if x is None else x.shape[1] for x in f],
+                            [_ptr(x) for x in b], [x.shape[1] for x in b],
+                            [_opt_ptr(x) for x in f2], [_ptr(x) for x in b2], n, n2,
+                            _dtype_code(b[0]), bool(symmetric), bool(accumulate_f64), _ptr(out),
+                            _dtype_code(out), _stream(out))
+
+
+def sample_plan(group_ptr, members, select_rate, walk_rate, seed, offset, row_stride, rows,
+                like=None):
+    """Memberships as CSR on the host, sampled by the GPU's own sampler (the one
+    mix_rows uses), so they match its output exactly."""
+    ptr_d, mem_d, sel_d, walk_d = (_upload(like, a) for a in (group_ptr, members, select_rate,
+                                                                walk_rate))
+    G = group_ptr.shape[0] - 1
+    counts = _upload(like, np.zeros(rows, dtype=np.int64))
+    args = (_ptr(ptr_d), _opt_ptr(mem_d), G, _opt_ptr(sel_d), _ptr(walk_d), rows, int(row_stride),
+            int(seed), int(offset))
+    _C.launch_sample_counts(*args, _ptr(counts), _stream(like))
+    host_counts = counts.cpu().numpy() if hasattr(counts, "cpu") else counts.get()
+    indptr = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(host_counts, out=indptr[1:])
+    indices = _upload(like, np.empty(max(1, int(indptr[-1])), dtype=np.int64))
+    _C.launch_sample_fill(*args, _ptr(_upload(like, indptr)), _ptr(indices), _stream(like))
+    host = indices.cpu().numpy() if hasattr(indices, "cpu") else indices.get()
+    return indptr, host[:int(indptr[-1])].copy()

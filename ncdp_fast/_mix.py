@@ -8,7 +8,6 @@ selection and walk rates), allocates, calls one backend.  The stream layout
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
@@ -223,9 +222,9 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
                         1.0 / m, cx, sx, sy, out_x, out_y, counts)
     groups = None
     if return_groups:
-        from ._numba import mix as cpu_mix
-        indptr, indices = cpu_mix.sample_plan(group_ptr, members, select, walk, seed, offset,
-                                              d + K, T)
+        # The backend's own sampler, so the groups are exactly those behind x, y.
+        indptr, indices = be.kernels.sample_plan(group_ptr, members, select, walk, seed, offset,
+                                                 d + K, T, like=xk)
         groups = BatchPlan(indptr, indices, seed, offset, offset + draws)
     return MixResult(x=be.io.to_user(out_x), y=be.io.to_user(out_y),
                      counts=be.io.to_user(counts), seed=seed, offset=offset, draws=draws,

@@ -21,7 +21,7 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-BENCHES = ["bench_clip.py", "bench_mix.py", "bench_privacy.py"]
+BENCHES = ["bench_clip.py", "bench_mix.py", "bench_ntk.py", "bench_privacy.py"]
 
 
 def _cmd_bench(args) -> int:

@@ -169,6 +169,9 @@ def test_cuda_mix_matches_cpu_and_reference(require_cuda, class_rate, dtype, sof
         kw["num_classes"] = K
     gpu = nf.mix(_cuda(X, require_cuda), _cuda(labels, require_cuda), **kw)
     cpu = nf.mix(X, labels, return_groups=True, **kw)
+    gpu_groups = nf.mix(_cuda(X, require_cuda), _cuda(labels, require_cuda), return_groups=True,
+                        **kw).groups
+    assert [list(g) for g in gpu_groups] == [list(g) for g in cpu.groups]
     assert gpu.x.is_cuda and gpu.counts.is_cuda
     np.testing.assert_array_equal(gpu.counts.cpu().numpy(), cpu.counts)
     groups = R.sample_groups(lab, num_samples=57, mixup_degree=40, class_rate=class_rate,
@@ -194,3 +197,32 @@ def test_cuda_mix_row_range_and_reproducible(require_cuda):
     part = nf.mix(X, lab, num_samples=50, offset=100 * 74, **kw)
     assert bool((full.x == again.x).all())
     assert bool((part.x == full.x[100:150]).all()) and bool((part.y == full.y[100:150]).all())
+
+
+# ------------------------------------------------------------------ kernel 3
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-4)])
+@pytest.mark.parametrize("cross", [False, True])
+def test_cuda_ntk_gram_matches_cpu(require_cuda, dtype, tol, cross):
+    import torch
+    rng = np.random.default_rng(4)
+    W = [rng.standard_normal((133, 11)) / 3, rng.standard_normal((70, 133)) / 11,
+         rng.standard_normal((3, 70)) / 8]
+    b = [rng.standard_normal(133), None, rng.standard_normal(3)]
+    x = rng.standard_normal((301, 11))
+    x2 = rng.standard_normal((129, 11)) if cross else None
+    ref = nf.ntk_gram(x, W, biases=b, activation="gelu", x2=x2)
+    t = lambda a: None if a is None else torch.tensor(a, dtype=getattr(torch, np.dtype(dtype).name),  # noqa: E731
+                                                     device=require_cuda)
+    K = nf.ntk_gram(t(x), [t(w) for w in W], biases=[t(v) for v in b], activation="gelu",
+                    x2=t(x2))
+    assert K.is_cuda and K.dtype == t(x).dtype
+    Kc = K.double().cpu().numpy()
+    assert np.abs(Kc - ref).max() <= tol * np.abs(ref).max()
+    if not cross:
+        assert bool((K == K.T).all())
+    if dtype == np.float32:
+        K64 = nf.ntk_gram(t(x), [t(w) for w in W], biases=[t(v) for v in b], activation="gelu",
+                          x2=t(x2), accumulate_f64=True)
+        assert K64.dtype == torch.float64
+        assert np.abs(K64.cpu().numpy() - ref).max() <= tol * np.abs(ref).max()

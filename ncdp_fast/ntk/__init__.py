@@ -1,0 +1,216 @@
+"""NTK analysis on top of the Hadamard-product Gram kernel (004_f44587b9249a6ca9.txt).
+
+* :func:`ncdp_fast.ntk_gram` (re-exported here as :func:`gram`): the empirical
+  NTK K = J J^T of an MLP without the Jacobian.
+* :func:`gram_from_torch`: the same for an ``nn.Sequential`` of ``nn.Linear``
+  and supported activation modules.
+* :func:`ntk_matvec`: K v without forming K, O(n * #params).
+* :func:`lambda_min`: the smallest eigenvalue, the quantity the notes bound
+  ("Bounding the smallest eigenvalue of the NTK"), with a residual.
+* :func:`rf_gram`: the random-features Gram phi(X V^T) phi(X V^T)^T.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _backend
+from .._ntk import ACTIVATIONS, _namespace, activation, ntk_factors, ntk_gram
+
+__all__ = ["ACTIVATIONS", "gram", "ntk_gram", "gram_from_torch", "ntk_matvec", "lambda_min",
+           "rf_gram", "EigResult"]
+
+gram = ntk_gram
+
+_TORCH_ACTIVATIONS = {"ReLU": "relu", "Tanh": "tanh", "GELU": "gelu", "Softplus": "softplus",
+                      "Identity": "identity"}
+
+
+def _parse_sequential(model):
+    """(weights, biases, activation) of Linear / activation / Linear / ... models."""
+    from torch import nn
+    mods = [m for m in model.modules() if not isinstance(m, nn.Sequential)] \
+        if isinstance(model, nn.Sequential) else [model]
+    weights, biases, acts = [], [], set()
+    expect_linear = True
+    for m in mods:
+        if isinstance(m, nn.Linear):
+            if not expect_linear:
+                raise ValueError("gram_from_torch: two nn.Linear layers without an activation "
+                                 "between them are not supported; merge them or add Identity")
+            weights.append(m.weight.detach())
+            biases.append(None if m.bias is None else m.bias.detach())
+            expect_linear = False
+        elif type(m).__name__ in _TORCH_ACTIVATIONS:
+            if expect_linear:
+                raise ValueError(f"gram_from_torch: {type(m).__name__} must follow an nn.Linear")
+            if type(m).__name__ == "GELU" and getattr(m, "approximate", "none") != "none":
+                raise ValueError("gram_from_torch: only the exact GELU (approximate='none')")
+            if type(m).__name__ == "Softplus" and m.beta != 1:
+                raise ValueError("gram_from_torch: Softplus with beta != 1 is not supported")
+            acts.add(_TORCH_ACTIVATIONS[type(m).__name__])
+            expect_linear = True
+        else:
+            raise ValueError(f"gram_from_torch: unsupported module {type(m).__name__}; expected "
+                             f"nn.Linear and one of {sorted(_TORCH_ACTIVATIONS)}")
+    if not weights or expect_linear:
+        raise ValueError("gram_from_torch: the model must start and end with nn.Linear")
+    if len(acts) > 1:
+        raise ValueError(f"gram_from_torch: one activation for all layers, got {sorted(acts)}")
+    return weights, biases, (acts.pop() if acts else "identity")
+
+
+def gram_from_torch(model, x, x2=None, **kwargs):
+    """Empirical NTK of ``model`` (an ``nn.Sequential`` of ``nn.Linear`` with one
+    activation type between them, or a single ``nn.Linear``) at x (and x2),
+    trace-averaged over outputs; all parameters count, as in J J^T."""
+    weights, biases, act = _parse_sequential(model)
+    if all(b is None for b in biases):
+        biases = None
+    return ntk_gram(x, weights, biases=biases, activation=act, x2=x2, **kwargs)
+
+
+def ntk_matvec(x, weights, v, *, biases=None, activation="relu", parameterization="standard"):
+    """K v for K = ntk_gram(x, weights, ...), without forming K.
+
+    (K v)_i = sum_l <f_l,i, (f_l^T diag(v) b_l) b_l,i> over the Gram's factor
+    pairs (f, b): per term one (a x b) matrix f^T diag(v) b and a row-wise
+    contraction, cost O(n * #params * K_out).  x, v: NumPy (CPU).
+    """
+    x = np.asarray(x)
+    v = np.asarray(v, dtype=x.dtype)
+    if v.shape != (x.shape[0],):
+        raise ValueError(f"v: expected shape ({x.shape[0]},), got {v.shape}")
+    weights = [np.asarray(w) for w in weights]
+    biases = None if biases is None else [None if b is None else np.asarray(b) for b in biases]
+    terms = ntk_factors(x, weights, biases, activation, parameterization, _namespace("numpy"),
+                        np.matmul)
+    return _matvec_terms(terms, v)
+
+
+def _matvec_terms(terms, v):
+    out = np.zeros(v.shape[0], dtype=np.result_type(v, np.float64))
+    for f, b in terms:
+        if f is None:
+            out += b @ (b.T @ v)
+        else:
+            M = f.T @ (v[:, None] * b)                  # (a, b)
+            out += np.einsum("ia,ia->i", f @ M, b)
+    return out
+
+
+class EigResult(tuple):
+    """(value, residual) with names: value is lambda_min, residual ||K u - value u||
+    for the returned unit eigenvector u."""
+
+    def __new__(cls, value, residual, vector, method):
+        self = super().__new__(cls, (value, residual))
+        self.value, self.residual, self.vector, self.method = value, residual, vector, method
+        return self
+
+
+def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxiter=None,
+               **network):
+    """Smallest eigenvalue of an NTK Gram matrix, in float64.
+
+    Either ``K`` (an explicit symmetric matrix) or ``x`` and ``weights`` (plus
+    the keyword arguments of :func:`ntk_gram`: biases, activation,
+    parameterization).  Methods:
+
+    * "eigh": dense LAPACK (only the smallest pair is computed);
+    * "shift-invert": Cholesky of K + tau I (tau = 1e-12 ||K||_inf keeps it
+      definite) and ARPACK on its inverse around -tau: a few dozen O(n^2)
+      solves after one n^3/3 factorization; K is formed with ntk_gram when only
+      x and weights are given;
+    * "lanczos": matrix-free ARPACK (smallest algebraic, 64 Lanczos vectors) on
+      :func:`ntk_matvec` or on K -- memory O(n * #params), but slow to converge
+      when the small eigenvalues cluster, as NTK spectra do;
+    * "lobpcg": scipy's LOBPCG with a Jacobi preconditioner, matrix-free likewise;
+    * "auto": eigh for n <= 4000, else shift-invert.
+
+    Returns an :class:`EigResult` ``(value, residual)`` with ``.vector`` and
+    ``.method``; residual = ||K u - value u|| for the unit vector u.
+    """
+    from scipy.linalg import cho_factor, cho_solve, eigh
+    from scipy.sparse.linalg import LinearOperator, eigsh, lobpcg
+    if (K is None) == (x is None):
+        raise ValueError("lambda_min: give either K or x (with weights), not both or neither")
+    terms = None
+    if K is not None:
+        K = np.asarray(_backend_to_numpy(K), dtype=np.float64)
+        if K.ndim != 2 or K.shape[0] != K.shape[1]:
+            raise ValueError(f"K: expected a square matrix, got shape {K.shape}")
+        n = K.shape[0]
+    else:
+        if weights is None:
+            raise ValueError("weights: required with x")
+        x = np.asarray(_backend_to_numpy(x), dtype=np.float64)
+        weights = [np.asarray(_backend_to_numpy(w), dtype=np.float64) for w in weights]
+        if network.get("biases") is not None:
+            network["biases"] = [None if b is None else np.asarray(_backend_to_numpy(b), np.float64)
+                                 for b in network["biases"]]
+        terms = ntk_factors(x, weights, network.get("biases"), network.get("activation", "relu"),
+                            network.get("parameterization", "standard"), _namespace("numpy"),
+                            np.matmul)
+        n = x.shape[0]
+    if method == "auto":
+        method = "eigh" if n <= 4000 else "shift-invert"
+    if method in ("eigh", "shift-invert") and K is None:
+        K = ntk_gram(x, weights, **network)
+
+    def mv(v):
+        return K @ v if K is not None else _matvec_terms(terms, v)
+
+    if method == "eigh":
+        w, U = eigh(K, subset_by_index=[0, 0])
+        val, vec = float(w[0]), U[:, 0]
+    elif method == "shift-invert":
+        tau = 1e-12 * float(np.abs(K).sum(axis=1).max())
+        factor = cho_factor(K + tau * np.eye(n), lower=True, overwrite_a=True)
+        op = LinearOperator((n, n), matvec=lambda v: cho_solve(factor, v), dtype=np.float64)
+        # ARPACK in shift-invert mode: the largest eigenvalue 1/(lambda + tau) of
+        # the inverse is the smallest lambda of K.
+        mu, U = eigsh(op, k=1, which="LM", tol=tol, maxiter=maxiter or 10 * n)
+        vec = U[:, 0] / np.linalg.norm(U[:, 0])
+        val = float(vec @ mv(vec))               # Rayleigh quotient on K itself
+    elif method in ("lanczos", "lobpcg"):
+        op = LinearOperator((n, n), matvec=mv, dtype=np.float64)
+        if method == "lanczos":
+            w, U = eigsh(op, k=1, which="SA", tol=tol, ncv=min(n, 64),
+                         maxiter=maxiter or 100 * n)
+        else:
+            diag = np.array([float(K[i, i]) for i in range(n)]) if K is not None else \
+                sum((b * b).sum(1) * (1.0 if f is None else (f * f).sum(1)) for f, b in terms)
+            precond = LinearOperator((n, n), matvec=lambda v: (v.T / diag).T, dtype=np.float64)
+            X0 = np.random.default_rng(0).standard_normal((n, min(n, 16)))
+            w, U = lobpcg(op, X0, M=precond, largest=False, tol=tol, maxiter=maxiter or 5000)
+            i = int(np.argmin(w))
+            w, U = w[i:i + 1], U[:, i:i + 1]
+        val, vec = float(w[0]), U[:, 0] / np.linalg.norm(U[:, 0])
+    else:
+        raise ValueError(f"method: expected 'auto', 'eigh', 'shift-invert', 'lanczos' or "
+                         f"'lobpcg', got {method!r}")
+    residual = float(np.linalg.norm(mv(vec) - val * vec))
+    return EigResult(val, residual, vec, method)
+
+
+def _backend_to_numpy(a):
+    if _backend.is_torch(a):
+        return a.detach().cpu().numpy()
+    if hasattr(a, "get") and _backend.is_cuda_array(a):
+        return a.get()
+    return a
+
+
+def rf_gram(x, V, activation_name="relu"):
+    """Random-features Gram phi(X V^T) phi(X V^T)^T (NumPy or torch, CPU or CUDA).
+
+    x: (n, d); V: (N, d) random weights.  This is the NTK of the second layer
+    of f(x) = a^T phi(V x) alone: ntk_gram with weights [V, a] minus the
+    first-layer term.
+    """
+    is_t = _backend.is_torch(x)
+    ns = _namespace("torch" if is_t else "numpy")
+    if x.shape[1] != V.shape[1]:
+        raise ValueError(f"V: expected shape (N, {x.shape[1]}), got {tuple(V.shape)}")
+    Phi, _ = activation(activation_name, x @ V.T, ns)
+    return Phi @ Phi.T
