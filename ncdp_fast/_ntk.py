@@ -200,14 +200,26 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
     _check_network(xs, weights, biases, activation, parameterization, be, dtype, x2s)
     if be.name == "cuda" and be.io.lib != "torch":
         raise TypeError("x: on the GPU ntk_gram takes torch CUDA tensors")
-    conv = be.io.to_kernel
+    # Factors are computed by the caller's own library: torch tensors (CPU or
+    # CUDA) with torch ops -- no copies for transposed views, no second BLAS
+    # pool -- and NumPy arrays with NumPy.
+    use_torch = be.io.lib == "torch"
+    if use_torch:
+        conv = lambda a: a.detach()                      # noqa: E731
+        ns, matmul = _namespace("torch"), _torch_matmul()
+    else:
+        conv = be.io.to_kernel
+        ns, matmul = _namespace("numpy"), np.matmul
     xw = [conv(w) for w in weights]
     xb = None if biases is None else [None if b is None else conv(b) for b in biases]
-    ns = _namespace("torch" if be.name == "cuda" else "numpy")
-    matmul = _factor_matmul(be)
     t1 = ntk_factors(conv(x), xw, xb, activation, parameterization, ns, matmul)
     t2 = t1 if x2 is None else ntk_factors(conv(x2), xw, xb, activation, parameterization, ns,
                                            matmul)
+    if use_torch and be.name == "cpu":                    # the CPU kernel takes NumPy views
+        t1 = [(None if f is None else f.contiguous().numpy(), b.contiguous().numpy())
+              for f, b in t1]
+        t2 = t1 if x2 is None else [(None if f is None else f.contiguous().numpy(),
+                                     b.contiguous().numpy()) for f, b in t2]
     n = xs[0]
     n2 = n if x2 is None else x2s[0]
     if diagonal:
@@ -229,18 +241,9 @@ def _contig(a):
     return a.contiguous() if hasattr(a, "contiguous") else np.ascontiguousarray(a)
 
 
-def _factor_matmul(be):
-    """Two-argument GEMM in the caller's library (torch for torch tensors, so a
-    torch program never wakes OpenBLAS's pool; see _backend)."""
-    if be.name == "cuda":
-        import torch
-        return torch.matmul
-    io_matmul = be.io.matmul
-
-    def mm(a, b):
-        out = np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b))
-        return io_matmul(np.ascontiguousarray(a), np.ascontiguousarray(b), out)
-    return mm
+def _torch_matmul():
+    import torch
+    return torch.matmul
 
 
 def _diagonal(t1, t2, be, dtype, n):
@@ -249,6 +252,6 @@ def _diagonal(t1, t2, be, dtype, n):
         q = (ba * bb).sum(1)
         term = q if fa is None else (fa * fb).sum(1) * q
         out = term if out is None else out + term
-    if be.name == "cpu":
+    if isinstance(out, np.ndarray):
         return np.ascontiguousarray(out, dtype=dtype)
-    return out
+    return out.contiguous()

@@ -164,8 +164,11 @@ def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxite
         w, U = eigh(K, subset_by_index=[0, 0])
         val, vec = float(w[0]), U[:, 0]
     elif method == "shift-invert":
-        tau = 1e-12 * float(np.abs(K).sum(axis=1).max())
-        factor = cho_factor(K + tau * np.eye(n), lower=True, overwrite_a=True)
+        # ||K||_inf by row blocks: no n x n temporary beyond the one factored copy.
+        tau = 1e-12 * max(float(np.abs(K[i:i + 1024]).sum(axis=1).max()) for i in range(0, n, 1024))
+        A = K.copy()
+        A[np.diag_indices(n)] += tau
+        factor = cho_factor(A, lower=True, overwrite_a=True)
         op = LinearOperator((n, n), matvec=lambda v: cho_solve(factor, v), dtype=np.float64)
         # ARPACK in shift-invert mode: the largest eigenvalue 1/(lambda + tau) of
         # the inverse is the smallest lambda of K.
