@@ -130,7 +130,7 @@ def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxite
     Returns an :class:`EigResult` ``(value, residual)`` with ``.vector`` and
     ``.method``; residual = ||K u - value u|| for the unit vector u.
     """
-    from scipy.linalg import cho_factor, cho_solve, eigh
+    from scipy.linalg import cho_solve, eigh
     from scipy.sparse.linalg import LinearOperator, eigsh, lobpcg
     if (K is None) == (x is None):
         raise ValueError("lambda_min: give either K or x (with weights), not both or neither")
@@ -166,13 +166,11 @@ def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxite
     elif method == "shift-invert":
         # ||K||_inf by row blocks: no n x n temporary beyond the one factored copy.
         tau = 1e-12 * max(float(np.abs(K[i:i + 1024]).sum(axis=1).max()) for i in range(0, n, 1024))
-        A = K.copy()
-        A[np.diag_indices(n)] += tau
-        factor = cho_factor(A, lower=True, overwrite_a=True)
+        factor = (_cholesky_lower(K, tau), True)
         op = LinearOperator((n, n), matvec=lambda v: cho_solve(factor, v), dtype=np.float64)
         # ARPACK in shift-invert mode: the largest eigenvalue 1/(lambda + tau) of
         # the inverse is the smallest lambda of K.
-        mu, U = eigsh(op, k=1, which="LM", tol=tol, maxiter=maxiter or 10 * n)
+        mu, U = eigsh(op, k=1, which="LM", tol=tol, ncv=min(n, 32), maxiter=maxiter or 10 * n)
         vec = U[:, 0] / np.linalg.norm(U[:, 0])
         val = float(vec @ mv(vec))               # Rayleigh quotient on K itself
     elif method in ("lanczos", "lobpcg"):
@@ -194,6 +192,24 @@ def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxite
                          f"'lobpcg', got {method!r}")
     residual = float(np.linalg.norm(mv(vec) - val * vec))
     return EigResult(val, residual, vec, method)
+
+
+def _cholesky_lower(K, tau):
+    """Lower Cholesky factor of K + tau I (float64 NumPy).  Uses torch's LAPACK
+    (MKL in the CPU wheels) when torch is installed: the multithreaded dpotrf of
+    the OpenBLAS bundled with NumPy/SciPy 2.x crashed (SIGSEGV) at n = 20000 on
+    this project's machines."""
+    try:
+        import torch
+    except ImportError:
+        from scipy.linalg import cho_factor
+        A = K.copy()
+        A[np.diag_indices(K.shape[0])] += tau
+        return cho_factor(A, lower=True, overwrite_a=True)[0]
+    A = torch.from_numpy(K).clone()
+    A.diagonal().add_(tau)
+    L = torch.linalg.cholesky(A, out=A)
+    return L.numpy()
 
 
 def _backend_to_numpy(a):
