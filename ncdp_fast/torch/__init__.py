@@ -44,13 +44,27 @@ class _StreamState:
         self.steps += 1
 
 
+class _UsesStream:
+    """``seed`` and ``offset`` (the next unused draw) of an object holding a
+    :class:`_StreamState` in ``self._stream``."""
+
+    @property
+    def seed(self) -> int:
+        return self._stream.seed
+
+    @property
+    def offset(self) -> int:
+        """Next unused draw (or sub-stream) of the Philox stream."""
+        return self._stream.offset
+
+
 def _check_reduction(loss_reduction):
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction: expected 'mean' or 'sum', got {loss_reduction!r}")
     return loss_reduction
 
 
-class FusedDPOptimizer:
+class FusedDPOptimizer(_UsesStream):
     """DP-SGD step from Opacus per-sample gradients, in one fused clip-and-noise op.
 
     Wraps ``optimizer``; on :meth:`step` every trainable parameter's
@@ -89,16 +103,8 @@ class FusedDPOptimizer:
 
     # --- state of the noise stream -------------------------------------------------
     @property
-    def seed(self) -> int:
-        return self._stream.seed
-
-    @property
-    def offset(self) -> int:
-        """Next unused draw of the stream."""
-        return self._stream.offset
-
-    @property
     def steps(self) -> int:
+        """Private steps taken (calls of privatize_)."""
         return self._stream.steps
 
     # --- optimizer protocol ----------------------------------------------------------
@@ -212,7 +218,7 @@ def _cat_calls(parts):
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-class GhostClipper:
+class GhostClipper(_UsesStream):
     """Private gradients for all-``nn.Linear`` models with no per-sample gradient.
 
     Usage::
@@ -323,16 +329,8 @@ class GhostClipper:
         return hook
 
     @property
-    def seed(self) -> int:
-        return self._stream.seed
-
-    @property
-    def offset(self) -> int:
-        """Next unused draw of the stream."""
-        return self._stream.offset
-
-    @property
     def steps(self) -> int:
+        """Private steps taken (calls of privatize_)."""
         return self._stream.steps
 
     def clear(self) -> None:
@@ -406,7 +404,7 @@ class GhostClipper:
         return result
 
 
-class PoissonBatchSampler:
+class PoissonBatchSampler(_UsesStream):
     """True Poisson sampling for ``DataLoader(dataset, batch_sampler=...)``.
 
     Each of the ``steps`` batches includes every index 0..n-1 independently with
@@ -422,14 +420,6 @@ class PoissonBatchSampler:
         self.n, self.sample_rate, self.steps = n, sample_rate, steps
         self._stream = _StreamState(seed, offset)
         poisson_batches(n, sample_rate=sample_rate, steps=0, seed=self._stream.seed)  # validate
-
-    @property
-    def seed(self) -> int:
-        return self._stream.seed
-
-    @property
-    def offset(self) -> int:
-        return self._stream.offset
 
     def __len__(self) -> int:
         return self.steps
