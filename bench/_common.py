@@ -163,6 +163,15 @@ def bench_parser(description: str | None = None) -> argparse.ArgumentParser:
     return ap
 
 
+def serve_worker(args, dispatch) -> bool:
+    """When run as a ``--worker``, run ``dispatch(cfg)`` and print its JSON result;
+    returns whether it did (the caller then stops)."""
+    if not args.worker:
+        return False
+    print(json.dumps(dispatch(json.loads(args.worker))))
+    return True
+
+
 def devices(args):
     """(device, report metadata) for each requested device this machine has."""
     import torch

@@ -15,10 +15,10 @@ the CPU, torch.cuda.max_memory_allocated on a GPU) is its own.  Run:
 """
 from __future__ import annotations
 
-import json
 import warnings
 
-from _common import bench_parser, devices, mem_peak, mem_start, sync_for, timeit, write_report
+from _common import (bench_parser, devices, mem_peak, mem_start, serve_worker, sync_for, timeit,
+                     write_report)
 from _common import run_worker as _run_worker
 
 DENSE_SHAPES = [(512, 7680), (1024, 409600)]
@@ -238,9 +238,8 @@ def bench_steps(device, quick):
 def main():
     ap = bench_parser(__doc__.split("\n\n")[0])
     args = ap.parse_args()
-    if args.worker:
-        cfg = json.loads(args.worker)
-        print(json.dumps(worker_dense(cfg) if cfg["kind"] == "dense" else worker_step(cfg)))
+    if serve_worker(args, lambda cfg: (worker_dense(cfg) if cfg["kind"] == "dense"
+                                      else worker_step(cfg))):
         return
     for dev, meta in devices(args):
         dense = bench_dense(dev, args.quick)

@@ -20,9 +20,9 @@ Each configuration runs in a fresh subprocess (peak memory is its own).
 """
 from __future__ import annotations
 
-import json
 
-from _common import bench_parser, devices, mem_peak, mem_start, run_worker, sync_for, timeit, write_report
+from _common import (bench_parser, devices, mem_peak, mem_start, run_worker, serve_worker,
+                     sync_for, timeit, write_report)
 
 MIX_SHAPES = [dict(n=10000, T=10000, d=512, K=10, m=64, classes_per_row=None),
               dict(n=50000, T=50000, d=2048, K=100, m=64, classes_per_row=3)]
@@ -161,9 +161,8 @@ def main():
     ap.add_argument("--dense-max-gb", type=float, default=6.0,
                     help="largest dense float mask (GB) the peer may allocate")
     args = ap.parse_args()
-    if args.worker:
-        cfg = json.loads(args.worker)
-        print(json.dumps(worker_mix(cfg) if cfg["kind"] == "mix" else worker_batches(cfg)))
+    if serve_worker(args, lambda cfg: (worker_mix(cfg) if cfg["kind"] == "mix"
+                                      else worker_batches(cfg))):
         return
     for dev, meta in devices(args):
         rows = bench_mix(dev, args.quick, args.dense_max_gb)

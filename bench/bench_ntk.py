@@ -16,7 +16,8 @@ import json
 
 import numpy as np
 
-from _common import bench_parser, devices, mem_peak, mem_start, run_worker, sync_for, timeit, write_report
+from _common import (bench_parser, devices, mem_peak, mem_start, run_worker, serve_worker,
+                     sync_for, timeit, write_report)
 
 SHAPES = [(512, 64, 512, 3), (2048, 128, 1024, 3), (8192, 256, 2048, 4)]
 SHAPES_QUICK = [(256, 32, 256, 3), (1024, 64, 512, 3)]
@@ -116,9 +117,8 @@ def worker_lambda(cfg):
 def main():
     ap = bench_parser(__doc__.split("\n\n")[0])
     args = ap.parse_args()
-    if args.worker:
-        cfg = json.loads(args.worker)
-        print(json.dumps(worker_lambda(cfg) if cfg.get("kind") == "lambda" else worker(cfg)))
+    if serve_worker(args, lambda cfg: (worker_lambda(cfg) if cfg.get("kind") == "lambda"
+                                      else worker(cfg))):
         return
     for dev, meta in devices(args):
         peak = run_worker(__file__, dict(method="gemm_peak", n=1, d=1, N=1, L=1, device=dev,

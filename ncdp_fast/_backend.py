@@ -108,6 +108,9 @@ class _NumpyIO:
     def copy(self, k):
         return k.copy()
 
+    def all_finite(self, k) -> bool:
+        return bool(np.isfinite(k).all())
+
     # CPU GEMMs run on the caller's library so that a torch training loop never
     # wakes a second BLAS thread pool while torch's OpenMP workers still spin.
     matmul = staticmethod(np.matmul)
@@ -166,6 +169,10 @@ class _TorchCudaIO:
     def copy(self, k):
         return k.clone()
 
+    def all_finite(self, k) -> bool:
+        import torch
+        return bool(torch.isfinite(k).all())
+
     def stream(self):
         import torch
         return int(torch.cuda.current_stream(self.device).cuda_stream)
@@ -202,6 +209,10 @@ class _CupyIO:
 
     def copy(self, k):
         return k.copy()
+
+    def all_finite(self, k) -> bool:
+        import cupy
+        return bool(cupy.isfinite(k).all())
 
     def stream(self):
         import cupy

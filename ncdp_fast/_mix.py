@@ -172,7 +172,7 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
     be = _backend.select("mix", features=features, labels=labels)
     dtype = be.check_float(features, "features")
     xk = be.io.to_kernel(features)
-    if not bool(_all_finite(be, xk)):
+    if not be.io.all_finite(xk):
         raise ValueError("features: contains NaN or infinite values")
 
     sl = _shape(labels, "labels")
@@ -189,7 +189,7 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
         if be.check_float(labels, "labels") != dtype:
             raise TypeError(f"labels: soft labels must have the features' dtype {dtype}")
         soft = be.io.to_kernel(labels)
-        if not bool(_all_finite(be, soft)):
+        if not be.io.all_finite(soft):
             raise ValueError("labels: soft labels contain NaN or infinite values")
         labels_host = None
     elif len(sl) == 1:
@@ -241,13 +241,6 @@ def _features_shape(features):
     if d == 0:
         raise ValueError("features: d = 0 columns")
     return n, d
-
-
-def _all_finite(be, arr):
-    if be.name == "cpu":
-        return np.isfinite(arr).all()
-    return bool(arr.isfinite().all()) if hasattr(arr, "isfinite") else bool(
-        __import__("cupy").isfinite(arr).all())
 
 
 def poisson_batches(n, *, sample_rate, steps, seed=None, offset=0) -> BatchPlan:

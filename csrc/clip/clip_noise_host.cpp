@@ -11,11 +11,6 @@
 namespace ncdp {
 namespace {
 
-template <typename Real>
-Real* typed(std::uintptr_t ptr) {
-  return reinterpret_cast<Real*>(ptr);
-}
-
 void require_workspace(std::uintptr_t workspace, std::int64_t workspace_bytes,
                        std::int64_t needed, const char* op) {
   require_non_negative(workspace_bytes, "workspace_bytes");

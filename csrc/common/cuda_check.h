@@ -80,6 +80,12 @@ inline std::uintptr_t first_pointer(std::initializer_list<std::uintptr_t> pointe
   return 0;
 }
 
+// A device pointer that crossed from Python as an integer, at its element type.
+template <typename T>
+T* typed(std::uintptr_t ptr) {
+  return reinterpret_cast<T*>(ptr);
+}
+
 inline cudaStream_t as_stream(std::uintptr_t stream) {
   // 0 is the legacy default stream; 1 and 2 are cudaStreamLegacy and
   // cudaStreamPerThread, the same values __cuda_array_interface__ uses.

@@ -11,11 +11,6 @@
 namespace ncdp {
 namespace {
 
-template <typename Real>
-Real* typed(std::uintptr_t ptr) {
-  return reinterpret_cast<Real*>(ptr);
-}
-
 // The group description shared by every sampling launch; `used` is whether
 // any row will read it (rows > 0).
 kernels::GroupSampling sampling_arguments(std::uintptr_t group_ptr, std::uintptr_t members,

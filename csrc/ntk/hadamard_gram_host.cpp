@@ -48,9 +48,9 @@ std::vector<kernels::GramTerm<Real>> contributing_terms(
     const bool has_f = f[l] != 0 || f2[l] != 0;
     if (b[l] == 0 || (has_f && a[l] == 0)) continue;
     terms.push_back(kernels::GramTerm<Real>{
-        has_f ? reinterpret_cast<const Real*>(f[l]) : nullptr,
-        has_f ? reinterpret_cast<const Real*>(f2[l]) : nullptr,
-        reinterpret_cast<const Real*>(b_ptrs[l]), reinterpret_cast<const Real*>(b2_ptrs[l]),
+        has_f ? typed<const Real>(f[l]) : nullptr,
+        has_f ? typed<const Real>(f2[l]) : nullptr,
+        typed<const Real>(b_ptrs[l]), typed<const Real>(b2_ptrs[l]),
         has_f ? a[l] : 0, b[l]});
   }
   return terms;
@@ -63,10 +63,10 @@ void launch_typed(const std::vector<kernels::GramTerm<Real>>& terms, std::int64_
   const auto count = static_cast<std::int64_t>(terms.size());
   if (out_dtype == kDtypeFloat32) {
     kernels::launch_hadamard_gram<Real, Acc, float>(terms.data(), count, n, n2, symmetric,
-                                                    reinterpret_cast<float*>(out), stream);
+                                                    typed<float>(out), stream);
   } else {
     kernels::launch_hadamard_gram<Real, Acc, double>(terms.data(), count, n, n2, symmetric,
-                                                     reinterpret_cast<double*>(out), stream);
+                                                     typed<double>(out), stream);
   }
 }
 

@@ -13,10 +13,10 @@ void launch_fill_gaussian(std::uintptr_t out, std::int64_t count, int dtype, std
   if (count == 0) return;
   DeviceGuard guard(out, "out");
   if (dtype == kDtypeFloat32) {
-    kernels::launch_fill_gaussian(reinterpret_cast<float*>(out), count, seed, offset, scale,
+    kernels::launch_fill_gaussian(typed<float>(out), count, seed, offset, scale,
                                   accumulate, as_stream(stream));
   } else {
-    kernels::launch_fill_gaussian(reinterpret_cast<double*>(out), count, seed, offset, scale,
+    kernels::launch_fill_gaussian(typed<double>(out), count, seed, offset, scale,
                                   accumulate, as_stream(stream));
   }
   check_launch("fill_gaussian");

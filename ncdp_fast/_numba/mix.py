@@ -37,13 +37,19 @@ def uniform53(seed, sid, j):
         * _INV_2_53
 
 
+@njit(cache=True, inline="always")
+def row_sid(offset, r, row_stride):
+    """Sub-stream of output row r: 1 + offset + r * row_stride (uint64, wrapping)."""
+    return np.uint64(1) + offset + np.uint64(r) * row_stride
+
+
 @njit(cache=True)
 def sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_select, walk_rate,
-               selected, buf):
+               buf):
     """Selected example ids of one row, in sampler order, written to ``buf``
-    (grown by doubling when full).  ``selected`` is a [G] bool scratch.
-    Returns ``(buf, count)``."""
+    (grown by doubling when full).  Returns ``(buf, count)``."""
     G = group_ptr.shape[0] - 1
+    selected = np.empty(G, dtype=np.bool_)
     j = 0
     for k in range(G):
         if has_select:
@@ -81,14 +87,10 @@ def sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_sele
 def sample_counts(seed, offset, row_stride, group_ptr, members, has_members, select_rate,
                   has_select, walk_rate, counts):
     """counts[r] = |I_r| for rows r < len(counts)."""
-    G = group_ptr.shape[0] - 1
     for r in prange(counts.shape[0]):
-        sid = np.uint64(1) + offset + np.uint64(r) * row_stride
-        buf = np.empty(64, dtype=np.int64)
-        selected = np.empty(G, dtype=np.bool_)
-        buf, c = sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_select,
-                            walk_rate, selected, buf)
-        counts[r] = c
+        buf, counts[r] = sample_row(seed, row_sid(offset, r, row_stride), group_ptr, members,
+                                    has_members, select_rate, has_select, walk_rate,
+                                    np.empty(64, dtype=np.int64))
 
 
 @sized_kernel(lambda seed, offset, row_stride, group_ptr, members, has_members, select_rate,
@@ -96,14 +98,13 @@ def sample_counts(seed, offset, row_stride, group_ptr, members, has_members, sel
 def sample_fill(seed, offset, row_stride, group_ptr, members, has_members, select_rate,
                 has_select, walk_rate, indptr, indices):
     """indices[indptr[r]:indptr[r+1]] = I_r (indptr from sample_counts)."""
-    G = group_ptr.shape[0] - 1
     for r in prange(indptr.shape[0] - 1):
-        sid = np.uint64(1) + offset + np.uint64(r) * row_stride
-        selected = np.empty(G, dtype=np.bool_)
+        # The same draws as sample_counts: the row fills its slice exactly, so
+        # sample_row never grows it (an empty row gets a 1-element dummy).
         out = indices[indptr[r]:indptr[r + 1]]
-        buf, c = sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_select,
-                            walk_rate, selected, out if out.shape[0] > 0 else np.empty(1, np.int64))
-        # The row fits exactly: sample_row never grows a buffer it fills to the end.
+        sample_row(seed, row_sid(offset, r, row_stride), group_ptr, members, has_members,
+                   select_rate, has_select, walk_rate,
+                   out if out.shape[0] > 0 else np.empty(1, np.int64))
 
 
 @sized_kernel(lambda features, *args: features.shape[1] * 64 * args[-1].shape[0],
@@ -115,14 +116,10 @@ def _mix_block(features, labels, soft, has_soft, group_ptr, members, has_members
     (d+K) float64 normals per row, already drawn)."""
     d = features.shape[1]
     K = out_y.shape[1]
-    G = group_ptr.shape[0] - 1
     for rr in prange(out_x.shape[0]):
-        r = first_row + rr
-        sid = np.uint64(1) + offset + np.uint64(r) * row_stride
-        buf = np.empty(128, dtype=np.int64)
-        selected = np.empty(G, dtype=np.bool_)
-        buf, c = sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_select,
-                            walk_rate, selected, buf)
+        buf, c = sample_row(seed, row_sid(offset, first_row + rr, row_stride), group_ptr,
+                            members, has_members, select_rate, has_select, walk_rate,
+                            np.empty(128, dtype=np.int64))
         counts[rr] = c
         ax = np.zeros(d, dtype=out_x.dtype)
         ay = np.zeros(K, dtype=out_y.dtype)
