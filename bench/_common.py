@@ -3,10 +3,8 @@ and the JSON + Markdown report written to bench/results/."""
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -18,44 +16,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def git_commit() -> str:
-    try:
-        sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                      stderr=subprocess.DEVNULL, text=True).strip()
-        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD", "--", "ncdp_fast", "csrc",
-                                 "bench"], cwd=ROOT, stderr=subprocess.DEVNULL)
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
+from ncdp_fast._report import cpu_name, git_commit, machine, write_report  # noqa: E402,F401
 
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
-def machine(torch_mod=None) -> dict:
-    import numba
-    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "numba_threads": numba.get_num_threads(),
-            "python": platform.python_version(), "numpy": np.__version__,
-            "numba": numba.__version__}
-    if torch_mod is not None:
-        info["torch"] = torch_mod.__version__
-        info["torch_threads"] = torch_mod.get_num_threads()
-        if torch_mod.cuda.is_available():
-            info["gpu"] = torch_mod.cuda.get_device_name()
-    try:
-        import opacus
-        info["opacus"] = opacus.__version__
-    except ImportError:
-        pass
-    return info
+
+
 
 
 def timeit(fn, *, repeats=10, warmup=2, sync=None, min_time=0.0):
@@ -120,36 +87,6 @@ def run_worker(script: str, cfg: dict, timeout: float = 1200) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def write_report(name: str, out_dir: str, meta: dict, rows: list[dict], columns: list[tuple],
-                 notes: list[str] = ()) -> Path:
-    """Write ``<name>-<device>-<date>.json`` and ``.md`` (a table of ``columns``:
-    (key, header, format)) and return the JSON path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    now = _dt.datetime.now(_dt.timezone.utc)
-    meta = dict(meta, date=now.strftime("%Y-%m-%d %H:%M UTC"), commit=git_commit())
-    device = meta.get("device_tag", "cpu")
-    stem = f"{name}-{device}-{now.strftime('%Y%m%d')}"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [f"# {name}", "",
-             f"- device: {meta.get('device', '?')}",
-             f"- commit: {meta['commit']}",
-             f"- date: {meta['date']}", ""]
-    for n in notes:
-        lines.append(f"- {n}")
-    if notes:
-        lines.append("")
-    lines.append("| " + " | ".join(h for _, h, _ in columns) + " |")
-    lines.append("|" + "---|" * len(columns))
-    for r in rows:
-        cells = []
-        for key, _, fmt in columns:
-            v = r.get(key)
-            cells.append("" if v is None else (fmt.format(v) if fmt else str(v)))
-        lines.append("| " + " | ".join(cells) + " |")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return out / f"{stem}.json"
 
 
 def bench_parser(description: str | None = None) -> argparse.ArgumentParser:

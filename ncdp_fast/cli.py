@@ -1,4 +1,4 @@
-"""The ``ncdp-fast`` command: ``info``, ``demo``, ``bench``."""
+"""The ``ncdp-fast`` command: ``info``, ``demo``, ``bench``, ``data``, ``reproduce``."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +21,8 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-BENCHES = ["bench_clip.py", "bench_mix.py", "bench_ntk.py", "bench_privacy.py"]
+BENCHES = ["bench_clip.py", "bench_mix.py", "bench_ntk.py", "bench_privacy.py", "bench_train.py",
+           "bench_release.py"]
 
 
 def _cmd_bench(args) -> int:
@@ -46,6 +47,16 @@ def _cmd_bench(args) -> int:
     return status
 
 
+def _cmd_data(args) -> int:
+    from .datasets import fetch_main
+    return int(fetch_main(args.args) or 0)
+
+
+def _cmd_reproduce(args) -> int:
+    from .reproduce import run
+    return run(args.name, args.args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ncdp-fast", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +75,16 @@ def main(argv=None) -> int:
     bench.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
     bench.add_argument("--only", nargs="*", choices=BENCHES)
     bench.set_defaults(fn=_cmd_bench)
+    data = sub.add_parser("data", help="fetch MNIST, Fashion-MNIST and the pretrained extractors, "
+                          "and cache their features (what `make data` runs)")
+    data.add_argument("args", nargs=argparse.REMAINDER, help="options of the fetcher (--help)")
+    data.set_defaults(fn=_cmd_data)
+    from .reproduce import REPRODUCTIONS
+    rep = sub.add_parser("reproduce", help="reproduce a paper's experiments into bench/results/",
+                         epilog="; ".join(f"{k}: {v[2]}" for k, v in REPRODUCTIONS.items()))
+    rep.add_argument("name", choices=sorted(REPRODUCTIONS))
+    rep.add_argument("args", nargs=argparse.REMAINDER, help="options of the reproduction (--help)")
+    rep.set_defaults(fn=_cmd_reproduce)
     args = parser.parse_args(argv)
     return args.fn(args)
 
