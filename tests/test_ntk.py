@@ -213,3 +213,17 @@ def test_gram_from_torch_refuses_unsupported():
     with pytest.raises(ValueError, match="one activation"):
         ntk.gram_from_torch(nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3), nn.Tanh(),
                                           nn.Linear(3, 1)), torch.ones(2, 3))
+
+
+def test_lambda_min_of_a_singular_ntk_is_zero_to_rounding():
+    # 180 parameters, 600 samples: K has rank <= 180, so lambda_min = 0 exactly;
+    # the block solver must say so (|value| at rounding level) instead of
+    # chasing a 420-fold degenerate eigenvalue.
+    rng = np.random.default_rng(3)
+    W = [rng.standard_normal((20, 8)) / np.sqrt(8), rng.standard_normal((1, 20)) / np.sqrt(20)]
+    x = rng.standard_normal((600, 8))
+    K = nf.ntk_gram(x, W, activation="relu")
+    r = ntk.lambda_min(K, method="shift-invert")
+    scale = np.abs(K).sum(axis=1).max()
+    assert abs(r.value) <= 600 * np.finfo(np.float64).eps * scale
+    assert abs(np.linalg.eigvalsh(K)[0]) <= 600 * np.finfo(np.float64).eps * scale

@@ -15,9 +15,13 @@ import numpy as np
 
 from .. import _backend
 from .._ntk import ACTIVATIONS, _namespace, activation, ntk_factors, ntk_gram
+from .regress import (RF_ACTIVATIONS, NTKRegressor, RandomFeatures, RFRegressor, random_features,
+                      sensitivity)
+from ._eig import cholesky_solver, smallest_by_block_lanczos
 
 __all__ = ["ACTIVATIONS", "gram", "ntk_gram", "gram_from_torch", "ntk_matvec", "lambda_min",
-           "rf_gram", "EigResult"]
+           "rf_gram", "EigResult", "RF_ACTIVATIONS", "random_features", "RandomFeatures",
+           "RFRegressor", "NTKRegressor", "sensitivity"]
 
 gram = ntk_gram
 
@@ -118,9 +122,13 @@ def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxite
 
     * "eigh": dense LAPACK (only the smallest pair is computed);
     * "shift-invert": Cholesky of K + tau I (tau = 1e-12 ||K||_inf keeps it
-      definite) and ARPACK on its inverse around -tau: a few dozen O(n^2)
-      solves after one n^3/3 factorization; K is formed with ntk_gram when only
-      x and weights are given;
+      definite; raised up to n eps ||K||_inf if rounding makes K indefinite)
+      and block Lanczos on its inverse (blocks of 32 solves, each block one
+      BLAS-3 pass over the factor; see ``ntk/_eig.py`` for why not ARPACK):
+      one n^3/3 factorization plus a few dozen block solves; K is formed with
+      ntk_gram when only x and weights are given.  A numerically singular K
+      (e.g. fewer parameters than samples) returns a value that is zero to
+      working precision;
     * "lanczos": matrix-free ARPACK (smallest algebraic, 64 Lanczos vectors) on
       :func:`ntk_matvec` or on K -- memory O(n * #params), but slow to converge
       when the small eigenvalues cluster, as NTK spectra do;
@@ -130,7 +138,7 @@ def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxite
     Returns an :class:`EigResult` ``(value, residual)`` with ``.vector`` and
     ``.method``; residual = ||K u - value u|| for the unit vector u.
     """
-    from scipy.linalg import cho_solve, eigh
+    from scipy.linalg import eigh
     from scipy.sparse.linalg import LinearOperator, eigsh, lobpcg
     if (K is None) == (x is None):
         raise ValueError("lambda_min: give either K or x (with weights), not both or neither")
@@ -165,14 +173,18 @@ def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxite
         val, vec = float(w[0]), U[:, 0]
     elif method == "shift-invert":
         # ||K||_inf by row blocks: no n x n temporary beyond the one factored copy.
-        tau = 1e-12 * max(float(np.abs(K[i:i + 1024]).sum(axis=1).max()) for i in range(0, n, 1024))
-        factor = (_cholesky_lower(K, tau), True)
-        op = LinearOperator((n, n), matvec=lambda v: cho_solve(factor, v), dtype=np.float64)
-        # ARPACK in shift-invert mode: the largest eigenvalue 1/(lambda + tau) of
-        # the inverse is the smallest lambda of K.
-        mu, U = eigsh(op, k=1, which="LM", tol=tol, ncv=min(n, 32), maxiter=maxiter or 10 * n)
-        vec = U[:, 0] / np.linalg.norm(U[:, 0])
-        val = float(vec @ mv(vec))               # Rayleigh quotient on K itself
+        knorm = max(float(np.abs(K[i:i + 1024]).sum(axis=1).max()) for i in range(0, n, 1024))
+        tau = 1e-12 * knorm
+        while True:
+            try:
+                solve = cholesky_solver(K, tau)
+                break
+            except np.linalg.LinAlgError:
+                if tau >= 4 * n * np.finfo(np.float64).eps * knorm:
+                    raise
+                tau *= 10.0
+        val, vec, _, _ = smallest_by_block_lanczos(solve, mv, n, tau=tau, tol=tol,
+                                                   max_blocks=maxiter)
     elif method in ("lanczos", "lobpcg"):
         op = LinearOperator((n, n), matvec=mv, dtype=np.float64)
         if method == "lanczos":
@@ -192,24 +204,6 @@ def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxite
                          f"'lobpcg', got {method!r}")
     residual = float(np.linalg.norm(mv(vec) - val * vec))
     return EigResult(val, residual, vec, method)
-
-
-def _cholesky_lower(K, tau):
-    """Lower Cholesky factor of K + tau I (float64 NumPy).  Uses torch's LAPACK
-    (MKL in the CPU wheels) when torch is installed: the multithreaded dpotrf of
-    the OpenBLAS bundled with NumPy/SciPy 2.x crashed (SIGSEGV) at n = 20000 on
-    this project's machines."""
-    try:
-        import torch
-    except ImportError:
-        from scipy.linalg import cho_factor
-        A = K.copy()
-        A[np.diag_indices(K.shape[0])] += tau
-        return cho_factor(A, lower=True, overwrite_a=True)[0]
-    A = torch.from_numpy(K).clone()
-    A.diagonal().add_(tau)
-    L = torch.linalg.cholesky(A, out=A)
-    return L.numpy()
 
 
 def _backend_to_numpy(a):
