@@ -41,9 +41,12 @@ def _mirror_diagonal_block(blk):
             blk[i, j] = blk[j, i]
 
 
-def hadamard_gram(f, b, f2, b2, out, symmetric, matmul=np.matmul, accumulate_f64=False):
+def hadamard_gram(f, b, f2, b2, out, symmetric, matmul=np.matmul, accumulate_f64=False,
+                  accumulate=False):
     """out [n, n2] = sum_l (f[l] f2[l]^T) o (b[l] b2[l]^T); ``f[l] is None`` means a
-    constant-1 factor (bias terms).  Arrays are NumPy, C-contiguous."""
+    constant-1 factor (bias terms).  Arrays are NumPy, C-contiguous.  With
+    ``accumulate`` the sum is added to ``out`` (the caller streams terms one
+    layer at a time; the arithmetic, and so the result, is the same)."""
     n, n2 = out.shape
     acc_dtype = np.float64 if accumulate_f64 else out.dtype
     step = block_rows(max(n, n2))
@@ -51,7 +54,8 @@ def hadamard_gram(f, b, f2, b2, out, symmetric, matmul=np.matmul, accumulate_f64
         i1 = min(n, i0 + step)
         for j0 in range(i0 if symmetric else 0, n2, step):
             j1 = min(n2, j0 + step)
-            acc = np.zeros((i1 - i0, j1 - j0), dtype=acc_dtype)
+            acc = (out[i0:i1, j0:j1].astype(acc_dtype) if accumulate else
+                   np.zeros((i1 - i0, j1 - j0), dtype=acc_dtype))
             q = np.empty((i1 - i0, j1 - j0), dtype=out.dtype)
             p = np.empty_like(q)
             for fl, bl, f2l, b2l in zip(f, b, f2, b2):
