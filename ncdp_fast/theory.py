@@ -63,6 +63,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _backend
+from .ntk.regress import _as_matrix as _matrix
+from .ntk.regress import _as_targets as _targets
+from .ntk.regress import _check_pos_int as _pos_int
 
 __all__ = ["SCHEDULES", "clip_factors", "schedule_lr", "noise_schedule", "DPGDRegressor",
            "DPSGDResult", "dpsgd_linear_regression", "ODEResult", "dpsgd_risk_ode"]
@@ -81,34 +84,6 @@ def _finite(v, name, *, positive=False, nonneg=False):
         what = "> 0" if positive else (">= 0" if nonneg else "finite")
         raise ValueError(f"{name}: expected a finite number {what}, got {v!r}")
     return v
-
-
-def _pos_int(v, name):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
-    return int(v)
-
-
-def _matrix(x, name):
-    if _backend.is_torch(x):
-        x = x.detach().cpu().numpy()
-    x = np.asarray(x, dtype=np.float64)
-    if x.ndim != 2:
-        raise ValueError(f"{name}: expected a 2-D array (n, d), got shape {x.shape}")
-    if not np.all(np.isfinite(x)):
-        raise ValueError(f"{name}: contains NaN or Inf")
-    return x
-
-
-def _targets(y, n):
-    if _backend.is_torch(y):
-        y = y.detach().cpu().numpy()
-    y = np.asarray(y, dtype=np.float64)
-    if y.shape != (n,):
-        raise ValueError(f"y: expected shape ({n},) (one label per row of x), got {y.shape}")
-    if not np.all(np.isfinite(y)):
-        raise ValueError("y: contains NaN or Inf")
-    return y
 
 
 # ---------------------------------------------------------------- clip factors

@@ -104,6 +104,8 @@ def _as_matrix(x, name, d=None):
 
 
 def _as_targets(y, n):
+    if _backend.is_torch(y):
+        y = y.detach().cpu().numpy()
     y = np.asarray(y, dtype=np.float64)
     if y.shape != (n,):
         raise ValueError(f"y: expected shape ({n},) (one real label per row of x), got {y.shape}")
