@@ -77,15 +77,22 @@ def main(argv=None) -> int:
     bench.set_defaults(fn=_cmd_bench)
     data = sub.add_parser("data", help="fetch MNIST, Fashion-MNIST and the pretrained extractors, "
                           "and cache their features (what `make data` runs)")
-    data.add_argument("args", nargs=argparse.REMAINDER, help="options of the fetcher (--help)")
-    data.set_defaults(fn=_cmd_data)
+    data.set_defaults(fn=_cmd_data, args=[])             # its options go to the fetcher
+    data.add_argument("--fetcher-help", action="store_true",
+                      help="the fetcher's own options (--only, --extractors, --resolution, --force)")
     from .reproduce import REPRODUCTIONS
     rep = sub.add_parser("reproduce", help="reproduce a paper's experiments into bench/results/",
                          epilog="; ".join(f"{k}: {v[2]}" for k, v in REPRODUCTIONS.items()))
     rep.add_argument("name", choices=sorted(REPRODUCTIONS))
     rep.add_argument("args", nargs=argparse.REMAINDER, help="options of the reproduction (--help)")
     rep.set_defaults(fn=_cmd_reproduce)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "data":
+        # The fetcher parses its own options (argparse's REMAINDER cannot start
+        # with an option, so they are passed on here instead).
+        args.args = ["--help"] if args.fetcher_help else extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.fn(args)
 
 
