@@ -1,0 +1,374 @@
+"""NeuroMixGDP release (ncdp_fast.release): calibration, noise, the mixing it wraps,
+HS accounting, persistence, the soft-label classifier and the membership audit.
+
+Statistical assertions use fixed seeds and state their false-alarm rate: the
+probability that a correct implementation fails them (chi-square tests at the
+two-sided 1e-6 quantiles)."""
+import math
+import zipfile
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from ncdp_fast.privacy import (dp_to_gdp, epsilon_poisson_gaussian, gdp_to_dp, neuromix_noise,
+                               optimal_mixup_degree, poisson_gdp_mu)
+from ncdp_fast.release import (NeuroMixGDP, Released, SoftLabelClassifier, hs_epsilon,
+                               hs_noise_multiplier, membership_auc)
+
+
+def _data(n=200, d=6, K=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, d)) * 3, rng.integers(0, K, n), K
+
+
+def _chi2_ok(residuals, std):
+    # sum (r/std)^2 ~ chi2(N): two-sided 1e-6 false-alarm rate.
+    r = np.asarray(residuals, dtype=np.float64).ravel()
+    s = float(np.sum((r / std) ** 2))
+    lo, hi = stats.chi2.ppf([5e-7, 1 - 5e-7], r.size)
+    return lo <= s <= hi, (s / r.size, lo / r.size, hi / r.size)
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def test_poisson_noise_scales_equal_calibration():
+    X, lab, K = _data()
+    g = NeuroMixGDP(epsilon=2.0, delta=1e-5, mixup_degree=10, num_samples=300, lam=2.0,
+                    clip_x=1.5, seed=4)
+    rel = g.release(X, lab, num_classes=K)
+    nz = neuromix_noise(2.0, 1e-5, n=200, mixup_degree=10, num_samples=300, lam=2.0)
+    assert rel.sigma_x == nz.sigma_x and rel.sigma_y == nz.sigma_y
+    assert rel.noise_std_x == nz.sigma_x * 1.5 / 10 and rel.noise_std_y == nz.sigma_y / 10
+    rep = rel.report
+    assert rep.epsilon_clt == pytest.approx(2.0, rel=1e-9)
+    assert rep.epsilon_pld == nz.epsilon_pld and rep.mu == dp_to_gdp(2.0, 1e-5)
+    assert rel.x.shape == (300, 6) and rel.y.shape == (300, K)
+    assert rel.recompute_report() == rep
+
+
+def test_released_noise_has_calibrated_std():
+    # Zero features: x is pure noise; y minus the true label mean is pure noise.
+    n, d, K, T, m = 60, 25, 3, 400, 5
+    lab = np.arange(n) % K
+    for hc in (None, 2):
+        for clip_y in (1.0, 0.5):
+            g = NeuroMixGDP(epsilon=3.0, delta=1e-5, mixup_degree=m, num_samples=T,
+                            hierarchical_classes=hc, clip_y=clip_y, seed=11)
+            rel, groups = g._release(np.zeros((n, d)), lab, num_classes=K, return_groups=True)
+            ok, info = _chi2_ok(rel.x, rel.sigma_x * 1.0 / m)
+            assert ok, ("x", hc, clip_y, info)
+            onehot = np.eye(K)[lab] * min(1.0, clip_y)
+            mean_y = np.array([onehot[gr].sum(0) / m for gr in groups])
+            ok, info = _chi2_ok(rel.y - mean_y, rel.sigma_y * clip_y / m)
+            assert ok, ("y", hc, clip_y, info)
+
+
+def test_noise_off_m1_reproduces_sampled_rows():
+    X, lab, K = _data()
+    g = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=1, num_samples=500, clip_x=2.0,
+                    seed=3)
+    rel, groups = g._release(X, lab, num_classes=K, noise=False, return_groups=True)
+    assert rel.report.epsilon_pld == math.inf          # flagged as not private
+    clipped = X * np.minimum(1.0, 2.0 / np.linalg.norm(X, axis=1, keepdims=True))
+    singles = 0
+    for t, gr in enumerate(groups):
+        np.testing.assert_allclose(rel.x[t], clipped[gr].sum(0), rtol=0, atol=1e-12)
+        np.testing.assert_array_equal(rel.y[t], np.eye(K)[lab[gr]].sum(0))
+        if len(gr) == 1:
+            singles += 1
+            np.testing.assert_allclose(rel.x[t], clipped[gr[0]], rtol=1e-15, atol=0)
+    assert singles > 100                     # P(|I_t| = 1) = (1 - 1/n)^(n-1) ~ 0.37
+
+
+def test_pld_epsilon_at_least_clt():
+    # The CLT of Theorem 3.1 is an approximation that underestimates epsilon here; the
+    # PLD bound (pessimistic) must sit above it.
+    for eps, hc in ((1.0, None), (4.0, None), (1.0, 2)):
+        g = NeuroMixGDP(epsilon=eps, delta=1e-5, mixup_degree=16, num_samples=2000,
+                        hierarchical_classes=hc, seed=0)
+        rel = g.release(*_data(n=2000, d=3)[:2], num_classes=4)
+        assert rel.report.epsilon_clt == pytest.approx(eps, rel=1e-9)
+        assert rel.report.epsilon_pld >= rel.report.epsilon_clt
+
+
+def test_pld_accountant_meets_target():
+    X, lab, K = _data(n=1000, d=3)
+    for hc in (None, 2):
+        g = NeuroMixGDP(epsilon=2.0, delta=1e-5, mixup_degree=8, num_samples=1000,
+                        hierarchical_classes=hc, accountant="pld", seed=0)
+        g.value_discretization_interval = 1e-3     # coarser grid: same guarantee, faster
+        rep = g.release(X, lab, num_classes=K).report
+        assert 2.0 * (1 - 1e-3) <= rep.epsilon_pld <= 2.0
+
+
+# ----------------------------------------------------------------------------- HS accounting
+
+def test_hs_with_all_classes_kept_is_poisson():
+    kw = dict(mixup_degree=10, n=1000, num_samples=2000, delta=1e-5)
+    pld = hs_epsilon(0.8, class_rates=np.ones(5), **kw)
+    assert pld == pytest.approx(epsilon_poisson_gaussian(0.8, 0.01, 2000, 1e-5, "pld"),
+                                rel=1e-12)
+    clt = hs_epsilon(0.8, class_rates=np.ones(5), accountant="clt", **kw)
+    assert clt == pytest.approx(gdp_to_dp(poisson_gdp_mu(0.8, 0.01, 2000), 1e-5), rel=1e-12)
+
+
+def test_hs_accounting_is_worse_than_the_papers_claim():
+    # Revealed class selection: mu^2 grows by 1/p relative to Poisson at rate m/n.
+    kw = dict(mixup_degree=10, n=1000, num_samples=2000, delta=1e-5)
+    p = 0.3
+    clt = hs_epsilon(0.8, class_rates=np.full(10, p), accountant="clt", **kw)
+    mu = poisson_gdp_mu(0.8, 0.01, 2000) / math.sqrt(p)
+    assert clt == pytest.approx(gdp_to_dp(mu, 1e-5), rel=1e-12)
+    assert hs_epsilon(0.8, class_rates=np.full(10, p), **kw) > \
+        epsilon_poisson_gaussian(0.8, 0.01, 2000, 1e-5, "pld")
+    # Per-class rates: the smallest p_k decides.
+    mixed = hs_epsilon(0.8, class_rates=[0.3, 0.9, 1.0], accountant="clt", **kw)
+    assert mixed == pytest.approx(clt, rel=1e-12)
+    # Closed-form CLT calibration: Theorem 3.1 with mu^2 -> p mu^2.
+    s = hs_noise_multiplier(1.0, 1e-5, mixup_degree=10, n=1000, num_samples=2000,
+                            class_rates=np.full(10, p))
+    mu1 = dp_to_gdp(1.0, 1e-5)
+    assert s == pytest.approx(1 / math.sqrt(math.log1p(mu1 ** 2 * p * 1000 ** 2 /
+                                                       (100 * 2000))), rel=1e-10)
+
+
+def test_hs_report_and_paper_epsilon():
+    X, lab, K = _data(n=1000, d=4, K=10)
+    g = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=10, num_samples=1000,
+                    hierarchical_classes=3, seed=2)
+    rel = g.release(X, lab, num_classes=K)
+    rep = rel.report
+    assert rep.sampling == "hierarchical" and rep.class_rates == (0.3,) * 10
+    assert rep.epsilon_paper < rep.epsilon_clt == pytest.approx(1.0, rel=1e-9)
+
+
+def test_auto_mixup_degree_is_section_3_2():
+    g = NeuroMixGDP(epsilon=4.0, delta=1e-5, seed=0)
+    m = g.resolve(5000, 10)["m"]
+    assert m == round(optimal_mixup_degree(dp_to_gdp(4.0, 1e-5), 5000, 5000))
+    assert g.resolve(5000, 10)["T"] == 5000
+
+
+def test_successive_releases_use_disjoint_noise():
+    X, lab, K = _data()
+    g = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=5, num_samples=50, seed=9)
+    a = g.release(X, lab, num_classes=K)
+    b = g.release(X, lab, num_classes=K)
+    assert b.offset == a.offset + 50 * (6 + K)
+    assert not np.allclose(a.x, b.x)
+    assert NeuroMixGDP(epsilon=1.0, delta=1e-5).seed != NeuroMixGDP(epsilon=1.0, delta=1e-5).seed
+
+
+def test_torch_input_gives_torch_output():
+    torch = pytest.importorskip("torch")
+    X, lab, K = _data()
+    g = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=5, num_samples=50, seed=9)
+    rel = g.release(torch.from_numpy(X), torch.from_numpy(lab), num_classes=K)
+    ref = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=5, num_samples=50, seed=9).release(
+        X, lab, num_classes=K)
+    assert isinstance(rel.x, torch.Tensor)
+    np.testing.assert_array_equal(rel.x.numpy(), ref.x)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(epsilon=0.0), "epsilon"), (dict(epsilon=-1.0), "epsilon"),
+    (dict(delta=1.0), "delta"), (dict(mixup_degree=0), "mixup_degree"),
+    (dict(mixup_degree="best"), "mixup_degree"), (dict(num_samples=0), "num_samples"),
+    (dict(lam=0.0), "lam"), (dict(clip_x=0.0), "clip_x"), (dict(clip_y=-1.0), "clip_y"),
+    (dict(accountant="rdp"), "accountant"), (dict(clip_x=float("inf")), "clip_x"),
+])
+def test_bad_constructor_arguments(kwargs, match):
+    kw = dict(epsilon=1.0, delta=1e-5)
+    kw.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        NeuroMixGDP(**kw)
+
+
+def test_bad_release_input():
+    X, lab, K = _data()
+    g = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=5, seed=0)
+    with pytest.raises(ValueError, match="labels: length 199 differs"):
+        g.release(X, lab[:-1], num_classes=K)
+    bad = lab.copy()
+    bad[3] = K + 2
+    with pytest.raises(ValueError, match=r"labels: expected integers in \[0, 4\), got .*max 6"):
+        g.release(X, bad, num_classes=K)
+    bad[3] = -1
+    with pytest.raises(ValueError, match="labels: expected integers"):
+        g.release(X, bad, num_classes=K)
+    with pytest.raises(TypeError, match="labels: expected integer class ids"):
+        g.release(X, lab.astype(float), num_classes=K)
+    with pytest.raises(ValueError, match="mixup_degree: expected m <= n = 200, got 500"):
+        NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=500).release(X, lab, num_classes=K)
+    with pytest.raises(ValueError, match=r"hierarchical_classes: q_k = m/\(n p_k\)"):
+        NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=100,
+                    hierarchical_classes=1).release(X, lab, num_classes=K)
+    with pytest.raises(ValueError, match="hierarchical_classes: expected 4 class rates"):
+        NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=5,
+                    hierarchical_classes=[0.5, 0.5]).release(X, lab, num_classes=K)
+    with pytest.raises(ValueError, match="hierarchical_classes: expected a number of classes"):
+        NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=5,
+                    hierarchical_classes=7).release(X, lab, num_classes=K)
+    Xn = X.copy()
+    Xn[5, 2] = np.nan
+    with pytest.raises(ValueError, match="features: contains NaN or infinite"):
+        g.release(Xn, lab, num_classes=K)
+    Xn[5, 2] = np.inf
+    with pytest.raises(ValueError, match="features: contains NaN or infinite"):
+        g.release(Xn, lab, num_classes=K)
+    with pytest.raises(ValueError, match="features: expected shape"):
+        g.release(X[0], lab, num_classes=K)
+    with pytest.raises(ValueError, match="num_classes"):
+        g.release(X, lab, num_classes=0)
+
+
+# ----------------------------------------------------------------------------- persistence
+
+def _released():
+    X, lab, K = _data(n=300)
+    return NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=6, num_samples=40,
+                       hierarchical_classes=2, seed=5).release(X, lab, num_classes=K)
+
+
+def test_save_load_round_trip(tmp_path):
+    rel = _released()
+    p = rel.save(tmp_path / "r.npz")
+    back = Released.load(p)
+    np.testing.assert_array_equal(back.x, rel.x)
+    np.testing.assert_array_equal(back.y, rel.y)
+    assert back.report == rel.report and back.seed == rel.seed and back.offset == rel.offset
+    assert back.metadata() == rel.metadata()
+    assert back.recompute_report() == rel.report
+
+
+def test_save_refuses_overwrite(tmp_path):
+    rel = _released()
+    p = rel.save(tmp_path / "r.npz")
+    before = p.read_bytes()
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        rel.save(p)
+    assert p.read_bytes() == before
+    rel.save(p, overwrite=True)
+
+
+def test_load_rejects_truncated_and_altered(tmp_path):
+    rel = _released()
+    p = rel.save(tmp_path / "r.npz")
+    data = p.read_bytes()
+    (tmp_path / "t.npz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        Released.load(tmp_path / "t.npz")
+    # Altered array, same stored checksum.
+    with np.load(p) as z:
+        entries = {k: z[k] for k in z.files}
+    entries["x"] = entries["x"].copy()
+    entries["x"][0, 0] += 1e-3
+    np.savez(tmp_path / "a.npz", **entries)
+    with pytest.raises(ValueError, match="SHA-256 mismatch"):
+        Released.load(tmp_path / "a.npz")
+    # Altered metadata (a smaller epsilon claimed).
+    with np.load(p) as z:
+        entries = {k: z[k] for k in z.files}
+    meta = entries["metadata"].tobytes().decode().replace('"epsilon_pld": ', '"epsilon_pld": 0')
+    entries["metadata"] = np.frombuffer(meta.encode(), dtype=np.uint8)
+    np.savez(tmp_path / "m.npz", **entries)
+    with pytest.raises(ValueError, match="SHA-256 mismatch"):
+        Released.load(tmp_path / "m.npz")
+    # A byte flipped inside the zip (CRC) or an entry missing.
+    bad = bytearray(data)
+    bad[len(bad) // 3] ^= 0xFF
+    (tmp_path / "f.npz").write_bytes(bytes(bad))
+    with pytest.raises(ValueError):
+        Released.load(tmp_path / "f.npz")
+    with zipfile.ZipFile(tmp_path / "e.npz", "w") as z:
+        z.writestr("x.npy", b"")
+    with pytest.raises(ValueError):
+        Released.load(tmp_path / "e.npz")
+
+
+# ----------------------------------------------------------------------------- classifier
+
+def test_end_to_end_digits_beats_chance():
+    from ncdp_fast.datasets import load_digits      # sklearn's bundled digits: no download
+    imgs, y = load_digits("train")
+    imgs_t, yt = load_digits("test")
+    X = imgs.reshape(len(imgs), -1).astype(np.float64) / 255
+    Xt = imgs_t.reshape(len(imgs_t), -1).astype(np.float64) / 255
+    g = NeuroMixGDP(epsilon=8.0, delta=1e-5, mixup_degree=8, num_samples=6000, clip_x=1.0,
+                    seed=12)
+    rel = g.release(X, y, num_classes=10)
+    clf = SoftLabelClassifier(max_iter=50, seed=0).fit(rel)
+    assert clf.clip_x == 1.0
+    acc = clf.score(Xt, yt)
+    # Chance is 0.1; 297 test images.  P(Binomial(297, 0.1) >= 0.5*297) < 1e-40.
+    assert acc >= 0.5, acc
+    p = clf.predict_proba(Xt)
+    assert p.shape == (297, 10) and np.allclose(p.sum(1), 1.0)
+    sq = SoftLabelClassifier(loss="squared", alpha=1e-4).fit(rel)
+    assert sq.score(Xt, yt) >= 0.5
+
+
+def test_classifier_conventions_and_clipping():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((300, 5))
+    y = (X[:, 0] > 0).astype(np.int64)
+    Y = np.eye(2)[y] + 0.1 * rng.standard_normal((300, 2))     # negative entries occur
+    clf = SoftLabelClassifier(clip_x=1.0, alpha=1e-3, seed=0).fit(X, Y)
+    assert clf.coef_.shape == (2, 5) and clf.intercept_.shape == (2,)
+    s_np = clf.decision_function(X)
+    s_t = clf.decision_function(torch.from_numpy(X))
+    np.testing.assert_allclose(s_np, s_t)
+    # Test rows are clipped to norm 1: scaling a long row changes nothing.
+    big = X[:10] / np.linalg.norm(X[:10], axis=1, keepdims=True) * 5
+    np.testing.assert_allclose(clf.decision_function(big), clf.decision_function(big * 3),
+                               rtol=1e-5)
+    assert clf.score(X, y) > 0.9
+    with pytest.raises(ValueError, match="X: expected 5 features"):
+        clf.predict(X[:, :3])
+    with pytest.raises(RuntimeError, match="fit"):
+        SoftLabelClassifier().predict(X)
+    st = SoftLabelClassifier(alpha=1e-3, standardize=True, seed=0).fit(X + 5, Y)
+    Xc = X + 5
+    # float32 products of length 5: a few ulps of the logits.
+    np.testing.assert_allclose(st.decision_function(X + 5), Xc @ st.coef_.T + st.intercept_,
+                               rtol=1e-4, atol=1e-4)
+    assert st.score(X + 5, y) > 0.9
+    adam = SoftLabelClassifier(solver="adam", epochs=30, batch_size=64, lr=1e-2, hidden=8,
+                               seed=0).fit(X, Y)
+    assert adam.score(X, y) > 0.8
+
+
+# ----------------------------------------------------------------------------- membership audit
+
+class _ProbModel:
+    """predict_proba returns [p, 1 - p] with p taken from the single feature column."""
+
+    def predict_proba(self, X):
+        p = np.asarray(X, dtype=np.float64)[:, 0]
+        return np.stack([p, 1 - p], axis=1)
+
+
+def _pairs(ps):
+    ps = np.asarray(ps, dtype=np.float64)
+    return ps[:, None], np.zeros(len(ps), dtype=np.int64)
+
+
+def test_membership_auc_known_values():
+    m = _ProbModel()
+    # Every member has a lower loss than every non-member: AUC 1; reversed: 0.
+    assert membership_auc(m, _pairs([0.9, 0.8]), _pairs([0.5, 0.1, 0.3])) == 1.0
+    assert membership_auc(m, _pairs([0.1, 0.2]), _pairs([0.5, 0.9])) == 0.0
+    # Same losses on both sides: 0.5 by symmetry.
+    assert membership_auc(m, _pairs([0.3, 0.6, 0.6]), _pairs([0.6, 0.3, 0.6])) == 0.5
+    # Ties: member losses -log[0.9, 0.5, 0.5], non-member -log[0.5, 0.2]:
+    # pairs won 1 + 1 + 0.5 + 1 + 0.5 + 1 = 5 of 6.
+    assert membership_auc(m, _pairs([0.9, 0.5, 0.5]), _pairs([0.5, 0.2])) == pytest.approx(5 / 6,
+                                                                                          abs=1e-15)
+    with pytest.raises(TypeError, match="members"):
+        membership_auc(m, np.zeros((2, 1)), _pairs([0.5]))
+    with pytest.raises(ValueError, match="labels"):
+        membership_auc(m, (np.full((2, 1), 0.5), np.array([0, 2])), _pairs([0.5]))
