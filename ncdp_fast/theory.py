@@ -342,6 +342,19 @@ class DPSGDResult:
     excess_risk: np.ndarray = field(default_factory=lambda: np.empty(0))
 
 
+def _schedule_args(clip, rho, schedule, lr0):
+    """Checked (clip, rho, lr0) shared by the simulation and its ODE."""
+    c = _finite(clip, "clip", positive=True)
+    rho = _finite(rho, "rho", positive=True)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    if schedule != "optimal":
+        if lr0 is None:
+            raise ValueError(f"lr0: required for schedule {schedule!r}")
+        lr0 = _finite(lr0, "lr0", positive=True)
+    return c, rho, lr0
+
+
 def _schedule_eta(n, d, schedule, lr0, rho, c1, c2, c3):
     t = np.arange(n) / n                                    # step k at time k/n
     return schedule_lr(t, schedule, lr0=lr0, gamma=d / n, rho=rho, c1=c1, c2=c2, c3=c3) / n
@@ -373,14 +386,7 @@ def dpsgd_linear_regression(x, y, *, clip, schedule, rho, seed=None, lr0=None, c
     x = _matrix(x, "x")
     n, d = x.shape
     y = _targets(y, n)
-    c = _finite(clip, "clip", positive=True)
-    rho = _finite(rho, "rho", positive=True)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
-    if schedule != "optimal":
-        if lr0 is None:
-            raise ValueError(f"lr0: required for schedule {schedule!r}")
-        lr0 = _finite(lr0, "lr0", positive=True)
+    c, rho, lr0 = _schedule_args(clip, rho, schedule, lr0)
     eta = _schedule_eta(n, d, schedule, lr0, rho, c1, c2, c3)
     sigma = noise_schedule(eta, rho)
     C = c * math.sqrt(d)
@@ -465,15 +471,8 @@ def dpsgd_risk_ode(*, d, n, clip, schedule, rho, noise_std, theta_star=None, cov
     """
     from scipy.integrate import solve_ivp
     d, n = _pos_int(d, "d"), _pos_int(n, "n")
-    c = _finite(clip, "clip", positive=True)
-    rho = _finite(rho, "rho", positive=True)
+    c, rho, lr0 = _schedule_args(clip, rho, schedule, lr0)
     tau = _finite(noise_std, "noise_std", nonneg=True)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
-    if schedule != "optimal":
-        if lr0 is None:
-            raise ValueError(f"lr0: required for schedule {schedule!r}")
-        lr0 = _finite(lr0, "lr0", positive=True)
     gamma = d / n
     if cov is None:
         lam = np.ones(1)
