@@ -42,6 +42,26 @@ def timeit(fn, *, repeats=10, warmup=2, sync=None, min_time=0.0):
     return float(np.median(times)), float(np.min(times))
 
 
+def alternate(run, cfgs: dict, rounds: int = 3) -> dict:
+    """Run ``run(cfg)`` for every method of ``cfgs`` (name -> cfg) in ``rounds``
+    interleaved rounds (A B C A B C ...) and keep, per method, the round with the
+    median ``median_s``.  On a shared VM the speed drifts by tens of percent over
+    minutes; interleaving makes the ratios between methods robust to that drift."""
+    seen = {m: [] for m in cfgs}
+    for _ in range(rounds):
+        for m, cfg in cfgs.items():
+            seen[m].append(run(cfg))
+    out = {}
+    for m, results in seen.items():
+        ok = [r for r in results if "median_s" in r]
+        if not ok:
+            out[m] = results[-1]
+            continue
+        ok.sort(key=lambda r: r["median_s"])
+        out[m] = dict(ok[len(ok) // 2], rounds=len(ok))
+    return out
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
