@@ -393,17 +393,15 @@ def test_neuromix_reproduction_driver(tmp_path, monkeypatch):
         y = np.arange(n) % 10
         return (centers[y] + rng.standard_normal((n, 24))).astype(np.float32), y
 
-    seen = {}
-    real_auc = neuromix.__dict__.get("membership_auc")
     import ncdp_fast.release as rel_mod
+    seen = {}
     orig = rel_mod.membership_auc
 
     def spy(model, members, nonmembers):
         seen.setdefault("pairs", []).append((members[0], nonmembers[0]))
         return orig(model, members, nonmembers)
     monkeypatch.setattr(ds, "load_features", fake)
-    monkeypatch.setattr(rel_mod, "membership_auc", spy)
-    assert real_auc is None            # imported lazily, so the spy is what mia() uses
+    monkeypatch.setattr(rel_mod, "membership_auc", spy)    # mia() imports it at call time
     assert neuromix.main(["--quick", "--seed", "5", "--seeds", "1", "--sweep-m", "2,8",
                           "--out", str(tmp_path), "--max-iter", "20"]) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
