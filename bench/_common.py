@@ -95,12 +95,26 @@ def mem_peak(torch, device, start):
     return peak_rss_mb() - start
 
 
-def run_worker(script: str, cfg: dict, timeout: float = 1200) -> dict:
+def run_worker(script: str, cfg: dict, timeout: float = 1200, *,
+               exact_memory: bool = False) -> dict:
     """Run ``script --worker <json cfg>`` in a fresh process (so peak memory is
     that configuration's own) and return the JSON it prints last, or
-    ``{"error": ...}``."""
+    ``{"error": ...}``.
+
+    Peak memory on the CPU is peak RSS minus the RSS after a warm-up call, which
+    only works if freed buffers leave the process.  glibc raises its mmap
+    threshold after the first large free, so later buffers of that size come
+    from the heap and stay resident when freed: the warm-up's memory then hides
+    in the baseline (two runs of the same (2048, 128, 1024, 3) NTK comparison
+    reported 48/96 MB and 80/33 MB).  ``exact_memory`` fixes the threshold, so
+    every buffer above 128 KiB is mmap-backed and returned on free; it also
+    makes every call page-fault its buffers afresh (25-60 % slower at that size),
+    so use it for a memory-only run, not for timings."""
+    env = dict(os.environ)
+    if exact_memory:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     proc = subprocess.run([sys.executable, script, "--worker", json.dumps(cfg)],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-3:]
         return dict(error=" | ".join(tail))

@@ -138,6 +138,11 @@ def main():
             # ncdp and its bar (plain torch) in interleaved rounds; torch.func once.
             res = alternate(lambda c: run_worker(__file__, c),
                             {m: cfg(m) for m in ("ncdp", "plain_torch")})
+            if dev == "cpu":       # peak memory from a separate run (see run_worker)
+                for m in ("ncdp", "plain_torch"):
+                    mem = run_worker(__file__, dict(cfg(m), repeats=1), exact_memory=True)
+                    if "median_s" in res[m]:
+                        res[m]["peak_extra_mb"] = mem.get("peak_extra_mb")
             params = d * N + (L - 2) * N * N + N
             res["torch_func"] = (
                 dict(error=f"J would need {n * params * 4 / 2**30:.0f} GiB")
@@ -163,7 +168,9 @@ def main():
         notes = ["flop count: 2 n^2 (width_F + width_B) per layer term, halved for the "
                  "symmetric Gram (what ncdp computes); peak: a 4096^3 float32 GEMM in torch",
                  "ncdp and plain torch ran in 3 interleaved rounds (fresh process each; the "
-                 "median round is reported), torch.func once",
+                 "median round is reported), torch.func once; CPU peak MB of ncdp and plain "
+                 "torch from one more run each with a fixed glibc mmap threshold "
+                 "(bench/_common.run_worker)",
                  "targets: CPU >= 100x torch.func, >= 1.2x plain torch with <= half its memory; "
                  "GPU >= 1.5x plain torch at (16384, 256, 4096, 4)"]
         if dev == "cpu":
