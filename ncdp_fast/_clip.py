@@ -103,15 +103,20 @@ def _shape(x, name):
                         f"got {type(x).__name__}") from None
 
 
-def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws):
+def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=None):
     host = be.io.to_numpy(norms)
-    bad = np.flatnonzero(~np.isfinite(host))
+    # A zero factor also marks a finite norm whose rounding bound overflowed.
+    dropped = ~np.isfinite(host)
+    if factors is not None:
+        dropped |= be.io.to_numpy(factors) == 0
+    bad = np.flatnonzero(dropped)
     if bad.size and nan_policy == "raise":
         shown = ", ".join(str(i) for i in bad[:10]) + (", ..." if bad.size > 10 else "")
         raise ValueError(f"per-sample gradients of rows [{shown}] ({bad.size} of {host.size}) are not "
                          "finite (NaN/Inf, or a norm overflowing float64); fix the model or pass "
                          "nan_policy='zero' to drop those samples")
-    return dict(norms=be.io.to_user(norms), num_clipped=int(np.count_nonzero(host > max_norm)),
+    clipped = np.count_nonzero(~dropped & (host > max_norm))
+    return dict(norms=be.io.to_user(norms), num_clipped=int(clipped),
                 num_nonfinite=int(bad.size), seed=seed, offset=offset, draws=draws)
 
 
@@ -141,7 +146,11 @@ def clip_and_noise(grads, *, max_norm, noise_multiplier, seed=None, offset=0, re
     Returns a :class:`ClipResult` whose ``grad`` (p,) has the input's dtype and
     array type; ``norms`` are float64.  Norms accumulate in float64; the
     weighted sum accumulates in the input dtype over at most 8 slabs combined in
-    float64 (see ``_numba.clip``).
+    float64 (see ``_numba.clip``).  The factor is ``reference.clip_factors``:
+    ``min(1, C/||g_i||)`` with the norm raised by a rounding margin (about
+    3e-7 relative in float32, 1e-15 in float64 plus ``p`` float64 roundings),
+    so that a sample's contribution *as computed* never exceeds C
+    (docs/privacy.md).
     """
     max_norm, noise_std, inv_denom, seed, offset = _check_common(
         max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy, seed, offset)
@@ -198,7 +207,9 @@ class _Layer:
             self.a = be.io.to_kernel(a).reshape(B, T, sa[-1])
             self.g = be.io.to_kernel(g).reshape(B, T, sg[-1])
             self.dense = False
-            self.K, self.d = sg[-1], sa[-1]
+            self.K, self.d, self.T = sg[-1], sa[-1], T
+            # float64 multiply-adds in the sample's norm (reference.linear_terms)
+            self.terms = self.d + self.K + T * T + T + (self.K if self.bias else 0)
             self.draws = self.K * self.d + (self.K if self.bias else 0)
         else:
             s = _shape(spec, f"layers{where}")
@@ -213,6 +224,7 @@ class _Layer:
                 0, int(np.prod(s[1:])))
             self.dense = True
             self.draws = int(np.prod(s[1:]))
+            self.terms, self.T = self.draws, 1
         self.B = B
 
     def add_sq_norms(self, kernels, sq):
@@ -220,6 +232,11 @@ class _Layer:
             kernels.row_sq_norms(self.g, sq, True)
         else:
             kernels.linear_sq_norms(self.a, self.g, self.bias, sq, True)
+
+    def add_spread(self, kernels, spread):
+        """The rounding scale of a sum over positions (sequence blocks only)."""
+        if not self.dense and self.T > 1:
+            kernels.linear_spread(self.a, self.g, self.bias, spread, True)
 
     def drop_rows(self, io, rows):
         """Zero the given samples (a copy, never the caller's data): 0 * NaN would
@@ -263,11 +280,17 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     sq = be.io.zeros((B,), _F64)
     for layer in layers:
         layer.add_sq_norms(be.kernels, sq)
+    t_max = max(layer.T for layer in layers)
+    spread = be.io.zeros((B,), _F64) if t_max > 1 else None
+    for layer in layers:
+        if spread is not None:
+            layer.add_spread(be.kernels, spread)
     factors, norms = be.io.empty((B,), _F64), be.io.empty((B,), _F64)
-    be.kernels.clip_factors(sq, max_norm, factors, norms)
-    acc = _accounting(be, norms, max_norm, nan_policy, seed, offset, draws)
+    be.kernels.clip_factors(sq, spread, max_norm, sum(layer.terms for layer in layers), t_max,
+                            float(np.finfo(dtype).eps) / 2, factors, norms)
+    acc = _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors)
     if acc["num_nonfinite"]:
-        bad = np.flatnonzero(~np.isfinite(be.io.to_numpy(norms)))
+        bad = np.flatnonzero(be.io.to_numpy(factors) == 0)
         for layer in layers:
             layer.drop_rows(be.io, bad)
     grads, start = [], offset

@@ -129,7 +129,7 @@ def test_layers_share_one_factor(dtype):
     res = nf.clip_and_noise_layers([dense, (a, g), (a2, g2, False)], **kw)
     blocks = [dense.reshape(9, -1), R.per_sample_linear_grads(a, g, True),
               R.per_sample_linear_grads(a2, g2, False)]
-    ref, norms = R.clip_and_noise_layers(blocks, **kw)
+    ref, norms = R.clip_and_noise_layers([dense, (a, g), (a2, g2, False)], **kw)
     np.testing.assert_allclose(res.norms, norms, rtol=1e-12)
     factors, _ = R.clip_factors(norms ** 2, 1.0)
     noise = 0.4 * R.gaussian(sum(b.shape[1] for b in blocks), seed=8, offset=3, dtype=np.float64)

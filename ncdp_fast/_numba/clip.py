@@ -16,6 +16,11 @@ from ._dispatch import sized_kernel
 
 from .rng import add_gaussian
 
+
+def unit_roundoff(dtype) -> float:
+    """u of a float dtype: the relative rounding error of one operation."""
+    return float(np.finfo(dtype).eps) / 2
+
 # Rows are split into at most this many slabs, each summed into its own
 # accumulator; slabs are combined in order at the end.  Fixed (not the thread
 # count) so the rounding of the result does not depend on the machine's cores.
@@ -35,24 +40,42 @@ def _sq_norm(row):
     return s
 
 
+# Factors below this are applied to a float64 product instead of being cast to
+# the data dtype first: a float32 factor under 2^-126 is a denormal with few
+# significant bits (and 0 under 2^-149), which broke the clip bound.
+_TINY_FACTOR = 2.0 ** -60
+
+
 @njit(cache=True, inline="always")
-def factor_from_sq(sq, max_norm):
-    """min(1, C/||g||) from a float64 squared norm; 0 for a non-finite norm (the
-    op raises or drops such rows), 1 for a zero row."""
-    n = math.sqrt(sq)
-    if not math.isfinite(n):
+def safe_factor(sq, e, max_norm, terms, t_max, unit):
+    """The clip rule of ``reference.clip_factors``: 1 if the rounding-aware bound
+    on the computed norm is <= C, else C / bound; 0 when the bound is not finite
+    (the op raises or drops such rows).  sq: float64 squared norm; e: the spread
+    (0 for dense rows and 2-D linear inputs)."""
+    g = (terms + 4) * 2.0 ** -52
+    b = (math.sqrt(sq + (math.sqrt(g) * e) ** 2) + (t_max + 2) * 2.0 ** -52 * e) * (1.0 + g)
+    b = (b + 2.0 * (t_max + 2) * unit * e) * (1.0 + 4.0 * unit)
+    if not math.isfinite(b):
         return 0.0
-    if n <= max_norm:
+    if b <= max_norm:
         return 1.0
-    return max_norm / n
+    return max_norm / b
 
 
 @sized_kernel(lambda sq, *_: 64 * sq.shape[0])
-def clip_factors(sq, max_norm, factors, norms):
-    """norms = sqrt(sq); factors = min(1, C/norm), 0 where not finite.  All [B] float64."""
+def _clip_factors(sq, spread, has_spread, max_norm, terms, t_max, unit, factors, norms):
     for i in prange(sq.shape[0]):
         norms[i] = math.sqrt(sq[i])
-        factors[i] = factor_from_sq(sq[i], max_norm)
+        e = spread[i] if has_spread else 0.0
+        factors[i] = safe_factor(sq[i], e, max_norm, terms, t_max, unit)
+
+
+def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms):
+    """norms = sqrt(sq); factors by :func:`safe_factor`.  sq, spread (or None),
+    factors, norms: [B] float64; terms, t_max: ints; unit: the data dtype's u."""
+    has = spread is not None
+    _clip_factors(sq, spread if has else sq, has, float(max_norm), float(terms), float(t_max),
+                  float(unit), factors, norms)
 
 
 @sized_kernel(lambda g, *_: g.size, fastmath=_FM)
@@ -64,16 +87,16 @@ def row_sq_norms(g, sq, accumulate):
 
 
 @njit(cache=True, inline="always")
-def _row_factor(g, i, factors, compute, max_norm, norms):
+def _row_factor(g, i, factors, compute, max_norm, unit, norms):
     if compute:
         sq = _sq_norm(g[i])
         norms[i] = math.sqrt(sq)
-        factors[i] = factor_from_sq(sq, max_norm)
+        factors[i] = safe_factor(sq, 0.0, max_norm, g.shape[1], 1.0, unit)
     return factors[i]
 
 
 @sized_kernel(lambda g, *_: g.size, fastmath=_FM)
-def _slab_sums(g, factors, compute, max_norm, norms, acc):
+def _slab_sums(g, factors, compute, max_norm, unit, norms, acc):
     """acc[s] = sum over the rows of slab s of factors[i] * g[i].
 
     With ``compute`` the factor of each row is derived from its norm right
@@ -81,7 +104,8 @@ def _slab_sums(g, factors, compute, max_norm, norms, acc):
     stream from memory once.  Rows go in groups of four so the accumulator is
     read and written once per four rows, not once per row (for wide rows it
     lives in L2/L3 and its traffic would otherwise dominate).  norms and
-    factors ([B] float64) are written when ``compute``.
+    factors ([B] float64) are written when ``compute``.  A factor below
+    ``_TINY_FACTOR`` multiplies in float64 (one rounding to the data dtype).
     """
     B = g.shape[0]
     S = acc.shape[0]
@@ -92,14 +116,15 @@ def _slab_sums(g, factors, compute, max_norm, norms, acc):
         a[:] = 0
         i = lo
         while i < hi:
-            f0 = _row_factor(g, i, factors, compute, max_norm, norms)
+            f0 = _row_factor(g, i, factors, compute, max_norm, unit, norms)
             if i + 4 <= hi:
-                f1 = _row_factor(g, i + 1, factors, compute, max_norm, norms)
-                f2 = _row_factor(g, i + 2, factors, compute, max_norm, norms)
-                f3 = _row_factor(g, i + 3, factors, compute, max_norm, norms)
-                # A zero factor marks a dropped (non-finite) row: 0 * NaN would
-                # still poison the sum, so such groups go row by row below.
-                if f0 != 0.0 and f1 != 0.0 and f2 != 0.0 and f3 != 0.0:
+                f1 = _row_factor(g, i + 1, factors, compute, max_norm, unit, norms)
+                f2 = _row_factor(g, i + 2, factors, compute, max_norm, unit, norms)
+                f3 = _row_factor(g, i + 3, factors, compute, max_norm, unit, norms)
+                # A zero factor marks a dropped (non-finite) row (0 * NaN would
+                # still poison the sum) and a tiny one needs a float64 product:
+                # such groups go row by row below.
+                if min(min(f0, f1), min(f2, f3)) >= _TINY_FACTOR:
                     c0 = a.dtype.type(f0)
                     c1 = a.dtype.type(f1)
                     c2 = a.dtype.type(f2)
@@ -113,11 +138,14 @@ def _slab_sums(g, factors, compute, max_norm, norms, acc):
             # factors are already stored, so re-reading them is free.
             for r in range(i, min(i + 4, hi) if i + 4 <= hi else i + 1):
                 f = factors[r]
-                if f != 0.0:
+                row = g[r]
+                if f >= _TINY_FACTOR:
                     c = a.dtype.type(f)
-                    row = g[r]
                     for j in range(a.shape[0]):
                         a[j] += c * row[j]
+                elif f != 0.0:
+                    for j in range(a.shape[0]):
+                        a[j] += a.dtype.type(f * np.float64(row[j]))
             i = min(i + 4, hi) if i + 4 <= hi else i + 1
 
 
@@ -145,7 +173,7 @@ def clip_noise_rows(g, max_norm, noise_std, inv_denom, seed, offset, out, norms,
     """
     B, p = g.shape
     acc = _slab_buffer(B, p, g.dtype)
-    _slab_sums(g, factors, True, max_norm, norms, acc)
+    _slab_sums(g, factors, True, max_norm, unit_roundoff(g.dtype), norms, acc)
     _finish(acc, B, noise_std, inv_denom, seed, offset, out)
 
 
@@ -153,7 +181,7 @@ def weighted_row_sum_noise(g, factors, noise_std, inv_denom, seed, offset, out):
     """``out = inv_denom * (sum_i factors[i] g_i + noise_std * xi)`` with given factors."""
     B, p = g.shape
     acc = _slab_buffer(B, p, g.dtype)
-    _slab_sums(g, factors, False, 0.0, factors, acc)
+    _slab_sums(g, factors, False, 0.0, 0.0, factors, acc)
     _finish(acc, B, noise_std, inv_denom, seed, offset, out)
 
 
@@ -219,32 +247,82 @@ def linear_sq_norms(a, g, bias, sq, accumulate):
         sq[i] = sq[i] + total if accumulate else total
 
 
+@sized_kernel(lambda a, g, *_: a.size + g.size, fastmath=_FM)
+def linear_spread(a, g, bias, spread, accumulate):
+    """spread[i] (=|+=) sum_t ||g_it|| (||a_it|| + [bias]), float64: the scale of
+    the rounding error of a sum over the T positions (``reference.clip_bound``).
+    a: [B, T, d]; g: [B, T, K]; spread: [B] float64."""
+    one = 1.0 if bias else 0.0
+    for i in prange(a.shape[0]):
+        e = 0.0
+        for t in range(a.shape[1]):
+            e += math.sqrt(_sq_norm(g[i, t])) * (math.sqrt(_sq_norm(a[i, t])) + one)
+        spread[i] = spread[i] + e if accumulate else e
+
+
+@sized_kernel(lambda a, g, *_: a.size + g.size)
+def _balance_exponents(a, g, factors, k):
+    """k[i]: a power of two moved from the factor-scaled g_i to a_i, so that
+    neither f_i 2^k g_i nor 2^-k a_i leaves the range where the data dtype
+    rounds relatively (0 unless one of them is far from 1)."""
+    for i in prange(a.shape[0]):
+        ma = 0.0
+        for t in range(a.shape[1]):
+            for j in range(a.shape[2]):
+                ma = max(ma, abs(np.float64(a[i, t, j])))
+        mg = 0.0
+        for t in range(g.shape[1]):
+            for j in range(g.shape[2]):
+                mg = max(mg, abs(np.float64(g[i, t, j])))
+        mg *= factors[i]
+        k[i] = 0.0
+        if ma > 0.0 and mg > 0.0 and not (2.0 ** -40 <= ma <= 2.0 ** 40
+                                          and 2.0 ** -40 <= mg <= 2.0 ** 40):
+            k[i] = np.floor(0.5 * (np.log2(ma) - np.log2(mg)))
+
+
 def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb,
                        matmul=np.matmul):
     """gw [K, d] = inv_denom*(sum_{i,t} f_i g_it a_it^T + noise_std*xi_w), and
     gb [K] likewise from ``sum_{i,t} f_i g_it`` (skipped when gb is None).
 
     One BLAS GEMM over the B*T rows; the factor is applied to whichever operand
-    is narrower, so the temporary is the smaller of (B*T, K) and (B*T, d).
+    is narrower, so the temporary is the smaller of (B*T, K) and (B*T, d).  The
+    factor multiplies in float64 and the product is rounded once: a float32
+    factor would be a denormal below 2^-126.  When some sample is clipped, an
+    exact power of two is moved between its operands if either would otherwise
+    leave the well-scaled range (extreme inputs; see ``_balance_exponents``).
     Noise: weight entries are draws offset + k*d + j, then the bias.
     ``matmul(x, y, out)`` is the caller library's GEMM (see ``_backend``).
     """
     B, T, d = a.shape
     K = g.shape[2]
-    f = factors.astype(a.dtype)[:, None, None]
+    dt = a.dtype
+    f = factors
+    rebalanced = False
+    if B and f.min() < 1.0:
+        k = np.empty(B)
+        _balance_exponents(a, g, f, k)
+        if k.any():
+            rebalanced = True
+            k = k.astype(np.int64)
+            f = np.ldexp(f, k)
+            a = np.ldexp(a, -k[:, None, None]).astype(dt)
+    f = f[:, None, None]
     a2 = a.reshape(B * T, d)
     g2 = g.reshape(B * T, K)
     if K <= d:
-        gs = (g * f).reshape(B * T, K)
+        gs = (g * f).astype(dt).reshape(B * T, K)
         matmul(gs.T, a2, out=gw)
     else:
-        matmul(g2.T, (a * f).reshape(B * T, d), out=gw)
+        matmul(g2.T, (a * f).astype(dt).reshape(B * T, d), out=gw)
         gs = None
     add_gaussian(gw.reshape(-1), np.uint64(seed), np.uint64(offset), float(noise_std), True,
                  float(inv_denom))
     if gb is not None:
-        if gs is None:
-            gs = (g * f).reshape(B * T, K)
+        if gs is None or rebalanced:
+            # The bias sums g_i times its true factor (no power of two moved).
+            gs = (g * factors[:, None, None]).astype(dt).reshape(B * T, K)
         # Column sums in float64 (np.sum's pairwise float32 sum is good, float64 is better).
         gb[:] = gs.sum(axis=0, dtype=np.float64)
         add_gaussian(gb, np.uint64(seed), np.uint64(offset) + np.uint64(K * d), float(noise_std),
