@@ -5,7 +5,8 @@ same type out): :func:`gaussian`, :func:`clip_and_noise`,
 :func:`clip_and_noise_linear`, :func:`clip_and_noise_layers`, :func:`mix`,
 :func:`poisson_batches`, :func:`ntk_gram`; NTK analysis in :mod:`ncdp_fast.ntk`.  Drop-ins for
 torch training loops live in :mod:`ncdp_fast.torch`; :func:`info` says what
-this installation can do.
+this installation can do.  :class:`NoiseStream` hands disjoint ranges of one
+secret Philox key to every noisy component of a workflow.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from ._info import info
 from ._mix import BatchPlan, MixResult, mix, poisson_batches
 from ._ntk import ntk_gram
 from ._rng import gaussian
+from ._stream import NoiseReuseWarning, NoiseStream
 
 __all__ = ["__version__", "info", "gaussian", "clip_and_noise", "clip_and_noise_linear",
            "clip_and_noise_layers", "ClipResult", "LinearClipResult", "LayersClipResult",
-           "mix", "poisson_batches", "MixResult", "BatchPlan", "ntk_gram"]
+           "mix", "poisson_batches", "MixResult", "BatchPlan", "ntk_gram", "NoiseStream",
+           "NoiseReuseWarning"]

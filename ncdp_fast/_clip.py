@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import _backend
+from . import _backend, _stream
 
 __all__ = ["ClipResult", "LinearClipResult", "LayersClipResult", "clip_and_noise",
            "clip_and_noise_linear", "clip_and_noise_layers"]
@@ -69,8 +69,7 @@ def _nonneg_finite(value, name):
     return float(value)
 
 
-def _check_common(max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy,
-                  seed, offset):
+def _check_common(max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy):
     max_norm = _positive_finite(max_norm, "max_norm")
     noise_multiplier = _nonneg_finite(noise_multiplier, "noise_multiplier")
     if reduction not in ("sum", "mean"):
@@ -85,14 +84,7 @@ def _check_common(max_norm, noise_multiplier, reduction, expected_batch_size, na
         inv_denom = 1.0
     if nan_policy not in ("raise", "zero"):
         raise ValueError(f"nan_policy: expected 'raise' or 'zero', got {nan_policy!r}")
-    seed = _backend.resolve_seed(seed)
-    offset = _backend.check_uint64(offset, "offset")
-    return max_norm, noise_multiplier * max_norm, inv_denom, seed, offset
-
-
-def _check_draws(offset, draws):
-    if offset + draws > 2**64:
-        raise ValueError(f"offset: {offset} + {draws} draws runs past the end of the 2**64 stream")
+    return max_norm, noise_multiplier * max_norm, inv_denom
 
 
 def _shape(x, name):
@@ -122,7 +114,7 @@ def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=No
 
 # ------------------------------------------------------------------- dense op
 
-def clip_and_noise(grads, *, max_norm, noise_multiplier, seed=None, offset=0, reduction="sum",
+def clip_and_noise(grads, *, max_norm, noise_multiplier, seed=None, offset=None, reduction="sum",
                    expected_batch_size=None, nan_policy="raise") -> ClipResult:
     """Clip each per-sample gradient to norm ``max_norm``, sum, add Gaussian noise.
 
@@ -136,8 +128,11 @@ def clip_and_noise(grads, *, max_norm, noise_multiplier, seed=None, offset=0, re
             non-contiguous array is copied once (cost B*p).
         max_norm: C > 0, the per-sample L2 sensitivity bound.
         noise_multiplier: sigma >= 0; the noise standard deviation is sigma*C.
-        seed: 64-bit Philox key; None draws one from the OS (returned in the result).
-        offset: first draw of the stream to use; the call consumes ``p`` draws.
+        seed: 64-bit Philox key, a :class:`NoiseStream`, or None for a key from
+            the OS (returned in the result).
+        offset: first draw to use; None takes the next unused range of the
+            seed's stream in this process (``ncdp_fast._stream``), so repeated
+            calls never reuse noise.  The call consumes ``p`` draws.
         reduction: "sum", or "mean" to divide by ``expected_batch_size`` -- never by
             the realized B, which would reveal it without accounting.
         nan_policy: "raise" (ValueError naming the rows) or "zero" (drop them;
@@ -152,15 +147,15 @@ def clip_and_noise(grads, *, max_norm, noise_multiplier, seed=None, offset=0, re
     so that a sample's contribution *as computed* never exceeds C
     (docs/privacy.md).
     """
-    max_norm, noise_std, inv_denom, seed, offset = _check_common(
-        max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy, seed, offset)
+    max_norm, noise_std, inv_denom = _check_common(
+        max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy)
     shape = _shape(grads, "grads")
     if len(shape) != 2:
         raise ValueError(f"grads: expected shape (B, p), got {shape}")
     be = _backend.select("clip", grads=grads)
     dtype = be.check_float(grads, "grads")
     B, p = shape
-    _check_draws(offset, p)
+    seed, offset = _stream.claim(seed, offset, p)
     g = be.io.to_kernel(grads)
     out = be.io.empty((p,), dtype)
     norms = be.io.empty((B,), _F64)
@@ -265,8 +260,8 @@ class _Layer:
 
 def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, reduction,
                  expected_batch_size, nan_policy):
-    max_norm, noise_std, inv_denom, seed, offset = _check_common(
-        max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy, seed, offset)
+    max_norm, noise_std, inv_denom = _check_common(
+        max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy)
     be = _backend.select("clip", **arrays)
     first = next(iter(arrays))
     dtype = be.check_float(arrays[first], first)
@@ -276,7 +271,7 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         if layer.B != B:
             raise ValueError(f"layers[{i}]: batch size {layer.B} differs from layers[0] batch size {B}")
     draws = sum(layer.draws for layer in layers)
-    _check_draws(offset, draws)
+    seed, offset = _stream.claim(seed, offset, draws)
     sq = be.io.zeros((B,), _F64)
     for layer in layers:
         layer.add_sq_norms(be.kernels, sq)
@@ -301,7 +296,7 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
 
 
 def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier, bias=True,
-                          seed=None, offset=0, reduction="sum", expected_batch_size=None,
+                          seed=None, offset=None, reduction="sum", expected_batch_size=None,
                           nan_policy="raise") -> LinearClipResult:
     """Clipped, noised gradient of a linear layer without per-sample gradients.
 
@@ -334,7 +329,7 @@ def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier,
     return LinearClipResult(grad_weight=gw, grad_bias=gb, **acc)
 
 
-def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=None, offset=0,
+def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=None, offset=None,
                           reduction="sum", expected_batch_size=None,
                           nan_policy="raise") -> LayersClipResult:
     """Clip several parameter blocks jointly: one factor per sample from the total norm.

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend
+from . import _backend, _stream
 from ._clip import _nonneg_finite, _positive_finite, _shape
 
 __all__ = ["BatchPlan", "MixResult", "mix", "poisson_batches"]
@@ -116,7 +116,7 @@ def _population(labels_host, n, K, m, class_rate):
 
 
 def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y,
-        num_classes=None, class_rate=None, clip_x=None, seed=None, offset=0,
+        num_classes=None, class_rate=None, clip_x=None, seed=None, offset=None,
         return_groups=False) -> MixResult:
     """Averages of Poisson- or hierarchically-subsampled groups plus Gaussian noise.
 
@@ -167,8 +167,6 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
     sx = _nonneg_finite(noise_std_x, "noise_std_x")
     sy = _nonneg_finite(noise_std_y, "noise_std_y")
     cx = 0.0 if clip_x is None else _positive_finite(clip_x, "clip_x")
-    seed = _backend.resolve_seed(seed)
-    offset = _backend.check_uint64(offset, "offset")
     be = _backend.select("mix", features=features, labels=labels)
     dtype = be.check_float(features, "features")
     xk = be.io.to_kernel(features)
@@ -211,8 +209,7 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
         raise ValueError(f"labels: expected shape (n,) or (n, K), got {sl}")
 
     draws = T * (d + K)
-    if offset + draws > 2**64:
-        raise ValueError(f"offset: {offset} + {draws} draws runs past the end of the stream")
+    seed, offset = _stream.claim(seed, offset, draws)
     group_ptr, members, select, walk = _population(labels_host, n, K, m, class_rate)
     out_x = be.io.empty((T, d), dtype)
     out_y = be.io.empty((T, K), dtype)
@@ -243,7 +240,7 @@ def _features_shape(features):
     return n, d
 
 
-def poisson_batches(n, *, sample_rate, steps, seed=None, offset=0) -> BatchPlan:
+def poisson_batches(n, *, sample_rate, steps, seed=None, offset=None) -> BatchPlan:
     """DP-SGD batches by true Poisson sampling: ``steps`` rows, each including every
     example 0..n-1 independently with probability ``sample_rate``.
 
@@ -257,8 +254,7 @@ def poisson_batches(n, *, sample_rate, steps, seed=None, offset=0) -> BatchPlan:
     n = _check_int(n, "n", 1)
     q = _rate(sample_rate, "sample_rate")
     steps = _check_int(steps, "steps", 0)
-    seed = _backend.resolve_seed(seed)
-    offset = _backend.check_uint64(offset, "offset")
+    seed, offset = _stream.claim(seed, offset, steps)
     if offset + steps + 1 > 2**64:
         raise ValueError(f"offset: {offset} + {steps} steps runs past the end of the stream")
     from ._numba import mix as cpu_mix

@@ -26,9 +26,12 @@ Privacy: add/remove one record; per-sample L2 sensitivity ``max_grad_norm`` (C).
 
 Both record their claim on the fitted estimator: ``accountant_`` (an
 :class:`ncdp_fast.privacy.Accountant` holding every event, preprocessing included),
-``epsilon_``, ``delta_``, ``noise_multiplier_``, ``seed_``.  Noise: step t uses the
-Philox draws ``[t*D, (t+1)*D)`` of ``seed_`` (D = K p, plus K with an intercept);
-Poisson batches use the sub-streams ``1..T`` of the same key, disjoint from them.
+``epsilon_``, ``delta_``, ``noise_multiplier_``.  Noise comes from a
+:class:`ncdp_fast.NoiseStream` (``seed``: None, an int or a stream; ``offset``):
+NoisySGD first takes T draws for its Poisson batches (sub-streams), then each step
+takes D = K p (+ K with an intercept) draws; ``offset_``/``next_offset_`` record
+the range.  The key itself is never stored on the fitted estimator nor pickled
+(docs/privacy.md): a pickled model does not carry its noise.
 """
 from __future__ import annotations
 
@@ -38,8 +41,9 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from . import _backend
+from . import _backend, _stream
 from ._clip import clip_and_noise_linear
+from ._numba.clip import clip_factors as _clip_factors
 from .nc import _check_features, check_labels
 
 __all__ = ["NoisyGDClassifier", "NoisySGDClassifier"]
@@ -142,8 +146,8 @@ def _linear_steps(X, y, *, num_classes, steps, lr, loss, max_grad_norm, noise_mu
 
     Internal: the estimators validate and account; tests call it with
     ``noise_multiplier=0`` to compare with plain GD.  Step t:
-    ``g = sum_i clip_C(r_i x_i^T) + noise_multiplier*C*xi_t`` (xi_t = Philox draws
-    ``[t*D, (t+1)*D)`` of ``seed``), over all rows (``batches=None``) or over
+    ``g = sum_i clip_C(r_i x_i^T) + noise_multiplier*C*xi_t`` (xi_t = the next D
+    draws of ``seed``, a NoiseStream, int or None), over all rows (``batches=None``) or over
     ``batches[t]``; ``theta -= lr * g`` (divided by ``expected_batch_size`` when given);
     then the projection of eq. 3.2.  ``counts[i]`` makes row i stand for that many
     identical records (their clipped gradients are equal, so the sum is exact).
@@ -175,7 +179,7 @@ def _linear_steps(X, y, *, num_classes, steps, lr, loss, max_grad_norm, noise_mu
         if cb is None:
             res = clip_and_noise_linear(Xb, R, max_norm=max_grad_norm,
                                         noise_multiplier=noise_multiplier, bias=fit_intercept,
-                                        seed=seed, offset=t * draws)
+                                        seed=seed)
             gW, gb = res.grad_weight, res.grad_bias
             clipped += res.num_clipped
         else:
@@ -187,17 +191,20 @@ def _linear_steps(X, y, *, num_classes, steps, lr, loss, max_grad_norm, noise_mu
             if not bool((norm == norm).all() and (norm != float("inf")).all()):
                 raise ValueError("per-sample gradients are not finite (NaN/Inf, e.g. a square "
                                  "loss diverging under a large lr); lower lr or use loss='ce'")
-            if ops.torch:
-                f = (max_grad_norm / norm.clamp(min=1e-300)).clamp(max=1.0)
-                f = f.to(ops.dtype)
-            else:
-                with np.errstate(divide="ignore"):
-                    f = np.minimum(1.0, max_grad_norm / norm).astype(ops.dtype)
+            # The clip rule of every op (reference.clip_factors), in float64 on the host.
+            sq_h = np.ascontiguousarray(sq.detach().cpu().numpy() if ops.torch else sq,
+                                        dtype=np.float64)
+            f_h, _ = np.empty_like(sq_h), np.empty_like(sq_h)
+            _clip_factors(sq_h, None, max_grad_norm, K + p + (K if fit_intercept else 0) + 2, 1,
+                          float(np.finfo(np.float32 if str(ops.dtype).endswith("32")
+                                         else np.float64).eps) / 2, f_h, _)
+            f = ops.asarray(f_h, dtype=ops.t.float64 if ops.torch else np.float64)
             clipped += int(round(float((cb * (norm > max_grad_norm)).sum())))
-            Rw = R * (f * cb)[:, None]
+            # float64 product, rounded once: a float32 factor may be a denormal.
+            Rw = ops.asarray(R * (f * cb)[:, None])
             noise = clip_and_noise_linear(Xb[:0], R[:0], max_norm=max_grad_norm,
                                           noise_multiplier=noise_multiplier, bias=fit_intercept,
-                                          seed=seed, offset=t * draws)
+                                          seed=seed)
             gW = Rw.T @ Xb + noise.grad_weight
             gb = (Rw.sum(0) + noise.grad_bias) if fit_intercept else None
         W = W - scale * gW
@@ -267,8 +274,18 @@ class _LinearBase:
         _check_real(self.lr, "lr")
         _check_real(self.max_grad_norm, "max_grad_norm")
         _check_real(self.projection_radius, "projection_radius", allow_none=True)
-        if self.num_classes is not None:
-            _check_int(self.num_classes, "num_classes", 2)
+        if self.num_classes is None:
+            raise ValueError("num_classes: required (an integer >= 2): reading K from the "
+                             "private labels as max(y) + 1 would reveal whether a record of "
+                             "the largest class is present")
+        _check_int(self.num_classes, "num_classes", 2)
+
+    def __getstate__(self):
+        # The noise key is secret: a pickled estimator (a model one may publish)
+        # never carries it, whether given as an int or a NoiseStream.
+        state = dict(self.__dict__)
+        state["seed"] = None
+        return state
 
     def _prepare(self, X, y):
         X = _float_features(X)
@@ -330,8 +347,11 @@ class NoisyGDClassifier(_LinearBase):
         projection_radius: R of eq. 3.2 (None: no projection); applied to
             (W, b) jointly after every step.  Post-processing, no privacy cost.
         fit_intercept: learn a bias (its gradient shares the sample's clip factor).
-        num_classes: K; None reads max(y) + 1 (treating the label set as public).
-        seed: 64-bit Philox key of the noise; None draws one from the OS (``seed_``).
+        num_classes: K >= 2, required: it is public, never read from the labels.
+        seed: the noise key: None (from the OS), a 64-bit int, or a
+            :class:`ncdp_fast.NoiseStream` shared with the rest of the workflow.
+            Not stored on the fitted estimator, never pickled.
+        offset: first draw (None: the next unused draw of ``seed``'s stream).
 
     Fitted attributes: ``coef_`` (K, p) and ``intercept_`` (K,) or None in the
     training data's library/device; ``rho_`` (total zCDP spent, preprocessing
@@ -339,13 +359,15 @@ class NoisyGDClassifier(_LinearBase):
     (sigma / C), ``accountant_`` (:class:`~ncdp_fast.privacy.Accountant` with the
     preprocessing zCDP events and T Gaussian steps of sample rate 1),
     ``epsilon_``/``delta_`` (the accountant's epsilon at delta under zCDP; None when
-    only rho was given), ``seed_``, ``num_clipped_``.
+    only rho was given), ``offset_``/``next_offset_`` (the draws used),
+    ``num_clipped_``.
     """
 
     def __init__(self, *, epsilon=None, delta=None, rho=None, steps=1, lr=1.0, loss="ce",
                  max_grad_norm=1.0, projection_radius=None, fit_intercept=False,
-                 num_classes=None, seed=None):
+                 num_classes=None, seed=None, offset=None):
         self.epsilon, self.delta, self.rho = epsilon, delta, rho
+        self.offset = offset
         self.steps, self.lr, self.loss = steps, lr, loss
         self.max_grad_norm, self.projection_radius = max_grad_norm, projection_radius
         self.fit_intercept, self.num_classes, self.seed = fit_intercept, num_classes, seed
@@ -393,20 +415,23 @@ class NoisyGDClassifier(_LinearBase):
                              f"the whole budget rho={rho!r}; nothing is left for training")
         X, labels, n, p, K = self._prepare(X, y)
         cnt = _check_counts(counts, n)
-        seed = _backend.resolve_seed(self.seed)
+        stream = _stream.resolve(self.seed, self.offset)
+        self.offset_ = stream.position
         C = float(self.max_grad_norm)
         sigma = noisygd_sigma(rho_train, T, sensitivity=C)
         z = sigma / C
         W, b, info = _linear_steps(X, labels, num_classes=K, steps=T, lr=float(self.lr),
                                    loss=self.loss, max_grad_norm=C, noise_multiplier=z,
                                    projection_radius=self.projection_radius,
-                                   fit_intercept=bool(self.fit_intercept), seed=seed, counts=cnt)
+                                   fit_intercept=bool(self.fit_intercept), seed=stream,
+                                   counts=cnt)
         acc = Accountant()
         for r in spent:
             acc.add_zcdp(r)
         acc.step(noise_multiplier=z, sample_rate=1.0, steps=T)
         self._set_fitted(W, b, K, p)
-        self.seed_, self.sigma_, self.noise_multiplier_ = seed, sigma, z
+        self.next_offset_ = stream.position
+        self.sigma_, self.noise_multiplier_ = sigma, z
         self.rho_train_, self.rho_ = rho_train, acc.zcdp_rho()
         self.accountant_, self.delta_ = acc, delta
         self.epsilon_ = None if delta is None else zcdp_to_dp(self.rho_, delta)
@@ -439,19 +464,25 @@ class NoisySGDClassifier(_LinearBase):
             the dataset size is treated as public, the DP-SGD/Opacus convention;
             pass a number to keep n out of the computation).  Never the realized
             batch size.
-        accountant: "pld" (default), "rdp" or "gdp" (CLT, approximate).
+        accountant: "pld" (default), "rdp", or "gdp" (opt-in: calibrates by the
+            CLT, an approximation; ``epsilon_`` is still the PLD value of the
+            resulting noise and the CLT figure is ``epsilon_gdp_``).
+        offset: first draw (None: the next unused draw of ``seed``'s stream).
 
     Fitted attributes: ``coef_``, ``intercept_``, ``noise_multiplier_``,
     ``accountant_`` (preprocessing zCDP events + T Gaussian steps of rate q),
     ``epsilon_`` (the accountant's epsilon at ``delta_`` -- "rdp" when private
-    preprocessing is present), ``delta_``, ``steps_``, ``seed_``, ``batch_plan_``
-    seed/offset, ``num_clipped_``.
+    preprocessing is present; PLD when "gdp" was asked for), ``epsilon_gdp_`` (CLT
+    approximation, "gdp" only), ``delta_``, ``steps_``, ``offset_``/``next_offset_``,
+    ``num_clipped_``.
     """
 
     def __init__(self, *, epsilon, delta, sample_rate, epochs, lr=1.0, loss="ce",
                  max_grad_norm=1.0, projection_radius=None, fit_intercept=False,
-                 expected_batch_size=None, accountant="pld", num_classes=None, seed=None):
+                 expected_batch_size=None, accountant="pld", num_classes=None, seed=None,
+                 offset=None):
         self.epsilon, self.delta = epsilon, delta
+        self.offset = offset
         self.sample_rate, self.epochs = sample_rate, epochs
         self.lr, self.loss = lr, loss
         self.max_grad_norm, self.projection_radius = max_grad_norm, projection_radius
@@ -501,24 +532,31 @@ class NoisySGDClassifier(_LinearBase):
         T = max(1, int(round(epochs / q)))
         ebs = _check_real(self.expected_batch_size, "expected_batch_size", allow_none=True) \
             or q * n
-        seed = _backend.resolve_seed(self.seed)
+        stream = _stream.resolve(self.seed, self.offset)
+        self.offset_ = stream.position
         z, acc_name = self._calibrate(eps, delta, q, T, spent)
-        plan = poisson_batches(n, sample_rate=q, steps=T, seed=seed, offset=0)
+        plan = poisson_batches(n, sample_rate=q, steps=T, seed=stream)
         C = float(self.max_grad_norm)
         W, b, info = _linear_steps(X, labels, num_classes=K, steps=T, lr=float(self.lr),
                                    loss=self.loss, max_grad_norm=C, noise_multiplier=z,
                                    projection_radius=self.projection_radius,
-                                   fit_intercept=bool(self.fit_intercept), seed=seed,
+                                   fit_intercept=bool(self.fit_intercept), seed=stream,
                                    batches=plan, expected_batch_size=ebs)
         acc = Accountant()
         for r in spent:
             acc.add_zcdp(r)
         acc.step(noise_multiplier=z, sample_rate=q, steps=T)
         self._set_fitted(W, b, K, p)
-        self.seed_, self.noise_multiplier_, self.steps_ = seed, z, T
-        self.accountant_, self.accountant_name_, self.delta_ = acc, acc_name, delta
-        self.epsilon_ = (_poisson_epsilon(z, q, T, delta, acc_name) if not spent else
-                         acc.epsilon(delta, accountant=acc_name))
+        self.next_offset_ = stream.position
+        self.noise_multiplier_, self.steps_ = z, T
+        # The CLT is an approximation: "gdp" calibrates by it on request, but the
+        # reported epsilon is a rigorous (PLD) bound of the noise actually used.
+        report = "pld" if acc_name == "gdp" else acc_name
+        self.accountant_, self.accountant_name_, self.delta_ = acc, report, delta
+        self.epsilon_ = (_poisson_epsilon(z, q, T, delta, report) if not spent else
+                         acc.epsilon(delta, accountant=report))
+        self.epsilon_gdp_ = _poisson_epsilon(z, q, T, delta, "gdp") if acc_name == "gdp" \
+            else None
         self.expected_batch_size_ = ebs
         self.num_clipped_ = info["num_clipped"]
         return self

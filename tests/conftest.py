@@ -35,6 +35,16 @@ def assert_within_sum_bound(actual, expected, abs_terms, n, dtype, what=""):
                         f"(max err {err.max():.3g}, n={n}, {np.dtype(dtype).name})")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_noise_ledger():
+    """Each test is its own run: the process-wide record of drawn noise ranges
+    (``ncdp_fast._stream``) starts empty, so that reuse *within* a test is what
+    raises NoiseReuseWarning (an error under pyproject's filterwarnings)."""
+    from ncdp_fast import _stream
+    _stream._LEDGER.clear()
+    yield
+
+
 def cuda_available() -> bool:
     try:
         import torch

@@ -56,7 +56,7 @@ def _check_contribution(out_parts, res, C):
 def test_dense_contribution_never_exceeds_C(dtype, data, C):
     p = data.draw(st.integers(1, 40))
     g = data.draw(_vec(dtype, p))[None, :]
-    res = nf.clip_and_noise(g, max_norm=C, noise_multiplier=0.0, seed=1, offset=0,
+    res = nf.clip_and_noise(g, max_norm=C, noise_multiplier=0.0, seed=None,
                             nan_policy="zero")
     _check_contribution([res.grad], res, C)
 
@@ -79,8 +79,8 @@ def test_linear_contribution_never_exceeds_C(dtype, bias, data, C):
         a, g = a[0][None], g[0][None]
     else:
         a, g = a[None], g[None]
-    res = nf.clip_and_noise_linear(a, g, max_norm=C, noise_multiplier=0.0, bias=bias, seed=1,
-                                   offset=0, nan_policy="zero")
+    res = nf.clip_and_noise_linear(a, g, max_norm=C, noise_multiplier=0.0, bias=bias,
+                                   nan_policy="zero")
     parts = [res.grad_weight] + ([res.grad_bias] if bias else [])
     _check_contribution(parts, res, C)
 
@@ -91,7 +91,7 @@ def test_audit_example_large_float32_row_is_clipped_not_dropped():
     4e22 it contributed nothing at all."""
     for v in (3.65e22, 4e22, 1e38):
         x = np.array([[v]], np.float32)
-        res = nf.clip_and_noise_linear(x, x, max_norm=1.0, noise_multiplier=0.0, seed=1, offset=0)
+        res = nf.clip_and_noise_linear(x, x, max_norm=1.0, noise_multiplier=0.0, seed=None)
         norm = _exact_norm(np.concatenate([res.grad_weight.ravel(), res.grad_bias]))
         assert 1.0 - 1e-5 < norm <= 1.0, (v, norm)
         assert res.num_clipped == 1 and res.num_nonfinite == 0
@@ -106,9 +106,9 @@ def test_ordinary_rounding_stays_within_C():
         g = rng.standard_normal((1, 5)).astype(np.float32)
         a = rng.standard_normal((1, 3)).astype(np.float32)
         C = float(np.linalg.norm(g.astype(np.float64))) * 0.5
-        res = nf.clip_and_noise(g, max_norm=C, noise_multiplier=0.0, seed=1, offset=0)
+        res = nf.clip_and_noise(g, max_norm=C, noise_multiplier=0.0, seed=None)
         worst = max(worst, _exact_norm(res.grad) / C)
-        res = nf.clip_and_noise_linear(a, g, max_norm=C, noise_multiplier=0.0, seed=1, offset=0)
+        res = nf.clip_and_noise_linear(a, g, max_norm=C, noise_multiplier=0.0, seed=None)
         worst = max(worst, _exact_norm(np.concatenate([res.grad_weight.ravel(),
                                                        res.grad_bias])) / C)
     assert worst <= 1.0

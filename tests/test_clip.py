@@ -1,6 +1,7 @@
 """Op 1 (fused per-sample clipping with noise) against reference.py, properties,
 reproducibility, statistics and bad input, on the CPU backend (the GPU versions
 of the same comparisons are in test_gpu.py)."""
+import contextlib
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -15,6 +16,7 @@ from ncdp_fast._numba.clip import NUM_SLABS
 from conftest import assert_within_sum_bound
 
 DTYPES = [np.float32, np.float64]
+_nothing = contextlib.nullcontext
 # Empty, one row, p = 1, and sizes that are multiples of no tile or slab count.
 DENSE_SHAPES = [(0, 5), (1, 1), (1, 7), (3, 1), (5, 33), (17, 129), (65, 1000)]
 
@@ -208,12 +210,15 @@ def test_same_seed_offset_same_output_bitwise_any_thread_count():
     try:
         for threads in (1, before):
             numba.set_num_threads(threads)
-            outs.append(nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=1.0, seed=5,
-                                          offset=123).grad)
+            # Deliberate reuse of (seed, offset): the allocator must say so.
+            with pytest.warns(nf.NoiseReuseWarning) if outs else _nothing():
+                outs.append(nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=1.0, seed=5,
+                                              offset=123).grad)
     finally:
         numba.set_num_threads(before)
     assert np.array_equal(outs[0], outs[1])
-    other = nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=1.0, seed=5, offset=124).grad
+    with pytest.warns(nf.NoiseReuseWarning):     # overlaps draws 124..623 of the runs above
+        other = nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=1.0, seed=5, offset=124).grad
     assert not np.array_equal(outs[0], other)
 
 
@@ -344,12 +349,15 @@ def test_torch_cpu_in_torch_out():
     g = torch.randn(6, 5, dtype=torch.float64)
     res = nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=0.5, seed=4)
     assert isinstance(res.grad, torch.Tensor) and isinstance(res.norms, torch.Tensor)
-    ref = nf.clip_and_noise(g.numpy(), max_norm=1.0, noise_multiplier=0.5, seed=4)
-    assert np.array_equal(res.grad.numpy(), ref.grad)
-    # Non-contiguous input: copied once, same answer.
-    res_t = nf.clip_and_noise(g.t().contiguous().t(), max_norm=1.0, noise_multiplier=0.5, seed=4)
-    assert np.array_equal(res_t.grad.numpy(), ref.grad)
-    # requires_grad tensors are read, not differentiated through.
-    res_rg = nf.clip_and_noise(g.clone().requires_grad_(), max_norm=1.0, noise_multiplier=0.5,
-                               seed=4)
+    # The same noise on purpose (explicit offset 0 again): the allocator warns.
+    with pytest.warns(nf.NoiseReuseWarning):
+        ref = nf.clip_and_noise(g.numpy(), max_norm=1.0, noise_multiplier=0.5, seed=4, offset=0)
+        assert np.array_equal(res.grad.numpy(), ref.grad)
+        # Non-contiguous input: copied once, same answer.
+        res_t = nf.clip_and_noise(g.t().contiguous().t(), max_norm=1.0, noise_multiplier=0.5,
+                                  seed=4, offset=0)
+        assert np.array_equal(res_t.grad.numpy(), ref.grad)
+        # requires_grad tensors are read, not differentiated through.
+        res_rg = nf.clip_and_noise(g.clone().requires_grad_(), max_norm=1.0,
+                                   noise_multiplier=0.5, seed=4, offset=0)
     assert np.array_equal(res_rg.grad.numpy(), ref.grad)

@@ -65,7 +65,7 @@ def test_noise_fresh_per_step_offsets():
     # Zero features: gradients vanish, so W is exactly -lr * z*C * (xi_0 + xi_1) with
     # xi_t the Philox draws [t*D, (t+1)*D) of the seed (D = K*p + K with intercept).
     X, y = np.zeros((5, 4)), np.array([0, 1, 2, 0, 1])
-    clf = NoisyGDClassifier(rho=0.3, steps=2, lr=0.5, max_grad_norm=2.0, fit_intercept=True,
+    clf = NoisyGDClassifier(num_classes=3, rho=0.3, steps=2, lr=0.5, max_grad_norm=2.0, fit_intercept=True,
                             seed=77).fit(X, y)
     D = 3 * 4 + 3
     xi = nf.gaussian(2 * D, seed=77, dtype=np.float64)
@@ -74,19 +74,19 @@ def test_noise_fresh_per_step_offsets():
     # The intercept still gets the residual sum; W only the noise.
     np.testing.assert_allclose(clf.coef_.ravel(), -0.5 * std * (xi[:12] + xi[D:D + 12]),
                                rtol=1e-12)
-    assert clf.seed_ == 77
+    assert (clf.offset_, clf.next_offset_) == (0, 2 * D) and not hasattr(clf, "seed_")
 
 
 def test_zcdp_sigma_matches_accountant():
     X, y = _data()
     for rho, T, C in [(0.5, 1, 1.0), (0.02, 7, 3.0)]:
-        clf = NoisyGDClassifier(rho=rho, steps=T, max_grad_norm=C, delta=1e-5, seed=0).fit(X, y)
+        clf = NoisyGDClassifier(num_classes=3, rho=rho, steps=T, max_grad_norm=C, delta=1e-5, seed=0).fit(X, y)
         assert math.isclose(clf.sigma_, C * math.sqrt(T / (2 * rho)), rel_tol=1e-14)
         assert math.isclose(clf.accountant_.zcdp_rho(), rho, rel_tol=1e-12)
         assert clf.accountant_.total_steps == T
         assert math.isclose(clf.epsilon_, clf.accountant_.epsilon(1e-5, accountant="zcdp"),
                             rel_tol=1e-12)
-    clf = NoisyGDClassifier(epsilon=1.0, delta=1e-4, seed=0).fit(X, y)
+    clf = NoisyGDClassifier(num_classes=3, epsilon=1.0, delta=1e-4, seed=0).fit(X, y)
     assert math.isclose(clf.rho_, dp_to_zcdp(1.0, 1e-4), rel_tol=1e-12)
     assert math.isclose(clf.epsilon_, 1.0, rel_tol=1e-9)
     assert clf.delta_ == 1e-4
@@ -95,19 +95,19 @@ def test_zcdp_sigma_matches_accountant():
 def test_preprocessing_budget_is_composed():
     X, y = _data()
     cen = nc.Centering().fit_private(X, rho=0.01, clip=5.0, seed=3)
-    clf = NoisyGDClassifier(epsilon=1.0, delta=1e-4, seed=1).fit(cen.transform(X), y,
+    clf = NoisyGDClassifier(num_classes=3, epsilon=1.0, delta=1e-4, seed=1).fit(cen.transform(X), y,
                                                                  preprocessing=[cen])
     total = dp_to_zcdp(1.0, 1e-4)
     assert math.isclose(clf.rho_, total, rel_tol=1e-12)
     assert math.isclose(clf.rho_train_, total - 0.01, rel_tol=1e-12)
     assert math.isclose(clf.epsilon_, 1.0, rel_tol=1e-9)
     pub = nc.Centering().fit(X[:10], public=True)
-    clf2 = NoisyGDClassifier(rho=0.1, seed=1).fit(pub.transform(X), y, preprocessing=[pub])
+    clf2 = NoisyGDClassifier(num_classes=3, rho=0.1, seed=1).fit(pub.transform(X), y, preprocessing=[pub])
     assert clf2.rho_train_ == 0.1
     with pytest.raises(ValueError, match="nothing is left"):
-        NoisyGDClassifier(rho=0.005).fit(X, y, preprocessing=[cen])
+        NoisyGDClassifier(num_classes=3, rho=0.005).fit(X, y, preprocessing=[cen])
     with pytest.raises(ValueError, match="preprocessing"):
-        NoisyGDClassifier(rho=0.1).fit(X, y, preprocessing=[nc.Centering()])
+        NoisyGDClassifier(num_classes=3, rho=0.1).fit(X, y, preprocessing=[nc.Centering()])
 
 
 @settings(max_examples=40, deadline=None)
@@ -139,14 +139,16 @@ def test_clip_invariant_each_contribution_at_most_C(n, p, K, C, scale, intercept
 def test_counts_equals_repeated_rows_same_noise():
     X, y = _data(n=12)
     counts = np.arange(1, 13)
-    kw = dict(rho=0.2, steps=3, lr=0.05, max_grad_norm=0.7, fit_intercept=True, seed=5)
-    a = NoisyGDClassifier(**kw).fit(X, y, counts=counts)
-    b = NoisyGDClassifier(**kw).fit(np.repeat(X, counts, 0), np.repeat(y, counts))
+    kw = dict(rho=0.2, steps=3, lr=0.05, max_grad_norm=0.7, fit_intercept=True, seed=5, offset=0)
+    a = NoisyGDClassifier(num_classes=3, **kw).fit(X, y, counts=counts)
+    with pytest.warns(nf.NoiseReuseWarning):     # the same noise on purpose
+        b = NoisyGDClassifier(num_classes=3, **kw).fit(np.repeat(X, counts, 0),
+                                                       np.repeat(y, counts))
     np.testing.assert_allclose(a.coef_, b.coef_, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(a.intercept_, b.intercept_, rtol=1e-10, atol=1e-12)
     assert a.num_clipped_ == b.num_clipped_
     with pytest.raises(ValueError, match="counts"):
-        NoisyGDClassifier(**kw).fit(X, y, counts=np.zeros(12, dtype=int))
+        NoisyGDClassifier(num_classes=3, **kw).fit(X, y, counts=np.zeros(12, dtype=int))
 
 
 def test_torch_cpu_matches_numpy_same_seed():
@@ -155,8 +157,11 @@ def test_torch_cpu_matches_numpy_same_seed():
     for cls, kw in [(NoisyGDClassifier, dict(epsilon=2.0, delta=1e-5, steps=3, lr=0.02)),
                     (NoisySGDClassifier, dict(epsilon=2.0, delta=1e-5, sample_rate=0.25,
                                               epochs=2, accountant="rdp"))]:
-        a = cls(seed=11, fit_intercept=True, **kw).fit(X, y)
-        b = cls(seed=11, fit_intercept=True, **kw).fit(torch.from_numpy(X), torch.from_numpy(y))
+        a = cls(num_classes=3, seed=11 + (cls is NoisySGDClassifier), offset=0, fit_intercept=True,
+                **kw).fit(X, y)
+        with pytest.warns(nf.NoiseReuseWarning):     # the same noise on purpose
+            b = cls(num_classes=3, seed=11 + (cls is NoisySGDClassifier), offset=0, fit_intercept=True,
+                    **kw).fit(torch.from_numpy(X), torch.from_numpy(y))
         assert isinstance(b.coef_, torch.Tensor)
         # Same noise draws; only the summation order of float64 GEMMs differs.
         np.testing.assert_allclose(b.coef_.numpy(), a.coef_, rtol=1e-9, atol=1e-11)
@@ -169,27 +174,35 @@ def test_torch_cpu_matches_numpy_same_seed():
 
 def test_seed_none_draws_from_os():
     X, y = _data()
-    a = NoisyGDClassifier(rho=0.1).fit(X, y)
-    b = NoisyGDClassifier(rho=0.1).fit(X, y)
-    assert a.seed_ != b.seed_ and not np.allclose(a.coef_, b.coef_)
-    c = NoisyGDClassifier(rho=0.1, seed=a.seed_).fit(X, y)
-    np.testing.assert_array_equal(a.coef_, c.coef_)
+    a = NoisyGDClassifier(num_classes=3, rho=0.1).fit(X, y)
+    b = NoisyGDClassifier(num_classes=3, rho=0.1).fit(X, y)
+    assert not np.allclose(a.coef_, b.coef_)
+    # The key is never kept on the fitted model: nothing to reuse or leak.
+    assert not hasattr(a, "seed_") and a.seed is None
+    # A NoiseStream reproduces a run when restored from its (private) state.
+    s = nf.NoiseStream()
+    state = s.state()
+    c = NoisyGDClassifier(num_classes=3, rho=0.1, seed=s).fit(X, y)
+    d = NoisyGDClassifier(num_classes=3, rho=0.1, seed=nf.NoiseStream.restore(state)).fit(X, y)
+    np.testing.assert_array_equal(c.coef_, d.coef_)
 
 
 def test_noisysgd_privacy_claim_and_determinism():
     X, y = _data(n=200)
-    kw = dict(epsilon=1.5, delta=1e-5, sample_rate=0.1, epochs=3, lr=0.5, seed=4,
+    kw = dict(epsilon=1.5, delta=1e-5, sample_rate=0.1, epochs=3, lr=0.5, seed=4, offset=0,
               accountant="rdp")
-    a = NoisySGDClassifier(**kw).fit(X, y)
+    a = NoisySGDClassifier(num_classes=3, **kw).fit(X, y)
     assert a.steps_ == 30
     assert a.epsilon_ <= 1.5 and a.epsilon_ >= 1.5 * (1 - 2e-3)
     ev = a.accountant_.history[-1]
     assert (ev.noise_multiplier, ev.sample_rate, ev.steps) == (a.noise_multiplier_, 0.1, 30)
-    b = NoisySGDClassifier(**kw).fit(X, y)
+    with pytest.warns(nf.NoiseReuseWarning):     # the same run again, on purpose
+        b = NoisySGDClassifier(num_classes=3, **kw).fit(X, y)
     np.testing.assert_array_equal(a.coef_, b.coef_)
+    kw["seed"] = 5
     # Private preprocessing: calibrated jointly (RDP), total within the target.
     cen = nc.Centering().fit_private(X, rho=0.05, clip=10.0, seed=1)
-    c = NoisySGDClassifier(**kw).fit(cen.transform(X), y, preprocessing=[cen])
+    c = NoisySGDClassifier(num_classes=3, **kw).fit(cen.transform(X), y, preprocessing=[cen])
     assert c.noise_multiplier_ > a.noise_multiplier_
     assert c.epsilon_ <= 1.5 and c.epsilon_ >= 1.5 * (1 - 1e-3)
     acc = Accountant().add_zcdp(0.05).step(noise_multiplier=c.noise_multiplier_,
@@ -202,7 +215,7 @@ def test_noisygd_learns_perfect_collapse():
     # (sigma ~ 3.5 per entry; score noise std ~ 3.5 vs margin ~ 100), so the error
     # probability per test point is < 1e-100: the test cannot fail by chance.
     d = nc.synthetic(1000, 10, 300, seed=1)
-    clf = NoisyGDClassifier(epsilon=1.0, delta=1e-4, seed=2).fit(*d.grouped()[:2],
+    clf = NoisyGDClassifier(num_classes=10, epsilon=1.0, delta=1e-4, seed=2).fit(*d.grouped()[:2],
                                                                  counts=d.grouped()[2])
     assert clf.score(d.X_test, d.y_test) == 1.0
 
@@ -210,38 +223,38 @@ def test_noisygd_learns_perfect_collapse():
 def test_bad_input_errors():
     X, y = _data()
     with pytest.raises(ValueError, match="epsilon must be > 0"):
-        NoisyGDClassifier(epsilon=0.0, delta=1e-5).fit(X, y)
+        NoisyGDClassifier(num_classes=3, epsilon=0.0, delta=1e-5).fit(X, y)
     with pytest.raises(ValueError, match="epsilon must be > 0"):
-        NoisySGDClassifier(epsilon=-1.0, delta=1e-5, sample_rate=0.1, epochs=1).fit(X, y)
+        NoisySGDClassifier(num_classes=3, epsilon=-1.0, delta=1e-5, sample_rate=0.1, epochs=1).fit(X, y)
     with pytest.raises(ValueError, match="rho"):
-        NoisyGDClassifier(rho=float("inf")).fit(X, y)
+        NoisyGDClassifier(num_classes=3, rho=float("inf")).fit(X, y)
     with pytest.raises(ValueError, match="either rho or"):
-        NoisyGDClassifier(rho=0.1, epsilon=1.0, delta=1e-5).fit(X, y)
+        NoisyGDClassifier(num_classes=3, rho=0.1, epsilon=1.0, delta=1e-5).fit(X, y)
     with pytest.raises(ValueError, match="budget is required"):
-        NoisyGDClassifier().fit(X, y)
+        NoisyGDClassifier(num_classes=3, ).fit(X, y)
     with pytest.raises(ValueError, match=r"y: expected integers in \[0, 3\), got min 0 max 7"):
         NoisyGDClassifier(rho=1.0, num_classes=3).fit(X, np.where(y == 2, 7, y))
     with pytest.raises(ValueError, match="y: expected integers"):
-        NoisyGDClassifier(rho=1.0).fit(X, y - 1)
+        NoisyGDClassifier(num_classes=3, rho=1.0).fit(X, y - 1)
     with pytest.raises(ValueError, match="non-integer"):
-        NoisyGDClassifier(rho=1.0).fit(X, y + 0.5)
+        NoisyGDClassifier(num_classes=3, rho=1.0).fit(X, y + 0.5)
     bad = X.copy()
     bad[3, 2] = np.nan
     with pytest.raises(ValueError, match="X: features contain NaN"):
-        NoisyGDClassifier(rho=1.0).fit(bad, y)
+        NoisyGDClassifier(num_classes=3, rho=1.0).fit(bad, y)
     with pytest.raises(ValueError, match=r"y: expected shape \(60,\)"):
-        NoisyGDClassifier(rho=1.0).fit(X, y[:10])
+        NoisyGDClassifier(num_classes=3, rho=1.0).fit(X, y[:10])
     with pytest.raises(ValueError, match="loss"):
-        NoisyGDClassifier(rho=1.0, loss="hinge").fit(X, y)
+        NoisyGDClassifier(num_classes=3, rho=1.0, loss="hinge").fit(X, y)
     with pytest.raises(ValueError, match="steps"):
-        NoisyGDClassifier(rho=1.0, steps=0).fit(X, y)
+        NoisyGDClassifier(num_classes=3, rho=1.0, steps=0).fit(X, y)
     with pytest.raises(ValueError, match="sample_rate"):
-        NoisySGDClassifier(epsilon=1.0, delta=1e-5, sample_rate=0.0, epochs=1).fit(X, y)
-    clf = NoisyGDClassifier(rho=1.0, seed=0).fit(X, y)
+        NoisySGDClassifier(num_classes=3, epsilon=1.0, delta=1e-5, sample_rate=0.0, epochs=1).fit(X, y)
+    clf = NoisyGDClassifier(num_classes=3, rho=1.0, seed=0).fit(X, y)
     with pytest.raises(ValueError, match="X: expected 7 features, got 3"):
         clf.predict(X[:, :3])
     with pytest.raises(RuntimeError, match="fit"):
-        NoisyGDClassifier(rho=1.0).predict(X)
+        NoisyGDClassifier(num_classes=3, rho=1.0).predict(X)
 
 
 @pytest.mark.parametrize("grouped", [False, True])
@@ -251,4 +264,4 @@ def test_diverging_square_loss_raises_not_nan(grouped):
     X, y = _data(n=8)
     kw = dict(counts=np.ones(8, dtype=np.int64)) if grouped else {}
     with pytest.raises(ValueError, match="not finite"):
-        NoisyGDClassifier(rho=1.0, loss="square", lr=1e200, steps=3, seed=0).fit(X, y, **kw)
+        NoisyGDClassifier(num_classes=3, rho=1.0, loss="square", lr=1e200, steps=3, seed=0).fit(X, y, **kw)

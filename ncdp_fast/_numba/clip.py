@@ -261,10 +261,11 @@ def linear_spread(a, g, bias, spread, accumulate):
 
 
 @sized_kernel(lambda a, g, *_: a.size + g.size)
-def _balance_exponents(a, g, factors, k):
-    """k[i]: a power of two moved from the factor-scaled g_i to a_i, so that
-    neither f_i 2^k g_i nor 2^-k a_i leaves the range where the data dtype
-    rounds relatively (0 unless one of them is far from 1)."""
+def _balance_exponents(a, g, factors, into_g, k):
+    """k[i]: a power of two that multiplies the operand receiving the factor
+    (g_i if ``into_g``, else a_i) while the other is divided by it, so that
+    neither leaves the range where the data dtype rounds relatively: 0 unless
+    f_i max|g_i| or max|a_i| is far from 1 (extreme inputs only)."""
     for i in prange(a.shape[0]):
         ma = 0.0
         for t in range(a.shape[1]):
@@ -274,11 +275,12 @@ def _balance_exponents(a, g, factors, k):
         for t in range(g.shape[1]):
             for j in range(g.shape[2]):
                 mg = max(mg, abs(np.float64(g[i, t, j])))
-        mg *= factors[i]
+        u = factors[i] * (mg if into_g else ma)     # the scaled operand
+        v = ma if into_g else mg                    # the other one
         k[i] = 0.0
-        if ma > 0.0 and mg > 0.0 and not (2.0 ** -40 <= ma <= 2.0 ** 40
-                                          and 2.0 ** -40 <= mg <= 2.0 ** 40):
-            k[i] = np.floor(0.5 * (np.log2(ma) - np.log2(mg)))
+        if u > 0.0 and v > 0.0 and not (2.0 ** -40 <= u <= 2.0 ** 40
+                                        and 2.0 ** -40 <= v <= 2.0 ** 40):
+            k[i] = np.floor(0.5 * (np.log2(v) - np.log2(u)))
 
 
 def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb,
@@ -298,20 +300,25 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     B, T, d = a.shape
     K = g.shape[2]
     dt = a.dtype
+    g_in = g
+    into_g = K <= d      # the factor goes to the narrower operand
     f = factors
     rebalanced = False
     if B and f.min() < 1.0:
         k = np.empty(B)
-        _balance_exponents(a, g, f, k)
+        _balance_exponents(a, g, f, into_g, k)
         if k.any():
             rebalanced = True
             k = k.astype(np.int64)
             f = np.ldexp(f, k)
-            a = np.ldexp(a, -k[:, None, None]).astype(dt)
+            if into_g:
+                a = np.ldexp(a, -k[:, None, None]).astype(dt)
+            else:
+                g = np.ldexp(g, -k[:, None, None]).astype(dt)
     f = f[:, None, None]
     a2 = a.reshape(B * T, d)
     g2 = g.reshape(B * T, K)
-    if K <= d:
+    if into_g:
         gs = (g * f).astype(dt).reshape(B * T, K)
         matmul(gs.T, a2, out=gw)
     else:
@@ -322,7 +329,7 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     if gb is not None:
         if gs is None or rebalanced:
             # The bias sums g_i times its true factor (no power of two moved).
-            gs = (g * factors[:, None, None]).astype(dt).reshape(B * T, K)
+            gs = (g_in * factors[:, None, None]).astype(dt).reshape(B * T, K)
         # Column sums in float64 (np.sum's pairwise float32 sum is good, float64 is better).
         gb[:] = gs.sum(axis=0, dtype=np.float64)
         add_gaussian(gb, np.uint64(seed), np.uint64(offset) + np.uint64(K * d), float(noise_std),

@@ -1,0 +1,194 @@
+"""One noise budget per Philox key: who may draw which range of the stream.
+
+Every noisy op and object draws from Philox ``(seed, offset)``.  Reusing a
+range of draws reuses noise: two releases whose noise is equal cancel in their
+difference.  This module is the allocator shared by everything that draws in a
+process (ops, estimators, preprocessing, the release, the torch drop-ins):
+
+* ``seed=None``: a fresh 64-bit key from the OS; nothing to share or record.
+* ``seed=S`` (an int) with no offset: the process-wide stream of S; each call
+  takes the next unused range, so two components given the same S draw
+  disjoint noise, and so does a refit.
+* ``seed=S, offset=o``: exactly the range starting at o (reproducing a run);
+  a :class:`NoiseReuseWarning` is raised if it overlaps a range this process
+  already drew from S.
+* ``seed=NoiseStream(...)``: that stream's next range.
+
+The seed is the secret that turns a release back into its private data
+(docs/privacy.md): a :class:`NoiseStream` refuses to be pickled, and the
+artifacts meant for publication never store it.
+"""
+from __future__ import annotations
+
+import bisect
+import secrets
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+
+__all__ = ["NoiseStream", "NoiseReuseWarning", "claim", "resolve"]
+
+_END = 2 ** 64
+
+
+class NoiseReuseWarning(UserWarning):
+    """An explicit (seed, offset) overlaps draws already used in this process."""
+
+
+def _check_uint64(value: Any, name: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an integer in [0, 2**64), got "
+                        f"{type(value).__name__} {value!r}")
+    value = int(value)
+    if not 0 <= value < _END:
+        raise ValueError(f"{name}: expected an integer in [0, 2**64), got {value}")
+    return value
+
+
+class _Ledger:
+    """Draw ranges used per explicit seed in this process: sorted, merged,
+    disjoint [start, end) intervals, and the end of the highest one."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._used: dict[int, list[list[int]]] = {}
+
+    def clear(self):
+        """Forget every recorded range (the test suite: each test is its own run)."""
+        with self._lock:
+            self._used.clear()
+
+    def next_free(self, seed: int) -> int:
+        with self._lock:
+            used = self._used.get(seed)
+            return used[-1][1] if used else 0
+
+    def take_next(self, seed: int, draws: int) -> int:
+        with self._lock:
+            used = self._used.get(seed)
+            start = used[-1][1] if used else 0
+            self._add(seed, start, start + draws)
+            return start
+
+    def record(self, seed: int, start: int, draws: int) -> bool:
+        """Mark [start, start+draws) used; True if it overlapped an earlier range."""
+        end = start + draws
+        with self._lock:
+            used = self._used.setdefault(seed, [])
+            i = bisect.bisect_right(used, [start, _END + 1])
+            overlap = (i > 0 and used[i - 1][1] > start) or (i < len(used) and used[i][0] < end)
+            self._add(seed, start, end)
+            return overlap and draws > 0
+
+    def _add(self, seed, start, end):
+        if end <= start:
+            return
+        used = self._used.setdefault(seed, [])
+        i = bisect.bisect_left(used, [start, start])
+        used.insert(i, [start, end])
+        # Merge neighbours that touch or overlap (keeps a training loop at one interval).
+        j = max(i - 1, 0)
+        while j + 1 < len(used):
+            if used[j][1] >= used[j + 1][0]:
+                used[j][1] = max(used[j][1], used[j + 1][1])
+                del used[j + 1]
+            elif j >= i:
+                break
+            else:
+                j += 1
+
+
+_LEDGER = _Ledger()
+
+
+def _check_range(offset: int, draws: int, name: str = "offset"):
+    if offset + draws > _END:
+        raise ValueError(f"{name}: {offset} + {draws} draws runs past the end of the 2**64 stream")
+
+
+class NoiseStream:
+    """A Philox key and a position: hand it to every noisy component of a
+    workflow (``seed=stream``) and each takes its own disjoint range.
+
+    Args:
+        seed: 64-bit key, or None for one from the OS.  The key is secret:
+            whoever holds it can subtract the noise from a release.
+        offset: first draw to use.  None continues the process-wide stream of
+            ``seed`` (0 for a fresh one); an explicit offset reproduces an
+            earlier run, and overlapping a range already drawn in this process
+            warns with :class:`NoiseReuseWarning`.
+
+    ``position`` is the next unused draw.  ``state()``/``NoiseStream.restore``
+    carry (seed, position) into a *private* checkpoint; the object itself
+    refuses to be pickled so that it never ends up in a published file.
+    """
+
+    def __init__(self, seed: int | None = None, offset: int | None = None):
+        self._explicit = seed is not None
+        self._seed = secrets.randbits(64) if seed is None else _check_uint64(seed, "seed")
+        # A view of the process-wide stream of an explicit seed has no position of its own.
+        self._pos = None if (self._explicit and offset is None) else \
+            (0 if offset is None else _check_uint64(offset, "offset"))
+        self._lock = threading.Lock()
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def position(self) -> int:
+        return _LEDGER.next_free(self._seed) if self._pos is None else self._pos
+
+    def take(self, draws: int) -> int:
+        """Reserve the next ``draws`` draws; returns the first one."""
+        draws = _check_uint64(draws, "draws")
+        if self._pos is None:
+            start = _LEDGER.take_next(self._seed, draws)
+            _check_range(start, draws)
+            return start
+        with self._lock:
+            start = self._pos
+            _check_range(start, draws)
+            self._pos = start + draws
+        if self._explicit and _LEDGER.record(self._seed, start, draws):
+            _warn_reuse(self._seed, start, draws)
+        return start
+
+    def state(self) -> dict:
+        """``{"seed", "offset"}`` for a private checkpoint (never publish it)."""
+        return {"seed": self._seed, "offset": self.position}
+
+    @classmethod
+    def restore(cls, state: dict) -> "NoiseStream":
+        return cls(state["seed"], state["offset"])
+
+    def __repr__(self):
+        return f"NoiseStream(seed=<secret>, position={self.position})"
+
+    def __reduce__(self):
+        raise TypeError("NoiseStream holds the secret noise key and is never pickled; "
+                        "keep NoiseStream.state() in a private checkpoint instead")
+
+
+def _warn_reuse(seed, start, draws):
+    warnings.warn(f"seed/offset: draws [{start}, {start + draws}) of this explicit seed were "
+                  "already used in this process; the noise repeats (pass no offset to "
+                  "continue the stream, or a NoiseStream)", NoiseReuseWarning, stacklevel=4)
+
+
+def resolve(seed: Any = None, offset: Any = None) -> NoiseStream:
+    """The stream a component draws from, from its ``seed``/``offset`` arguments."""
+    if isinstance(seed, NoiseStream):
+        if offset is not None:
+            raise ValueError("offset: must be None when seed is a NoiseStream (the stream "
+                             f"has its own position), got {offset!r}")
+        return seed
+    return NoiseStream(seed, offset)
+
+
+def claim(seed: Any, offset: Any, draws: int) -> tuple[int, int]:
+    """``(seed, offset)`` of an op that consumes ``draws`` draws (see the module)."""
+    stream = resolve(seed, offset)
+    return stream.seed, stream.take(draws)
