@@ -7,6 +7,7 @@ two-sided 1e-6 quantiles)."""
 import math
 import zipfile
 
+import ncdp_fast as nf
 import numpy as np
 import pytest
 from scipy import stats
@@ -35,7 +36,7 @@ def _chi2_ok(residuals, std):
 def test_poisson_noise_scales_equal_calibration():
     X, lab, K = _data()
     g = NeuroMixGDP(epsilon=2.0, delta=1e-5, mixup_degree=10, num_samples=300, lam=2.0,
-                    clip_x=1.5, seed=4)
+                    clip_x=1.5, accountant="clt", seed=4)
     rel = g.release(X, lab, num_classes=K)
     nz = neuromix_noise(2.0, 1e-5, n=200, mixup_degree=10, num_samples=300, lam=2.0)
     assert rel.sigma_x == nz.sigma_x and rel.sigma_y == nz.sigma_y
@@ -54,7 +55,7 @@ def test_released_noise_has_calibrated_std():
     for hc in (None, 2):
         for clip_y in (1.0, 0.5):
             g = NeuroMixGDP(epsilon=3.0, delta=1e-5, mixup_degree=m, num_samples=T,
-                            hierarchical_classes=hc, clip_y=clip_y, seed=11)
+                            hierarchical_classes=hc, clip_y=clip_y, accountant="clt", seed=11)
             rel, groups = g._release(np.zeros((n, d)), lab, num_classes=K, return_groups=True)
             ok, info = _chi2_ok(rel.x, rel.sigma_x * 1.0 / m)
             assert ok, ("x", hc, clip_y, info)
@@ -86,7 +87,7 @@ def test_pld_epsilon_at_least_clt():
     # PLD bound (pessimistic) must sit above it.
     for eps, hc in ((1.0, None), (4.0, None), (1.0, 2)):
         g = NeuroMixGDP(epsilon=eps, delta=1e-5, mixup_degree=16, num_samples=2000,
-                        hierarchical_classes=hc, seed=0)
+                        hierarchical_classes=hc, accountant="clt", seed=0)
         rel = g.release(*_data(n=2000, d=3)[:2], num_classes=4)
         assert rel.report.epsilon_clt == pytest.approx(eps, rel=1e-9)
         assert rel.report.epsilon_pld >= rel.report.epsilon_clt
@@ -136,7 +137,7 @@ def test_hs_accounting_is_worse_than_the_papers_claim():
 def test_hs_report_and_paper_epsilon():
     X, lab, K = _data(n=1000, d=4, K=10)
     g = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=10, num_samples=1000,
-                    hierarchical_classes=3, seed=2)
+                    hierarchical_classes=3, accountant="clt", seed=2)
     rel = g.release(X, lab, num_classes=K)
     rep = rel.report
     assert rep.sampling == "hierarchical" and rep.class_rates == (0.3,) * 10
@@ -155,9 +156,15 @@ def test_successive_releases_use_disjoint_noise():
     g = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=5, num_samples=50, seed=9)
     a = g.release(X, lab, num_classes=K)
     b = g.release(X, lab, num_classes=K)
-    assert b.offset == a.offset + 50 * (6 + K)
+    assert b._noise_key["offset"] == a._noise_key["offset"] + 50 * (6 + K)
     assert not np.allclose(a.x, b.x)
-    assert NeuroMixGDP(epsilon=1.0, delta=1e-5).seed != NeuroMixGDP(epsilon=1.0, delta=1e-5).seed
+    # A second mechanism given the same seed continues the stream, too.
+    c = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=5, num_samples=50, seed=9).release(
+        X, lab, num_classes=K)
+    assert c._noise_key["offset"] == b._noise_key["offset"] + 50 * (6 + K)
+    keys = {NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=5).release(
+        X, lab, num_classes=K)._noise_key["seed"] for _ in range(2)}
+    assert len(keys) == 2
 
 
 def test_torch_input_gives_torch_output():
@@ -165,8 +172,9 @@ def test_torch_input_gives_torch_output():
     X, lab, K = _data()
     g = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=5, num_samples=50, seed=9)
     rel = g.release(torch.from_numpy(X), torch.from_numpy(lab), num_classes=K)
-    ref = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=5, num_samples=50, seed=9).release(
-        X, lab, num_classes=K)
+    with pytest.warns(nf.NoiseReuseWarning):     # the same noise on purpose
+        ref = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=5, num_samples=50, seed=9,
+                          offset=0).release(X, lab, num_classes=K)
     assert isinstance(rel.x, torch.Tensor)
     np.testing.assert_array_equal(rel.x.numpy(), ref.x)
 
@@ -239,7 +247,7 @@ def test_save_load_round_trip(tmp_path):
     back = Released.load(p)
     np.testing.assert_array_equal(back.x, rel.x)
     np.testing.assert_array_equal(back.y, rel.y)
-    assert back.report == rel.report and back.seed == rel.seed and back.offset == rel.offset
+    assert back.report == rel.report and back._noise_key is None
     assert back.metadata() == rel.metadata()
     assert back.recompute_report() == rel.report
 
