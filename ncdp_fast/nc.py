@@ -32,7 +32,7 @@ from typing import Iterator
 
 import numpy as np
 
-from . import _backend
+from . import _backend, _stream
 
 __all__ = ["etf", "synthetic", "SyntheticNC", "adversarial_shift", "metrics", "NCMetrics",
            "Centering", "PCAProjector"]
@@ -554,7 +554,10 @@ class _Preprocessor:
     def __init__(self):
         self.fitted_on_: str | None = None     # "public" or "private"
         self.rho_: float = 0.0                 # zCDP spent on the private data
-        self.seed_: int | None = None
+        self.seed_: int | None = None          # randomized solver of a *public* fit only
+        # Draws of the noise stream a private fit used (the key itself is never kept).
+        self.offset_: int | None = None
+        self.next_offset_: int | None = None
 
     def _check_fitted(self):
         if self.fitted_on_ is None:
@@ -563,8 +566,8 @@ class _Preprocessor:
 
     @property
     def privacy(self) -> dict:
-        """What fitting cost: ``{"fitted_on", "rho", "seed"}`` (rho = 0 for public data)."""
-        return dict(fitted_on=self.fitted_on_, rho=self.rho_, seed=self.seed_)
+        """What fitting cost: ``{"fitted_on", "rho"}`` (rho = 0 for public data)."""
+        return dict(fitted_on=self.fitted_on_, rho=self.rho_)
 
 
 class Centering(_Preprocessor):
@@ -579,7 +582,7 @@ class Centering(_Preprocessor):
     max(noisy_count, 1)``.
 
     Attributes after fitting: ``mean_`` (p,) float64 NumPy, ``fitted_on_``, ``rho_``,
-    ``seed_``.
+    ``offset_``/``next_offset_`` (the noise draws used; the key is never kept).
     """
 
     def __init__(self):
@@ -595,24 +598,28 @@ class Centering(_Preprocessor):
         self.fitted_on_, self.rho_, self.seed_ = "public", 0.0, None
         return self
 
-    def fit_private(self, X, *, rho, clip, seed=None):
+    def fit_private(self, X, *, rho, clip, seed=None, offset=None):
         """DP mean of private rows: rho-zCDP (rho > 0), rows clipped to norm ``clip``.
-        ``seed``: Philox key of the noise (None: from the OS; kept in ``seed_``)."""
+        ``seed``: the noise key -- None (OS), an int or a :class:`ncdp_fast.NoiseStream`
+        shared with the rest of the workflow; ``offset``: first draw (None: the next
+        unused one).  Takes p + 1 draws; the key is not stored."""
         from . import _rng
         from ._clip import clip_and_noise
         from .privacy._validate import check_positive
         rho = check_positive("rho", rho)
         clip = check_positive("clip", clip)
         n, p = _check_features(X)
-        seed = _seed(seed)
+        stream = _stream.resolve(seed, offset)
         z = 1.0 / math.sqrt(rho)
         Xk = X if _backend.is_torch(X) else np.ascontiguousarray(X, dtype=np.float64) \
             if np.asarray(X).dtype.kind != "f" else X
-        s = clip_and_noise(Xk, max_norm=clip, noise_multiplier=z, seed=seed, offset=0)
+        s = clip_and_noise(Xk, max_norm=clip, noise_multiplier=z, seed=stream)
         total = _to_numpy(s.grad, "sum", dtype=np.float64)
-        count = n + z * float(_rng.gaussian(1, seed=seed, offset=p, dtype=np.float64)[0])
+        at = stream.take(1)
+        count = n + z * float(_rng.gaussian(1, seed=stream.seed, offset=at, dtype=np.float64)[0])
         self.mean_ = total / max(count, 1.0)
-        self.fitted_on_, self.rho_, self.seed_ = "private", rho, seed
+        self.fitted_on_, self.rho_, self.seed_ = "private", rho, None
+        self.offset_, self.next_offset_ = s.offset, at + 1
         self.noisy_count_ = count
         return self
 
@@ -684,8 +691,9 @@ class PCAProjector(_Preprocessor):
         self.fitted_on_, self.rho_ = "public", 0.0
         return self
 
-    def fit_private(self, X, *, rho, clip, seed=None):
-        """Analyze-Gauss DP PCA of private rows: rho-zCDP, rows clipped to ``clip``."""
+    def fit_private(self, X, *, rho, clip, seed=None, offset=None):
+        """Analyze-Gauss DP PCA of private rows: rho-zCDP, rows clipped to ``clip``.
+        ``seed``/``offset`` as :meth:`Centering.fit_private`; takes p(p+1)/2 draws."""
         from . import _rng
         from .privacy._validate import check_positive
         rho = check_positive("rho", rho)
@@ -695,7 +703,7 @@ class PCAProjector(_Preprocessor):
         if p > self._PRIVATE_MAX:
             raise ValueError(f"X: Analyze-Gauss DP PCA forms a p x p matrix; expected p <= "
                              f"{self._PRIVATE_MAX}, got {p}")
-        seed = _seed(seed)
+        stream = _stream.resolve(seed, offset)
         Xn = _to_numpy(X, "X", dtype=np.float64)
         norms = np.linalg.norm(Xn, axis=1)
         Xc = Xn * np.minimum(1.0, clip / np.maximum(norms, np.finfo(float).tiny))[:, None]
@@ -703,12 +711,14 @@ class PCAProjector(_Preprocessor):
         sigma = clip * clip / math.sqrt(2.0 * rho)
         iu = np.triu_indices(p)
         E = np.zeros((p, p))
-        E[iu] = sigma * _rng.gaussian(iu[0].size, seed=seed, offset=0, dtype=np.float64)
+        at = stream.take(iu[0].size)
+        E[iu] = sigma * _rng.gaussian(iu[0].size, seed=stream.seed, offset=at, dtype=np.float64)
         E = E + np.triu(E, 1).T
         w, V = np.linalg.eigh(A + E)
         self.components_ = np.ascontiguousarray(V[:, ::-1][:, :k])
         self.explained_ = w[::-1][:k] / m
-        self.fitted_on_, self.rho_, self.seed_ = "private", rho, seed
+        self.fitted_on_, self.rho_, self.seed_ = "private", rho, None
+        self.offset_, self.next_offset_ = at, at + iu[0].size
         return self
 
     def truncate(self, n_components):
@@ -716,7 +726,7 @@ class PCAProjector(_Preprocessor):
 
         Principal subspaces are nested, so this is the projector a fit with fewer
         components would give (exactly for the ``eigh`` paths).  Post-processing of the
-        same release: it carries the same ``fitted_on_``, ``rho_`` and ``seed_`` -- pass
+        same release: it carries the same ``fitted_on_`` and ``rho_`` -- pass
         only one of them to an estimator's ``preprocessing``, the cost is paid once."""
         self._check_fitted()
         k = _int(n_components, "n_components", 1)
@@ -726,6 +736,7 @@ class PCAProjector(_Preprocessor):
         out.components_ = np.ascontiguousarray(self.components_[:, :k])
         out.explained_ = self.explained_[:k]
         out.fitted_on_, out.rho_, out.seed_ = self.fitted_on_, self.rho_, self.seed_
+        out.offset_, out.next_offset_ = self.offset_, self.next_offset_
         return out
 
     def transform(self, X):

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _backend
+from . import _backend, _stream
 from .ntk.regress import _as_matrix as _matrix
 from .ntk.regress import _as_targets as _targets
 from .ntk.regress import _check_pos_int as _pos_int
@@ -193,16 +193,19 @@ class DPGDRegressor:
         sigma: the slides' sigma >= 0 (0 = non-private GD with clipping), or
         epsilon, delta: target (eps, delta)-DP; sigma is then calibrated through
             zCDP: sigma = sqrt(eta T / (2 rho)), rho = dp_to_zcdp(eps, delta).
-        seed: Philox key of the noise (None: drawn from the OS, kept in seed_);
-            the feature weights V use an independent stream derived from it.
+        seed: the noise key -- None (OS), an int or a :class:`ncdp_fast.NoiseStream`;
+            never stored.  The feature weights V (public randomness) use their own
+            seed, ``rf_seed_``, derived one-way from the key's first draw position
+            and the key (SeedSequence hashing).
+        offset: first draw (None: the next unused draw of ``seed``'s stream).
 
     After ``fit``: theta_ (p,), privacy_ (dict: rho_zcdp, epsilon_zcdp, epsilon_pld,
     epsilon_moments (the slides' bound), delta, noise_multiplier_per_step
-    sigma/sqrt(eta)), num_clipped_ (per step), seed_.
+    sigma/sqrt(eta)), num_clipped_ (per step), offset_/next_offset_, rf_seed_.
     """
 
     def __init__(self, *, features="rf", num_features=None, activation="tanh", scale=1.0,
-                 clip, lr, steps, sigma=None, epsilon=None, delta=None, seed=None):
+                 clip, lr, steps, sigma=None, epsilon=None, delta=None, seed=None, offset=None):
         if features not in ("rf", "raw"):
             raise ValueError(f"features: expected 'rf' or 'raw', got {features!r}")
         if features == "rf":
@@ -226,7 +229,12 @@ class DPGDRegressor:
             sigma = math.sqrt(self.lr * self.steps / (2.0 * dp_to_zcdp(epsilon, delta)))
         self.sigma = _finite(sigma, "sigma", nonneg=True)
         self.epsilon, self.delta = epsilon, delta
-        self.seed = seed
+        self.seed, self.offset = seed, offset
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["seed"] = None         # the noise key is never pickled
+        return state
 
     def transform(self, x):
         """phi(x): (m, p) float64 with the fitted feature weights."""
@@ -238,13 +246,13 @@ class DPGDRegressor:
             raise ValueError(f"x: expected {self.V_.shape[1]} columns, got {x.shape}")
         return _act3(self.activation, x @ self.V_.T)[0]
 
-    def _step_gradient(self, Phi, y, theta, noise_multiplier, offset):
+    def _step_gradient(self, Phi, y, theta, noise_multiplier, stream):
         """sum_i clip_C(2 r_i phi_i) + noise_multiplier C N(0, I): the fused kernel."""
         from . import clip_and_noise_linear
         r = Phi @ theta - y
         res = clip_and_noise_linear(Phi, (2.0 * r)[:, None], max_norm=self.clip,
                                     noise_multiplier=noise_multiplier, bias=False,
-                                    seed=self.seed_, offset=offset)
+                                    seed=stream)
         return res.grad_weight[0], res
 
     def per_sample_contributions(self, x, y, theta):
@@ -259,7 +267,7 @@ class DPGDRegressor:
         for i in range(Phi.shape[0]):
             out[i] = clip_and_noise_linear(Phi[i:i + 1], (2.0 * r[i:i + 1])[:, None],
                                            max_norm=self.clip, noise_multiplier=0.0,
-                                           bias=False, seed=0).grad_weight[0]
+                                           bias=False).grad_weight[0]
         return out
 
     def fit(self, x, y, *, callback=None):
@@ -268,26 +276,28 @@ class DPGDRegressor:
         x = _matrix(x, "x")
         y = _targets(y, x.shape[0])
         n = x.shape[0]
-        self.seed_ = _backend.resolve_seed(self.seed)
+        stream = _stream.resolve(self.seed, self.offset)
+        self.offset_ = stream.position
         if self.features == "rf":
-            # V is public randomness, independent of the noise stream and of the data.
-            vseed = int(np.random.SeedSequence([self.seed_, 1]).generate_state(1, np.uint64)[0])
+            # V is public randomness, independent of the noise and of the data.
+            self.rf_seed_ = int(np.random.SeedSequence([stream.seed, self.offset_, 1])
+                                .generate_state(1, np.uint64)[0])
             from .ntk.regress import _draw_rf_weights
-            self.V_, _ = _draw_rf_weights(self.num_features, x.shape[1], self.scale, vseed)
+            self.V_, _ = _draw_rf_weights(self.num_features, x.shape[1], self.scale,
+                                          self.rf_seed_)
         Phi = self.transform(x)
         p = Phi.shape[1]
         theta = np.zeros(p)
         nm = 2.0 * self.sigma / math.sqrt(self.lr)
-        offset = 0
         self.num_clipped_ = []
         for t in range(self.steps):
-            g, res = self._step_gradient(Phi, y, theta, nm, offset)
-            offset = res.next_offset                      # never reuse noise
+            g, res = self._step_gradient(Phi, y, theta, nm, stream)   # the next draws
             theta = theta - (self.lr / n) * g
             self.num_clipped_.append(res.num_clipped)
             if callback is not None:
                 callback(t, theta)
         self.theta_ = theta
+        self.next_offset_ = stream.position
         self.privacy_ = self.privacy(self.delta if self.delta is not None else 1.0 / n ** 2)
         return self
 

@@ -22,8 +22,11 @@ from __future__ import annotations
 import argparse
 import math
 import time
+import warnings
 
 import numpy as np
+
+from .._stream import NoiseReuseWarning, NoiseStream
 
 __all__ = ["synthetic_main", "real_main"]
 
@@ -173,7 +176,7 @@ def synthetic_main(argv: list[str]) -> int:
                         clip=math.sqrt(1 + beta * beta * p), seed=s_pre)
                     pre, transform = [cen], cen.transform
                 Xfit = Xg if transform is None else transform(Xg)
-                clf = NoisyGDClassifier(**budget, seed=s_fit).fit(Xfit, yg, counts=cg,
+                clf = NoisyGDClassifier(**budget, num_classes=K, seed=s_fit).fit(Xfit, yg, counts=cg,
                                                                   preprocessing=pre)
                 # non-private reference: the same clipped step without noise
                 W0 = _linear_steps(Xfit, yg, num_classes=K, steps=1, lr=1.0, loss="ce",
@@ -289,12 +292,18 @@ def _sgd_pair(Xtr, ytr, K, args, seed, preprocessing=(), reference=True):
     from .._mix import poisson_batches
     from ..train import NoisySGDClassifier, _linear_steps
     q = args.batch / Xtr.shape[0]
+    stream = NoiseStream(seed)
+    key = stream.state()         # private to this run: it rebuilds the batches below
     clf = NoisySGDClassifier(epsilon=args.epsilon, delta=args.delta, sample_rate=q,
                              epochs=args.epochs, lr=args.lr, accountant=args.accountant,
-                             num_classes=K, seed=seed).fit(Xtr, ytr, preprocessing=preprocessing)
+                             num_classes=K, seed=stream).fit(Xtr, ytr, preprocessing=preprocessing)
     if not reference:
         return clf, None
-    plan = poisson_batches(Xtr.shape[0], sample_rate=q, steps=clf.steps_, seed=clf.seed_)
+    with warnings.catch_warnings():
+        # The same batches on purpose, for the noise-free reference (not released).
+        warnings.simplefilter("ignore", NoiseReuseWarning)
+        plan = poisson_batches(Xtr.shape[0], sample_rate=q, steps=clf.steps_, seed=key["seed"],
+                               offset=key["offset"])
     W0 = _linear_steps(Xtr, ytr, num_classes=K, steps=clf.steps_, lr=args.lr, loss="ce",
                        max_grad_norm=1.0, noise_multiplier=0.0, projection_radius=None,
                        fit_intercept=False, seed=0, batches=plan,

@@ -23,30 +23,23 @@ try:
 except ImportError as exc:  # pragma: no cover - torch is an optional extra
     raise ImportError("ncdp_fast.torch needs PyTorch: pip install 'ncdp_fast[torch]'") from exc
 
-from .. import _backend
-from .._clip import LayersClipResult, clip_and_noise_layers
+from .. import _backend, _stream
+from .._clip import LayersClipResult, _nonneg_finite, _positive_finite, clip_and_noise_layers
+from .._stream import NoiseStream
 from .._mix import poisson_batches
 
 __all__ = ["FusedDPOptimizer", "GhostClipper", "PoissonBatchSampler", "collate_with_empty"]
 
 
-class _StreamState:
-    """Philox key and next offset shared by the drop-ins: one step consumes
-    exactly the draws its noise needs, and the offset moves past them."""
-
-    def __init__(self, seed, offset):
-        self.seed = _backend.resolve_seed(seed)
-        self.offset = _backend.check_uint64(offset, "offset")
-        self.steps = 0
-
-    def advance(self, result: LayersClipResult) -> None:
-        self.offset = result.next_offset
-        self.steps += 1
-
-
 class _UsesStream:
-    """``seed`` and ``offset`` (the next unused draw) of an object holding a
-    :class:`_StreamState` in ``self._stream``."""
+    """The noise stream of a drop-in (a :class:`ncdp_fast.NoiseStream`): ``seed``
+    (the secret key), ``offset`` (the next unused draw) and the private-step count.
+    ``noise_state()`` / ``load_noise_state()`` carry them into a *private*
+    training checkpoint so that a resumed run continues the stream."""
+
+    def _init_stream(self, seed, offset):
+        self._stream = _stream.resolve(seed, offset)
+        self._steps = 0
 
     @property
     def seed(self) -> int:
@@ -55,7 +48,42 @@ class _UsesStream:
     @property
     def offset(self) -> int:
         """Next unused draw (or sub-stream) of the Philox stream."""
-        return self._stream.offset
+        return self._stream.position
+
+    @property
+    def steps(self) -> int:
+        """Private steps taken (calls of privatize_, or passes over a sampler)."""
+        return self._steps
+
+    def noise_state(self) -> dict:
+        """``{"seed", "offset", "steps"}``: secret, for private checkpoints only."""
+        return dict(self._stream.state(), steps=self._steps)
+
+    def load_noise_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or not {"seed", "offset", "steps"} <= set(state):
+            raise ValueError(f"state: expected a dict with seed, offset and steps (from "
+                             f"noise_state()), got {state!r}")
+        self._stream = NoiseStream.restore(state)
+        self._steps = int(state["steps"])
+
+
+def _check_dp_args(max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction,
+                   nan_policy):
+    """The drop-ins' arguments, checked at construction under the user's names."""
+    max_grad_norm = _positive_finite(max_grad_norm, "max_grad_norm")
+    noise_multiplier = _nonneg_finite(noise_multiplier, "noise_multiplier")
+    if noise_multiplier * max_grad_norm > 1e150:
+        raise ValueError(f"noise_multiplier: {noise_multiplier!r} * max_grad_norm "
+                         f"{max_grad_norm!r} is too large a noise std (the noise would "
+                         "overflow)")
+    _check_reduction(loss_reduction)
+    if expected_batch_size is not None:
+        expected_batch_size = _positive_finite(expected_batch_size, "expected_batch_size")
+    elif loss_reduction == "mean":
+        raise ValueError("expected_batch_size: required with loss_reduction='mean'")
+    if nan_policy not in ("raise", "zero"):
+        raise ValueError(f"nan_policy: expected 'raise' or 'zero', got {nan_policy!r}")
+    return max_grad_norm, noise_multiplier, expected_batch_size
 
 
 def _check_reduction(loss_reduction):
@@ -86,26 +114,17 @@ class FusedDPOptimizer(_UsesStream):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
                  max_grad_norm: float, expected_batch_size: float | None,
-                 loss_reduction: str = "mean", seed: int | None = None, offset: int = 0,
+                 loss_reduction: str = "mean", seed=None, offset: int | None = None,
                  nan_policy: str = "raise"):
         self.original_optimizer = optimizer
-        self.noise_multiplier = noise_multiplier
-        self.max_grad_norm = max_grad_norm
-        self.expected_batch_size = expected_batch_size
-        self.loss_reduction = _check_reduction(loss_reduction)
+        self.max_grad_norm, self.noise_multiplier, self.expected_batch_size = _check_dp_args(
+            max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction, nan_policy)
+        self.loss_reduction = loss_reduction
         self.nan_policy = nan_policy
-        if loss_reduction == "mean" and expected_batch_size is None:
-            raise ValueError("expected_batch_size: required with loss_reduction='mean'")
-        self._stream = _StreamState(seed, offset)
+        self._init_stream(seed, offset)
         self.params = [p for group in optimizer.param_groups for p in group["params"]
                        if p.requires_grad]
         self.last_result: LayersClipResult | None = None
-
-    # --- state of the noise stream -------------------------------------------------
-    @property
-    def steps(self) -> int:
-        """Private steps taken (calls of privatize_)."""
-        return self._stream.steps
 
     # --- optimizer protocol ----------------------------------------------------------
     @property
@@ -117,10 +136,19 @@ class FusedDPOptimizer(_UsesStream):
         return self.original_optimizer.state
 
     def state_dict(self):
-        return self.original_optimizer.state_dict()
+        """The wrapped optimizer's state plus ``"ncdp_noise"`` (:meth:`noise_state`):
+        a training checkpoint resumes the noise stream where it stopped.  It holds
+        the secret key -- keep checkpoints private, never publish them."""
+        state = self.original_optimizer.state_dict()
+        state["ncdp_noise"] = self.noise_state()
+        return state
 
     def load_state_dict(self, state_dict) -> None:
+        state_dict = dict(state_dict)
+        noise = state_dict.pop("ncdp_noise", None)
         self.original_optimizer.load_state_dict(state_dict)
+        if noise is not None:
+            self.load_noise_state(noise)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
@@ -145,13 +173,13 @@ class FusedDPOptimizer(_UsesStream):
         """Overwrite every ``p.grad`` with the private gradient; returns the clip result."""
         result = clip_and_noise_layers(
             self._grad_samples(), max_norm=self.max_grad_norm,
-            noise_multiplier=self.noise_multiplier, seed=self._stream.seed,
-            offset=self._stream.offset, reduction=self.loss_reduction,
+            noise_multiplier=self.noise_multiplier, seed=self._stream,
+            reduction=self.loss_reduction,
             expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy)
         for p, g in zip(self.params, result.grads):
             p.grad = g.view_as(p)
             p.grad_sample = None
-        self._stream.advance(result)
+        self._steps += 1
         self.last_result = result
         return result
 
@@ -247,16 +275,13 @@ class GhostClipper(_UsesStream):
 
     def __init__(self, model: nn.Module, *, max_grad_norm: float, noise_multiplier: float,
                  expected_batch_size: float | None, loss_reduction: str = "mean",
-                 seed: int | None = None, offset: int = 0, nan_policy: str = "raise"):
+                 seed=None, offset: int | None = None, nan_policy: str = "raise"):
         self.model = model
-        self.max_grad_norm = max_grad_norm
-        self.noise_multiplier = noise_multiplier
-        self.expected_batch_size = expected_batch_size
-        self.loss_reduction = _check_reduction(loss_reduction)
+        self.max_grad_norm, self.noise_multiplier, self.expected_batch_size = _check_dp_args(
+            max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction, nan_policy)
+        self.loss_reduction = loss_reduction
         self.nan_policy = nan_policy
-        if loss_reduction == "mean" and expected_batch_size is None:
-            raise ValueError("expected_batch_size: required with loss_reduction='mean'")
-        self._stream = _StreamState(seed, offset)
+        self._init_stream(seed, offset)
         self.taps = self._find_layers(model)
         # A leaf that requires grad, so that a layer's output enters the graph
         # (and its gradient reaches us) even when neither its input nor, during
@@ -324,14 +349,14 @@ class GhostClipper(_UsesStream):
             tap.acts.append(inputs[0].detach())
 
             def keep_grad(grad, call=call):
+                if call in tap.grads:
+                    # A second backward through the same recorded forward (retain_graph):
+                    # keeping either gradient alone would silently drop the other.
+                    tap.grads[call] = None
+                    return
                 tap.grads[call] = grad
             return _CaptureGrad.apply(output, self._anchor, keep_grad)
         return hook
-
-    @property
-    def steps(self) -> int:
-        """Private steps taken (calls of privatize_)."""
-        return self._stream.steps
 
     def clear(self) -> None:
         """Forget recorded activations and gradients (e.g. after an aborted step)."""
@@ -354,6 +379,11 @@ class GhostClipper(_UsesStream):
     def _layer_specs(self):
         batch = None
         for tap in self.taps:
+            if any(g is None for g in tap.grads.values()):
+                raise RuntimeError(
+                    f"GhostClipper: backward reached layer {tap.name!r} twice through the same "
+                    "recorded forward; run exactly one loss.backward() per forward (sum the "
+                    "losses first), or call clear() to discard the step")
             if len(tap.grads) != len(tap.acts):
                 raise RuntimeError(
                     f"GhostClipper: layer {tap.name!r} ran forward {len(tap.acts)} time(s) but "
@@ -392,13 +422,13 @@ class GhostClipper(_UsesStream):
         specs = self._layer_specs()
         result = clip_and_noise_layers(
             specs, max_norm=self.max_grad_norm, noise_multiplier=self.noise_multiplier,
-            seed=self._stream.seed, offset=self._stream.offset, reduction=self.loss_reduction,
+            seed=self._stream, reduction=self.loss_reduction,
             expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy)
         for tap, (gw, gb) in zip(self.taps, result.grads):
             tap.module.weight.grad = gw
             if tap.has_bias:
                 tap.module.bias.grad = gb
-        self._stream.advance(result)
+        self._steps += 1
         self.last_result = result
         self.clear()
         return result
@@ -415,19 +445,26 @@ class PoissonBatchSampler(_UsesStream):
     range of the stream; ``seed`` defaults to the OS.
     """
 
-    def __init__(self, n: int, *, sample_rate: float, steps: int, seed: int | None = None,
-                 offset: int = 0):
-        self.n, self.sample_rate, self.steps = n, sample_rate, steps
-        self._stream = _StreamState(seed, offset)
-        poisson_batches(n, sample_rate=sample_rate, steps=0, seed=self._stream.seed)  # validate
+    def __init__(self, n: int, *, sample_rate: float, steps: int, seed=None,
+                 offset: int | None = None):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps: expected an integer >= 0, got {steps!r}")
+        self.n, self.sample_rate, self.batches = n, sample_rate, steps
+        self._init_stream(seed, offset)
+        poisson_batches(n, sample_rate=sample_rate, steps=0, seed=self._stream)  # validate
+
+    @property
+    def steps(self) -> int:
+        """Batches per pass (the ``steps`` given)."""
+        return self.batches
 
     def __len__(self) -> int:
-        return self.steps
+        return self.batches
 
     def __iter__(self):
-        plan = poisson_batches(self.n, sample_rate=self.sample_rate, steps=self.steps,
-                               seed=self._stream.seed, offset=self._stream.offset)
-        self._stream.offset = plan.next_offset
+        plan = poisson_batches(self.n, sample_rate=self.sample_rate, steps=self.batches,
+                               seed=self._stream)
+        self._steps += 1
         for batch in plan:
             yield batch.tolist()
 
