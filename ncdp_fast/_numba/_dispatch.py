@@ -11,6 +11,7 @@ choice never changes a result.
 """
 from __future__ import annotations
 
+import threading
 import types
 
 import numba
@@ -21,6 +22,14 @@ from numba import njit
 # waking and then contending with torch's pool than the second core gained
 # (measured on the (512, 768, 10) GhostClipper step).
 PARALLEL_MIN_WORK = 1 << 21
+
+# numba's default "workqueue" threading layer aborts the process when two Python
+# threads enter parallel regions at once ("Concurrent access has been
+# detected"); TBB and OpenMP allow it, but which layer numba picks depends on
+# what the machine has installed.  Parallel launches therefore take this lock
+# (uncontended it costs well under a microsecond; serial twins never take it),
+# so concurrent calls from several threads are correct on every layer.
+_PARALLEL_LOCK = threading.Lock()
 
 
 class SizedKernel:
@@ -39,8 +48,10 @@ class SizedKernel:
         self.__name__ = py_func.__name__
 
     def __call__(self, *args):
-        big = self.work(*args) >= PARALLEL_MIN_WORK and numba.get_num_threads() > 1
-        return (self.parallel if big else self.serial)(*args)
+        if self.work(*args) >= PARALLEL_MIN_WORK and numba.get_num_threads() > 1:
+            with _PARALLEL_LOCK:
+                return self.parallel(*args)
+        return self.serial(*args)
 
 
 def sized_kernel(work, **flags):
