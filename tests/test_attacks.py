@@ -112,3 +112,209 @@ def test_ordinary_rounding_stays_within_C():
         worst = max(worst, _exact_norm(np.concatenate([res.grad_weight.ravel(),
                                                        res.grad_bias])) / C)
     assert worst <= 1.0
+
+
+# ------------------------------------------------- reconstruction from artifacts
+
+def _small_release(seed):
+    from ncdp_fast.release import NeuroMixGDP
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((60, 5))
+    y = np.arange(60) % 3
+    g = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=8, num_samples=60, seed=seed)
+    return X, y, g.release(X, y, num_classes=3)
+
+
+def _reconstruct(rel, X, y, key):
+    """The audit's attack: with the key, regenerate noise and groups and solve."""
+    K, (T, d) = 3, rel.x.shape
+    noise = nf.gaussian(T * (d + K), seed=key["seed"], offset=key["offset"],
+                        dtype=np.float64).reshape(T, d + K)
+    with pytest.warns(nf.NoiseReuseWarning):          # the attacker reuses the key
+        groups = nf.mix(np.zeros_like(X), y, num_samples=T, mixup_degree=8, noise_std_x=0.0,
+                        noise_std_y=0.0, num_classes=K, clip_x=1.0, seed=key["seed"],
+                        offset=key["offset"], return_groups=True).groups
+    M = np.zeros((T, X.shape[0]))
+    for t, gr in enumerate(groups):
+        M[t, gr] = 1.0 / 8
+    clean = np.asarray(rel.x) - rel.noise_std_x * noise[:, :d]
+    return np.linalg.lstsq(M, clean, rcond=None)[0]
+
+
+def test_release_key_reconstructs_but_is_never_published(tmp_path):
+    import pickle
+    X, y, rel = _small_release(seed=987654321987)
+    key = rel._noise_key
+    # The attack works with the key (so this test can fail)...
+    Xc = X * np.minimum(1.0, 1.0 / np.linalg.norm(X, axis=1, keepdims=True))
+    assert np.abs(_reconstruct(rel, X, y, key) - Xc).max() < 1e-8
+    # ... and nothing one publishes carries it.
+    p = rel.save(tmp_path / "r.npz")
+    blob = p.read_bytes() + pickle.dumps(rel)
+    v = key["seed"]
+    assert str(v).encode() not in blob and int(v).to_bytes(8, "little") not in blob
+    from ncdp_fast.release import Released
+    assert Released.load(p)._noise_key is None and pickle.loads(pickle.dumps(rel))._noise_key \
+        is None
+    with pytest.raises(ValueError, match="no noise key"):
+        Released.load(p).save_audit_key(tmp_path / "k.json")
+    rel.save_audit_key(tmp_path / "k.json")            # the explicit private opt-in
+    assert str(key["seed"]).encode() in (tmp_path / "k.json").read_bytes()
+
+
+def test_pickled_estimators_carry_no_key():
+    import pickle
+    from ncdp_fast import nc
+    from ncdp_fast.train import NoisyGDClassifier, NoisySGDClassifier
+    X = np.random.default_rng(1).standard_normal((40, 4))
+    y = np.arange(40) % 2
+    seed = 876543210123
+    objs = [NoisyGDClassifier(rho=0.5, num_classes=2, seed=seed).fit(X, y),
+            NoisySGDClassifier(epsilon=1.0, delta=1e-5, sample_rate=0.2, epochs=1,
+                               num_classes=2, seed=nf.NoiseStream(seed)).fit(X, y),
+            nc.Centering().fit_private(X, rho=0.5, clip=3.0, seed=seed),
+            nc.PCAProjector(2).fit_private(X, rho=0.5, clip=3.0, seed=seed)]
+    for obj in objs:
+        blob = pickle.dumps(obj)
+        assert str(seed).encode() not in blob and seed.to_bytes(8, "little") not in blob, obj
+    with pytest.raises(TypeError, match="never pickled"):
+        pickle.dumps(nf.NoiseStream(seed))
+
+
+# ------------------------------------------------------- presence by shapes
+
+def test_fitted_shapes_do_not_reveal_a_record():
+    """One record of class 2 present or absent: every fitted array has the same
+    shape (K is public and required)."""
+    from ncdp_fast.train import NoisyGDClassifier, NoisySGDClassifier
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((31, 4))
+    y = np.r_[np.arange(30) % 2, 2]
+    for cls, kw in [(NoisyGDClassifier, dict(rho=1.0)),
+                    (NoisySGDClassifier, dict(epsilon=1.0, delta=1e-5, sample_rate=0.3,
+                                              epochs=1))]:
+        with pytest.raises(ValueError, match="num_classes: required"):
+            cls(**kw).fit(X, y)
+        a = cls(num_classes=3, fit_intercept=True, **kw).fit(X, y)
+        b = cls(num_classes=3, fit_intercept=True, **kw).fit(X[:30], y[:30])
+        for name, v in vars(a).items():
+            if hasattr(v, "shape"):
+                assert np.shape(v) == np.shape(getattr(b, name)), name
+
+
+# ------------------------------------------ noise shared across components
+
+def test_components_given_one_seed_draw_disjoint_noise():
+    """Every noisy component handed the same explicit seed draws its own range:
+    the audit found Centering and NoisyGD noise with correlation 1.0."""
+    from ncdp_fast import nc
+    from ncdp_fast.release import NeuroMixGDP
+    from ncdp_fast.theory import DPGDRegressor
+    from ncdp_fast.train import NoisyGDClassifier, NoisySGDClassifier
+    S = 4242
+    X = np.zeros((50, 6))
+    y = np.arange(50) % 2
+    ranges = []
+    c = nc.Centering().fit_private(X + 1, rho=0.5, clip=3.0, seed=S)
+    ranges.append((c.offset_, c.next_offset_))
+    p = nc.PCAProjector(2).fit_private(X + 1, rho=0.5, clip=3.0, seed=S)
+    ranges.append((p.offset_, p.next_offset_))
+    for _ in range(2):                                  # a refit is a fresh range too
+        f = NoisyGDClassifier(rho=0.5, num_classes=2, seed=S).fit(X, y)
+        ranges.append((f.offset_, f.next_offset_))
+    f = NoisySGDClassifier(epsilon=1.0, delta=1e-5, sample_rate=0.2, epochs=1, num_classes=2,
+                           seed=S).fit(X, y)
+    ranges.append((f.offset_, f.next_offset_))
+    r = DPGDRegressor(features="raw", clip=1.0, lr=0.1, steps=2, sigma=1.0, seed=S).fit(X, y)
+    ranges.append((r.offset_, r.next_offset_))
+    key = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=4, num_samples=10, seed=S).release(
+        X, y, num_classes=2)._noise_key
+    ranges.append((key["offset"], key["offset"] + key["draws"]))
+    res = nf.clip_and_noise(X, max_norm=1.0, noise_multiplier=1.0, seed=S)
+    ranges.append((res.offset, res.next_offset))
+    ranges.sort()
+    for (a0, a1), (b0, b1) in zip(ranges, ranges[1:]):
+        assert a0 < a1 <= b0 < b1, ranges
+    # Numerically: two NoisyGD fits on zero features are pure noise; with one seed
+    # their weights used to be identical.  |r| < 4.5/sqrt(N): false alarm 7e-6.
+    Z = np.zeros((20, 300))
+    yz = np.arange(20) % 2
+    a = NoisyGDClassifier(rho=0.5, num_classes=2, seed=S).fit(Z, yz).coef_.ravel()
+    b = NoisyGDClassifier(rho=0.5, num_classes=2, seed=S).fit(Z, yz).coef_.ravel()
+    assert abs(np.corrcoef(a, b)[0, 1]) < 4.5 / np.sqrt(a.size)
+
+
+def test_optimizer_checkpoint_resumes_the_stream():
+    torch = pytest.importorskip("torch")
+    from ncdp_fast.torch import FusedDPOptimizer
+    p = torch.nn.Parameter(torch.zeros(5))
+    opt = FusedDPOptimizer(torch.optim.SGD([p], lr=1.0), noise_multiplier=1.0,
+                           max_grad_norm=1.0, expected_batch_size=None, loss_reduction="sum")
+    for _ in range(3):
+        p.grad_sample = torch.zeros(2, 5)
+        opt.step()
+    state = opt.state_dict()
+    assert state["ncdp_noise"]["offset"] == 15
+    opt2 = FusedDPOptimizer(torch.optim.SGD([p], lr=1.0), noise_multiplier=1.0,
+                            max_grad_norm=1.0, expected_batch_size=None, loss_reduction="sum")
+    opt2.load_state_dict(state)
+    assert (opt2.seed, opt2.offset, opt2.steps) == (opt.seed, 15, 3)
+
+
+# --------------------------------------------------------- tampered files
+
+def _entries(p):
+    with np.load(p) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _rehash(tmp_path, entries, meta=None, name="t.npz"):
+    """What an attacker does: edit, then recompute the unkeyed checksum."""
+    import hashlib
+    from ncdp_fast.release import _digest
+    if meta is not None:
+        entries["metadata"] = np.frombuffer(meta.encode(), dtype=np.uint8)
+    meta_s = entries["metadata"].tobytes().decode()
+    entries["sha256"] = np.frombuffer(_digest(meta_s, entries["x"], entries["y"]).encode(),
+                                      dtype=np.uint8)
+    np.savez(tmp_path / name, **entries)
+    return tmp_path / name
+
+
+def test_tampered_release_files_are_refused(tmp_path):
+    import json
+    from ncdp_fast.release import Released, ReleaseFileError
+    X, y, rel = _small_release(seed=None)
+    key = b"a publisher's secret key of 32 b"
+    p = rel.save(tmp_path / "r.npz", key=key)
+    assert Released.load(p, key=key).report == rel.report
+    meta = json.loads(_entries(p)["metadata"].tobytes().decode())
+    # A smaller epsilon claimed, checksum recomputed: the report is recomputed.
+    m = dict(meta, report=dict(meta["report"], epsilon_pld=0.01))
+    with pytest.raises(ReleaseFileError, match="stated epsilon_pld"):
+        Released.load(_rehash(tmp_path, _entries(p), json.dumps(m, sort_keys=True)))
+    # Rows cut away, checksum recomputed.
+    e = _entries(p)
+    e["x"] = e["x"][:5]
+    with pytest.raises(ReleaseFileError, match="do not match the metadata"):
+        Released.load(_rehash(tmp_path, e))
+    # Missing or extra report / metadata fields.
+    for m in (dict(meta, report={k: v for k, v in meta["report"].items() if k != "lam"}),
+              dict(meta, report=dict(meta["report"], bonus=1)),
+              {k: v for k, v in meta.items() if k != "sigma_x"}, dict(meta, seed="1")):
+        with pytest.raises(ReleaseFileError, match="fields"):
+            Released.load(_rehash(tmp_path, _entries(p), json.dumps(m, sort_keys=True)))
+    with pytest.raises(ReleaseFileError, match="not JSON"):
+        Released.load(_rehash(tmp_path, _entries(p), "{not json"))
+    # Any edit, even with the checksum recomputed, breaks the HMAC.
+    e = _entries(p)
+    e["y"] = e["y"] + 1e-3
+    with pytest.raises(ReleaseFileError, match="HMAC mismatch"):
+        Released.load(_rehash(tmp_path, e), key=key)
+    with pytest.raises(ReleaseFileError, match="HMAC mismatch"):
+        Released.load(p, key=b"another key of at least 16 bytes")
+    unsigned = rel.save(tmp_path / "u.npz")
+    with pytest.raises(ReleaseFileError, match="no HMAC"):
+        Released.load(unsigned, key=key)
+    with pytest.raises(TypeError, match="key"):
+        rel.save(tmp_path / "s.npz", key="short")
