@@ -247,9 +247,14 @@ class Backend:
     kernels: ModuleType  # ncdp_fast._numba.<family> or ncdp_fast._cuda
 
     def check_float(self, x, name: str) -> np.dtype:
-        dt = self.io.dtype_of(x)
+        try:
+            dt = self.io.dtype_of(x)
+        except (TypeError, KeyError):       # torch float16/bfloat16: no NumPy twin
+            raise TypeError(f"{name}: expected float32 or float64, got dtype {x.dtype} (half "
+                            "precision is not supported; cast explicitly)") from None
         if dt not in FLOAT_DTYPES:
-            raise TypeError(f"{name}: expected float32 or float64, got dtype {dt} "
+            shown = x.dtype if is_torch(x) else dt       # bfloat16, not NumPy's |V2
+            raise TypeError(f"{name}: expected float32 or float64, got dtype {shown} "
                             f"({'integers' if dt.kind in 'iub' else 'half precision and other types'}"
                             " are not supported; cast explicitly)")
         return dt
@@ -283,9 +288,12 @@ def select(family: str, **arrays) -> Backend:
         kind, key, io = _io_for(x)
         if where is None:
             where = (name, kind, key, io)
-        elif (kind, key) != (where[1], where[2]) and not (kind == "cpu" == where[1]):
-            raise ValueError(f"{name} and {where[0]} must be on the same device and of the same "
-                             f"array library: got {_describe(x)} and {_describe(arrays[where[0]])}")
+        elif (kind, key) != (where[1], where[2]) and not (kind == "cpu" == where[1]
+                                                          and name == "labels"):
+            # Integer labels may come as a NumPy array next to torch CPU features;
+            # any other mix of libraries would fail later with an unrelated error.
+            raise TypeError(f"{name} and {where[0]} must be on the same device and of the same "
+                            f"array library: got {_describe(x)} and {_describe(arrays[where[0]])}")
     if where is None:
         raise ValueError("no array argument given")
     name, kind, _, io = where

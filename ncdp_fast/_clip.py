@@ -95,6 +95,13 @@ def _shape(x, name):
                         f"got {type(x).__name__}") from None
 
 
+def _check_noise_range(noise_std, inv_denom, dtype):
+    # Normals are bounded by 6.7 (32-bit uniforms): past this the output would be inf.
+    if noise_std * 6.7 * inv_denom > float(np.finfo(dtype).max):
+        raise ValueError(f"noise_multiplier: noise std {noise_std!r} (noise_multiplier * "
+                         f"max_norm) overflows {np.dtype(dtype).name}; expected a finite result")
+
+
 def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=None):
     host = be.io.to_numpy(norms)
     # A zero factor also marks a finite norm whose rounding bound overflowed.
@@ -154,6 +161,7 @@ def clip_and_noise(grads, *, max_norm, noise_multiplier, seed=None, offset=None,
         raise ValueError(f"grads: expected shape (B, p), got {shape}")
     be = _backend.select("clip", grads=grads)
     dtype = be.check_float(grads, "grads")
+    _check_noise_range(noise_std, inv_denom, dtype)
     B, p = shape
     seed, offset = _stream.claim(seed, offset, p)
     g = be.io.to_kernel(grads)
@@ -265,6 +273,7 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     be = _backend.select("clip", **arrays)
     first = next(iter(arrays))
     dtype = be.check_float(arrays[first], first)
+    _check_noise_range(noise_std, inv_denom, dtype)
     layers = [_Layer(spec, i, be, dtype) for i, spec in enumerate(layer_specs)]
     B = layers[0].B
     for i, layer in enumerate(layers):

@@ -236,6 +236,9 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
     x2s = None if x2 is None else _shape(x2, "x2")
     if x2 is not None and be.check_float(x2, "x2") != dtype:
         raise TypeError(f"x2: dtype {be.io.dtype_of(x2)} differs from x's {dtype}")
+    for nm, sh in (("x", xs), ("x2", x2s)):
+        if sh is not None and (len(sh) != 2 or sh[0] == 0):
+            raise ValueError(f"{nm}: expected shape (n, d) with n >= 1 rows, got {sh}")
     _check_network(xs, weights, biases, activation, parameterization, be, dtype, x2s)
     if be.name == "cuda" and be.io.lib != "torch":
         raise TypeError("x: on the GPU ntk_gram takes torch CUDA tensors")

@@ -97,7 +97,11 @@ def _lam_split(sigma: float, lam: float) -> tuple[float, float]:
 
 def _hs_rates(class_rates, m: float, n: int) -> tuple[float, float]:
     """(p_min, q at p_min): the worst class (smallest p_k has the largest q_k)."""
-    p = float(np.min(class_rates))
+    rates = np.asarray(class_rates, dtype=np.float64)
+    if rates.ndim != 1 or rates.size == 0 or not np.all((rates > 0) & (rates <= 1)):
+        raise ValueError(f"class_rates: expected a non-empty list of class keep probabilities "
+                         f"in (0, 1], got {np.asarray(class_rates).tolist()!r}")
+    p = float(np.min(rates))
     return p, m / (n * p)
 
 

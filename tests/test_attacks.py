@@ -318,3 +318,51 @@ def test_tampered_release_files_are_refused(tmp_path):
         Released.load(unsigned, key=key)
     with pytest.raises(TypeError, match="key"):
         rel.save(tmp_path / "s.npz", key="short")
+
+
+# --------------------------------------------------- errors that name the argument
+
+def test_audit_errors_are_clear_and_early():
+    torch = pytest.importorskip("torch")
+    from ncdp_fast.release import hs_epsilon
+    from ncdp_fast.torch import FusedDPOptimizer, GhostClipper, PoissonBatchSampler
+    with pytest.raises(TypeError, match="backprops and activations must be on the same"):
+        nf.clip_and_noise_linear(np.zeros((2, 3)), torch.zeros(2, 2, dtype=torch.float64),
+                                 max_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(TypeError, match="grads: expected float32 or float64, got dtype "
+                                        "torch.bfloat16"):
+        nf.clip_and_noise(torch.zeros(2, 3, dtype=torch.bfloat16), max_norm=1.0,
+                          noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="noise_multiplier: noise std"):
+        nf.clip_and_noise(np.zeros((2, 3)), max_norm=1.0, noise_multiplier=1e308)
+    with pytest.raises(ValueError, match=r"x: expected shape \(n, d\) with n >= 1"):
+        nf.ntk_gram(np.zeros((0, 3)), [np.ones((4, 3)), np.ones((1, 4))])
+    for cr in ([0.0], [2.0]):
+        with pytest.raises(ValueError, match="class_rates"):
+            hs_epsilon(1.0, mixup_degree=2, n=100, num_samples=10, class_rates=cr, delta=1e-5)
+    with pytest.raises(ValueError, match="steps"):
+        PoissonBatchSampler(10, sample_rate=0.1, steps=-1)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for kw, match in [(dict(max_grad_norm=-1.0), "max_grad_norm"),
+                      (dict(noise_multiplier=-1.0), "noise_multiplier"),
+                      (dict(expected_batch_size=-3), "expected_batch_size"),
+                      (dict(nan_policy="x"), "nan_policy")]:
+        args = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8)
+        args.update(kw)
+        with pytest.raises(ValueError, match=match):
+            GhostClipper(model, **args)
+        with pytest.raises(ValueError, match=match):
+            FusedDPOptimizer(opt, **args)
+    # An inf row is dropped (non-finite), not also counted as clipped.
+    g = np.array([[np.inf, 0.0], [3.0, 4.0]])
+    res = nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=0.0, nan_policy="zero")
+    assert (res.num_nonfinite, res.num_clipped) == (1, 1)
+    # Two backward passes through one recorded forward are refused, not reduced to one.
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                           expected_batch_size=4)
+    out = model(torch.randn(4, 3)).sum()
+    out.backward(retain_graph=True)
+    out.backward()
+    with pytest.raises(RuntimeError, match="twice through the same recorded forward"):
+        clipper.privatize_()
