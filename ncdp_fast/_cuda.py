@@ -66,9 +66,46 @@ def row_sq_norms(g, sq, accumulate):
     _C.launch_row_sq_norms(_ptr(g), B, p, _dtype_code(g), _ptr(sq), bool(accumulate), _stream(g))
 
 
-def clip_factors(sq, max_norm, factors, norms):
+def _xp(x):
+    if hasattr(x, "data_ptr"):
+        import torch
+        return torch
+    import cupy
+    return cupy
+
+
+def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms):
+    # The rounding-aware rule of reference.clip_factors, in the caller's library
+    # on the device ([B] float64 elementwise ops): the launcher still has the
+    # plain min(1, C/norm) rule, so only its norms are used.
     _C.launch_clip_factors(_ptr(sq), sq.shape[0], float(max_norm), _ptr(factors), _ptr(norms),
                            _stream(sq))
+    xp = _xp(sq)
+    e = 0.0 * sq if spread is None else spread
+    g = (terms + 4) * 2.0 ** -52
+    b = (xp.sqrt(sq + (g ** 0.5 * e) ** 2) + (t_max + 2) * 2.0 ** -52 * e) * (1.0 + g)
+    b = (b + 2.0 * (t_max + 2) * unit * e) * (1.0 + 4.0 * unit)
+    ok = xp.isfinite(b)
+    safe = xp.where(ok, b, 1.0 + 0.0 * b)
+    f = xp.where(safe <= max_norm, 1.0 + 0.0 * b, max_norm / safe)
+    factors[:] = xp.where(ok, f, 0.0 * b)
+
+
+def linear_spread(a, g, bias, spread, accumulate):
+    """spread[i] (=|+=) sum_t ||g_it|| (||a_it|| + [bias]) in float64 (reference.linear_spread)."""
+    xp = _xp(a)
+    if xp.__name__ == "torch":
+        na = xp.linalg.norm(a.double(), dim=2)
+        ng = xp.linalg.norm(g.double(), dim=2)
+        e = (ng * (na + (1.0 if bias else 0.0))).sum(dim=1)
+    else:
+        na = xp.linalg.norm(a.astype(xp.float64), axis=2)
+        ng = xp.linalg.norm(g.astype(xp.float64), axis=2)
+        e = (ng * (na + (1.0 if bias else 0.0))).sum(axis=1)
+    if accumulate:
+        spread += e
+    else:
+        spread[:] = e
 
 
 def clip_noise_rows(g, max_norm, noise_std, inv_denom, seed, offset, out, norms, factors):
