@@ -326,7 +326,8 @@ def _walk(uniforms, n_members, q):
     while True:
         u = uniforms.next()
         gap = np.floor(np.log(u) / log1mq) if log1mq != 0 else np.inf
-        if pos + 1 + gap >= n_members:
+        # Gaps of 2^53 or more (or NaN) end the walk on every backend (mix.cu's cap).
+        if not gap < 2.0 ** 53 or pos + 1 + gap >= n_members:
             return picked
         pos = int(pos + 1 + gap)
         picked.append(pos)

@@ -366,3 +366,23 @@ def test_audit_errors_are_clear_and_early():
     out.backward()
     with pytest.raises(RuntimeError, match="twice through the same recorded forward"):
         clipper.privatize_()
+
+
+def test_tiny_sampling_rates_stay_in_bounds():
+    """Audit item 6: a gap floor(log u / log1p(-q)) over 2^63 wrapped to INT64_MIN
+    (index -9223372036854775808 at q = 1e-19; a read of features[INT64_MIN] in mix).
+    Gaps are capped at 2^53 as in the CUDA sampler; such rates select nothing."""
+    for q in (1e-19, 1e-300, 5e-324):
+        plan = nf.poisson_batches(10, sample_rate=q, steps=50)
+        assert plan.indices.size == 0 or (plan.indices.min() >= 0 and plan.indices.max() < 10)
+        assert plan.indices.size == 0
+    from ncdp_fast import reference as R
+    for m in (1e-300, 1e-17):
+        r = nf.mix(np.ones((10, 3)), np.arange(10) % 2, num_samples=40, mixup_degree=m,
+                   noise_std_x=0.0, noise_std_y=0.0, num_classes=2, seed=5 + (m > 1e-100),
+                   offset=0, return_groups=True)
+        assert int(np.asarray(r.counts).sum()) == 0
+        ref = R.sample_groups(np.arange(10) % 2, num_samples=40, mixup_degree=m,
+                              seed=5 + (m > 1e-100),
+                              offset=0, num_classes=2)
+        assert all(len(g) == 0 for g in ref)

@@ -21,6 +21,7 @@ _M32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
 _TWO_26 = 67108864.0
 _INV_2_53 = 1.0 / 9007199254740992.0
+_GAP_LIMIT = 9007199254740992.0      # 2^53
 
 
 @njit(cache=True, inline="always")
@@ -69,8 +70,12 @@ def sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_sele
             u = uniform53(seed, sid, j)
             j += 1
             # q = 1: log1p(-1) = -inf and the gap is -0.0, i.e. every member.
-            gap = math.floor(math.log(u) / log1mq) if log1mq != 0.0 else math.inf
-            if gap >= size - pos - 1:
+            # np.floor keeps a float: numba's math.floor returns int64, which
+            # wrapped to INT64_MIN for rates below ~1e-18 and indexed out of bounds.
+            gap = np.floor(math.log(u) / log1mq) if log1mq != 0.0 else math.inf
+            # A gap of 2^53 or more (or NaN) passes the end of every group: the
+            # cap the CUDA sampler applies (mix.cu, kGapLimit).
+            if not (gap < _GAP_LIMIT) or gap >= size - pos - 1:
                 break
             pos += np.int64(gap) + 1
             if count == buf.shape[0]:
