@@ -3,6 +3,7 @@
 
 #include "clip/clip_noise.h"
 #include "common/block_reduce.cuh"
+#include "common/launch.cuh"
 #include "common/launch_config.h"
 #include "common/vector_io.cuh"
 #include "rng/gaussian.h"
@@ -161,10 +162,10 @@ void launch_weighted_row_sum_partials(const Real* grads,      // [rows, p]
                   static_cast<unsigned int>(slabs));
   const bool aligned = is_aligned16(grads) && p % Vec16<Real>::kWidth == 0;
   if (aligned) {
-    weighted_row_sum_partials_kernel<Real, true><<<grid, kBlockThreads, 0, stream>>>(
+    NCDP_LAUNCH(grid, kBlockThreads, 0, stream, weighted_row_sum_partials_kernel<Real, true>)(
         grads, factors, rows, p, rows_per_slab, partials, accumulate);
   } else {
-    weighted_row_sum_partials_kernel<Real, false><<<grid, kBlockThreads, 0, stream>>>(
+    NCDP_LAUNCH(grid, kBlockThreads, 0, stream, weighted_row_sum_partials_kernel<Real, false>)(
         grads, factors, rows, p, rows_per_slab, partials, accumulate);
   }
 }
@@ -434,14 +435,14 @@ template <typename Real>
 void launch_row_sq_norms(const Real* grads, std::int64_t B, std::int64_t p, double* sq,
                          bool accumulate, cudaStream_t stream) {
   if (B <= 0) return;
-  row_sq_norms_kernel<Real><<<grid_blocks(B, 1), kBlockThreads, 0, stream>>>(
+  NCDP_LAUNCH(grid_blocks(B, 1), kBlockThreads, 0, stream, row_sq_norms_kernel<Real>)(
       grads, B, p, /*segments=*/1, /*segment_len=*/p, sq, accumulate);
 }
 
 void launch_clip_factors(const double* sq, std::int64_t B, double max_norm, double* factors,
                          double* norms, cudaStream_t stream) {
   if (B <= 0) return;
-  clip_factors_kernel<<<grid_blocks(B, kBlockThreads), kBlockThreads, 0, stream>>>(
+  NCDP_LAUNCH(grid_blocks(B, kBlockThreads), kBlockThreads, 0, stream, clip_factors_kernel)(
       sq, B, /*segments=*/1, max_norm, factors, norms);
 }
 
@@ -511,11 +512,11 @@ void launch_clip_noise_rows(const Real* grads, std::int64_t B, std::int64_t p, d
   }
   for (std::int64_t r0 = 0; r0 < B; r0 += chunk_rows) {
     const std::int64_t rows = std::min(chunk_rows, B - r0);
-    row_sq_norms_kernel<Real>
-        <<<grid_blocks(rows * layout.norm_segments, 1), kBlockThreads, 0, stream>>>(
+    NCDP_LAUNCH(grid_blocks(rows * layout.norm_segments, 1), kBlockThreads, 0, stream,
+        row_sq_norms_kernel<Real>)(
             grads + r0 * p, rows, p, layout.norm_segments, kNormSegment,
             sq_partials + r0 * layout.norm_segments, /*accumulate=*/false);
-    clip_factors_kernel<<<grid_blocks(rows, kBlockThreads), kBlockThreads, 0, stream>>>(
+    NCDP_LAUNCH(grid_blocks(rows, kBlockThreads), kBlockThreads, 0, stream, clip_factors_kernel)(
         sq_partials + r0 * layout.norm_segments, rows, layout.norm_segments, max_norm,
         factors + r0, norms + r0);
     if (p > 0) {
@@ -534,14 +535,14 @@ void launch_linear_sq_norms(const Real* acts, const Real* grads, std::int64_t B,
   if (B <= 0) return;
   const unsigned int blocks = grid_blocks(B, 1);
   if (T == 1) {
-    linear_sq_norms_rank1_kernel<Real><<<blocks, kBlockThreads, 0, stream>>>(
+    NCDP_LAUNCH(blocks, kBlockThreads, 0, stream, linear_sq_norms_rank1_kernel<Real>)(
         acts, grads, B, d, K, bias, sq, accumulate);
   } else if (2.0 * static_cast<double>(T) * static_cast<double>(T) <=
              static_cast<double>(K) * static_cast<double>(d)) {
-    linear_sq_norms_gram_kernel<Real><<<blocks, kBlockThreads, 0, stream>>>(
+    NCDP_LAUNCH(blocks, kBlockThreads, 0, stream, linear_sq_norms_gram_kernel<Real>)(
         acts, grads, B, T, d, K, bias, sq, accumulate);
   } else {
-    linear_sq_norms_direct_kernel<Real><<<blocks, kBlockThreads, 0, stream>>>(
+    NCDP_LAUNCH(blocks, kBlockThreads, 0, stream, linear_sq_norms_direct_kernel<Real>)(
         acts, grads, B, T, d, K, bias, sq, accumulate);
   }
 }
@@ -602,7 +603,7 @@ void launch_clipped_linear_sum(const Real* acts, const Real* grads, const double
     const dim3 grid(static_cast<unsigned int>(ceil_div(columns, kGemmTile)),
                     static_cast<unsigned int>(ceil_div(K, kGemmTile)),
                     static_cast<unsigned int>(slabs));
-    clipped_linear_gemm_kernel<Real><<<grid, kBlockThreads, 0, stream>>>(
+    NCDP_LAUNCH(grid, kBlockThreads, 0, stream, clipped_linear_gemm_kernel<Real>)(
         acts, grads, factors, R, T, d, K, bias, rows_per_slab, weight_partials, bias_partials);
   }
   launch_slab_sum_plus_gaussian<Real>(weight_partials, slabs, weight_count, noise_std, inv_denom,

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "common/block_reduce.cuh"
+#include "common/launch.cuh"
 #include "common/launch_config.h"
 #include "common/philox.cuh"
 #include "common/vector_io.cuh"
@@ -306,17 +307,17 @@ struct MixShared {
   double norm_partials[2][kMembers][kGatherWarps];
 };
 
-// Named barriers (PTX bar.sync / bar.arrive): `threads` threads (whole warps)
-// take part; an arrive does not wait, and it synchronizes with the syncs of the
+// Named barriers (PTX bar.sync / bar.arrive, common/launch.cuh): `threads`
+// threads (whole warps) take part; an arrive does not wait, and it synchronizes with the syncs of the
 // same barrier phase (shared-memory writes before it are visible after them).
 // The id is an immediate so that ptxas reserves only the barriers used.
 template <int kId>
 __device__ __forceinline__ void barrier_sync(int threads) {
-  asm volatile("bar.sync %0, %1;" : : "n"(kId), "r"(threads) : "memory");
+  NCDP_NAMED_BARRIER_SYNC(kId, threads);
 }
 template <int kId>
 __device__ __forceinline__ void barrier_arrive(int threads) {
-  asm volatile("bar.arrive %0, %1;" : : "n"(kId), "r"(threads) : "memory");
+  NCDP_NAMED_BARRIER_ARRIVE(kId, threads);
 }
 // Barrier kId + b of a double buffer, b in {0, 1}.
 template <int kId>
@@ -669,9 +670,9 @@ template <typename Real, int kVectors>
 void launch_fused(const MixArgs<Real>& args, bool aligned, unsigned int blocks,
                   cudaStream_t stream) {
   if (aligned) {
-    mix_rows_kernel<Real, kVectors, true, true><<<blocks, kMixThreads, 0, stream>>>(args);
+    NCDP_LAUNCH(blocks, kMixThreads, 0, stream, mix_rows_kernel<Real, kVectors, true, true>)(args);
   } else {
-    mix_rows_kernel<Real, kVectors, false, true><<<blocks, kMixThreads, 0, stream>>>(args);
+    NCDP_LAUNCH(blocks, kMixThreads, 0, stream, mix_rows_kernel<Real, kVectors, false, true>)(args);
   }
 }
 
@@ -684,7 +685,7 @@ void launch_sample_counts(const GroupSampling& sampling, std::int64_t rows,
                           std::uint64_t row_stride, std::uint64_t seed, std::uint64_t offset,
                           std::int64_t* counts, cudaStream_t stream) {
   if (rows <= 0) return;
-  sample_counts_kernel<<<grid_blocks(rows, kWarpsPerBlock), kBlockThreads, 0, stream>>>(
+  NCDP_LAUNCH(grid_blocks(rows, kWarpsPerBlock), kBlockThreads, 0, stream, sample_counts_kernel)(
       sampling, rows, row_stride, seed, offset, counts);
 }
 
@@ -692,7 +693,7 @@ void launch_sample_fill(const GroupSampling& sampling, std::int64_t rows,
                         std::uint64_t row_stride, std::uint64_t seed, std::uint64_t offset,
                         const std::int64_t* indptr, std::int64_t* indices, cudaStream_t stream) {
   if (rows <= 0) return;
-  sample_fill_kernel<<<grid_blocks(rows, kWarpsPerBlock), kBlockThreads, 0, stream>>>(
+  NCDP_LAUNCH(grid_blocks(rows, kWarpsPerBlock), kBlockThreads, 0, stream, sample_fill_kernel)(
       sampling, rows, row_stride, seed, offset, indptr, indices);
 }
 
@@ -721,9 +722,11 @@ void launch_mix_rows(const Real* features, std::int64_t n, std::int64_t d,
   } else if (max_fused_vectors<Real>() >= 8 && slots <= 8) {
     launch_fused<Real, (max_fused_vectors<Real>() >= 8 ? 8 : 4)>(args, aligned, blocks, stream);
   } else if (aligned) {
-    mix_rows_kernel<Real, kTiledVectors, true, false><<<blocks, kMixThreads, 0, stream>>>(args);
+    NCDP_LAUNCH(blocks, kMixThreads, 0, stream,
+        mix_rows_kernel<Real, kTiledVectors, true, false>)(args);
   } else {
-    mix_rows_kernel<Real, kTiledVectors, false, false><<<blocks, kMixThreads, 0, stream>>>(args);
+    NCDP_LAUNCH(blocks, kMixThreads, 0, stream,
+        mix_rows_kernel<Real, kTiledVectors, false, false>)(args);
   }
 }
 

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "common/launch.cuh"
 #include "common/launch_config.h"
 #include "common/vector_io.cuh"
 #include "ntk/hadamard_gram.h"
@@ -308,8 +309,8 @@ void launch_hadamard_gram(const GramTerm<Real>* terms, std::int64_t count, std::
     GramTermList<Real> list{};
     list.count = static_cast<int>(std::min(count - begin, kMaxGramTermsPerLaunch));
     std::copy(terms + begin, terms + begin + list.count, list.term);
-    hadamard_gram_tile_kernel<Real, Acc, Out>
-        <<<static_cast<unsigned int>(blocks), kBlockThreads, 0, stream>>>(
+    NCDP_LAUNCH(static_cast<unsigned int>(blocks), kBlockThreads, 0, stream,
+        hadamard_gram_tile_kernel<Real, Acc, Out>)(
             list, n, n2, tiles_i, tiles_j, symmetric, /*accumulate=*/begin > 0, out);
     begin += list.count;
   } while (begin < count);

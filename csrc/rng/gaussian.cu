@@ -1,5 +1,6 @@
 #include "rng/gaussian.h"
 
+#include "common/launch.cuh"
 #include "common/launch_config.h"
 #include "common/philox.cuh"
 
@@ -50,8 +51,8 @@ void launch_slab_sum_plus_gaussian(const Real* partials, std::int64_t slabs, std
                                    std::uint64_t offset, Real* out, cudaStream_t stream) {
   if (p <= 0) return;
   const std::int64_t num_philox_blocks = (static_cast<std::int64_t>(offset & 3) + p + 3) / 4;
-  slab_sum_plus_gaussian_kernel<Real>
-      <<<grid_blocks(num_philox_blocks, kBlockThreads), kBlockThreads, 0, stream>>>(
+  NCDP_LAUNCH(grid_blocks(num_philox_blocks, kBlockThreads), kBlockThreads, 0, stream,
+      slab_sum_plus_gaussian_kernel<Real>)(
           partials, slabs, p, noise_std, inv_denom, seed, offset, out);
 }
 
