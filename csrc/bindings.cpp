@@ -31,8 +31,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("B"), py::arg("p"), py::arg("dtype"), py::arg("sq"), py::arg("accumulate"),
         py::arg("stream"));
   m.def("launch_clip_factors", &ncdp::launch_clip_factors,
-        "norms = sqrt(sq); factors = 1, max_norm / norm, or 0 for non-finite norms (float64 [B]).",
-        py::arg("sq"), py::arg("B"), py::arg("max_norm"), py::arg("factors"), py::arg("norms"),
+        "norms = sqrt(sq); factors by the rounding-aware rule of reference.clip_factors "
+        "(float64 [B]; spread 0 for E = 0).",
+        py::arg("sq"), py::arg("spread"), py::arg("B"), py::arg("max_norm"), py::arg("terms"),
+        py::arg("seq_len"), py::arg("unit"), py::arg("factors"), py::arg("norms"),
         py::arg("stream"));
   m.def("weighted_row_sum_workspace_bytes", &ncdp::weighted_row_sum_workspace_bytes,
         "Workspace bytes of launch_weighted_row_sum_noise.", py::arg("B"), py::arg("p"),

@@ -75,20 +75,9 @@ def _xp(x):
 
 
 def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms):
-    # The rounding-aware rule of reference.clip_factors, in the caller's library
-    # on the device ([B] float64 elementwise ops): the launcher still has the
-    # plain min(1, C/norm) rule, so only its norms are used.
-    _C.launch_clip_factors(_ptr(sq), sq.shape[0], float(max_norm), _ptr(factors), _ptr(norms),
-                           _stream(sq))
-    xp = _xp(sq)
-    e = 0.0 * sq if spread is None else spread
-    g = (terms + 4) * 2.0 ** -52
-    b = (xp.sqrt(sq + (g ** 0.5 * e) ** 2) + (t_max + 2) * 2.0 ** -52 * e) * (1.0 + g)
-    b = (b + 2.0 * (t_max + 2) * unit * e) * (1.0 + 4.0 * unit)
-    ok = xp.isfinite(b)
-    safe = xp.where(ok, b, 1.0 + 0.0 * b)
-    f = xp.where(safe <= max_norm, 1.0 + 0.0 * b, max_norm / safe)
-    factors[:] = xp.where(ok, f, 0.0 * b)
+    # The rule of reference.clip_factors, in the kernel (clip/clip_rule.cuh).
+    _C.launch_clip_factors(_ptr(sq), _opt_ptr(spread), sq.shape[0], float(max_norm), int(terms),
+                           int(t_max), float(unit), _ptr(factors), _ptr(norms), _stream(sq))
 
 
 def linear_spread(a, g, bias, spread, accumulate):

@@ -48,12 +48,6 @@ static_assert(kDotTile * kDotTile == kBlockThreads, "16 x 16 threads");
 constexpr std::int64_t kGemmTargetBlocks = kTargetSMs * 4 * 2;
 constexpr std::int64_t kGemmMinRowsPerSlab = 16 * kGemmDepth;
 
-__device__ __forceinline__ double clip_factor(double norm, double max_norm) {
-  if (norm <= max_norm) return 1.0;
-  // NaN compares false above and is not finite: such rows get factor 0.
-  return isfinite(norm) ? max_norm / norm : 0.0;
-}
-
 // ---------------------------------------------------------------------------
 // Dense rows.
 
@@ -79,11 +73,12 @@ __global__ void __launch_bounds__(kBlockThreads) row_sq_norms_kernel(
   }
 }
 
-// norms[i] = sqrt(sum_s sq_partials[i, s]) (segments summed in order), factors[i]
-// its clip factor.
+// norms[i] = sqrt(sq_i), sq_i = sum_s sq_partials[i, s] (segments summed in
+// order), factors[i] its clip factor (clip/clip_rule.cuh, spread[i] or 0).
 __global__ void __launch_bounds__(kBlockThreads) clip_factors_kernel(
     const double* __restrict__ sq_partials,  // [B, segments]
-    std::int64_t B, std::int64_t segments, double max_norm,
+    const double* __restrict__ spread,       // [B] or nullptr
+    std::int64_t B, std::int64_t segments, ClipRule rule,
     double* __restrict__ factors,  // [B]
     double* __restrict__ norms) {  // [B]
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
@@ -91,14 +86,14 @@ __global__ void __launch_bounds__(kBlockThreads) clip_factors_kernel(
        i += stride) {
     double sq = 0.0;
     for (std::int64_t s = 0; s < segments; ++s) sq += sq_partials[i * segments + s];
-    const double norm = sqrt(sq);
-    norms[i] = norm;
-    factors[i] = clip_factor(norm, max_norm);
+    norms[i] = sqrt(sq);
+    factors[i] = clip_factor(sq, spread != nullptr ? spread[i] : 0.0, rule);
   }
 }
 
 // partials[s, j] (=, or += across chunks) sum over the rows r of slab s of
-// factors[r] * grads[r, j], in Real. Block (x, s) covers 256 column groups of
+// factors[r] * grads[r, j], in float64 (the factor may be far below the
+// smallest normal float). Block (x, s) covers 256 column groups of
 // 4 columns of slab s; a thread walks its slab's rows down its 4 columns, so
 // each row read is coalesced. kAligned: every group of 4 starts on a 16-byte
 // boundary (base aligned and p a multiple of the vector width).
@@ -107,7 +102,7 @@ __global__ void __launch_bounds__(kBlockThreads) weighted_row_sum_partials_kerne
     const Real* __restrict__ grads,      // [rows, p]
     const double* __restrict__ factors,  // [rows]
     std::int64_t rows, std::int64_t p, std::int64_t rows_per_slab,
-    Real* __restrict__ partials,  // [slabs, p], slabs = gridDim.y
+    double* __restrict__ partials,  // [slabs, p], slabs = gridDim.y
     bool accumulate) {
   const std::int64_t slab = blockIdx.y;
   const std::int64_t row_begin = slab * rows_per_slab;
@@ -120,19 +115,18 @@ __global__ void __launch_bounds__(kBlockThreads) weighted_row_sum_partials_kerne
     const std::int64_t remaining = p - column;
     const int width = remaining < kColumnsPerThread ? static_cast<int>(remaining)
                                                     : static_cast<int>(kColumnsPerThread);
-    Real* dst = partials + slab * p + column;
+    double* dst = partials + slab * p + column;
     // Loops over q are fully unrolled with `q < width` as a predicate, so the
     // small arrays stay in registers (a runtime bound would index them in
     // local memory).
-    Real acc[4];
+    double acc[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) acc[q] = (accumulate && q < width) ? dst[q] : Real(0);
+    for (int q = 0; q < 4; ++q) acc[q] = (accumulate && q < width) ? dst[q] : 0.0;
 #pragma unroll 4
     for (std::int64_t r = row_begin; r < row_end; ++r) {
       const double factor = factors[r];
       // Rows with factor 0 are dropped, not multiplied: they may hold NaN.
       const bool keep = factor != 0.0;
-      const Real f = static_cast<Real>(factor);
       const Real* src = grads + r * p + column;
       Real v[4];
       if (kAligned && width == 4) {
@@ -142,7 +136,7 @@ __global__ void __launch_bounds__(kBlockThreads) weighted_row_sum_partials_kerne
         for (int q = 0; q < 4; ++q) v[q] = q < width ? src[q] : Real(0);
       }
 #pragma unroll
-      for (int q = 0; q < 4; ++q) acc[q] += keep ? f * v[q] : Real(0);
+      for (int q = 0; q < 4; ++q) acc[q] += keep ? factor * static_cast<double>(v[q]) : 0.0;
     }
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -155,7 +149,7 @@ template <typename Real>
 void launch_weighted_row_sum_partials(const Real* grads,      // [rows, p]
                                       const double* factors,  // [rows]
                                       std::int64_t rows, std::int64_t p, std::int64_t slabs,
-                                      Real* partials,  // [slabs, p]
+                                      double* partials,  // [slabs, p]
                                       bool accumulate, cudaStream_t stream) {
   const std::int64_t rows_per_slab = std::max<std::int64_t>(1, ceil_div(rows, slabs));
   const dim3 grid(grid_blocks(ceil_div(p, kColumnsPerThread), kBlockThreads),
@@ -334,8 +328,9 @@ __global__ void __launch_bounds__(kBlockThreads) linear_sq_norms_direct_kernel(
 // factors[r / T] * grads[r, k] * acts[r, j]; with bias, column j = d of the
 // tile is a virtual column of ones in `acts`, whose results go to
 // bias_partials[s, k]. Block (x, y, s): output tile (k0, j0) = (64 y, 64 x) of
-// slab s; the factor is applied while staging g, so the inner loop is a plain
-// FMA micro-kernel. Accumulates in Real, rows in increasing order.
+// slab s; the factor is applied while staging g (in float64, rounded once to
+// Real), so the inner loop is a plain FMA micro-kernel. Accumulates in Real,
+// rows in increasing order.
 template <typename Real>
 __global__ void __launch_bounds__(kBlockThreads) clipped_linear_gemm_kernel(
     const Real* __restrict__ acts,       // [R, d]
@@ -347,7 +342,7 @@ __global__ void __launch_bounds__(kBlockThreads) clipped_linear_gemm_kernel(
     Real* __restrict__ bias_partials) {  // [slabs, K] (only with bias)
   __shared__ Real g_tile[kGemmDepth][kGemmTile];
   __shared__ Real a_tile[kGemmDepth][kGemmTile];
-  __shared__ Real row_factor[kGemmDepth];
+  __shared__ double row_factor[kGemmDepth];
   const int ty = static_cast<int>(threadIdx.x) / kGemmThreadsPerSide;
   const int tx = static_cast<int>(threadIdx.x) % kGemmThreadsPerSide;
   const std::int64_t k0 = static_cast<std::int64_t>(blockIdx.y) * kGemmTile;
@@ -369,20 +364,21 @@ __global__ void __launch_bounds__(kBlockThreads) clipped_linear_gemm_kernel(
     // previous stage's second barrier.)
     if (threadIdx.x < kGemmDepth) {
       const std::int64_t r = r0 + threadIdx.x;
-      row_factor[threadIdx.x] = r < row_end ? static_cast<Real>(factors[r / T]) : Real(0);
+      row_factor[threadIdx.x] = r < row_end ? factors[r / T] : 0.0;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < kGemmDepth * kGemmTile; e += kBlockThreads) {
       const int rr = e / kGemmTile;
       const int cc = e % kGemmTile;
       const std::int64_t r = r0 + rr;
-      const Real f = row_factor[rr];
+      const double f = row_factor[rr];
       // A zero factor drops the sample (and pads past row_end): its g and a may
       // hold NaN, and 0 * NaN is NaN, so neither is read.
-      const bool keep = f != Real(0);
+      const bool keep = f != 0.0;
       const std::int64_t k = k0 + cc;
       const std::int64_t j = j0 + cc;
-      g_tile[rr][cc] = (keep && k < K) ? f * grads[r * K + k] : Real(0);
+      g_tile[rr][cc] =
+          (keep && k < K) ? static_cast<Real>(f * static_cast<double>(grads[r * K + k])) : Real(0);
       Real a = Real(0);
       if (keep) {
         if (j < d) {
@@ -439,11 +435,12 @@ void launch_row_sq_norms(const Real* grads, std::int64_t B, std::int64_t p, doub
       grads, B, p, /*segments=*/1, /*segment_len=*/p, sq, accumulate);
 }
 
-void launch_clip_factors(const double* sq, std::int64_t B, double max_norm, double* factors,
-                         double* norms, cudaStream_t stream) {
+void launch_clip_factors(const double* sq, const double* spread, std::int64_t B,
+                         const ClipRule& rule, double* factors, double* norms,
+                         cudaStream_t stream) {
   if (B <= 0) return;
   NCDP_LAUNCH(grid_blocks(B, kBlockThreads), kBlockThreads, 0, stream, clip_factors_kernel)(
-      sq, B, /*segments=*/1, max_norm, factors, norms);
+      sq, spread, B, /*segments=*/1, rule, factors, norms);
 }
 
 std::int64_t weighted_row_sum_slabs(std::int64_t B, std::int64_t p) {
@@ -456,9 +453,8 @@ std::int64_t weighted_row_sum_slabs(std::int64_t B, std::int64_t p) {
   return std::max<std::int64_t>(slabs, 1);
 }
 
-std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p,
-                                              std::int64_t element_bytes) {
-  return align_bytes(weighted_row_sum_slabs(B, p) * p * element_bytes);
+std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p) {
+  return align_bytes(weighted_row_sum_slabs(B, p) * p * std::int64_t{sizeof(double)});
 }
 
 template <typename Real>
@@ -468,17 +464,16 @@ void launch_weighted_row_sum_noise(const Real* grads, const double* factors, std
                                    void* workspace, cudaStream_t stream) {
   if (p <= 0) return;
   const std::int64_t slabs = weighted_row_sum_slabs(B, p);
-  Real* partials = static_cast<Real*>(workspace);
+  double* partials = static_cast<double*>(workspace);
   if (slabs > 0) {
     launch_weighted_row_sum_partials(grads, factors, B, p, slabs, partials,
                                      /*accumulate=*/false, stream);
   }
-  launch_slab_sum_plus_gaussian<Real>(partials, slabs, p, noise_std, inv_denom, seed, offset,
-                                      out, stream);
+  launch_slab_sum_plus_gaussian<double, Real>(partials, slabs, p, noise_std, inv_denom, seed,
+                                              offset, out, stream);
 }
 
-ClipNoiseRowsLayout clip_noise_rows_layout(std::int64_t B, std::int64_t p,
-                                           std::int64_t element_bytes) {
+ClipNoiseRowsLayout clip_noise_rows_layout(std::int64_t B, std::int64_t p) {
   ClipNoiseRowsLayout layout{};
   layout.norm_segments = std::max<std::int64_t>(1, ceil_div(p, kNormSegment));
   layout.slabs = weighted_row_sum_slabs(B, p);
@@ -486,7 +481,8 @@ ClipNoiseRowsLayout clip_noise_rows_layout(std::int64_t B, std::int64_t p,
   layout.sq_partials_offset = layout.factors_offset + align_bytes(B * sizeof(double));
   layout.partials_offset =
       layout.sq_partials_offset + align_bytes(B * layout.norm_segments * sizeof(double));
-  layout.total_bytes = layout.partials_offset + align_bytes(layout.slabs * p * element_bytes);
+  layout.total_bytes =
+      layout.partials_offset + align_bytes(layout.slabs * p * std::int64_t{sizeof(double)});
   return layout;
 }
 
@@ -495,11 +491,12 @@ void launch_clip_noise_rows(const Real* grads, std::int64_t B, std::int64_t p, d
                             double noise_std, double inv_denom, std::uint64_t seed,
                             std::uint64_t offset, Real* out, double* norms, void* workspace,
                             std::int64_t l2_bytes, cudaStream_t stream) {
-  const ClipNoiseRowsLayout layout = clip_noise_rows_layout(B, p, sizeof(Real));
+  const ClipNoiseRowsLayout layout = clip_noise_rows_layout(B, p);
+  const ClipRule rule{max_norm, p, 1, sizeof(Real) == sizeof(float) ? 0x1p-24 : 0x1p-53};
   char* base = static_cast<char*>(workspace);
   double* factors = reinterpret_cast<double*>(base + layout.factors_offset);
   double* sq_partials = reinterpret_cast<double*>(base + layout.sq_partials_offset);
-  Real* partials = reinterpret_cast<Real*>(base + layout.partials_offset);
+  double* partials = reinterpret_cast<double*>(base + layout.partials_offset);
 
   // Rows go in chunks of about half the L2: the norms pass pulls a chunk from
   // DRAM and the weighted-sum pass over the same rows then hits L2, so the
@@ -517,15 +514,15 @@ void launch_clip_noise_rows(const Real* grads, std::int64_t B, std::int64_t p, d
             grads + r0 * p, rows, p, layout.norm_segments, kNormSegment,
             sq_partials + r0 * layout.norm_segments, /*accumulate=*/false);
     NCDP_LAUNCH(grid_blocks(rows, kBlockThreads), kBlockThreads, 0, stream, clip_factors_kernel)(
-        sq_partials + r0 * layout.norm_segments, rows, layout.norm_segments, max_norm,
+        sq_partials + r0 * layout.norm_segments, nullptr, rows, layout.norm_segments, rule,
         factors + r0, norms + r0);
     if (p > 0) {
       launch_weighted_row_sum_partials(grads + r0 * p, factors + r0, rows, p, layout.slabs,
                                        partials, /*accumulate=*/r0 > 0, stream);
     }
   }
-  launch_slab_sum_plus_gaussian<Real>(partials, layout.slabs, p, noise_std, inv_denom, seed,
-                                      offset, out, stream);
+  launch_slab_sum_plus_gaussian<double, Real>(partials, layout.slabs, p, noise_std, inv_denom,
+                                              seed, offset, out, stream);
 }
 
 template <typename Real>
@@ -564,6 +561,21 @@ std::int64_t clipped_linear_sum_layout_bytes(std::int64_t slabs, std::int64_t d,
   return align_bytes(slabs * K * d * element_bytes) + align_bytes(slabs * K * element_bytes);
 }
 
+std::int64_t clipped_linear_sum_slabs_within(std::int64_t rows, std::int64_t d, std::int64_t K,
+                                             std::int64_t workspace_bytes,
+                                             std::int64_t element_bytes) {
+  std::int64_t slabs = clipped_linear_sum_slabs(rows, d, K);
+  if (slabs <= 1) return slabs;
+  // The regions are padded to 256 bytes, so slabs * (K d + K) elements is a
+  // lower bound on the layout: start there and step down to what fits exactly.
+  slabs = std::min(slabs, workspace_bytes / ((K * d + K) * element_bytes));
+  while (slabs > 1 && clipped_linear_sum_layout_bytes(slabs, d, K, element_bytes) >
+                          workspace_bytes) {
+    --slabs;
+  }
+  return std::max<std::int64_t>(slabs, 1);
+}
+
 template <typename Real>
 void launch_clipped_linear_sum(const Real* acts, const Real* grads, const double* factors,
                                std::int64_t B, std::int64_t T, std::int64_t d, std::int64_t K,
@@ -575,18 +587,10 @@ void launch_clipped_linear_sum(const Real* acts, const Real* grads, const double
   const std::int64_t R = B * T;
   const std::int64_t weight_count = K * d;
 
-  // As many slabs as wanted and as the given workspace holds; with 0 or 1 the
-  // GEMM writes its sums into gw / gb and the noise is added in place.
-  std::int64_t slabs = clipped_linear_sum_slabs(R, d, K);
-  if (slabs > 1) {
-    const std::int64_t per_slab = (weight_count + K) * static_cast<std::int64_t>(sizeof(Real));
-    slabs = std::min(slabs, std::max<std::int64_t>(0, workspace_bytes - 512) / per_slab);
-    while (slabs > 1 && clipped_linear_sum_layout_bytes(slabs, d, K, sizeof(Real)) >
-                            workspace_bytes) {
-      --slabs;
-    }
-    slabs = std::max<std::int64_t>(slabs, 1);
-  }
+  // With 0 or 1 slabs the GEMM writes its sums into gw / gb and the noise is
+  // added in place.
+  const std::int64_t slabs =
+      clipped_linear_sum_slabs_within(R, d, K, workspace_bytes, sizeof(Real));
   Real* weight_partials = gw;
   Real* bias_partials = gb;
   if (slabs > 1) {
@@ -606,12 +610,12 @@ void launch_clipped_linear_sum(const Real* acts, const Real* grads, const double
     NCDP_LAUNCH(grid, kBlockThreads, 0, stream, clipped_linear_gemm_kernel<Real>)(
         acts, grads, factors, R, T, d, K, bias, rows_per_slab, weight_partials, bias_partials);
   }
-  launch_slab_sum_plus_gaussian<Real>(weight_partials, slabs, weight_count, noise_std, inv_denom,
-                                      seed, offset, gw, stream);
+  launch_slab_sum_plus_gaussian<Real, Real>(weight_partials, slabs, weight_count, noise_std,
+                                            inv_denom, seed, offset, gw, stream);
   if (bias) {
-    launch_slab_sum_plus_gaussian<Real>(bias_partials, slabs, K, noise_std, inv_denom, seed,
-                                        offset + static_cast<std::uint64_t>(weight_count), gb,
-                                        stream);
+    launch_slab_sum_plus_gaussian<Real, Real>(bias_partials, slabs, K, noise_std, inv_denom,
+                                              seed, offset + static_cast<std::uint64_t>(weight_count),
+                                              gb, stream);
   }
 }
 

@@ -2,14 +2,17 @@
 // factored linear layers. Norms and clip factors are float64; every reduction is
 // deterministic (fixed-order trees and slab sums, no floating-point atomics).
 //
-// Clip factor of a row with norm n (C = max_norm): 1 if n <= C, C / n if n is
-// finite and larger, 0 if n is not finite. Rows with factor 0 are skipped by the
-// sums (their entries may be NaN, and 0 * NaN is NaN); the Python layer raises
-// on them or reports them as dropped.
+// Clip factors follow clip/clip_rule.cuh (reference.clip_factors): 1 if the
+// rounding-aware bound of the row's norm is <= C, C / bound if it is finite and
+// larger, 0 if it is not finite. Factors multiply rows in float64. Rows with
+// factor 0 are skipped by the sums (their entries may be NaN, and 0 * NaN is
+// NaN); the Python layer raises on them or reports them as dropped.
 #pragma once
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+
+#include "clip/clip_rule.cuh"
 
 namespace ncdp {
 
@@ -23,17 +26,20 @@ void launch_row_sq_norms(std::uintptr_t g,  // [B, p], dtype, row-major contiguo
                          std::uintptr_t sq,  // [B] float64
                          bool accumulate, std::uintptr_t stream);
 
-// norms[i] = sqrt(sq[i]); factors[i] = the clip factor of norms[i].
-void launch_clip_factors(std::uintptr_t sq,  // [B] float64
-                         std::int64_t B, double max_norm,
+// norms[i] = sqrt(sq[i]); factors[i] = clip_factor(sq[i], spread[i]) of
+// clip/clip_rule.cuh with (max_norm, terms, seq_len, unit).
+void launch_clip_factors(std::uintptr_t sq,      // [B] float64
+                         std::uintptr_t spread,  // [B] float64, or 0 for E = 0
+                         std::int64_t B, double max_norm, std::int64_t terms,
+                         std::int64_t seq_len, double unit,
                          std::uintptr_t factors,  // [B] float64
                          std::uintptr_t norms,    // [B] float64
                          std::uintptr_t stream);
 
 std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p, int dtype);
 
-// out[j] = inv_denom * (sum_i factors[i] * g[i, j] + noise_std * normal(seed, offset + j)).
-// Consumes p draws. B = 0 gives pure noise.
+// out[j] = inv_denom * (sum_i factors[i] * g[i, j] + noise_std * normal(seed, offset + j)),
+// the sum in float64. Consumes p draws. B = 0 gives pure noise.
 void launch_weighted_row_sum_noise(std::uintptr_t g,  // [B, p], dtype
                                    std::int64_t B, std::int64_t p, int dtype,
                                    std::uintptr_t factors,  // [B] float64
@@ -45,8 +51,9 @@ void launch_weighted_row_sum_noise(std::uintptr_t g,  // [B, p], dtype
 
 std::int64_t clip_noise_rows_workspace_bytes(std::int64_t B, std::int64_t p, int dtype);
 
-// The fused dense op: norms (pre-clip), clip factors, and
-// out = inv_denom * (sum_i factor_i g_i + noise_std * xi), xi = normals offset .. offset+p-1.
+// The fused dense op: norms (pre-clip), clip factors (terms = p, the unit of
+// the dtype), and out = inv_denom * (sum_i factor_i g_i + noise_std * xi),
+// xi = normals offset .. offset+p-1, the sum in float64.
 void launch_clip_noise_rows(std::uintptr_t g,  // [B, p], dtype
                             std::int64_t B, std::int64_t p, int dtype, double max_norm,
                             double noise_std, double inv_denom, std::uint64_t seed,
@@ -96,17 +103,17 @@ void launch_row_sq_norms(const Real* grads,  // [B, p]
                          double* sq,  // [B]
                          bool accumulate, cudaStream_t stream);
 
-void launch_clip_factors(const double* sq,  // [B]
-                         std::int64_t B, double max_norm,
+void launch_clip_factors(const double* sq,      // [B]
+                         const double* spread,  // [B] or nullptr (E = 0)
+                         std::int64_t B, const ClipRule& rule,
                          double* factors,  // [B]
                          double* norms,    // [B]
                          cudaStream_t stream);
 
 // Rows of a weighted row sum are split into this many slabs, each summed into
-// its own partial row; 0 when there is nothing to sum.
+// its own float64 partial row; 0 when there is nothing to sum.
 std::int64_t weighted_row_sum_slabs(std::int64_t B, std::int64_t p);
-std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p,
-                                              std::int64_t element_bytes);
+std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p);
 
 template <typename Real>
 void launch_weighted_row_sum_noise(const Real* grads,     // [B, p]
@@ -119,7 +126,7 @@ void launch_weighted_row_sum_noise(const Real* grads,     // [B, p]
 
 // Byte offsets of the fused op's workspace regions (each 256-byte aligned):
 // factors [B] float64 | squared-norm partials [B, norm_segments] float64 |
-// slab partials [slabs, p] Real.
+// slab partials [slabs, p] float64.
 struct ClipNoiseRowsLayout {
   std::int64_t norm_segments;
   std::int64_t slabs;
@@ -128,8 +135,7 @@ struct ClipNoiseRowsLayout {
   std::int64_t partials_offset;
   std::int64_t total_bytes;
 };
-ClipNoiseRowsLayout clip_noise_rows_layout(std::int64_t B, std::int64_t p,
-                                           std::int64_t element_bytes);
+ClipNoiseRowsLayout clip_noise_rows_layout(std::int64_t B, std::int64_t p);
 
 // l2_bytes: the device's L2 size, which sets the rows per chunk (0: one chunk).
 template <typename Real>
@@ -154,6 +160,12 @@ void launch_linear_sq_norms(const Real* acts,   // [B, T, d]
 std::int64_t clipped_linear_sum_slabs(std::int64_t rows, std::int64_t d, std::int64_t K);
 // Bytes of workspace for `slabs` slabs: weight partials [slabs, K, d] | bias partials [slabs, K].
 std::int64_t clipped_linear_sum_layout_bytes(std::int64_t slabs, std::int64_t d, std::int64_t K,
+                                             std::int64_t element_bytes);
+
+// Slabs the launcher uses with `workspace_bytes` of workspace: as many as it
+// wants (clipped_linear_sum_slabs) and the workspace holds, at least 1.
+std::int64_t clipped_linear_sum_slabs_within(std::int64_t rows, std::int64_t d, std::int64_t K,
+                                             std::int64_t workspace_bytes,
                                              std::int64_t element_bytes);
 
 template <typename Real>

@@ -43,15 +43,26 @@ void launch_row_sq_norms(std::uintptr_t g, std::int64_t B, std::int64_t p, int d
   check_launch("row_sq_norms");
 }
 
-void launch_clip_factors(std::uintptr_t sq, std::int64_t B, double max_norm,
+void launch_clip_factors(std::uintptr_t sq, std::uintptr_t spread, std::int64_t B,
+                         double max_norm, std::int64_t terms, std::int64_t seq_len, double unit,
                          std::uintptr_t factors, std::uintptr_t norms, std::uintptr_t stream) {
   require_non_negative(B, "B");
+  require_non_negative(terms, "terms");
+  if (seq_len < 1) {
+    throw std::invalid_argument("ncdp_fast: seq_len must be >= 1, got " + std::to_string(seq_len));
+  }
+  if (!(unit > 0.0 && unit < 1.0)) {
+    throw std::invalid_argument("ncdp_fast: unit must be a unit roundoff in (0, 1), got " +
+                                std::to_string(unit));
+  }
   require_pointer(sq, B > 0, sizeof(double), "sq");
+  require_pointer(spread, false, sizeof(double), "spread");
   require_pointer(factors, B > 0, sizeof(double), "factors");
   require_pointer(norms, B > 0, sizeof(double), "norms");
   if (B == 0) return;
   DeviceGuard guard(sq, "sq");
-  kernels::launch_clip_factors(typed<const double>(sq), B, max_norm, typed<double>(factors),
+  kernels::launch_clip_factors(typed<const double>(sq), typed<const double>(spread), B,
+                               ClipRule{max_norm, terms, seq_len, unit}, typed<double>(factors),
                                typed<double>(norms), as_stream(stream));
   check_launch("clip_factors");
 }
@@ -59,9 +70,9 @@ void launch_clip_factors(std::uintptr_t sq, std::int64_t B, double max_norm,
 std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p, int dtype) {
   require_non_negative(B, "B");
   require_non_negative(p, "p");
-  const std::size_t element = dtype_size(dtype);
-  checked_mul(checked_mul(B, p, "B * p"), static_cast<std::int64_t>(element), "B * p bytes");
-  return kernels::weighted_row_sum_workspace_bytes(B, p, static_cast<std::int64_t>(element));
+  dtype_size(dtype);  // validates the code; the partials are float64 whatever the dtype
+  checked_mul(checked_mul(B, p, "B * p"), std::int64_t{sizeof(double)}, "B * p bytes");
+  return kernels::weighted_row_sum_workspace_bytes(B, p);
 }
 
 void launch_weighted_row_sum_noise(std::uintptr_t g, std::int64_t B, std::int64_t p, int dtype,
@@ -94,9 +105,9 @@ void launch_weighted_row_sum_noise(std::uintptr_t g, std::int64_t B, std::int64_
 std::int64_t clip_noise_rows_workspace_bytes(std::int64_t B, std::int64_t p, int dtype) {
   require_non_negative(B, "B");
   require_non_negative(p, "p");
-  const std::size_t element = dtype_size(dtype);
-  checked_mul(checked_mul(B, p, "B * p"), static_cast<std::int64_t>(element), "B * p bytes");
-  return kernels::clip_noise_rows_layout(B, p, static_cast<std::int64_t>(element)).total_bytes;
+  dtype_size(dtype);  // validates the code; the partials are float64 whatever the dtype
+  checked_mul(checked_mul(B, p, "B * p"), std::int64_t{sizeof(double)}, "B * p bytes");
+  return kernels::clip_noise_rows_layout(B, p).total_bytes;
 }
 
 void launch_clip_noise_rows(std::uintptr_t g, std::int64_t B, std::int64_t p, int dtype,

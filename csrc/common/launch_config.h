@@ -10,8 +10,14 @@ namespace ncdp {
 constexpr int kBlockThreads = 256;
 
 // Grids are capped and the kernels grid-stride beyond the cap; 2^16 blocks of
-// 256 threads fill any current GPU dozens of times over.
+// 256 threads fill any current GPU dozens of times over. The CPU emulation
+// (tests/cuda_emu) lowers the cap so that small shapes reach the grid-stride
+// loops too.
+#if defined(NCDP_EMU_MAX_GRID_BLOCKS)
+constexpr std::int64_t kMaxGridBlocks = NCDP_EMU_MAX_GRID_BLOCKS;
+#else
 constexpr std::int64_t kMaxGridBlocks = std::int64_t{1} << 16;
+#endif
 
 // Work is split for the largest target, an H100 SXM (132 SMs, 2048 resident
 // threads each); the split only affects speed, never results on a given device.

@@ -7,6 +7,7 @@
 #include "common/launch.cuh"
 #include "common/launch_config.h"
 #include "common/philox.cuh"
+#include "clip/clip_rule.cuh"
 #include "common/vector_io.cuh"
 #include "mix/mix.h"
 
@@ -337,10 +338,12 @@ __device__ __forceinline__ void barrier_arrive_of(int b, int threads) {
   }
 }
 
-__device__ __forceinline__ double mix_clip_factor(double norm, double clip_x) {
-  // A zero row keeps factor 1; a non-finite norm propagates (the Python layer
-  // rejects non-finite features).
-  return norm > clip_x ? clip_x / norm : 1.0;
+// The clip factor of a member with squared norm sq (clip/clip_rule.cuh with
+// terms = d): applied in float64, the product rounded once to Real.
+template <typename Real>
+__device__ __forceinline__ double mix_clip_factor(double sq, double clip_x, std::int64_t d) {
+  return clip_factor(sq, 0.0,
+                     ClipRule{clip_x, d, 1, sizeof(Real) == sizeof(float) ? 0x1p-24 : 0x1p-53});
 }
 
 // Slot of 4 columns starting at c0 of `row` (zero past d). kAligned: every row
@@ -427,9 +430,9 @@ __device__ __forceinline__ void fused_accumulate(const MixArgs<Real>& a, MixShar
         }
       }
     }
-    Real factor[kMembers];
+    double factor[kMembers];
 #pragma unroll
-    for (int m = 0; m < kMembers; ++m) factor[m] = Real(1);
+    for (int m = 0; m < kMembers; ++m) factor[m] = 1.0;
     if (clip) {
 #pragma unroll
       for (int m = 0; m < kMembers; ++m) {
@@ -451,7 +454,7 @@ __device__ __forceinline__ void fused_accumulate(const MixArgs<Real>& a, MixShar
         double sq = 0.0;
 #pragma unroll
         for (int w = 0; w < kGatherWarps; ++w) sq += sh.norm_partials[parity][m][w];
-        factor[m] = static_cast<Real>(mix_clip_factor(sqrt(sq), a.clip_x));
+        factor[m] = mix_clip_factor<Real>(sq, a.clip_x, a.d);
       }
       // The other buffer is next; this one is rewritten only after the next
       // step's barrier, which every thread reaches after reading it.
@@ -464,7 +467,8 @@ __device__ __forceinline__ void fused_accumulate(const MixArgs<Real>& a, MixShar
         for (int s = 0; s < kVectors; ++s) {
 #pragma unroll
           for (int q = 0; q < kSlotWidth; ++q) {
-            acc[s][q] += clip ? factor[m] * v[m][s][q] : v[m][s][q];
+            acc[s][q] += clip ? static_cast<Real>(factor[m] * static_cast<double>(v[m][s][q]))
+                              : v[m][s][q];
           }
         }
       }
@@ -491,7 +495,7 @@ __device__ __forceinline__ void tiled_accumulate(const MixArgs<Real>& a, MixShar
     for (int i = warp; i < count; i += kGatherWarps) {
       double sq = thread_sum_of_squares(a.features + chunk.ids[i] * a.d, a.d, lane, kWarpSize);
       sq = warp_sum(sq);
-      if (lane == 0) sh.factors[i] = mix_clip_factor(sqrt(sq), a.clip_x);
+      if (lane == 0) sh.factors[i] = mix_clip_factor<Real>(sq, a.clip_x, a.d);
     }
     barrier_sync<kGatherBarrier>(kBlockThreads);
   }
@@ -508,7 +512,7 @@ __device__ __forceinline__ void tiled_accumulate(const MixArgs<Real>& a, MixShar
 #pragma unroll 2
     for (int i = 0; i < count; ++i) {
       const Real* row = a.features + chunk.ids[i] * a.d;
-      const Real factor = clip ? static_cast<Real>(sh.factors[i]) : Real(1);
+      const double factor = clip ? sh.factors[i] : 1.0;
 #pragma unroll
       for (int s = 0; s < kVectors; ++s) {
         Real v[kSlotWidth];
@@ -516,7 +520,9 @@ __device__ __forceinline__ void tiled_accumulate(const MixArgs<Real>& a, MixShar
             row, tile * kTileColumns + (tid + kBlockThreads * s) * std::int64_t{kSlotWidth}, a.d,
             v);
 #pragma unroll
-        for (int q = 0; q < kSlotWidth; ++q) acc[s][q] += clip ? factor * v[q] : v[q];
+        for (int q = 0; q < kSlotWidth; ++q) {
+          acc[s][q] += clip ? static_cast<Real>(factor * static_cast<double>(v[q])) : v[q];
+        }
       }
     }
 #pragma unroll

@@ -52,8 +52,9 @@ void launch_sample_fill(std::uintptr_t group_ptr, std::uintptr_t members, std::i
 // Row r (row_stride d + K, noise base b = offset + r (d + K)):
 //   out_x[r, j] = inv_m * sum_i c_i features[i, j] + noise_std_x * normal(seed, b + j),
 //   out_y[r, k] = inv_m * sum_i y_i[k]             + noise_std_y * normal(seed, b + d + k),
-// over the ids i that row r selects; c_i = min(1, clip_x / ||features[i]||)
-// (norm in float64; clip_x <= 0: c_i = 1), y_i = onehot(labels[i]) or
+// over the ids i that row r selects; c_i = the clip factor of clip/clip_rule.cuh
+// (terms = d, the dtype's unit; norm in float64; c_i x_i formed in float64 and
+// rounded once; clip_x <= 0: c_i = 1), y_i = onehot(labels[i]) or
 // soft_labels[i]. Sums in the dtype (rows in sampler order), scaled and noised
 // in float64, rounded once. counts[r] = number selected. Consumes rows (d + K)
 // main-stream draws. Ids must be in [0, n).

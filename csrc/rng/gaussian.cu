@@ -12,11 +12,11 @@ namespace {
 // cover ceil((phase + p) / 4) blocks (phase = offset % 4), and a thread turns its
 // block's four words into four normals at once (two Box-Muller pairs) instead
 // of recomputing the block per element.
-template <typename Real>
+template <typename Partial, typename Real>
 __global__ void __launch_bounds__(kBlockThreads) slab_sum_plus_gaussian_kernel(
     // Not __restrict__: `partials` is `out` when fill_gaussian accumulates in
     // place (each element is read, then written, by the same thread).
-    const Real* partials,  // [slabs, p]
+    const Partial* partials,  // [slabs, p]
     std::int64_t slabs, std::int64_t p, double noise_std, double inv_denom, std::uint64_t seed,
     std::uint64_t offset,
     Real* out) {  // [p]
@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kBlockThreads) slab_sum_plus_gaussian_kernel(
     for (int q = 0; q < 4; ++q) {
       const std::int64_t j = 4 * t + q - phase;
       if (j < 0 || j >= p) continue;
-      Real sum = Real(0);
+      Partial sum = Partial(0);
       for (std::int64_t s = 0; s < slabs; ++s) sum += partials[s * p + j];
       const double value = static_cast<double>(sum) + noise_std * z[q];
       out[j] = static_cast<Real>(inv_denom * value);
@@ -45,14 +45,14 @@ __global__ void __launch_bounds__(kBlockThreads) slab_sum_plus_gaussian_kernel(
 
 }  // namespace
 
-template <typename Real>
-void launch_slab_sum_plus_gaussian(const Real* partials, std::int64_t slabs, std::int64_t p,
+template <typename Partial, typename Real>
+void launch_slab_sum_plus_gaussian(const Partial* partials, std::int64_t slabs, std::int64_t p,
                                    double noise_std, double inv_denom, std::uint64_t seed,
                                    std::uint64_t offset, Real* out, cudaStream_t stream) {
   if (p <= 0) return;
   const std::int64_t num_philox_blocks = (static_cast<std::int64_t>(offset & 3) + p + 3) / 4;
   NCDP_LAUNCH(grid_blocks(num_philox_blocks, kBlockThreads), kBlockThreads, 0, stream,
-      slab_sum_plus_gaussian_kernel<Real>)(
+      slab_sum_plus_gaussian_kernel<Partial, Real>)(
           partials, slabs, p, noise_std, inv_denom, seed, offset, out);
 }
 
@@ -60,16 +60,18 @@ template <typename Real>
 void launch_fill_gaussian(Real* out, std::int64_t count, std::uint64_t seed, std::uint64_t offset,
                           double scale, bool accumulate, cudaStream_t stream) {
   // Accumulating is an in-place finish with `out` as the single slab.
-  launch_slab_sum_plus_gaussian<Real>(accumulate ? out : nullptr, accumulate ? 1 : 0, count, scale,
-                                   1.0, seed, offset, out, stream);
+  launch_slab_sum_plus_gaussian<Real, Real>(accumulate ? out : nullptr, accumulate ? 1 : 0,
+                                            count, scale, 1.0, seed, offset, out, stream);
 }
 
-template void launch_slab_sum_plus_gaussian<float>(const float*, std::int64_t, std::int64_t,
-                                                   double, double, std::uint64_t, std::uint64_t,
-                                                   float*, cudaStream_t);
-template void launch_slab_sum_plus_gaussian<double>(const double*, std::int64_t, std::int64_t,
-                                                    double, double, std::uint64_t,
-                                                    std::uint64_t, double*, cudaStream_t);
+#define NCDP_INSTANTIATE_SLAB_SUM(Partial, Real)                                            \
+  template void launch_slab_sum_plus_gaussian<Partial, Real>(                               \
+      const Partial*, std::int64_t, std::int64_t, double, double, std::uint64_t,            \
+      std::uint64_t, Real*, cudaStream_t);
+NCDP_INSTANTIATE_SLAB_SUM(float, float)
+NCDP_INSTANTIATE_SLAB_SUM(double, double)
+NCDP_INSTANTIATE_SLAB_SUM(double, float)
+#undef NCDP_INSTANTIATE_SLAB_SUM
 template void launch_fill_gaussian<float>(float*, std::int64_t, std::uint64_t, std::uint64_t,
                                           double, bool, cudaStream_t);
 template void launch_fill_gaussian<double>(double*, std::int64_t, std::uint64_t, std::uint64_t,

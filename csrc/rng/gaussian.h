@@ -27,11 +27,12 @@ void launch_fill_gaussian(Real* out,  // [count]
 // The last step of every noisy sum (fill_gaussian, weighted row sums, the
 // clipped linear GEMM): for j < p,
 //   out[j] = inv_denom * (sum_{s < slabs} partials[s, j] + noise_std * normal(seed, offset + j)),
-// the slab sum taken in Real (the output type) in slab order, the rest in double, rounded once.
+// the slab sum taken in Partial (Real, or double for the dense clip's float64
+// partials) in slab order, the rest in double, rounded once to Real.
 // slabs == 0 gives pure (scaled) noise. `partials` may be `out` itself when
 // slabs == 1 (an in-place finish).
-template <typename Real>
-void launch_slab_sum_plus_gaussian(const Real* partials,  // [slabs, p]
+template <typename Partial, typename Real>
+void launch_slab_sum_plus_gaussian(const Partial* partials,  // [slabs, p]
                                    std::int64_t slabs, std::int64_t p, double noise_std,
                                    double inv_denom, std::uint64_t seed, std::uint64_t offset,
                                    Real* out,  // [p]

@@ -1,0 +1,40 @@
+// The clip rule every backend applies (ncdp_fast/reference.py clip_bound and
+// clip_factors are its specification; docs/privacy.md, "The clip bound in
+// floating point", derives it). The factor is taken against an upper bound on
+// the norm *as the kernels compute it*, not against the computed norm, so that
+// a sample's contribution stays <= C after every rounding, and it is applied
+// in float64: cast to float32 first, a factor below 1.2e-38 would turn into a
+// low-precision denormal or 0.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+namespace ncdp {
+
+struct ClipRule {
+  double max_norm;       // C
+  std::int64_t terms;    // float64 multiply-adds in one sample's squared norm
+  std::int64_t seq_len;  // T of a factored sequence block, 1 otherwise
+  double unit;           // unit roundoff of the data dtype (2^-24 or 2^-53)
+};
+
+// reference.clip_bound, operation for operation. spread (E) is 0 except for
+// factored sequence blocks.
+__host__ __device__ inline double clip_bound(double sq, double spread, const ClipRule& rule) {
+  const double g = static_cast<double>(rule.terms + 4) * 0x1p-52;
+  // (sqrt(g) E)^2 rather than g E^2: E may be large enough for E^2 to overflow.
+  const double ge = std::sqrt(g) * spread;
+  const double seq = static_cast<double>(rule.seq_len + 2);
+  const double b = (std::sqrt(sq + ge * ge) + seq * 0x1p-52 * spread) * (1.0 + g);
+  return (b + 2.0 * seq * rule.unit * spread) * (1.0 + 4.0 * rule.unit);
+}
+
+// 0 when the bound is not finite (a non-finite row: dropped or raised on by
+// the Python layer), 1 when it is <= C, C / bound otherwise.
+__host__ __device__ inline double clip_factor(double sq, double spread, const ClipRule& rule) {
+  const double bound = clip_bound(sq, spread, rule);
+  if (!std::isfinite(bound)) return 0.0;
+  return bound <= rule.max_norm ? 1.0 : rule.max_norm / bound;
+}
+
+}  // namespace ncdp

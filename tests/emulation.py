@@ -1,0 +1,102 @@
+"""Runner of the CPU emulation tier (tests/cuda_emu): builds the sanitizer drivers
+once per session and runs one typed CUDA launcher on NumPy buffers.
+
+The kernels' own ``.cu`` source, compiled by the host C++ compiler against
+``tests/cuda_emu/cuda_emu.h``, runs under ThreadSanitizer ("tsan") or
+AddressSanitizer + UndefinedBehaviorSanitizer ("asan"); any sanitizer report,
+emulator abort (barrier mismatch, deadlock, invalid launch) or non-zero exit
+fails the call with the driver's stderr.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EMU = ROOT / "tests" / "cuda_emu"
+BUILD = ROOT / "build" / "cuda_emu"
+VARIANTS = ("asan", "tsan")
+# Scalars passed as uint64 (everything else integral is int64).
+_UNSIGNED = {"seed", "offset", "row_stride"}
+_SANITIZER_ENV = {
+    # Stop at the first report with a distinctive status.
+    "TSAN_OPTIONS": "halt_on_error=1 exitcode=66 second_deadlock_stack=1",
+    "ASAN_OPTIONS": "detect_leaks=1 abort_on_error=0 exitcode=67",
+    "UBSAN_OPTIONS": "print_stacktrace=1 halt_on_error=1 exitcode=68",
+}
+_REPORT_MARKERS = ("ThreadSanitizer", "AddressSanitizer", "LeakSanitizer", "runtime error:",
+                   "ncdp_emu: FATAL")
+
+
+def build(targets=("tsan", "asan"), *, extra=()):
+    """Builds the drivers (make keeps them up to date); returns the build dir."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None or shutil.which("make") is None:
+        pytest.skip(f"the emulation tier needs a host C++ compiler ({cxx}) and make")
+    jobs = str(max(1, min(4, os.cpu_count() or 1)))
+    # Later OUT= arguments (in extra) override the default build directory.
+    proc = subprocess.run(["make", "-C", str(EMU), f"OUT={BUILD}", *extra, "-j", jobs,
+                           *targets], capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise AssertionError(f"building the emulation tier failed:\n{proc.stdout}\n"
+                             f"{proc.stderr}")
+    return BUILD
+
+
+def run_program(args, *, timeout=600):
+    """Runs an emulation binary; returns (returncode, stderr)."""
+    env = dict(os.environ, **_SANITIZER_ENV)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+    return proc.returncode, proc.stderr
+
+
+class Emulator:
+    """One sanitizer variant's driver, run in a fresh case directory per call."""
+
+    def __init__(self, variant: str, workdir: pathlib.Path):
+        self.variant = variant
+        self.driver = BUILD / f"emu-driver-{variant}"
+        self.workdir = workdir
+        self.calls = 0
+
+    def run(self, op: str, scalars: dict, buffers: dict, misalign: dict | None = None):
+        """Runs ``op``; returns every buffer as it is after the launch.
+
+        ``buffers`` maps names to arrays (None: a null pointer); ``misalign``
+        maps names to a byte offset from a 16-byte boundary.
+        """
+        misalign = misalign or {}
+        case = self.workdir / f"{self.variant}-{self.calls}-{op}"
+        self.calls += 1
+        case.mkdir(parents=True)
+        lines = [f"op {op}"]
+        for name, value in scalars.items():
+            if isinstance(value, (bool, np.bool_)):
+                lines.append(f"i {name} {int(value)}")
+            elif isinstance(value, (int, np.integer)):
+                lines.append(f"{'u' if name in _UNSIGNED else 'i'} {name} {int(value)}")
+            else:
+                lines.append(f"f {name} {float(value).hex()}")
+        arrays = {}
+        for name, array in buffers.items():
+            if array is None:
+                continue
+            array = np.ascontiguousarray(array)
+            arrays[name] = array
+            array.tofile(case / f"{name}.bin")
+            lines.append(f"b {name} {name}.bin {misalign.get(name, 0)}")
+        (case / "args.txt").write_text("\n".join(lines) + "\n")
+        rc, stderr = run_program([str(self.driver), str(case)])
+        problems = [m for m in _REPORT_MARKERS if m in stderr]
+        if rc != 0 or problems:
+            raise AssertionError(f"{op} under {self.variant}: exit status {rc}, "
+                                 f"{problems or 'no report'}\n{stderr[-6000:]}")
+        out = {name: np.fromfile(case / f"{name}.bin.out", dtype=a.dtype).reshape(a.shape)
+               for name, a in arrays.items()}
+        shutil.rmtree(case)
+        return out

@@ -1,0 +1,506 @@
+"""The CUDA kernels' own source, executed on the CPU (tests/cuda_emu), against
+ncdp_fast/reference.py: the tier that proves the kernels where CI runs.
+
+Every case runs under ThreadSanitizer and under AddressSanitizer +
+UndefinedBehaviorSanitizer; a sanitizer report or an emulator abort (barrier
+mismatch, deadlock, invalid launch) fails it. The emulation build caps grids at
+3 blocks (NCDP_EMU_MAX_GRID_BLOCKS), so the small shapes below also run every
+grid-stride loop. Shapes are chosen to reach each code path the issue lists:
+multi-chunk dense sums (a small L2 size), several slabs, unaligned bases, mix
+rows with more than one 512-member chunk, 1/2/4/8 vectors per thread and the
+tiled path, several rows per block, NTK Grams with more than 64 terms and more
+than 8 tile rows.
+
+Tolerances: the emulator uses the host's libm, so transcendental results may
+differ from NumPy's by a few float64 ulps; sums follow Higham's bound
+(conftest.assert_within_sum_bound) with the summation length of the kernel.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import gamma, unit_roundoff
+from emulation import BUILD, EMU, VARIANTS, Emulator, build, run_program
+from ncdp_fast import reference as R
+from ncdp_fast._mix import _population
+
+pytestmark = pytest.mark.emulation
+ROOT_CSRC = EMU.parents[1] / "csrc"
+
+DTYPES = (np.float32, np.float64)
+# The emulation build's grid cap (tests/cuda_emu/Makefile).
+GRID_CAP = 3
+# libm vs NumPy: a few ulps of each float64 transcendental, times the largest
+# Box-Muller radius (sqrt(-2 log 2^-33) < 7).
+NORMAL_ATOL = 64 * 2.0 ** -52 * 7
+
+
+@pytest.fixture(scope="module")
+def built():
+    return build()
+
+
+@pytest.fixture(params=VARIANTS)
+def emu(request, built, tmp_path):
+    return Emulator(request.param, tmp_path)
+
+
+def assert_close(actual, expected, abs_terms, n, sum_dtype, out_dtype, what, atol=0.0):
+    """|actual - expected| <= gamma_n(sum_dtype) sum|terms| (a sum of n terms in
+    sum_dtype) + one rounding to out_dtype + the float64 reference's own error
+    + atol (libm differences of the noise)."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    bound = ((gamma(n, sum_dtype) + gamma(n, np.float64)) * np.asarray(abs_terms)
+             + unit_roundoff(out_dtype) * np.abs(expected) + atol)
+    err = np.abs(actual - expected)
+    worst = np.max(err - bound) if err.size else 0.0
+    assert worst <= 0, (f"{what}: error exceeds the rounding bound by {worst:.3g} (max err "
+                        f"{err.max():.3g}, n={n}, sums in {np.dtype(sum_dtype).name})")
+
+
+def _dt(dtype):
+    return 0 if np.dtype(dtype) == np.float32 else 1
+
+
+def _misalign(dtype, shift):
+    """A base `shift` elements past a 16-byte boundary."""
+    return shift * np.dtype(dtype).itemsize
+
+
+# ---------------------------------------------------------------------------
+# Philox normals (rng/gaussian.cu).
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("count,offset", [(1, 0), (7, 3), (3100, 5), (9, 2 ** 34 - 3)])
+def test_fill_gaussian(emu, dtype, count, offset):
+    # 3100 normals need 776 Philox blocks: more than 3 blocks of 256 threads.
+    base = np.linspace(-1, 1, count).astype(dtype)
+    for accumulate in (False, True):
+        out = emu.run("fill_gaussian", dict(dtype=_dt(dtype), count=count, seed=12345,
+                                            offset=offset, scale=0.5, accumulate=accumulate),
+                      {"out": base.copy()})["out"]
+        z = R.gaussian(count, seed=12345, offset=offset, dtype=np.float64)
+        expected = 0.5 * z + (base.astype(np.float64) if accumulate else 0.0)
+        tol = unit_roundoff(dtype) * np.abs(expected) + NORMAL_ATOL
+        assert np.all(np.abs(out - expected) <= tol), (count, offset, accumulate)
+
+
+# ---------------------------------------------------------------------------
+# Dense clipping (clip/clip_noise.cu).
+
+def _dense_case(B, p, dtype, seed):
+    rng = np.random.default_rng(seed)
+    g = rng.standard_normal((B, p)) * rng.uniform(0.1, 3.0, size=(B, 1))
+    return g.astype(dtype)
+
+
+def _expected_dense(g, max_norm, noise_std, inv_denom, seed, offset, factors=None):
+    g64 = g.astype(np.float64)
+    sq = (g64 * g64).sum(axis=1)
+    if factors is None:
+        factors, _ = R.clip_factors(sq, max_norm, unit=unit_roundoff(g.dtype), terms=g.shape[1])
+    z = R.gaussian(g.shape[1], seed=seed, offset=offset, dtype=np.float64)
+    kept = np.where(factors[:, None] != 0, factors[:, None] * np.nan_to_num(g64), 0.0)
+    total = kept.sum(axis=0) + noise_std * z
+    return inv_denom * total, inv_denom * np.abs(kept).sum(axis=0), sq, factors
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,p,shift,l2_rows", [
+    (1, 1, 0, 0),        # one row, one column
+    (3, 5, 1, 0),        # p not a multiple of the vector width, unaligned base
+    (40, 8, 0, 0),       # aligned vector loads, several slabs, grid-striding norms
+    (40, 8, 1, 4),       # unaligned base; chunks of 2 rows accumulate into the slabs
+    (5, 4097, 0, 2),     # two norm segments per row; one-row chunks
+    (0, 6, 0, 0),        # no rows: pure noise
+    (3, 0, 0, 0),        # no columns
+])
+def test_clip_noise_rows(emu, dtype, B, p, shift, l2_rows):
+    g = _dense_case(B, p, dtype, seed=B * 1000 + p)
+    C, noise_std, inv_denom, seed, offset = 2.0, 0.7, 1.0 / 3.0, 99, 17
+    # l2_bytes = 2 * chunk_rows * row_bytes: the launcher takes half the L2 per chunk.
+    l2 = 2 * l2_rows * p * np.dtype(dtype).itemsize
+    res = emu.run("clip_noise_rows",
+                  dict(dtype=_dt(dtype), B=B, p=p, max_norm=C, noise_std=noise_std,
+                       inv_denom=inv_denom, seed=seed, offset=offset, l2_bytes=l2),
+                  {"grads": g, "out": np.zeros(p, dtype), "norms": np.zeros(B)},
+                  misalign={"grads": _misalign(dtype, shift)})
+    expected, scale, sq, _ = _expected_dense(g, C, noise_std, inv_denom, seed, offset)
+    # Norms: float64 sums of p squares, then a square root (one more rounding).
+    assert_close(res["norms"] ** 2, sq, sq, p + 3, np.float64, np.float64, "norms")
+    # Output: float64 sums of B clipped rows (factor and product in float64), the
+    # slab sum, noise and scaling in float64, one rounding to the dtype.
+    assert_close(res["out"], expected, scale, B + 4, np.float64, dtype, "out",
+                 atol=inv_denom * noise_std * NORMAL_ATOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weighted_row_sum_skips_dropped_rows(emu, dtype):
+    # Rows with factor 0 hold NaN: they must not reach the sum (0 * NaN is NaN).
+    B, p = 30, 11
+    g = _dense_case(B, p, dtype, seed=3)
+    g[[2, 17]] = np.nan
+    factors = np.random.default_rng(4).uniform(0, 1, B)
+    factors[[2, 17]] = 0.0
+    res = emu.run("weighted_row_sum_noise",
+                  dict(dtype=_dt(dtype), B=B, p=p, noise_std=0.0, inv_denom=1.0, seed=1,
+                       offset=0),
+                  {"grads": g, "factors": factors, "out": np.zeros(p, dtype)},
+                  misalign={"grads": _misalign(dtype, 1)})
+    expected, scale, _, _ = _expected_dense(g, 1.0, 0.0, 1.0, 1, 0, factors=factors)
+    assert np.all(np.isfinite(res["out"]))
+    assert_close(res["out"], expected, scale, B + 4, np.float64, dtype, "out")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_sq_norms_and_clip_factors(emu, dtype):
+    B, p = 7, 13
+    g = _dense_case(B, p, dtype, seed=5)
+    sq0 = np.arange(B, dtype=np.float64)
+    for accumulate in (False, True):
+        sq = emu.run("row_sq_norms", dict(dtype=_dt(dtype), B=B, p=p, accumulate=accumulate),
+                     {"grads": g, "sq": sq0.copy()})["sq"]
+        exact = (g.astype(np.float64) ** 2).sum(axis=1) + (sq0 if accumulate else 0.0)
+        assert_close(sq, exact, exact, p + 1, np.float64, np.float64, "sq")
+
+
+@pytest.mark.parametrize("with_spread", [False, True])
+def test_clip_factors_match_the_reference_rule(emu, with_spread):
+    # The rule of clip/clip_rule.cuh is reference.clip_bound operation for operation:
+    # factors agree bit for bit, including overflowing, zero and non-finite rows.
+    sq = np.array([0.0, 0.25, 1.0, 1.0 + 2.0 ** -40, 4.0, 1e300, np.inf, np.nan, 1e-300,
+                   3.65e22 ** 2, 7.0])
+    spread = np.abs(np.random.default_rng(0).standard_normal(sq.size)) * 3
+    spread[3] = 1e200  # (sqrt(g) E)^2 must not overflow where g E^2 would
+    terms, seq_len, unit, C = 37, 4, 2.0 ** -24, 2.0
+    res = emu.run("clip_factors",
+                  dict(B=sq.size, max_norm=C, terms=terms, seq_len=seq_len, unit=unit),
+                  {"sq": sq, "spread": spread if with_spread else None,
+                   "factors": np.full(sq.size, -1.0), "norms": np.full(sq.size, -1.0)})
+    factors, norms = R.clip_factors(sq, C, unit=unit, terms=terms,
+                                    spread=spread if with_spread else None, seq_len=seq_len)
+    assert np.array_equal(res["factors"], factors)
+    assert np.array_equal(res["norms"], norms, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype,magnitudes", [
+    (np.float32, [3.65e22, 4e22, 1.5e38, 1.0, 1.0000001, 1e-30]),
+    (np.float64, [1e300, 1e150, 1.0, 1.0 + 2.0 ** -52, 1e-300]),
+])
+def test_clipped_contribution_never_exceeds_the_bound(emu, dtype, magnitudes):
+    # Issue 13, item 3: with the factor cast to float32, a row of 3.65e22
+    # contributed norm 1.87 > C = 1 and one of 4e22 nothing. Each row alone,
+    # without noise: the output is that row's contribution.
+    C = 1.0
+    for magnitude in magnitudes:
+        for p in (1, 3, 8):
+            row = np.full((1, p), magnitude / np.sqrt(p), dtype=dtype)
+            out = emu.run("clip_noise_rows",
+                          dict(dtype=_dt(dtype), B=1, p=p, max_norm=C, noise_std=0.0,
+                               inv_denom=1.0, seed=1, offset=0, l2_bytes=0),
+                          {"grads": row, "out": np.zeros(p, dtype), "norms": np.zeros(1)})["out"]
+            norm = np.sqrt((out.astype(np.float64) ** 2).sum())
+            assert norm <= C, (magnitude, p, norm)
+            # ...and costs at most the rounding margin of the bound, unless the
+            # squared norm overflows float64 (then the row is dropped: factor 0).
+            with np.errstate(over="ignore"):
+                sq = (row.astype(np.float64) ** 2).sum()
+            floor = min(C, np.sqrt(sq)) * (1 - 4 * (p + 8) * unit_roundoff(dtype))
+            assert norm >= floor if np.isfinite(sq) else norm == 0.0, (magnitude, p, norm)
+
+
+# ---------------------------------------------------------------------------
+# Factored (linear-layer) clipping.
+
+def _linear_case(B, T, d, K, dtype, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((B, T, d)).astype(dtype)
+    g = rng.standard_normal((B, T, K)).astype(dtype)
+    return a, g
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,d,K,bias", [
+    (5, 1, 7, 3, True),     # rank-1 route (T = 1)
+    (4, 3, 8, 5, False),    # Gram route (2 T^2 <= K d), one tile
+    (2, 17, 40, 20, True),  # Gram route, two tiles of positions
+    (3, 20, 3, 2, True),    # direct route (2 T^2 > K d)
+    (1, 5, 0, 4, True),     # no inputs: bias only
+])
+def test_linear_sq_norms(emu, dtype, B, T, d, K, bias):
+    a, g = _linear_case(B, T, d, K, dtype, seed=B + T + d + K)
+    res = emu.run("linear_sq_norms", dict(dtype=_dt(dtype), B=B, T=T, d=d, K=K, bias=bias,
+                                          accumulate=False),
+                  {"acts": a, "grads": g, "sq": np.zeros(B)})
+    a64, g64 = a.astype(np.float64), g.astype(np.float64)
+    G = np.einsum("btk,btj->bkj", g64, a64)
+    exact = (G ** 2).sum(axis=(1, 2)) + (((g64.sum(axis=1)) ** 2).sum(axis=1) if bias else 0)
+    # The bound reference.clip_bound assumes of these kernels: |sq - exact| <= gamma E^2,
+    # gamma = (terms + 4) 2^-52, E = sum_t ||g_t|| (||a_t|| + bias).
+    spread = (np.linalg.norm(g64, axis=2) * (np.linalg.norm(a64, axis=2) + bias)).sum(axis=1)
+    gam = (R.linear_terms(d, K, T, bias) + 4) * 2.0 ** -52
+    assert np.all(np.abs(res["sq"] - exact) <= gam * spread ** 2), (res["sq"], exact)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,d,K,bias,split", [
+    (3, 1, 5, 2, True, False),     # tiny, one slab
+    (300, 1, 70, 3, True, True),   # R > 256: several slabs, two column tiles
+    (40, 9, 3, 66, False, True),   # sequences, two k tiles, no bias
+    (6, 2, 4, 3, True, False),     # no workspace: one slab written in place
+])
+def test_clipped_linear_sum(emu, dtype, B, T, d, K, bias, split):
+    a, g = _linear_case(B, T, d, K, dtype, seed=7 * B + T)
+    rng = np.random.default_rng(B)
+    factors = rng.uniform(0, 1, B)
+    factors[0] = 0.0
+    a[0] = np.nan  # dropped rows are never read
+    seed, offset, noise_std, inv_denom = 5, 11, 0.3, 0.5
+    nbytes = int(emu.run("linear_sum_plan", dict(dtype=_dt(dtype), R=B * T, d=d, K=K),
+                         {"plan": np.zeros(3, np.int64)})["plan"][1]) if split else 0
+    res = emu.run("clipped_linear_sum",
+                  dict(dtype=_dt(dtype), B=B, T=T, d=d, K=K, noise_std=noise_std,
+                       inv_denom=inv_denom, seed=seed, offset=offset, workspace_bytes=nbytes),
+                  {"acts": a, "grads": g, "factors": factors, "gw": np.zeros((K, d), dtype),
+                   "gb": np.zeros(K, dtype) if bias else None})
+    a64 = np.nan_to_num(a.astype(np.float64))
+    g64 = g.astype(np.float64) * factors[:, None, None]
+    z = R.gaussian(K * d + K, seed=seed, offset=offset, dtype=np.float64)
+    gw = inv_denom * (np.einsum("btk,btj->kj", g64, a64) + noise_std * z[:K * d].reshape(K, d))
+    scale = inv_denom * np.einsum("btk,btj->kj", np.abs(g64), np.abs(a64))
+    # Products rounded once in the dtype after the float64 factor, sums of B T terms in the
+    # dtype, the slab sum and the final scaling: B T + 4 roundings.
+    assert_close(res["gw"], gw, scale, B * T + 4, dtype, dtype, "gw",
+                 atol=inv_denom * noise_std * NORMAL_ATOL)
+    if bias:
+        gb = inv_denom * (g64.sum(axis=(0, 1)) + noise_std * z[K * d:])
+        scale_b = inv_denom * np.abs(g64).sum(axis=(0, 1))
+        assert_close(res["gb"], gb, scale_b, B * T + 4, dtype, dtype, "gb",
+                     atol=inv_denom * noise_std * NORMAL_ATOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R_,d,K", [(300, 70, 3), (5000, 10, 10), (257, 1, 1), (4096, 200, 7)])
+def test_clipped_linear_sum_uses_the_planned_slabs(emu, dtype, R_, d, K):
+    # The workspace the wrapper asks for must give the launcher every slab it planned.
+    planned, nbytes, used = emu.run("linear_sum_plan", dict(dtype=_dt(dtype), R=R_, d=d, K=K),
+                                    {"plan": np.zeros(3, np.int64)})["plan"]
+    assert planned > 1 and used == planned, (planned, nbytes, used)
+
+
+# ---------------------------------------------------------------------------
+# Sampling and mixing (mix/mix.cu).
+
+def _population_case(n, K, m, class_rate, seed):
+    labels = np.random.default_rng(seed).integers(0, K, n) if K else np.zeros(n, np.int64)
+    group_ptr, members, select, walk = _population(labels, n, K, m, class_rate)
+    return labels.astype(np.int64), dict(group_ptr=group_ptr, members=members,
+                                         select_rate=select, walk_rate=walk)
+
+
+@pytest.mark.parametrize("n,K,m,class_rate,rows", [
+    (50, 3, 10.0, None, 30),   # Poisson; 30 rows over 3 blocks of 8 sampler warps
+    (40, 4, 6.0, 0.5, 9),      # hierarchical
+    (700, 2, 650.0, None, 2),  # more than 512 members per row
+])
+def test_sample_plan_matches_reference(emu, n, K, m, class_rate, rows):
+    labels, pop = _population_case(n, K, m, class_rate, seed=n)
+    seed, offset, row_stride = 77, 5, 9
+    G = pop["group_ptr"].shape[0] - 1
+    scalars = dict(G=G, rows=rows, row_stride=row_stride, seed=seed, offset=offset)
+    counts = emu.run("sample_counts", scalars, {**pop, "counts": np.zeros(rows, np.int64)})
+    counts = counts["counts"]
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    total = int(indptr[-1])
+    filled = emu.run("sample_fill", dict(scalars, total=total),
+                     {**pop, "indptr": indptr, "indices": np.zeros(max(total, 1), np.int64)})
+    groups = R.sample_groups(labels, num_samples=rows, mixup_degree=m, class_rate=class_rate,
+                             num_classes=K, seed=seed, offset=offset, row_stride=row_stride)
+    assert counts.tolist() == [len(x) for x in groups]
+    got = filled["indices"][:total]
+    assert [got[indptr[r]:indptr[r + 1]].tolist() for r in range(rows)] == groups
+
+
+MIX_CASES = [
+    # (n, d, K, m, class_rate, rows, soft, clip, shift)
+    (30, 5, 3, 4.0, None, 5, False, 1.5, 0),      # 1 vector/thread, unaligned rows, 2 rows/block
+    (30, 8, 3, 4.0, 0.7, 4, False, 0.0, 0),       # aligned, hierarchical, no clip
+    (20, 1100, 2, 3.0, None, 2, True, 10.0, 0),   # 2 vectors per thread, soft labels
+    (20, 2100, 2, 3.0, None, 1, False, 10.0, 1),  # 4 vectors per thread, unaligned base
+    (600, 6, 2, 560.0, None, 1, False, 1.0, 0),   # more than 512 members: several chunks
+    (12, 0, 3, 3.0, None, 2, False, 0.0, 0),      # labels only
+]
+
+
+def _expected_mix(features, labels, K, m, class_rate, rows, seed, offset, clip, soft):
+    n, d = features.shape
+    groups = R.sample_groups(labels, num_samples=rows, mixup_degree=m, class_rate=class_rate,
+                             num_classes=K, seed=seed, offset=offset, row_stride=d + K)
+    Y = soft if soft is not None else np.eye(K)[labels]
+    f64 = features.astype(np.float64)
+    if clip > 0:
+        sq = (f64 * f64).sum(axis=1)
+        factors, _ = R.clip_factors(sq, clip, unit=unit_roundoff(features.dtype), terms=d)
+        f64 = f64 * factors[:, None]
+    x, y = R.mix_from_groups(f64, Y, groups, mixup_degree=m, noise_std_x=0.25,
+                             noise_std_y=0.5, seed=seed, offset=offset)
+    scale_x = np.array([np.abs(f64[g]).sum(axis=0) / m if len(g) else np.zeros(d)
+                        for g in groups]).reshape(rows, d)
+    scale_y = np.array([np.abs(Y[g]).sum(axis=0) / m if len(g) else np.zeros(K)
+                        for g in groups]).reshape(rows, K)
+    return groups, x, y, scale_x, scale_y
+
+
+def _run_mix(emu, dtype, n, d, K, m, class_rate, rows, soft, clip, shift, seed=31, offset=7):
+    rng = np.random.default_rng(n + d)
+    features = (rng.standard_normal((n, d)) * rng.uniform(0.2, 2.0, (n, 1))).astype(dtype)
+    labels, pop = _population_case(n, K, m, class_rate, seed=n + 1)
+    soft_labels = rng.dirichlet(np.ones(K), n).astype(dtype) if soft else None
+    res = emu.run("mix_rows",
+                  dict(dtype=_dt(dtype), n=n, d=d, K=K, G=pop["group_ptr"].shape[0] - 1,
+                       rows=rows, seed=seed, offset=offset, inv_m=1.0 / m, clip_x=clip,
+                       noise_std_x=0.25, noise_std_y=0.5),
+                  {"features": features, "labels": labels, "soft_labels": soft_labels, **pop,
+                   "out_x": np.zeros((rows, d), dtype), "out_y": np.zeros((rows, K), dtype),
+                   "counts": np.zeros(rows, np.int64)},
+                  misalign={"features": _misalign(dtype, shift)})
+    groups, x, y, sx, sy = _expected_mix(features, labels, K, m, class_rate, rows, seed, offset,
+                                         clip, soft_labels)
+    assert res["counts"].tolist() == [len(g) for g in groups]
+    longest = max([len(g) for g in groups] + [1])
+    # Sums of the members in the dtype (sampler order), one float64 finish.
+    assert_close(res["out_x"], x, sx, longest + 4, dtype, dtype, "x", atol=0.25 * NORMAL_ATOL)
+    assert_close(res["out_y"], y, sy, longest + 4, dtype, dtype, "y", atol=0.5 * NORMAL_ATOL)
+    return groups
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MIX_CASES, ids=lambda c: f"n{c[0]}-d{c[1]}-rows{c[5]}")
+def test_mix_rows(emu, dtype, case):
+    groups = _run_mix(emu, dtype, *case)
+    if case[0] == 600:
+        assert max(len(g) for g in groups) > 512
+
+
+@pytest.mark.parametrize("dtype,d", [(np.float32, 5000), (np.float32, 8193), (np.float64, 4097)])
+def test_mix_rows_wide(emu, dtype, d):
+    # float32: 8 vectors per thread at d = 5000, the tiled path past 8192 columns;
+    # float64: tiled past 4096.
+    _run_mix(emu, dtype, 8, d, 2, 2.0, None, 2, False, 30.0, 0)
+
+
+# ---------------------------------------------------------------------------
+# Hadamard-product NTK Gram (ntk/hadamard_gram.cu).
+
+def _gram_terms(L, n, n2, widths, dtype, seed, symmetric):
+    rng = np.random.default_rng(seed)
+    terms = []
+    for l in range(L):
+        a, b = widths[l % len(widths)]
+        f = None if a is None else rng.standard_normal((n, a)).astype(dtype)
+        bb = rng.standard_normal((n, b)).astype(dtype)
+        if symmetric:
+            f2, b2 = f, bb
+        else:
+            f2 = None if a is None else rng.standard_normal((n2, a)).astype(dtype)
+            b2 = rng.standard_normal((n2, b)).astype(dtype)
+        terms.append((f, f2, bb, b2))
+    return terms
+
+
+@pytest.mark.parametrize("dtype,acc64,out64", [
+    (np.float32, False, False), (np.float32, True, True), (np.float64, True, False)])
+@pytest.mark.parametrize("L,n,n2,symmetric,widths", [
+    (3, 1, 1, True, [(2, 3), (None, 4)]),               # one entry; a bias term
+    (2, 70, 45, False, [(9, 5), (1, 17)]),              # partial tiles, widths past 8
+    (66, 20, 20, True, [(1, 2), (None, 1), (3, 1)]),    # more than 64 terms: two launches
+])
+def test_hadamard_gram(emu, dtype, acc64, out64, L, n, n2, symmetric, widths):
+    _check_gram(emu, dtype, acc64, out64, L, n, n2, symmetric, widths)
+
+
+@pytest.mark.parametrize("dtype,acc64,n", [(np.float64, True, 520), (np.float32, False, 1030)])
+def test_hadamard_gram_many_tile_rows(emu, dtype, acc64, n):
+    # 9 tile rows: the grouped tile search spans two groups of 8.
+    if emu.variant == "tsan" and dtype == np.float32:
+        pytest.skip("the float32 tile (128) makes this case slow under ThreadSanitizer; the "
+                    "float64 case covers the same search")
+    _check_gram(emu, dtype, acc64, False, 1, n, n, True, [(1, 1)])
+
+
+def _check_gram(emu, dtype, acc64, out64, L, n, n2, symmetric, widths):
+    terms = _gram_terms(L, n, n2, widths, dtype, seed=L + n, symmetric=symmetric)
+    scalars = dict(dtype=_dt(dtype), acc64=acc64, out64=out64, n=n, n2=n2, symmetric=symmetric,
+                   L=L)
+    buffers = {"out": np.zeros((n, n2), np.float64 if out64 else np.float32)}
+    expected = np.zeros((n, n2))
+    scale = np.zeros((n, n2))
+    depth = 0
+    for l, (f, f2, b, b2) in enumerate(terms):
+        s = str(l)
+        scalars["a" + s] = 0 if f is None else f.shape[1]
+        scalars["bw" + s] = b.shape[1]
+        buffers.update({"f" + s: f, "f2_" + s: f2, "b" + s: b, "b2_" + s: b2})
+        q = b.astype(np.float64) @ b2.astype(np.float64).T
+        qa = np.abs(b.astype(np.float64)) @ np.abs(b2.astype(np.float64)).T
+        if f is None:
+            expected += q
+            scale += qa
+        else:
+            pf = f.astype(np.float64) @ f2.astype(np.float64).T
+            pa = np.abs(f.astype(np.float64)) @ np.abs(f2.astype(np.float64)).T
+            expected += pf * q
+            scale += pa * qa
+        depth = max(depth, b.shape[1] + (0 if f is None else f.shape[1]))
+    out = emu.run("hadamard_gram", scalars, buffers)["out"]
+    acc = np.float64 if acc64 or dtype == np.float64 else np.float32
+    # Each product: a dot of <= depth terms; then L Hadamard sums (and a re-read per
+    # launch of 64 terms in the output dtype), in the accumulator's precision.
+    n_terms = depth + L + 2 * (L // 64 + 2)
+    # Later launches re-read the output in its dtype: one more rounding per launch.
+    launches = L // 64 + 1
+    assert_close(out, expected, scale, n_terms, acc, out.dtype, "K",
+                 atol=launches * unit_roundoff(out.dtype) * scale)
+    if symmetric:
+        assert np.array_equal(out, out.T)
+
+
+
+# ---------------------------------------------------------------------------
+# The tier itself: it must catch what it exists to catch.
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tier_runs_a_correct_block_reduction_cleanly(built, variant):
+    rc, stderr = run_program([str(BUILD / f"tier-probe-{variant}"), "block_sum"])
+    assert rc == 0 and "Sanitizer" not in stderr, stderr
+
+
+def test_tier_reports_a_removed_syncthreads(built, tmp_path):
+    # block_sum's first barrier keeps warp 0 reading the previous call's warp
+    # totals from being overwritten; without it ThreadSanitizer must see the race.
+    source = (ROOT_CSRC / "common" / "block_reduce.cuh").read_text()
+    marker = "  // Warp 0 may still be reading the previous call's totals.\n  __syncthreads();\n"
+    assert marker in source, "block_reduce.cuh changed: update this test's marker"
+    broken = tmp_path / "include" / "common"
+    broken.mkdir(parents=True)
+    (broken / "block_reduce.cuh").write_text(source.replace(marker, ""))
+    out = tmp_path / "out"
+    build_proc = build(targets=(str(out / "tier-probe-tsan"),),
+                       extra=(f"OUT={out}", f"PROBE_INCLUDE={tmp_path / 'include'}"))
+    assert build_proc == BUILD
+    rc, stderr = run_program([str(out / "tier-probe-tsan"), "block_sum"])
+    assert rc != 0 and "ThreadSanitizer: data race" in stderr, stderr[-3000:]
+    assert "block_reduce.cuh" in stderr
+
+
+@pytest.mark.parametrize("mode,message", [
+    ("divergent", "deadlock"),
+    ("mismatched", "this phase expects"),
+    ("launch", "invalid launch"),
+])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tier_aborts_on_undefined_barrier_use(built, variant, mode, message):
+    rc, stderr = run_program([str(BUILD / f"tier-probe-{variant}"), mode], timeout=120)
+    assert rc != 0 and "ncdp_emu: FATAL" in stderr and message in stderr, stderr[-3000:]
