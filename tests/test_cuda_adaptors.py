@@ -1,0 +1,101 @@
+"""The CUDA adaptors (``ncdp_fast._cuda``) without a GPU: what they hand to
+``_C``, observed through recording fakes of ``_C`` and of CuPy, and the native
+wrapper's argument validation (which runs before any CUDA call)."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from ncdp_fast import _backend, _cuda
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+
+
+# ---------------------------------------------------------------- NTK Gram terms
+
+def _recorded_gram_call(monkeypatch, f, b, f2, b2, out, symmetric):
+    launch = _Recorder()
+    monkeypatch.setattr(_cuda, "_C", types.SimpleNamespace(launch_hadamard_gram=launch))
+    monkeypatch.setattr(_cuda, "_stream", lambda x: 0)
+    _cuda.hadamard_gram(f, b, f2, b2, out, symmetric)
+    assert len(launch.calls) == 1
+    return launch.calls[0]
+
+
+def test_gram_tells_a_width_zero_factor_from_the_constant_one(monkeypatch):
+    torch = pytest.importorskip("torch")
+    n = 4
+    empty = torch.empty(n, 0, dtype=torch.float64)
+    # The ambiguity of issue 14: an empty tensor's pointer is the null pointer.
+    assert empty.data_ptr() == 0
+    B = torch.ones(n, 3, dtype=torch.float64)
+    out = torch.empty(n, n, dtype=torch.float64)
+    # Term 0 adds (F F^T) o (B B^T) = 0; term 1 (bias) adds B B^T.
+    args, kwargs = _recorded_gram_call(monkeypatch, [empty, None], [B, B], [empty, None], [B, B],
+                                       out, True)
+    per_term = [v for v in (*args, *kwargs.values()) if isinstance(v, list) and len(v) == 2]
+    encodings = [tuple(v[l] for v in per_term) for l in range(2)]
+    assert encodings[0] != encodings[1], (
+        "the launcher cannot tell an F of width 0 (a zero term) from the constant-1 factor "
+        f"(a term adding B B'^T): both reach it as {encodings[0]}")
+
+
+def test_gram_term_args_flag_the_constant_one_explicitly():
+    torch = pytest.importorskip("torch")
+    n, n2 = 4, 3
+    F, F2 = torch.ones(n, 2), torch.ones(n2, 2)
+    E, E2 = torch.empty(n, 0), torch.empty(n2, 0)
+    B, B2 = torch.ones(n, 5), torch.ones(n2, 5)
+    args = _cuda.gram_term_args([F, E, None], [B, B, B], [F2, E2, None], [B2, B2, B2])
+    assert args == {"f": [F.data_ptr(), 0, 0], "a": [2, 0, 0],
+                    "constant_one": [False, False, True],
+                    "b_ptrs": [B.data_ptr()] * 3, "b": [5, 5, 5],
+                    "f2": [F2.data_ptr(), 0, 0], "b2_ptrs": [B2.data_ptr()] * 3}
+
+
+def test_gram_term_args_need_f2_none_exactly_with_f():
+    torch = pytest.importorskip("torch")
+    B = torch.ones(3, 2)
+    with pytest.raises(ValueError, match=r"f2\[0\]: expected None exactly where f\[0\]"):
+        _cuda.gram_term_args([None], [B], [torch.ones(3, 1)], [B])
+
+
+@pytest.fixture
+def native():
+    if not _backend.CUDA_COMPILED:
+        pytest.skip("ncdp_fast._C was built without CUDA")
+    return _backend._C
+
+
+def _gram_kwargs(**changes):
+    # One bias term on fake (aligned, never dereferenced) device pointers: the
+    # validation under test raises before the wrapper asks CUDA anything.
+    kwargs = dict(f=[0], a=[0], constant_one=[True], b_ptrs=[4096], b=[3], f2=[0],
+                  b2_ptrs=[4096], n=2, n2=2, dtype=1, symmetric=True, accumulate_f64=False,
+                  out=8192, out_dtype=1, stream=0)
+    kwargs.update(changes)
+    return kwargs
+
+
+def test_native_gram_refuses_data_for_a_constant_one_factor(native):
+    with pytest.raises(ValueError, match=r"constant_one\[0\] is set.*got 0x100, 0x100 and 0"):
+        native.launch_hadamard_gram(**_gram_kwargs(f=[256], f2=[256]))
+    with pytest.raises(ValueError, match=r"constant_one\[0\] is set.*and 2"):
+        native.launch_hadamard_gram(**_gram_kwargs(a=[2]))
+
+
+def test_native_gram_refuses_a_null_pointer_for_a_non_empty_factor(native):
+    with pytest.raises(ValueError, match=r"f\[0\] is a null pointer but the buffer is not empty"):
+        native.launch_hadamard_gram(**_gram_kwargs(constant_one=[False], a=[2]))
+
+
+def test_native_gram_needs_one_flag_per_term(native):
+    with pytest.raises(ValueError, match="constant_one has 0 entries, f has 1"):
+        native.launch_hadamard_gram(**_gram_kwargs(constant_one=[]))
