@@ -29,7 +29,10 @@ def _stream(x) -> int:
         import torch
         return int(torch.cuda.current_stream(x.device).cuda_stream)
     import cupy
-    return int(cupy.cuda.get_current_stream().ptr)
+    # CuPy's current stream is per device; the launch runs on the array's
+    # device (the native device guard), so read that device's stream.
+    with x.device:
+        return int(cupy.cuda.get_current_stream().ptr)
 
 
 def _workspace(like, nbytes: int):

@@ -3,8 +3,10 @@
 wrapper's argument validation (which runs before any CUDA call)."""
 from __future__ import annotations
 
+import sys
 import types
 
+import numpy as np
 import pytest
 
 from ncdp_fast import _backend, _cuda
@@ -99,3 +101,76 @@ def test_native_gram_refuses_a_null_pointer_for_a_non_empty_factor(native):
 def test_native_gram_needs_one_flag_per_term(native):
     with pytest.raises(ValueError, match="constant_one has 0 entries, f has 1"):
         native.launch_hadamard_gram(**_gram_kwargs(constant_one=[]))
+
+
+# ------------------------------------------------------------- CuPy streams
+
+class _FakeDevice:
+    """cupy.cuda.Device: a context manager that makes its device current."""
+
+    def __init__(self, cupy, device_id):
+        self._cupy = cupy
+        self.id = device_id
+
+    def __enter__(self):
+        self._cupy.previous.append(self._cupy.current)
+        self._cupy.current = self.id
+        return self
+
+    def __exit__(self, *exc):
+        self._cupy.current = self._cupy.previous.pop()
+
+
+def _fake_cupy():
+    """A cupy whose current device is `current` and whose stream of device d
+    has ptr 1000 + d; `reads` records whose stream each read returned."""
+    cupy = types.ModuleType("cupy")
+    cupy.current, cupy.previous, cupy.reads = 0, [], []
+    cuda = types.ModuleType("cupy.cuda")
+
+    def get_current_stream(device_id=-1):
+        device = cupy.current if device_id == -1 else device_id
+        cupy.reads.append(device)
+        return types.SimpleNamespace(ptr=1000 + device)
+
+    cuda.get_current_stream = get_current_stream
+    cuda.Device = lambda device_id=None: _FakeDevice(
+        cupy, cupy.current if device_id is None else device_id)
+    cupy.cuda = cuda
+    return cupy
+
+
+class _FakeCupyArray:
+    def __init__(self, cupy, device_id, shape, dtype):
+        self.device = _FakeDevice(cupy, device_id)
+        self.shape = shape
+        self.dtype = np.dtype(dtype)
+        self.__cuda_array_interface__ = {"data": (4096 * (device_id + 1), False),
+                                         "shape": shape, "typestr": self.dtype.str,
+                                         "version": 3}
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    cupy = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
+    return cupy
+
+
+def test_stream_of_a_cupy_array_is_its_devices(fake_cupy):
+    x = _FakeCupyArray(fake_cupy, 1, (2, 3), np.float32)
+    assert fake_cupy.current == 0
+    assert _cuda._stream(x) == 1001, f"read the stream of device(s) {fake_cupy.reads}, not 1"
+    assert fake_cupy.reads == [1]
+    assert fake_cupy.current == 0, "the caller's current device must be left as it was"
+
+
+def test_cupy_launch_gets_the_stream_of_the_arrays_device(fake_cupy, monkeypatch):
+    launch = _Recorder()
+    monkeypatch.setattr(_cuda, "_C", types.SimpleNamespace(launch_row_sq_norms=launch))
+    g = _FakeCupyArray(fake_cupy, 2, (4, 5), np.float64)
+    sq = _FakeCupyArray(fake_cupy, 2, (4,), np.float64)
+    _cuda.row_sq_norms(g, sq, False)
+    (args, _), = launch.calls
+    assert args[-1] == 1002
