@@ -172,7 +172,8 @@ def test_no_host_function_of_the_cuda_objects_ends_the_process():
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"objdump failed on {obj}: {proc.stderr}"
         for function, callees in sorted(fatal_calls(proc.stdout).items()):
-            offenders.append(f"{obj.relative_to(ROOT)}: {function} calls {', '.join(sorted(callees))}")
+            offenders.append(f"{obj.relative_to(ROOT)}: {function} calls "
+                             f"{', '.join(sorted(callees))}")
     assert not offenders, ("host functions that end the process (a __device__-only helper "
                            "called from host code?):\n" + "\n".join(offenders))
 

@@ -166,7 +166,8 @@ void probe_linear_sq_norms(Probe& probe) {
 
 template <typename Real>
 void probe_clipped_linear_sum(Probe& probe) {
-  // The last case has enough rows (B * T = 600) for slab partials in a workspace.
+  // The last case has enough rows (B * T = 600) for 3 slabs of partials; the
+  // launcher keeps 512 bytes of its workspace for alignment, hence the extra.
   const std::int64_t cases[][6] = {
       {2, 1, 3, 2, 1, 0}, {2, 1, 3, 2, 0, 0}, {300, 2, 3, 2, 1, 1}};
   for (const auto& c : cases) {
@@ -174,7 +175,8 @@ void probe_clipped_linear_sum(Probe& probe) {
     const bool bias = c[4] != 0;
     const std::int64_t workspace =
         c[5] != 0 ? kernels::clipped_linear_sum_layout_bytes(
-                        kernels::clipped_linear_sum_slabs(B * T, d, K), d, K, sizeof(Real))
+                        kernels::clipped_linear_sum_slabs(B * T, d, K), d, K, sizeof(Real)) +
+                        512
                   : 0;
     Real* gb = bias ? probe.buffer<Real>(K) : nullptr;
     kernels::launch_clipped_linear_sum<Real>(
