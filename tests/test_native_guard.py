@@ -61,7 +61,7 @@ _FATAL_RELOCATION = re.compile(
     r"^\s+[0-9a-f]+:\s+R_\S+\s+(?P<callee>" + "|".join(map(re.escape, FATAL_CALLEES)) +
     r")(?:@\S*)?(?:[-+]0x[0-9a-f]+)?\s*$")
 _FATAL_CALL = re.compile(
-    r"\bcall\w*\s.*<(?P<callee>" + "|".join(map(re.escape, FATAL_CALLEES)) + r")(?:@plt)?>")
+    r"\b(?:call|jmp)\w*\s.*<(?P<callee>" + "|".join(map(re.escape, FATAL_CALLEES)) + r")(?:@plt)?>")
 
 
 def _cuda_compiled() -> bool:
@@ -185,11 +185,12 @@ def test_fatal_call_parser_sees_relocations_and_plt_calls():
             "\t\t\t36: R_X86_64_PLT32\texit-0x4\n"
             "0000000000000040 <ncdp::f()>:\n"
             "  48:\tcall   1030 <abort@plt>\n"
+            "  4d:\tjmp    1040 <_exit@plt>\n"
             "0000000000000080 <ncdp::g()>:\n"
             "\t\t\t84: R_X86_64_PLT32\tatexit-0x4\n"
             "\t\t\t94: R_X86_64_PLT32\t__cxa_guard_abort-0x4\n")
     assert fatal_calls(text) == {"void ncdp::kernels::launch_x<float>(float const*)": {"exit"},
-                                 "ncdp::f()": {"abort"}}
+                                 "ncdp::f()": {"abort", "_exit"}}
 
 
 _LAUNCHER = re.compile(r"\bncdp::kernels::launch_(?P<name>\w+)(?P<args><[^()]*>)?\(")
