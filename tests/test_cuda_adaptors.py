@@ -174,3 +174,9 @@ def test_cupy_launch_gets_the_stream_of_the_arrays_device(fake_cupy, monkeypatch
     _cuda.row_sq_norms(g, sq, False)
     (args, _), = launch.calls
     assert args[-1] == 1002
+
+
+def test_cupy_io_stream_is_its_devices(fake_cupy):
+    from ncdp_fast._backend import _CupyIO
+    assert _CupyIO(3).stream() == 1003, f"read the stream of device(s) {fake_cupy.reads}, not 3"
+    assert fake_cupy.current == 0
