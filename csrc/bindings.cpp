@@ -7,6 +7,7 @@
 #include "common/capabilities.h"
 #ifdef NCDP_WITH_CUDA
 #include "clip/clip_noise.h"
+#include "common/launcher_probe.h"
 #include "mix/mix.h"
 #include "ntk/hadamard_gram.h"
 #include "rng/gaussian.h"
@@ -86,10 +87,18 @@ PYBIND11_MODULE(_C, m) {
         py::arg("noise_std_x"), py::arg("noise_std_y"), py::arg("out_x"), py::arg("out_y"),
         py::arg("counts"), py::arg("stream"));
   m.def("launch_hadamard_gram", &ncdp::launch_hadamard_gram,
-        "K [n, n2] (out_dtype) = sum_l (f[l] f2[l]^T) o (b[l] b2[l]^T); f[l] = f2[l] = 0: the "
-        "constant-1 factor; symmetric: one triangle, mirrored.",
-        py::arg("f"), py::arg("a"), py::arg("b_ptrs"), py::arg("b"), py::arg("f2"),
-        py::arg("b2_ptrs"), py::arg("n"), py::arg("n2"), py::arg("dtype"), py::arg("symmetric"),
-        py::arg("accumulate_f64"), py::arg("out"), py::arg("out_dtype"), py::arg("stream"));
+        "K [n, n2] (out_dtype) = sum_l (f[l] f2[l]^T) o (b[l] b2[l]^T); constant_one[l]: "
+        "f[l] f2[l]^T = 1 (a bias term; f[l] = f2[l] = a[l] = 0); symmetric: one triangle, "
+        "mirrored.",
+        py::arg("f"), py::arg("a"), py::arg("constant_one"), py::arg("b_ptrs"), py::arg("b"),
+        py::arg("f2"), py::arg("b2_ptrs"), py::arg("n"), py::arg("n2"), py::arg("dtype"),
+        py::arg("symmetric"), py::arg("accumulate_f64"), py::arg("out"), py::arg("out_dtype"),
+        py::arg("stream"));
+  m.def("typed_launcher_names", &ncdp::typed_launcher_names,
+        "Names of the typed launchers probe_typed_launcher covers (one per instantiation).");
+  m.def("probe_typed_launcher", &ncdp::probe_typed_launcher,
+        "Diagnostic: runs one typed launcher on tiny sizes, stream 0 (zeroed buffers with a "
+        "device, null pointers without); RuntimeError naming the CUDA error if a launch fails.",
+        py::arg("name"));
 #endif
 }

@@ -216,7 +216,9 @@ class _CupyIO:
 
     def stream(self):
         import cupy
-        return int(cupy.cuda.get_current_stream().ptr)
+        # CuPy's current stream is per device: this device's, not the thread's.
+        with cupy.cuda.Device(self.device):
+            return int(cupy.cuda.get_current_stream().ptr)
 
 
 def _torch_to_numpy_dtype(tdtype) -> np.dtype:

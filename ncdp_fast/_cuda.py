@@ -29,7 +29,10 @@ def _stream(x) -> int:
         import torch
         return int(torch.cuda.current_stream(x.device).cuda_stream)
     import cupy
-    return int(cupy.cuda.get_current_stream().ptr)
+    # CuPy's current stream is per device; the launch runs on the array's
+    # device (the native device guard), so read that device's stream.
+    with x.device:
+        return int(cupy.cuda.get_current_stream().ptr)
 
 
 def _workspace(like, nbytes: int):
@@ -170,14 +173,38 @@ def mix_rows(features, labels, soft, group_ptr, members, select_rate, walk_rate,
 
 # ----------------------------------------------------------------------- ntk
 
+def gram_term_args(f, b, f2, b2) -> dict:
+    """The per-term keyword arguments of ``_C.launch_hadamard_gram``.
+
+    Term l: ``f[l]`` (n, a_l) or None for the constant-1 factor of a bias term,
+    ``f2[l]`` (n2, a_l), None exactly where ``f[l]`` is, ``b[l]`` (n, b_l),
+    ``b2[l]`` (n2, b_l); C-contiguous CUDA arrays of one float dtype.
+    Returns lists of L entries: ``f``, ``f2``, ``b_ptrs``, ``b2_ptrs`` (device
+    pointers, int), ``a``, ``b`` (widths, int) and ``constant_one`` (bool).
+    """
+    for l, (x, y) in enumerate(zip(f, f2)):
+        if (x is None) != (y is None):
+            raise ValueError(f"f2[{l}]: expected None exactly where f[{l}] is None (the "
+                             f"constant-1 factor), got {'None' if y is None else 'an array'} "
+                             f"with f[{l}] {'None' if x is None else 'an array'}")
+    # The constant-1 factor is flagged, not inferred from a null pointer: torch
+    # also gives a real F of width 0 (a term that adds zero) data pointer 0.
+    return {"f": [_opt_ptr(x) for x in f],
+            "a": [0 if x is None else int(x.shape[1]) for x in f],
+            "constant_one": [x is None for x in f],
+            "b_ptrs": [_ptr(x) for x in b],
+            "b": [int(x.shape[1]) for x in b],
+            "f2": [_opt_ptr(x) for x in f2],
+            "b2_ptrs": [_ptr(x) for x in b2]}
+
+
 def hadamard_gram(f, b, f2, b2, out, symmetric, matmul=None, accumulate_f64=False):
     # ``matmul`` is the CPU path's BLAS hook; the CUDA kernel tiles its own products.
     n, n2 = out.shape
-    _C.launch_hadamard_gram([_opt_ptr(x) for x in f], [0 if x is None else x.shape[1] for x in f],
-                            [_ptr(x) for x in b], [x.shape[1] for x in b],
-                            [_opt_ptr(x) for x in f2], [_ptr(x) for x in b2], n, n2,
-                            _dtype_code(b[0]), bool(symmetric), bool(accumulate_f64), _ptr(out),
-                            _dtype_code(out), _stream(out))
+    _C.launch_hadamard_gram(**gram_term_args(f, b, f2, b2), n=n, n2=n2,
+                            dtype=_dtype_code(b[0]), symmetric=bool(symmetric),
+                            accumulate_f64=bool(accumulate_f64), out=_ptr(out),
+                            out_dtype=_dtype_code(out), stream=_stream(out))
 
 
 def sample_plan(group_ptr, members, select_rate, walk_rate, seed, offset, row_stride, rows,

@@ -227,3 +227,20 @@ def test_lambda_min_of_a_singular_ntk_is_zero_to_rounding():
     scale = np.abs(K).sum(axis=1).max()
     assert abs(r.value) <= 600 * np.finfo(np.float64).eps * scale
     assert abs(np.linalg.eigvalsh(K)[0]) <= 600 * np.finfo(np.float64).eps * scale
+
+
+@pytest.mark.gpu
+def test_cuda_gram_of_an_input_of_width_zero(require_cuda):
+    # torch gives the empty first-layer input data pointer 0; its term is zero and
+    # must not be taken for the constant-1 factor of a bias (issue 14). tanh'(0) = 1
+    # makes that layer's B non-zero, so the mistake would add ||W_1||_F^2 / 2.
+    g = torch.Generator().manual_seed(5)
+    x = torch.empty(6, 0, dtype=torch.float64)
+    weights = [torch.randn(4, 0, generator=g, dtype=torch.float64),
+               torch.randn(2, 4, generator=g, dtype=torch.float64)]
+    biases = [None, torch.randn(2, generator=g, dtype=torch.float64)]
+    expected = nf.ntk_gram(x, weights, biases=biases, activation="tanh")
+    torch.testing.assert_close(expected, torch.ones(6, 6, dtype=torch.float64))
+    got = nf.ntk_gram(x.to(require_cuda), [w.to(require_cuda) for w in weights],
+                      biases=[None, biases[1].to(require_cuda)], activation="tanh")
+    torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=1e-12)

@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 
+#include "common/host_device.h"
+
 namespace ncdp {
 
 template <typename T>
@@ -41,8 +43,9 @@ __device__ __forceinline__ void load4_aligned(const double* __restrict__ src, do
   out[3] = hi.y;
 }
 
+// Host and device: launchers pick the vectorized kernel variant with it.
 template <typename T>
-__device__ __forceinline__ bool is_aligned16(const T* ptr) {
+NCDP_HOST_DEVICE bool is_aligned16(const T* ptr) {
   return (reinterpret_cast<std::uintptr_t>(ptr) & 15u) == 0;
 }
 

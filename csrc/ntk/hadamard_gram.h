@@ -19,11 +19,15 @@ namespace ncdp {
 //
 // Term l is (f[l], f2[l], b_ptrs[l], b2_ptrs[l]), all row-major contiguous, of
 // the input dtype:
-//   f[l]       [n, a[l]]   or 0: the constant-1 factor (then f2[l] is 0 too and
-//                          a[l] is ignored); a 0 pointer of a non-empty F is an error
-//   f2[l]      [n2, a[l]]  or 0 with f[l]
+//   f[l]       [n, a[l]]   unless constant_one[l]; 0 only when empty
+//   f2[l]      [n2, a[l]]  likewise
 //   b_ptrs[l]  [n, b[l]]
 //   b2_ptrs[l] [n2, b[l]]
+// constant_one[l] marks the constant-1 factor of a bias term (F . F2 = 1): then
+// f[l] and f2[l] must be 0 and a[l] 0. The flag is explicit because a null
+// pointer cannot tell it apart from a real F of width 0 (torch gives empty
+// tensors data pointer 0), whose term is zero. Terms that add zero (b[l] = 0,
+// or a[l] = 0 without constant_one[l]) are skipped.
 // out [n, n2] of out_dtype = K. accumulate_f64 accumulates the tile products and
 // the Hadamard sum in float64 for float32 inputs too (float64 inputs always do);
 // otherwise float32 inputs accumulate in float32. symmetric: x2 is x (f2 == f,
@@ -32,6 +36,7 @@ namespace ncdp {
 // symmetric. L = 0 gives K = 0.
 void launch_hadamard_gram(const std::vector<std::uintptr_t>& f,
                           const std::vector<std::int64_t>& a,
+                          const std::vector<bool>& constant_one,
                           const std::vector<std::uintptr_t>& b_ptrs,
                           const std::vector<std::int64_t>& b,
                           const std::vector<std::uintptr_t>& f2,
@@ -59,6 +64,8 @@ constexpr std::int64_t kMaxGramTermsPerLaunch = 64;
 
 template <typename Real>
 struct GramTerm {
+  // nullptr only for the constant-1 factor: the wrapper drops terms whose F is
+  // empty, so a null F never stands for one of width 0.
   const Real* f;   // [n, a], or nullptr for the constant-1 factor
   const Real* f2;  // [n2, a], nullptr with f
   const Real* b;   // [n, b_width]

@@ -40,12 +40,13 @@ std::string hex(std::uintptr_t ptr) {
 template <typename Real>
 std::vector<kernels::GramTerm<Real>> contributing_terms(
     const std::vector<std::uintptr_t>& f, const std::vector<std::int64_t>& a,
-    const std::vector<std::uintptr_t>& b_ptrs, const std::vector<std::int64_t>& b,
-    const std::vector<std::uintptr_t>& f2, const std::vector<std::uintptr_t>& b2_ptrs) {
+    const std::vector<bool>& constant_one, const std::vector<std::uintptr_t>& b_ptrs,
+    const std::vector<std::int64_t>& b, const std::vector<std::uintptr_t>& f2,
+    const std::vector<std::uintptr_t>& b2_ptrs) {
   std::vector<kernels::GramTerm<Real>> terms;
   terms.reserve(f.size());
   for (std::size_t l = 0; l < f.size(); ++l) {
-    const bool has_f = f[l] != 0 || f2[l] != 0;
+    const bool has_f = !constant_one[l];
     if (b[l] == 0 || (has_f && a[l] == 0)) continue;
     terms.push_back(kernels::GramTerm<Real>{
         has_f ? typed<const Real>(f[l]) : nullptr,
@@ -74,6 +75,7 @@ void launch_typed(const std::vector<kernels::GramTerm<Real>>& terms, std::int64_
 
 void launch_hadamard_gram(const std::vector<std::uintptr_t>& f,
                           const std::vector<std::int64_t>& a,
+                          const std::vector<bool>& constant_one,
                           const std::vector<std::uintptr_t>& b_ptrs,
                           const std::vector<std::int64_t>& b,
                           const std::vector<std::uintptr_t>& f2,
@@ -82,6 +84,7 @@ void launch_hadamard_gram(const std::vector<std::uintptr_t>& f,
                           std::uintptr_t out, int out_dtype, std::uintptr_t stream) {
   const std::size_t terms = f.size();
   require_length(a.size(), terms, "a");
+  require_length(constant_one.size(), terms, "constant_one");
   require_length(b_ptrs.size(), terms, "b_ptrs");
   require_length(b.size(), terms, "b");
   require_length(f2.size(), terms, "f2");
@@ -106,21 +109,22 @@ void launch_hadamard_gram(const std::vector<std::uintptr_t>& f,
     const std::int64_t b2_count = checked_mul(n2, b[l], "n2 * b[l]");
     require_pointer(b_ptrs[l], b_count > 0, element, element_name("b_ptrs", l).c_str());
     require_pointer(b2_ptrs[l], b2_count > 0, element, element_name("b2_ptrs", l).c_str());
-    // A 0 pointer is the constant-1 factor only when both sides have it; one
-    // alone is an empty array's (a side with no elements) or a caller's bug.
-    if (f[l] != 0 || f2[l] != 0) {
+    if (constant_one[l]) {
+      if (f[l] != 0 || f2[l] != 0 || a[l] != 0) {
+        throw std::invalid_argument(
+            "ncdp_fast: " + element_name("constant_one", l) + " is set (the constant-1 factor "
+            "of a bias term, which has no data), so " + element_name("f", l) + ", " +
+            element_name("f2", l) + " and " + element_name("a", l) + " must be 0, got " +
+            hex(f[l]) + ", " + hex(f2[l]) + " and " + std::to_string(a[l]));
+      }
+    } else {
+      // A real F, possibly of width 0: its pointers may be 0 only when empty.
       const std::string a_name = element_name("a", l);
       require_non_negative(a[l], a_name.c_str());
       const std::int64_t f_count = checked_mul(n, a[l], "n * a[l]");
       const std::int64_t f2_count = checked_mul(n2, a[l], "n2 * a[l]");
-      if ((f[l] == 0 && f_count > 0) || (f2[l] == 0 && f2_count > 0)) {
-        throw std::invalid_argument(
-            "ncdp_fast: " + element_name("f", l) + " and " + element_name("f2", l) +
-            " must both be 0 (the constant-1 factor of a bias term) or both point to data, "
-            "got " + hex(f[l]) + " and " + hex(f2[l]));
-      }
-      require_pointer(f[l], false, element, element_name("f", l).c_str());
-      require_pointer(f2[l], false, element, element_name("f2", l).c_str());
+      require_pointer(f[l], f_count > 0, element, element_name("f", l).c_str());
+      require_pointer(f2[l], f2_count > 0, element, element_name("f2", l).c_str());
     }
     if (symmetric && (f2[l] != f[l] || b2_ptrs[l] != b_ptrs[l])) {
       throw std::invalid_argument("ncdp_fast: symmetric needs f2 == f and b2_ptrs == b_ptrs; "
@@ -165,14 +169,16 @@ void launch_hadamard_gram(const std::vector<std::uintptr_t>& f,
 
   const cudaStream_t cuda_stream = as_stream(stream);
   if (dtype == kDtypeFloat32) {
-    const auto typed_terms = contributing_terms<float>(f, a, b_ptrs, b, f2, b2_ptrs);
+    const auto typed_terms =
+        contributing_terms<float>(f, a, constant_one, b_ptrs, b, f2, b2_ptrs);
     if (accumulate_f64) {
       launch_typed<float, double>(typed_terms, n, n2, symmetric, out, out_dtype, cuda_stream);
     } else {
       launch_typed<float, float>(typed_terms, n, n2, symmetric, out, out_dtype, cuda_stream);
     }
   } else {
-    const auto typed_terms = contributing_terms<double>(f, a, b_ptrs, b, f2, b2_ptrs);
+    const auto typed_terms =
+        contributing_terms<double>(f, a, constant_one, b_ptrs, b, f2, b2_ptrs);
     launch_typed<double, double>(typed_terms, n, n2, symmetric, out, out_dtype, cuda_stream);
   }
   check_launch("hadamard_gram");

@@ -1,0 +1,16 @@
+// NCDP_HOST_DEVICE: the marker of helpers that kernels and host launchers both
+// call. A helper a launcher needs must carry it, never plain __device__: nvcc
+// compiles a host template that calls a __device__-only function without a
+// diagnostic and gives it a body that calls exit(1), so the first launch ends
+// the Python process (issue 14). tests/test_native_guard.py looks for such
+// bodies in the built objects.
+//
+// Defined exactly as common/philox.cuh defines it (an identical redefinition
+// is allowed; a different one is diagnosed), until that header includes this one.
+#pragma once
+
+#if defined(__CUDACC__)
+#define NCDP_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define NCDP_HOST_DEVICE inline
+#endif

@@ -1,0 +1,182 @@
+"""The CUDA adaptors (``ncdp_fast._cuda``) without a GPU: what they hand to
+``_C``, observed through recording fakes of ``_C`` and of CuPy, and the native
+wrapper's argument validation (which runs before any CUDA call)."""
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from ncdp_fast import _backend, _cuda
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+
+
+# ---------------------------------------------------------------- NTK Gram terms
+
+def _recorded_gram_call(monkeypatch, f, b, f2, b2, out, symmetric):
+    launch = _Recorder()
+    monkeypatch.setattr(_cuda, "_C", types.SimpleNamespace(launch_hadamard_gram=launch))
+    monkeypatch.setattr(_cuda, "_stream", lambda x: 0)
+    _cuda.hadamard_gram(f, b, f2, b2, out, symmetric)
+    assert len(launch.calls) == 1
+    return launch.calls[0]
+
+
+def test_gram_tells_a_width_zero_factor_from_the_constant_one(monkeypatch):
+    torch = pytest.importorskip("torch")
+    n = 4
+    empty = torch.empty(n, 0, dtype=torch.float64)
+    # The ambiguity of issue 14: an empty tensor's pointer is the null pointer.
+    assert empty.data_ptr() == 0
+    B = torch.ones(n, 3, dtype=torch.float64)
+    out = torch.empty(n, n, dtype=torch.float64)
+    # Term 0 adds (F F^T) o (B B^T) = 0; term 1 (bias) adds B B^T.
+    args, kwargs = _recorded_gram_call(monkeypatch, [empty, None], [B, B], [empty, None], [B, B],
+                                       out, True)
+    per_term = [v for v in (*args, *kwargs.values()) if isinstance(v, list) and len(v) == 2]
+    encodings = [tuple(v[l] for v in per_term) for l in range(2)]
+    assert encodings[0] != encodings[1], (
+        "the launcher cannot tell an F of width 0 (a zero term) from the constant-1 factor "
+        f"(a term adding B B'^T): both reach it as {encodings[0]}")
+
+
+def test_gram_term_args_flag_the_constant_one_explicitly():
+    torch = pytest.importorskip("torch")
+    n, n2 = 4, 3
+    F, F2 = torch.ones(n, 2), torch.ones(n2, 2)
+    E, E2 = torch.empty(n, 0), torch.empty(n2, 0)
+    B, B2 = torch.ones(n, 5), torch.ones(n2, 5)
+    args = _cuda.gram_term_args([F, E, None], [B, B, B], [F2, E2, None], [B2, B2, B2])
+    assert args == {"f": [F.data_ptr(), 0, 0], "a": [2, 0, 0],
+                    "constant_one": [False, False, True],
+                    "b_ptrs": [B.data_ptr()] * 3, "b": [5, 5, 5],
+                    "f2": [F2.data_ptr(), 0, 0], "b2_ptrs": [B2.data_ptr()] * 3}
+
+
+def test_gram_term_args_need_f2_none_exactly_with_f():
+    torch = pytest.importorskip("torch")
+    B = torch.ones(3, 2)
+    with pytest.raises(ValueError, match=r"f2\[0\]: expected None exactly where f\[0\]"):
+        _cuda.gram_term_args([None], [B], [torch.ones(3, 1)], [B])
+
+
+@pytest.fixture
+def native():
+    if not _backend.CUDA_COMPILED:
+        pytest.skip("ncdp_fast._C was built without CUDA")
+    return _backend._C
+
+
+def _gram_kwargs(**changes):
+    # One bias term on fake (aligned, never dereferenced) device pointers: the
+    # validation under test raises before the wrapper asks CUDA anything.
+    kwargs = dict(f=[0], a=[0], constant_one=[True], b_ptrs=[4096], b=[3], f2=[0],
+                  b2_ptrs=[4096], n=2, n2=2, dtype=1, symmetric=True, accumulate_f64=False,
+                  out=8192, out_dtype=1, stream=0)
+    kwargs.update(changes)
+    return kwargs
+
+
+def test_native_gram_refuses_data_for_a_constant_one_factor(native):
+    with pytest.raises(ValueError, match=r"constant_one\[0\] is set.*got 0x100, 0x100 and 0"):
+        native.launch_hadamard_gram(**_gram_kwargs(f=[256], f2=[256]))
+    with pytest.raises(ValueError, match=r"constant_one\[0\] is set.*and 2"):
+        native.launch_hadamard_gram(**_gram_kwargs(a=[2]))
+
+
+def test_native_gram_refuses_a_null_pointer_for_a_non_empty_factor(native):
+    with pytest.raises(ValueError, match=r"f\[0\] is a null pointer but the buffer is not empty"):
+        native.launch_hadamard_gram(**_gram_kwargs(constant_one=[False], a=[2]))
+
+
+def test_native_gram_needs_one_flag_per_term(native):
+    with pytest.raises(ValueError, match="constant_one has 0 entries, f has 1"):
+        native.launch_hadamard_gram(**_gram_kwargs(constant_one=[]))
+
+
+# ------------------------------------------------------------- CuPy streams
+
+class _FakeDevice:
+    """cupy.cuda.Device: a context manager that makes its device current."""
+
+    def __init__(self, cupy, device_id):
+        self._cupy = cupy
+        self.id = device_id
+
+    def __enter__(self):
+        self._cupy.previous.append(self._cupy.current)
+        self._cupy.current = self.id
+        return self
+
+    def __exit__(self, *exc):
+        self._cupy.current = self._cupy.previous.pop()
+
+
+def _fake_cupy():
+    """A cupy whose current device is `current` and whose stream of device d
+    has ptr 1000 + d; `reads` records whose stream each read returned."""
+    cupy = types.ModuleType("cupy")
+    cupy.current, cupy.previous, cupy.reads = 0, [], []
+    cuda = types.ModuleType("cupy.cuda")
+
+    def get_current_stream(device_id=-1):
+        device = cupy.current if device_id == -1 else device_id
+        cupy.reads.append(device)
+        return types.SimpleNamespace(ptr=1000 + device)
+
+    cuda.get_current_stream = get_current_stream
+    cuda.Device = lambda device_id=None: _FakeDevice(
+        cupy, cupy.current if device_id is None else device_id)
+    cupy.cuda = cuda
+    return cupy
+
+
+class _FakeCupyArray:
+    def __init__(self, cupy, device_id, shape, dtype):
+        self.device = _FakeDevice(cupy, device_id)
+        self.shape = shape
+        self.dtype = np.dtype(dtype)
+        self.__cuda_array_interface__ = {"data": (4096 * (device_id + 1), False),
+                                         "shape": shape, "typestr": self.dtype.str,
+                                         "version": 3}
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    cupy = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)
+    return cupy
+
+
+def test_stream_of_a_cupy_array_is_its_devices(fake_cupy):
+    x = _FakeCupyArray(fake_cupy, 1, (2, 3), np.float32)
+    assert fake_cupy.current == 0
+    assert _cuda._stream(x) == 1001, f"read the stream of device(s) {fake_cupy.reads}, not 1"
+    assert fake_cupy.reads == [1]
+    assert fake_cupy.current == 0, "the caller's current device must be left as it was"
+
+
+def test_cupy_launch_gets_the_stream_of_the_arrays_device(fake_cupy, monkeypatch):
+    launch = _Recorder()
+    monkeypatch.setattr(_cuda, "_C", types.SimpleNamespace(launch_row_sq_norms=launch))
+    g = _FakeCupyArray(fake_cupy, 2, (4, 5), np.float64)
+    sq = _FakeCupyArray(fake_cupy, 2, (4,), np.float64)
+    _cuda.row_sq_norms(g, sq, False)
+    (args, _), = launch.calls
+    assert args[-1] == 1002
+
+
+def test_cupy_io_stream_is_its_devices(fake_cupy):
+    from ncdp_fast._backend import _CupyIO
+    assert _CupyIO(3).stream() == 1003, f"read the stream of device(s) {fake_cupy.reads}, not 3"
+    assert fake_cupy.current == 0
