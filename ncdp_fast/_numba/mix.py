@@ -38,6 +38,64 @@ def uniform53(seed, sid, j):
         * _INV_2_53
 
 
+# The sampler's log and log1p: reference.sampler_log / sampler_log1p operation
+# for operation (fdlibm's e_log.c), so that memberships do not depend on the
+# libm numba links against.  Plain @njit, never fastmath or inline="always":
+# numba-level inlining would lower these lines with a calling kernel's
+# fastmath flags (_mix_block allows contraction), and a fused multiply-add
+# changes the bits.
+_LN2_HI = 6.93147180369123816490e-01
+_LN2_LO = 1.90821492927058770002e-10
+_LG1 = 6.666666666666735130e-01
+_LG2 = 3.999999999940941908e-01
+_LG3 = 2.857142874366239149e-01
+_LG4 = 2.222219843214978396e-01
+_LG5 = 1.818357216161805012e-01
+_LG6 = 1.531383769920937332e-01
+_LG7 = 1.479819860511658591e-01
+_TWO_POW_54 = 18014398509481984.0
+_MANTISSA = (1 << 52) - 1
+_SQRT2_MANTISSA = 0x6a09c00000000
+
+
+@njit(cache=True)
+def sampler_log(x):
+    """reference.sampler_log: log(x) with the same bits on every backend."""
+    if not x > 0.0:
+        return -math.inf if x == 0.0 else math.nan
+    if x == math.inf:
+        return x
+    k = 0
+    if x < 2.0 ** -1022:
+        x *= _TWO_POW_54
+        k = -54
+    bits = np.float64(x).view(np.int64)
+    k += (bits >> 52) - 1023
+    mantissa = bits & _MANTISSA
+    half = 1 if mantissa >= _SQRT2_MANTISSA else 0
+    f = np.int64(mantissa | ((1023 - half) << 52)).view(np.float64) - 1.0
+    k += half
+    s = f / (2.0 + f)
+    z = s * s
+    w = z * z
+    r = z * (_LG1 + w * (_LG3 + w * (_LG5 + w * _LG7))) + w * (_LG2 + w * (_LG4 + w * _LG6))
+    hfsq = 0.5 * f * f
+    dk = np.float64(k)
+    return dk * _LN2_HI - ((hfsq - (s * (hfsq + r) + dk * _LN2_LO)) - f)
+
+
+@njit(cache=True)
+def sampler_log1p(x):
+    """reference.sampler_log1p: log(1 + x) with the same bits on every backend."""
+    u = 1.0 + x
+    if u == 0.0:
+        return -math.inf
+    if u == math.inf:
+        return u
+    c = x - (u - 1.0) if x <= 1.0 else 1.0 - (u - x)
+    return sampler_log(u) + c / u
+
+
 @njit(cache=True, inline="always")
 def row_sid(offset, r, row_stride):
     """Sub-stream of output row r: 1 + offset + r * row_stride (uint64, wrapping)."""
@@ -64,7 +122,7 @@ def sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_sele
             continue
         start = group_ptr[k]
         size = group_ptr[k + 1] - start
-        log1mq = math.log1p(-walk_rate[k])
+        log1mq = sampler_log1p(-walk_rate[k])
         pos = -1
         while True:
             u = uniform53(seed, sid, j)
@@ -72,7 +130,7 @@ def sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_sele
             # q = 1: log1p(-1) = -inf and the gap is -0.0, i.e. every member.
             # np.floor keeps a float: numba's math.floor returns int64, which
             # wrapped to INT64_MIN for rates below ~1e-18 and indexed out of bounds.
-            gap = np.floor(math.log(u) / log1mq) if log1mq != 0.0 else math.inf
+            gap = np.floor(sampler_log(u) / log1mq) if log1mq != 0.0 else math.inf
             # A gap of 2^53 or more (or NaN) passes the end of every group: the
             # cap the CUDA sampler applies (mix.cu, kGapLimit).
             if not (gap < _GAP_LIMIT) or gap >= size - pos - 1:
