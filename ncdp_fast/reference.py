@@ -463,12 +463,20 @@ def sample_groups(labels, *, num_samples, mixup_degree, class_rate=None, num_cla
 def mix_from_groups(features, labels_onehot, groups, *, mixup_degree, noise_std_x, noise_std_y,
                     seed, offset=0, clip_x=None):
     """The dense formula of kernel 2 given the memberships, in float64:
-    x_t = (1/m) sum_{i in I_t} clip(x_i) + s_x xi, y_t = (1/m) sum y_i + s_y xi'."""
+    x_t = (1/m) sum_{i in I_t} clip(x_i) + s_x xi, y_t = (1/m) sum y_i + s_y xi'.
+
+    clip(x_i) = f_i x_i with f_i from :func:`clip_factors` (``terms = d``, u of
+    the features' dtype): the row clipped in that dtype has norm <= clip_x after
+    rounding.  A row whose bound is not finite (a squared norm overflowing
+    float64; the op refuses such features) gets f_i = 0.
+    """
+    dtype = np.result_type(np.asarray(features).dtype, np.float32)
     X = np.asarray(features, dtype=np.float64)
     Y = np.asarray(labels_onehot, dtype=np.float64)
     if clip_x is not None:
-        norms = np.sqrt((X ** 2).sum(axis=1))
-        X = X * np.minimum(1.0, clip_x / np.maximum(norms, 1e-300))[:, None]
+        sq = np.array([sum(float(v) * float(v) for v in row) for row in X])
+        f, _ = clip_factors(sq, clip_x, unit=unit_roundoff(dtype), terms=X.shape[1])
+        X = X * f[:, None]
     T, d, K = len(groups), X.shape[1], Y.shape[1]
     noise = gaussian(T * (d + K), seed=seed, offset=offset, dtype=np.float64).reshape(T, d + K)
     x = np.zeros((T, d))

@@ -15,6 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._dispatch import sized_kernel
+from .clip import _TINY_FACTOR, safe_factor, unit_roundoff
 from .rng import add_gaussian, philox4x32_10
 
 _M32 = np.uint64(0xFFFFFFFF)
@@ -173,11 +174,12 @@ def sample_fill(seed, offset, row_stride, group_ptr, members, has_members, selec
 @sized_kernel(lambda features, *args: features.shape[1] * 64 * args[-1].shape[0],
               fastmath={"contract"})
 def _mix_block(features, labels, soft, has_soft, group_ptr, members, has_members, select_rate,
-               has_select, walk_rate, seed, offset, first_row, row_stride, inv_m, clip_x,
+               has_select, walk_rate, seed, offset, first_row, row_stride, inv_m, clip_x, unit,
                noise, noise_std_x, noise_std_y, out_x, out_y, counts, factors):
     """Rows first_row .. first_row + len(out_x) - 1 of the mix op (noise: their
     (d+K) float64 normals per row, already drawn).  ``factors`` [n] caches each
-    example's clip factor across rows and blocks (negative: not computed yet)."""
+    example's clip factor across rows and blocks (negative: not computed yet);
+    ``unit``: the features' unit roundoff, for the clip rule's bound."""
     d = features.shape[1]
     K = out_y.shape[1]
     for rr in prange(out_x.shape[0]):
@@ -203,12 +205,21 @@ def _mix_block(features, labels, soft, has_soft, group_ptr, members, has_members
                     for j in range(d):
                         v = np.float64(xi[j])
                         sq += v * v
-                    nrm = math.sqrt(sq)
-                    f = clip_x / nrm if nrm > clip_x else 1.0
+                    # The rounding-aware rule of the clip ops: the clipped row
+                    # as computed in the features' dtype has norm <= clip_x.
+                    f = safe_factor(sq, 0.0, clip_x, d, 1.0, unit)
                     factors[i] = f
-            fc = ax.dtype.type(f)
-            for j in range(d):
-                ax[j] += fc * xi[j]
+            if f >= _TINY_FACTOR:
+                fc = ax.dtype.type(f)
+                for j in range(d):
+                    ax[j] += fc * xi[j]
+            elif f != 0.0:
+                # A float32 factor this small is a denormal (or 0): multiply in
+                # float64 and round the product once.
+                for j in range(d):
+                    ax[j] += ax.dtype.type(f * np.float64(xi[j]))
+            # f == 0: the bound is not finite (a squared norm overflowing
+            # float64, refused by the op); the row is skipped, never multiplied.
             if has_soft:
                 for k in range(K):
                     ay[k] += soft[i, k]
@@ -240,6 +251,7 @@ def mix_rows(features, labels, soft, group_ptr, members, select_rate, walk_rate,
     step = _rows_per_block(d, K)
     row_stride = np.uint64(d + K)
     factors = np.full(features.shape[0] if clip_x > 0.0 else 1, -1.0)
+    unit = unit_roundoff(features.dtype)
     for r0 in range(0, T, step):
         r1 = min(T, r0 + step)
         noise = np.empty((r1 - r0, d + K))
@@ -247,7 +259,7 @@ def mix_rows(features, labels, soft, group_ptr, members, select_rate, walk_rate,
                      False, 1.0)
         _mix_block(features, labels, soft_a, has_soft, group_ptr, members_a, has_members,
                    select_a, has_select, walk_rate, np.uint64(seed), np.uint64(offset), r0,
-                   row_stride, float(inv_m), float(clip_x), noise, float(noise_std_x),
+                   row_stride, float(inv_m), float(clip_x), unit, noise, float(noise_std_x),
                    float(noise_std_y), out_x[r0:r1], out_y[r0:r1], counts[r0:r1], factors)
 
 
