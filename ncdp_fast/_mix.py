@@ -8,6 +8,7 @@ selection and walk rates), allocates, calls one backend.  The stream layout
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
@@ -148,7 +149,14 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
         num_classes: K; required with integer labels (the label set is public;
             inferring it from the private labels would leak).
         class_rate: None (Poisson) or p_k for hierarchical sampling.
-        clip_x: None, or C > 0 to use x_i * min(1, C/||x_i||) (norm in float64).
+        clip_x: None, or C > 0 to use f_i x_i with the clip ops' rounding-aware
+            factor (reference.clip_factors: min(1, C/||x_i||) applied to a bound
+            on the float64 norm, about 3e-7 relative tighter in float32), so the
+            clipped row as computed in the features' dtype has norm <= C; a
+            factor below 2^-60 multiplies in float64 (the CPU kernel; the CUDA
+            one still applies min(1, C/||x_i||), docs/architecture.md).  A ValueError
+            refuses float64 features with entries above sqrt(max_float64 / (2 d)),
+            whose squared norms may overflow.
         seed, offset: Philox key (None: from the OS) and first main-stream draw;
             the call consumes T*(d+K) draws and the sub-streams
             1 + offset + t*(d+K) (see reference.py), so a row range
@@ -172,6 +180,8 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
     xk = be.io.to_kernel(features)
     if not be.io.all_finite(xk):
         raise ValueError("features: contains NaN or infinite values")
+    if cx > 0.0:
+        _check_clip_range(be, xk, d, dtype)
 
     sl = _shape(labels, "labels")
     soft = None
@@ -226,6 +236,27 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
     return MixResult(x=be.io.to_user(out_x), y=be.io.to_user(out_y),
                      counts=be.io.to_user(counts), seed=seed, offset=offset, draws=draws,
                      groups=groups)
+
+
+def _check_clip_range(be, xk, d, dtype):
+    """Refuses features whose squared row norms may overflow float64.
+
+    The clip rule (reference.clip_factors) gives a row whose rounding bound is
+    not finite the factor 0: the row would silently contribute nothing.  With
+    every |x_ij| <= sqrt(max / (2d)) no float64 sum of a row's squares, in any
+    order, can reach the overflow threshold, so the bound is finite; float32
+    features always pass (3.4e38^2 d is far below it)."""
+    limit = math.sqrt(float(np.finfo(np.float64).max) / (2.0 * d))
+    if float(np.finfo(dtype).max) <= limit:
+        return
+    if max(abs(float(xk.max())), abs(float(xk.min()))) <= limit:
+        return
+    host = np.asarray(be.io.to_numpy(xk))
+    bad = np.flatnonzero(np.abs(host).max(axis=1) > limit)
+    shown = ", ".join(str(i) for i in bad[:10]) + (", ..." if bad.size > 10 else "")
+    raise ValueError(f"features: rows [{shown}] have entries above sqrt(max_float64 / (2 d)) = "
+                     f"{limit:.4g}; their squared norms may overflow float64, so clip_x cannot "
+                     "bound them (rescale the features)")
 
 
 def _features_shape(features):

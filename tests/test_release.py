@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from ncdp_fast import reference as R
 from ncdp_fast.privacy import (dp_to_gdp, epsilon_poisson_gaussian, gdp_to_dp, neuromix_noise,
                                optimal_mixup_degree, poisson_gdp_mu)
 from ncdp_fast.release import (NeuroMixGDP, Released, SoftLabelClassifier, hs_epsilon,
@@ -71,7 +72,11 @@ def test_noise_off_m1_reproduces_sampled_rows():
                     seed=3)
     rel, groups = g._release(X, lab, num_classes=K, noise=False, return_groups=True)
     assert rel.report.epsilon_pld == math.inf          # flagged as not private
-    clipped = X * np.minimum(1.0, 2.0 / np.linalg.norm(X, axis=1, keepdims=True))
+    # The clip ops' rounding-aware factor (tighter than min(1, C/||x||) by
+    # (d + 4) 2^-52 + 4 2^-53 relative, ~3e-15 here).
+    f, _ = R.clip_factors(np.einsum("ij,ij->i", X, X), 2.0, unit=2.0 ** -53,
+                          terms=X.shape[1])
+    clipped = X * f[:, None]
     singles = 0
     for t, gr in enumerate(groups):
         np.testing.assert_allclose(rel.x[t], clipped[gr].sum(0), rtol=0, atol=1e-12)

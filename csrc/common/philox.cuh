@@ -6,6 +6,8 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 
 #if defined(__CUDACC__)
 #define NCDP_HOST_DEVICE __host__ __device__ __forceinline__
@@ -140,6 +142,100 @@ NCDP_HOST_DEVICE double substream_uniform(std::uint64_t seed, std::uint64_t sid,
                                           std::uint64_t index) {
   const Block b = substream_block(seed, sid, index >> 1);
   return (index & 1) ? uniform53(b.w[2], b.w[3]) : uniform53(b.w[0], b.w[1]);
+}
+
+// ---------------------------------------------------------------------------
+// The sampler's logarithm (reference.sampler_log / sampler_log1p, fdlibm's
+// e_log.c): geometric gaps floor(log(u) / log1p(-q)) must not depend on the
+// device's or the host's libm, or a one-ulp difference moves a membership.
+// Only exact bit manipulation and correctly rounded +, -, *, / in the order
+// written: on the device each goes through an explicit _rn intrinsic, which
+// nvcc never contracts into an FMA (plain operators it would); the host build
+// targets x86-64 without FMA instructions, so g++ cannot contract there.
+
+namespace detail {
+#if defined(__CUDA_ARCH__) && !defined(NCDP_CPU_EMULATION)
+NCDP_HOST_DEVICE double add(double a, double b) { return __dadd_rn(a, b); }
+NCDP_HOST_DEVICE double sub(double a, double b) { return __dsub_rn(a, b); }
+NCDP_HOST_DEVICE double mul(double a, double b) { return __dmul_rn(a, b); }
+NCDP_HOST_DEVICE double divide(double a, double b) { return __ddiv_rn(a, b); }
+NCDP_HOST_DEVICE std::int64_t bits_of(double x) { return __double_as_longlong(x); }
+NCDP_HOST_DEVICE double from_bits(std::int64_t b) { return __longlong_as_double(b); }
+#else
+NCDP_HOST_DEVICE double add(double a, double b) { return a + b; }
+NCDP_HOST_DEVICE double sub(double a, double b) { return a - b; }
+NCDP_HOST_DEVICE double mul(double a, double b) { return a * b; }
+NCDP_HOST_DEVICE double divide(double a, double b) { return a / b; }
+NCDP_HOST_DEVICE std::int64_t bits_of(double x) {
+  std::int64_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+NCDP_HOST_DEVICE double from_bits(std::int64_t b) {
+  double x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+#endif
+}  // namespace detail
+
+// ln 2 = kLn2Hi + kLn2Lo; kLn2Hi ends in 21 zero bits, so k * kLn2Hi is exact.
+constexpr double kLn2Hi = 6.93147180369123816490e-01;  // 0x3fe62e42fee00000
+constexpr double kLn2Lo = 1.90821492927058770002e-10;  // 0x3dea39ef35793c76
+// R(z) = Lg1 z + ... + Lg7 z^7 ~ (log(1+f) - 2s) / s, z = s^2 (fdlibm's Remez fit).
+constexpr double kLg1 = 6.666666666666735130e-01;
+constexpr double kLg2 = 3.999999999940941908e-01;
+constexpr double kLg3 = 2.857142874366239149e-01;
+constexpr double kLg4 = 2.222219843214978396e-01;
+constexpr double kLg5 = 1.818357216161805012e-01;
+constexpr double kLg6 = 1.531383769920937332e-01;
+constexpr double kLg7 = 1.479819860511658591e-01;
+constexpr double kTwoPow54 = 18014398509481984.0;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kMinNormal = 2.2250738585072014e-308;  // 2^-1022
+constexpr std::int64_t kMantissaMask = (std::int64_t{1} << 52) - 1;
+// fdlibm's split point ~sqrt(2) (high word 0x6a09c): mantissas above it are
+// taken with exponent -1, so that m lies in [0.7071, 1.4142).
+constexpr std::int64_t kSqrt2Mantissa = 0x6a09c00000000;
+
+// log(x), < 1 ulp; log(0) = -inf, log(+inf) = +inf, log(x < 0) = log(NaN) = NaN.
+NCDP_HOST_DEVICE double sampler_log(double x) {
+  using namespace detail;
+  if (!(x > 0.0)) return x == 0.0 ? -kInf : kNaN;
+  if (x == kInf) return x;
+  std::int64_t k = 0;
+  if (x < kMinNormal) {  // subnormal: scale to normal, exactly
+    x = mul(x, kTwoPow54);
+    k = -54;
+  }
+  const std::int64_t bits = bits_of(x);
+  k += (bits >> 52) - 1023;
+  const std::int64_t mantissa = bits & kMantissaMask;
+  const std::int64_t half = mantissa >= kSqrt2Mantissa ? 1 : 0;
+  const double f = sub(from_bits(mantissa | ((1023 - half) << 52)), 1.0);
+  k += half;
+  const double s = divide(f, add(2.0, f));
+  const double z = mul(s, s);
+  const double w = mul(z, z);
+  const double r =
+      add(mul(z, add(kLg1, mul(w, add(kLg3, mul(w, add(kLg5, mul(w, kLg7))))))),
+          mul(w, add(kLg2, mul(w, add(kLg4, mul(w, kLg6))))));
+  const double hfsq = mul(mul(0.5, f), f);
+  const double dk = static_cast<double>(k);
+  return sub(mul(dk, kLn2Hi),
+             sub(sub(hfsq, add(mul(s, add(hfsq, r)), mul(dk, kLn2Lo))), f));
+}
+
+// log(1 + x) for x >= -1, <= 2 ulp: u = 1 + x rounded, c = (1 + x) - u exactly
+// (Fast2Sum), log(u) + c / u. -0 and 0 give +0, x = -1 gives -inf, NaN stays NaN.
+NCDP_HOST_DEVICE double sampler_log1p(double x) {
+  using namespace detail;
+  const double u = add(1.0, x);
+  if (u == 0.0) return -kInf;
+  if (u == kInf) return u;
+  const double c = x <= 1.0 ? sub(x, sub(u, 1.0)) : sub(1.0, sub(u, x));
+  return add(sampler_log(u), divide(c, u));
 }
 
 }  // namespace philox

@@ -78,6 +78,8 @@ __device__ __forceinline__ std::int64_t warp_inclusive_scan(std::int64_t value, 
 
 // Positions advanced by one uniform of a walk with log1mq = log1p(-q): the
 // gap floor(log(u) / log1mq) plus the selected member, capped (see kStepCap).
+// log and log1p are philox::sampler_log / sampler_log1p, never the device's
+// libm, so the gaps (a correctly rounded quotient) are the CPU's bit for bit.
 // q == 0 (log1mq == 0) never selects, as reference.py's infinite gap.
 __device__ __forceinline__ std::int64_t walk_step(double log_u, double log1mq) {
   if (log1mq == 0.0) return kStepCap;
@@ -122,7 +124,7 @@ class WarpSampler {
     std::int64_t count = 0;
     while (!done_ && count < capacity) {
       // Uniforms next_ .. next_ + 31 of the walk, one per lane.
-      const double log_u = log(philox::substream_uniform(
+      const double log_u = philox::sampler_log(philox::substream_uniform(
           seed_, sid_, next_uniform_ + static_cast<std::uint64_t>(lane)));
       int start = 0;  // lanes below `start` are consumed
       while (start < kWarpSize) {
@@ -192,7 +194,7 @@ class WarpSampler {
     begin_ = s.group_ptr[g];
     size_ = s.group_ptr[g + 1] - begin_;
     pos_ = -1;
-    log1mq_ = log1p(-s.walk_rate[g]);
+    log1mq_ = philox::sampler_log1p(-s.walk_rate[g]);
     in_group_ = true;
     return true;
   }
@@ -204,7 +206,7 @@ class WarpSampler {
   std::int64_t begin_;          // its first entry in members / its first id
   std::int64_t size_;           // its member count
   std::int64_t pos_;            // last selected position in it, -1 at its start
-  double log1mq_;               // log1p(-walk_rate[group_])
+  double log1mq_;               // sampler_log1p(-walk_rate[group_])
   bool in_group_;
   bool done_;
 };

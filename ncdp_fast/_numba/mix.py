@@ -15,6 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._dispatch import sized_kernel
+from .clip import _TINY_FACTOR, safe_factor, unit_roundoff
 from .rng import add_gaussian, philox4x32_10
 
 _M32 = np.uint64(0xFFFFFFFF)
@@ -36,6 +37,64 @@ def uniform53(seed, sid, j):
         hi, lo = w[0], w[1]
     return (np.float64(hi >> np.uint64(5)) * _TWO_26 + np.float64(lo >> np.uint64(6)) + 0.5) \
         * _INV_2_53
+
+
+# The sampler's log and log1p: reference.sampler_log / sampler_log1p operation
+# for operation (fdlibm's e_log.c), so that memberships do not depend on the
+# libm numba links against.  Plain @njit, never fastmath or inline="always":
+# numba-level inlining would lower these lines with a calling kernel's
+# fastmath flags (_mix_block allows contraction), and a fused multiply-add
+# changes the bits.
+_LN2_HI = 6.93147180369123816490e-01
+_LN2_LO = 1.90821492927058770002e-10
+_LG1 = 6.666666666666735130e-01
+_LG2 = 3.999999999940941908e-01
+_LG3 = 2.857142874366239149e-01
+_LG4 = 2.222219843214978396e-01
+_LG5 = 1.818357216161805012e-01
+_LG6 = 1.531383769920937332e-01
+_LG7 = 1.479819860511658591e-01
+_TWO_POW_54 = 18014398509481984.0
+_MANTISSA = (1 << 52) - 1
+_SQRT2_MANTISSA = 0x6a09c00000000
+
+
+@njit(cache=True)
+def sampler_log(x):
+    """reference.sampler_log: log(x) with the same bits on every backend."""
+    if not x > 0.0:
+        return -math.inf if x == 0.0 else math.nan
+    if x == math.inf:
+        return x
+    k = 0
+    if x < 2.0 ** -1022:
+        x *= _TWO_POW_54
+        k = -54
+    bits = np.float64(x).view(np.int64)
+    k += (bits >> 52) - 1023
+    mantissa = bits & _MANTISSA
+    half = 1 if mantissa >= _SQRT2_MANTISSA else 0
+    f = np.int64(mantissa | ((1023 - half) << 52)).view(np.float64) - 1.0
+    k += half
+    s = f / (2.0 + f)
+    z = s * s
+    w = z * z
+    r = z * (_LG1 + w * (_LG3 + w * (_LG5 + w * _LG7))) + w * (_LG2 + w * (_LG4 + w * _LG6))
+    hfsq = 0.5 * f * f
+    dk = np.float64(k)
+    return dk * _LN2_HI - ((hfsq - (s * (hfsq + r) + dk * _LN2_LO)) - f)
+
+
+@njit(cache=True)
+def sampler_log1p(x):
+    """reference.sampler_log1p: log(1 + x) with the same bits on every backend."""
+    u = 1.0 + x
+    if u == 0.0:
+        return -math.inf
+    if u == math.inf:
+        return u
+    c = x - (u - 1.0) if x <= 1.0 else 1.0 - (u - x)
+    return sampler_log(u) + c / u
 
 
 @njit(cache=True, inline="always")
@@ -64,7 +123,7 @@ def sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_sele
             continue
         start = group_ptr[k]
         size = group_ptr[k + 1] - start
-        log1mq = math.log1p(-walk_rate[k])
+        log1mq = sampler_log1p(-walk_rate[k])
         pos = -1
         while True:
             u = uniform53(seed, sid, j)
@@ -72,7 +131,7 @@ def sample_row(seed, sid, group_ptr, members, has_members, select_rate, has_sele
             # q = 1: log1p(-1) = -inf and the gap is -0.0, i.e. every member.
             # np.floor keeps a float: numba's math.floor returns int64, which
             # wrapped to INT64_MIN for rates below ~1e-18 and indexed out of bounds.
-            gap = np.floor(math.log(u) / log1mq) if log1mq != 0.0 else math.inf
+            gap = np.floor(sampler_log(u) / log1mq) if log1mq != 0.0 else math.inf
             # A gap of 2^53 or more (or NaN) passes the end of every group: the
             # cap the CUDA sampler applies (mix.cu, kGapLimit).
             if not (gap < _GAP_LIMIT) or gap >= size - pos - 1:
@@ -115,11 +174,12 @@ def sample_fill(seed, offset, row_stride, group_ptr, members, has_members, selec
 @sized_kernel(lambda features, *args: features.shape[1] * 64 * args[-1].shape[0],
               fastmath={"contract"})
 def _mix_block(features, labels, soft, has_soft, group_ptr, members, has_members, select_rate,
-               has_select, walk_rate, seed, offset, first_row, row_stride, inv_m, clip_x,
+               has_select, walk_rate, seed, offset, first_row, row_stride, inv_m, clip_x, unit,
                noise, noise_std_x, noise_std_y, out_x, out_y, counts, factors):
     """Rows first_row .. first_row + len(out_x) - 1 of the mix op (noise: their
     (d+K) float64 normals per row, already drawn).  ``factors`` [n] caches each
-    example's clip factor across rows and blocks (negative: not computed yet)."""
+    example's clip factor across rows and blocks (negative: not computed yet);
+    ``unit``: the features' unit roundoff, for the clip rule's bound."""
     d = features.shape[1]
     K = out_y.shape[1]
     for rr in prange(out_x.shape[0]):
@@ -145,12 +205,21 @@ def _mix_block(features, labels, soft, has_soft, group_ptr, members, has_members
                     for j in range(d):
                         v = np.float64(xi[j])
                         sq += v * v
-                    nrm = math.sqrt(sq)
-                    f = clip_x / nrm if nrm > clip_x else 1.0
+                    # The rounding-aware rule of the clip ops: the clipped row
+                    # as computed in the features' dtype has norm <= clip_x.
+                    f = safe_factor(sq, 0.0, clip_x, d, 1.0, unit)
                     factors[i] = f
-            fc = ax.dtype.type(f)
-            for j in range(d):
-                ax[j] += fc * xi[j]
+            if f >= _TINY_FACTOR:
+                fc = ax.dtype.type(f)
+                for j in range(d):
+                    ax[j] += fc * xi[j]
+            elif f != 0.0:
+                # A float32 factor this small is a denormal (or 0): multiply in
+                # float64 and round the product once.
+                for j in range(d):
+                    ax[j] += ax.dtype.type(f * np.float64(xi[j]))
+            # f == 0: the bound is not finite (a squared norm overflowing
+            # float64, refused by the op); the row is skipped, never multiplied.
             if has_soft:
                 for k in range(K):
                     ay[k] += soft[i, k]
@@ -182,6 +251,7 @@ def mix_rows(features, labels, soft, group_ptr, members, select_rate, walk_rate,
     step = _rows_per_block(d, K)
     row_stride = np.uint64(d + K)
     factors = np.full(features.shape[0] if clip_x > 0.0 else 1, -1.0)
+    unit = unit_roundoff(features.dtype)
     for r0 in range(0, T, step):
         r1 = min(T, r0 + step)
         noise = np.empty((r1 - r0, d + K))
@@ -189,7 +259,7 @@ def mix_rows(features, labels, soft, group_ptr, members, select_rate, walk_rate,
                      False, 1.0)
         _mix_block(features, labels, soft_a, has_soft, group_ptr, members_a, has_members,
                    select_a, has_select, walk_rate, np.uint64(seed), np.uint64(offset), r0,
-                   row_stride, float(inv_m), float(clip_x), noise, float(noise_std_x),
+                   row_stride, float(inv_m), float(clip_x), unit, noise, float(noise_std_x),
                    float(noise_std_y), out_x[r0:r1], out_y[r0:r1], counts[r0:r1], factors)
 
 
