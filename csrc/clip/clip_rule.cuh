@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/host_device.h"
+
 namespace ncdp {
 
 struct ClipRule {
@@ -20,7 +22,7 @@ struct ClipRule {
 
 // reference.clip_bound, operation for operation. spread (E) is 0 except for
 // factored sequence blocks.
-__host__ __device__ inline double clip_bound(double sq, double spread, const ClipRule& rule) {
+NCDP_HOST_DEVICE double clip_bound(double sq, double spread, const ClipRule& rule) {
   const double g = static_cast<double>(rule.terms + 4) * 0x1p-52;
   // (sqrt(g) E)^2 rather than g E^2: E may be large enough for E^2 to overflow.
   const double ge = std::sqrt(g) * spread;
@@ -31,7 +33,7 @@ __host__ __device__ inline double clip_bound(double sq, double spread, const Cli
 
 // 0 when the bound is not finite (a non-finite row: dropped or raised on by
 // the Python layer), 1 when it is <= C, C / bound otherwise.
-__host__ __device__ inline double clip_factor(double sq, double spread, const ClipRule& rule) {
+NCDP_HOST_DEVICE double clip_factor(double sq, double spread, const ClipRule& rule) {
   const double bound = clip_bound(sq, spread, rule);
   if (!std::isfinite(bound)) return 0.0;
   return bound <= rule.max_norm ? 1.0 : rule.max_norm / bound;

@@ -4,9 +4,7 @@
 // diagnostic and gives it a body that calls exit(1), so the first launch ends
 // the Python process (issue 14). tests/test_native_guard.py looks for such
 // bodies in the built objects.
-//
-// Defined exactly as common/philox.cuh defines it (an identical redefinition
-// is allowed; a different one is diagnosed), until that header includes this one.
+
 #pragma once
 
 #if defined(__CUDACC__)

@@ -114,7 +114,8 @@ void probe_row_sq_norms(Probe& probe) {
 
 void probe_clip_factors(Probe& probe) {
   const std::int64_t B = 3;
-  kernels::launch_clip_factors(probe.buffer<double>(B), B, 1.0, probe.buffer<double>(B),
+  kernels::launch_clip_factors(probe.buffer<double>(B), probe.buffer<double>(B), B,
+                               ClipRule{1.0, 4, 2, 0x1p-24}, probe.buffer<double>(B),
                                probe.buffer<double>(B), kLegacyStream);
   probe.check(sizes({{"B", B}}));
 }
@@ -126,7 +127,7 @@ constexpr std::pair<std::int64_t, std::int64_t> kRowSumShapes[] = {{3, 5}, {20, 
 template <typename Real>
 void probe_weighted_row_sum_noise(Probe& probe) {
   for (const auto& [B, p] : kRowSumShapes) {
-    const std::int64_t workspace = kernels::weighted_row_sum_workspace_bytes(B, p, sizeof(Real));
+    const std::int64_t workspace = kernels::weighted_row_sum_workspace_bytes(B, p);
     kernels::launch_weighted_row_sum_noise<Real>(
         probe.buffer<Real>(B * p), probe.buffer<double>(B), B, p, 1.0, 0.5, kSeed, kOffset,
         probe.buffer<Real>(p), probe.bytes(workspace), kLegacyStream);
@@ -141,7 +142,7 @@ void probe_clip_noise_rows(Probe& probe) {
   const std::int64_t cases[][3] = {{3, 5, 0}, {20, 8, 0}, {3, 5, l2_two_rows}};
   for (const auto& c : cases) {
     const std::int64_t B = c[0], p = c[1], l2 = c[2];
-    const auto layout = kernels::clip_noise_rows_layout(B, p, sizeof(Real));
+    const auto layout = kernels::clip_noise_rows_layout(B, p);
     kernels::launch_clip_noise_rows<Real>(probe.buffer<Real>(B * p), B, p, 1.0, 1.0, 0.5, kSeed,
                                           kOffset, probe.buffer<Real>(p), probe.buffer<double>(B),
                                           probe.bytes(layout.total_bytes), l2, kLegacyStream);
@@ -166,8 +167,7 @@ void probe_linear_sq_norms(Probe& probe) {
 
 template <typename Real>
 void probe_clipped_linear_sum(Probe& probe) {
-  // The last case has enough rows (B * T = 600) for 3 slabs of partials; the
-  // launcher keeps 512 bytes of its workspace for alignment, hence the extra.
+  // The last case has enough rows (B * T = 600) for 3 slabs of partials.
   const std::int64_t cases[][6] = {
       {2, 1, 3, 2, 1, 0}, {2, 1, 3, 2, 0, 0}, {300, 2, 3, 2, 1, 1}};
   for (const auto& c : cases) {
@@ -175,8 +175,7 @@ void probe_clipped_linear_sum(Probe& probe) {
     const bool bias = c[4] != 0;
     const std::int64_t workspace =
         c[5] != 0 ? kernels::clipped_linear_sum_layout_bytes(
-                        kernels::clipped_linear_sum_slabs(B * T, d, K), d, K, sizeof(Real)) +
-                        512
+                        kernels::clipped_linear_sum_slabs(B * T, d, K), d, K, sizeof(Real))
                   : 0;
     Real* gb = bias ? probe.buffer<Real>(K) : nullptr;
     kernels::launch_clipped_linear_sum<Real>(
@@ -190,13 +189,13 @@ void probe_clipped_linear_sum(Probe& probe) {
 
 // ---- rng
 
-template <typename Real>
+template <typename Partial, typename Real>
 void probe_slab_sum_plus_gaussian(Probe& probe) {
   const std::int64_t p = 5;
   for (const std::int64_t slabs : {2, 0}) {
-    kernels::launch_slab_sum_plus_gaussian<Real>(probe.buffer<Real>(slabs * p), slabs, p, 1.0,
-                                                 0.5, kSeed, kOffset, probe.buffer<Real>(p),
-                                                 kLegacyStream);
+    kernels::launch_slab_sum_plus_gaussian<Partial, Real>(
+        probe.buffer<Partial>(slabs * p), slabs, p, 1.0, 0.5, kSeed, kOffset,
+        probe.buffer<Real>(p), kLegacyStream);
     probe.check(sizes({{"slabs", slabs}, {"p", p}}));
   }
 }
@@ -309,8 +308,9 @@ const std::vector<Entry>& registry() {
       {"linear_sq_norms<double>", &probe_linear_sq_norms<double>},
       {"clipped_linear_sum<float>", &probe_clipped_linear_sum<float>},
       {"clipped_linear_sum<double>", &probe_clipped_linear_sum<double>},
-      {"slab_sum_plus_gaussian<float>", &probe_slab_sum_plus_gaussian<float>},
-      {"slab_sum_plus_gaussian<double>", &probe_slab_sum_plus_gaussian<double>},
+      {"slab_sum_plus_gaussian<float,float>", &probe_slab_sum_plus_gaussian<float, float>},
+      {"slab_sum_plus_gaussian<double,double>", &probe_slab_sum_plus_gaussian<double, double>},
+      {"slab_sum_plus_gaussian<double,float>", &probe_slab_sum_plus_gaussian<double, float>},
       {"fill_gaussian<float>", &probe_fill_gaussian<float>},
       {"fill_gaussian<double>", &probe_fill_gaussian<double>},
       {"sample_counts", &probe_sample_counts},

@@ -9,11 +9,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__CUDACC__)
-#define NCDP_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define NCDP_HOST_DEVICE inline
-#endif
+#include "common/host_device.h"
 
 namespace ncdp {
 namespace philox {
