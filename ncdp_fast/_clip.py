@@ -148,7 +148,8 @@ def clip_and_noise(grads, *, max_norm, noise_multiplier, seed=None, offset=None,
     Returns a :class:`ClipResult` whose ``grad`` (p,) has the input's dtype and
     array type; ``norms`` are float64.  Norms accumulate in float64; the
     weighted sum accumulates in the input dtype over at most 8 slabs combined in
-    float64 (see ``_numba.clip``).  The factor is ``reference.clip_factors``:
+    float64 on the CPU (see ``_numba.clip``), in float64 throughout on CUDA
+    (``csrc/clip/clip_noise.cu``).  The factor is ``reference.clip_factors``:
     ``min(1, C/||g_i||)`` with the norm raised by a rounding margin (about
     3e-7 relative in float32, 1e-15 in float64 plus ``p`` float64 roundings),
     so that a sample's contribution *as computed* never exceeds C
