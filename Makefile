@@ -12,7 +12,7 @@ DEPS    := $(VENV)/.deps-stamp
 BUILT   := $(VENV)/.build-stamp
 CSRC    := $(shell find csrc -type f) CMakeLists.txt pyproject.toml Makefile
 
-.PHONY: all build demo test test-gpu bench info clean data reproduce
+.PHONY: all build demo test test-gpu gpu-check bench info clean data reproduce
 
 all: build
 
@@ -44,6 +44,17 @@ test-gpu: $(BUILT)
 
 bench: $(BUILT)
 	$(BIN)/ncdp-fast bench
+
+# On a machine with an NVIDIA GPU (ncdp_fast/_gpu_check.py): rebuild the
+# extension for that GPU, run `pytest -m gpu` (any failure, or any test skipped
+# for want of a device, fails), then the GPU benchmarks; about 6 minutes on one
+# H100.  Without a GPU it stops before any set-up.  GPU_CHECK_FLAGS: --full,
+# --budget SECONDS, --no-bench (`ncdp-fast gpu-check --help`).
+gpu-check:
+	@gpus=$$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null) && test -n "$$gpus" || \
+	    { echo "make gpu-check: no NVIDIA GPU found (nvidia-smi missing, failing or listing none)" >&2; exit 1; }
+	@$(MAKE) --no-print-directory $(DEPS)
+	$(BIN)/python -m ncdp_fast.cli gpu-check $(GPU_CHECK_FLAGS)
 
 info: $(BUILT)
 	$(BIN)/ncdp-fast info

@@ -384,7 +384,8 @@ _DEEP = {}
 
 def _deep_mlp():
     """Orthogonal weights with gain 1.2 under tanh keep every layer's term of
-    the same order (the first layers, the second launch, carry ~8 % of K)."""
+    the same order: the first six layers (the second launch) make up to a
+    third of the largest entry of K; float32 factors are off by ~5e-6."""
     if not _DEEP:
         rng = np.random.default_rng(70)
         L, w, d, K = 70, 12, 9, 2
