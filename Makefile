@@ -45,11 +45,9 @@ test-gpu: $(BUILT)
 bench: $(BUILT)
 	$(BIN)/ncdp-fast bench
 
-# On a machine with an NVIDIA GPU (ncdp_fast/_gpu_check.py): rebuild the
-# extension for that GPU, run `pytest -m gpu` (any failure, or any test skipped
-# for want of a device, fails), then the GPU benchmarks; about 6 minutes on one
-# H100.  Without a GPU it stops before any set-up.  GPU_CHECK_FLAGS: --full,
-# --budget SECONDS, --no-bench (`ncdp-fast gpu-check --help`).
+# README, "GPU check" (ncdp_fast/_gpu_check.py). The nvidia-smi test comes
+# first so that a machine without a GPU fails at once, not after building a
+# virtual environment. GPU_CHECK_FLAGS: see `ncdp-fast gpu-check --help`.
 gpu-check:
 	@gpus=$$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null) && test -n "$$gpus" || \
 	    { echo "make gpu-check: no NVIDIA GPU found (nvidia-smi missing, failing or listing none)" >&2; exit 1; }
