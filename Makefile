@@ -12,7 +12,7 @@ DEPS    := $(VENV)/.deps-stamp
 BUILT   := $(VENV)/.build-stamp
 CSRC    := $(shell find csrc -type f) CMakeLists.txt pyproject.toml Makefile
 
-.PHONY: all build demo test test-gpu bench info clean data reproduce
+.PHONY: all build demo test test-gpu gpu-check bench info clean data reproduce
 
 all: build
 
@@ -44,6 +44,15 @@ test-gpu: $(BUILT)
 
 bench: $(BUILT)
 	$(BIN)/ncdp-fast bench
+
+# README, "GPU check" (ncdp_fast/_gpu_check.py). The nvidia-smi test comes
+# first so that a machine without a GPU fails at once, not after building a
+# virtual environment. GPU_CHECK_FLAGS: see `ncdp-fast gpu-check --help`.
+gpu-check:
+	@gpus=$$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null) && test -n "$$gpus" || \
+	    { echo "make gpu-check: no NVIDIA GPU found (nvidia-smi missing, failing or listing none)" >&2; exit 1; }
+	@$(MAKE) --no-print-directory $(DEPS)
+	$(BIN)/python -m ncdp_fast.cli gpu-check $(GPU_CHECK_FLAGS)
 
 info: $(BUILT)
 	$(BIN)/ncdp-fast info

@@ -123,13 +123,23 @@ def run_worker(script: str, cfg: dict, timeout: float = 1200, *,
 
 
 
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
 def bench_parser(description: str | None = None) -> argparse.ArgumentParser:
     """The options every benchmark takes (--out, --quick, --device) plus the
     hidden --worker used to run one configuration in a fresh process."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
-    ap.add_argument("--device", default="all", choices=["cpu", "cuda", "all"])
+    ap.add_argument("--device", default="all", choices=["cpu", "cuda", "all"],
+                    help="cuda: fail unless torch and ncdp_fast both see a GPU")
+    ap.add_argument("--rounds", type=_positive_int, default=3,
+                    help="interleaved rounds of the compared methods (fewer: faster, noisier)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     return ap
 
@@ -144,16 +154,31 @@ def serve_worker(args, dispatch) -> bool:
 
 
 def devices(args):
-    """(device, report metadata) for each requested device this machine has."""
+    """(device, report metadata) for each requested device this machine has.
+    ``--device cuda`` on a machine without a usable GPU is an error, never a
+    silent CPU run.  GPU reports are tagged "gpu" (``*-gpu-<date>.json``) and
+    name the device, its compute capability and the CUDA versions."""
     import torch
 
     import ncdp_fast
+    has_cuda = torch.cuda.is_available() and ncdp_fast._backend.CUDA_COMPILED
+    if args.device == "cuda" and not has_cuda:
+        why = ("ncdp_fast._C was built without CUDA" if not ncdp_fast._backend.CUDA_COMPILED
+               else f"torch {torch.__version__} sees no CUDA device")
+        raise SystemExit(f"--device cuda: {why}")
     devs = ["cpu"]
-    if args.device in ("cuda", "all") and torch.cuda.is_available() and \
-            ncdp_fast._backend.CUDA_COMPILED:
+    if args.device in ("cuda", "all") and has_cuda:
         devs = ["cuda"] if args.device == "cuda" else ["cpu", "cuda"]
     m = machine(torch)
     for dev in devs:
-        yield dev, dict(m, device_tag=dev, quick=args.quick,
-                        device=(torch.cuda.get_device_name() if dev == "cuda" else
-                                f"CPU: {m['cpu']}, {m['numba_threads']} threads"))
+        meta = dict(m, device_tag="gpu" if dev == "cuda" else "cpu", quick=args.quick,
+                    rounds=getattr(args, "rounds", None))
+        if dev == "cuda":
+            cap = torch.cuda.get_device_capability()
+            meta.update(device=torch.cuda.get_device_name(),
+                        compute_capability=f"{cap[0]}.{cap[1]}", torch_cuda=torch.version.cuda,
+                        ncdp_cuda_archs=ncdp_fast._backend.CUDA_ARCHS,
+                        ncdp_cuda_runtime_driver=list(ncdp_fast._backend._C.cuda_versions()))
+        else:
+            meta["device"] = f"CPU: {m['cpu']}, {m['numba_threads']} threads"
+        yield dev, meta

@@ -178,14 +178,14 @@ def run_worker(cfg):
 
 # ----------------------------------------------------------------- driver
 
-def bench_dense(device, quick):
+def bench_dense(device, quick, rounds=3):
     rows = []
     for B, p in (DENSE_SHAPES_QUICK if quick else DENSE_SHAPES):
         reps = 5 if B * p > 1e8 else 20
         methods = ["ncdp", "torch_eager", "torch_eager_f32norm", "read_torch_sum"] + \
             (["read_numba_sum"] if device == "cpu" else [])
         res = alternate(run_worker, {m: dict(kind="dense", B=B, p=p, method=m, device=device,
-                                             repeats=reps) for m in methods})
+                                             repeats=reps) for m in methods}, rounds)
         for m in methods:
             print(f"dense {device} B={B} p={p} {m}: {res[m]}", flush=True)
         if any("error" in r for r in res.values()):
@@ -209,7 +209,7 @@ def bench_dense(device, quick):
     return rows
 
 
-def bench_steps(device, quick):
+def bench_steps(device, quick, rounds=3):
     rows = []
     for B, T, d, K in (STEP_SHAPES_QUICK if quick else STEP_SHAPES):
         def cfg(m):
@@ -217,7 +217,7 @@ def bench_steps(device, quick):
             return dict(kind="step", B=B, T=T, d=d, K=K, method=m, device=device, repeats=reps)
         # The target ratio (ghost vs non-private) is taken from interleaved rounds; the
         # slow per-sample peers run once.
-        res = alternate(run_worker, {m: cfg(m) for m in ("nonprivate", "ncdp_ghost")})
+        res = alternate(run_worker, {m: cfg(m) for m in ("nonprivate", "ncdp_ghost")}, rounds)
         res.update({m: run_worker(cfg(m)) for m in STEP_METHODS if m not in res})
         for m in STEP_METHODS:
             print(f"step {device} B={B} T={T} d={d} K={K} {m}: {res[m]}", flush=True)
@@ -244,7 +244,7 @@ def main():
                                       else worker_step(cfg))):
         return
     for dev, meta in devices(args):
-        dense = bench_dense(dev, args.quick)
+        dense = bench_dense(dev, args.quick, args.rounds)
         write_report(
             "bench_clip_dense", args.out, meta, dense,
             [("shape", "(B, p) float32", None), ("ncdp_ms", "ncdp ms", "{:.3f}"),
@@ -253,13 +253,13 @@ def main():
              ("frac_of_read", "fraction of read limit", "{:.2f}"),
              ("ncdp_mem_mb", "ncdp peak extra MB", "{:.1f}"),
              ("torch_mem_mb", "torch peak extra MB", "{:.1f}"), ("error", "error", None)],
-            notes=["every method ran in 3 interleaved rounds (fresh process each); the round "
-                   "with the median time is reported",
+            notes=[f"every method ran in {args.rounds} interleaved round(s) (fresh process "
+                   "each); the round with the median time is reported",
                    "torch eager: the faster of float64-norm and float32-norm variants",
                    "read limit: the faster of torch.sum and a numba parallel sum of the same array",
                    "targets: CPU >= 1.5x torch eager and >= 0.70 of the read limit; "
                    "GPU >= 0.80 of the read limit"])
-        steps = bench_steps(dev, args.quick)
+        steps = bench_steps(dev, args.quick, args.rounds)
         write_report(
             "bench_clip_step", args.out, meta, steps,
             [("shape", "(B, [T,] d, K)", None), ("method", "method", None),
@@ -267,8 +267,8 @@ def main():
              ("ghost_speedup", "× ncdp_ghost time", "{:.1f}"),
              ("peak_extra_mb", "peak extra MB", "{:.1f}"), ("error", "error", None)],
             notes=["one step = zero_grad, forward, cross-entropy (mean), backward, privatize, SGD",
-                   "nonprivate and ncdp_ghost ran in 3 interleaved rounds (fresh process each; "
-                   "the median round is reported), the per-sample peers once",
+                   f"nonprivate and ncdp_ghost ran in {args.rounds} interleaved round(s) (fresh "
+                   "process each; the median round is reported), the per-sample peers once",
                    "targets: ncdp_ghost <= 2x non-private; >= 30x faster than opacus_hooks at "
                    "(512, 768, 10) on CPU"])
 

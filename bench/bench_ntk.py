@@ -137,7 +137,7 @@ def main():
                             repeats=3 if n <= 2048 else 1)
             # ncdp and its bar (plain torch) in interleaved rounds; torch.func once.
             res = alternate(lambda c: run_worker(__file__, c),
-                            {m: cfg(m) for m in ("ncdp", "plain_torch")})
+                            {m: cfg(m) for m in ("ncdp", "plain_torch")}, args.rounds)
             if dev == "cpu":       # peak memory from a separate run (see run_worker)
                 for m in ("ncdp", "plain_torch"):
                     mem = run_worker(__file__, dict(cfg(m), repeats=1), exact_memory=True)
@@ -167,9 +167,9 @@ def main():
             rows.append(row)
         notes = ["flop count: 2 n^2 (width_F + width_B) per layer term, halved for the "
                  "symmetric Gram (what ncdp computes); peak: a 4096^3 float32 GEMM in torch",
-                 "ncdp and plain torch ran in 3 interleaved rounds (fresh process each; the "
-                 "median round is reported), torch.func once; CPU peak MB of ncdp and plain "
-                 "torch from one more run each with a fixed glibc mmap threshold "
+                 f"ncdp and plain torch ran in {args.rounds} interleaved round(s) (fresh "
+                 "process each; the median round is reported), torch.func once; CPU peak MB of "
+                 "ncdp and plain torch from one more run each with a fixed glibc mmap threshold "
                  "(bench/_common.run_worker)",
                  "targets: CPU >= 100x torch.func, >= 1.2x plain torch with <= half its memory; "
                  "GPU >= 1.5x plain torch at (16384, 256, 4096, 4)"]

@@ -1,4 +1,5 @@
-"""The ``ncdp-fast`` command: ``info``, ``demo``, ``bench``, ``data``, ``reproduce``."""
+"""The ``ncdp-fast`` command: ``info``, ``demo``, ``bench``, ``gpu-check``, ``data``,
+``reproduce``."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +24,9 @@ def _cmd_demo(args) -> int:
 
 BENCHES = ["bench_clip.py", "bench_mix.py", "bench_ntk.py", "bench_privacy.py", "bench_train.py",
            "bench_release.py"]
+# Accounting only: no device to choose (and no --device/--rounds options).
+CPU_ONLY_BENCHES = {"bench_privacy.py"}
+GPU_BENCHES = [b for b in BENCHES if b not in CPU_ONLY_BENCHES]
 
 
 def _cmd_bench(args) -> int:
@@ -33,7 +37,7 @@ def _cmd_bench(args) -> int:
         print(f"ncdp-fast bench: no bench/ directory next to the package ({root}); run from a "
               "source checkout", file=sys.stderr)
         return 2
-    names = args.only or BENCHES
+    names = args.only or (GPU_BENCHES if args.device == "cuda" else BENCHES)
     status = 0
     for name in names:
         script = root / name
@@ -42,9 +46,25 @@ def _cmd_bench(args) -> int:
             status = 2
             continue
         cmd = [sys.executable, str(script), "--out", args.out] + (["--quick"] if args.quick else [])
+        if name in CPU_ONLY_BENCHES:
+            if args.device == "cuda":
+                print(f"ncdp-fast bench: {name} has no GPU part; skipped with --device cuda",
+                      file=sys.stderr)
+                continue
+        else:
+            cmd.append(f"--device={args.device}")
+            if args.rounds:
+                cmd.append(f"--rounds={args.rounds}")
         print("$", " ".join(cmd), flush=True)
-        status = max(status, subprocess.call(cmd))
+        rc = subprocess.call(cmd)
+        if rc:
+            status = max(status, rc if rc > 0 else 1)      # < 0: killed by a signal
     return status
+
+
+def _cmd_gpu_check(args) -> int:
+    from ._gpu_check import run
+    return run(args.args)
 
 
 def _cmd_data(args) -> int:
@@ -74,7 +94,17 @@ def main(argv=None) -> int:
     bench.add_argument("--out", default="bench/results")
     bench.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
     bench.add_argument("--only", nargs="*", choices=BENCHES)
+    bench.add_argument("--device", default="all", choices=["cpu", "cuda", "all"],
+                       help="cuda: the GPU benchmarks only, failing without a GPU "
+                       "(reports *-gpu-<date>.{json,md})")
+    bench.add_argument("--rounds", type=int, default=None,
+                       help="interleaved rounds of the compared methods (the scripts' default: 3)")
     bench.set_defaults(fn=_cmd_bench)
+    # Its options (--full, --budget, --no-build, ...; --help) go to _gpu_check.run.
+    sub.add_parser("gpu-check", add_help=False,
+                   help="on a machine with an NVIDIA GPU: rebuild the extension for it, run the "
+                   "GPU tests and the GPU benchmarks (what `make gpu-check` runs)"
+                   ).set_defaults(fn=_cmd_gpu_check, args=[])
     data = sub.add_parser("data", help="fetch MNIST, Fashion-MNIST and the pretrained extractors, "
                           "and cache their features (what `make data` runs)")
     data.set_defaults(fn=_cmd_data, args=[])             # its options go to the fetcher
@@ -91,6 +121,8 @@ def main(argv=None) -> int:
         # The fetcher parses its own options (argparse's REMAINDER cannot start
         # with an option, so they are passed on here instead).
         args.args = ["--help"] if args.fetcher_help else extra
+    elif args.command == "gpu-check":
+        args.args = extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.fn(args)

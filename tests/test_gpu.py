@@ -21,6 +21,14 @@ def _cuda(x, dev):
     return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
 
 
+def _replay():
+    """The next call draws a (seed, offset) range this test already drew, on
+    purpose (the same noise on another backend, layout or stream): forget the
+    drawn ranges, or the op warns NoiseReuseWarning (an error in the suite)."""
+    from ncdp_fast import _stream
+    _stream._LEDGER.clear()
+
+
 @pytest.mark.parametrize("shape", DENSE_SHAPES + BIG_DENSE)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_dense_matches_reference(require_cuda, shape, dtype):
@@ -72,8 +80,10 @@ def test_cuda_layers_and_nonfinite(require_cuda, dtype):
     layers = [_cuda(dense, require_cuda), (_cuda(a, require_cuda), _cuda(g, require_cuda))]
     with pytest.raises(ValueError, match=r"rows \[4, 7\]"):
         nf.clip_and_noise_layers(layers, max_norm=1.0, noise_multiplier=0.5, seed=1)
+    _replay()
     res = nf.clip_and_noise_layers(layers, max_norm=1.0, noise_multiplier=0.5, seed=1,
                                    nan_policy="zero")
+    _replay()
     cpu = nf.clip_and_noise_layers([dense, (a, g)], max_norm=1.0, noise_multiplier=0.5, seed=1,
                                    nan_policy="zero")
     assert res.num_nonfinite == cpu.num_nonfinite == 2
@@ -86,7 +96,8 @@ def test_cuda_same_seed_offset_bitwise_reproducible(require_cuda):
     g = _cuda(np.random.default_rng(0).standard_normal((1000, 3001)).astype(np.float32),
               require_cuda)
     r1 = nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=1.0, seed=9, offset=17).grad
-    r2 = nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=1.0, seed=9, offset=17).grad
+    with pytest.warns(nf.NoiseReuseWarning):     # the same noise on purpose
+        r2 = nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=1.0, seed=9, offset=17).grad
     assert bool((r1 == r2).all())
 
 
@@ -109,6 +120,7 @@ def test_cuda_ghost_clipper_matches_cpu(require_cuda):
     y = torch.randint(0, 4, (64,))
     grads = []
     for dev in ("cpu", require_cuda):
+        _replay()                     # both clippers start at draw 0 of seed 3
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(12, 9), nn.Tanh(), nn.Flatten(), nn.Linear(45, 4)).double()
         model = model.to(dev)
@@ -168,7 +180,9 @@ def test_cuda_mix_matches_cpu_and_reference(require_cuda, class_rate, dtype, sof
     if not soft:
         kw["num_classes"] = K
     gpu = nf.mix(_cuda(X, require_cuda), _cuda(labels, require_cuda), **kw)
+    _replay()
     cpu = nf.mix(X, labels, return_groups=True, **kw)
+    _replay()
     gpu_groups = nf.mix(_cuda(X, require_cuda), _cuda(labels, require_cuda), return_groups=True,
                         **kw).groups
     assert [list(g) for g in gpu_groups] == [list(g) for g in cpu.groups]
@@ -193,7 +207,9 @@ def test_cuda_mix_row_range_and_reproducible(require_cuda):
     kw = dict(mixup_degree=64, noise_std_x=0.1, noise_std_y=0.1, num_classes=10, class_rate=0.3,
               seed=4)
     full = nf.mix(X, lab, num_samples=300, offset=0, **kw)
+    _replay()
     again = nf.mix(X, lab, num_samples=300, offset=0, **kw)
+    _replay()
     part = nf.mix(X, lab, num_samples=50, offset=100 * 74, **kw)
     assert bool((full.x == again.x).all())
     assert bool((part.x == full.x[100:150]).all()) and bool((part.y == full.y[100:150]).all())
@@ -226,3 +242,427 @@ def test_cuda_ntk_gram_matches_cpu(require_cuda, dtype, tol, cross):
                           x2=t(x2), accumulate_f64=True)
         assert K64.dtype == torch.float64
         assert np.abs(K64.cpu().numpy() - ref).max() <= tol * np.abs(ref).max()
+
+
+# ------------------------------------------------------- launch paths of issue 14
+# Shapes sized from the launchers' own rules (csrc/): what each reaches is said
+# where it is chosen.
+
+def _l2_bytes(dev):
+    import torch
+    l2 = int(torch.cuda.get_device_properties(dev).L2_cache_size)
+    assert l2 > 0, "the device reports no L2 size: launch_clip_noise_rows would not chunk"
+    return l2
+
+
+@pytest.mark.parametrize("p", [8192, 10007])     # 16-byte loads throughout / scalar tails
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_dense_l2_chunks_match_cpu(require_cuda, dtype, p):
+    # launch_clip_noise_rows takes rows in chunks of (L2 / 2) / row_bytes and
+    # accumulates each chunk's slab partials onto the previous ones: three full
+    # chunks and a partial fourth (about 1.75 L2 of gradients, 88 MB on an H100).
+    chunk = max(1, (_l2_bytes(require_cuda) // 2) // (p * np.dtype(dtype).itemsize))
+    B = 3 * chunk + chunk // 2 + 1
+    C, sigma, E = 1.5, 0.7, B / 2
+    rng = np.random.default_rng(p)
+    g = rng.standard_normal((B, p), dtype=dtype)
+    g *= rng.uniform(0.0, 2 * C / np.sqrt(p), (B, 1)).astype(dtype)   # norms in (0, 2C)
+    g[1] = 0.0
+    kw = dict(max_norm=C, noise_multiplier=sigma, seed=21, offset=3, reduction="mean",
+              expected_batch_size=E)
+    res = nf.clip_and_noise(_cuda(g, require_cuda), **kw)
+    _replay()
+    cpu = nf.clip_and_noise(g, **kw)
+    assert res.grad.device.type == require_cuda.type
+    assert 0 < cpu.num_clipped < B - 1 and res.num_clipped == cpu.num_clipped
+    # Norms: float64 sums of p squares in two orders.
+    np.testing.assert_allclose(res.norms.cpu().numpy(), cpu.norms, rtol=4 * p * 1.2e-16)
+    factors, _ = R.clip_factors(cpu.norms ** 2, C, unit=R.unit_roundoff(dtype), terms=p)
+    # The CUDA sum is float64 (chunks, slabs) rounded once; the CPU one sums
+    # slabs of B/8 rows in the dtype: both within gamma_{B+3} of the sum of
+    # |terms| (noise bounded by 6.7 sigma C); |cpu| covers the two final roundings.
+    terms = (factors @ np.abs(g) + 6.7 * sigma * C) / E + np.abs(cpu.grad)
+    assert_within_sum_bound(res.grad.cpu().numpy(), cpu.grad, terms, B + 3, dtype,
+                            f"cuda dense, {B} rows in chunks of {chunk}")
+
+
+def _assert_mix_close(gpu, cpu, X, Y, m, sx, sy, dtype, what, extra_terms=0):
+    """Both backends sum a row's (clipped) members in the features' dtype in
+    sampler order and finish in float64: each is within gamma_{c+2} of the exact
+    sum (c members; the factor's and the product's roundings), so the two differ
+    by at most gamma_{2c+4} times the sum of |terms|.  |cpu| covers the output
+    roundings, 8 s the float64 noise (|z| < 6.7).  ``extra_terms``: more
+    roundings in the sum's length (factors from differently ordered norms)."""
+    groups = cpu.groups
+    c = int(np.diff(groups.indptr).max(initial=0))
+    n = 2 * (c + 3) + extra_terms
+    for out, feats, s, name in ((gpu.x, X, sx, "x"), (gpu.y, Y, sy, "y")):
+        ref = (cpu.x if name == "x" else cpu.y)
+        ref = ref.cpu().numpy() if hasattr(ref, "cpu") else ref
+        absf = np.abs(np.asarray(feats, dtype=np.float64))
+        scale = np.zeros(ref.shape)
+        for t in range(len(groups)):
+            g = groups[t]
+            if len(g):
+                scale[t] = absf[g].sum(axis=0) / m
+        assert_within_sum_bound(out.cpu().numpy(), ref, scale + np.abs(ref) + 8 * s, n, dtype,
+                                f"{what}: {name}, rows of up to {c} members")
+
+
+def _assert_same_groups(a, b):
+    assert np.array_equal(a.indptr, b.indptr) and np.array_equal(a.indices, b.indices)
+
+
+# (dtype, d, class_rate, soft labels); vectors per gather thread = ceil(d / 1024)
+# (fused up to 8192 float32 / 4096 float64 columns, tiled beyond).
+MIX_WIDE = [
+    (np.float32, 1500, None, False),    # 2 vectors
+    (np.float32, 3000, 0.5, False),     # 4
+    (np.float32, 6000, None, True),     # 8, soft labels
+    (np.float32, 8193, 0.5, False),     # tiled: one column past the fused limit
+    (np.float32, 8193, None, True),     # tiled, soft labels
+    (np.float64, 1500, 0.5, False),     # 2
+    (np.float64, 3000, None, True),     # 4, the widest fused float64 row
+    (np.float64, 4097, 0.5, False),     # tiled
+]
+
+
+@pytest.mark.parametrize("dtype,d,class_rate,soft", MIX_WIDE,
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_cuda_mix_chunks_and_wide_rows_match_cpu(require_cuda, dtype, d, class_rate, soft):
+    # m = 1100 > 2 * 512: the sampling warp hands each row over in 2-3 chunks of
+    # 512 ids (hierarchical rows: 0 to ~2200 members, chunks crossing classes);
+    # the tiled path keeps the partial sums of earlier chunks in out_x.
+    n, K, m, T, sx, sy = 3000, 4, 1100, 24, 0.05, 0.1
+    rng = np.random.default_rng(d)
+    X = (rng.standard_normal((n, d)) * rng.uniform(0.5, 2.0, (n, 1)) / np.sqrt(d)).astype(dtype)
+    lab = rng.integers(0, K, n)
+    labels = rng.dirichlet(np.ones(K), n).astype(dtype) if soft else lab
+    kw = dict(num_samples=T, mixup_degree=m, noise_std_x=sx, noise_std_y=sy,
+              class_rate=class_rate, clip_x=1.0, seed=8, offset=11, return_groups=True)
+    if not soft:
+        kw["num_classes"] = K
+    gpu = nf.mix(_cuda(X, require_cuda), _cuda(labels, require_cuda), **kw)
+    _replay()
+    cpu = nf.mix(X, labels, **kw)
+    assert cpu.counts.max() > 2 * 512
+    # The sampler's logarithm is one definition on every backend (philox::sampler_log).
+    np.testing.assert_array_equal(gpu.counts.cpu().numpy(), cpu.counts)
+    _assert_same_groups(gpu.groups, cpu.groups)
+    Y = labels if soft else np.eye(K)[lab]
+    _assert_mix_close(gpu, cpu, X, Y, m, sx, sy, dtype, f"cuda mix d={d}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_mix_more_rows_than_blocks_matches_cpu(require_cuda, dtype):
+    # One block per output row, at most 2^16 blocks: past 65536 rows a block
+    # takes several rows and its sampling warp runs one chunk pipeline through
+    # them.  Hierarchical rates mix empty rows, rows of one member and (1 % of
+    # rows) ~540 members, two chunks, so rows of different chunk counts follow
+    # each other in a block.
+    n, d, K, T, m, sx, sy = 1000, 3, 2, 70000, 6, 0.05, 0.1
+    rng = np.random.default_rng(70000)
+    lab = rng.permutation(np.r_[np.zeros(100, np.int64), np.ones(900, np.int64)])
+    X = rng.standard_normal((n, d)).astype(dtype)
+    # q = m / (n p): 0.006 for class 0 (always selected), 0.6 for class 1 (p = 1 %).
+    kw = dict(num_samples=T, mixup_degree=m, noise_std_x=sx, noise_std_y=sy, num_classes=K,
+              class_rate=np.array([1.0, 0.01]), clip_x=1.0, seed=5, offset=0, return_groups=True)
+    gpu = nf.mix(_cuda(X, require_cuda), _cuda(lab, require_cuda), **kw)
+    _replay()
+    cpu = nf.mix(X, lab, **kw)
+    assert cpu.counts.max() > 512 and (cpu.counts == 0).any()
+    np.testing.assert_array_equal(gpu.counts.cpu().numpy(), cpu.counts)
+    _assert_same_groups(gpu.groups, cpu.groups)
+    _assert_mix_close(gpu, cpu, X, np.eye(K)[lab], m, sx, sy, dtype, "cuda mix, 70000 rows")
+
+
+# NTK: a 70-layer MLP is 70 Gram terms, two launches of at most 64; n = 1100
+# is 9 tile rows of 128 (float32 accumulation) / 18 of 64 (float64), so the
+# symmetric grid's search walks more than one group of 8 tile rows.
+_DEEP = {}
+
+
+def _deep_mlp():
+    """Orthogonal weights with gain 1.2 under tanh keep every layer's term of
+    the same order: the first six layers (the second launch) make up to a
+    third of the largest entry of K; float32 factors are off by ~5e-6."""
+    if not _DEEP:
+        rng = np.random.default_rng(70)
+        L, w, d, K = 70, 12, 9, 2
+
+        def orth(r, c):
+            q, _ = np.linalg.qr(rng.standard_normal((max(r, c), max(r, c))))
+            return q[:r, :c]
+        W = [orth(w, d) * 1.2] + [orth(w, w) * 1.2 for _ in range(L - 2)] + [orth(K, w)]
+        b = [rng.standard_normal(w) * 0.1 if l % 3 == 0 else None for l in range(L - 1)] + \
+            [rng.standard_normal(K) * 0.1]
+        x = rng.standard_normal((1100, d)) / np.sqrt(d)
+        x2 = rng.standard_normal((700, d)) / np.sqrt(d)
+        _DEEP.update(W=W, b=b, x=x, x2=x2)
+        for cross in (False, True):     # the CPU backend in float64
+            _DEEP[cross] = nf.ntk_gram(x, W, biases=b, activation="tanh",
+                                       x2=x2 if cross else None)
+    return _DEEP
+
+
+@pytest.mark.parametrize("dtype,acc64,tol", [(np.float64, False, 1e-10), (np.float32, False, 1e-4),
+                                             (np.float32, True, 1e-4)])
+@pytest.mark.parametrize("cross", [False, True])
+def test_cuda_ntk_gram_deep_mlp_matches_cpu(require_cuda, dtype, acc64, tol, cross):
+    import torch
+    net = _deep_mlp()
+    td = getattr(torch, np.dtype(dtype).name)
+
+    def t(a):
+        return None if a is None else torch.tensor(a, dtype=td, device=require_cuda)
+    K = nf.ntk_gram(t(net["x"]), [t(w) for w in net["W"]], biases=[t(v) for v in net["b"]],
+                    activation="tanh", x2=t(net["x2"]) if cross else None, accumulate_f64=acc64)
+    assert K.dtype == (torch.float64 if acc64 else td)
+    ref = net[cross]
+    # float32: the factors themselves (70 layers of float32 GEMMs) are off by
+    # ~1e-5 relative, as on the CPU; the check is that no term is lost or doubled.
+    assert np.abs(K.double().cpu().numpy() - ref).max() <= tol * np.abs(ref).max()
+    if not cross:
+        assert bool((K == K.T).all())
+
+
+_GRAM_TERMS = {}
+
+
+def _gram_terms(dtype, symmetric):
+    """200 terms of random factors (widths cycling; a constant-1 F, an F of width
+    0 and a B of width 0 among them: 134 terms reach the kernel, three launches)
+    and K = sum (F F2^T) o (B B2^T) and the sum of |terms| in float64."""
+    key = (np.dtype(dtype).name, symmetric)
+    if key not in _GRAM_TERMS:
+        rng = np.random.default_rng(200)
+        n, n2 = 1100, (1100 if symmetric else 700)
+        widths = [(3, 2), (None, 4), (1, 1), (0, 3), (5, 3), (2, 0)]
+        terms = []
+        ref = np.zeros((n, n2))
+        scale = np.zeros((n, n2))
+        for l in range(200):
+            a, bw = widths[l % len(widths)]
+
+            def draw(rows, cols):
+                return None if cols is None else rng.standard_normal((rows, cols)).astype(dtype)
+            f, b = draw(n, a), draw(n, bw)
+            f2, b2 = (f, b) if symmetric else (draw(n2, a), draw(n2, bw))
+            terms.append((f, b, f2, b2))
+            f64 = [None if v is None else v.astype(np.float64) for v in (f, b, f2, b2)]
+            q, qa = f64[1] @ f64[3].T, np.abs(f64[1]) @ np.abs(f64[3]).T
+            if f is None:
+                ref += q
+                scale += qa
+            else:
+                ref += (f64[0] @ f64[2].T) * q
+                scale += (np.abs(f64[0]) @ np.abs(f64[2]).T) * qa
+        _GRAM_TERMS[key] = terms, ref, scale
+    return _GRAM_TERMS[key]
+
+
+@pytest.mark.parametrize("dtype,acc64,out_dtype", [
+    (np.float32, False, np.float32), (np.float32, False, np.float64),
+    (np.float32, True, np.float32), (np.float32, True, np.float64),
+    (np.float64, True, np.float32), (np.float64, True, np.float64)])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_cuda_hadamard_gram_many_terms(require_cuda, dtype, acc64, out_dtype, symmetric):
+    import torch
+
+    from ncdp_fast import _cuda as kernels
+    terms, ref, scale = _gram_terms(dtype, symmetric)
+
+    def t(a):
+        return None if a is None else _cuda(a, require_cuda)
+    f = [t(x[0]) for x in terms]
+    b = [t(x[1]) for x in terms]
+    f2 = f if symmetric else [t(x[2]) for x in terms]
+    b2 = b if symmetric else [t(x[3]) for x in terms]
+    out = torch.full(ref.shape, float("nan"), dtype=getattr(torch, np.dtype(out_dtype).name),
+                     device=require_cuda)
+    kernels.hadamard_gram(f, b, f2, b2, out, symmetric, accumulate_f64=acc64)
+    K = out.cpu().numpy()
+    # Per entry and term, an F product of <= 5 and a B product of <= 4 products,
+    # then 134 terms summed: gamma_{5+4+134+2} in the accumulator's precision;
+    # the bound's dtype rounding term covers a float32 output.
+    acc = np.float64 if (acc64 or dtype == np.float64) else np.float32
+    n = 5 + 4 + 134 + 2
+    if out_dtype == np.float32 and acc == np.float64:
+        acc = np.float32          # the output's rounding dominates
+    assert_within_sum_bound(K, ref, scale, n, acc, f"hadamard_gram {np.dtype(dtype).name} "
+                            f"acc64={acc64} out {np.dtype(out_dtype).name}")
+    if symmetric:
+        assert np.array_equal(K, K.T)
+
+
+# Unaligned views: a tensor starting one element into its buffer (4 or 8 bytes
+# past a 16-byte boundary) takes the launchers' scalar-load variants, where an
+# aligned copy of the same values takes the 16-byte loads.
+
+def _unaligned(x, dev):
+    """(view one element into a buffer, aligned copy) of x on dev."""
+    import torch
+    x = np.ascontiguousarray(x)
+    buf = torch.empty(x.size + 1, dtype=getattr(torch, x.dtype.name), device=dev)
+    view = buf[1:].view(x.shape)
+    view.copy_(torch.from_numpy(x))
+    copy = view.clone()
+    assert view.data_ptr() % 16 != 0 and copy.data_ptr() % 16 == 0
+    assert view.is_contiguous()          # the op passes it on as is, no copy
+    return view, copy
+
+
+def _bitwise(a, b):
+    import torch
+    return a is None and b is None or bool(torch.equal(a, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_dense_unaligned_view(require_cuda, dtype):
+    B, p = 300, 1028                   # p a multiple of 4: the copy's rows are all aligned
+    g = _rows(np.random.default_rng(1028), (B, p), dtype, scale=0.05)
+    view, copy = _unaligned(g, require_cuda)
+    for C in (1e6, 1.0):               # nothing clipped (factors exactly 1); most rows clipped
+        kw = dict(max_norm=C, noise_multiplier=0.5, seed=5, offset=0)
+        ra = nf.clip_and_noise(copy, **kw)
+        _replay()
+        ru = nf.clip_and_noise(view, **kw)
+        _replay()
+        # Norms: the rows' head elements up to a 16-byte boundary are summed apart.
+        np.testing.assert_allclose(ru.norms.cpu().numpy(), ra.norms.cpu().numpy(),
+                                   rtol=4 * p * 1.2e-16)
+        if C > 1e3:
+            assert ra.num_clipped == 0 and _bitwise(ru.grad, ra.grad)
+        else:
+            norms = ra.norms.cpu().numpy()
+            assert ra.num_clipped > B // 2
+            factors, _ = R.clip_factors(norms ** 2, C, unit=R.unit_roundoff(dtype), terms=p)
+            ref = ra.grad.cpu().numpy()
+            # Same sums, factors from norms that differ by float64 roundings of p terms.
+            terms = factors @ np.abs(g.astype(np.float64)) + np.abs(ref)
+            assert_within_sum_bound(ru.grad.cpu().numpy(), ref, terms, p + 4, dtype,
+                                    "unaligned dense")
+
+
+@pytest.mark.parametrize("T", [None, 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_linear_unaligned_view(require_cuda, dtype, T):
+    # 2-D: rank-1 norms (||a_i||, ||g_i|| by 16-byte loads after a head);
+    # 3-D with 2 T^2 <= K d: the Gram norms, scalar tile staging like the GEMM.
+    B, d, K = 200, 68, 12
+    a, g = _linear_inputs((B, T, d, K), dtype)
+    av, ac = _unaligned(a, require_cuda)
+    gv, gc = _unaligned(g, require_cuda)
+    for C in (1e6, 2.0):
+        kw = dict(max_norm=C, noise_multiplier=0.3, bias=True, seed=6, offset=0)
+        ra = nf.clip_and_noise_linear(ac, gc, **kw)
+        _replay()
+        ru = nf.clip_and_noise_linear(av, gv, **kw)
+        _replay()
+        if T is not None:              # no load depends on alignment: the same bits
+            assert _bitwise(ru.norms, ra.norms)
+            assert _bitwise(ru.grad_weight, ra.grad_weight) and _bitwise(ru.grad_bias, ra.grad_bias)
+            continue
+        np.testing.assert_allclose(ru.norms.cpu().numpy(), ra.norms.cpu().numpy(),
+                                   rtol=4 * (d + K) * 1.2e-16)
+        if C > 1e3:
+            assert ra.num_clipped == 0
+            assert _bitwise(ru.grad_weight, ra.grad_weight) and _bitwise(ru.grad_bias, ra.grad_bias)
+            continue
+        norms = ra.norms.cpu().numpy()
+        assert ra.num_clipped > 0
+        factors, _ = R.clip_factors(norms ** 2, C, unit=R.unit_roundoff(dtype),
+                                    terms=R.linear_terms(d, K, 1))
+        flat = factors @ np.abs(R.per_sample_linear_grads(a, g, bias=True))
+        for out, ref_t, part in ((ru.grad_weight, ra.grad_weight, flat[:K * d]),
+                                 (ru.grad_bias, ra.grad_bias, flat[K * d:])):
+            ref = ref_t.cpu().numpy().ravel()
+            assert_within_sum_bound(out.cpu().numpy().ravel(), ref, part + np.abs(ref),
+                                    R.linear_terms(d, K, 1) + 4, dtype, "unaligned linear")
+
+
+@pytest.mark.parametrize("dtype,d", [(np.float32, 2048), (np.float32, 8196),
+                                     (np.float64, 2048), (np.float64, 4100)])
+def test_cuda_mix_unaligned_view(require_cuda, dtype, d):
+    # d a multiple of 4: fused (2 vectors) and tiled rows, 16-byte loads for the copy.
+    n, K, m, T = 600, 3, 40, 16
+    rng = np.random.default_rng(d)
+    X = (rng.standard_normal((n, d)) * rng.uniform(0.5, 2.0, (n, 1)) / np.sqrt(d)).astype(dtype)
+    lab = rng.integers(0, K, n)
+    view, copy = _unaligned(X, require_cuda)
+    lab_d = _cuda(lab, require_cuda)
+    tiled = d > (8192 if dtype == np.float32 else 4096)
+    for clip in (None, 1.0):
+        kw = dict(num_samples=T, mixup_degree=m, noise_std_x=0.1, noise_std_y=0.1, num_classes=K,
+                  clip_x=clip, seed=3, offset=0, return_groups=True)
+        ra = nf.mix(copy, lab_d, **kw)
+        _replay()
+        ru = nf.mix(view, lab_d, **kw)
+        _replay()
+        assert _bitwise(ru.counts, ra.counts) and _bitwise(ru.y, ra.y)
+        _assert_same_groups(ru.groups, ra.groups)
+        if clip is None or not tiled:
+            # The fused path loads a member's slots into registers either way and
+            # sums its squares from there: the same order, the same bits.
+            assert _bitwise(ru.x, ra.x)
+        else:
+            # Tiled: the clip norms are per-warp sums that start at the row's
+            # first 16-byte boundary; factors then differ by float64 roundings.
+            _assert_mix_close(ru, ra, X, np.eye(K)[lab], m, 0.1, 0.1, dtype,
+                              "unaligned tiled mix", extra_terms=d)
+
+
+# Streams: with the default stream held busy (a spinning kernel), the op runs
+# inside `with torch.cuda.stream(s)` and its results are read on s.  Work sent
+# to any other stream would still be queued behind the spin and read as
+# garbage; the results must equal the default stream's bit for bit.
+_SPIN_CYCLES = 2_000_000_000           # about a second of SM clock
+
+
+def _on_busy_default_stream(dev, fn):
+    import torch
+    torch.cuda.synchronize(dev)
+    s = torch.cuda.Stream(device=dev)
+    torch.cuda._sleep(_SPIN_CYCLES)                       # on the default stream
+    with torch.cuda.stream(s):
+        assert torch.cuda.current_stream(dev) == s
+        out = fn()
+        host = [None if x is None else x.cpu() for x in out]   # copies ordered on s
+    still_busy = not torch.cuda.default_stream(dev).query()
+    s.synchronize()
+    torch.cuda.synchronize(dev)
+    assert still_busy, ("the default stream finished its spin before the results were read on "
+                        "s: an op synchronized with it, or the host took over a second")
+    return out, host
+
+
+def test_cuda_dense_on_side_stream(require_cuda):
+    g = _cuda(np.random.default_rng(3).standard_normal((2049, 3001)).astype(np.float32),
+              require_cuda)
+    kw = dict(max_norm=1.0, noise_multiplier=1.0, seed=13, offset=0)
+    ref = nf.clip_and_noise(g, **kw)
+    _replay()
+    res, host = _on_busy_default_stream(
+        require_cuda, lambda: (lambda r: (r.grad, r.norms))(nf.clip_and_noise(g, **kw)))
+    assert _bitwise(host[0], ref.grad.cpu()) and _bitwise(host[1], ref.norms.cpu())
+    assert _bitwise(res[0], ref.grad)
+
+
+def test_cuda_mix_on_side_stream(require_cuda):
+    rng = np.random.default_rng(4)
+    X = _cuda(rng.standard_normal((3000, 700)).astype(np.float32), require_cuda)
+    lab = _cuda(rng.integers(0, 5, 3000), require_cuda)
+    kw = dict(num_samples=400, mixup_degree=200, noise_std_x=0.1, noise_std_y=0.1, num_classes=5,
+              class_rate=0.6, clip_x=1.0, seed=14, offset=0, return_groups=True)
+    ref = nf.mix(X, lab, **kw)
+    _replay()
+    groups = {}
+
+    def run():
+        r = nf.mix(X, lab, **kw)
+        groups["plan"] = r.groups
+        return r.x, r.y, r.counts
+    res, host = _on_busy_default_stream(require_cuda, run)
+    for h, r in zip(host, (ref.x, ref.y, ref.counts)):
+        assert _bitwise(h, r.cpu())
+    _assert_same_groups(groups["plan"], ref.groups)

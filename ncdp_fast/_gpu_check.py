@@ -1,0 +1,351 @@
+"""``ncdp-fast gpu-check`` (``make gpu-check``): what a machine with an NVIDIA GPU
+has to show before a GPU claim of this project is believed.
+
+1. ``nvidia-smi`` lists the GPUs and their compute capabilities; without one
+   the check fails at once ("no NVIDIA GPU found").
+2. torch must see the GPU (the tests and benchmarks hand it torch CUDA tensors).
+3. The extension's CMake tree is removed and ``pip install -e .`` rebuilds it
+   with ``NCDP_CUDA_ARCH`` from those capabilities ("9.0" -> "90-real"); the
+   fresh module must report CUDA kernels for them and see the GPU itself (its
+   static CUDA runtime needs a driver at least as new).
+4. ``pytest -m gpu``: fails on any failure or error, and when no GPU test ran
+   or any was skipped for want of a device -- a GPU check that only skips
+   proves nothing.
+5. The GPU benchmarks (``ncdp-fast bench --device cuda``, by default
+   ``--quick --rounds 1``) with the time the budget leaves; each writes
+   ``bench/results/<name>-gpu-<date>.{json,md}`` and fails the check if it
+   reports an error row, writes nothing, or runs out of time.
+6. A summary of the phases in ``bench/results/gpu_check-gpu-<date>.{json,md}``.
+
+It runs from a source checkout (tests/ and bench/ live next to the package).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_QUICK_ARGS = ["--quick", "--rounds", "1"]
+DEFAULT_BUDGET_S = 480          # the whole check on one H100, quick benchmarks
+DEFAULT_BUDGET_FULL_S = 3600
+# require_cuda's skip reasons (tests/conftest.py): a GPU test skipped for these
+# did not test the GPU.
+DEVICE_SKIPS = re.compile(r"no CUDA device visible|built without CUDA|torch is not installed")
+# A benchmark is not started with less time than this left.
+MIN_BENCH_S = 20
+
+
+class CheckFailed(Exception):
+    """A step of the check failed; the message says which and why."""
+
+
+def _say(text: str) -> None:
+    print(f"gpu-check: {text}", flush=True)
+
+
+# ------------------------------------------------------------------ the device
+
+def query_gpus(run=subprocess.run) -> list[tuple[str, str]]:
+    """(name, compute capability "M.m") of every GPU nvidia-smi lists."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        raise CheckFailed("no NVIDIA GPU found: nvidia-smi is not installed (no NVIDIA driver)")
+    try:
+        proc = run([exe, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                   capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise CheckFailed(f"no NVIDIA GPU found: nvidia-smi did not answer ({exc})") from None
+    said = " ".join((proc.stdout + " " + proc.stderr).split())[-300:]
+    if proc.returncode != 0:
+        if "compute_cap" in said and "valid" in said:
+            raise CheckFailed(f"nvidia-smi cannot report compute capabilities (driver too old?): "
+                              f"{said}")
+        raise CheckFailed(f"no NVIDIA GPU found: nvidia-smi exited with status "
+                          f"{proc.returncode}: {said}")
+    gpus = []
+    for line in proc.stdout.splitlines():
+        if line.strip():
+            name, _, cap = line.rpartition(",")
+            gpus.append((name.strip(), cap.strip()))
+    if not gpus:
+        raise CheckFailed("no NVIDIA GPU found: nvidia-smi lists none")
+    return gpus
+
+
+def cuda_arch(cap: str) -> str:
+    """CMake's architecture for a compute capability: "9.0" -> "90-real"."""
+    m = re.fullmatch(r"(\d+)\.(\d+)", cap)
+    if m is None:
+        raise CheckFailed(f"nvidia-smi reported compute capability {cap!r}; expected MAJOR.MINOR")
+    return f"{m[1]}{m[2]}-real"
+
+
+def find_nvcc() -> str:
+    for candidate in (os.environ.get("CUDACXX"), shutil.which("nvcc"),
+                      "/usr/local/cuda/bin/nvcc"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise CheckFailed("nvcc not found (CUDACXX, PATH, /usr/local/cuda/bin): install the CUDA "
+                      "toolkit to build the kernels")
+
+
+def _python_json(python, code, env=None) -> dict | list:
+    proc = subprocess.run([python, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=300)
+    if proc.returncode != 0:
+        raise CheckFailed(f"{python} -c {code!r} failed: {proc.stderr.strip()[-1000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check_torch(python) -> dict:
+    t = _python_json(python, "import json, torch; print(json.dumps(dict(version=torch.__version__, "
+                             "cuda=torch.version.cuda, available=torch.cuda.is_available(), "
+                             "count=torch.cuda.device_count())))")
+    if not t["available"]:
+        what = "a CPU-only build" if t["cuda"] is None else f"built for CUDA {t['cuda']}"
+        base = t["version"].split("+")[0]
+        raise CheckFailed(
+            f"torch {t['version']} ({what}) sees no GPU; the GPU tests and benchmarks take torch "
+            f"CUDA tensors. Install a CUDA build of torch {base} into this environment, e.g. "
+            f"`{python} -m pip install -c constraints.txt --force-reinstall torch=={base}` from "
+            "PyPI (its Linux x86-64 wheels are CUDA builds) or from a wheel file "
+            "(/opt/wheels holds the CPU build), then run the check again")
+    return t
+
+
+# ------------------------------------------------------------------- the build
+
+def rebuild(python, archs: list[str], nvcc: str) -> dict:
+    """Removes the extension's CMake trees under build/ (not the emulation
+    tier's) and reinstalls the package editable for ``archs``; returns
+    ``ncdp_fast.info()`` of a fresh process."""
+    for cache in sorted(ROOT.glob("build/*/CMakeCache.txt")):
+        shutil.rmtree(cache.parent)
+    env = dict(os.environ, NCDP_CUDA_ARCH=";".join(archs), CUDACXX=nvcc)
+    if env.pop("NCDP_DISABLE_CUDA", None) is not None:
+        _say("ignoring NCDP_DISABLE_CUDA for this build")
+    rc = subprocess.call([python, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                          "--no-build-isolation", "--no-deps", "-e", str(ROOT)], cwd=ROOT, env=env)
+    if rc != 0:
+        raise CheckFailed(f"building the extension failed (pip exit status {rc}; output above)")
+    info = _python_json(python, "import json, ncdp_fast; "
+                                "print(json.dumps(ncdp_fast.info(print_it=False)))")
+    if not info["cuda_compiled"]:
+        raise CheckFailed("ncdp_fast._C was built without CUDA kernels: CMake found no CUDA "
+                          f"compiler (nvcc: {nvcc})")
+    missing = sorted(set(archs) - set(info["cuda_archs"]))
+    if missing:
+        raise CheckFailed(f"ncdp_fast._C has architectures {info['cuda_archs']}, not {missing}")
+    if not info["cuda_devices"]:
+        raise CheckFailed(f"ncdp_fast._C sees no GPU (CUDA runtime {info['cuda_runtime']}, "
+                          f"driver {info['cuda_driver']}): the driver must support the CUDA "
+                          "version nvcc built the kernels with")
+    return info
+
+
+# ------------------------------------------------------------------- the tests
+
+def summarize_junit(path) -> dict:
+    """Counts of a pytest JUnit XML file and the skip messages that mean the
+    test never reached a GPU."""
+    root = ET.parse(path).getroot()
+    out = dict(passed=0, failed=0, errors=0, skipped=0, device_skips=[])
+    for case in root.iter("testcase"):
+        if case.find("failure") is not None:
+            out["failed"] += 1
+        elif case.find("error") is not None:
+            out["errors"] += 1
+        elif case.find("skipped") is not None:
+            out["skipped"] += 1
+            message = case.find("skipped").get("message", "")
+            if DEVICE_SKIPS.search(message):
+                out["device_skips"].append(f"{case.get('classname')}::{case.get('name')}: "
+                                           f"{message}")
+        else:
+            out["passed"] += 1
+    return out
+
+
+def judge_tests(rc: int, summary: dict) -> str | None:
+    """Why the GPU test run does not count as a pass (None: it does)."""
+    if summary["failed"] or summary["errors"]:
+        return (f"{summary['failed']} GPU tests failed and {summary['errors']} errored "
+                "(pytest output above)")
+    if summary["device_skips"]:
+        shown = "; ".join(summary["device_skips"][:3])
+        return (f"{len(summary['device_skips'])} GPU tests were skipped for want of a device, "
+                f"e.g. {shown}")
+    if summary["passed"] == 0:
+        return "no GPU test ran (all skipped or none collected)"
+    if rc != 0:
+        return f"pytest exited with status {rc}"
+    return None
+
+
+def run_tests(python, workdir: Path) -> dict:
+    junit = workdir / "gpu-tests.xml"
+    rc = subprocess.call([python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                          "-rfEs", f"--junitxml={junit}", "tests"], cwd=ROOT)
+    if not junit.exists():
+        raise CheckFailed(f"pytest wrote no report (exit status {rc})")
+    summary = summarize_junit(junit)
+    why = judge_tests(rc, summary)
+    if why:
+        raise CheckFailed(why)
+    return summary
+
+
+# -------------------------------------------------------------- the benchmarks
+
+def _run_until(cmd, deadline) -> int | None:
+    """Exit status of ``cmd``, or None if it was still running at ``deadline``
+    (then it and every process it started are killed)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    try:
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
+
+
+def bench_errors(path) -> list[str]:
+    rows = json.loads(Path(path).read_text()).get("rows", [])
+    return [f"{Path(path).name}: {r.get('shape') or r.get('config') or ''} "
+            f"{r.get('method', '')}: {r['error']}".strip() for r in rows if r.get("error")]
+
+
+def run_benches(python, out: Path, bench_args, deadline) -> list[dict]:
+    from .cli import GPU_BENCHES
+    results = []
+    for name in GPU_BENCHES:
+        left = deadline - time.monotonic()
+        row = dict(phase=name, status="ok")
+        if left < MIN_BENCH_S:
+            row.update(status="not run", detail=f"time budget spent ({left:.0f} s left)")
+            results.append(row)
+            continue
+        started = time.time()
+        t0 = time.monotonic()
+        _say(f"{name} ({left:.0f} s of the budget left)")
+        rc = _run_until([python, "-m", "ncdp_fast.cli", "bench", "--device", "cuda", "--out",
+                         str(out), "--only", name, *bench_args], deadline)
+        row["seconds"] = time.monotonic() - t0
+        written = sorted(p for p in out.glob("*-gpu-*.json") if p.stat().st_mtime >= started)
+        row["reports"] = ", ".join(p.stem for p in written)
+        errors = [e for p in written for e in bench_errors(p)]
+        if rc is None:
+            row.update(status="timeout", detail="killed at the end of the time budget")
+        elif rc != 0:
+            row.update(status="failed", detail=f"exit status {rc}")
+        elif not written:
+            row.update(status="failed", detail=f"no *-gpu-*.json written to {out}")
+        elif errors:
+            row.update(status="failed", detail="; ".join(errors)[:1000])
+        results.append(row)
+    return results
+
+
+# ------------------------------------------------------------------- the check
+
+def run(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="ncdp-fast gpu-check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"),
+                    help="where the benchmarks and the summary write their reports")
+    ap.add_argument("--full", action="store_true",
+                    help="benchmarks at their stated shapes with 3 rounds (tens of minutes) "
+                    "instead of --quick --rounds 1")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds for the whole check (default {DEFAULT_BUDGET_S}, "
+                    f"{DEFAULT_BUDGET_FULL_S} with --full); benchmarks get what is left")
+    ap.add_argument("--no-build", action="store_true",
+                    help="keep the installed extension (it must have CUDA kernels for this GPU)")
+    ap.add_argument("--no-bench", action="store_true", help="stop after the tests")
+    args = ap.parse_args(argv)
+    budget = args.budget or (DEFAULT_BUDGET_FULL_S if args.full else DEFAULT_BUDGET_S)
+    start = time.monotonic()
+    deadline = start + budget
+    python = sys.executable
+    out = Path(args.out)
+    phases, problems, meta = [], [], {}
+
+    def phase(name, fn):
+        t0 = time.monotonic()
+        _say(f"{name} ...")
+        try:
+            detail = fn()
+            phases.append(dict(phase=name, status="ok", seconds=time.monotonic() - t0,
+                               detail=detail))
+            return True
+        except CheckFailed as exc:
+            phases.append(dict(phase=name, status="failed", seconds=time.monotonic() - t0,
+                               detail=str(exc)))
+            problems.append(f"{name}: {exc}")
+            return False
+
+    try:
+        gpus = query_gpus()
+    except CheckFailed as exc:
+        print(f"gpu-check: {exc}", file=sys.stderr)
+        return 1
+    archs = sorted({cuda_arch(cap) for _, cap in gpus})
+    meta.update(device=", ".join(f"{n} (compute capability {c})" for n, c in gpus),
+                device_tag="gpu", archs=";".join(archs), quick=not args.full, budget_s=budget)
+    _say(f"{meta['device']}; building for {';'.join(archs)}")
+
+    def torch_phase():
+        t = check_torch(python)
+        meta["torch"] = t["version"]
+        return f"torch {t['version']}, CUDA {t['cuda']}, {t['count']} device(s)"
+
+    def build_phase():
+        if args.no_build:
+            info = _python_json(python, "import json, ncdp_fast; "
+                                        "print(json.dumps(ncdp_fast.info(print_it=False)))")
+        else:
+            info = rebuild(python, archs, find_nvcc())
+        meta.update(ncdp_cuda_archs=info["cuda_archs"], cuda_runtime=info["cuda_runtime"],
+                    cuda_driver=info["cuda_driver"])
+        return f"archs {info['cuda_archs']}, runtime {info['cuda_runtime']}, " \
+               f"driver {info['cuda_driver']}"
+
+    ok = phase("torch", torch_phase) and phase("build", build_phase)
+    if ok:
+        with tempfile.TemporaryDirectory() as tmp:
+            def tests_phase():
+                s = run_tests(python, Path(tmp))
+                meta["tests"] = s
+                return f"{s['passed']} passed, {s['skipped']} skipped"
+            ok = phase("pytest -m gpu", tests_phase)
+    if ok and not args.no_bench:
+        bench_args = [] if args.full else BENCH_QUICK_ARGS
+        for row in run_benches(python, out, bench_args, deadline):
+            phases.append(row)
+            if row["status"] != "ok":
+                problems.append(f"{row['phase']}: {row['status']}: {row.get('detail', '')}")
+    total = time.monotonic() - start
+    meta["total_s"] = round(total, 1)
+    from ._report import write_report
+    write_report("gpu_check", str(out), meta, phases,
+                 [("phase", "phase", None), ("status", "status", None),
+                  ("seconds", "s", "{:.1f}"), ("detail", "detail", None),
+                  ("reports", "reports", None)],
+                 notes=[f"total {total:.0f} s of a {budget:.0f} s budget",
+                        "benchmarks: " + ("stated shapes, 3 rounds" if args.full else
+                                          "--quick --rounds 1")])
+    if problems:
+        for p in problems:
+            print(f"gpu-check: FAILED: {p}", file=sys.stderr)
+        return 1
+    _say(f"passed in {total:.0f} s")
+    return 0
