@@ -153,8 +153,8 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
             factor (reference.clip_factors: min(1, C/||x_i||) applied to a bound
             on the float64 norm, about 3e-7 relative tighter in float32), so the
             clipped row as computed in the features' dtype has norm <= C; a
-            factor below 2^-60 multiplies in float64 (the CPU kernel; the CUDA
-            one still applies min(1, C/||x_i||), docs/architecture.md).  A ValueError
+            factor below 2^-60 multiplies in float64 on the CPU, every factor
+            does on CUDA (csrc/clip/clip_rule.cuh).  A ValueError
             refuses float64 features with entries above sqrt(max_float64 / (2 d)),
             whose squared norms may overflow.
         seed, offset: Philox key (None: from the OS) and first main-stream draw;
