@@ -48,7 +48,7 @@ def worker(cfg):
     sync = sync_for(torch, device)
 
     if method == "noisygd":
-        from ncdp_fast.train import _linear_steps
+        from ncdp_fast.train import linear_steps as _linear_steps
         state = {"W": W, "t": 0}
         labels = y.cpu().numpy()       # the estimator validates labels on the host
 

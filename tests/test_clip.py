@@ -1,4 +1,4 @@
-"""Op 1 (fused per-sample clipping with noise) against reference.py, properties,
+"""Op 1 (fused per-sample clipping with noise) against ncdp_fast.reference, properties,
 reproducibility, statistics and bad input, on the CPU backend (the GPU versions
 of the same comparisons are in test_gpu.py)."""
 import contextlib

@@ -1,5 +1,5 @@
 """The CUDA kernels' own source, executed on the CPU (tests/cuda_emu), against
-ncdp_fast/reference.py: the tier that proves the kernels where CI runs.
+ncdp_fast.reference: the tier that proves the kernels where CI runs.
 
 Every case runs under ThreadSanitizer and under AddressSanitizer +
 UndefinedBehaviorSanitizer; a sanitizer report or an emulator abort (barrier

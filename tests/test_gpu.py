@@ -1,4 +1,4 @@
-"""CUDA kernels against reference.py and against the CPU backend (marked gpu;
+"""CUDA kernels against ncdp_fast.reference and against the CPU backend (marked gpu;
 skipped where torch sees no GPU or _C was built without CUDA)."""
 import numpy as np
 import pytest

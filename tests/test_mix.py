@@ -1,5 +1,5 @@
 """Op 2 (Poisson / hierarchical subsampling with averaging) and batch plans:
-exactness against reference.py, sampling statistics, sharding, memory, bad input.
+exactness against ncdp_fast.reference, sampling statistics, sharding, memory, bad input.
 
 Every statistical assertion uses a fixed seed and has a stated false-alarm rate:
 the probability that a correct sampler fails it (z-tests at |z| < 4.89 and

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ncdp_fast import theory as T
+from ncdp_fast.dpsgd_linreg import _schedule_eta
 
 
 # ---------------------------------------------------------------- clip factors
@@ -47,7 +48,7 @@ def test_clip_factor_stein_identity_monte_carlo():
 @pytest.mark.parametrize("schedule", T.SCHEDULES)
 def test_noise_schedule_attains_rho(schedule):
     n, d, rho = 500, 50, 0.7
-    eta = T._schedule_eta(n, d, schedule, 3.0, rho, 2.0, 4.0, 4.0)
+    eta = _schedule_eta(n, d, schedule, 3.0, rho, 2.0, 4.0, 4.0)
     sigma = T.noise_schedule(eta, rho)
     tail = np.cumsum((sigma ** 2)[::-1])[::-1]
     ratios = eta / np.sqrt(tail)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import ncdp_fast as nf
 from ncdp_fast import nc
 from ncdp_fast.privacy import Accountant, dp_to_zcdp, noisygd_sigma
-from ncdp_fast.train import NoisyGDClassifier, NoisySGDClassifier, _linear_steps
+from ncdp_fast.train import NoisyGDClassifier, NoisySGDClassifier
+from ncdp_fast.train import linear_steps as _linear_steps
 
 EPS64 = np.finfo(np.float64).eps
 

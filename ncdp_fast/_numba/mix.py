@@ -1,6 +1,6 @@
 """Poisson / hierarchical subsampling with averaging on the CPU (DESIGN.md kernel 2).
 
-The sampler follows reference.py's contract exactly: row r owns sub-stream
+The sampler follows ncdp_fast.reference's contract (reference/mix.py) exactly: row r owns sub-stream
 ``sid = 1 + offset + r * row_stride``; hierarchical sampling spends uniforms
 0..G-1 on the groups, then walks each selected group's members, in increasing
 group order, by geometric skipping; a uniform is two sub-stream words turned

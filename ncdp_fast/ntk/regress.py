@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _backend
+from .._checks import as_matrix, as_targets, check_nonneg, check_pos_int
 from .._ntk import ACTIVATIONS as _NTK_ACTIVATIONS
 from .._ntk import _namespace, ntk_factors, ntk_gram
 from .._ntk import activation as _ntk_activation
@@ -66,7 +67,7 @@ RF_ACTIVATIONS = _NTK_ACTIVATIONS + ("logcosh",)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
-def _act3(name, z):
+def activation_derivatives(name, z):
     """(phi(z), phi'(z), phi''(z)) elementwise, NumPy float64; phi'' of relu is 0
     (a.e.)."""
     if name == "logcosh":
@@ -89,44 +90,6 @@ def _act3(name, z):
     return f, df, d2
 
 
-def _as_matrix(x, name, d=None):
-    if _backend.is_torch(x):
-        x = x.detach().cpu().numpy()
-    x = np.asarray(x, dtype=np.float64)
-    if x.ndim != 2:
-        raise ValueError(f"{name}: expected a 2-D array (n, d), got shape {x.shape}")
-    if d is not None and x.shape[1] != d:
-        raise ValueError(f"{name}: expected {d} columns (the training dimension), "
-                         f"got shape {x.shape}")
-    if not np.all(np.isfinite(x)):
-        raise ValueError(f"{name}: contains NaN or Inf")
-    return x
-
-
-def _as_targets(y, n):
-    if _backend.is_torch(y):
-        y = y.detach().cpu().numpy()
-    y = np.asarray(y, dtype=np.float64)
-    if y.shape != (n,):
-        raise ValueError(f"y: expected shape ({n},) (one real label per row of x), got {y.shape}")
-    if not np.all(np.isfinite(y)):
-        raise ValueError("y: contains NaN or Inf")
-    return y
-
-
-def _check_pos_int(v, name):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
-    return int(v)
-
-
-def _check_nonneg(v, name):
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
-            or not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
-    return float(v)
-
-
 def _solve_psd(K, y, ridge):
     """(K + ridge I)^{-1} y by Cholesky; a clear error when K is singular (fewer
     features than samples without a ridge)."""
@@ -147,7 +110,9 @@ class RandomFeatures:
     seed: int
 
 
-def _draw_rf_weights(p, d, scale, seed):
+def draw_rf_weights(p, d, scale, seed):
+    """(V (p, d) float64 with V_ij ~ N(0, scale/d), the seed that drew it); seed
+    None draws 64 bits from the OS.  Public randomness: it never touches the data."""
     seed = _backend.resolve_seed(seed)
     V = np.random.default_rng(seed).standard_normal((p, d)) * math.sqrt(scale / d)
     return V, seed
@@ -168,13 +133,13 @@ def random_features(x, num_features, *, activation="relu", scale=1.0, seed=None,
 
     Returns (n, p) float64, or a :class:`RandomFeatures`.
     """
-    x = _as_matrix(x, "x")
-    p = _check_pos_int(num_features, "num_features")
-    scale = _check_nonneg(scale, "scale")
+    x = as_matrix(x, "x")
+    p = check_pos_int(num_features, "num_features")
+    scale = check_nonneg(scale, "scale")
     if scale == 0:
         raise ValueError("scale: expected > 0, got 0")
-    V, seed = _draw_rf_weights(p, x.shape[1], scale, seed)
-    Phi = _act3(activation, x @ V.T)[0]
+    V, seed = draw_rf_weights(p, x.shape[1], scale, seed)
+    Phi = activation_derivatives(activation, x @ V.T)[0]
     return RandomFeatures(Phi, V, seed) if return_weights else Phi
 
 
@@ -190,25 +155,26 @@ class RFRegressor:
     """
 
     def __init__(self, num_features, *, activation="relu", scale=1.0, ridge=0.0, seed=None):
-        self.num_features = _check_pos_int(num_features, "num_features")
+        self.num_features = check_pos_int(num_features, "num_features")
         if activation not in RF_ACTIVATIONS:
             raise ValueError(f"activation: expected one of {RF_ACTIVATIONS}, got {activation!r}")
         self.activation = activation
-        self.scale = _check_nonneg(scale, "scale")
-        self.ridge = _check_nonneg(ridge, "ridge")
+        self.scale = check_nonneg(scale, "scale")
+        self.ridge = check_nonneg(ridge, "ridge")
         self.seed = seed
 
     def features(self, x):
         """phi(X V^T), (m, p) float64, with the fitted V."""
         self._check_fitted()
-        return _act3(self.activation, _as_matrix(x, "x", self.V_.shape[1]) @ self.V_.T)[0]
+        x = as_matrix(x, "x", self.V_.shape[1])
+        return activation_derivatives(self.activation, x @ self.V_.T)[0]
 
     def fit(self, x, y):
-        x = _as_matrix(x, "x")
-        y = _as_targets(y, x.shape[0])
-        self.V_, self.seed_ = _draw_rf_weights(self.num_features, x.shape[1], self.scale,
-                                               self.seed)
-        Phi = _act3(self.activation, x @ self.V_.T)[0]
+        x = as_matrix(x, "x")
+        y = as_targets(y, x.shape[0])
+        self.V_, self.seed_ = draw_rf_weights(self.num_features, x.shape[1], self.scale,
+                                              self.seed)
+        Phi = activation_derivatives(self.activation, x @ self.V_.T)[0]
         n, p = Phi.shape
         if p >= n:
             self.theta_ = Phi.T @ _solve_psd(Phi @ Phi.T, y, self.ridge)
@@ -224,8 +190,8 @@ class RFRegressor:
     def input_gradient(self, x):
         """grad_x f(x) = V^T (phi'(V x) o theta), eq. (2); (m, d)."""
         self._check_fitted()
-        x = _as_matrix(x, "x", self.V_.shape[1])
-        dphi = _act3(self.activation, x @ self.V_.T)[1]
+        x = as_matrix(x, "x", self.V_.shape[1])
+        dphi = activation_derivatives(self.activation, x @ self.V_.T)[1]
         return (dphi * self.theta_) @ self.V_
 
     def sensitivity(self, x):
@@ -263,7 +229,7 @@ class NTKRegressor:
         if (width is None) == (weights is None):
             raise ValueError("NTKRegressor: give either width (the slides' two-layer model) or "
                              "weights (an MLP), not both or neither")
-        self.width = None if width is None else _check_pos_int(width, "width")
+        self.width = None if width is None else check_pos_int(width, "width")
         if activation not in RF_ACTIVATIONS:
             raise ValueError(f"activation: expected one of {RF_ACTIVATIONS}, got {activation!r}")
         if train not in ("first", "all"):
@@ -278,7 +244,7 @@ class NTKRegressor:
         self.biases = None if biases is None else [None if b is None else np.asarray(b, np.float64)
                                                    for b in biases]
         self.activation, self.parameterization, self.train = activation, parameterization, train
-        self.ridge = _check_nonneg(ridge, "ridge")
+        self.ridge = check_nonneg(ridge, "ridge")
         self.seed = seed
 
     # -- the kernel -----------------------------------------------------------------------
@@ -290,15 +256,15 @@ class NTKRegressor:
     def kernel(self, x, x2=None):
         """K(x, x2) (m, m2) float64 for the fitted network."""
         self._check_init()
-        x = _as_matrix(x, "x", self.d_)
-        x2 = x if x2 is None else _as_matrix(x2, "x2", self.d_)
+        x = as_matrix(x, "x", self.d_)
+        x2 = x if x2 is None else as_matrix(x2, "x2", self.d_)
         if self.weights is not None:
             return ntk_gram(x, self.weights, biases=self.biases, activation=self.activation,
                             x2=x2, parameterization=self.parameterization)
         if self.train == "all":
             return ntk_gram(x, self._two_layer_net(), activation=self.activation, x2=x2)
-        d1 = _act3(self.activation, x @ self.W_.T)[1]
-        d2 = d1 if x2 is x else _act3(self.activation, x2 @ self.W_.T)[1]
+        d1 = activation_derivatives(self.activation, x @ self.W_.T)[1]
+        d2 = d1 if x2 is x else activation_derivatives(self.activation, x2 @ self.W_.T)[1]
         return 2.0 * (d1 @ d2.T) * (x @ x2.T)
 
     @property
@@ -312,8 +278,8 @@ class NTKRegressor:
         return 2 * self.width * self.d_ + (2 * self.width if self.train == "all" else 0)
 
     def fit(self, x, y):
-        x = _as_matrix(x, "x")
-        y = _as_targets(y, x.shape[0])
+        x = as_matrix(x, "x")
+        y = as_targets(y, x.shape[0])
         self.d_ = x.shape[1]
         if self.weights is None:
             self.seed_ = _backend.resolve_seed(self.seed)
@@ -338,12 +304,12 @@ class NTKRegressor:
         output-weight term 2 W^T (phi'(Wx) o phi(W X^T) alpha) (train='all'), or
         torch autograd through the factor form (deep MLP)."""
         self._check_fitted()
-        x = _as_matrix(x, "x", self.d_)
+        x = as_matrix(x, "x", self.d_)
         if self.weights is not None:
             return self._autograd_gradient(x)
         X, W, al = self.x_train_, self.W_, self.alpha_
-        _, d1x, d2x = _act3(self.activation, x @ W.T)           # (m, k)
-        fX, d1X, _ = _act3(self.activation, X @ W.T)            # (n, k)
+        _, d1x, d2x = activation_derivatives(self.activation, x @ W.T)  # (m, k)
+        fX, d1X, _ = activation_derivatives(self.activation, X @ W.T)   # (n, k)
         B = al[:, None] * (X @ x.T)                             # (n, m): alpha_j <x_j, x>
         g = 2.0 * ((d2x * (B.T @ d1X)) @ W)                     # phi'' term
         g += 2.0 * ((al[:, None] * (d1X @ d1x.T)).T @ X)        # <x, x_j> term
@@ -395,5 +361,5 @@ def sensitivity(model, x):
         raise TypeError(f"model: expected a fitted RFRegressor or NTKRegressor, "
                         f"got {type(model).__name__}")
     g = model.input_gradient(x)
-    x = _as_matrix(x, "x")
+    x = as_matrix(x, "x")
     return np.linalg.norm(x, axis=1) * np.linalg.norm(g, axis=1)

@@ -104,7 +104,7 @@ def synthetic_main(argv: list[str]) -> int:
     from .. import nc
     from .._report import save_figure, write_report
     from ..privacy import dp_to_zcdp
-    from ..train import NoisyGDClassifier, _linear_steps
+    from ..train import NoisyGDClassifier, linear_steps as _linear_steps
 
     ap = argparse.ArgumentParser(prog="ncdp-fast reproduce nc-synthetic",
                                  description=synthetic_main.__doc__)
@@ -290,7 +290,7 @@ def _sgd_pair(Xtr, ytr, K, args, seed, preprocessing=(), reference=True):
     """NoisySGD at the budget and (``reference``) the same clipped SGD without noise on
     the same batches."""
     from .._mix import poisson_batches
-    from ..train import NoisySGDClassifier, _linear_steps
+    from ..train import NoisySGDClassifier, linear_steps as _linear_steps
     q = args.batch / Xtr.shape[0]
     stream = NoiseStream(seed)
     key = stream.state()         # private to this run: it rebuilds the batches below

@@ -1,6 +1,6 @@
 // Runs one typed launcher of csrc/ (compiled for the CPU emulation) on buffers
 // given by tests/test_cuda_emulation.py, so that the test can compare the
-// kernels' results with ncdp_fast/reference.py.
+// kernels' results with ncdp_fast/reference/.
 //
 //   emu-driver CASE_DIR
 //

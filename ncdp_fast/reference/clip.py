@@ -1,0 +1,183 @@
+"""DESIGN.md kernel 1: the clip rule and fused clipping with noise, in float64."""
+from __future__ import annotations
+
+import numpy as np
+
+from .rng import gaussian
+
+
+U64 = 2.0 ** -53   # unit roundoff of float64
+
+
+def unit_roundoff(dtype) -> float:
+    """u of the data dtype: 2^-24 for float32, 2^-53 for float64."""
+    return float(np.finfo(np.dtype(dtype)).eps) / 2
+
+
+def clip_bound(sq_norms, *, unit, terms, spread=None, seq_len=1):
+    """Upper bound on the L2 norm of a sample's gradient *as the kernels compute it*.
+
+    The clip rule is applied to this bound, not to the computed norm, so that a
+    sample's contribution stays <= C after every rounding (docs/privacy.md,
+    "The clip bound in floating point").  With ``gamma = (terms + 4) 2^-52``
+    (``terms``: float64 multiply-adds in one sample's squared norm) and
+    ``E = spread`` (``sum_t ||g_t|| (||a_t|| + bias)`` for a factored sequence
+    block, else 0), the true norm is at most
+    ``(sqrt(sq + gamma E^2) + (T+2) 2^-52 E) (1 + gamma)`` (Higham's bound on the
+    float64 norm), and the kernels' own sum over the T positions in the data
+    dtype adds ``2 (T+2) u E``; four more roundings of the data dtype (the
+    factor, the product, the output) give the final ``(1 + 4u)``.
+    """
+    sq = np.asarray(sq_norms, dtype=np.float64)
+    e = np.zeros_like(sq) if spread is None else np.asarray(spread, dtype=np.float64)
+    g = (terms + 4) * 2.0 ** -52
+    with np.errstate(over="ignore", invalid="ignore"):
+        # (sqrt(g) E)^2 rather than g E^2: E may be large enough for E^2 to overflow.
+        b = (np.sqrt(sq + (np.sqrt(g) * e) ** 2) + (seq_len + 2) * 2.0 ** -52 * e) * (1.0 + g)
+        return (b + 2.0 * (seq_len + 2) * unit * e) * (1.0 + 4.0 * unit)
+
+
+def clip_factors(sq_norms, max_norm, *, unit=U64, terms=0, spread=None, seq_len=1):
+    """Per-sample factors and norms (float64): the rule every backend applies.
+
+    ``norms = sqrt(sq)``; with ``b`` = :func:`clip_bound`, the factor is 0 where
+    ``b`` is not finite (the row is non-finite: dropped or raised on), 1 where
+    ``b <= C`` and ``C / b`` otherwise.  A zero row has factor 1.  This is
+    ``min(1, C/||g||)`` of DESIGN.md kernel 1 tightened by the rounding margin
+    (relative ``~(terms + 4u) ...``, about 3e-7 in float32), so that the
+    computed contribution never exceeds C.
+    """
+    norms = np.sqrt(np.asarray(sq_norms, dtype=np.float64))
+    bound = clip_bound(sq_norms, unit=unit, terms=terms, spread=spread, seq_len=seq_len)
+    factors = np.array([0.0 if not np.isfinite(b) else 1.0 if b <= max_norm else max_norm / b
+                        for b in bound.ravel()]).reshape(bound.shape)
+    return factors, norms
+
+
+def linear_spread(activations, backprops, bias=True):
+    """E_i = sum_t ||g_it|| (||a_it|| + [bias]) of a factored sequence block
+    (:func:`clip_bound`), zeros when T == 1 (no sum over positions)."""
+    a = np.asarray(activations, dtype=np.float64)
+    g = np.asarray(backprops, dtype=np.float64)
+    if a.ndim == 2 or a.shape[1] <= 1:
+        return np.zeros(a.shape[0])
+    na = np.sqrt((a * a).sum(axis=2))
+    ng = np.sqrt((g * g).sum(axis=2))
+    return (ng * (na + (1.0 if bias else 0.0))).sum(axis=1)
+
+
+def linear_terms(d, K, T, bias=True):
+    """``terms`` of :func:`clip_bound` for a linear block (either norm route)."""
+    return d + K + T * T + T + (K if bias else 0)
+
+
+def clip_and_noise(grads, *, max_norm, noise_multiplier, seed, offset=0,
+                   reduction="sum", expected_batch_size=None, dtype=None, factors=None):
+    """DESIGN.md kernel 1 (dense), in float64: returns ``(grad, norms)``.
+
+    ``grad = (sum_i g_i f_i + sigma C xi) / denom`` with ``f`` from
+    :func:`clip_factors` (``terms = p``, ``u`` of ``dtype``, default the
+    gradients' own dtype), ``xi`` the stream's first ``p`` normals at ``offset``
+    and ``denom`` 1 ("sum") or ``expected_batch_size`` ("mean").  Rows must be
+    finite.  ``factors`` overrides the rule (the factored ops pass theirs).
+    """
+    dtype = np.asarray(grads).dtype if dtype is None else np.dtype(dtype)
+    g = np.asarray(grads, dtype=np.float64)
+    B, p = g.shape
+    sq = np.array([sum(float(v) * float(v) for v in row) for row in g])
+    f, norms = clip_factors(sq, max_norm, unit=unit_roundoff(dtype), terms=p)
+    if factors is not None:
+        f = factors
+    total = np.zeros(p)
+    for i in range(B):
+        total += f[i] * g[i]
+    total += noise_multiplier * max_norm * gaussian(p, seed=seed, offset=offset, dtype=np.float64)
+    if reduction == "mean":
+        total /= expected_batch_size
+    return total, norms
+
+
+def per_sample_linear_grads(activations, backprops, bias=True):
+    """Explicit per-sample gradients of a linear layer, flattened to (B, K*d [+K]).
+
+    ``G_i = sum_t g_it a_it^T`` (K x d) and, with a bias, ``sum_t g_it`` (K,).
+    """
+    a = np.asarray(activations, dtype=np.float64)
+    g = np.asarray(backprops, dtype=np.float64)
+    if a.ndim == 2:
+        a, g = a[:, None, :], g[:, None, :]
+    rows = []
+    for i in range(a.shape[0]):
+        w = sum(np.outer(g[i, t], a[i, t]) for t in range(a.shape[1])) if a.shape[1] else \
+            np.zeros((g.shape[2], a.shape[2]))
+        parts = [np.ravel(w)]
+        if bias:
+            parts.append(g[i].sum(axis=0))
+        rows.append(np.concatenate(parts))
+    width = g.shape[2] * a.shape[2] + (g.shape[2] if bias else 0)
+    return np.array(rows).reshape(a.shape[0], width)
+
+
+def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier, bias=True,
+                          seed, offset=0, reduction="sum", expected_batch_size=None):
+    """Kernel 1 (factored) through explicit per-sample gradients, in float64.
+
+    Returns ``(grad_weight (K, d), grad_bias (K,) or None, norms (B,))``; the noise
+    for the weight is draws ``offset .. offset+K*d-1`` (row-major), then the bias.
+    The factors follow :func:`clip_factors` with the factored op's ``terms``,
+    spread and sequence length, in the activations' dtype.
+    """
+    dtype = np.asarray(activations).dtype
+    K, d = np.shape(backprops)[-1], np.shape(activations)[-1]
+    T = np.shape(activations)[1] if np.ndim(activations) == 3 else 1
+    flat = per_sample_linear_grads(activations, backprops, bias=bias)
+    sq = (flat * flat).sum(axis=1)
+    factors, _ = clip_factors(sq, max_norm, unit=unit_roundoff(dtype),
+                              terms=linear_terms(d, K, T, bias),
+                              spread=linear_spread(activations, backprops, bias), seq_len=T)
+    total, norms = clip_and_noise(flat, max_norm=max_norm, noise_multiplier=noise_multiplier,
+                                  seed=seed, offset=offset, reduction=reduction,
+                                  expected_batch_size=expected_batch_size, factors=factors)
+    gw = total[:K * d].reshape(K, d)
+    gb = total[K * d:] if bias else None
+    return gw, gb, norms
+
+
+def clip_and_noise_layers(blocks, *, max_norm, noise_multiplier, seed, offset=0,
+                          reduction="sum", expected_batch_size=None):
+    """Several parameters sharing one clip factor per sample, as the op takes them:
+    each block is a dense per-sample gradient (B, ...) or a linear layer
+    ``(activations, backprops[, bias])``.  The per-sample blocks are flattened and
+    concatenated in order and the whole row is clipped with :func:`clip_factors`
+    (``terms`` and spread summed over blocks, ``seq_len`` the longest sequence);
+    returns the list of flat per-block results and the total norms."""
+    flat, terms, spread, seq_len, dtype = [], 0, None, 1, None
+    for b in blocks:
+        if isinstance(b, (tuple, list)):
+            a, g = b[0], b[1]
+            bias = bool(b[2]) if len(b) == 3 else True
+            flat.append(per_sample_linear_grads(a, g, bias=bias))
+            T = np.shape(a)[1] if np.ndim(a) == 3 else 1
+            terms += linear_terms(np.shape(a)[-1], np.shape(g)[-1], T, bias)
+            e = linear_spread(a, g, bias)
+            spread = e if spread is None else spread + e
+            seq_len = max(seq_len, T)
+            dtype = np.asarray(a).dtype
+        else:
+            b = np.asarray(b)
+            flat.append(b.reshape(b.shape[0], -1).astype(np.float64))
+            terms += flat[-1].shape[1]
+            dtype = b.dtype
+    flat_all = np.concatenate(flat, axis=1)
+    factors, _ = clip_factors((flat_all * flat_all).sum(axis=1), max_norm,
+                              unit=unit_roundoff(dtype), terms=terms, spread=spread,
+                              seq_len=seq_len)
+    total, norms = clip_and_noise(flat_all, max_norm=max_norm, noise_multiplier=noise_multiplier,
+                                  seed=seed, offset=offset, reduction=reduction,
+                                  expected_batch_size=expected_batch_size, factors=factors)
+    out, start = [], 0
+    for f in flat:
+        out.append(total[start:start + f.shape[1]])
+        start += f.shape[1]
+    return out, norms
+

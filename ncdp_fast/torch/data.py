@@ -1,0 +1,69 @@
+"""Poisson batches for torch DataLoaders, empty batches included."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import default_collate
+
+from .._mix import poisson_batches
+from .mechanism import UsesNoiseStream
+
+__all__ = ["PoissonBatchSampler", "collate_with_empty"]
+
+
+class PoissonBatchSampler(UsesNoiseStream):
+    """True Poisson sampling for ``DataLoader(dataset, batch_sampler=...)``.
+
+    Each of the ``steps`` batches includes every index 0..n-1 independently with
+    probability ``sample_rate`` (:func:`ncdp_fast.poisson_batches`); empty
+    batches are yielded as empty lists -- skipping them would change the
+    privacy analysis -- so pair the loader with :func:`collate_with_empty`.
+    Every pass over the sampler (every epoch) draws fresh batches from the next
+    range of the stream; ``seed`` defaults to the OS.
+    """
+
+    def __init__(self, n: int, *, sample_rate: float, steps: int, seed=None,
+                 offset: int | None = None):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps: expected an integer >= 0, got {steps!r}")
+        self.n, self.sample_rate, self.batches = n, sample_rate, steps
+        self._init_stream(seed, offset)
+        poisson_batches(n, sample_rate=sample_rate, steps=0, seed=self._stream)  # validate
+
+    @property
+    def steps(self) -> int:
+        """Batches per pass (the ``steps`` given)."""
+        return self.batches
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self):
+        plan = poisson_batches(self.n, sample_rate=self.sample_rate, steps=self.batches,
+                               seed=self._stream)
+        self._steps += 1
+        for batch in plan:
+            yield batch.tolist()
+
+
+def collate_with_empty(dataset, collate_fn=None):
+    """A collate function that turns an empty batch into correctly shaped empty
+    tensors (shape (0, *item_shape) for every field), the shapes and dtypes being
+    read once from ``dataset[0]`` (shapes are public; no value is used)."""
+    collate = collate_fn or default_collate
+    template = []
+
+    def empty_like(item):
+        if isinstance(item, (tuple, list)):
+            return type(item)(empty_like(x) for x in item)
+        if isinstance(item, dict):
+            return {k: empty_like(v) for k, v in item.items()}
+        t = torch.as_tensor(item)
+        return t.new_empty((0, *t.shape))
+
+    def fn(batch):
+        if len(batch):
+            return collate(batch)
+        if not template:
+            template.append(empty_like(dataset[0]))
+        return template[0]
+    return fn

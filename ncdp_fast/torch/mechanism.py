@@ -1,0 +1,92 @@
+"""What the drop-ins share: their noise stream and, for the two that release
+gradients, the checked DP arguments and the one fused clip-and-noise call."""
+from __future__ import annotations
+
+from .. import _stream
+from .._clip import LayersClipResult, _nonneg_finite, _positive_finite, clip_and_noise_layers
+from .._stream import NoiseStream
+
+__all__ = ["UsesNoiseStream", "ClippedGaussianStep", "check_dp_args"]
+
+
+class UsesNoiseStream:
+    """The noise stream of a drop-in (a :class:`ncdp_fast.NoiseStream`): ``seed``
+    (the secret key), ``offset`` (the next unused draw) and the private-step count.
+    ``noise_state()`` / ``load_noise_state()`` carry them into a *private*
+    training checkpoint so that a resumed run continues the stream."""
+
+    def _init_stream(self, seed, offset):
+        self._stream = _stream.resolve(seed, offset)
+        self._steps = 0
+
+    @property
+    def seed(self) -> int:
+        return self._stream.seed
+
+    @property
+    def offset(self) -> int:
+        """Next unused draw (or sub-stream) of the Philox stream."""
+        return self._stream.position
+
+    @property
+    def steps(self) -> int:
+        """Private steps taken (calls of privatize_, or passes over a sampler)."""
+        return self._steps
+
+    def noise_state(self) -> dict:
+        """``{"seed", "offset", "steps"}``: secret, for private checkpoints only."""
+        return dict(self._stream.state(), steps=self._steps)
+
+    def load_noise_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or not {"seed", "offset", "steps"} <= set(state):
+            raise ValueError(f"state: expected a dict with seed, offset and steps (from "
+                             f"noise_state()), got {state!r}")
+        self._stream = NoiseStream.restore(state)
+        self._steps = int(state["steps"])
+
+
+def check_dp_args(max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction,
+                  nan_policy):
+    """The drop-ins' arguments, checked at construction under the user's names."""
+    max_grad_norm = _positive_finite(max_grad_norm, "max_grad_norm")
+    noise_multiplier = _nonneg_finite(noise_multiplier, "noise_multiplier")
+    if noise_multiplier * max_grad_norm > 1e150:
+        raise ValueError(f"noise_multiplier: {noise_multiplier!r} * max_grad_norm "
+                         f"{max_grad_norm!r} is too large a noise std (the noise would "
+                         "overflow)")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction: expected 'mean' or 'sum', got {loss_reduction!r}")
+    if expected_batch_size is not None:
+        expected_batch_size = _positive_finite(expected_batch_size, "expected_batch_size")
+    elif loss_reduction == "mean":
+        raise ValueError("expected_batch_size: required with loss_reduction='mean'")
+    if nan_policy not in ("raise", "zero"):
+        raise ValueError(f"nan_policy: expected 'raise' or 'zero', got {nan_policy!r}")
+    return max_grad_norm, noise_multiplier, expected_batch_size
+
+
+class ClippedGaussianStep(UsesNoiseStream):
+    """A drop-in whose every private step is one Gaussian mechanism over the
+    batch: per-sample clipping at ``max_grad_norm``, noise std ``noise_multiplier
+    * max_grad_norm``, division by the *expected* batch size for a mean-reduced
+    loss.  Subclasses gather the per-sample blocks and hand them to
+    :meth:`_clip_and_noise`, which draws the noise from the drop-in's stream."""
+
+    def __init__(self, *, max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction,
+                 seed, offset, nan_policy):
+        self.max_grad_norm, self.noise_multiplier, self.expected_batch_size = check_dp_args(
+            max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction, nan_policy)
+        self.loss_reduction = loss_reduction
+        self.nan_policy = nan_policy
+        self._init_stream(seed, offset)
+        self.last_result: LayersClipResult | None = None
+
+    def _clip_and_noise(self, blocks) -> LayersClipResult:
+        """One private step over ``blocks`` (:func:`ncdp_fast.clip_and_noise_layers`)."""
+        result = clip_and_noise_layers(
+            blocks, max_norm=self.max_grad_norm, noise_multiplier=self.noise_multiplier,
+            seed=self._stream, reduction=self.loss_reduction,
+            expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy)
+        self._steps += 1
+        self.last_result = result
+        return result

@@ -1,0 +1,107 @@
+"""What both private linear classifiers share: argument checks, the budget spent
+by private preprocessing, and fit-time preparation / predict / score."""
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+
+import numpy as np
+
+from .. import _backend
+from ..nc import _check_features, check_labels
+from .steps import ArrayOps, float_features, to_lib
+
+__all__ = ["LOSSES", "check_real", "check_int", "prior_rho", "LinearClassifierBase"]
+
+LOSSES = ("ce", "square")
+
+
+def check_real(value, name, *, positive=True, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or \
+            (positive and value <= 0):
+        raise ValueError(f"{name}: expected a finite number{' > 0' if positive else ''}, got "
+                         f"{value!r}")
+    return float(value)
+
+
+def check_int(value, name, minimum):
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def prior_rho(preprocessing):
+    """zCDP already spent on the private data by fitted preprocessors."""
+    spent = []
+    for i, pre in enumerate(preprocessing or ()):
+        on = getattr(pre, "fitted_on_", None)
+        if on not in ("public", "private"):
+            raise ValueError(f"preprocessing[{i}]: expected a fitted Centering/PCAProjector "
+                             f"(fit(X, public=True) or fit_private), got {pre!r}")
+        if on == "private":
+            spent.append(float(pre.rho_))
+    return spent
+
+
+class LinearClassifierBase:
+    """fit / predict / score / decision_function shared by both estimators."""
+
+    def _validate_common(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss: expected one of {list(LOSSES)}, got {self.loss!r}")
+        check_real(self.lr, "lr")
+        check_real(self.max_grad_norm, "max_grad_norm")
+        check_real(self.projection_radius, "projection_radius", allow_none=True)
+        if self.num_classes is None:
+            raise ValueError("num_classes: required (an integer >= 2): reading K from the "
+                             "private labels as max(y) + 1 would reveal whether a record of "
+                             "the largest class is present")
+        check_int(self.num_classes, "num_classes", 2)
+
+    def __getstate__(self):
+        # The noise key is secret: a pickled estimator (a model one may publish)
+        # never carries it, whether given as an int or a NoiseStream.
+        state = dict(self.__dict__)
+        state["seed"] = None
+        return state
+
+    def _prepare(self, X, y):
+        X = float_features(X)
+        n, p = _check_features(X)
+        if n == 0:
+            raise ValueError("X: expected at least one row, got 0")
+        labels, K = check_labels(y, n, self.num_classes)
+        return X, labels, n, p, K
+
+    def _set_fitted(self, W, b, K, p):
+        self.coef_, self.intercept_ = W, b
+        self.classes_ = np.arange(K)
+        self.n_features_in_ = p
+
+    def decision_function(self, X):
+        """Scores ``X W^T (+ b)``: (n, K) in X's library and device."""
+        if not hasattr(self, "coef_"):
+            raise RuntimeError(f"{type(self).__name__}: call fit first")
+        X = float_features(X)
+        n, p = _check_features(X)
+        if p != self.n_features_in_:
+            raise ValueError(f"X: expected {self.n_features_in_} features, got {p}")
+        ops = ArrayOps(X)
+        z = X @ to_lib(self.coef_, ops).T
+        if self.intercept_ is not None:
+            z = z + to_lib(self.intercept_, ops)
+        return z
+
+    def predict(self, X):
+        """Predicted labels argmax_k (W x)_k: (n,) int64 in X's library and device."""
+        X = float_features(X)
+        return ArrayOps(X).argmax(self.decision_function(X))
+
+    def score(self, X, y):
+        """Accuracy on (X, y), a Python float."""
+        pred = self.predict(X)
+        pred = pred.detach().cpu().numpy() if _backend.is_torch(pred) else np.asarray(pred)
+        labels, _ = check_labels(y, pred.shape[0], len(self.classes_))
+        return float(np.mean(pred == labels))
