@@ -263,7 +263,7 @@ class _Layer:
         gw = be.io.empty((self.K, self.d), dtype)
         gb = be.io.empty((self.K,), dtype) if self.bias else None
         be.kernels.clipped_linear_sum(self.a, self.g, factors, noise_std, inv_denom, seed, offset,
-                                      gw, gb, matmul=getattr(be.io, "matmul", None))
+                                      gw, gb, matmul=be.io.matmul)
         return be.io.to_user(gw), (None if gb is None else be.io.to_user(gb))
 
 

@@ -220,18 +220,20 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
 
     draws = T * (d + K)
     seed, offset = _stream.claim(seed, offset, draws)
-    group_ptr, members, select, walk = _population(labels_host, n, K, m, class_rate)
+    # The population description goes where the kernels run (a no-op on the CPU).
+    group_ptr, members, select, walk = (None if a is None else be.io.from_host(a)
+                                        for a in _population(labels_host, n, K, m, class_rate))
+    lab = be.io.from_host(labels_host if labels_host is not None else np.zeros(1, dtype=np.int64))
     out_x = be.io.empty((T, d), dtype)
     out_y = be.io.empty((T, K), dtype)
     counts = be.io.empty((T,), np.dtype(np.int64))
-    lab = labels_host if labels_host is not None else np.zeros(1, dtype=np.int64)
     be.kernels.mix_rows(xk, lab, soft, group_ptr, members, select, walk, seed, offset,
                         1.0 / m, cx, sx, sy, out_x, out_y, counts)
     groups = None
     if return_groups:
         # The backend's own sampler, so the groups are exactly those behind x, y.
         indptr, indices = be.kernels.sample_plan(group_ptr, members, select, walk, seed, offset,
-                                                 d + K, T, like=xk)
+                                                 d + K, T)
         groups = BatchPlan(indptr, indices, seed, offset, offset + draws)
     return MixResult(x=be.io.to_user(out_x), y=be.io.to_user(out_y),
                      counts=be.io.to_user(counts), seed=seed, offset=offset, draws=draws,
@@ -288,7 +290,7 @@ def poisson_batches(n, *, sample_rate, steps, seed=None, offset=None) -> BatchPl
     seed, offset = _stream.claim(seed, offset, steps)
     if offset + steps + 1 > 2**64:
         raise ValueError(f"offset: {offset} + {steps} steps runs past the end of the stream")
-    from ._numba import mix as cpu_mix
-    indptr, indices = cpu_mix.sample_plan(np.array([0, n], dtype=np.int64), None, None,
-                                          np.array([q]), seed, offset, 1, steps)
+    be = _backend.host("mix")
+    indptr, indices = be.kernels.sample_plan(np.array([0, n], dtype=np.int64), None, None,
+                                             np.array([q]), seed, offset, 1, steps)
     return BatchPlan(indptr, indices, seed, offset, offset + steps)

@@ -279,7 +279,7 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
             (fa, ba), (fb, bb) = numpy_term(t1), numpy_term(t2)
             be.kernels.hadamard_gram([None if fa is None else _contig(fa)], [_contig(ba)],
                                      [None if fb is None else _contig(fb)], [_contig(bb)], out,
-                                     x2 is None, matmul=getattr(be.io, "matmul", None),
+                                     x2 is None, matmul=be.io.matmul,
                                      accumulate=True)
         return be.io.to_user(out)
     # CUDA: one launch over all terms (the tile accumulates every layer in registers).
