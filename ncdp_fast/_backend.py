@@ -15,10 +15,12 @@ CUDA in a process that may fork.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import secrets
 import warnings
 from dataclasses import dataclass
+from numbers import Real
 from types import ModuleType
 from typing import Any
 
@@ -93,6 +95,24 @@ def check_uint64(value: Any, name: str) -> int:
     if not 0 <= value < 2**64:
         raise ValueError(f"{name}: expected an integer in [0, 2**64), got {value}")
     return value
+
+
+def _real(value, name):
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+    return value
+
+
+def positive_finite(value, name) -> float:
+    if not (math.isfinite(_real(value, name)) and value > 0):
+        raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def nonneg_finite(value, name) -> float:
+    if not (math.isfinite(_real(value, name)) and value >= 0):
+        raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 # ------------------------------------------------------------------------ dispatch

@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _stream
-from ._clip import _nonneg_finite, _positive_finite, _shape
+from . import _arrays, _backend, _stream
 
 __all__ = ["BatchPlan", "MixResult", "mix", "poisson_batches"]
 
@@ -172,9 +171,9 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
             not (0 < mixup_degree <= n):
         raise ValueError(f"mixup_degree: expected 0 < m <= n = {n}, got {mixup_degree!r}")
     m = float(mixup_degree)
-    sx = _nonneg_finite(noise_std_x, "noise_std_x")
-    sy = _nonneg_finite(noise_std_y, "noise_std_y")
-    cx = 0.0 if clip_x is None else _positive_finite(clip_x, "clip_x")
+    sx = _backend.nonneg_finite(noise_std_x, "noise_std_x")
+    sy = _backend.nonneg_finite(noise_std_y, "noise_std_y")
+    cx = 0.0 if clip_x is None else _backend.positive_finite(clip_x, "clip_x")
     be = _backend.select("mix", features=features, labels=labels)
     dtype = be.check_float(features, "features")
     xk = be.io.to_kernel(features)
@@ -183,7 +182,7 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
     if cx > 0.0:
         _check_clip_range(be, xk, d, dtype)
 
-    sl = _shape(labels, "labels")
+    sl = _arrays.shape(labels, "labels")
     soft = None
     if len(sl) == 2:
         if sl[0] != n:
@@ -262,7 +261,7 @@ def _check_clip_range(be, xk, d, dtype):
 
 
 def _features_shape(features):
-    s = _shape(features, "features")
+    s = _arrays.shape(features, "features")
     if len(s) != 2:
         raise ValueError(f"features: expected shape (n, d), got {s}")
     n, d = s

@@ -22,8 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import _backend
-from ._clip import _shape
+from . import _arrays, _backend
 
 __all__ = ["ACTIVATIONS", "ntk_gram", "ntk_factors"]
 
@@ -101,7 +100,7 @@ def _check_network(x_shape, weights, biases, activation_name, parameterization, 
         raise ValueError(f"x: expected shape (n, d), got {x_shape}")
     width = x_shape[1]
     for l, w in enumerate(weights):
-        s = _shape(w, f"weights[{l}]")
+        s = _arrays.shape(w, f"weights[{l}]")
         if len(s) != 2:
             raise ValueError(f"weights[{l}]: expected an (out, in) matrix, got shape {s}")
         if s[1] != width:
@@ -118,9 +117,11 @@ def _check_network(x_shape, weights, biases, activation_name, parameterization, 
             raise ValueError(f"biases: expected None or a list of {len(weights)} entries "
                              "(None for a layer without bias)")
         for l, b in enumerate(biases):
-            if b is not None and _shape(b, f"biases[{l}]") != (_shape(weights[l], "w")[0],):
-                raise ValueError(f"biases[{l}]: expected shape ({_shape(weights[l], 'w')[0]},), "
-                                 f"got {_shape(b, f'biases[{l}]')}")
+            if b is None:
+                continue
+            want, got = (_arrays.shape(weights[l], "w")[0],), _arrays.shape(b, f"biases[{l}]")
+            if got != want:
+                raise ValueError(f"biases[{l}]: expected shape {want}, got {got}")
 
 
 def iter_ntk_factors(x, weights, biases, activation_name, parameterization, ns, matmul):
@@ -232,8 +233,8 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
         biases, (list, tuple)) else {})
     be = _backend.select("ntk", **arrays)
     dtype = be.check_float(x, "x")
-    xs = _shape(x, "x")
-    x2s = None if x2 is None else _shape(x2, "x2")
+    xs = _arrays.shape(x, "x")
+    x2s = None if x2 is None else _arrays.shape(x2, "x2")
     if x2 is not None and be.check_float(x2, "x2") != dtype:
         raise TypeError(f"x2: dtype {be.io.dtype_of(x2)} differs from x's {dtype}")
     for nm, sh in (("x", xs), ("x2", x2s)):
