@@ -206,7 +206,7 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
             raise ValueError("num_classes: required with integer labels (inferring it from the "
                              "private labels would leak it)")
         K = _check_int(num_classes, "num_classes", 1)
-        labels_host = np.asarray(be.io.to_numpy(be.io.to_kernel(labels)))
+        labels_host = _arrays.to_numpy(labels)
         if labels_host.dtype.kind not in "iu":
             raise TypeError(f"labels: expected integer class ids, got dtype {labels_host.dtype}")
         if n and (labels_host.min() < 0 or labels_host.max() >= K):
