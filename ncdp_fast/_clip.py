@@ -5,14 +5,12 @@ allocates outputs and calls the kernels of the chosen backend.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from numbers import Real
 from typing import Any, Sequence
 
 import numpy as np
 
-from . import _backend, _stream
+from . import _arrays, _backend, _stream
 
 __all__ = ["ClipResult", "LinearClipResult", "LayersClipResult", "clip_and_noise",
            "clip_and_noise_linear", "clip_and_noise_layers"]
@@ -53,25 +51,15 @@ class LayersClipResult(_Accounting):
 
 # ------------------------------------------------------------------ validation
 
-def _positive_finite(value, name):
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
-    return float(value)
-
-
-def _nonneg_finite(value, name):
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
-    return float(value)
+# torch/__init__.py imports these two names from here; it moves to _backend's
+# public ones when the algorithm modules switch (issue 15).
+_positive_finite = _backend.positive_finite
+_nonneg_finite = _backend.nonneg_finite
 
 
 def _check_common(max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy):
-    max_norm = _positive_finite(max_norm, "max_norm")
-    noise_multiplier = _nonneg_finite(noise_multiplier, "noise_multiplier")
+    max_norm = _backend.positive_finite(max_norm, "max_norm")
+    noise_multiplier = _backend.nonneg_finite(noise_multiplier, "noise_multiplier")
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction: expected 'sum' or 'mean', got {reduction!r}")
     if reduction == "mean":
@@ -79,20 +67,12 @@ def _check_common(max_norm, noise_multiplier, reduction, expected_batch_size, na
             raise ValueError("expected_batch_size: reduction='mean' needs the expected batch size "
                              "(sample_rate * dataset size); dividing by the realized batch size "
                              "would leak it, so it is never used")
-        inv_denom = 1.0 / _positive_finite(expected_batch_size, "expected_batch_size")
+        inv_denom = 1.0 / _backend.positive_finite(expected_batch_size, "expected_batch_size")
     else:
         inv_denom = 1.0
     if nan_policy not in ("raise", "zero"):
         raise ValueError(f"nan_policy: expected 'raise' or 'zero', got {nan_policy!r}")
     return max_norm, noise_multiplier * max_norm, inv_denom
-
-
-def _shape(x, name):
-    try:
-        return tuple(int(s) for s in x.shape)
-    except AttributeError:
-        raise TypeError(f"{name}: expected an array (NumPy, torch or CuPy), "
-                        f"got {type(x).__name__}") from None
 
 
 def _check_noise_range(noise_std, inv_denom, dtype):
@@ -157,7 +137,7 @@ def clip_and_noise(grads, *, max_norm, noise_multiplier, seed=None, offset=None,
     """
     max_norm, noise_std, inv_denom = _check_common(
         max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy)
-    shape = _shape(grads, "grads")
+    shape = _arrays.shape(grads, "grads")
     if len(shape) != 2:
         raise ValueError(f"grads: expected shape (B, p), got {shape}")
     be = _backend.select("clip", grads=grads)
@@ -177,7 +157,8 @@ def clip_and_noise(grads, *, max_norm, noise_multiplier, seed=None, offset=None,
 # --------------------------------------------------------------- factored ops
 
 def _as_pair(activations, backprops, where=""):
-    sa, sg = _shape(activations, f"activations{where}"), _shape(backprops, f"backprops{where}")
+    sa = _arrays.shape(activations, f"activations{where}")
+    sg = _arrays.shape(backprops, f"backprops{where}")
     if len(sa) not in (2, 3) or len(sg) != len(sa):
         raise ValueError(f"activations{where}, backprops{where}: expected shapes (B, d) and (B, K), "
                          f"or (B, T, d) and (B, T, K); got {sa} and {sg}")
@@ -216,7 +197,7 @@ class _Layer:
             self.terms = self.d + self.K + T * T + T + (self.K if self.bias else 0)
             self.draws = self.K * self.d + (self.K if self.bias else 0)
         else:
-            s = _shape(spec, f"layers{where}")
+            s = _arrays.shape(spec, f"layers{where}")
             if len(s) < 2:
                 raise ValueError(f"layers{where}: expected a per-sample gradient of shape (B, ...), "
                                  f"got {s}")
@@ -263,7 +244,7 @@ class _Layer:
         gw = be.io.empty((self.K, self.d), dtype)
         gb = be.io.empty((self.K,), dtype) if self.bias else None
         be.kernels.clipped_linear_sum(self.a, self.g, factors, noise_std, inv_denom, seed, offset,
-                                      gw, gb, matmul=getattr(be.io, "matmul", None))
+                                      gw, gb, matmul=be.io.matmul)
         return be.io.to_user(gw), (None if gb is None else be.io.to_user(gb))
 
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend, _stream
-from ._clip import _nonneg_finite, _positive_finite, _shape
+from . import _arrays, _backend, _stream
 
 __all__ = ["BatchPlan", "MixResult", "mix", "poisson_batches"]
 
@@ -172,9 +171,9 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
             not (0 < mixup_degree <= n):
         raise ValueError(f"mixup_degree: expected 0 < m <= n = {n}, got {mixup_degree!r}")
     m = float(mixup_degree)
-    sx = _nonneg_finite(noise_std_x, "noise_std_x")
-    sy = _nonneg_finite(noise_std_y, "noise_std_y")
-    cx = 0.0 if clip_x is None else _positive_finite(clip_x, "clip_x")
+    sx = _backend.nonneg_finite(noise_std_x, "noise_std_x")
+    sy = _backend.nonneg_finite(noise_std_y, "noise_std_y")
+    cx = 0.0 if clip_x is None else _backend.positive_finite(clip_x, "clip_x")
     be = _backend.select("mix", features=features, labels=labels)
     dtype = be.check_float(features, "features")
     xk = be.io.to_kernel(features)
@@ -183,7 +182,7 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
     if cx > 0.0:
         _check_clip_range(be, xk, d, dtype)
 
-    sl = _shape(labels, "labels")
+    sl = _arrays.shape(labels, "labels")
     soft = None
     if len(sl) == 2:
         if sl[0] != n:
@@ -207,7 +206,7 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
             raise ValueError("num_classes: required with integer labels (inferring it from the "
                              "private labels would leak it)")
         K = _check_int(num_classes, "num_classes", 1)
-        labels_host = np.asarray(be.io.to_numpy(be.io.to_kernel(labels)))
+        labels_host = _arrays.to_numpy(labels)
         if labels_host.dtype.kind not in "iu":
             raise TypeError(f"labels: expected integer class ids, got dtype {labels_host.dtype}")
         if n and (labels_host.min() < 0 or labels_host.max() >= K):
@@ -220,18 +219,20 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
 
     draws = T * (d + K)
     seed, offset = _stream.claim(seed, offset, draws)
-    group_ptr, members, select, walk = _population(labels_host, n, K, m, class_rate)
+    # The population description goes where the kernels run (a no-op on the CPU).
+    group_ptr, members, select, walk = (None if a is None else be.io.from_host(a)
+                                        for a in _population(labels_host, n, K, m, class_rate))
+    lab = be.io.from_host(labels_host if labels_host is not None else np.zeros(1, dtype=np.int64))
     out_x = be.io.empty((T, d), dtype)
     out_y = be.io.empty((T, K), dtype)
     counts = be.io.empty((T,), np.dtype(np.int64))
-    lab = labels_host if labels_host is not None else np.zeros(1, dtype=np.int64)
     be.kernels.mix_rows(xk, lab, soft, group_ptr, members, select, walk, seed, offset,
                         1.0 / m, cx, sx, sy, out_x, out_y, counts)
     groups = None
     if return_groups:
         # The backend's own sampler, so the groups are exactly those behind x, y.
         indptr, indices = be.kernels.sample_plan(group_ptr, members, select, walk, seed, offset,
-                                                 d + K, T, like=xk)
+                                                 d + K, T)
         groups = BatchPlan(indptr, indices, seed, offset, offset + draws)
     return MixResult(x=be.io.to_user(out_x), y=be.io.to_user(out_y),
                      counts=be.io.to_user(counts), seed=seed, offset=offset, draws=draws,
@@ -260,7 +261,7 @@ def _check_clip_range(be, xk, d, dtype):
 
 
 def _features_shape(features):
-    s = _shape(features, "features")
+    s = _arrays.shape(features, "features")
     if len(s) != 2:
         raise ValueError(f"features: expected shape (n, d), got {s}")
     n, d = s
@@ -288,7 +289,7 @@ def poisson_batches(n, *, sample_rate, steps, seed=None, offset=None) -> BatchPl
     seed, offset = _stream.claim(seed, offset, steps)
     if offset + steps + 1 > 2**64:
         raise ValueError(f"offset: {offset} + {steps} steps runs past the end of the stream")
-    from ._numba import mix as cpu_mix
-    indptr, indices = cpu_mix.sample_plan(np.array([0, n], dtype=np.int64), None, None,
-                                          np.array([q]), seed, offset, 1, steps)
+    be = _backend.host("mix")
+    indptr, indices = be.kernels.sample_plan(np.array([0, n], dtype=np.int64), None, None,
+                                             np.array([q]), seed, offset, 1, steps)
     return BatchPlan(indptr, indices, seed, offset, offset + steps)

@@ -22,8 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from . import _backend
-from ._clip import _shape
+from . import _arrays, _backend
 
 __all__ = ["ACTIVATIONS", "ntk_gram", "ntk_factors"]
 
@@ -31,8 +30,10 @@ ACTIVATIONS = ("relu", "tanh", "erf", "gelu", "softplus", "identity")
 
 
 def _namespace(lib):
-    """Elementwise functions of one array library, so the activations below are
-    written once for NumPy and torch."""
+    """The functions of one array library ("torch" or "numpy") that the factors
+    need, so the activations and passes below are written once for both.
+    ``as_input`` takes a caller's array as the factor code reads it: detached
+    from autograd (torch, no copy), C-contiguous (NumPy)."""
     if lib == "torch":
         import torch
         return SimpleNamespace(erf=torch.erf, exp=torch.exp, tanh=torch.tanh,
@@ -40,14 +41,16 @@ def _namespace(lib):
                                softplus=lambda z: torch.nn.functional.softplus(z, threshold=1e9),
                                positive=lambda z: (z > 0).to(z.dtype),
                                with_ones=lambda a: torch.cat([a, a.new_ones((a.shape[0], 1))], 1),
-                               lib="torch")
+                               swap01=lambda a: a.permute(1, 0, 2), matmul=torch.matmul,
+                               as_input=lambda a: a.detach(), lib="torch")
     from scipy.special import erf, expit
     return SimpleNamespace(erf=erf, exp=np.exp, tanh=np.tanh, sigmoid=expit,
                            relu=lambda z: np.maximum(z, 0), softplus=lambda z: np.logaddexp(0, z),
                            positive=lambda z: (z > 0).astype(z.dtype),
                            with_ones=lambda a: np.concatenate([a, np.ones((a.shape[0], 1), a.dtype)],
                                                               axis=1),
-                           lib="numpy")
+                           swap01=lambda a: a.transpose(1, 0, 2), matmul=np.matmul,
+                           as_input=np.ascontiguousarray, lib="numpy")
 
 
 _SQRT2 = math.sqrt(2.0)
@@ -101,7 +104,7 @@ def _check_network(x_shape, weights, biases, activation_name, parameterization, 
         raise ValueError(f"x: expected shape (n, d), got {x_shape}")
     width = x_shape[1]
     for l, w in enumerate(weights):
-        s = _shape(w, f"weights[{l}]")
+        s = _arrays.shape(w, f"weights[{l}]")
         if len(s) != 2:
             raise ValueError(f"weights[{l}]: expected an (out, in) matrix, got shape {s}")
         if s[1] != width:
@@ -118,9 +121,11 @@ def _check_network(x_shape, weights, biases, activation_name, parameterization, 
             raise ValueError(f"biases: expected None or a list of {len(weights)} entries "
                              "(None for a layer without bias)")
         for l, b in enumerate(biases):
-            if b is not None and _shape(b, f"biases[{l}]") != (_shape(weights[l], "w")[0],):
-                raise ValueError(f"biases[{l}]: expected shape ({_shape(weights[l], 'w')[0]},), "
-                                 f"got {_shape(b, f'biases[{l}]')}")
+            if b is None:
+                continue
+            want, got = (_arrays.shape(weights[l], "w")[0],), _arrays.shape(b, f"biases[{l}]")
+            if got != want:
+                raise ValueError(f"biases[{l}]: expected shape {want}, got {got}")
 
 
 def iter_ntk_factors(x, weights, biases, activation_name, parameterization, ns, matmul):
@@ -195,13 +200,12 @@ def ntk_factors(x, weights, biases, activation_name, parameterization, ns, matmu
 def _batched_left(Wt, Bm, matmul, ns):
     """Wt @ Bm[i] for every i, as one GEMM: (n, w_{l+1}, K) -> (n, w_l, K)."""
     n, w1, K = Bm.shape
-    swap = (lambda a: a.permute(1, 0, 2)) if ns.lib == "torch" else (lambda a: a.transpose(1, 0, 2))
-    out = matmul(Wt, swap(Bm).reshape(w1, n * K))
-    return swap(out.reshape(Wt.shape[0], n, K))
+    out = matmul(Wt, ns.swap01(Bm).reshape(w1, n * K))
+    return ns.swap01(out.reshape(Wt.shape[0], n, K))
 
 
 def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameterization="standard",
-             diagonal=False, output="trace", accumulate_f64=False):
+             diagonal=False, accumulate_f64=False):
     """Empirical NTK Gram matrix of an MLP, without forming the Jacobian.
 
     Args:
@@ -214,17 +218,14 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
             1/sqrt(fan_in) in the forward pass, gradients w.r.t. the unscaled
             weights, as neural-tangents defines it).
         diagonal: return only K(x_i, x_i) (or K(x_i, x2_i)), shape (n,).
-        output: "trace" -- the mean over the K_out outputs of each output's
-            kernel (neural-tangents' default trace_axes=(-1,)).
         accumulate_f64: CUDA only: float64 accumulation for float32 inputs
             (result float64).
 
     Returns K of shape (n, n2) (exactly symmetric when x2 is None), or (n,),
-    in x's dtype and array type.  Extra memory beyond the layer factors
-    (n x width x K_out) is O(block^2).
+    in x's dtype and array type: the mean over the K_out outputs of each
+    output's kernel (neural-tangents' default trace_axes=(-1,)).  Extra memory
+    beyond the layer factors (n x width x K_out) is O(block^2).
     """
-    if output != "trace":
-        raise ValueError(f"output: only 'trace' (mean over outputs) is supported, got {output!r}")
     arrays = {"x": x, "x2": x2}
     arrays.update({f"weights[{l}]": w for l, w in enumerate(weights)} if isinstance(
         weights, (list, tuple)) else {})
@@ -232,8 +233,8 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
         biases, (list, tuple)) else {})
     be = _backend.select("ntk", **arrays)
     dtype = be.check_float(x, "x")
-    xs = _shape(x, "x")
-    x2s = None if x2 is None else _shape(x2, "x2")
+    xs = _arrays.shape(x, "x")
+    x2s = None if x2 is None else _arrays.shape(x2, "x2")
     if x2 is not None and be.check_float(x2, "x2") != dtype:
         raise TypeError(f"x2: dtype {be.io.dtype_of(x2)} differs from x's {dtype}")
     for nm, sh in (("x", xs), ("x2", x2s)):
@@ -245,23 +246,16 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
     # Factors are computed by the caller's own library: torch tensors (CPU or
     # CUDA) with torch ops -- no copies for transposed views, no second BLAS
     # pool -- and NumPy arrays with NumPy.
-    use_torch = be.io.lib == "torch"
-    if use_torch:
-        conv = lambda a: a.detach()                      # noqa: E731
-        ns, matmul = _namespace("torch"), _torch_matmul()
-    else:
-        conv = be.io.to_kernel
-        ns, matmul = _namespace("numpy"), np.matmul
-    xw = [conv(w) for w in weights]
-    xb = None if biases is None else [None if b is None else conv(b) for b in biases]
+    ns = _namespace(be.io.lib)
+    xw = [ns.as_input(w) for w in weights]
+    xb = None if biases is None else [None if b is None else ns.as_input(b) for b in biases]
 
     def terms(inputs):
-        return iter_ntk_factors(conv(inputs), xw, xb, activation, parameterization, ns, matmul)
+        return iter_ntk_factors(ns.as_input(inputs), xw, xb, activation, parameterization, ns,
+                                ns.matmul)
 
-    def numpy_term(term):                                 # the CPU kernel takes NumPy views
-        if use_torch and be.name == "cpu":
-            return tuple(None if a is None else a.contiguous().numpy() for a in term)
-        return term
+    def view(a):                                          # a factor as the kernels take it
+        return None if a is None else be.io.to_kernel(a)
 
     n = xs[0]
     n2 = n if x2 is None else x2s[0]
@@ -270,37 +264,24 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
     # Terms are paired layer by layer; on the CPU each pair is consumed before
     # the next is computed, so only one layer's factors exist at a time.
     pairs = ((t, t) for t in terms(x)) if x2 is None else zip(terms(x), terms(x2))
-    if diagonal:                                          # already in the caller's library
-        d = _diagonal(pairs, dtype)
-        return d if use_torch else be.io.to_user(d)
+    if diagonal:                                          # in the caller's library already
+        return _diagonal(pairs, dtype)
     if be.name == "cpu":
         out = be.io.zeros((n, n2), dtype)
-        for t1, t2 in pairs:
-            (fa, ba), (fb, bb) = numpy_term(t1), numpy_term(t2)
-            be.kernels.hadamard_gram([None if fa is None else _contig(fa)], [_contig(ba)],
-                                     [None if fb is None else _contig(fb)], [_contig(bb)], out,
-                                     x2 is None, matmul=getattr(be.io, "matmul", None),
-                                     accumulate=True)
+        for (fa, ba), (fb, bb) in pairs:
+            be.kernels.hadamard_gram([view(fa)], [view(ba)], [view(fb)], [view(bb)], out,
+                                     x2 is None, matmul=be.io.matmul, accumulate=True)
         return be.io.to_user(out)
     # CUDA: one launch over all terms (the tile accumulates every layer in registers).
     pairs = list(pairs)
     out_dtype = np.dtype(np.float64) if accumulate_f64 else dtype
     out = be.io.empty((n, n2), out_dtype)
-    f = [None if t[0] is None else _contig(t[0]) for t, _ in pairs]
-    b = [_contig(t[1]) for t, _ in pairs]
-    f2 = f if x2 is None else [None if t[0] is None else _contig(t[0]) for _, t in pairs]
-    b2 = b if x2 is None else [_contig(t[1]) for _, t in pairs]
+    f = [view(t[0]) for t, _ in pairs]
+    b = [view(t[1]) for t, _ in pairs]
+    f2 = f if x2 is None else [view(t[0]) for _, t in pairs]
+    b2 = b if x2 is None else [view(t[1]) for _, t in pairs]
     be.kernels.hadamard_gram(f, b, f2, b2, out, x2 is None, accumulate_f64=accumulate_f64)
     return be.io.to_user(out)
-
-
-def _contig(a):
-    return a.contiguous() if hasattr(a, "contiguous") else np.ascontiguousarray(a)
-
-
-def _torch_matmul():
-    import torch
-    return torch.matmul
 
 
 def _diagonal(pairs, dtype):
@@ -310,6 +291,6 @@ def _diagonal(pairs, dtype):
         q = (ba * bb).sum(1)
         term = q if fa is None else (fa * fb).sum(1) * q
         out = term if out is None else out + term
-    if isinstance(out, np.ndarray):
+    if _arrays.kind(out) == "numpy":
         return np.ascontiguousarray(out, dtype=dtype)
     return out.contiguous()

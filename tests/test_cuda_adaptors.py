@@ -1,4 +1,4 @@
-"""The CUDA adaptors (``ncdp_fast._cuda``) without a GPU: what they hand to
+"""The CUDA adaptors (``ncdp_fast._cuda.*``) without a GPU: what they hand to
 ``_C``, observed through recording fakes of ``_C`` and of CuPy, and the native
 wrapper's argument validation (which runs before any CUDA call)."""
 from __future__ import annotations
@@ -9,7 +9,10 @@ import types
 import numpy as np
 import pytest
 
-from ncdp_fast import _backend, _cuda
+from ncdp_fast import _arrays, _backend
+from ncdp_fast._cuda import _common
+from ncdp_fast._cuda import clip as cuda_clip
+from ncdp_fast._cuda import ntk as cuda_ntk
 
 
 class _Recorder:
@@ -24,9 +27,9 @@ class _Recorder:
 
 def _recorded_gram_call(monkeypatch, f, b, f2, b2, out, symmetric):
     launch = _Recorder()
-    monkeypatch.setattr(_cuda, "_C", types.SimpleNamespace(launch_hadamard_gram=launch))
-    monkeypatch.setattr(_cuda, "_stream", lambda x: 0)
-    _cuda.hadamard_gram(f, b, f2, b2, out, symmetric)
+    monkeypatch.setattr(cuda_ntk, "_C", types.SimpleNamespace(launch_hadamard_gram=launch))
+    monkeypatch.setattr(cuda_ntk, "stream", lambda x: 0)
+    cuda_ntk.hadamard_gram(f, b, f2, b2, out, symmetric)
     assert len(launch.calls) == 1
     return launch.calls[0]
 
@@ -55,7 +58,7 @@ def test_gram_term_args_flag_the_constant_one_explicitly():
     F, F2 = torch.ones(n, 2), torch.ones(n2, 2)
     E, E2 = torch.empty(n, 0), torch.empty(n2, 0)
     B, B2 = torch.ones(n, 5), torch.ones(n2, 5)
-    args = _cuda.gram_term_args([F, E, None], [B, B, B], [F2, E2, None], [B2, B2, B2])
+    args = cuda_ntk.gram_term_args([F, E, None], [B, B, B], [F2, E2, None], [B2, B2, B2])
     assert args == {"f": [F.data_ptr(), 0, 0], "a": [2, 0, 0],
                     "constant_one": [False, False, True],
                     "b_ptrs": [B.data_ptr()] * 3, "b": [5, 5, 5],
@@ -66,7 +69,7 @@ def test_gram_term_args_need_f2_none_exactly_with_f():
     torch = pytest.importorskip("torch")
     B = torch.ones(3, 2)
     with pytest.raises(ValueError, match=r"f2\[0\]: expected None exactly where f\[0\]"):
-        _cuda.gram_term_args([None], [B], [torch.ones(3, 1)], [B])
+        cuda_ntk.gram_term_args([None], [B], [torch.ones(3, 1)], [B])
 
 
 @pytest.fixture
@@ -161,22 +164,25 @@ def fake_cupy(monkeypatch):
 def test_stream_of_a_cupy_array_is_its_devices(fake_cupy):
     x = _FakeCupyArray(fake_cupy, 1, (2, 3), np.float32)
     assert fake_cupy.current == 0
-    assert _cuda._stream(x) == 1001, f"read the stream of device(s) {fake_cupy.reads}, not 1"
+    assert _common.stream(x) == 1001, f"read the stream of device(s) {fake_cupy.reads}, not 1"
     assert fake_cupy.reads == [1]
     assert fake_cupy.current == 0, "the caller's current device must be left as it was"
 
 
 def test_cupy_launch_gets_the_stream_of_the_arrays_device(fake_cupy, monkeypatch):
     launch = _Recorder()
-    monkeypatch.setattr(_cuda, "_C", types.SimpleNamespace(launch_row_sq_norms=launch))
+    monkeypatch.setattr(cuda_clip, "_C", types.SimpleNamespace(launch_row_sq_norms=launch))
     g = _FakeCupyArray(fake_cupy, 2, (4, 5), np.float64)
     sq = _FakeCupyArray(fake_cupy, 2, (4,), np.float64)
-    _cuda.row_sq_norms(g, sq, False)
+    cuda_clip.row_sq_norms(g, sq, False)
     (args, _), = launch.calls
     assert args[-1] == 1002
 
 
-def test_cupy_io_stream_is_its_devices(fake_cupy):
-    from ncdp_fast._backend import _CupyIO
-    assert _CupyIO(3).stream() == 1003, f"read the stream of device(s) {fake_cupy.reads}, not 3"
-    assert fake_cupy.current == 0
+def test_cupy_stream_is_its_devices_whatever_device_is_current(fake_cupy):
+    # The one stream reader (_arrays.current_stream; the I/O objects' own
+    # copies are gone), with a current device that is neither 0 nor the array's.
+    fake_cupy.current = 2
+    x = _FakeCupyArray(fake_cupy, 3, (1,), np.float32)
+    assert _arrays.current_stream(x) == 1003, f"read the stream of device(s) {fake_cupy.reads}, not 3"
+    assert fake_cupy.current == 2

@@ -178,6 +178,21 @@ def test_batch_plan_interface_and_stream_advance():
     assert (empty.sizes() == 0).sum() > 40        # empty batches stay in the plan
 
 
+def test_numpy_labels_next_to_torch_cpu_features():
+    # The mix the dispatch allows (torch CPU features, NumPy class ids) runs and
+    # equals the all-NumPy call; it used to fail reading the labels as a tensor.
+    torch = pytest.importorskip("torch")
+    X, lab, K = _data(n=40, d=3, K=3)
+    kw = dict(num_samples=5, mixup_degree=6, noise_std_x=0.1, noise_std_y=0.1, num_classes=K,
+              seed=2)
+    got = nf.mix(torch.from_numpy(X), lab, offset=0, **kw)
+    with pytest.warns(nf.NoiseReuseWarning):      # the same draws again, on purpose
+        want = nf.mix(X, lab, offset=0, **kw)
+    assert isinstance(got.x, torch.Tensor)
+    np.testing.assert_array_equal(got.x.numpy(), want.x)
+    np.testing.assert_array_equal(got.y.numpy(), want.y)
+
+
 def test_torch_sampler_and_empty_collate():
     torch = pytest.importorskip("torch")
     from torch.utils.data import DataLoader, TensorDataset

@@ -193,7 +193,7 @@ def test_memory_without_jacobian():
     (dict(x=np.ones((5, 3))), ValueError, "weights\\[0\\]: expects inputs of width 4 but x has 3"),
     (dict(activation="swish"), ValueError, "activation"),
     (dict(parameterization="mup"), ValueError, "parameterization"),
-    (dict(output="full"), ValueError, "output"),
+    (dict(output="full"), TypeError, "output"),    # no such parameter: K is the trace kernel
     (dict(weights=[np.ones((3, 4), np.float32), np.ones((2, 3))]), TypeError, "dtype"),
     (dict(biases=[np.ones(2), None]), ValueError, "biases\\[0\\]"),
     (dict(x2=np.ones((3, 5))), ValueError, "x2"),

@@ -263,10 +263,8 @@ def mix_rows(features, labels, soft, group_ptr, members, select_rate, walk_rate,
                    float(noise_std_y), out_x[r0:r1], out_y[r0:r1], counts[r0:r1], factors)
 
 
-def sample_plan(group_ptr, members, select_rate, walk_rate, seed, offset, row_stride, rows,
-                like=None):
-    """CSR (indptr [rows+1], indices) of the memberships of ``rows`` rows
-    (``like`` is the CUDA adaptor's device hint; unused here)."""
+def sample_plan(group_ptr, members, select_rate, walk_rate, seed, offset, row_stride, rows):
+    """CSR (indptr [rows+1], indices) of the memberships of ``rows`` rows."""
     has_members = members is not None
     has_select = select_rate is not None
     members_a = members if has_members else np.zeros(1, dtype=np.int64)

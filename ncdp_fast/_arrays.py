@@ -1,0 +1,284 @@
+"""Array interop: the one module that tells NumPy arrays, torch tensors and CuPy
+arrays apart.
+
+Everything else asks here: :func:`kind` to branch on the library,
+:func:`io_for` for the per-call array I/O of an op (kernel views, output
+allocation, results back in the caller's type), and the few helpers the CUDA
+adaptors need (device pointers, the launch stream).  torch and CuPy are never
+imported at module level: an array is recognised by its type's module, so
+importing ncdp_fast costs neither, and a library is imported only once an
+array of it has arrived.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["kind", "is_torch", "is_cuda_array", "shape", "describe", "io_for", "to_numpy",
+           "numpy_dtype", "data_ptr", "current_stream", "float64_norms", "NumpyIO", "TorchCpuIO",
+           "TorchCudaIO", "CupyIO"]
+
+
+def _type_module(x: Any) -> str:
+    return type(x).__module__.split(".")[0]
+
+
+def kind(x: Any) -> str:
+    """"torch" (a tensor on any device), "cupy", "cuda" (a CUDA array of another
+    library, which no op accepts) or "numpy" (NumPy arrays and what np.asarray takes)."""
+    module = _type_module(x)
+    if module == "torch" and hasattr(x, "device"):
+        return "torch"
+    if hasattr(x, "__cuda_array_interface__"):
+        return "cupy" if module == "cupy" else "cuda"
+    return "numpy"
+
+
+def is_torch(x: Any) -> bool:
+    return kind(x) == "torch"
+
+
+def is_cuda_array(x: Any) -> bool:
+    k = kind(x)
+    if k == "torch":
+        return x.device.type == "cuda"
+    return k in ("cupy", "cuda")
+
+
+def shape(x: Any, name: str) -> tuple[int, ...]:
+    """x's shape as ints; a TypeError naming ``name`` for what is not an array."""
+    try:
+        return tuple(int(s) for s in x.shape)
+    except AttributeError:
+        raise TypeError(f"{name}: expected an array (NumPy, torch or CuPy), "
+                        f"got {type(x).__name__}") from None
+
+
+def describe(x: Any) -> str:
+    """The array's library and, for torch, its device (for error messages)."""
+    if is_torch(x):
+        return f"torch.Tensor on {x.device}"
+    return f"{type(x).__module__}.{type(x).__name__}"
+
+
+# ----------------------------------------------------------------- per-call I/O
+
+class NumpyIO:
+    """NumPy arrays (and anything np.asarray takes) on the CPU."""
+    lib = "numpy"
+    backend = "cpu"
+    place = ("numpy", "cpu")
+
+    def to_kernel(self, x):
+        return np.ascontiguousarray(x)
+
+    def dtype_of(self, x) -> np.dtype:
+        return np.asarray(x).dtype if not hasattr(x, "dtype") else np.dtype(x.dtype)
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype=dtype)
+
+    def from_host(self, host):
+        return host
+
+    def to_user(self, k):
+        return k
+
+    def to_numpy(self, k):
+        return k
+
+    def copy(self, k):
+        return k.copy()
+
+    def all_finite(self, k) -> bool:
+        return bool(np.isfinite(k).all())
+
+    # CPU GEMMs run on the caller's library so that a torch training loop never
+    # wakes a second BLAS thread pool while torch's OpenMP workers still spin.
+    matmul = staticmethod(np.matmul)
+
+
+class TorchCpuIO(NumpyIO):
+    """torch CPU tensors: kernels see a zero-copy NumPy view (a copy only when the
+    tensor is not C-contiguous); results go back through torch.from_numpy."""
+    lib = "torch"
+    place = ("torch", "cpu")
+
+    def to_kernel(self, x):
+        return np.ascontiguousarray(x.detach().resolve_conj().numpy())
+
+    def dtype_of(self, x):
+        return _torch_to_numpy_dtype(x.dtype)
+
+    def to_user(self, k):
+        import torch
+        return torch.from_numpy(k)
+
+    @staticmethod
+    def matmul(x, y, out):
+        import torch
+        torch.matmul(torch.from_numpy(x), torch.from_numpy(y), out=torch.from_numpy(out))
+        return out
+
+
+class TorchCudaIO:
+    """torch CUDA tensors: kernels receive the device pointer and the current stream."""
+    lib = "torch"
+    backend = "cuda"
+    matmul = None            # the CUDA kernels run their own GEMMs
+
+    def __init__(self, device):
+        self.device = device
+        self.place = ("torch", device.index if device.index is not None else 0)
+
+    def to_kernel(self, x):
+        # .contiguous() copies only when the layout is not row-major (documented cost).
+        return x.detach().contiguous()
+
+    def dtype_of(self, x):
+        return _torch_to_numpy_dtype(x.dtype)
+
+    def empty(self, shape, dtype):
+        import torch
+        return torch.empty(shape, dtype=_numpy_to_torch_dtype(dtype), device=self.device)
+
+    def zeros(self, shape, dtype):
+        import torch
+        return torch.zeros(shape, dtype=_numpy_to_torch_dtype(dtype), device=self.device)
+
+    def from_host(self, host):
+        import torch
+        return torch.from_numpy(np.ascontiguousarray(host)).to(self.device)
+
+    def to_user(self, k):
+        return k
+
+    def to_numpy(self, k):
+        return k.cpu().numpy()
+
+    def copy(self, k):
+        return k.clone()
+
+    def all_finite(self, k) -> bool:
+        import torch
+        return bool(torch.isfinite(k).all())
+
+
+class CupyIO:
+    lib = "cupy"
+    backend = "cuda"
+    matmul = None
+
+    def __init__(self, device: int):
+        self.device = device
+        self.place = ("cupy", device)
+
+    def to_kernel(self, x):
+        import cupy
+        return cupy.ascontiguousarray(x)
+
+    def dtype_of(self, x):
+        return np.dtype(x.dtype)
+
+    def empty(self, shape, dtype):
+        import cupy
+        with cupy.cuda.Device(self.device):
+            return cupy.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype):
+        import cupy
+        with cupy.cuda.Device(self.device):
+            return cupy.zeros(shape, dtype=dtype)
+
+    def from_host(self, host):
+        import cupy
+        with cupy.cuda.Device(self.device):
+            return cupy.asarray(np.ascontiguousarray(host))
+
+    def to_user(self, k):
+        return k
+
+    def to_numpy(self, k):
+        return k.get()
+
+    def copy(self, k):
+        return k.copy()
+
+    def all_finite(self, k) -> bool:
+        import cupy
+        return bool(cupy.isfinite(k).all())
+
+
+def io_for(x: Any):
+    """The I/O object of x's library and device; a TypeError for arrays no op takes."""
+    k = kind(x)
+    if k == "torch":
+        if x.device.type == "cuda":
+            return TorchCudaIO(x.device)
+        if x.device.type != "cpu":
+            raise TypeError(f"torch tensors on {x.device} are not supported (CPU or CUDA only)")
+        return TorchCpuIO()
+    if k == "cupy":
+        return CupyIO(int(x.device.id))
+    if k == "cuda":
+        raise TypeError(f"{describe(x)}: CUDA arrays are accepted as torch tensors or CuPy arrays")
+    return NumpyIO()
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """A host NumPy array with x's values (a view where x already is one)."""
+    io = io_for(x)
+    return np.asarray(io.to_numpy(io.to_kernel(x)))
+
+
+def numpy_dtype(x: Any) -> np.dtype:
+    """x's dtype as NumPy's (torch's bfloat16 and friends, which have none, as |V2 / |V)."""
+    return _torch_to_numpy_dtype(x.dtype) if is_torch(x) else np.dtype(x.dtype)
+
+
+def _torch_to_numpy_dtype(tdtype) -> np.dtype:
+    name = str(tdtype).replace("torch.", "")
+    try:
+        return np.dtype(name)
+    except TypeError:  # bfloat16 and friends have no NumPy twin
+        return np.dtype("V2") if "16" in name else np.dtype("V")
+
+
+def _numpy_to_torch_dtype(dtype):
+    import torch
+    return {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
+            np.dtype(np.int64): torch.int64, np.dtype(np.uint8): torch.uint8}[np.dtype(dtype)]
+
+
+# ------------------------------------------- CUDA arrays (torch or CuPy) as launches see them
+
+def data_ptr(x) -> int:
+    """Device address of a torch tensor or CuPy array."""
+    if is_torch(x):
+        return int(x.data_ptr())
+    return int(x.__cuda_array_interface__["data"][0])
+
+
+def current_stream(x) -> int:
+    """The caller's current stream on x's device (torch tensor or CuPy array)."""
+    if is_torch(x):
+        import torch
+        return int(torch.cuda.current_stream(x.device).cuda_stream)
+    import cupy
+    # CuPy's current stream is per device; the launch runs on the array's
+    # device (the native device guard), so read that device's stream.
+    with x.device:
+        return int(cupy.cuda.get_current_stream().ptr)
+
+
+def float64_norms(x):
+    """L2 norms over the last axis, computed in float64 by x's library (torch or CuPy)."""
+    if is_torch(x):
+        import torch
+        return torch.linalg.norm(x.double(), dim=-1)
+    import cupy
+    return cupy.linalg.norm(x.astype(cupy.float64), axis=-1)
