@@ -11,8 +11,11 @@ PIPFLAGS := -q --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS)
 DEPS    := $(VENV)/.deps-stamp
 BUILT   := $(VENV)/.build-stamp
 CSRC    := $(shell find csrc -type f) CMakeLists.txt pyproject.toml Makefile
+# The editable install maps each module to its file when it is installed, so a
+# module added, moved or removed needs a reinstall: this list changes only then.
+MODULES := $(VENV)/.modules
 
-.PHONY: all build demo test test-gpu gpu-check bench info clean data reproduce
+.PHONY: FORCE all build demo test test-gpu gpu-check bench info clean data reproduce
 
 all: build
 
@@ -27,7 +30,11 @@ $(DEPS): pyproject.toml constraints.txt
 
 # Editable build: Python files are used from the checkout, the compiled
 # ncdp_fast._C is installed into the venv (CMake's tree stays in build/).
-$(BUILT): $(DEPS) $(CSRC)
+$(MODULES): FORCE
+	@mkdir -p $(VENV)
+	@find ncdp_fast -name '*.py' | sort | cmp -s - $@ || find ncdp_fast -name '*.py' | sort > $@
+
+$(BUILT): $(DEPS) $(CSRC) $(MODULES)
 	$(PIP) install $(PIPFLAGS) --no-build-isolation --no-deps -e .
 	touch $@
 
