@@ -44,7 +44,7 @@ import numpy as np
 from . import _backend, _stream
 from ._clip import clip_and_noise_linear
 from ._numba.clip import clip_factors as _clip_factors
-from .nc import _check_features, check_labels
+from .nc import check_features as _check_features, check_labels
 
 __all__ = ["NoisyGDClassifier", "NoisySGDClassifier"]
 
