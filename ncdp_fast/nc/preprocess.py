@@ -63,6 +63,15 @@ class _Preprocessor:
             raise RuntimeError(f"{type(self).__name__}: call fit(X, public=True) or "
                                "fit_private(...) first")
 
+    def _fitted_like(self, X, fitted):
+        """``fitted`` ((p, ...) float64, from the fit) in X's library, device and dtype,
+        once X is checked to be (n, p)."""
+        self._check_fitted()
+        n, p = check_features(X)
+        if p != fitted.shape[0]:
+            raise ValueError(f"X: expected {fitted.shape[0]} features, got {p}")
+        return _like(fitted, X)
+
     @property
     def privacy(self) -> dict:
         """What fitting cost: ``{"fitted_on", "rho"}`` (rho = 0 for public data)."""
@@ -121,11 +130,7 @@ class Centering(_Preprocessor):
 
     def transform(self, X):
         """X - mean_, in X's library, device and dtype."""
-        self._check_fitted()
-        n, p = check_features(X)
-        if p != self.mean_.shape[0]:
-            raise ValueError(f"X: expected {self.mean_.shape[0]} features, got {p}")
-        return X - _like(self.mean_, X)
+        return X - self._fitted_like(X, self.mean_)
 
 
 class PCAProjector(_Preprocessor):
@@ -235,9 +240,5 @@ class PCAProjector(_Preprocessor):
 
     def transform(self, X):
         """X @ components_: (n, p) -> (n, k), in X's library, device and dtype."""
-        self._check_fitted()
-        n, p = check_features(X)
-        if p != self.components_.shape[0]:
-            raise ValueError(f"X: expected {self.components_.shape[0]} features, got {p}")
-        return X @ _like(self.components_, X)
+        return X @ self._fitted_like(X, self.components_)
 

@@ -156,15 +156,20 @@ class SyntheticNC:
                    or (split == "public" and self.shift_split == "train"))
         return self.shift if applies else None
 
-    def _rows(self, split, start, stop):
-        y = self.labels(split)[start:stop]
-        X = self.means[y].astype(self.dtype)
-        kind = self._shift_kind(split)
+    def _class_rows(self, classes, kind):
+        # Without stochastic shifts a row depends on its class alone.
+        X = self.means[classes].astype(self.dtype)
         if kind == "offset":
             X += self.offset.astype(self.dtype)
         elif kind == "adversarial":
-            X += self.adversarial[y].astype(self.dtype)
-        elif kind == "stochastic":
+            X += self.adversarial[classes].astype(self.dtype)
+        return X
+
+    def _rows(self, split, start, stop):
+        y = self.labels(split)[start:stop]
+        kind = self._shift_kind(split)
+        X = self._class_rows(y, kind)
+        if kind == "stochastic":
             b0 = start // _BLOCK
             for b in range(b0, (stop - 1) // _BLOCK + 1):
                 lo, hi = b * _BLOCK, min((b + 1) * _BLOCK, len(self.labels(split)))
@@ -200,12 +205,7 @@ class SyntheticNC:
         y = self.labels(split)
         counts = np.bincount(y, minlength=self.num_classes)
         present = np.flatnonzero(counts)
-        X = self.means[present].astype(self.dtype)
-        kind = self._shift_kind(split)
-        if kind == "offset":
-            X += self.offset.astype(self.dtype)
-        elif kind == "adversarial":
-            X += self.adversarial[present].astype(self.dtype)
+        X = self._class_rows(present, self._shift_kind(split))
         return X, present.astype(np.int64), counts[present].astype(np.int64)
 
     @property
