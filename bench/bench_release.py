@@ -64,7 +64,7 @@ def worker_release(cfg):
     g = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=cfg["m"], num_samples=cfg["T"],
                     hierarchical_classes=cfg["classes_per_row"], seed=1)
     info = {}
-    import ncdp_fast.release as R
+    import ncdp_fast.privacy.hierarchical as R
 
     def fn():
         R._hs_pld_epsilon.cache_clear()    # the HS PLD is memoised: time it every call

@@ -271,7 +271,7 @@ def _entries(p):
 def _rehash(tmp_path, entries, meta=None, name="t.npz"):
     """What an attacker does: edit, then recompute the unkeyed checksum."""
     import hashlib
-    from ncdp_fast.release import _digest
+    from ncdp_fast.release.released import _digest
     if meta is not None:
         entries["metadata"] = np.frombuffer(meta.encode(), dtype=np.uint8)
     meta_s = entries["metadata"].tobytes().decode()

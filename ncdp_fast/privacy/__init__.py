@@ -14,21 +14,25 @@ Which function for which paper:
   :func:`noisygd_sigma`, :func:`zcdp_to_dp`, :func:`dp_to_zcdp`.
 * NeuroMixGDP (``002_1ce43e1ce6039d97``, GDP + CLT): :func:`dp_to_gdp`,
   :func:`gdp_to_dp`, :func:`poisson_gdp_mu`, :func:`neuromix_noise`,
-  :func:`optimal_mixup_degree`.
+  :func:`optimal_mixup_degree`; with hierarchical sampling :func:`hs_epsilon`,
+  :func:`hs_noise_multiplier`.
 * DP-SGD / any Poisson-subsampled Gaussian: :func:`epsilon_poisson_gaussian`,
-  :func:`calibrate_noise_multiplier`, :class:`Accountant`.
+  :func:`calibrate_noise_multiplier`, :class:`Accountant`; the calibration search
+  itself, for any accountant whose epsilon falls with sigma: :func:`search_noise_multiplier`.
 
 See ``docs/privacy.md``.
 """
 
 from .accountant import Accountant, GaussianEvent, ZCDPEvent
 from .gdp import clt_noise_multiplier, dp_to_gdp, gdp_delta, gdp_to_dp, poisson_gdp_mu
+from .hierarchical import hs_epsilon, hs_noise_multiplier
 from .neuromix import NU_STAR_OVER_MU, NeuroMixNoise, neuromix_noise, optimal_mixup_degree
 from .subsampled import (
     DEFAULT_EPSILON_RTOL,
     DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
     calibrate_noise_multiplier,
     epsilon_poisson_gaussian,
+    search_noise_multiplier,
 )
 from .zcdp import dp_to_zcdp, gaussian_zcdp, noisygd_sigma, zcdp_to_dp
 
@@ -47,6 +51,7 @@ __all__ = [
     # Poisson-subsampled Gaussian
     "epsilon_poisson_gaussian",
     "calibrate_noise_multiplier",
+    "search_noise_multiplier",
     "DEFAULT_VALUE_DISCRETIZATION_INTERVAL",
     "DEFAULT_EPSILON_RTOL",
     # NeuroMixGDP
@@ -54,6 +59,9 @@ __all__ = [
     "NeuroMixNoise",
     "optimal_mixup_degree",
     "NU_STAR_OVER_MU",
+    # NeuroMixGDP with hierarchical sampling
+    "hs_epsilon",
+    "hs_noise_multiplier",
     # Accountant
     "Accountant",
     "GaussianEvent",

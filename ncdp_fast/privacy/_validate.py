@@ -19,6 +19,7 @@ __all__ = [
     "check_steps",
     "check_int_at_least",
     "check_choice",
+    "check_epsilon_rtol",
 ]
 
 
@@ -99,6 +100,14 @@ def check_choice(name: str, value, choices) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)!r}, got {value!r}")
     return value
+
+
+def check_epsilon_rtol(epsilon_rtol) -> float:
+    """Calibration tolerance in epsilon must lie in (0, 0.5]."""
+    rtol = check_positive("epsilon_rtol", epsilon_rtol)
+    if rtol > 0.5:
+        raise ValueError(f"epsilon_rtol must be in (0, 0.5], got {epsilon_rtol!r}")
+    return rtol
 
 
 def import_dp_accounting():

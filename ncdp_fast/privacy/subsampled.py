@@ -39,6 +39,7 @@ import math
 from ._validate import (
     check_choice,
     check_delta,
+    check_epsilon_rtol,
     check_positive,
     check_sample_rate,
     check_steps,
@@ -51,6 +52,7 @@ __all__ = [
     "DEFAULT_EPSILON_RTOL",
     "epsilon_poisson_gaussian",
     "calibrate_noise_multiplier",
+    "search_noise_multiplier",
 ]
 
 #: PLD grid step (in nats of privacy loss) used unless the caller gives another.
@@ -212,9 +214,7 @@ def calibrate_noise_multiplier(
     q = check_sample_rate(sample_rate)
     t = check_steps(steps)
     check_choice("accountant", accountant, _ACCOUNTANTS)
-    rtol = check_positive("epsilon_rtol", epsilon_rtol)
-    if rtol > 0.5:
-        raise ValueError(f"epsilon_rtol must be in (0, 0.5], got {epsilon_rtol!r}")
+    rtol = check_epsilon_rtol(epsilon_rtol)
     interval = _check_interval(value_discretization_interval)
 
     mu = dp_to_gdp(e_t, d)
@@ -223,17 +223,69 @@ def calibrate_noise_multiplier(
     def eps(sigma: float) -> float:
         return _epsilon(sigma, q, t, d, accountant, interval)
 
-    if accountant == "gdp":
-        # Closed form; nudge upward if rounding put epsilon a hair above target.
+    return search_noise_multiplier(
+        eps,
+        e_t,
+        sigma0,
+        closed_form=accountant == "gdp",
+        epsilon_rtol=rtol,
+        problem=f"target_epsilon={e_t!r} (delta={d!r}, sample_rate={q!r}, steps={t})",
+        accountant=accountant,
+    )
+
+
+def search_noise_multiplier(
+    epsilon_of,
+    target_epsilon: float,
+    sigma0: float,
+    *,
+    closed_form: bool = False,
+    epsilon_rtol=DEFAULT_EPSILON_RTOL,
+    problem: str | None = None,
+    accountant: str = "",
+) -> float:
+    r"""Smallest sigma with ``epsilon_of(sigma) <= target_epsilon``, to tolerance.
+
+    The search behind :func:`calibrate_noise_multiplier`, for any accountant whose
+    epsilon is non-increasing in the noise multiplier (the hierarchical-sampling
+    accountant of :mod:`ncdp_fast.privacy.hierarchical` uses it too).
+
+    ``closed_form=True``: ``sigma0`` already solves ``epsilon_of(sigma) = target`` (a
+    CLT closed form); it is only nudged upward, by relative steps of 1e-12, until
+    rounding no longer puts epsilon a hair above the target. Otherwise ``sigma0`` (a
+    starting guess, clamped to [1e-2, 1e6]) is bracketed by geometric steps and the
+    bracket narrowed by the Illinois variant of regula falsi on
+    (log sigma, log epsilon), keeping an upper endpoint whose epsilon is <= target at
+    every step, until ``epsilon(sigma) >= (1 - epsilon_rtol) * target`` or sigma is
+    known to relative precision 1e-9.
+
+    Args:
+        epsilon_of: sigma -> epsilon (may return ``inf``).
+        target_epsilon: epsilon > 0 to meet.
+        sigma0: starting noise multiplier > 0.
+        closed_form: see above.
+        epsilon_rtol: relative tolerance in epsilon, in (0, 0.5].
+        problem, accountant: named in the error raised when no sigma in [1e-2, 1e6]
+            meets the target (``problem`` defaults to ``"target_epsilon=..."``).
+
+    Returns:
+        sigma with ``epsilon_of(sigma) <= target_epsilon`` (an evaluated point).
+    """
+    e_t = check_positive("target_epsilon", target_epsilon)
+    rtol = check_epsilon_rtol(epsilon_rtol)
+    problem = f"target_epsilon={e_t!r}" if problem is None else problem
+    under = f" under {accountant!r}" if accountant else ""
+
+    if closed_form:
         sigma = sigma0
         for _ in range(64):
-            if eps(sigma) <= e_t:
+            if epsilon_of(sigma) <= e_t:
                 return sigma
             sigma *= 1.0 + 1e-12
-        raise RuntimeError("GDP calibration failed to meet the target")  # pragma: no cover
+        raise RuntimeError("closed-form calibration failed to meet the target")  # pragma: no cover
 
     sigma0 = min(max(sigma0, _SIGMA_MIN), _SIGMA_MAX)
-    e0 = eps(sigma0)
+    e0 = epsilon_of(sigma0)
     # Bracket: lo has eps > target, hi has eps <= target.
     factor = 1.25
     if e0 > e_t:
@@ -241,10 +293,9 @@ def calibrate_noise_multiplier(
         while True:
             if hi > _SIGMA_MAX:
                 raise ValueError(
-                    f"target_epsilon={e_t!r} (delta={d!r}, sample_rate={q!r}, steps={t}) "
-                    f"needs a noise multiplier above {_SIGMA_MAX:g} under {accountant!r}"
+                    f"{problem} needs a noise multiplier above {_SIGMA_MAX:g}{under}"
                 )
-            e_hi = eps(hi)
+            e_hi = epsilon_of(hi)
             if e_hi <= e_t:
                 break
             lo, e_lo = hi, e_hi
@@ -255,11 +306,10 @@ def calibrate_noise_multiplier(
         while True:
             if lo < _SIGMA_MIN:
                 raise ValueError(
-                    f"target_epsilon={e_t!r} (delta={d!r}, sample_rate={q!r}, steps={t}) is met "
-                    f"by every noise multiplier >= {_SIGMA_MIN:g} under {accountant!r}; "
+                    f"{problem} is met by every noise multiplier >= {_SIGMA_MIN:g}{under}; "
                     "calibration below that is not supported"
                 )
-            e_lo = eps(lo)
+            e_lo = epsilon_of(lo)
             if e_lo > e_t:
                 break
             hi, e_hi = lo, e_lo
@@ -288,7 +338,7 @@ def calibrate_noise_multiplier(
         else:
             x = 0.5 * (x_lo + x_hi)
         sigma = math.exp(x)
-        e = eps(sigma)
+        e = epsilon_of(sigma)
         y = y_of(e)
         if e <= e_t:
             x_hi, y_hi, e_hi, sigma_hi = x, y, e, sigma

@@ -8,7 +8,7 @@ from numbers import Integral, Real
 import numpy as np
 
 from .. import _backend
-from ..nc import _check_features, check_labels
+from ..nc import check_features, check_labels
 from .steps import ArrayOps, float_features, to_lib
 
 __all__ = ["LOSSES", "check_real", "check_int", "prior_rho", "LinearClassifierBase"]
@@ -69,7 +69,7 @@ class LinearClassifierBase:
 
     def _prepare(self, X, y):
         X = float_features(X)
-        n, p = _check_features(X)
+        n, p = check_features(X)
         if n == 0:
             raise ValueError("X: expected at least one row, got 0")
         labels, K = check_labels(y, n, self.num_classes)
@@ -85,7 +85,7 @@ class LinearClassifierBase:
         if not hasattr(self, "coef_"):
             raise RuntimeError(f"{type(self).__name__}: call fit first")
         X = float_features(X)
-        n, p = _check_features(X)
+        n, p = check_features(X)
         if p != self.n_features_in_:
             raise ValueError(f"X: expected {self.n_features_in_} features, got {p}")
         ops = ArrayOps(X)
