@@ -4,13 +4,12 @@ r"""A classifier trained on released NeuroMixGDP rows only: :class:`SoftLabelCla
 from __future__ import annotations
 
 import math
-from numbers import Integral, Real
 
 import numpy as np
 
-from .. import _backend
-from ..privacy._validate import check_choice, check_positive
-from .arrays import to_numpy
+from .. import _arrays, _backend
+from .._validate import check_choice, check_nonneg, check_pos_int, check_positive
+from .._arrays import to_numpy
 from .released import Released
 
 __all__ = ["SoftLabelClassifier"]
@@ -64,27 +63,22 @@ class SoftLabelClassifier:
     def __init__(self, *, loss="kl", hidden=None, solver="lbfgs", alpha=0.0, max_iter=100,
                  epochs=20, batch_size=1024, lr=1e-3, clip_x=None, standardize=False,
                  device="cpu", dtype="float32", seed=None):
-        self.loss = check_choice("loss", loss, ("kl", "squared"))
+        self.loss = check_choice(loss, "loss", ("kl", "squared"))
         self.standardize = bool(standardize)
-        if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, Integral)
-                                   or hidden < 1):
-            raise ValueError(f"hidden: expected None or an integer >= 1, got {hidden!r}")
+        hidden = None if hidden is None else check_pos_int(hidden, "hidden")
         if hidden is not None and loss == "squared":
             raise ValueError("hidden: the squared loss is solved in closed form for a linear "
                              "model only; use loss='kl' with a hidden layer")
         self.hidden = hidden
-        self.solver = check_choice("solver", solver, ("lbfgs", "adam"))
-        if isinstance(alpha, bool) or not isinstance(alpha, Real) or not alpha >= 0:
-            raise ValueError(f"alpha: expected a number >= 0, got {alpha!r}")
-        self.alpha = float(alpha)
-        for name, v in (("max_iter", max_iter), ("epochs", epochs), ("batch_size", batch_size)):
-            if isinstance(v, bool) or not isinstance(v, Integral) or v < 1:
-                raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
-        self.max_iter, self.epochs, self.batch_size = int(max_iter), int(epochs), int(batch_size)
-        self.lr = check_positive("lr", lr)
-        self.clip_x = None if clip_x is None else check_positive("clip_x", clip_x)
+        self.solver = check_choice(solver, "solver", ("lbfgs", "adam"))
+        self.alpha = check_nonneg(alpha, "alpha")
+        self.max_iter = check_pos_int(max_iter, "max_iter")
+        self.epochs = check_pos_int(epochs, "epochs")
+        self.batch_size = check_pos_int(batch_size, "batch_size")
+        self.lr = check_positive(lr, "lr")
+        self.clip_x = None if clip_x is None else check_positive(clip_x, "clip_x")
         self.device = device
-        self.dtype = check_choice("dtype", dtype, ("float32", "float64"))
+        self.dtype = check_choice(dtype, "dtype", ("float32", "float64"))
         self.seed = seed
 
     # ------------------------------------------------------------------ internals
@@ -134,7 +128,7 @@ class SoftLabelClassifier:
         Xt = _as_tensor(X, self._tdtype(), self.device)
         if Xt.ndim != 2:
             raise ValueError(f"X: expected shape (T, d), got {tuple(Xt.shape)}")
-        Yt = _as_tensor(Y, self._tdtype(), self.device) if _to_numpy_dtype_kind(Y) == "f" \
+        Yt = _as_tensor(Y, self._tdtype(), self.device) if _dtype_kind(Y) == "f" \
             else None
         if Yt is None:
             lab = to_numpy(Y)
@@ -301,8 +295,8 @@ def _column_std(X, mean):
     return torch.sqrt(acc / X.shape[0])
 
 
-def _to_numpy_dtype_kind(a) -> str:
-    if _backend.is_torch(a):
+def _dtype_kind(a) -> str:
+    if _arrays.is_torch(a):
         return "f" if a.is_floating_point() else "i"
-    return np.asarray(a).dtype.kind if not hasattr(a, "dtype") else np.dtype(str(a.dtype)).kind
+    return _arrays.numpy_dtype(a).kind if hasattr(a, "dtype") else np.asarray(a).dtype.kind
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _backend
+from .. import _arrays, _backend
 from .._clip import clip_and_noise_linear
 from .._numba.clip import clip_factors as _clip_factors
 
@@ -20,7 +20,7 @@ class ArrayOps:
     """The few array operations the training loop needs, in the caller's library."""
 
     def __init__(self, X):
-        self.torch = _backend.is_torch(X)
+        self.torch = _arrays.is_torch(X)
         if self.torch:
             import torch
             self.t = torch
@@ -65,9 +65,10 @@ class ArrayOps:
 
 def float_features(X, name="X"):
     """NumPy/torch float features (integer NumPy arrays become float64)."""
-    if _backend.is_torch(X):
+    k = _arrays.kind(X)
+    if k == "torch":
         return X
-    if hasattr(X, "__cuda_array_interface__"):
+    if k != "numpy":
         raise TypeError(f"{name}: CuPy/other CUDA arrays are not supported by the estimators; "
                         "pass a torch CUDA tensor")
     a = np.asarray(X)
@@ -85,15 +86,13 @@ def to_lib(a, like_ops: ArrayOps):
         if t.is_tensor(a):
             return a.to(device=like_ops.device, dtype=like_ops.dtype)
         return t.as_tensor(np.asarray(a), dtype=like_ops.dtype, device=like_ops.device)
-    if _backend.is_torch(a):
-        a = a.detach().cpu().numpy()
-    return np.asarray(a, dtype=like_ops.dtype)
+    return np.asarray(_arrays.to_numpy(a), dtype=like_ops.dtype)
 
 
 def check_counts(counts, n):
     if counts is None:
         return None
-    c = np.asarray(counts.detach().cpu().numpy() if _backend.is_torch(counts) else counts)
+    c = _arrays.to_numpy(counts)
     if c.shape != (n,) or c.dtype.kind not in "iu" or (c.size and c.min() < 1):
         raise ValueError(f"counts: expected ({n},) integers >= 1 (row i stands for counts[i] "
                          f"identical records), got shape {c.shape} dtype {c.dtype}")
