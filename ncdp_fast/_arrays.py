@@ -250,6 +250,9 @@ def to_host(x: Any, name: str, *, dtype=None) -> np.ndarray:
 
 def all_finite(x: Any) -> bool:
     """Whether every element of x (NumPy, torch or CuPy, on its own device) is finite."""
+    if is_torch(x):                   # any dtype, any device (bfloat16 has no NumPy view)
+        import torch
+        return bool(torch.isfinite(x).all())
     io = io_for(x)
     return io.all_finite(io.to_kernel(x))
 

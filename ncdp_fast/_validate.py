@@ -157,9 +157,12 @@ def check_features(X: Any, name: str = "X") -> tuple[int, ...]:
     shape = _arrays.shape(X, name)
     if len(shape) != 2:
         raise ValueError(f"{name}: expected shape (n, p), got {shape}")
-    dt = _arrays.numpy_dtype(X) if hasattr(X, "dtype") else np.asarray(X).dtype
-    if _arrays.is_torch(X) and dt.kind != "f":
-        raise TypeError(f"{name}: expected a float32/float64 tensor, got {X.dtype}")
+    if _arrays.is_torch(X):
+        if not X.is_floating_point():
+            raise TypeError(f"{name}: expected a float32/float64 tensor, got {X.dtype}")
+        dt = np.dtype(np.float64)     # any torch float (bfloat16 has no NumPy twin)
+    else:
+        dt = _arrays.numpy_dtype(X) if hasattr(X, "dtype") else np.asarray(X).dtype
     if dt.kind not in "fiu":
         raise TypeError(f"{name}: expected a real-valued array, got dtype {dt}")
     if dt.kind == "f" and not _arrays.all_finite(X):

@@ -129,6 +129,9 @@ def test_array_checks_on_torch():
         v.check_features(torch.zeros(2, 2, dtype=torch.int64), "X")
     with pytest.raises(ValueError, match=r"^X: expected finite features"):
         v.check_features(torch.full((2, 2), float("inf")), "X")
+    assert v.check_features(torch.zeros(2, 3, dtype=torch.bfloat16), "X") == (2, 3)
+    with pytest.raises(ValueError, match=r"^X: expected finite features"):
+        v.check_features(torch.full((2, 2), float("nan"), dtype=torch.bfloat16), "X")
     m = v.as_matrix(torch.ones(2, 2, requires_grad=True), "x")
     assert isinstance(m, np.ndarray) and m.dtype == np.float64
     labels, K = v.check_labels(torch.tensor([0, 1, 1]), 3)
