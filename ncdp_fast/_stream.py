@@ -95,11 +95,6 @@ class _Ledger:
 _LEDGER = _Ledger()
 
 
-def _check_range(offset: int, draws: int, name: str = "offset"):
-    if offset + draws > _END:
-        raise ValueError(f"{name}: {offset} + {draws} draws runs past the end of the 2**64 stream")
-
-
 class NoiseStream:
     """A Philox key and a position: hand it to every noisy component of a
     workflow (``seed=stream``) and each takes its own disjoint range.
@@ -138,11 +133,11 @@ class NoiseStream:
         draws = _validate.check_uint64(draws, "draws")
         if self._pos is None:
             start = _LEDGER.take_next(self._seed, draws)
-            _check_range(start, draws)
+            _validate.check_draw_range(start, draws)
             return start
         with self._lock:
             start = self._pos
-            _check_range(start, draws)
+            _validate.check_draw_range(start, draws)
             self._pos = start + draws
         if self._explicit and _LEDGER.record(self._seed, start, draws):
             _warn_reuse(self._seed, start, draws)

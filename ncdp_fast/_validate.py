@@ -25,7 +25,8 @@ from . import _arrays
 
 __all__ = [
     "check_real", "check_finite", "check_positive", "check_nonneg", "check_int",
-    "check_pos_int", "check_uint64", "check_probability", "check_delta", "check_choice",
+    "check_pos_int", "check_uint64", "check_draw_range", "check_probability", "check_delta",
+    "check_choice",
     "as_matrix", "as_targets", "check_features", "check_labels",
 ]
 
@@ -98,6 +99,14 @@ def check_uint64(value: Any, name: str) -> int:
     if not 0 <= v < 2**64:
         raise ValueError(f"{name}: expected {what}, got {v}")
     return v
+
+
+def check_draw_range(offset: int, draws: int, name: str = "offset") -> int:
+    """``draws`` draws from ``offset`` must fit in the 2**64 stream; returns offset."""
+    if offset + draws > 2**64:
+        raise ValueError(f"{name}: expected {name} + draws <= 2**64, got {offset} + {draws} "
+                         "draws (runs past the end of the 2**64 stream)")
+    return offset
 
 
 def check_probability(value: Any, name: str, *, zero: bool = False, one: bool = True) -> float:

@@ -79,6 +79,13 @@ def test_int_minimum_and_choice_value_errors():
         v.check_choice([], "mode", ("a", "b"))
 
 
+def test_draw_range():
+    assert v.check_draw_range(2**64 - 3, 3) == 2**64 - 3
+    with pytest.raises(ValueError, match=r"^offset: expected offset \+ draws <= 2\*\*64, got "
+                                         r"18446744073709551614 \+ 3 draws"):
+        v.check_draw_range(2**64 - 2, 3)
+
+
 def test_probability_ends_and_delta_default_name():
     assert v.check_probability(0.0, "p", zero=True) == 0.0
     assert v.check_probability(1.0, "p") == 1.0
