@@ -163,7 +163,7 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
     dtype = be.check_float(features, "features")
     xk = be.io.to_kernel(features)
     if not be.io.all_finite(xk):
-        raise ValueError("features: contains NaN or infinite values")
+        raise ValueError("features: expected finite values, got NaN or Inf")
     if cx > 0.0:
         _check_clip_range(be, xk, d, dtype)
 
@@ -182,7 +182,7 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
             raise TypeError(f"labels: soft labels must have the features' dtype {dtype}")
         soft = be.io.to_kernel(labels)
         if not be.io.all_finite(soft):
-            raise ValueError("labels: soft labels contain NaN or infinite values")
+            raise ValueError("labels: expected finite soft labels, got NaN or Inf")
         labels_host = None
     elif len(sl) == 1:
         if sl[0] != n:

@@ -140,8 +140,9 @@ class SoftLabelClassifier:
                 device=self.device, dtype=self._tdtype())
         if Yt.ndim != 2 or Yt.shape[0] != Xt.shape[0]:
             raise ValueError(f"Y: expected shape ({Xt.shape[0]}, K), got {tuple(Yt.shape)}")
-        if not (bool(torch.isfinite(Xt).all()) and bool(torch.isfinite(Yt).all())):
-            raise ValueError("X, Y: contain NaN or infinite values")
+        for name, a in (("X", Xt), ("Y", Yt)):
+            if not _arrays.all_finite(a):
+                raise ValueError(f"{name}: expected finite values, got NaN or Inf")
         T, d = Xt.shape
         K = Yt.shape[1]
         self.n_features_in_ = int(d)
