@@ -625,6 +625,9 @@ def test_accountant_json_round_trip():
         (lambda d: d["events"][0].update(steps=10.0), TypeError),
         (lambda d: d["events"][0].update(type="laplace"), ValueError),
         (lambda d: d["events"][1].update(rho=0.0), ValueError),
+        (lambda d: d["events"][1].update(rho="0.1"), TypeError),
+        (lambda d: d.update(events={}), TypeError),
+        (lambda d: d["events"].append(3), TypeError),
     ],
 )
 def test_accountant_from_json_rejects_bad_input(mutate, exc):

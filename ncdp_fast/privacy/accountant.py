@@ -303,21 +303,21 @@ class Accountant:
     def from_dict(cls, data: dict) -> "Accountant":
         """Rebuild from :meth:`to_dict` output, validating every field."""
         if not isinstance(data, dict):
-            raise TypeError(f"data must be a dict, got {type(data).__name__}")
+            raise TypeError(f"data: expected a dict, got {type(data).__name__}")
         if data.get("format") != _FORMAT:
-            raise ValueError(f"format must be {_FORMAT!r}, got {data.get('format')!r}")
+            raise ValueError(f"format: expected {_FORMAT!r}, got {data.get('format')!r}")
         if data.get("version") != _VERSION:
-            raise ValueError(f"version must be {_VERSION}, got {data.get('version')!r}")
+            raise ValueError(f"version: expected {_VERSION}, got {data.get('version')!r}")
         rel = data.get("neighboring_relation", "add_or_remove_one")
         if rel != "add_or_remove_one":
-            raise ValueError(f"neighboring_relation must be 'add_or_remove_one', got {rel!r}")
+            raise ValueError(f"neighboring_relation: expected 'add_or_remove_one', got {rel!r}")
         events = data.get("events")
         if not isinstance(events, list):
-            raise ValueError(f"events must be a list, got {type(events).__name__}")
+            raise TypeError(f"events: expected a list, got {type(events).__name__}")
         acc = cls()
         for i, ev in enumerate(events):
             if not isinstance(ev, dict):
-                raise ValueError(f"events[{i}] must be an object, got {ev!r}")
+                raise TypeError(f"events[{i}]: expected an object, got {ev!r}")
             kind = ev.get("type")
             if kind == "poisson_gaussian":
                 acc._events.append(
@@ -328,15 +328,13 @@ class Accountant:
                     )
                 )
             elif kind == "zcdp":
-                rho = check_nonneg(ev.get("rho"), f"events[{i}].rho")
-                if rho <= 0.0:
-                    raise ValueError(f"events[{i}].rho must be > 0, got {ev.get('rho')!r}")
+                rho = check_positive(ev.get("rho"), f"events[{i}].rho")
                 acc._events.append(
                     ZCDPEvent(rho, check_pos_int(ev.get("count"), f"events[{i}].count"))
                 )
             else:
                 raise ValueError(
-                    f"events[{i}].type must be 'poisson_gaussian' or 'zcdp', got {kind!r}"
+                    f"events[{i}].type: expected 'poisson_gaussian' or 'zcdp', got {kind!r}"
                 )
         return acc
 
@@ -344,5 +342,5 @@ class Accountant:
     def from_json(cls, s: str) -> "Accountant":
         """Rebuild an accountant from :meth:`to_json` output."""
         if not isinstance(s, (str, bytes, bytearray)):
-            raise TypeError(f"s must be a JSON string, got {type(s).__name__}")
+            raise TypeError(f"s: expected a JSON string, got {type(s).__name__}")
         return cls.from_dict(json.loads(s))

@@ -95,7 +95,7 @@ def hs_epsilon(noise_multiplier, *, mixup_degree, n, num_samples, class_rates, d
     check_choice(accountant, "accountant", ("pld", "clt"))
     p, q = _hs_rates(np.asarray(class_rates, dtype=np.float64), float(mixup_degree), int(n))
     if not (0 < q <= 1):
-        raise ValueError(f"class_rates: q = m/(n p_min) = {q!r} must be in (0, 1]")
+        raise ValueError(f"class_rates: expected q = m/(n p_min) in (0, 1], got {q!r}")
     T = int(num_samples)
     if accountant == "clt":
         mu = q * math.sqrt(T * p * math.expm1(1.0 / (s * s)))

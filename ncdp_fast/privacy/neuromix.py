@@ -146,7 +146,7 @@ def neuromix_noise(
     n_ = check_pos_int(n, "n")
     m = check_pos_int(mixup_degree, "mixup_degree")
     if m > n_:
-        raise ValueError(f"mixup_degree must be an integer in [1, n={n_}], got {mixup_degree!r}")
+        raise ValueError(f"mixup_degree: expected an integer in [1, n={n_}], got {mixup_degree!r}")
     t = check_pos_int(num_samples, "num_samples")
     lam_ = check_positive(lam, "lam")
     check_choice(accountant, "accountant", ("clt", "pld"))
