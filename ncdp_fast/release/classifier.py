@@ -241,7 +241,7 @@ class SoftLabelClassifier:
         if self._mlp is not None:
             raise AttributeError("coef_: not defined for the one-hidden-layer model")
         W = self._W if self._shift is None else self._scale[:, None] * self._W
-        return W.detach().cpu().numpy().T.copy()
+        return _arrays.to_numpy(W).T.copy()
 
     @property
     def intercept_(self) -> np.ndarray:
@@ -250,7 +250,7 @@ class SoftLabelClassifier:
             raise AttributeError("intercept_: not defined for the one-hidden-layer model")
         b = self._b if self._shift is None else \
             self._b - (self._shift * self._scale) @ self._W
-        return b.detach().cpu().numpy().copy()
+        return _arrays.to_numpy(b).copy()
 
     def _check_fitted(self):
         if not hasattr(self, "classes_"):
@@ -261,7 +261,7 @@ class SoftLabelClassifier:
         self._check_fitted()
         torch = _torch()
         with torch.no_grad():
-            return self._forward(self._prep(X)).cpu().numpy()
+            return _arrays.to_numpy(self._forward(self._prep(X)))
 
     def predict_proba(self, X) -> np.ndarray:
         """(n, K) class probabilities: softmax of the logits (``kl``); for ``squared``

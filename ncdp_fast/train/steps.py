@@ -30,7 +30,7 @@ class ArrayOps:
 
     def asarray(self, a, dtype=None):
         if self.torch:
-            return self.t.as_tensor(np.asarray(a) if not self.t.is_tensor(a) else a,
+            return self.t.as_tensor(a if _arrays.is_torch(a) else np.asarray(a),
                                     dtype=dtype or self.dtype, device=self.device)
         return np.asarray(a, dtype=dtype or self.dtype)
 
@@ -83,7 +83,7 @@ def to_lib(a, like_ops: ArrayOps):
     """Move an array fitted in one library/device to the library of ``like_ops``."""
     if like_ops.torch:
         t = like_ops.t
-        if t.is_tensor(a):
+        if _arrays.is_torch(a):
             return a.to(device=like_ops.device, dtype=like_ops.dtype)
         return t.as_tensor(np.asarray(a), dtype=like_ops.dtype, device=like_ops.device)
     return np.asarray(_arrays.to_numpy(a), dtype=like_ops.dtype)
@@ -152,7 +152,7 @@ def linear_steps(X, y, *, num_classes, steps, lr, loss, max_grad_norm, noise_mul
                 raise ValueError("per-sample gradients are not finite (NaN/Inf, e.g. a square "
                                  "loss diverging under a large lr); lower lr or use loss='ce'")
             # The clip rule of every op (reference.clip_factors), in float64 on the host.
-            sq_h = np.ascontiguousarray(sq.detach().cpu().numpy() if ops.torch else sq,
+            sq_h = np.ascontiguousarray(_arrays.to_numpy(sq),
                                         dtype=np.float64)
             f_h, _ = np.empty_like(sq_h), np.empty_like(sq_h)
             _clip_factors(sq_h, None, max_grad_norm, K + p + (K if fit_intercept else 0) + 2, 1,
