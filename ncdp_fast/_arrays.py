@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["kind", "is_torch", "is_cuda_array", "shape", "describe", "io_for", "to_numpy",
+__all__ = ["kind", "is_torch", "is_cuda_array", "shape", "describe", "io_for", "to_numpy", "to_host", "all_finite",
            "numpy_dtype", "data_ptr", "current_stream", "float64_norms", "NumpyIO", "TorchCpuIO",
            "TorchCudaIO", "CupyIO"]
 
@@ -231,8 +231,30 @@ def io_for(x: Any):
 
 def to_numpy(x: Any) -> np.ndarray:
     """A host NumPy array with x's values (a view where x already is one)."""
+    if kind(x) == "numpy":
+        return np.asarray(x)
     io = io_for(x)
     return np.asarray(io.to_numpy(io.to_kernel(x)))
+
+
+def to_host(x: Any, name: str, *, dtype=None) -> np.ndarray:
+    """A host NumPy copy/view of a NumPy array, torch tensor or CuPy array (optionally cast);
+    a TypeError naming ``name`` for what is not an array of those."""
+    try:
+        a = to_numpy(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected an array (NumPy, torch or CuPy), "
+                        f"got {describe(x)}") from None
+    return a if dtype is None else a.astype(dtype, copy=False)
+
+
+def all_finite(x: Any) -> bool:
+    """Whether every element of x (NumPy, torch or CuPy, on its own device) is finite."""
+    if is_torch(x):                   # any dtype, any device (bfloat16 has no NumPy view)
+        import torch
+        return bool(torch.isfinite(x).all())
+    io = io_for(x)
+    return io.all_finite(io.to_kernel(x))
 
 
 def numpy_dtype(x: Any) -> np.dtype:

@@ -15,19 +15,17 @@ CUDA in a process that may fork.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import secrets
 import warnings
 from dataclasses import dataclass
-from numbers import Real
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from . import _arrays
-from ._arrays import is_cuda_array, is_torch  # noqa: F401  (the algorithm modules call them here)
+from . import _arrays, _validate
+from ._arrays import is_torch
 from ._numba import clip as _numba_clip
 from ._numba import mix as _numba_mix
 from ._numba import ntk as _numba_ntk
@@ -85,34 +83,7 @@ def resolve_seed(seed: Any) -> int:
     """A 64-bit seed: the caller's, validated, or 64 bits from the OS (never a constant)."""
     if seed is None:
         return secrets.randbits(64)
-    return check_uint64(seed, "seed")
-
-
-def check_uint64(value: Any, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an integer in [0, 2**64), got {type(value).__name__} {value!r}")
-    value = int(value)
-    if not 0 <= value < 2**64:
-        raise ValueError(f"{name}: expected an integer in [0, 2**64), got {value}")
-    return value
-
-
-def _real(value, name):
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
-    return value
-
-
-def positive_finite(value, name) -> float:
-    if not (math.isfinite(_real(value, name)) and value > 0):
-        raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
-    return float(value)
-
-
-def nonneg_finite(value, name) -> float:
-    if not (math.isfinite(_real(value, name)) and value >= 0):
-        raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
-    return float(value)
+    return _validate.check_uint64(seed, "seed")
 
 
 # ------------------------------------------------------------------------ dispatch

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _arrays, _backend, _stream
+from ._validate import check_choice, check_nonneg, check_positive
 
 __all__ = ["ClipResult", "LinearClipResult", "LayersClipResult", "clip_and_noise",
            "clip_and_noise_linear", "clip_and_noise_layers"]
@@ -51,27 +52,19 @@ class LayersClipResult(_Accounting):
 
 # ------------------------------------------------------------------ validation
 
-# torch/__init__.py imports these two names from here; it moves to _backend's
-# public ones when the algorithm modules switch (issue 15).
-_positive_finite = _backend.positive_finite
-_nonneg_finite = _backend.nonneg_finite
-
-
 def _check_common(max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy):
-    max_norm = _backend.positive_finite(max_norm, "max_norm")
-    noise_multiplier = _backend.nonneg_finite(noise_multiplier, "noise_multiplier")
-    if reduction not in ("sum", "mean"):
-        raise ValueError(f"reduction: expected 'sum' or 'mean', got {reduction!r}")
+    max_norm = check_positive(max_norm, "max_norm")
+    noise_multiplier = check_nonneg(noise_multiplier, "noise_multiplier")
+    check_choice(reduction, "reduction", ("sum", "mean"))
     if reduction == "mean":
         if expected_batch_size is None:
             raise ValueError("expected_batch_size: reduction='mean' needs the expected batch size "
                              "(sample_rate * dataset size); dividing by the realized batch size "
                              "would leak it, so it is never used")
-        inv_denom = 1.0 / _backend.positive_finite(expected_batch_size, "expected_batch_size")
+        inv_denom = 1.0 / check_positive(expected_batch_size, "expected_batch_size")
     else:
         inv_denom = 1.0
-    if nan_policy not in ("raise", "zero"):
-        raise ValueError(f"nan_policy: expected 'raise' or 'zero', got {nan_policy!r}")
+    check_choice(nan_policy, "nan_policy", ("raise", "zero"))
     return max_norm, noise_multiplier * max_norm, inv_denom
 
 

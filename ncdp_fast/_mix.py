@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Integral, Real
 from typing import Any
 
 import numpy as np
 
 from . import _arrays, _backend, _stream
+from ._validate import check_int, check_nonneg, check_positive, check_probability, check_real
 
 __all__ = ["BatchPlan", "MixResult", "mix", "poisson_batches"]
 
@@ -74,20 +74,6 @@ class MixResult:
 
     def __iter__(self):
         return iter((self.x, self.y, self.counts))
-
-
-def _check_int(value, name, minimum):
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
-    return int(value)
-
-
-def _rate(value, name):
-    if isinstance(value, bool) or not isinstance(value, Real) or not (0 < value <= 1):
-        raise ValueError(f"{name}: expected a probability in (0, 1], got {value!r}")
-    return float(value)
 
 
 def _population(labels_host, n, K, m, class_rate):
@@ -166,19 +152,18 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
     Returns a :class:`MixResult` (unpacks as ``x, y, counts``).
     """
     n, d = _features_shape(features)
-    T = _check_int(num_samples, "num_samples", 1)
-    if isinstance(mixup_degree, bool) or not isinstance(mixup_degree, Real) or \
-            not (0 < mixup_degree <= n):
+    T = check_int(num_samples, "num_samples", 1)
+    m = check_real(mixup_degree, "mixup_degree")
+    if not 0 < m <= n:
         raise ValueError(f"mixup_degree: expected 0 < m <= n = {n}, got {mixup_degree!r}")
-    m = float(mixup_degree)
-    sx = _backend.nonneg_finite(noise_std_x, "noise_std_x")
-    sy = _backend.nonneg_finite(noise_std_y, "noise_std_y")
-    cx = 0.0 if clip_x is None else _backend.positive_finite(clip_x, "clip_x")
+    sx = check_nonneg(noise_std_x, "noise_std_x")
+    sy = check_nonneg(noise_std_y, "noise_std_y")
+    cx = 0.0 if clip_x is None else check_positive(clip_x, "clip_x")
     be = _backend.select("mix", features=features, labels=labels)
     dtype = be.check_float(features, "features")
     xk = be.io.to_kernel(features)
     if not be.io.all_finite(xk):
-        raise ValueError("features: contains NaN or infinite values")
+        raise ValueError("features: expected finite values, got NaN or Inf")
     if cx > 0.0:
         _check_clip_range(be, xk, d, dtype)
 
@@ -197,7 +182,7 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
             raise TypeError(f"labels: soft labels must have the features' dtype {dtype}")
         soft = be.io.to_kernel(labels)
         if not be.io.all_finite(soft):
-            raise ValueError("labels: soft labels contain NaN or infinite values")
+            raise ValueError("labels: expected finite soft labels, got NaN or Inf")
         labels_host = None
     elif len(sl) == 1:
         if sl[0] != n:
@@ -205,7 +190,7 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
         if num_classes is None:
             raise ValueError("num_classes: required with integer labels (inferring it from the "
                              "private labels would leak it)")
-        K = _check_int(num_classes, "num_classes", 1)
+        K = check_int(num_classes, "num_classes", 1)
         labels_host = _arrays.to_numpy(labels)
         if labels_host.dtype.kind not in "iu":
             raise TypeError(f"labels: expected integer class ids, got dtype {labels_host.dtype}")
@@ -283,9 +268,9 @@ def poisson_batches(n, *, sample_rate, steps, seed=None, offset=None) -> BatchPl
     sub-stream ``1 + offset + s``; the plan's ``next_offset`` is ``offset +
     steps``.  CPU arrays (NumPy int64).
     """
-    n = _check_int(n, "n", 1)
-    q = _rate(sample_rate, "sample_rate")
-    steps = _check_int(steps, "steps", 0)
+    n = check_int(n, "n", 1)
+    q = check_probability(sample_rate, "sample_rate")
+    steps = check_int(steps, "steps", 0)
     seed, offset = _stream.claim(seed, offset, steps)
     if offset + steps + 1 > 2**64:
         raise ValueError(f"offset: {offset} + {steps} steps runs past the end of the stream")

@@ -23,13 +23,14 @@ from types import SimpleNamespace
 import numpy as np
 
 from . import _arrays, _backend
+from ._validate import check_choice
 
-__all__ = ["ACTIVATIONS", "ntk_gram", "ntk_factors"]
+__all__ = ["ACTIVATIONS", "ntk_gram", "ntk_factors", "namespace", "activation"]
 
 ACTIVATIONS = ("relu", "tanh", "erf", "gelu", "softplus", "identity")
 
 
-def _namespace(lib):
+def namespace(lib):
     """The functions of one array library ("torch" or "numpy") that the factors
     need, so the activations and passes below are written once for both.
     ``as_input`` takes a caller's array as the factor code reads it: detached
@@ -78,6 +79,10 @@ _ACT = {
 }
 
 
+# bench/bench_ntk.py (not this package's to edit here) still imports the old private
+# name; it goes once the benchmark takes the public one.
+_namespace = namespace
+
 def activation(name, z, ns, part="both"):
     """(phi(z), phi'(z)) for the supported activations; ``part`` "value" or
     "derivative" computes only that one (no temporary for the other)."""
@@ -93,11 +98,8 @@ def activation(name, z, ns, part="both"):
 
 def _check_network(x_shape, weights, biases, activation_name, parameterization, be, dtype,
                    x2_shape=None):
-    if activation_name not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation_name!r}")
-    if parameterization not in ("standard", "ntk"):
-        raise ValueError(f"parameterization: expected 'standard' or 'ntk', got "
-                         f"{parameterization!r}")
+    check_choice(activation_name, "activation", ACTIVATIONS)
+    check_choice(parameterization, "parameterization", ("standard", "ntk"))
     if not isinstance(weights, (list, tuple)) or not weights:
         raise TypeError("weights: expected a non-empty list of (out, in) matrices")
     if len(x_shape) != 2:
@@ -246,7 +248,7 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
     # Factors are computed by the caller's own library: torch tensors (CPU or
     # CUDA) with torch ops -- no copies for transposed views, no second BLAS
     # pool -- and NumPy arrays with NumPy.
-    ns = _namespace(be.io.lib)
+    ns = namespace(be.io.lib)
     xw = [ns.as_input(w) for w in weights]
     xb = None if biases is None else [None if b is None else ns.as_input(b) for b in biases]
 

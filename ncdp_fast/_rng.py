@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _backend
+from ._validate import check_draw_range, check_int, check_uint64
 
 
 def gaussian(count, *, seed, offset=0, dtype=np.float32, like=None):
@@ -22,12 +23,10 @@ def gaussian(count, *, seed, offset=0, dtype=np.float32, like=None):
         like: an array whose library and device the result should share
             (NumPy by default; a torch CPU/CUDA tensor or a CuPy array).
     """
-    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
-        raise ValueError(f"count: expected an integer >= 0, got {count!r}")
-    seed = _backend.check_uint64(seed, "seed")
-    offset = _backend.check_uint64(offset, "offset")
-    if offset + int(count) > 2**64:
-        raise ValueError(f"offset: {offset} + {count} draws runs past the end of the 2**64 stream")
+    count = check_int(count, "count", 0)
+    seed = check_uint64(seed, "seed")
+    offset = check_uint64(offset, "offset")
+    check_draw_range(offset, count)
     dt = np.dtype(dtype)
     if dt not in _backend.FLOAT_DTYPES:
         raise TypeError(f"dtype: expected float32 or float64, got {dt}")

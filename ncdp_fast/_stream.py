@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _validate
+
 __all__ = ["NoiseStream", "NoiseReuseWarning", "claim", "resolve"]
 
 _END = 2 ** 64
@@ -35,16 +37,6 @@ _END = 2 ** 64
 
 class NoiseReuseWarning(UserWarning):
     """An explicit (seed, offset) overlaps draws already used in this process."""
-
-
-def _check_uint64(value: Any, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an integer in [0, 2**64), got "
-                        f"{type(value).__name__} {value!r}")
-    value = int(value)
-    if not 0 <= value < _END:
-        raise ValueError(f"{name}: expected an integer in [0, 2**64), got {value}")
-    return value
 
 
 class _Ledger:
@@ -103,11 +95,6 @@ class _Ledger:
 _LEDGER = _Ledger()
 
 
-def _check_range(offset: int, draws: int, name: str = "offset"):
-    if offset + draws > _END:
-        raise ValueError(f"{name}: {offset} + {draws} draws runs past the end of the 2**64 stream")
-
-
 class NoiseStream:
     """A Philox key and a position: hand it to every noisy component of a
     workflow (``seed=stream``) and each takes its own disjoint range.
@@ -127,10 +114,10 @@ class NoiseStream:
 
     def __init__(self, seed: int | None = None, offset: int | None = None):
         self._explicit = seed is not None
-        self._seed = secrets.randbits(64) if seed is None else _check_uint64(seed, "seed")
+        self._seed = secrets.randbits(64) if seed is None else _validate.check_uint64(seed, "seed")
         # A view of the process-wide stream of an explicit seed has no position of its own.
         self._pos = None if (self._explicit and offset is None) else \
-            (0 if offset is None else _check_uint64(offset, "offset"))
+            (0 if offset is None else _validate.check_uint64(offset, "offset"))
         self._lock = threading.Lock()
 
     @property
@@ -143,14 +130,14 @@ class NoiseStream:
 
     def take(self, draws: int) -> int:
         """Reserve the next ``draws`` draws; returns the first one."""
-        draws = _check_uint64(draws, "draws")
+        draws = _validate.check_uint64(draws, "draws")
         if self._pos is None:
             start = _LEDGER.take_next(self._seed, draws)
-            _check_range(start, draws)
+            _validate.check_draw_range(start, draws)
             return start
         with self._lock:
             start = self._pos
-            _check_range(start, draws)
+            _validate.check_draw_range(start, draws)
             self._pos = start + draws
         if self._explicit and _LEDGER.record(self._seed, start, draws):
             _warn_reuse(self._seed, start, draws)

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from . import _stream
-from ._checks import as_matrix, as_targets, check_finite, check_pos_int
+from ._validate import as_matrix, as_targets, check_delta, check_nonneg, check_pos_int, check_positive
 from ._clip import clip_and_noise_linear
 from .ntk.regress import activation_derivatives, draw_rf_weights
 from .privacy import dp_to_zcdp, epsilon_poisson_gaussian, zcdp_to_dp
@@ -61,22 +61,20 @@ class DPGDRegressor:
         if features == "rf":
             num_features = check_pos_int(num_features, "num_features")
         self.features, self.num_features, self.activation = features, num_features, activation
-        self.scale = check_finite(scale, "scale", positive=True)
-        self.clip = check_finite(clip, "clip", positive=True)
-        self.lr = check_finite(lr, "lr", positive=True)
+        self.scale = check_positive(scale, "scale")
+        self.clip = check_positive(clip, "clip")
+        self.lr = check_positive(lr, "lr")
         self.steps = check_pos_int(steps, "steps")
         if delta is not None:
-            delta = check_finite(delta, "delta", positive=True)
-            if delta >= 1:
-                raise ValueError(f"delta: expected a number in (0, 1), got {delta!r}")
+            delta = check_delta(delta)
         if (sigma is None) == (epsilon is None):
             raise ValueError("DPGDRegressor: give either sigma or (epsilon, delta)")
         if epsilon is not None:
             if delta is None:
                 raise ValueError("delta: required with epsilon")
-            epsilon = check_finite(epsilon, "epsilon", positive=True)
+            epsilon = check_positive(epsilon, "epsilon")
             sigma = math.sqrt(self.lr * self.steps / (2.0 * dp_to_zcdp(epsilon, delta)))
-        self.sigma = check_finite(sigma, "sigma", nonneg=True)
+        self.sigma = check_nonneg(sigma, "sigma")
         self.epsilon, self.delta = epsilon, delta
         self.seed, self.offset = seed, offset
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _backend
-from ._checks import as_matrix, as_targets, check_finite, check_pos_int
+from ._validate import as_matrix, as_targets, check_nonneg, check_pos_int, check_positive
 
 __all__ = ["SCHEDULES", "schedule_lr", "sigma_tilde_sq", "noise_schedule", "realized_rho",
            "check_schedule_args", "DPSGDResult", "dpsgd_linear_regression"]
@@ -63,7 +63,7 @@ def noise_schedule(eta, rho):
     """sigma_k from rho^2 sigma_k^2 = eta_k^2 - eta_{k+1}^2 (k < n-1) and
     rho^2 sigma_{n-1}^2 = eta_{n-1}^2 (slides' Proposition); eta must be
     non-increasing and > 0.  Returns (n,) float64."""
-    rho = check_finite(rho, "rho", positive=True)
+    rho = check_positive(rho, "rho")
     eta = np.asarray(eta, dtype=np.float64)
     if eta.ndim != 1 or eta.size == 0 or np.any(eta <= 0) or not np.all(np.isfinite(eta)):
         raise ValueError("eta: expected a non-empty 1-D array of finite step sizes > 0")
@@ -111,14 +111,14 @@ class DPSGDResult:
 
 def check_schedule_args(clip, rho, schedule, lr0):
     """Checked (clip, rho, lr0) shared by the simulation and its ODE."""
-    c = check_finite(clip, "clip", positive=True)
-    rho = check_finite(rho, "rho", positive=True)
+    c = check_positive(clip, "clip")
+    rho = check_positive(rho, "rho")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
     if schedule != "optimal":
         if lr0 is None:
             raise ValueError(f"lr0: required for schedule {schedule!r}")
-        lr0 = check_finite(lr0, "lr0", positive=True)
+        lr0 = check_positive(lr0, "lr0")
     return c, rho, lr0
 
 

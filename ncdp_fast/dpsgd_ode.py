@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._checks import check_finite, check_pos_int
+from ._validate import check_nonneg, check_pos_int
 from .dpsgd_linreg import check_schedule_args, schedule_lr, sigma_tilde_sq
 
 __all__ = ["clip_factors", "ODEResult", "dpsgd_risk_ode"]
@@ -84,7 +84,7 @@ def dpsgd_risk_ode(*, d, n, clip, schedule, rho, noise_std, theta_star=None, cov
     from scipy.integrate import solve_ivp
     d, n = check_pos_int(d, "d"), check_pos_int(n, "n")
     c, rho, lr0 = check_schedule_args(clip, rho, schedule, lr0)
-    tau = check_finite(noise_std, "noise_std", nonneg=True)
+    tau = check_nonneg(noise_std, "noise_std")
     gamma = d / n
     if cov is None:
         lam = np.ones(1)
@@ -110,7 +110,7 @@ def dpsgd_risk_ode(*, d, n, clip, schedule, rho, noise_std, theta_star=None, cov
             raise ValueError("initial_risk: give initial_risk or theta_star")
         initial_risk = 0.5 * float(theta_star @ theta_star) if cov is None else \
             0.5 * float(theta_star @ (S @ theta_star))
-    R0 = check_finite(initial_risk, "initial_risk", nonneg=True)
+    R0 = check_nonneg(initial_risk, "initial_risk")
     kw = dict(lr0=lr0, gamma=gamma, rho=rho, c1=c1, c2=c2, c3=c3)
 
     def coeffs(t, R):

@@ -265,7 +265,7 @@ def test_mix_bad_arrays():
     kw = dict(num_samples=5, mixup_degree=10, noise_std_x=1.0, noise_std_y=1.0, num_classes=K)
     bad = X.copy()
     bad[3, 2] = np.inf
-    with pytest.raises(ValueError, match="features: contains NaN"):
+    with pytest.raises(ValueError, match="features: expected finite values, got NaN or Inf"):
         nf.mix(bad, lab, **kw)
     with pytest.raises(ValueError, match="length 299"):
         nf.mix(X, lab[:-1], **kw)

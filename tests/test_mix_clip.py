@@ -161,7 +161,7 @@ def test_float64_rows_whose_squared_norm_may_overflow_are_refused():
     with pytest.raises(ValueError, match="rows \\[0\\]"):
         nf.mix(np.array([[math.nextafter(edge, math.inf), 0.0], [0.0, 0.0]]), lab, **kw)
     for bad in (np.inf, np.nan):
-        with pytest.raises(ValueError, match="features: contains NaN or infinite"):
+        with pytest.raises(ValueError, match="features: expected finite values, got NaN or Inf"):
             nf.mix(np.array([[bad, 0.0], [0.0, 0.0]]), lab, **kw)
     # float32 features never reach the limit: the largest float32 rows are clipped.
     big = np.full((1, 3), np.finfo(np.float32).max, np.float32)

@@ -151,7 +151,7 @@ def test_metrics_bad_input():
         nc.metrics(X, np.array([0, 1, 0.5, 0, 1, 0]))
     bad = X.copy()
     bad[2, 1] = np.nan
-    with pytest.raises(ValueError, match="features: features contain NaN"):
+    with pytest.raises(ValueError, match="features: expected finite features, got NaN or Inf"):
         nc.metrics(bad, np.array([0, 1, 0, 0, 1, 0]))
     with pytest.raises(ValueError, match="empty"):
         nc.metrics(X, np.array([0, 2, 0, 0, 2, 0]))

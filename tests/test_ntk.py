@@ -142,8 +142,8 @@ def test_hadamard_lower_bound_on_layer_factors():
     rng = np.random.default_rng(9)
     W = [rng.standard_normal((50, 6)), rng.standard_normal((1, 50))]
     x = rng.standard_normal((40, 6))
-    from ncdp_fast._ntk import _namespace, ntk_factors
-    terms = ntk_factors(x, W, None, "relu", "standard", _namespace("numpy"), np.matmul)
+    from ncdp_fast._ntk import namespace, ntk_factors
+    terms = ntk_factors(x, W, None, "relu", "standard", namespace("numpy"), np.matmul)
     for f, b in terms:
         if f is None:
             continue

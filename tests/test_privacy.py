@@ -625,6 +625,9 @@ def test_accountant_json_round_trip():
         (lambda d: d["events"][0].update(steps=10.0), TypeError),
         (lambda d: d["events"][0].update(type="laplace"), ValueError),
         (lambda d: d["events"][1].update(rho=0.0), ValueError),
+        (lambda d: d["events"][1].update(rho="0.1"), TypeError),
+        (lambda d: d.update(events={}), TypeError),
+        (lambda d: d["events"].append(3), TypeError),
     ],
 )
 def test_accountant_from_json_rejects_bad_input(mutate, exc):
@@ -711,9 +714,9 @@ def test_bad_steps(fn, name, value, exc):
 
 
 def test_other_bad_arguments_name_argument_range_and_value():
-    with pytest.raises(ValueError, match=r"delta must be in the open interval \(0, 1\), got 0"):
+    with pytest.raises(ValueError, match=r"delta: expected a number in \(0, 1\), got 0"):
         zcdp_to_dp(1.0, 0)
-    with pytest.raises(ValueError, match=r"sample_rate must be in .*\(0, 1\], got 1.5"):
+    with pytest.raises(ValueError, match=r"sample_rate: expected a number in \(0, 1\], got 1.5"):
         epsilon_poisson_gaussian(1.0, 1.5, 10, 1e-5)
     with pytest.raises(ValueError, match="accountant"):
         epsilon_poisson_gaussian(1.0, 0.1, 10, 1e-5, "prv")

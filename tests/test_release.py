@@ -227,10 +227,10 @@ def test_bad_release_input():
                     hierarchical_classes=7).release(X, lab, num_classes=K)
     Xn = X.copy()
     Xn[5, 2] = np.nan
-    with pytest.raises(ValueError, match="features: contains NaN or infinite"):
+    with pytest.raises(ValueError, match="features: expected finite values, got NaN or Inf"):
         g.release(Xn, lab, num_classes=K)
     Xn[5, 2] = np.inf
-    with pytest.raises(ValueError, match="features: contains NaN or infinite"):
+    with pytest.raises(ValueError, match="features: expected finite values, got NaN or Inf"):
         g.release(Xn, lab, num_classes=K)
     with pytest.raises(ValueError, match="features: expected shape"):
         g.release(X[0], lab, num_classes=K)

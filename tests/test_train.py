@@ -223,9 +223,9 @@ def test_noisygd_learns_perfect_collapse():
 
 def test_bad_input_errors():
     X, y = _data()
-    with pytest.raises(ValueError, match="epsilon must be > 0"):
+    with pytest.raises(ValueError, match="epsilon: expected a finite number > 0"):
         NoisyGDClassifier(num_classes=3, epsilon=0.0, delta=1e-5).fit(X, y)
-    with pytest.raises(ValueError, match="epsilon must be > 0"):
+    with pytest.raises(ValueError, match="epsilon: expected a finite number > 0"):
         NoisySGDClassifier(num_classes=3, epsilon=-1.0, delta=1e-5, sample_rate=0.1, epochs=1).fit(X, y)
     with pytest.raises(ValueError, match="rho"):
         NoisyGDClassifier(num_classes=3, rho=float("inf")).fit(X, y)
@@ -241,7 +241,7 @@ def test_bad_input_errors():
         NoisyGDClassifier(num_classes=3, rho=1.0).fit(X, y + 0.5)
     bad = X.copy()
     bad[3, 2] = np.nan
-    with pytest.raises(ValueError, match="X: features contain NaN"):
+    with pytest.raises(ValueError, match="X: expected finite features, got NaN or Inf"):
         NoisyGDClassifier(num_classes=3, rho=1.0).fit(bad, y)
     with pytest.raises(ValueError, match=r"y: expected shape \(60,\)"):
         NoisyGDClassifier(num_classes=3, rho=1.0).fit(X, y[:10])

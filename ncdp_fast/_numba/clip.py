@@ -43,7 +43,7 @@ def _sq_norm(row):
 # Factors below this are applied to a float64 product instead of being cast to
 # the data dtype first: a float32 factor under 2^-126 is a denormal with few
 # significant bits (and 0 under 2^-149), which broke the clip bound.
-_TINY_FACTOR = 2.0 ** -60
+TINY_FACTOR = 2.0 ** -60
 
 
 @njit(cache=True, inline="always")
@@ -105,7 +105,7 @@ def _slab_sums(g, factors, compute, max_norm, unit, norms, acc):
     read and written once per four rows, not once per row (for wide rows it
     lives in L2/L3 and its traffic would otherwise dominate).  norms and
     factors ([B] float64) are written when ``compute``.  A factor below
-    ``_TINY_FACTOR`` multiplies in float64 (one rounding to the data dtype).
+    ``TINY_FACTOR`` multiplies in float64 (one rounding to the data dtype).
     """
     B = g.shape[0]
     S = acc.shape[0]
@@ -124,7 +124,7 @@ def _slab_sums(g, factors, compute, max_norm, unit, norms, acc):
                 # A zero factor marks a dropped (non-finite) row (0 * NaN would
                 # still poison the sum) and a tiny one needs a float64 product:
                 # such groups go row by row below.
-                if min(min(f0, f1), min(f2, f3)) >= _TINY_FACTOR:
+                if min(min(f0, f1), min(f2, f3)) >= TINY_FACTOR:
                     c0 = a.dtype.type(f0)
                     c1 = a.dtype.type(f1)
                     c2 = a.dtype.type(f2)
@@ -139,7 +139,7 @@ def _slab_sums(g, factors, compute, max_norm, unit, norms, acc):
             for r in range(i, min(i + 4, hi) if i + 4 <= hi else i + 1):
                 f = factors[r]
                 row = g[r]
-                if f >= _TINY_FACTOR:
+                if f >= TINY_FACTOR:
                     c = a.dtype.type(f)
                     for j in range(a.shape[0]):
                         a[j] += c * row[j]

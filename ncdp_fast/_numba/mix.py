@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._dispatch import sized_kernel
-from .clip import _TINY_FACTOR, safe_factor, unit_roundoff
+from .clip import TINY_FACTOR, safe_factor, unit_roundoff
 from .rng import add_gaussian, philox4x32_10
 
 _M32 = np.uint64(0xFFFFFFFF)
@@ -209,7 +209,7 @@ def _mix_block(features, labels, soft, has_soft, group_ptr, members, has_members
                     # as computed in the features' dtype has norm <= clip_x.
                     f = safe_factor(sq, 0.0, clip_x, d, 1.0, unit)
                     factors[i] = f
-            if f >= _TINY_FACTOR:
+            if f >= TINY_FACTOR:
                 fc = ax.dtype.type(f)
                 for j in range(d):
                     ax[j] += fc * xi[j]

@@ -33,7 +33,7 @@ from __future__ import annotations
 from .diagnostics import NCMetrics, metrics
 from .preprocess import Centering, PCAProjector
 from .synthetic_data import SyntheticNC, adversarial_shift, etf, synthetic
-from .validate import check_features, check_labels
+from .._validate import check_features, check_labels
 
 __all__ = ["etf", "synthetic", "SyntheticNC", "adversarial_shift", "metrics", "NCMetrics",
            "Centering", "PCAProjector"]

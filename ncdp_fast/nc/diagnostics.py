@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .validate import check_features, check_labels, to_host
+from .._arrays import to_host
+from .._validate import check_features, check_labels
 
 __all__ = ["metrics", "NCMetrics"]
 

@@ -12,10 +12,10 @@ import math
 
 import numpy as np
 
-from .. import _backend, _rng, _stream
+from .. import _arrays, _backend, _rng, _stream
 from .._clip import clip_and_noise
-from ..privacy._validate import check_positive
-from .validate import check_features, check_int, to_host
+from .._arrays import to_host
+from .._validate import check_features, check_int, check_positive
 
 __all__ = ["Centering", "PCAProjector"]
 
@@ -40,7 +40,7 @@ def _check_public(public):
 
 def _like(a, X):
     """A float64 NumPy array ``a`` as X's library, device and dtype."""
-    if _backend.is_torch(X):
+    if _arrays.is_torch(X):
         import torch
         return torch.as_tensor(a, dtype=X.dtype, device=X.device)
     return a.astype(np.asarray(X).dtype if np.asarray(X).dtype.kind == "f" else np.float64,
@@ -111,12 +111,12 @@ class Centering(_Preprocessor):
         ``seed``: the noise key -- None (OS), an int or a :class:`ncdp_fast.NoiseStream`
         shared with the rest of the workflow; ``offset``: first draw (None: the next
         unused one).  Takes p + 1 draws; the key is not stored."""
-        rho = check_positive("rho", rho)
-        clip = check_positive("clip", clip)
+        rho = check_positive(rho, "rho")
+        clip = check_positive(clip, "clip")
         n, p = check_features(X)
         stream = _stream.resolve(seed, offset)
         z = 1.0 / math.sqrt(rho)
-        Xk = X if _backend.is_torch(X) else np.ascontiguousarray(X, dtype=np.float64) \
+        Xk = X if _arrays.is_torch(X) else np.ascontiguousarray(X, dtype=np.float64) \
             if np.asarray(X).dtype.kind != "f" else X
         s = clip_and_noise(Xk, max_norm=clip, noise_multiplier=z, seed=stream)
         total = to_host(s.grad, "sum", dtype=np.float64)
@@ -195,8 +195,8 @@ class PCAProjector(_Preprocessor):
     def fit_private(self, X, *, rho, clip, seed=None, offset=None):
         """Analyze-Gauss DP PCA of private rows: rho-zCDP, rows clipped to ``clip``.
         ``seed``/``offset`` as :meth:`Centering.fit_private`; takes p(p+1)/2 draws."""
-        rho = check_positive("rho", rho)
-        clip = check_positive("clip", clip)
+        rho = check_positive(rho, "rho")
+        clip = check_positive(clip, "clip")
         m, p = check_features(X)
         k = self._k(p)
         if p > self._PRIVATE_MAX:

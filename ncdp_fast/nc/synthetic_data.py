@@ -16,7 +16,8 @@ from typing import Iterator
 import numpy as np
 
 from .. import _backend
-from .validate import check_int, check_nonnegative, to_host
+from .._arrays import to_host
+from .._validate import check_int, check_nonneg
 
 __all__ = ["etf", "synthetic", "SyntheticNC", "adversarial_shift"]
 
@@ -102,7 +103,7 @@ def adversarial_shift(labels, coef, beta) -> np.ndarray:
         j = y entry is zero).
     """
     W = to_host(coef, "coef", dtype=np.float64)
-    beta = check_nonnegative(beta, "beta")
+    beta = check_nonneg(beta, "beta")
     lab = np.asarray(labels, dtype=np.int64)
     out = np.zeros((lab.size, W.shape[0], W.shape[1]))
     for a, y in enumerate(lab):
@@ -149,7 +150,7 @@ class SyntheticNC:
             raise ValueError(f"split: expected 'train', 'test' or 'public', got {split!r}")
         return {"train": self.y_train, "test": self.y_test, "public": self.y_public}[split]
 
-    def _shift_kind(self, split):
+    def shift_kind(self, split):
         if self.shift is None:
             return None
         applies = (self.shift_split == "both" or self.shift_split == split
@@ -167,7 +168,7 @@ class SyntheticNC:
 
     def _rows(self, split, start, stop):
         y = self.labels(split)[start:stop]
-        kind = self._shift_kind(split)
+        kind = self.shift_kind(split)
         X = self._class_rows(y, kind)
         if kind == "stochastic":
             b0 = start // _BLOCK
@@ -199,13 +200,13 @@ class SyntheticNC:
         """The split as distinct rows with multiplicities, when the rows of a class are
         identical (no shift, offset or adversarial): ``(X (G, p), y (G,), counts (G,))``
         with G <= K.  Fitting on it with ``counts`` equals fitting on every row."""
-        if self._shift_kind(split) == "stochastic":
+        if self.shift_kind(split) == "stochastic":
             raise ValueError(f"split {split!r}: stochastic shifts make every row distinct; "
                              "use features() or chunks()")
         y = self.labels(split)
         counts = np.bincount(y, minlength=self.num_classes)
         present = np.flatnonzero(counts)
-        X = self._class_rows(present, self._shift_kind(split))
+        X = self._class_rows(present, self.shift_kind(split))
         return X, present.astype(np.int64), counts[present].astype(np.int64)
 
     @property
@@ -263,7 +264,7 @@ def synthetic(n, num_classes, dim, *, shift=None, beta=0.0, imbalance=None, seed
     K = check_int(num_classes, "num_classes", 2)
     n = check_int(n, "n", K)
     p = check_int(dim, "dim", K)
-    beta = check_nonnegative(beta, "beta")
+    beta = check_nonneg(beta, "beta")
     if shift not in (None, "stochastic", "offset", "adversarial"):
         raise ValueError(f"shift: expected None, 'stochastic', 'offset' or 'adversarial', got "
                          f"{shift!r}")

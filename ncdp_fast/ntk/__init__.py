@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _backend
-from .._ntk import ACTIVATIONS, _namespace, activation, ntk_factors, ntk_gram
+from .. import _arrays
+from .._ntk import ACTIVATIONS, namespace, activation, ntk_factors, ntk_gram
 from .regress import (RF_ACTIVATIONS, NTKRegressor, RandomFeatures, RFRegressor, random_features,
                       sensitivity)
 from ._eig import cholesky_solver, smallest_by_block_lanczos
@@ -86,7 +86,7 @@ def ntk_matvec(x, weights, v, *, biases=None, activation="relu", parameterizatio
         raise ValueError(f"v: expected shape ({x.shape[0]},), got {v.shape}")
     weights = [np.asarray(w) for w in weights]
     biases = None if biases is None else [None if b is None else np.asarray(b) for b in biases]
-    terms = ntk_factors(x, weights, biases, activation, parameterization, _namespace("numpy"),
+    terms = ntk_factors(x, weights, biases, activation, parameterization, namespace("numpy"),
                         np.matmul)
     return _matvec_terms(terms, v)
 
@@ -144,20 +144,20 @@ def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxite
         raise ValueError("lambda_min: give either K or x (with weights), not both or neither")
     terms = None
     if K is not None:
-        K = np.asarray(_backend_to_numpy(K), dtype=np.float64)
+        K = np.asarray(_arrays.to_numpy(K), dtype=np.float64)
         if K.ndim != 2 or K.shape[0] != K.shape[1]:
             raise ValueError(f"K: expected a square matrix, got shape {K.shape}")
         n = K.shape[0]
     else:
         if weights is None:
             raise ValueError("weights: required with x")
-        x = np.asarray(_backend_to_numpy(x), dtype=np.float64)
-        weights = [np.asarray(_backend_to_numpy(w), dtype=np.float64) for w in weights]
+        x = np.asarray(_arrays.to_numpy(x), dtype=np.float64)
+        weights = [np.asarray(_arrays.to_numpy(w), dtype=np.float64) for w in weights]
         if network.get("biases") is not None:
-            network["biases"] = [None if b is None else np.asarray(_backend_to_numpy(b), np.float64)
+            network["biases"] = [None if b is None else np.asarray(_arrays.to_numpy(b), np.float64)
                                  for b in network["biases"]]
         terms = ntk_factors(x, weights, network.get("biases"), network.get("activation", "relu"),
-                            network.get("parameterization", "standard"), _namespace("numpy"),
+                            network.get("parameterization", "standard"), namespace("numpy"),
                             np.matmul)
         n = x.shape[0]
     if method == "auto":
@@ -206,14 +206,6 @@ def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxite
     return EigResult(val, residual, vec, method)
 
 
-def _backend_to_numpy(a):
-    if _backend.is_torch(a):
-        return a.detach().cpu().numpy()
-    if hasattr(a, "get") and _backend.is_cuda_array(a):
-        return a.get()
-    return a
-
-
 def rf_gram(x, V, activation_name="relu"):
     """Random-features Gram phi(X V^T) phi(X V^T)^T (NumPy or torch, CPU or CUDA).
 
@@ -221,8 +213,8 @@ def rf_gram(x, V, activation_name="relu"):
     of f(x) = a^T phi(V x) alone: ntk_gram with weights [V, a] minus the
     first-layer term.
     """
-    is_t = _backend.is_torch(x)
-    ns = _namespace("torch" if is_t else "numpy")
+    is_t = _arrays.is_torch(x)
+    ns = namespace("torch" if is_t else "numpy")
     if x.shape[1] != V.shape[1]:
         raise ValueError(f"V: expected shape (N, {x.shape[1]}), got {tuple(V.shape)}")
     Phi, _ = activation(activation_name, x @ V.T, ns)

@@ -52,9 +52,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _backend
-from .._checks import as_matrix, as_targets, check_nonneg, check_pos_int
+from .._validate import as_matrix, as_targets, check_nonneg, check_pos_int
 from .._ntk import ACTIVATIONS as _NTK_ACTIVATIONS
-from .._ntk import _namespace, ntk_factors, ntk_gram
+from .._ntk import namespace, ntk_factors, ntk_gram
 from .._ntk import activation as _ntk_activation
 
 __all__ = ["RF_ACTIVATIONS", "random_features", "RandomFeatures", "RFRegressor", "NTKRegressor",
@@ -76,7 +76,7 @@ def activation_derivatives(name, z):
         return a + np.log1p(np.exp(-2.0 * a)) - math.log(2.0), t, 1.0 - t * t
     if name not in _NTK_ACTIVATIONS:
         raise ValueError(f"activation: expected one of {RF_ACTIVATIONS}, got {name!r}")
-    f, df = _ntk_activation(name, z, _namespace("numpy"))
+    f, df = _ntk_activation(name, z, namespace("numpy"))
     if name in ("relu", "identity"):
         d2 = np.zeros_like(z)
     elif name == "tanh":
@@ -320,7 +320,7 @@ class NTKRegressor:
 
     def _autograd_gradient(self, x):
         import torch
-        ns = _namespace("torch")
+        ns = namespace("torch")
         W = [torch.from_numpy(w) for w in self.weights]
         b = None if self.biases is None else [None if v is None else torch.from_numpy(v)
                                               for v in self.biases]

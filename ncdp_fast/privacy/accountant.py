@@ -37,21 +37,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Union
 
-from ._validate import (
-    check_choice,
-    check_delta,
-    check_int_at_least,
-    check_nonnegative,
-    check_positive,
-    check_sample_rate,
-    check_steps,
-    import_dp_accounting,
-)
+from .._validate import (check_choice, check_delta, check_nonneg, check_pos_int, check_positive,
+                         check_probability)
+from ._validate import check_discretization_interval, import_dp_accounting
 from .gdp import gdp_to_dp
 from .subsampled import (
     DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
-    _check_interval,
-    _gaussian_event,
+    gaussian_event,
 )
 from .zcdp import zcdp_to_dp
 
@@ -134,9 +126,9 @@ class Accountant:
         Returns:
             self (calls chain). Merged into the previous event when (sigma, q) match.
         """
-        s = check_positive("noise_multiplier", noise_multiplier)
-        q = check_sample_rate(sample_rate)
-        t = check_steps(steps)
+        s = check_positive(noise_multiplier, "noise_multiplier")
+        q = check_probability(sample_rate, "sample_rate")
+        t = check_pos_int(steps, "steps")
         last = self._events[-1] if self._events else None
         if isinstance(last, GaussianEvent) and last.noise_multiplier == s and last.sample_rate == q:
             self._events[-1] = GaussianEvent(s, q, last.steps + t)
@@ -160,8 +152,8 @@ class Accountant:
         Returns:
             self. Merged into the previous event when rho matches.
         """
-        r = check_positive("rho", rho)
-        c = check_int_at_least("count", count, 1)
+        r = check_positive(rho, "rho")
+        c = check_pos_int(count, "count")
         last = self._events[-1] if self._events else None
         if isinstance(last, ZCDPEvent) and last.rho == r:
             self._events[-1] = ZCDPEvent(r, last.count + c)
@@ -206,7 +198,7 @@ class Accountant:
         """The history as one dp-accounting ``ComposedDpEvent`` (zCDP events as
         ``ZCDpEvent``), for use with any dp-accounting accountant."""
         dpa = import_dp_accounting()
-        events = [_gaussian_event(dpa, s, q, t) for (s, q), t in self._grouped_gaussian().items()]
+        events = [gaussian_event(dpa, s, q, t) for (s, q), t in self._grouped_gaussian().items()]
         rho_total = sum(e.rho * e.count for e in self._zcdp_events())
         if rho_total > 0.0:
             events.append(dpa.ZCDpEvent(rho_total))
@@ -259,8 +251,8 @@ class Accountant:
             epsilon >= 0 (0.0 for an empty history; ``inf`` if unbounded).
         """
         d = check_delta(delta)
-        check_choice("accountant", accountant, _ACCOUNTANTS)
-        interval = _check_interval(value_discretization_interval)
+        check_choice(accountant, "accountant", _ACCOUNTANTS)
+        interval = check_discretization_interval(value_discretization_interval)
         if not self._events:
             return 0.0
         if accountant == "zcdp":
@@ -311,40 +303,38 @@ class Accountant:
     def from_dict(cls, data: dict) -> "Accountant":
         """Rebuild from :meth:`to_dict` output, validating every field."""
         if not isinstance(data, dict):
-            raise TypeError(f"data must be a dict, got {type(data).__name__}")
+            raise TypeError(f"data: expected a dict, got {type(data).__name__}")
         if data.get("format") != _FORMAT:
-            raise ValueError(f"format must be {_FORMAT!r}, got {data.get('format')!r}")
+            raise ValueError(f"format: expected {_FORMAT!r}, got {data.get('format')!r}")
         if data.get("version") != _VERSION:
-            raise ValueError(f"version must be {_VERSION}, got {data.get('version')!r}")
+            raise ValueError(f"version: expected {_VERSION}, got {data.get('version')!r}")
         rel = data.get("neighboring_relation", "add_or_remove_one")
         if rel != "add_or_remove_one":
-            raise ValueError(f"neighboring_relation must be 'add_or_remove_one', got {rel!r}")
+            raise ValueError(f"neighboring_relation: expected 'add_or_remove_one', got {rel!r}")
         events = data.get("events")
         if not isinstance(events, list):
-            raise ValueError(f"events must be a list, got {type(events).__name__}")
+            raise TypeError(f"events: expected a list, got {type(events).__name__}")
         acc = cls()
         for i, ev in enumerate(events):
             if not isinstance(ev, dict):
-                raise ValueError(f"events[{i}] must be an object, got {ev!r}")
+                raise TypeError(f"events[{i}]: expected an object, got {ev!r}")
             kind = ev.get("type")
             if kind == "poisson_gaussian":
                 acc._events.append(
                     GaussianEvent(
-                        check_positive(f"events[{i}].noise_multiplier", ev.get("noise_multiplier")),
-                        check_sample_rate(ev.get("sample_rate"), f"events[{i}].sample_rate"),
-                        check_steps(ev.get("steps"), f"events[{i}].steps"),
+                        check_positive(ev.get("noise_multiplier"), f"events[{i}].noise_multiplier"),
+                        check_probability(ev.get("sample_rate"), f"events[{i}].sample_rate"),
+                        check_pos_int(ev.get("steps"), f"events[{i}].steps"),
                     )
                 )
             elif kind == "zcdp":
-                rho = check_nonnegative(f"events[{i}].rho", ev.get("rho"))
-                if rho <= 0.0:
-                    raise ValueError(f"events[{i}].rho must be > 0, got {ev.get('rho')!r}")
+                rho = check_positive(ev.get("rho"), f"events[{i}].rho")
                 acc._events.append(
-                    ZCDPEvent(rho, check_int_at_least(f"events[{i}].count", ev.get("count"), 1))
+                    ZCDPEvent(rho, check_pos_int(ev.get("count"), f"events[{i}].count"))
                 )
             else:
                 raise ValueError(
-                    f"events[{i}].type must be 'poisson_gaussian' or 'zcdp', got {kind!r}"
+                    f"events[{i}].type: expected 'poisson_gaussian' or 'zcdp', got {kind!r}"
                 )
         return acc
 
@@ -352,5 +342,5 @@ class Accountant:
     def from_json(cls, s: str) -> "Accountant":
         """Rebuild an accountant from :meth:`to_json` output."""
         if not isinstance(s, (str, bytes, bytearray)):
-            raise TypeError(f"s must be a JSON string, got {type(s).__name__}")
+            raise TypeError(f"s: expected a JSON string, got {type(s).__name__}")
         return cls.from_dict(json.loads(s))

@@ -37,13 +37,7 @@ import math
 from scipy.optimize import brentq
 from scipy.special import erf, erfcx, log_ndtr, ndtr
 
-from ._validate import (
-    check_delta,
-    check_nonnegative,
-    check_positive,
-    check_sample_rate,
-    check_steps,
-)
+from .._validate import check_delta, check_nonneg, check_pos_int, check_positive, check_probability
 
 __all__ = ["gdp_delta", "gdp_to_dp", "dp_to_gdp", "poisson_gdp_mu", "clt_noise_multiplier"]
 
@@ -135,8 +129,8 @@ def gdp_delta(mu, epsilon) -> float:
     Returns:
         delta in [0, 1).
     """
-    m = check_nonnegative("mu", mu)
-    e = check_nonnegative("epsilon", epsilon)
+    m = check_nonneg(mu, "mu")
+    e = check_nonneg(epsilon, "epsilon")
     if m == 0.0:
         return 0.0
     return math.exp(_log_gdp_delta(m, e))
@@ -160,7 +154,7 @@ def gdp_to_dp(mu, delta) -> float:
         epsilon >= 0. It is 0.0 when :math:`\delta \ge \delta(0) = 2\Phi(\mu/2) - 1`
         (the mechanism is then (0, delta)-DP).
     """
-    m = check_nonnegative("mu", mu)
+    m = check_nonneg(mu, "mu")
     d = check_delta(delta)
     if m == 0.0:
         return 0.0
@@ -196,7 +190,7 @@ def dp_to_gdp(epsilon, delta) -> float:
     Returns:
         mu > 0. Any mu'-GDP mechanism with mu' <= mu is (epsilon, delta)-DP.
     """
-    e = check_positive("epsilon", epsilon)
+    e = check_positive(epsilon, "epsilon")
     d = check_delta(delta)
     log_d = math.log(d)
 
@@ -238,9 +232,9 @@ def poisson_gdp_mu(noise_multiplier, sample_rate, steps) -> float:
     Returns:
         mu >= 0 (``inf`` when :math:`e^{1/\sigma^2}` overflows the result).
     """
-    s = check_positive("noise_multiplier", noise_multiplier)
-    q = check_sample_rate(sample_rate)
-    t = check_steps(steps)
+    s = check_positive(noise_multiplier, "noise_multiplier")
+    q = check_probability(sample_rate, "sample_rate")
+    t = check_pos_int(steps, "steps")
     x = 1.0 / (s * s)
     if x < 700.0:
         return q * math.sqrt(t * math.expm1(x))
@@ -265,7 +259,7 @@ def clt_noise_multiplier(mu, sample_rate, steps) -> float:
     Returns:
         sigma > 0.
     """
-    m = check_positive("mu", mu)
-    q = check_sample_rate(sample_rate)
-    t = check_steps(steps)
+    m = check_positive(mu, "mu")
+    q = check_probability(sample_rate, "sample_rate")
+    t = check_pos_int(steps, "steps")
     return 1.0 / math.sqrt(math.log1p(m * m / (q * q * t)))

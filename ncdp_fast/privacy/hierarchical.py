@@ -37,7 +37,8 @@ import math
 
 import numpy as np
 
-from ._validate import check_choice, check_delta, check_positive, import_dp_accounting
+from .._validate import check_choice, check_delta, check_positive
+from ._validate import import_dp_accounting
 from .gdp import dp_to_gdp, gdp_to_dp
 from .subsampled import DEFAULT_EPSILON_RTOL, DEFAULT_VALUE_DISCRETIZATION_INTERVAL, \
     search_noise_multiplier
@@ -89,12 +90,12 @@ def hs_epsilon(noise_multiplier, *, mixup_degree, n, num_samples, class_rates, d
         class_rates: (K,) class keep probabilities p_k in (0, 1] with m/(n p_k) <= 1.
         delta: in (0, 1).
     """
-    s = check_positive("noise_multiplier", noise_multiplier)
+    s = check_positive(noise_multiplier, "noise_multiplier")
     d = check_delta(delta)
-    check_choice("accountant", accountant, ("pld", "clt"))
+    check_choice(accountant, "accountant", ("pld", "clt"))
     p, q = _hs_rates(np.asarray(class_rates, dtype=np.float64), float(mixup_degree), int(n))
     if not (0 < q <= 1):
-        raise ValueError(f"class_rates: q = m/(n p_min) = {q!r} must be in (0, 1]")
+        raise ValueError(f"class_rates: expected q = m/(n p_min) in (0, 1], got {q!r}")
     T = int(num_samples)
     if accountant == "clt":
         mu = q * math.sqrt(T * p * math.expm1(1.0 / (s * s)))
@@ -117,9 +118,9 @@ def hs_noise_multiplier(epsilon, delta, *, mixup_degree, n, num_samples, class_r
     accountant; the returned sigma always meets the target.  Neighbouring relation:
     add/remove one record; n public.
     """
-    e = check_positive("epsilon", epsilon)
+    e = check_positive(epsilon, "epsilon")
     d = check_delta(delta)
-    check_choice("accountant", accountant, ("pld", "clt"))
+    check_choice(accountant, "accountant", ("pld", "clt"))
     m, n, T = float(mixup_degree), int(n), int(num_samples)
     p, _ = _hs_rates(np.asarray(class_rates, dtype=np.float64), m, n)
     mu = dp_to_gdp(e, d)

@@ -26,13 +26,7 @@ from dataclasses import asdict, dataclass
 
 from scipy.optimize import brentq
 
-from ._validate import (
-    check_choice,
-    check_delta,
-    check_int_at_least,
-    check_positive,
-    check_steps,
-)
+from .._validate import check_choice, check_delta, check_pos_int, check_positive
 from .gdp import clt_noise_multiplier, dp_to_gdp, gdp_to_dp, poisson_gdp_mu
 from .subsampled import (
     DEFAULT_EPSILON_RTOL,
@@ -147,15 +141,15 @@ def neuromix_noise(
         multipliers are relative to the clipping bounds: feature noise std is
         ``C_x * sigma_x / m``, label noise std ``C_y * sigma_y / m``.
     """
-    e = check_positive("epsilon", epsilon)
+    e = check_positive(epsilon, "epsilon")
     d = check_delta(delta)
-    n_ = check_int_at_least("n", n, 1)
-    m = check_int_at_least("mixup_degree", mixup_degree, 1)
+    n_ = check_pos_int(n, "n")
+    m = check_pos_int(mixup_degree, "mixup_degree")
     if m > n_:
-        raise ValueError(f"mixup_degree must be an integer in [1, n={n_}], got {mixup_degree!r}")
-    t = check_steps(num_samples, "num_samples")
-    lam_ = check_positive("lam", lam)
-    check_choice("accountant", accountant, ("clt", "pld"))
+        raise ValueError(f"mixup_degree: expected an integer in [1, n={n_}], got {mixup_degree!r}")
+    t = check_pos_int(num_samples, "num_samples")
+    lam_ = check_positive(lam, "lam")
+    check_choice(accountant, "accountant", ("clt", "pld"))
     q = m / n_
     mu = dp_to_gdp(e, d)
     if accountant == "clt":
@@ -232,7 +226,7 @@ def optimal_mixup_degree(mu, n, num_samples) -> float:
         :math:`m^* = c^*\mu n/\sqrt{T}` as a float (an asymptotic optimum; round it
         and keep it in [1, n] before use).
     """
-    mu_ = check_positive("mu", mu)
-    n_ = check_int_at_least("n", n, 1)
-    t = check_steps(num_samples, "num_samples")
+    mu_ = check_positive(mu, "mu")
+    n_ = check_pos_int(n, "n")
+    t = check_pos_int(num_samples, "num_samples")
     return NU_STAR_OVER_MU * mu_ * n_ / math.sqrt(t)

@@ -36,15 +36,8 @@ from __future__ import annotations
 
 import math
 
-from ._validate import (
-    check_choice,
-    check_delta,
-    check_epsilon_rtol,
-    check_positive,
-    check_sample_rate,
-    check_steps,
-    import_dp_accounting,
-)
+from .._validate import check_choice, check_delta, check_pos_int, check_positive, check_probability
+from ._validate import check_discretization_interval, check_epsilon_rtol, import_dp_accounting
 from .gdp import clt_noise_multiplier, dp_to_gdp, gdp_to_dp, poisson_gdp_mu
 
 __all__ = [
@@ -70,17 +63,7 @@ _SIGMA_MIN = 1e-2
 _SIGMA_MAX = 1e6
 
 
-def _check_interval(value_discretization_interval) -> float:
-    v = check_positive("value_discretization_interval", value_discretization_interval)
-    if v > 1.0:
-        raise ValueError(
-            f"value_discretization_interval must be in (0, 1] (nats of privacy loss), got "
-            f"{value_discretization_interval!r}"
-        )
-    return v
-
-
-def _gaussian_event(dpa, sigma: float, q: float, steps: int):
+def gaussian_event(dpa, sigma: float, q: float, steps: int):
     """dp-accounting event for T steps of the Poisson-subsampled Gaussian."""
     if q == 1.0:
         inner = dpa.GaussianDpEvent(sigma)
@@ -111,7 +94,7 @@ def _epsilon(sigma, q, steps, delta, accountant, interval) -> float:
         mu = math.sqrt(steps) / sigma if q == 1.0 else poisson_gdp_mu(sigma, q, steps)
         return math.inf if not math.isfinite(mu) else gdp_to_dp(mu, delta)
     dpa = import_dp_accounting()
-    event = _gaussian_event(dpa, sigma, q, steps)
+    event = gaussian_event(dpa, sigma, q, steps)
     if accountant == "pld":
         return _pld_epsilon(event, delta, interval)
     return _rdp_epsilon(event, delta)
@@ -153,12 +136,12 @@ def epsilon_poisson_gaussian(
     Returns:
         epsilon >= 0 (``inf`` when the accountant finds no finite epsilon).
     """
-    s = check_positive("noise_multiplier", noise_multiplier)
-    q = check_sample_rate(sample_rate)
-    t = check_steps(steps)
+    s = check_positive(noise_multiplier, "noise_multiplier")
+    q = check_probability(sample_rate, "sample_rate")
+    t = check_pos_int(steps, "steps")
     d = check_delta(delta)
-    check_choice("accountant", accountant, _ACCOUNTANTS)
-    interval = _check_interval(value_discretization_interval)
+    check_choice(accountant, "accountant", _ACCOUNTANTS)
+    interval = check_discretization_interval(value_discretization_interval)
     return _epsilon(s, q, t, d, accountant, interval)
 
 
@@ -209,13 +192,13 @@ def calibrate_noise_multiplier(
         ValueError: bad arguments, or no sigma in [1e-2, 1e6] meets the target
             (target too small for the search range / too large to need noise).
     """
-    e_t = check_positive("target_epsilon", target_epsilon)
+    e_t = check_positive(target_epsilon, "target_epsilon")
     d = check_delta(delta)
-    q = check_sample_rate(sample_rate)
-    t = check_steps(steps)
-    check_choice("accountant", accountant, _ACCOUNTANTS)
+    q = check_probability(sample_rate, "sample_rate")
+    t = check_pos_int(steps, "steps")
+    check_choice(accountant, "accountant", _ACCOUNTANTS)
     rtol = check_epsilon_rtol(epsilon_rtol)
-    interval = _check_interval(value_discretization_interval)
+    interval = check_discretization_interval(value_discretization_interval)
 
     mu = dp_to_gdp(e_t, d)
     sigma0 = math.sqrt(t) / mu if q == 1.0 else clt_noise_multiplier(mu, q, t)
@@ -271,7 +254,7 @@ def search_noise_multiplier(
     Returns:
         sigma with ``epsilon_of(sigma) <= target_epsilon`` (an evaluated point).
     """
-    e_t = check_positive("target_epsilon", target_epsilon)
+    e_t = check_positive(target_epsilon, "target_epsilon")
     rtol = check_epsilon_rtol(epsilon_rtol)
     problem = f"target_epsilon={e_t!r}" if problem is None else problem
     under = f" under {accountant!r}" if accountant else ""

@@ -35,13 +35,7 @@ import math
 
 from scipy.optimize import brentq
 
-from ._validate import (
-    check_choice,
-    check_delta,
-    check_nonnegative,
-    check_positive,
-    check_steps,
-)
+from .._validate import check_choice, check_delta, check_nonneg, check_pos_int, check_positive
 
 __all__ = ["zcdp_to_dp", "dp_to_zcdp", "gaussian_zcdp", "noisygd_sigma"]
 
@@ -91,9 +85,9 @@ def zcdp_to_dp(rho, delta, method: str = "tight") -> float:
         :math:`(\varepsilon, \delta)`-DP. When the bound is negative the mechanism
         is :math:`(0, \delta)`-DP and 0.0 is returned.
     """
-    r = check_nonnegative("rho", rho)
+    r = check_nonneg(rho, "rho")
     d = check_delta(delta)
-    check_choice("method", method, _METHODS)
+    check_choice(method, "method", _METHODS)
     if r == 0.0:
         return 0.0
     log_1_over_delta = -math.log(d)
@@ -124,9 +118,9 @@ def dp_to_zcdp(epsilon, delta, method: str = "tight") -> float:
         :math:`\rho > 0` with ``zcdp_to_dp(rho, delta, method) == epsilon`` up to
         rounding (round trip to ~1e-12 relative).
     """
-    e = check_positive("epsilon", epsilon)
+    e = check_positive(epsilon, "epsilon")
     d = check_delta(delta)
-    check_choice("method", method, _METHODS)
+    check_choice(method, "method", _METHODS)
     L = -math.log(d)
     rho_std = (e / (math.sqrt(e + L) + math.sqrt(L))) ** 2
     if method == "standard":
@@ -162,8 +156,8 @@ def gaussian_zcdp(sensitivity, sigma) -> float:
     Returns:
         :math:`\rho` of one release. T releases compose to :math:`T\rho`.
     """
-    s = check_positive("sensitivity", sensitivity)
-    sg = check_positive("sigma", sigma)
+    s = check_positive(sensitivity, "sensitivity")
+    sg = check_positive(sigma, "sigma")
     return (s / sg) ** 2 / 2.0
 
 
@@ -188,7 +182,7 @@ def noisygd_sigma(rho_total, steps, sensitivity=1.0) -> float:
         gradient at every step, in the units of ``sensitivity``. The noise
         multiplier is ``sigma / sensitivity``.
     """
-    r = check_positive("rho_total", rho_total)
-    t = check_steps(steps)
-    g = check_positive("sensitivity", sensitivity)
+    r = check_positive(rho_total, "rho_total")
+    t = check_pos_int(steps, "steps")
+    g = check_positive(sensitivity, "sensitivity")
     return g * math.sqrt(t / (2.0 * r))

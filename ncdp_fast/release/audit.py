@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arrays import to_numpy
+from .._arrays import to_numpy
 
 __all__ = ["membership_auc", "membership_losses"]
 

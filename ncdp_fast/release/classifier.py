@@ -4,13 +4,12 @@ r"""A classifier trained on released NeuroMixGDP rows only: :class:`SoftLabelCla
 from __future__ import annotations
 
 import math
-from numbers import Integral, Real
 
 import numpy as np
 
-from .. import _backend
-from ..privacy._validate import check_choice, check_positive
-from .arrays import to_numpy
+from .. import _arrays, _backend
+from .._validate import check_choice, check_nonneg, check_pos_int, check_positive
+from .._arrays import to_numpy
 from .released import Released
 
 __all__ = ["SoftLabelClassifier"]
@@ -64,27 +63,22 @@ class SoftLabelClassifier:
     def __init__(self, *, loss="kl", hidden=None, solver="lbfgs", alpha=0.0, max_iter=100,
                  epochs=20, batch_size=1024, lr=1e-3, clip_x=None, standardize=False,
                  device="cpu", dtype="float32", seed=None):
-        self.loss = check_choice("loss", loss, ("kl", "squared"))
+        self.loss = check_choice(loss, "loss", ("kl", "squared"))
         self.standardize = bool(standardize)
-        if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, Integral)
-                                   or hidden < 1):
-            raise ValueError(f"hidden: expected None or an integer >= 1, got {hidden!r}")
+        hidden = None if hidden is None else check_pos_int(hidden, "hidden")
         if hidden is not None and loss == "squared":
             raise ValueError("hidden: the squared loss is solved in closed form for a linear "
                              "model only; use loss='kl' with a hidden layer")
         self.hidden = hidden
-        self.solver = check_choice("solver", solver, ("lbfgs", "adam"))
-        if isinstance(alpha, bool) or not isinstance(alpha, Real) or not alpha >= 0:
-            raise ValueError(f"alpha: expected a number >= 0, got {alpha!r}")
-        self.alpha = float(alpha)
-        for name, v in (("max_iter", max_iter), ("epochs", epochs), ("batch_size", batch_size)):
-            if isinstance(v, bool) or not isinstance(v, Integral) or v < 1:
-                raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
-        self.max_iter, self.epochs, self.batch_size = int(max_iter), int(epochs), int(batch_size)
-        self.lr = check_positive("lr", lr)
-        self.clip_x = None if clip_x is None else check_positive("clip_x", clip_x)
+        self.solver = check_choice(solver, "solver", ("lbfgs", "adam"))
+        self.alpha = check_nonneg(alpha, "alpha")
+        self.max_iter = check_pos_int(max_iter, "max_iter")
+        self.epochs = check_pos_int(epochs, "epochs")
+        self.batch_size = check_pos_int(batch_size, "batch_size")
+        self.lr = check_positive(lr, "lr")
+        self.clip_x = None if clip_x is None else check_positive(clip_x, "clip_x")
         self.device = device
-        self.dtype = check_choice("dtype", dtype, ("float32", "float64"))
+        self.dtype = check_choice(dtype, "dtype", ("float32", "float64"))
         self.seed = seed
 
     # ------------------------------------------------------------------ internals
@@ -134,7 +128,7 @@ class SoftLabelClassifier:
         Xt = _as_tensor(X, self._tdtype(), self.device)
         if Xt.ndim != 2:
             raise ValueError(f"X: expected shape (T, d), got {tuple(Xt.shape)}")
-        Yt = _as_tensor(Y, self._tdtype(), self.device) if _to_numpy_dtype_kind(Y) == "f" \
+        Yt = _as_tensor(Y, self._tdtype(), self.device) if _dtype_kind(Y) == "f" \
             else None
         if Yt is None:
             lab = to_numpy(Y)
@@ -146,8 +140,9 @@ class SoftLabelClassifier:
                 device=self.device, dtype=self._tdtype())
         if Yt.ndim != 2 or Yt.shape[0] != Xt.shape[0]:
             raise ValueError(f"Y: expected shape ({Xt.shape[0]}, K), got {tuple(Yt.shape)}")
-        if not (bool(torch.isfinite(Xt).all()) and bool(torch.isfinite(Yt).all())):
-            raise ValueError("X, Y: contain NaN or infinite values")
+        for name, a in (("X", Xt), ("Y", Yt)):
+            if not _arrays.all_finite(a):
+                raise ValueError(f"{name}: expected finite values, got NaN or Inf")
         T, d = Xt.shape
         K = Yt.shape[1]
         self.n_features_in_ = int(d)
@@ -246,7 +241,7 @@ class SoftLabelClassifier:
         if self._mlp is not None:
             raise AttributeError("coef_: not defined for the one-hidden-layer model")
         W = self._W if self._shift is None else self._scale[:, None] * self._W
-        return W.detach().cpu().numpy().T.copy()
+        return _arrays.to_numpy(W).T.copy()
 
     @property
     def intercept_(self) -> np.ndarray:
@@ -255,7 +250,7 @@ class SoftLabelClassifier:
             raise AttributeError("intercept_: not defined for the one-hidden-layer model")
         b = self._b if self._shift is None else \
             self._b - (self._shift * self._scale) @ self._W
-        return b.detach().cpu().numpy().copy()
+        return _arrays.to_numpy(b).copy()
 
     def _check_fitted(self):
         if not hasattr(self, "classes_"):
@@ -266,7 +261,7 @@ class SoftLabelClassifier:
         self._check_fitted()
         torch = _torch()
         with torch.no_grad():
-            return self._forward(self._prep(X)).cpu().numpy()
+            return _arrays.to_numpy(self._forward(self._prep(X)))
 
     def predict_proba(self, X) -> np.ndarray:
         """(n, K) class probabilities: softmax of the logits (``kl``); for ``squared``
@@ -301,8 +296,8 @@ def _column_std(X, mean):
     return torch.sqrt(acc / X.shape[0])
 
 
-def _to_numpy_dtype_kind(a) -> str:
-    if _backend.is_torch(a):
+def _dtype_kind(a) -> str:
+    if _arrays.is_torch(a):
         return "f" if a.is_floating_point() else "i"
-    return np.asarray(a).dtype.kind if not hasattr(a, "dtype") else np.dtype(str(a.dtype)).kind
+    return _arrays.numpy_dtype(a).kind if hasattr(a, "dtype") else np.asarray(a).dtype.kind
 

@@ -38,16 +38,16 @@ decision; see docs/release.md.
 from __future__ import annotations
 
 import math
-from numbers import Integral, Real
+import numbers
 
 import numpy as np
 
-from .. import _backend, _stream
+from .. import _arrays, _stream
 from .._mix import mix
 from ..privacy import (DEFAULT_VALUE_DISCRETIZATION_INTERVAL, dp_to_gdp, hs_noise_multiplier,
                        neuromix_noise, optimal_mixup_degree)
-from ..privacy._validate import check_choice, check_delta, check_positive
-from .arrays import to_numpy
+from .._validate import check_choice, check_delta, check_pos_int, check_positive, check_real
+from .._arrays import to_numpy
 from .released import Released
 from .report import PrivacyReport, privacy_report
 
@@ -60,25 +60,8 @@ def _lam_split(sigma: float, lam: float) -> tuple[float, float]:
     return sigma * s / lam, sigma * s
 
 
-def _all_finite(a) -> bool:
-    if isinstance(a, np.ndarray):
-        return bool(np.isfinite(a).all())
-    if _backend.is_torch(a):
-        import torch
-        return bool(torch.isfinite(a).all())
-    mod = type(a).__module__.split(".")[0]
-    if mod == "cupy":
-        import cupy
-        return bool(cupy.isfinite(a).all())
-    return bool(np.isfinite(np.asarray(a)).all())
-
-
 def _labels_host(labels, n: int, K: int) -> np.ndarray:
-    try:
-        shape = tuple(int(s) for s in labels.shape)
-    except AttributeError:
-        raise TypeError(f"labels: expected an array (NumPy, torch or CuPy), got "
-                        f"{type(labels).__name__}") from None
+    shape = _arrays.shape(labels, "labels")
     if len(shape) != 1:
         raise ValueError(f"labels: expected integer class ids of shape (n,), got shape {shape}")
     if shape[0] != n:
@@ -130,25 +113,22 @@ class NeuroMixGDP:
     def __init__(self, *, epsilon, delta, mixup_degree="auto", num_samples=None, lam=1.0,
                  clip_x=1.0, clip_y=1.0, hierarchical_classes=None, accountant="pld",
                  seed=None, offset=None):
-        self.epsilon = check_positive("epsilon", epsilon)
+        self.epsilon = check_positive(epsilon, "epsilon")
         self.delta = check_delta(delta)
         if isinstance(mixup_degree, str):
             if mixup_degree != "auto":
                 raise ValueError(f"mixup_degree: expected a number >= 1 or 'auto', got "
                                  f"{mixup_degree!r}")
-        elif isinstance(mixup_degree, bool) or not isinstance(mixup_degree, Real) or \
-                not (math.isfinite(mixup_degree) and mixup_degree >= 1):
+        elif not (math.isfinite(check_real(mixup_degree, "mixup_degree")) and mixup_degree >= 1):
             raise ValueError(f"mixup_degree: expected a number >= 1 or 'auto', got "
                              f"{mixup_degree!r}")
         self.mixup_degree = mixup_degree
-        if num_samples is not None and (isinstance(num_samples, bool) or
-                                        not isinstance(num_samples, Integral) or num_samples < 1):
-            raise ValueError(f"num_samples: expected None or an integer >= 1, got {num_samples!r}")
-        self.num_samples = None if num_samples is None else int(num_samples)
-        self.lam = check_positive("lam", lam)
-        self.clip_x = check_positive("clip_x", clip_x)
-        self.clip_y = check_positive("clip_y", clip_y)
-        if hierarchical_classes is not None and not isinstance(hierarchical_classes, Real):
+        self.num_samples = None if num_samples is None else check_pos_int(num_samples,
+                                                                          "num_samples")
+        self.lam = check_positive(lam, "lam")
+        self.clip_x = check_positive(clip_x, "clip_x")
+        self.clip_y = check_positive(clip_y, "clip_y")
+        if hierarchical_classes is not None and not isinstance(hierarchical_classes, numbers.Real):
             hc = np.asarray(hierarchical_classes, dtype=np.float64)
             if hc.ndim != 1:
                 raise ValueError(f"hierarchical_classes: expected a number or a (K,) array of "
@@ -157,7 +137,7 @@ class NeuroMixGDP:
         elif isinstance(hierarchical_classes, bool):
             raise TypeError("hierarchical_classes: expected a number or an array, got a bool")
         self.hierarchical_classes = hierarchical_classes
-        self.accountant = check_choice("accountant", accountant, ("clt", "pld"))
+        self.accountant = check_choice(accountant, "accountant", ("clt", "pld"))
         self._stream = _stream.resolve(seed, offset)
         self.value_discretization_interval = DEFAULT_VALUE_DISCRETIZATION_INTERVAL
 
@@ -246,21 +226,12 @@ class NeuroMixGDP:
         # noise-free mixture (NOT private; report epsilon = inf); sigma=s uses the given
         # noise multiplier instead of calibrating (the report gives its true epsilon);
         # return_groups also returns ncdp_fast.mix's BatchPlan of the groups.
-        try:
-            shape = tuple(int(s) for s in features.shape)
-        except AttributeError:
-            raise TypeError(f"features: expected an array (NumPy, torch or CuPy), got "
-                            f"{type(features).__name__}") from None
+        shape = _arrays.shape(features, "features")
         if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
             raise ValueError(f"features: expected shape (n, d) with n, d >= 1, got {shape}")
         n, d = shape
-        if isinstance(num_classes, bool) or not isinstance(num_classes, Integral) or \
-                num_classes < 1:
-            raise ValueError(f"num_classes: expected an integer >= 1, got {num_classes!r}")
-        K = int(num_classes)
+        K = check_pos_int(num_classes, "num_classes")
         _labels_host(labels, n, K)
-        if not _all_finite(features):
-            raise ValueError("features: contains NaN or infinite values")
         r = self.resolve(n, K)
         m, T, rates = r["m"], r["T"], r["class_rates"]
         known = None
@@ -268,7 +239,7 @@ class NeuroMixGDP:
             s, sx, sy = math.inf, 0.0, 0.0
             accountant = "none"
         elif sigma is not None:
-            s = check_positive("sigma", sigma)
+            s = check_positive(sigma, "sigma")
             sx, sy = _lam_split(s, self.lam)
             accountant = "fixed"
         else:

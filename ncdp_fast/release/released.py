@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import to_numpy
+from .._arrays import to_numpy
 from .report import PrivacyReport, privacy_report
 
 __all__ = ["Released", "ReleaseFileError", "FORMAT_VERSION"]

@@ -50,7 +50,7 @@ def _mlp_weights(rng, widths):
 
 def exp1(quick, rng):
     from ncdp_fast import ntk
-    from ncdp_fast._ntk import _namespace, ntk_factors
+    from ncdp_fast._ntk import namespace, ntk_factors
     n, d, base = (100, 20, 24) if quick else (200, 30, 32)
     wides = [50, 100, 200, 400, 800] if quick else [50, 100, 200, 400, 800, 1600, 3200]
     seeds = 2 if quick else 3
@@ -62,7 +62,7 @@ def exp1(quick, rng):
             widths = [d, base, Nk, base, 1]                  # L = 4, the wide layer is k = 2
             Ws = _mlp_weights(rng, widths)
             lam = ntk.lambda_min(x=x, weights=Ws, activation="relu", method="eigh").value
-            terms = ntk_factors(x, Ws, None, "relu", "standard", _namespace("numpy"), np.matmul)
+            terms = ntk_factors(x, Ws, None, "relu", "standard", namespace("numpy"), np.matmul)
             # K = sum_l (F_l F_l^T) o (B_{l+1} B_{l+1}^T); term order: l = L-1, ..., 0.
             per = []
             for f, b in terms:

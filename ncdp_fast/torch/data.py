@@ -5,6 +5,7 @@ import torch
 from torch.utils.data import default_collate
 
 from .._mix import poisson_batches
+from .._validate import check_int
 from .mechanism import UsesNoiseStream
 
 __all__ = ["PoissonBatchSampler", "collate_with_empty"]
@@ -23,9 +24,7 @@ class PoissonBatchSampler(UsesNoiseStream):
 
     def __init__(self, n: int, *, sample_rate: float, steps: int, seed=None,
                  offset: int | None = None):
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"steps: expected an integer >= 0, got {steps!r}")
-        self.n, self.sample_rate, self.batches = n, sample_rate, steps
+        self.n, self.sample_rate, self.batches = n, sample_rate, check_int(steps, "steps", 0)
         self._init_stream(seed, offset)
         poisson_batches(n, sample_rate=sample_rate, steps=0, seed=self._stream)  # validate
 

@@ -3,8 +3,9 @@ gradients, the checked DP arguments and the one fused clip-and-noise call."""
 from __future__ import annotations
 
 from .. import _stream
-from .._clip import LayersClipResult, _nonneg_finite, _positive_finite, clip_and_noise_layers
+from .._clip import LayersClipResult, clip_and_noise_layers
 from .._stream import NoiseStream
+from .._validate import check_choice, check_nonneg, check_positive
 
 __all__ = ["UsesNoiseStream", "ClippedGaussianStep", "check_dp_args"]
 
@@ -48,20 +49,18 @@ class UsesNoiseStream:
 def check_dp_args(max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction,
                   nan_policy):
     """The drop-ins' arguments, checked at construction under the user's names."""
-    max_grad_norm = _positive_finite(max_grad_norm, "max_grad_norm")
-    noise_multiplier = _nonneg_finite(noise_multiplier, "noise_multiplier")
+    max_grad_norm = check_positive(max_grad_norm, "max_grad_norm")
+    noise_multiplier = check_nonneg(noise_multiplier, "noise_multiplier")
     if noise_multiplier * max_grad_norm > 1e150:
         raise ValueError(f"noise_multiplier: {noise_multiplier!r} * max_grad_norm "
                          f"{max_grad_norm!r} is too large a noise std (the noise would "
                          "overflow)")
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction: expected 'mean' or 'sum', got {loss_reduction!r}")
+    check_choice(loss_reduction, "loss_reduction", ("mean", "sum"))
     if expected_batch_size is not None:
-        expected_batch_size = _positive_finite(expected_batch_size, "expected_batch_size")
+        expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
     elif loss_reduction == "mean":
         raise ValueError("expected_batch_size: required with loss_reduction='mean'")
-    if nan_policy not in ("raise", "zero"):
-        raise ValueError(f"nan_policy: expected 'raise' or 'zero', got {nan_policy!r}")
+    check_choice(nan_policy, "nan_policy", ("raise", "zero"))
     return max_grad_norm, noise_multiplier, expected_batch_size
 
 

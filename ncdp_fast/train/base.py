@@ -2,34 +2,15 @@
 by private preprocessing, and fit-time preparation / predict / score."""
 from __future__ import annotations
 
-import math
-from numbers import Integral, Real
-
 import numpy as np
 
-from .. import _backend
-from ..nc import check_features, check_labels
+from .. import _arrays
+from .._validate import check_choice, check_features, check_int, check_labels, check_positive
 from .steps import ArrayOps, float_features, to_lib
 
-__all__ = ["LOSSES", "check_real", "check_int", "prior_rho", "LinearClassifierBase"]
+__all__ = ["LOSSES", "prior_rho", "LinearClassifierBase"]
 
 LOSSES = ("ce", "square")
-
-
-def check_real(value, name, *, positive=True, allow_none=False):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or \
-            (positive and value <= 0):
-        raise ValueError(f"{name}: expected a finite number{' > 0' if positive else ''}, got "
-                         f"{value!r}")
-    return float(value)
-
-
-def check_int(value, name, minimum):
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def prior_rho(preprocessing):
@@ -49,11 +30,11 @@ class LinearClassifierBase:
     """fit / predict / score / decision_function shared by both estimators."""
 
     def _validate_common(self):
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss: expected one of {list(LOSSES)}, got {self.loss!r}")
-        check_real(self.lr, "lr")
-        check_real(self.max_grad_norm, "max_grad_norm")
-        check_real(self.projection_radius, "projection_radius", allow_none=True)
+        check_choice(self.loss, "loss", LOSSES)
+        check_positive(self.lr, "lr")
+        check_positive(self.max_grad_norm, "max_grad_norm")
+        if self.projection_radius is not None:
+            check_positive(self.projection_radius, "projection_radius")
         if self.num_classes is None:
             raise ValueError("num_classes: required (an integer >= 2): reading K from the "
                              "private labels as max(y) + 1 would reveal whether a record of "
@@ -102,6 +83,6 @@ class LinearClassifierBase:
     def score(self, X, y):
         """Accuracy on (X, y), a Python float."""
         pred = self.predict(X)
-        pred = pred.detach().cpu().numpy() if _backend.is_torch(pred) else np.asarray(pred)
+        pred = _arrays.to_numpy(pred)
         labels, _ = check_labels(y, pred.shape[0], len(self.classes_))
         return float(np.mean(pred == labels))

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from .. import _stream
 from ..privacy import Accountant, dp_to_zcdp, noisygd_sigma, zcdp_to_dp
-from ..privacy._validate import check_delta, check_positive
-from .base import LinearClassifierBase, check_int, prior_rho
+from .._validate import check_delta, check_positive
+from .._validate import check_int
+from .base import LinearClassifierBase, prior_rho
 from .steps import check_counts, linear_steps
 
 __all__ = ["NoisyGDClassifier"]
@@ -59,13 +60,13 @@ class NoisyGDClassifier(LinearClassifierBase):
         if self.rho is not None:
             if self.epsilon is not None:
                 raise ValueError("rho: give either rho or (epsilon, delta), got both")
-            rho = check_positive("rho", self.rho)
+            rho = check_positive(self.rho, "rho")
             delta = None if self.delta is None else check_delta(self.delta)
             return rho, delta
         if self.epsilon is None or self.delta is None:
             raise ValueError("epsilon, delta: a privacy budget is required: (epsilon, delta) or "
                              f"rho; got epsilon={self.epsilon!r}, delta={self.delta!r}")
-        eps = check_positive("epsilon", self.epsilon)
+        eps = check_positive(self.epsilon, "epsilon")
         delta = check_delta(self.delta)
         return dp_to_zcdp(eps, delta), delta
 

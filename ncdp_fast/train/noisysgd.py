@@ -9,8 +9,8 @@ from scipy.optimize import brentq
 from .. import _stream
 from .._mix import poisson_batches
 from ..privacy import Accountant, calibrate_noise_multiplier, epsilon_poisson_gaussian
-from ..privacy._validate import check_choice, check_delta, check_positive, check_sample_rate
-from .base import LinearClassifierBase, check_real, prior_rho
+from .._validate import check_choice, check_delta, check_positive, check_probability
+from .base import LinearClassifierBase, prior_rho
 from .steps import linear_steps
 
 __all__ = ["NoisySGDClassifier"]
@@ -105,16 +105,16 @@ class NoisySGDClassifier(LinearClassifierBase):
         """Train on private features X (n, p) NumPy/torch CPU/CUDA and labels y.
         ``preprocessing`` as in :meth:`NoisyGDClassifier.fit`."""
         self._validate_common()
-        eps = check_positive("epsilon", self.epsilon)
+        eps = check_positive(self.epsilon, "epsilon")
         delta = check_delta(self.delta)
-        q = check_sample_rate(self.sample_rate)
-        epochs = check_positive("epochs", self.epochs)
-        check_choice("accountant", self.accountant, ("pld", "rdp", "gdp"))
+        q = check_probability(self.sample_rate, "sample_rate")
+        epochs = check_positive(self.epochs, "epochs")
+        check_choice(self.accountant, "accountant", ("pld", "rdp", "gdp"))
         spent = prior_rho(preprocessing)
         X, labels, n, p, K = self._prepare(X, y)
         T = max(1, int(round(epochs / q)))
-        ebs = check_real(self.expected_batch_size, "expected_batch_size", allow_none=True) \
-            or q * n
+        ebs = q * n if self.expected_batch_size is None else \
+            check_positive(self.expected_batch_size, "expected_batch_size")
         stream = _stream.resolve(self.seed, self.offset)
         self.offset_ = stream.position
         z, acc_name = self._calibrate(eps, delta, q, T, spent)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _backend
+from .. import _arrays, _backend
 from .._clip import clip_and_noise_linear
 from .._numba.clip import clip_factors as _clip_factors
 
@@ -20,7 +20,7 @@ class ArrayOps:
     """The few array operations the training loop needs, in the caller's library."""
 
     def __init__(self, X):
-        self.torch = _backend.is_torch(X)
+        self.torch = _arrays.is_torch(X)
         if self.torch:
             import torch
             self.t = torch
@@ -30,7 +30,7 @@ class ArrayOps:
 
     def asarray(self, a, dtype=None):
         if self.torch:
-            return self.t.as_tensor(np.asarray(a) if not self.t.is_tensor(a) else a,
+            return self.t.as_tensor(a if _arrays.is_torch(a) else np.asarray(a),
                                     dtype=dtype or self.dtype, device=self.device)
         return np.asarray(a, dtype=dtype or self.dtype)
 
@@ -65,9 +65,10 @@ class ArrayOps:
 
 def float_features(X, name="X"):
     """NumPy/torch float features (integer NumPy arrays become float64)."""
-    if _backend.is_torch(X):
+    k = _arrays.kind(X)
+    if k == "torch":
         return X
-    if hasattr(X, "__cuda_array_interface__"):
+    if k != "numpy":
         raise TypeError(f"{name}: CuPy/other CUDA arrays are not supported by the estimators; "
                         "pass a torch CUDA tensor")
     a = np.asarray(X)
@@ -82,18 +83,16 @@ def to_lib(a, like_ops: ArrayOps):
     """Move an array fitted in one library/device to the library of ``like_ops``."""
     if like_ops.torch:
         t = like_ops.t
-        if t.is_tensor(a):
+        if _arrays.is_torch(a):
             return a.to(device=like_ops.device, dtype=like_ops.dtype)
         return t.as_tensor(np.asarray(a), dtype=like_ops.dtype, device=like_ops.device)
-    if _backend.is_torch(a):
-        a = a.detach().cpu().numpy()
-    return np.asarray(a, dtype=like_ops.dtype)
+    return np.asarray(_arrays.to_numpy(a), dtype=like_ops.dtype)
 
 
 def check_counts(counts, n):
     if counts is None:
         return None
-    c = np.asarray(counts.detach().cpu().numpy() if _backend.is_torch(counts) else counts)
+    c = _arrays.to_numpy(counts)
     if c.shape != (n,) or c.dtype.kind not in "iu" or (c.size and c.min() < 1):
         raise ValueError(f"counts: expected ({n},) integers >= 1 (row i stands for counts[i] "
                          f"identical records), got shape {c.shape} dtype {c.dtype}")
@@ -153,7 +152,7 @@ def linear_steps(X, y, *, num_classes, steps, lr, loss, max_grad_norm, noise_mul
                 raise ValueError("per-sample gradients are not finite (NaN/Inf, e.g. a square "
                                  "loss diverging under a large lr); lower lr or use loss='ce'")
             # The clip rule of every op (reference.clip_factors), in float64 on the host.
-            sq_h = np.ascontiguousarray(sq.detach().cpu().numpy() if ops.torch else sq,
+            sq_h = np.ascontiguousarray(_arrays.to_numpy(sq),
                                         dtype=np.float64)
             f_h, _ = np.empty_like(sq_h), np.empty_like(sq_h)
             _clip_factors(sq_h, None, max_grad_norm, K + p + (K if fit_intercept else 0) + 2, 1,

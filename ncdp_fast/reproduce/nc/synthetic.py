@@ -57,7 +57,7 @@ def _score_chunks(models, data, split="test", rows=512, transform=None):
     """Accuracies of several models on one split: on its distinct rows weighted by their
     counts when every row of a class is identical (exactly the per-row accuracy), else
     in row chunks generated once and scored by every model."""
-    if data._shift_kind(split) != "stochastic":
+    if data.shift_kind(split) != "stochastic":
         X, y, counts = data.grouped(split)
         if transform is not None:
             X = transform(X)
