@@ -21,7 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import cuda_missing  # noqa: E402
+from _common import Case, cuda_missing  # noqa: E402
 
 SIZES = ("smallest", "quick", "full")
 
@@ -66,13 +66,18 @@ def bench_rounds(config) -> int:
     return rounds or (1 if config.getoption("bench_size") == "smallest" else 3)
 
 
+def _case(item) -> Case | None:
+    case = getattr(item, "callspec", None) and item.callspec.params.get("case")
+    return case if isinstance(case, Case) else None
+
+
 def pytest_collection_modifyitems(config, items):
     """Per workload: round 1 of every method, then round 2, ... (see the module
     docstring).  Files, test functions and workloads keep their order."""
     first = {}
     workloads = {}
     for i, item in enumerate(items):
-        case = getattr(item, "callspec", None) and item.callspec.params.get("case")
+        case = _case(item)
         if case is None:
             continue
         first.setdefault((item.path, item.originalname), i)
@@ -80,8 +85,8 @@ def pytest_collection_modifyitems(config, items):
 
     def key(pair):
         i, item = pair
-        case = getattr(item, "callspec", None) and item.callspec.params.get("case")
-        if case is None:
+        case = _case(item)
+        if case is None:                # an empty parameter set (pytest skips it)
             return (i, 0, 0, i)
         fn = (item.path, item.originalname)
         return (first[fn], workloads[fn + (case.workload,)], case.round, i)
