@@ -68,6 +68,9 @@ def add_ratios(benchmarks) -> None:
 
 # ------------------------------------------------------------------ the tables
 
+NO_RESULT = "no result (skipped or failed: see the pytest output)"
+
+
 def _t(ms, m):
     return ms[m]["stats"]["median"] if m in ms else None
 
@@ -118,7 +121,7 @@ def clip_step(family):
         for m in ("nonprivate", "ncdp_ghost", "ncdp_fused", "opacus_hooks", "opacus_ghost"):
             row = dict(shape=w, method=m)
             if m not in ms:
-                row["error"] = "no result (skipped or failed: see the pytest output)"
+                row["error"] = NO_RESULT
             else:
                 t = _t(ms, m)
                 row.update(ms=1e3 * t, peak_extra_mb=_x(ms, m, "peak_extra_mb"),
@@ -272,7 +275,7 @@ def train(family):
         for m in ("noisygd", "nonprivate", "naive", "opacus"):
             row = dict(config=w, method=m)
             if m not in ms:
-                row["error"] = "no result (skipped or failed: see the pytest output)"
+                row["error"] = NO_RESULT
             else:
                 measured = _x(ms, m, "n_measured")
                 t = _t(ms, m) * n / measured
