@@ -5,6 +5,7 @@ The options, the parametrization over rounds and the interleaved ordering are
 in bench/conftest.py; the tables in bench/report.py."""
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -80,8 +81,10 @@ class _RssPeak:
 
 def peak_extra_mb(fn, device) -> float:
     """Memory one call of ``fn`` needs beyond what was allocated before it: the
-    CUDA allocator's peak on a GPU, the sampled resident-set growth on the CPU
-    (a lower bound: memory glibc kept from earlier calls is reused unseen)."""
+    CUDA allocator's peak on a GPU, the sampled resident-set growth on the CPU,
+    after ``malloc_trim`` has handed the memory glibc kept from earlier calls
+    back to the system (else the call reuses it unseen; without glibc the
+    number is a lower bound)."""
     if device == "cuda":
         import torch
         torch.cuda.synchronize()
@@ -90,15 +93,20 @@ def peak_extra_mb(fn, device) -> float:
         fn()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
     with _RssPeak() as rss:
         fn()
     return rss.extra_mb
 
 
-def measure(benchmark, case, fn, *, device, repeats, warmup=1, memory=True, first_call=True,
-            **extra):
+def measure(benchmark, case, fn, *, device, repeats, warmup=1, min_time=0.0, memory=True,
+            first_call=True, **extra):
     """Time ``fn`` with ``benchmark.pedantic`` (``repeats`` timed calls after
-    ``warmup`` untimed ones; a CUDA synchronize ends every call on a GPU) and
+    ``warmup`` untimed ones, more if ``repeats`` calls take less than
+    ``min_time`` seconds; a CUDA synchronize ends every call on a GPU) and
     record ``case``, the peak memory of one more call (before the timing; one
     call before it compiles and imports unless not ``first_call``) and
     ``extra`` in ``benchmark.extra_info``; ``bytes`` / ``flops`` there add the
@@ -122,6 +130,10 @@ def measure(benchmark, case, fn, *, device, repeats, warmup=1, memory=True, firs
         call()                          # compile / import / CUDA init outside the numbers
     if memory:
         benchmark.extra_info["peak_extra_mb"] = peak_extra_mb(call, device)
+    if min_time:
+        t0 = time.perf_counter()
+        call()
+        repeats = max(repeats, min(int(min_time / (time.perf_counter() - t0)), 10_000))
     out = benchmark.pedantic(call, rounds=repeats, warmup_rounds=warmup, iterations=1)
     median = benchmark.stats.stats.median
     for key, rate in (("bytes", "gbs"), ("flops", "gflops")):

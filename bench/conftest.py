@@ -107,11 +107,18 @@ def bench_size(pytestconfig):
     return pytestconfig.getoption("bench_size")
 
 
+def pytest_sessionstart(session):
+    """The run's metadata for the report (device, commit, sizes), taken before
+    the first benchmark: the commit is that of the code measured."""
+    from report import run_meta
+    config = session.config
+    config._ncdp_meta = run_meta(config.getoption("bench_device"),
+                                 config.getoption("bench_size"), bench_rounds(config))
+
+
 def pytest_benchmark_update_json(config, benchmarks, output_json):
-    """The run's metadata for the report (device, commit, sizes) and, in every
-    benchmark's extra_info, its time relative to every method of its group."""
-    from report import add_ratios, run_meta
-    output_json["ncdp"] = run_meta(config.getoption("bench_device"),
-                                   config.getoption("bench_size"),
-                                   bench_rounds(config))
+    """The run's metadata and, in every benchmark's extra_info, its time relative
+    to every method of its group."""
+    from report import add_ratios
+    output_json["ncdp"] = config._ncdp_meta
     add_ratios(output_json["benchmarks"])

@@ -81,7 +81,7 @@ def test_clip_dense(benchmark, case, bench_device):
     else:
         raise ValueError(method)
     measure(benchmark, case, fn, device=device, repeats=5 if B * p > 1e8 else 20, warmup=2,
-            bytes=g.numel() * 4)
+            min_time=0.5, bytes=g.numel() * 4)
 
 
 def _build_step(params, method, device, torch, nn):
@@ -170,4 +170,4 @@ def test_clip_step(benchmark, case, bench_device):
     warnings.filterwarnings("ignore")
     step = _build_step(case.params, case.method, bench_device, torch, nn)
     measure(benchmark, case, step, device=bench_device,
-            repeats=3 if case.method in STEP_ONCE else 10, warmup=1)
+            repeats=3 if case.method in STEP_ONCE else 10, warmup=1, min_time=1.0)

@@ -103,4 +103,4 @@ def test_train_step(benchmark, case, bench_device, bench_size):
     else:
         raise ValueError(method)
     measure(benchmark, case, fn, device=device, repeats=3 if bench_size != "full" else 5,
-            warmup=1, n_measured=n, flops=4.0 * n * K * p)
+            warmup=1, min_time=0.5, n_measured=n, flops=4.0 * n * K * p)
