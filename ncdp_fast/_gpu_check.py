@@ -11,10 +11,12 @@ has to show before a GPU claim of this project is believed.
 4. ``pytest -m gpu``: fails on any failure or error, and when no GPU test ran
    or any was skipped for want of a device -- a GPU check that only skips
    proves nothing.
-5. The GPU benchmarks (``ncdp-fast bench --device cuda``, by default
-   ``--quick --rounds 1``) with the time the budget leaves; each writes
-   ``bench/results/<name>-gpu-<date>.{json,md}`` and fails the check if it
-   reports an error row, writes nothing, or runs out of time.
+5. The GPU benchmarks, one ``ncdp-fast bench --device cuda --only NAME`` each
+   (the pytest-benchmark suite of bench/ on the GPU, by default ``--quick
+   --rounds 1``) with the time the budget leaves; each writes
+   ``bench/results/<report>-gpu-<date>.{json,md}`` and fails the check if
+   pytest fails, a table reports an error row (a method with no result), it
+   writes nothing, or it runs out of time.
 6. A summary of the phases in ``bench/results/gpu_check-gpu-<date>.{json,md}``.
 
 It runs from a source checkout (tests/ and bench/ live next to the package).

@@ -56,13 +56,14 @@ def machine(torch_mod=None) -> dict:
 
 
 def write_report(name: str, out_dir: str, meta: dict, rows: list[dict], columns: list[tuple],
-                 notes: list[str] = ()) -> Path:
+                 notes: list[str] = (), quiet: bool = False) -> Path:
     """Write ``<name>-<device>-<date>.json`` and ``.md`` (a table of ``columns``:
-    (key, header, format)) and return the JSON path."""
+    (key, header, format)) and return the JSON path.  ``meta``'s own "date" and
+    "commit" (those of the measurement) win over now's."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     now = _dt.datetime.now(_dt.timezone.utc)
-    meta = dict(meta, date=now.strftime("%Y-%m-%d %H:%M UTC"), commit=git_commit())
+    meta = dict(dict(date=now.strftime("%Y-%m-%d %H:%M UTC"), commit=git_commit()), **meta)
     device = meta.get("device_tag", "cpu")
     stem = f"{name}-{device}-{now.strftime('%Y%m%d')}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
@@ -83,7 +84,8 @@ def write_report(name: str, out_dir: str, meta: dict, rows: list[dict], columns:
             cells.append("" if v is None else (fmt.format(v) if fmt else str(v)))
         lines.append("| " + " | ".join(cells) + " |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if not quiet:
+        print("\n".join(lines))
     return out / f"{stem}.json"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -22,43 +23,64 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-BENCHES = ["bench_clip.py", "bench_mix.py", "bench_ntk.py", "bench_privacy.py", "bench_train.py",
-           "bench_release.py"]
-# Accounting only: no device to choose (and no --device/--rounds options).
-CPU_ONLY_BENCHES = {"bench_privacy.py"}
+# bench/test_bench_<name>.py, pytest-benchmark tests (bench/README.md).
+BENCHES = ["clip", "mix", "ntk", "privacy", "train", "release"]
+# Accounting only: no GPU part.
+CPU_ONLY_BENCHES = {"privacy"}
 GPU_BENCHES = [b for b in BENCHES if b not in CPU_ONLY_BENCHES]
 
 
+def _bench_name(text: str) -> str:
+    """A benchmark's name; its file names are accepted too (bench_mix.py, test_bench_mix.py)."""
+    name = text.removesuffix(".py").removeprefix("test_").removeprefix("bench_")
+    if name not in BENCHES:
+        raise argparse.ArgumentTypeError(f"unknown benchmark {text!r} (one of "
+                                         f"{', '.join(BENCHES)})")
+    return name
+
+
 def _cmd_bench(args) -> int:
-    """Run the benchmark scripts of bench/ (they live in the source tree, next to
-    the package, because they compare against peers a user installs separately)."""
+    """Run the pytest-benchmark suite of bench/ (it lives in the source tree, next
+    to the package, because it compares against peers a user installs separately)
+    once per device, then write its tables (bench/report.py) into ``--out``."""
+    import tempfile
     root = Path(__file__).resolve().parent.parent / "bench"
-    if not root.is_dir():
-        print(f"ncdp-fast bench: no bench/ directory next to the package ({root}); run from a "
+    if not (root / "conftest.py").is_file():
+        print(f"ncdp-fast bench: no bench/ suite next to the package ({root}); run from a "
               "source checkout", file=sys.stderr)
         return 2
-    names = args.only or (GPU_BENCHES if args.device == "cuda" else BENCHES)
+    sys.path.insert(0, str(root))
+    from _common import cuda_missing
+    from report import write_tables
+    why = cuda_missing() if args.device != "cpu" else None
+    if args.device == "cuda" and why:
+        print(f"ncdp-fast bench: --device cuda: {why}", file=sys.stderr)
+        return 2
+    devices = {"cpu": ["cpu"], "cuda": ["cuda"], "all": ["cpu"] + ([] if why else ["cuda"])}
     status = 0
-    for name in names:
-        script = root / name
-        if not script.exists():
-            print(f"ncdp-fast bench: {script} not found", file=sys.stderr)
-            status = 2
+    for dev in devices[args.device]:
+        names = [n for n in (args.only or BENCHES) if dev == "cpu" or n not in CPU_ONLY_BENCHES]
+        for n in set(args.only or ()) - set(names):
+            print(f"ncdp-fast bench: {n} has no GPU part; skipped with --device {dev}",
+                  file=sys.stderr)
+        if not names:
             continue
-        cmd = [sys.executable, str(script), "--out", args.out] + (["--quick"] if args.quick else [])
-        if name in CPU_ONLY_BENCHES:
-            if args.device == "cuda":
-                print(f"ncdp-fast bench: {name} has no GPU part; skipped with --device cuda",
-                      file=sys.stderr)
-                continue
-        else:
-            cmd.append(f"--device={args.device}")
+        with tempfile.TemporaryDirectory() as tmp:
+            run_json = Path(tmp) / "run.json"
+            cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                   *(str(root / f"test_bench_{n}.py") for n in names),
+                   f"--bench-device={dev}", f"--bench-size={'quick' if args.quick else 'full'}",
+                   f"--benchmark-json={run_json}"]
             if args.rounds:
-                cmd.append(f"--rounds={args.rounds}")
-        print("$", " ".join(cmd), flush=True)
-        rc = subprocess.call(cmd)
-        if rc:
-            status = max(status, rc if rc > 0 else 1)      # < 0: killed by a signal
+                cmd.append(f"--bench-rounds={args.rounds}")
+            print("$", " ".join(cmd), flush=True)
+            rc = subprocess.call(cmd, cwd=root.parent)
+            if rc:
+                status = max(status, rc if rc > 0 else 1)      # < 0: killed by a signal
+            if run_json.exists():
+                write_tables(json.loads(run_json.read_text()), args.out)
+            else:
+                status = status or 1
     return status
 
 
@@ -90,15 +112,17 @@ def main(argv=None) -> int:
     demo.add_argument("--seed", type=int, default=None,
                       help="seed for data split, sampling and noise (default: from the OS)")
     demo.set_defaults(fn=_cmd_demo)
-    bench = sub.add_parser("bench", help="run the benchmarks of bench/ against their peers")
+    bench = sub.add_parser("bench", help="run the benchmarks of bench/ against their peers "
+                           "(pytest-benchmark) and write their tables (what `make bench` runs)")
     bench.add_argument("--out", default="bench/results")
     bench.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
-    bench.add_argument("--only", nargs="*", choices=BENCHES)
+    bench.add_argument("--only", nargs="*", type=_bench_name, metavar="NAME",
+                       help=f"some of {', '.join(BENCHES)} (bench/test_bench_<NAME>.py)")
     bench.add_argument("--device", default="all", choices=["cpu", "cuda", "all"],
                        help="cuda: the GPU benchmarks only, failing without a GPU "
                        "(reports *-gpu-<date>.{json,md})")
     bench.add_argument("--rounds", type=int, default=None,
-                       help="interleaved rounds of the compared methods (the scripts' default: 3)")
+                       help="interleaved rounds of the compared methods (default: 3)")
     bench.set_defaults(fn=_cmd_bench)
     # Its options (--full, --budget, --no-build, ...; --help) go to _gpu_check.run.
     sub.add_parser("gpu-check", add_help=False,

@@ -1,0 +1,397 @@
+"""The tables of bench/results/ from pytest-benchmark's JSON (bench/README.md).
+
+``python bench/report.py RUN.json [--out bench/results]`` writes, per benchmark
+family of the run, ``<family>-<cpu|gpu>-<date>.{json,md}``: the device, the
+commit, the date, and per workload the median time of every method (of the
+round with the median time, when it ran in several interleaved rounds), the
+ratios between methods, the fractions of the measured limits (read bandwidth,
+GEMM peak) and peak memory.  bench/conftest.py calls ``run_meta`` and
+``add_ratios`` when pytest-benchmark writes its JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ncdp_fast._report import git_commit, machine, write_report  # noqa: E402
+
+
+def run_meta(device: str, size: str, rounds: int) -> dict:
+    """The machine, the commit and the run's options; on a GPU its name, compute
+    capability and CUDA versions (reports are tagged "gpu")."""
+    import datetime as _dt
+
+    import torch
+
+    import ncdp_fast
+    m = machine(torch)
+    meta = dict(m, device_tag="gpu" if device == "cuda" else "cpu", size=size,
+                rounds=rounds, commit=git_commit(),
+                date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    if device == "cuda" and torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        meta.update(device=torch.cuda.get_device_name(), compute_capability=f"{cap[0]}.{cap[1]}",
+                    torch_cuda=torch.version.cuda, ncdp_cuda_archs=ncdp_fast._backend.CUDA_ARCHS,
+                    ncdp_cuda_runtime_driver=list(ncdp_fast._backend._C.cuda_versions()))
+    else:
+        meta["device"] = f"CPU: {m['cpu']}, {m['numba_threads']} threads"
+    return meta
+
+
+def _median_rounds(benchmarks) -> dict:
+    """{family: {workload: {method: benchmark}}} keeping, per method, the round
+    with the median time (the middle one, the faster for an even count)."""
+    seen = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for b in benchmarks:
+        e = b["extra_info"]
+        seen[e["family"]][e["workload"]][e["method"]].append(b)
+    return {f: {w: {m: sorted(rs, key=lambda b: b["stats"]["median"])[(len(rs) - 1) // 2]
+                    for m, rs in ms.items()} for w, ms in ws.items()} for f, ws in seen.items()}
+
+
+def add_ratios(benchmarks) -> None:
+    """``extra_info["x_<method>"]``: that method's time over this benchmark's, for
+    every other method of the group (> 1: this one is faster; against a limit
+    such as ``read_torch_sum`` it is the fraction of the limit achieved)."""
+    picked = _median_rounds(benchmarks)
+    for b in benchmarks:
+        e = b["extra_info"]
+        for m, other in picked[e["family"]][e["workload"]].items():
+            if m != e["method"]:
+                e[f"x_{m}"] = other["stats"]["median"] / b["stats"]["median"]
+
+
+# ------------------------------------------------------------------ the tables
+
+NO_RESULT = "no result (skipped or failed: see the pytest output)"
+
+
+def _t(ms, m):
+    return ms[m]["stats"]["median"] if m in ms else None
+
+
+def _x(ms, m, key):
+    return ms[m]["extra_info"].get(key) if m in ms else None
+
+
+def _missing(ms, methods):
+    gone = [m for m in methods if m not in ms]
+    return {"error": "no result for " + ", ".join(gone) + " (failed: see the pytest output)"} \
+        if gone else {}
+
+
+def clip_dense(family):
+    rows = []
+    for w, ms in family.items():
+        row = dict(shape=w, **_missing(ms, ["ncdp", "torch_eager", "torch_eager_f32norm",
+                                            "read_torch_sum"]))
+        if "error" not in row:
+            t = _t(ms, "ncdp")
+            peer = min(_t(ms, "torch_eager"), _t(ms, "torch_eager_f32norm"))
+            read = min(_t(ms, m) for m in ms if m.startswith("read_"))
+            nbytes = _x(ms, "ncdp", "bytes")
+            row.update(ncdp_ms=1e3 * t, torch_ms=1e3 * peer, read_ms=1e3 * read,
+                       speedup_vs_torch=peer / t, ncdp_gbs=nbytes / t / 1e9,
+                       read_gbs=nbytes / read / 1e9, frac_of_read=read / t,
+                       ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"),
+                       torch_mem_mb=_x(ms, "torch_eager_f32norm", "peak_extra_mb"))
+        rows.append(row)
+    return rows, (
+        [("shape", "(B, p) float32", None), ("ncdp_ms", "ncdp ms", "{:.3f}"),
+         ("torch_ms", "torch eager ms", "{:.3f}"), ("speedup_vs_torch", "× torch", "{:.2f}"),
+         ("ncdp_gbs", "ncdp GB/s", "{:.1f}"), ("read_gbs", "read limit GB/s", "{:.1f}"),
+         ("frac_of_read", "fraction of read limit", "{:.2f}"),
+         ("ncdp_mem_mb", "ncdp peak extra MB", "{:.1f}"),
+         ("torch_mem_mb", "torch peak extra MB", "{:.1f}"), ("error", "error", None)],
+        ["torch eager: the faster of float64-norm and float32-norm variants",
+         "read limit: the faster of torch.sum and (CPU) a numba parallel sum of the same array",
+         "targets: CPU >= 1.5x torch eager and >= 0.70 of the read limit; "
+         "GPU >= 0.80 of the read limit"])
+
+
+def clip_step(family):
+    rows = []
+    for w, ms in family.items():
+        base, ghost = _t(ms, "nonprivate"), _t(ms, "ncdp_ghost")
+        for m in ("nonprivate", "ncdp_ghost", "ncdp_fused", "opacus_hooks", "opacus_ghost"):
+            row = dict(shape=w, method=m)
+            if m not in ms:
+                row["error"] = NO_RESULT
+            else:
+                t = _t(ms, m)
+                row.update(ms=1e3 * t, peak_extra_mb=_x(ms, m, "peak_extra_mb"),
+                           x_nonprivate=t / base if base else None,
+                           ghost_speedup=t / ghost if ghost else None)
+            rows.append(row)
+    return rows, (
+        [("shape", "(B, [T,] d, K)", None), ("method", "method", None),
+         ("ms", "ms/step", "{:.2f}"), ("x_nonprivate", "× non-private", "{:.2f}"),
+         ("ghost_speedup", "× ncdp_ghost time", "{:.1f}"),
+         ("peak_extra_mb", "peak extra MB", "{:.1f}"), ("error", "error", None)],
+        ["one step = zero_grad, forward, cross-entropy (mean), backward, privatize, SGD",
+         "the per-sample peers (ncdp_fused, opacus_*) ran in the first round only",
+         "targets: ncdp_ghost <= 2x non-private; >= 30x faster than opacus_hooks at "
+         "(512, 768, 10) on CPU"])
+
+
+def _extrapolated(ms, m, full):
+    """(time at ``full`` rows scaled linearly from the rows measured, whether scaled)."""
+    measured = _x(ms, m, "T_measured")
+    return _t(ms, m) * full / measured, measured < full
+
+
+def mix(family):
+    rows = []
+    for w, ms in family.items():
+        row = dict(config=w, T_dense_measured=_x(ms, "dense_torch", "T_measured"),
+                   **_missing(ms, ["ncdp", "dense_torch", "read"]))
+        if "error" not in row:
+            t = _t(ms, "ncdp")
+            dense, extrapolated = _extrapolated(ms, "dense_torch", _x(ms, "ncdp", "T_measured"))
+            row.update(ncdp_s=t, dense_s=dense, dense_extrapolated=extrapolated,
+                       speedup=dense / t, ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"),
+                       dense_mem_mb=_x(ms, "dense_torch", "peak_extra_mb"),
+                       gather_gbs=_x(ms, "ncdp", "gbs"), read_gbs=_x(ms, "read", "gbs"))
+            row["gather_frac"] = row["gather_gbs"] / row["read_gbs"]
+        rows.append(row)
+    return rows, (
+        [("config", "configuration", None), ("ncdp_s", "ncdp s", "{:.3f}"),
+         ("dense_s", "dense torch s", "{:.2f}"),
+         ("dense_extrapolated", "dense extrapolated", None),
+         ("T_dense_measured", "dense T measured", None), ("speedup", "× dense", "{:.1f}"),
+         ("gather_gbs", "gather GB/s", "{:.1f}"), ("read_gbs", "read limit GB/s", "{:.1f}"),
+         ("gather_frac", "gather / read", "{:.2f}"), ("ncdp_mem_mb", "ncdp peak MB", "{:.0f}"),
+         ("dense_mem_mb", "dense peak MB (at T measured)", "{:.0f}"), ("error", "error", None)],
+        ["dense torch: the NeuroMixGDP reference formulation (Bernoulli mask, matmul); where "
+         "its mask does not fit it runs at T measured and is scaled linearly to T",
+         "targets: CPU >= 20x dense at the first size; GPU gather >= 0.60 of the read limit"])
+
+
+def poisson_batches(family):
+    rows = []
+    for w, ms in family.items():
+        row = dict(config=w, **_missing(ms, ["ncdp", "opacus"]))
+        if "error" not in row:
+            row.update(ncdp_s=_t(ms, "ncdp"), opacus_s=_t(ms, "opacus"),
+                       speedup=_t(ms, "opacus") / _t(ms, "ncdp"),
+                       ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"),
+                       opacus_mem_mb=_x(ms, "opacus", "peak_extra_mb"))
+        rows.append(row)
+    return rows, (
+        [("config", "configuration", None), ("ncdp_s", "ncdp s", "{:.4f}"),
+         ("opacus_s", "Opacus UniformWithReplacementSampler s", "{:.3f}"),
+         ("speedup", "× Opacus", "{:.1f}"), ("ncdp_mem_mb", "ncdp peak MB", "{:.0f}"),
+         ("opacus_mem_mb", "Opacus peak MB", "{:.0f}"), ("error", "error", None)],
+        ["target: >= 10x faster than Opacus's sampler"])
+
+
+def ntk(family):
+    rows, notes = [], []
+    peak = next((ms["gemm_peak"]["extra_info"].get("gflops") for ms in family.values()
+                 if "gemm_peak" in ms), None)
+    for w, ms in family.items():
+        if "gemm_peak" in ms:
+            continue
+        if "lambda_min" in ms:
+            e = ms["lambda_min"]["extra_info"]
+            notes.append(f"{w} (two-layer ReLU, d = 64, width 1024, x on the unit sphere; Gram "
+                         f"+ solver): {_t(ms, 'lambda_min'):.2f} s (Gram {e.get('gram_s', 0):.2f}"
+                         f" s), lambda_min {e.get('value')}, residual {e.get('residual')}, "
+                         f"{e.get('solver')} (target: under 120 s at n = 20000)")
+            continue
+        row = dict(shape=w, **_missing(ms, ["ncdp"]))
+        if "error" not in row:
+            t = _t(ms, "ncdp")
+            row.update(ncdp_s=t, ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"),
+                       gflops=_x(ms, "ncdp", "gflops"), peak_gflops=peak)
+            for m in ("plain_torch", "torch_func"):
+                if m in ms:
+                    row.update({f"{m}_s": _t(ms, m), f"x_{m}": _t(ms, m) / t,
+                                f"{m}_mem_mb": _x(ms, m, "peak_extra_mb")})
+                else:
+                    row[f"{m}_note"] = "not run (J too large, or failed)"
+        rows.append(row)
+    return rows, (
+        [("shape", "(n, d, N, L)", None), ("ncdp_s", "ncdp s", "{:.3f}"),
+         ("plain_torch_s", "plain torch s", "{:.3f}"),
+         ("x_plain_torch", "× plain torch", "{:.2f}"),
+         ("torch_func_s", "torch.func s", "{:.2f}"), ("x_torch_func", "× torch.func", "{:.0f}"),
+         ("torch_func_note", "torch.func note", None),
+         ("gflops", "ncdp GFLOP/s", "{:.1f}"), ("peak_gflops", "GEMM peak GFLOP/s", "{:.1f}"),
+         ("ncdp_mem_mb", "ncdp peak MB", "{:.0f}"),
+         ("plain_torch_mem_mb", "plain torch peak MB", "{:.0f}"), ("error", "error", None)],
+        ["flop count: 2 n^2 (width_F + width_B) per layer term, halved for the symmetric Gram "
+         "(what ncdp computes); peak: a float32 GEMM in torch (its own group)",
+         "torch.func ran in the first round only",
+         "targets: CPU >= 100x torch.func, >= 1.2x plain torch with <= half its memory; "
+         "GPU >= 1.5x plain torch at (16384, 256, 4096, 4)"] + notes)
+
+
+def release(family):
+    rows = []
+    for w, ms in family.items():
+        row = dict(config=w, T_dense_measured=_x(ms, "dense_torch", "T_measured"),
+                   **_missing(ms, ["ncdp", "dense_torch"]))
+        if "error" not in row:
+            t, T = _t(ms, "ncdp"), _x(ms, "ncdp", "T_measured")
+            dense, extrapolated = _extrapolated(ms, "dense_torch", T)
+            e = ms["ncdp"]["extra_info"]
+            row.update(features=e["features"], ncdp_s=t, accounting_s=e["accounting_s"],
+                       ncdp_mem_mb=e.get("peak_extra_mb"), ncdp_us_per_row=1e6 * t / T,
+                       dense_us_per_row=1e6 * dense / T, dense_s=dense,
+                       dense_extrapolated=extrapolated, speedup=dense / t,
+                       dense_mem_mb=_x(ms, "dense_torch", "peak_extra_mb"),
+                       epsilon_clt=e["epsilon_clt"], epsilon_pld=e["epsilon_pld"])
+        rows.append(row)
+    return rows, (
+        [("config", "configuration", None), ("features", "features", None),
+         ("ncdp_s", "release() s", "{:.2f}"),
+         ("accounting_s", "of which accounting s", "{:.2f}"),
+         ("ncdp_us_per_row", "release µs/row", "{:.0f}"),
+         ("dense_us_per_row", "dense µs/row (measured)", "{:.0f}"),
+         ("T_dense_measured", "dense T measured", None), ("dense_s", "dense s at T", "{:.1f}"),
+         ("dense_extrapolated", "dense s extrapolated", None),
+         ("speedup", "× dense", "{:.1f}"), ("ncdp_mem_mb", "release peak MB", "{:.0f}"),
+         ("dense_mem_mb", "dense peak MB (at T measured)", "{:.0f}"),
+         ("epsilon_clt", "eps CLT", "{:.3f}"), ("epsilon_pld", "eps PLD", "{:.3f}"),
+         ("error", "error", None)],
+        ["release(): Theorem 3.1 calibration + PLD report + ncdp_fast.mix (clip, sample, "
+         "average, noise); epsilon = 1, delta = 1e-5",
+         "dense: the NeuroMixGDP reference formulation (T x n Bernoulli mask, matmul, noise; "
+         "bench/test_bench_mix.py) on random features of the same shape, measured at 'dense T "
+         "measured' rows and scaled linearly to T where marked extrapolated"])
+
+
+def train(family):
+    rows = []
+    for w, ms in family.items():
+        base = _t(ms, "nonprivate")
+        n = _x(ms, "noisygd", "n_measured") or _x(ms, "nonprivate", "n_measured")
+        for m in ("noisygd", "nonprivate", "naive", "opacus"):
+            row = dict(config=w, method=m)
+            if m not in ms:
+                row["error"] = NO_RESULT
+            else:
+                measured = _x(ms, m, "n_measured")
+                t = _t(ms, m) * n / measured
+                flops = _x(ms, m, "flops") * n / measured
+                row.update(seconds=t, extrapolated=measured < n, measured_n=measured,
+                           gflops=flops / t / 1e9, peak_mb=_x(ms, m, "peak_extra_mb"),
+                           vs_nonprivate=t / base if base else None)
+            rows.append(row)
+    return rows, (
+        [("config", "configuration", None), ("method", "method", None),
+         ("seconds", "s / step", "{:.4f}"), ("vs_nonprivate", "× non-private", "{:.2f}"),
+         ("gflops", "GFLOP/s (4nKp)", "{:.1f}"), ("peak_mb", "peak extra MB", "{:.0f}"),
+         ("extrapolated", "extrapolated", None), ("measured_n", "n measured", None),
+         ("error", "error", None)],
+        ["noisygd: NoisyGDClassifier's step (ghost clipping, no (n, K p) tensor); nonprivate: "
+         "torch logits/residual/R^T X, same loss; naive: per-sample (256, K, p) chunks in "
+         "torch; opacus: GradSampleModule + DPOptimizer on nn.Linear, run at 'n measured' rows "
+         "and scaled linearly to n",
+         "target: noisygd <= 2x non-private"])
+
+
+def privacy(family):
+    rows, notes = [], []
+    for w, ms in family.items():
+        ours = _t(ms, "ncdp_pld")
+        for m, b in ms.items():
+            e = b["extra_info"]
+            tool, acc = m.split("_")
+            rows.append(dict(
+                tool=(f"ncdp_fast calibrate_noise_multiplier({acc!r})" if tool == "ncdp" else
+                      f"opacus get_noise_multiplier(accountant={acc!r})"),
+                sigma=e["sigma"], time_s=_t(ms, m), epsilon_own=e["epsilon_own_accountant"],
+                epsilon_default=e["epsilon_pld_default_grid"],
+                epsilon_fine=e["epsilon_pld_fine_grid"],
+                sigma_over_ours=e["sigma"] / ms["ncdp_pld"]["extra_info"]["sigma"]
+                if "ncdp_pld" in ms else None,
+                time_over_ours=_t(ms, m) / ours if ours else None))
+        # What the first round of ours recorded (test_bench_privacy._ours_once).
+        o = next((b["extra_info"] for b in family.get(w, {}).values()
+                  if "accountant_evaluations" in b["extra_info"]), None)
+        e = ms["ncdp_pld"]["extra_info"] if "ncdp_pld" in ms else None
+        if e and o:
+            notes += [
+                f"target {w}; add/remove one (Poisson subsampling)",
+                f"ours: PLD grid {e['default_interval']:g}, epsilon_rtol {o['epsilon_rtol']:g}, "
+                f"{o['accountant_evaluations']} accountant evaluations, peak traced memory "
+                f"{o['peak_traced_mib']:.1f} MiB, first call in the process "
+                f"{o['first_call_s']:.2f} s",
+                f"accuracy: epsilon(sigma_ours) = {e['epsilon_pld_default_grid']:.6f} (default "
+                f"grid), {e['epsilon_pld_fine_grid']:.6f} (grid {e['fine_interval']:g}); "
+                f"sigma exceeds the fine-grid calibration "
+                f"({o['sigma_fine_grid_calibration']:.5f}, {o['fine_grid_calibration_s']:.2f} s)"
+                f" by {e['sigma'] / o['sigma_fine_grid_calibration'] - 1:+.2e}",
+                f"time target (< 2 s): {'met' if ours < 2.0 else 'NOT met'}"]
+    fine = next((b["extra_info"]["fine_interval"] for ms in family.values()
+                 for b in ms.values()), 1e-5)
+    return rows, (
+        [("tool", "tool", None), ("sigma", "sigma", "{:.5f}"),
+         ("sigma_over_ours", "sigma / ours(PLD)", "{:.4f}"),
+         ("time_s", "time (median, s)", "{:.3f}"), ("time_over_ours", "time / ours(PLD)",
+                                                    "{:.2f}"),
+         ("epsilon_own", "eps, own accountant", "{:.5f}"),
+         ("epsilon_default", "eps, PLD default grid", "{:.5f}"),
+         ("epsilon_fine", f"eps, PLD {fine:g}", "{:.5f}")],
+        notes + ["the 'gdp' rows are the central-limit approximation: not an upper bound; "
+                 "their PLD epsilon shows by how much they miss the target",
+                 "opacus prv ran in the first round only"])
+
+
+FAMILIES = {"bench_clip_dense": clip_dense, "bench_clip_step": clip_step, "bench_mix": mix,
+            "bench_poisson_batches": poisson_batches, "bench_ntk": ntk,
+            "bench_release": release, "bench_train": train, "privacy": privacy}
+
+
+def write_tables(doc: dict, out: str | Path, quiet: bool = False) -> list[Path]:
+    """Write the tables of a pytest-benchmark JSON document (with the "ncdp" metadata
+    of bench/conftest.py) into ``out``; returns the JSON paths written."""
+    meta = dict(doc["ncdp"], pytest_benchmark=doc.get("version"))
+    picked = _median_rounds(doc["benchmarks"])
+    paths = []
+    for family, build in FAMILIES.items():
+        if family not in picked:
+            continue
+        rows, (columns, notes) = build(picked[family])
+        notes = [f"pytest-benchmark, one process; the methods of a workload ran in "
+                 f"{meta['rounds']} interleaved round(s) and the round with the median time is "
+                 f"reported; times are medians of a round's calls; peak memory: CUDA allocator "
+                 f"peak, or on the CPU the sampled resident-set growth during one call "
+                 f"(bench/README.md)"] + notes
+        # Every round of every method, as measured (the table shows the median round).
+        times = [dict(workload=b["extra_info"]["workload"], method=b["extra_info"]["method"],
+                      round=b["extra_info"]["round"], median_s=b["stats"]["median"],
+                      best_s=b["stats"].get("min"))
+                 for b in doc["benchmarks"] if b["extra_info"]["family"] == family]
+        paths.append(write_report(family, str(out), dict(meta, times=times), rows, columns,
+                                  notes=notes, quiet=quiet))
+    return paths
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", help="pytest-benchmark's --benchmark-json output")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args(argv)
+    doc = json.loads(Path(args.json).read_text())
+    if "ncdp" not in doc:
+        print(f"{args.json}: no 'ncdp' metadata (not written by bench/conftest.py)",
+              file=sys.stderr)
+        return 2
+    paths = write_tables(doc, args.out)
+    if not paths:
+        print(f"{args.json}: no benchmark results (every benchmark skipped or failed?)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The benchmark suite of bench/ (pytest-benchmark; bench/README.md) in CI: every
+benchmark runs once at its smallest shapes with the timing off, so a broken
+benchmark fails here, and the tables of bench/results/ come out of a recorded
+pytest-benchmark JSON."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import report  # noqa: E402  (bench/report.py)
+
+
+def test_every_benchmark_runs_at_its_smallest_size():
+    pytest.importorskip("pytest_benchmark", reason="pytest-benchmark (make test installs it)")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "bench/", "--bench-size", "smallest",
+                           "--benchmark-disable", "-q", "-p", "no:cacheprovider"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert " passed" in out and " error" not in out and " failed" not in out, out[-4000:]
+
+
+# A run of `pytest bench/test_bench_clip.py -k dense --bench-size smallest
+# --bench-rounds 2 --benchmark-json=...` (the keys the report reads):
+# (median seconds, extra_info), two interleaved rounds of five methods.
+RECORDED = [
+    (2.743e-05, {"method": "ncdp", "round": 1, "bytes": 2048, "peak_extra_mb": 0.085938}),
+    (3.362e-05, {"method": "torch_eager", "round": 1, "bytes": 2048, "peak_extra_mb": 0.007812}),
+    (3.259e-05, {"method": "torch_eager_f32norm", "round": 1, "bytes": 2048,
+                 "peak_extra_mb": 0.003906}),
+    (1.913e-06, {"method": "read_torch_sum", "round": 1, "bytes": 2048,
+                 "peak_extra_mb": 0.007812}),
+    (0.0117, {"method": "read_numba_sum", "round": 1, "bytes": 2048, "peak_extra_mb": 0.027344}),
+    (2.68e-05, {"method": "ncdp", "round": 2, "bytes": 2048, "peak_extra_mb": 0.003906}),
+    (3.327e-05, {"method": "torch_eager", "round": 2, "bytes": 2048, "peak_extra_mb": 0.003906}),
+    (3.169e-05, {"method": "torch_eager_f32norm", "round": 2, "bytes": 2048,
+                 "peak_extra_mb": 0.007812}),
+    (1.797e-06, {"method": "read_torch_sum", "round": 2, "bytes": 2048,
+                 "peak_extra_mb": 0.003906}),
+    (0.009328, {"method": "read_numba_sum", "round": 2, "bytes": 2048, "peak_extra_mb": 0.003906}),
+]
+
+
+def _recorded_doc():
+    workload = "(8, 64) float32"
+    return {"version": "5.3.1",
+            "ncdp": {"device": "CPU: AMD EPYC, 2 threads", "device_tag": "cpu",
+                     "size": "smallest", "rounds": 2, "commit": "eef2cfa-dirty",
+                     "date": "2026-11-23 14:20 UTC"},
+            "benchmarks": [{"group": f"bench_clip_dense {workload} cpu",
+                            "name": f"test_clip_dense[{workload}|{e['method']}|r{e['round']}]",
+                            "stats": {"median": median},
+                            "extra_info": dict(e, family="bench_clip_dense", workload=workload,
+                                               device="cpu")}
+                           for median, e in RECORDED]}
+
+
+def test_report_from_recorded_json(tmp_path):
+    doc = _recorded_doc()
+    report.add_ratios(doc["benchmarks"])
+    ncdp_r2 = doc["benchmarks"][5]["extra_info"]
+    # Against the median round (of two: the faster) of every other method.
+    assert ncdp_r2["x_torch_eager_f32norm"] == pytest.approx(3.169e-05 / 2.68e-05)
+    assert ncdp_r2["x_read_torch_sum"] == pytest.approx(1.797e-06 / 2.68e-05)
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(doc))
+    assert report.main([str(path), "--out", str(tmp_path / "out")]) == 0
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert [n.split("-")[:2] for n in written] == [["bench_clip_dense", "cpu"]] * 2
+    table = json.loads((tmp_path / "out" / written[0]).read_text())
+    assert table["meta"]["commit"] == "eef2cfa-dirty"
+    assert table["meta"]["date"] == "2026-11-23 14:20 UTC"
+    (row,) = table["rows"]
+    assert row["shape"] == "(8, 64) float32" and "error" not in row
+    assert row["ncdp_ms"] == pytest.approx(1e3 * 2.68e-05)
+    assert row["speedup_vs_torch"] == pytest.approx(3.169e-05 / 2.68e-05)
+    assert row["frac_of_read"] == pytest.approx(1.797e-06 / 2.68e-05)
+    assert row["read_gbs"] == pytest.approx(2048 / 1.797e-06 / 1e9)
+    assert row["ncdp_mem_mb"] == pytest.approx(0.003906)
+    md = (tmp_path / "out" / written[1]).read_text()
+    assert "- device: CPU: AMD EPYC, 2 threads" in md and "2 interleaved round(s)" in md
+    assert "| (8, 64) float32 | 0.027 |" in md
+
+
+def test_report_marks_a_missing_method_as_an_error(tmp_path):
+    doc = _recorded_doc()
+    doc["benchmarks"] = [b for b in doc["benchmarks"]
+                         if b["extra_info"]["method"] != "torch_eager"]
+    report.write_tables(doc, tmp_path, quiet=True)
+    (path,) = tmp_path.glob("*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["error"].startswith("no result for torch_eager")
