@@ -87,7 +87,7 @@ def test_ntk_gram(benchmark, case, bench_device):
         def fn():
             return ntk.gram_from_torch(model, x)
     elif method == "plain_torch":
-        from ncdp_fast._ntk import _namespace, ntk_factors
+        from ncdp_fast._ntk import namespace, ntk_factors
         layers = [m for m in model if isinstance(m, torch.nn.Linear)]
         W = [p.weight.detach() for p in layers]
         B = [p.bias.detach() for p in layers]
@@ -95,7 +95,7 @@ def test_ntk_gram(benchmark, case, bench_device):
         def fn():
             # The identity in eager torch: factors (same forward/backward), then
             # full n x n products and Hadamard sums.
-            terms = ntk_factors(x, W, B, "relu", "standard", _namespace("torch"), torch.matmul)
+            terms = ntk_factors(x, W, B, "relu", "standard", namespace("torch"), torch.matmul)
             K = torch.zeros(n, n, dtype=dtype, device=x.device)
             for f, b in terms:
                 Q = b @ b.T

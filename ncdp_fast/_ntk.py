@@ -79,9 +79,6 @@ _ACT = {
 }
 
 
-# bench/bench_ntk.py (not this package's to edit here) still imports the old private
-# name; it goes once the benchmark takes the public one.
-_namespace = namespace
 
 def activation(name, z, ns, part="both"):
     """(phi(z), phi'(z)) for the supported activations; ``part`` "value" or
