@@ -17,6 +17,10 @@ from numba import njit, prange
 from ._dispatch import sized_kernel
 from .clip import TINY_FACTOR, safe_factor, unit_roundoff
 from .rng import add_gaussian, philox4x32_10
+# The sampler log's constants are the specification's.
+from ..reference.mix import (LOG_LG1, LOG_LG2, LOG_LG3, LOG_LG4, LOG_LG5, LOG_LG6, LOG_LG7,
+                             LOG_LN2_HI, LOG_LN2_LO, LOG_MANTISSA, LOG_SQRT2_MANTISSA,
+                             LOG_TWO_POW_54)
 
 _M32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
@@ -45,18 +49,6 @@ def uniform53(seed, sid, j):
 # numba-level inlining would lower these lines with a calling kernel's
 # fastmath flags (_mix_block allows contraction), and a fused multiply-add
 # changes the bits.
-_LN2_HI = 6.93147180369123816490e-01
-_LN2_LO = 1.90821492927058770002e-10
-_LG1 = 6.666666666666735130e-01
-_LG2 = 3.999999999940941908e-01
-_LG3 = 2.857142874366239149e-01
-_LG4 = 2.222219843214978396e-01
-_LG5 = 1.818357216161805012e-01
-_LG6 = 1.531383769920937332e-01
-_LG7 = 1.479819860511658591e-01
-_TWO_POW_54 = 18014398509481984.0
-_MANTISSA = (1 << 52) - 1
-_SQRT2_MANTISSA = 0x6a09c00000000
 
 
 @njit(cache=True)
@@ -68,21 +60,21 @@ def sampler_log(x):
         return x
     k = 0
     if x < 2.0 ** -1022:
-        x *= _TWO_POW_54
+        x *= LOG_TWO_POW_54
         k = -54
     bits = np.float64(x).view(np.int64)
     k += (bits >> 52) - 1023
-    mantissa = bits & _MANTISSA
-    half = 1 if mantissa >= _SQRT2_MANTISSA else 0
+    mantissa = bits & LOG_MANTISSA
+    half = 1 if mantissa >= LOG_SQRT2_MANTISSA else 0
     f = np.int64(mantissa | ((1023 - half) << 52)).view(np.float64) - 1.0
     k += half
     s = f / (2.0 + f)
     z = s * s
     w = z * z
-    r = z * (_LG1 + w * (_LG3 + w * (_LG5 + w * _LG7))) + w * (_LG2 + w * (_LG4 + w * _LG6))
+    r = z * (LOG_LG1 + w * (LOG_LG3 + w * (LOG_LG5 + w * LOG_LG7))) + w * (LOG_LG2 + w * (LOG_LG4 + w * LOG_LG6))
     hfsq = 0.5 * f * f
     dk = np.float64(k)
-    return dk * _LN2_HI - ((hfsq - (s * (hfsq + r) + dk * _LN2_LO)) - f)
+    return dk * LOG_LN2_HI - ((hfsq - (s * (hfsq + r) + dk * LOG_LN2_LO)) - f)
 
 
 @njit(cache=True)

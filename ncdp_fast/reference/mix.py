@@ -77,22 +77,22 @@ class Uniforms:
 
 # ln 2 = LN2_HI + LN2_LO; LN2_HI ends in 21 zero bits, so k * LN2_HI is exact for
 # every exponent k of a double.
-_LN2_HI = 6.93147180369123816490e-01    # 0x3fe62e42fee00000
-_LN2_LO = 1.90821492927058770002e-10    # 0x3dea39ef35793c76
+LOG_LN2_HI = 6.93147180369123816490e-01    # 0x3fe62e42fee00000
+LOG_LN2_LO = 1.90821492927058770002e-10    # 0x3dea39ef35793c76
 # R(z) = LG1 z + ... + LG7 z^7 ~ (log(1+f) - 2s) / s with z = s^2, |s| <= 0.1716
 # (fdlibm's Remez fit, error below 2^-58.45).
-_LG1 = 6.666666666666735130e-01
-_LG2 = 3.999999999940941908e-01
-_LG3 = 2.857142874366239149e-01
-_LG4 = 2.222219843214978396e-01
-_LG5 = 1.818357216161805012e-01
-_LG6 = 1.531383769920937332e-01
-_LG7 = 1.479819860511658591e-01
-_TWO_POW_54 = 18014398509481984.0
-_MANTISSA = (1 << 52) - 1
+LOG_LG1 = 6.666666666666735130e-01
+LOG_LG2 = 3.999999999940941908e-01
+LOG_LG3 = 2.857142874366239149e-01
+LOG_LG4 = 2.222219843214978396e-01
+LOG_LG5 = 1.818357216161805012e-01
+LOG_LG6 = 1.531383769920937332e-01
+LOG_LG7 = 1.479819860511658591e-01
+LOG_TWO_POW_54 = 18014398509481984.0
+LOG_MANTISSA = (1 << 52) - 1
 # Mantissa bits of fdlibm's split point ~sqrt(2) (high word 0x6a09c): above it the
 # mantissa is taken with exponent -1, so that m = x / 2^k lies in [0.7071, 1.4142).
-_SQRT2_MANTISSA = 0x6a09c00000000
+LOG_SQRT2_MANTISSA = 0x6a09c00000000
 
 
 def _f64_bits(x):
@@ -120,21 +120,21 @@ def sampler_log(x):
         return x
     k = 0
     if x < 2.0 ** -1022:                 # subnormal: scale to normal, exactly
-        x *= _TWO_POW_54
+        x *= LOG_TWO_POW_54
         k = -54
     bits = _f64_bits(x)
     k += (bits >> 52) - 1023
-    mantissa = bits & _MANTISSA
-    half = 1 if mantissa >= _SQRT2_MANTISSA else 0
+    mantissa = bits & LOG_MANTISSA
+    half = 1 if mantissa >= LOG_SQRT2_MANTISSA else 0
     f = _f64_from_bits(mantissa | ((1023 - half) << 52)) - 1.0
     k += half
     s = f / (2.0 + f)
     z = s * s
     w = z * z
-    r = z * (_LG1 + w * (_LG3 + w * (_LG5 + w * _LG7))) + w * (_LG2 + w * (_LG4 + w * _LG6))
+    r = z * (LOG_LG1 + w * (LOG_LG3 + w * (LOG_LG5 + w * LOG_LG7))) + w * (LOG_LG2 + w * (LOG_LG4 + w * LOG_LG6))
     hfsq = 0.5 * f * f
     dk = float(k)
-    return dk * _LN2_HI - ((hfsq - (s * (hfsq + r) + dk * _LN2_LO)) - f)
+    return dk * LOG_LN2_HI - ((hfsq - (s * (hfsq + r) + dk * LOG_LN2_LO)) - f)
 
 
 def sampler_log1p(x):
