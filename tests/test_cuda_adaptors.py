@@ -106,6 +106,21 @@ def test_native_gram_needs_one_flag_per_term(native):
         native.launch_hadamard_gram(**_gram_kwargs(constant_one=[]))
 
 
+def test_native_clip_factors_validates_the_rule(native):
+    # Checked before any CUDA call, so these run without a GPU.
+    args = dict(sq=0, spread=0, B=0, max_norm=1.0, terms=3, seq_len=1, unit=2.0 ** -24,
+                factors=0, norms=0, stream=0)
+    native.launch_clip_factors(**args)  # B = 0: nothing to do
+    with pytest.raises(ValueError, match="seq_len must be >= 1, got 0"):
+        native.launch_clip_factors(**dict(args, seq_len=0))
+    with pytest.raises(ValueError, match="unit must be a unit roundoff in"):
+        native.launch_clip_factors(**dict(args, unit=1.0))
+    with pytest.raises(ValueError, match="terms must be non-negative, got -1"):
+        native.launch_clip_factors(**dict(args, terms=-1))
+    with pytest.raises(ValueError, match="sq is a null pointer but the buffer is not empty"):
+        native.launch_clip_factors(**dict(args, B=2))
+
+
 # ------------------------------------------------------------- CuPy streams
 
 class _FakeDevice:

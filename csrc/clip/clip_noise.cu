@@ -492,7 +492,7 @@ void launch_clip_noise_rows(const Real* grads, std::int64_t B, std::int64_t p, d
                             std::uint64_t offset, Real* out, double* norms, void* workspace,
                             std::int64_t l2_bytes, cudaStream_t stream) {
   const ClipNoiseRowsLayout layout = clip_noise_rows_layout(B, p);
-  const ClipRule rule{max_norm, p, 1, sizeof(Real) == sizeof(float) ? 0x1p-24 : 0x1p-53};
+  const ClipRule rule{max_norm, p, 1, unit_roundoff<Real>()};
   char* base = static_cast<char*>(workspace);
   double* factors = reinterpret_cast<double*>(base + layout.factors_offset);
   double* sq_partials = reinterpret_cast<double*>(base + layout.sq_partials_offset);

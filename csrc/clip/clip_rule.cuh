@@ -20,6 +20,12 @@ struct ClipRule {
   double unit;           // unit roundoff of the data dtype (2^-24 or 2^-53)
 };
 
+// The unit roundoff of the data dtype (reference.unit_roundoff).
+template <typename Real>
+constexpr double unit_roundoff() {
+  return sizeof(Real) == sizeof(float) ? 0x1p-24 : 0x1p-53;
+}
+
 // reference.clip_bound, operation for operation. spread (E) is 0 except for
 // factored sequence blocks.
 NCDP_HOST_DEVICE double clip_bound(double sq, double spread, const ClipRule& rule) {

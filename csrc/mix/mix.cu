@@ -311,8 +311,9 @@ struct MixShared {
 };
 
 // Named barriers (PTX bar.sync / bar.arrive, common/launch.cuh): `threads`
-// threads (whole warps) take part; an arrive does not wait, and it synchronizes with the syncs of the
-// same barrier phase (shared-memory writes before it are visible after them).
+// threads (whole warps) take part; an arrive does not wait, and it
+// synchronizes with the syncs of the same barrier phase (shared-memory writes
+// before it are visible after them).
 // The id is an immediate so that ptxas reserves only the barriers used.
 template <int kId>
 __device__ __forceinline__ void barrier_sync(int threads) {
@@ -344,8 +345,7 @@ __device__ __forceinline__ void barrier_arrive_of(int b, int threads) {
 // terms = d): applied in float64, the product rounded once to Real.
 template <typename Real>
 __device__ __forceinline__ double mix_clip_factor(double sq, double clip_x, std::int64_t d) {
-  return clip_factor(sq, 0.0,
-                     ClipRule{clip_x, d, 1, sizeof(Real) == sizeof(float) ? 0x1p-24 : 0x1p-53});
+  return clip_factor(sq, 0.0, ClipRule{clip_x, d, 1, unit_roundoff<Real>()});
 }
 
 // Slot of 4 columns starting at c0 of `row` (zero past d). kAligned: every row
