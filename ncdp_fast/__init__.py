@@ -12,7 +12,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from ._clip import (ClipResult, LayersClipResult, LinearClipResult, clip_and_noise,
+from ._clip import (ClipResult, GhostBlock, LayersClipResult, LinearClipResult, clip_and_noise,
                     clip_and_noise_layers, clip_and_noise_linear)
 from ._info import info
 from ._mix import BatchPlan, MixResult, mix, poisson_batches
@@ -21,6 +21,6 @@ from ._rng import gaussian
 from ._stream import NoiseReuseWarning, NoiseStream
 
 __all__ = ["__version__", "info", "gaussian", "clip_and_noise", "clip_and_noise_linear",
-           "clip_and_noise_layers", "ClipResult", "LinearClipResult", "LayersClipResult",
+           "clip_and_noise_layers", "ClipResult", "LinearClipResult", "LayersClipResult", "GhostBlock",
            "mix", "poisson_batches", "MixResult", "BatchPlan", "ntk_gram", "NoiseStream",
            "NoiseReuseWarning"]

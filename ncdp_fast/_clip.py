@@ -13,7 +13,7 @@ import numpy as np
 from . import _arrays, _backend, _stream
 from ._validate import check_choice, check_nonneg, check_positive
 
-__all__ = ["ClipResult", "LinearClipResult", "LayersClipResult", "clip_and_noise",
+__all__ = ["ClipResult", "LinearClipResult", "LayersClipResult", "GhostBlock", "clip_and_noise",
            "clip_and_noise_linear", "clip_and_noise_layers"]
 
 _F64 = np.dtype(np.float64)
@@ -48,6 +48,30 @@ class LinearClipResult(_Accounting):
 class LayersClipResult(_Accounting):
     grads: list = None   # per layer: an array shaped like the per-sample block without B,
                          # or (grad_weight, grad_bias) for an (activations, backprops) pair
+
+
+@dataclass(frozen=True)
+class GhostBlock:
+    """A parameter block given by its per-sample squared norms and its clipped sum,
+    for layers whose per-sample gradient is neither worth forming nor a linear
+    pair (an embedding's sparse rows, a user's own layer).
+
+    sq_norms: (B,) float64, same library and device as the other blocks: sample
+        i's squared gradient norm for this block, accumulated in float64.
+    clipped_sum: ``clipped_sum(factors) -> array``: given the (B,) float64 clip
+        factors (0 marks a dropped sample, whose data may be NaN: it must add
+        nothing), returns ``sum_i factors[i] * g_i`` without noise, C-contiguous,
+        of ``shape`` and the blocks' dtype, freshly allocated: the op adds the
+        noise into it in place.
+    shape: the parameter's shape; ``prod(shape)`` noise draws.
+    terms: float64 roundings in one sample's squared norm (the clip rule's
+        rounding margin, reference.clip_bound); e.g. T*D + D for a sum of T
+        rows of width D followed by its squared norm.
+    """
+    sq_norms: Any
+    clipped_sum: Any
+    shape: tuple
+    terms: int
 
 
 # ------------------------------------------------------------------ validation
@@ -170,7 +194,26 @@ class _Layer:
 
     def __init__(self, spec, index, be, dtype):
         where = f"[{index}]"
+        self.kind = "dense"
+        if isinstance(spec, GhostBlock):
+            s = _arrays.shape(spec.sq_norms, f"layers{where}.sq_norms")
+            if len(s) != 1:
+                raise ValueError(f"layers{where}.sq_norms: expected shape (B,), got {s}")
+            if be.io.dtype_of(spec.sq_norms) != _F64:
+                raise TypeError(f"layers{where}.sq_norms: expected float64, got "
+                                f"{be.io.dtype_of(spec.sq_norms)}")
+            if not callable(spec.clipped_sum):
+                raise TypeError(f"layers{where}.clipped_sum: expected a callable, got "
+                                f"{type(spec.clipped_sum).__name__}")
+            self.kind, self.dense, self.spec = "ghost", False, spec
+            self.sq = be.io.to_kernel(spec.sq_norms)
+            self.param_shape = tuple(int(n) for n in spec.shape)
+            self.B, self.T = s[0], 1
+            self.draws = int(np.prod(self.param_shape))
+            self.terms = int(spec.terms)
+            return
         if isinstance(spec, (tuple, list)):
+            self.kind = "pair"
             if len(spec) not in (2, 3):
                 raise ValueError(f"layers{where}: expected a (B, ...) array or a tuple "
                                  f"(activations, backprops[, bias]), got a tuple of {len(spec)}")
@@ -206,7 +249,9 @@ class _Layer:
         self.B = B
 
     def add_sq_norms(self, kernels, sq):
-        if self.dense:
+        if self.kind == "ghost":
+            sq += self.sq
+        elif self.dense:
             kernels.row_sq_norms(self.g, sq, True)
         else:
             kernels.linear_sq_norms(self.a, self.g, self.bias, sq, True)
@@ -218,8 +263,10 @@ class _Layer:
 
     def drop_rows(self, io, rows):
         """Zero the given samples (a copy, never the caller's data): 0 * NaN would
-        still be NaN inside the GEMM."""
+        still be NaN inside the GEMM.  A ghost block drops them itself (factor 0)."""
         rows = list(int(r) for r in rows)
+        if self.kind == "ghost":
+            return
         if self.dense:
             self.g = io.copy(self.g)
             self.g[rows] = 0
@@ -229,6 +276,17 @@ class _Layer:
             self.g[rows] = 0
 
     def reduce(self, be, dtype, factors, noise_std, inv_denom, seed, offset):
+        if self.kind == "ghost":
+            out = self.spec.clipped_sum(be.io.to_user(factors))
+            if tuple(_arrays.shape(out, "clipped_sum()")) != self.param_shape:
+                raise ValueError(f"clipped_sum(): expected shape {self.param_shape}, got "
+                                 f"{tuple(_arrays.shape(out, 'clipped_sum()'))}")
+            if be.io.dtype_of(out) != dtype:
+                raise TypeError(f"clipped_sum(): expected dtype {dtype}, got {be.io.dtype_of(out)}")
+            flat = be.io.to_kernel(out).reshape(-1)
+            be.kernels.add_gaussian(flat, np.uint64(seed), np.uint64(offset), float(noise_std),
+                                    True, float(inv_denom))
+            return out
         if self.dense:
             out = be.io.empty((self.draws,), dtype)
             be.kernels.weighted_row_sum_noise(self.g, factors, noise_std, inv_denom, seed, offset,
@@ -318,24 +376,28 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
                           nan_policy="raise") -> LayersClipResult:
     """Clip several parameter blocks jointly: one factor per sample from the total norm.
 
-    Each element of ``layers`` is either a dense per-sample gradient (B, ...)
-    (e.g. Opacus's ``p.grad_sample``) or a linear layer ``(activations,
+    Each element of ``layers`` is a dense per-sample gradient (B, ...)
+    (e.g. Opacus's ``p.grad_sample``), a linear layer ``(activations,
     backprops)`` / ``(activations, backprops, bias)`` as in
-    :func:`clip_and_noise_linear`.  The sample's norm is
+    :func:`clip_and_noise_linear`, or a :class:`GhostBlock` (per-sample squared
+    norms and a clipped-sum function; prod(shape) draws).  The sample's norm is
     ``sqrt(sum over blocks of its squared block norms)``; every block gets its
     own disjoint range of the noise stream, in order (dense: prod(shape[1:])
     draws; linear: K*d, then K for the bias).  Other arguments as
     :func:`clip_and_noise`.
 
     Returns a :class:`LayersClipResult`; ``grads[l]`` is an array of shape
-    ``shape[1:]`` for a dense block, ``(grad_weight, grad_bias)`` for a pair.
+    ``shape[1:]`` for a dense block, ``(grad_weight, grad_bias)`` for a pair, an
+    array of ``shape`` for a ghost block.
     """
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
         raise TypeError(f"layers: expected a non-empty list of arrays or (activations, backprops) "
                         f"tuples, got {type(layers).__name__}")
     arrays = {}
     for i, spec in enumerate(layers):
-        if isinstance(spec, (tuple, list)):
+        if isinstance(spec, GhostBlock):
+            arrays[f"layers[{i}].sq_norms"] = spec.sq_norms
+        elif isinstance(spec, (tuple, list)):
             arrays[f"layers[{i}][0]"] = spec[0] if len(spec) else None
             arrays[f"layers[{i}][1]"] = spec[1] if len(spec) > 1 else None
         else:

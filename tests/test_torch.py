@@ -146,8 +146,11 @@ def test_ghost_clipper_noise_std_and_stream():
 
 
 def test_ghost_clipper_refuses_unsupported_models():
-    with pytest.raises(ValueError, match="only nn.Linear"):
-        GhostClipper(nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3)), max_grad_norm=1.0,
+    with pytest.raises(ValueError, match="'1.weight_ih_l0'.*LSTM.*register_layer"):
+        GhostClipper(nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 3)), max_grad_norm=1.0,
+                     noise_multiplier=1.0, expected_batch_size=4)
+    with pytest.raises(ValueError, match="'1' is BatchNorm1d.*fix_batchnorm"):
+        GhostClipper(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), max_grad_norm=1.0,
                      noise_multiplier=1.0, expected_batch_size=4)
     tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     tied[1].weight = tied[0].weight
@@ -170,15 +173,18 @@ def test_ghost_clipper_mismatched_forward_backward():
     clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4,
                            seed=0)
     model(torch.randn(4, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="forward again after a backward"):
+        model(torch.randn(4, 4))  # a second batch before the step
+    clipper.clear()
     model(torch.randn(4, 4))  # a forward with no backward
-    with pytest.raises(RuntimeError, match="ran forward 2 time"):
+    with pytest.raises(RuntimeError, match="backward did not reach"):
         clipper.privatize_()
     clipper.clear()
     with pytest.raises(RuntimeError, match="no forward"):
         clipper.privatize_()
     clipper.remove()
     model(torch.randn(4, 4)).sum().backward()
-    assert all(not t.acts for t in clipper.taps)
+    assert all(not t.records for t in clipper.taps)
 
 
 def test_ghost_clipper_restores_requires_grad_and_handles_inplace_and_no_grad():
@@ -187,7 +193,7 @@ def test_ghost_clipper_restores_requires_grad_and_handles_inplace_and_no_grad():
                            seed=0)
     with torch.no_grad():
         model(torch.randn(3, 4))
-    assert all(t.acts == [] for t in clipper.taps)
+    assert all(t.records == [] for t in clipper.taps)
     with pytest.raises(RuntimeError):
         model(torch.randn(3, 5))      # shape error inside the forward
     assert all(p.requires_grad for p in model.parameters())

@@ -1,23 +1,29 @@
 """Drop-ins for torch training loops (needs torch; the rest of ncdp_fast does not).
 
-* :class:`FusedDPOptimizer` replaces Opacus's ``DPOptimizer``: it reads the
-  per-sample gradients Opacus's ``GradSampleModule`` leaves in ``p.grad_sample``
-  and clips, sums and noises all parameters in one fused op.
-* :class:`GhostClipper` needs no per-sample gradients at all for models whose
-  trainable parameters all sit in ``nn.Linear`` layers (a linear probe, an MLP
-  head): hooks keep each layer's inputs and output gradients during one
-  ordinary ``loss.backward()``, and :meth:`GhostClipper.privatize_` replaces
-  every ``p.grad`` by the clipped, noised, reduced gradient.
+* :class:`PrivacyEngine` is Opacus's entry point (``make_private``,
+  ``make_private_with_epsilon``, ``get_epsilon``): swapping the import is the
+  whole migration of an Opacus training loop.
+* :class:`GhostClipper` privatizes the gradients of a whole network from one
+  ordinary ``loss.backward()`` (book-keeping clipping): linear layers on inputs
+  of any shape, convolutions, embeddings, layer/group norms, multi-head
+  attention, and any layer given a rule with :func:`register_layer`.
+* :class:`FusedDPOptimizer` replaces Opacus's ``DPOptimizer`` for models kept in
+  Opacus's ``GradSampleModule``: it clips, sums and noises the ``p.grad_sample``
+  of all parameters in one fused op.
+* :func:`fix_batchnorm` replaces batch norms (which mix samples) by group norms.
 
-Both follow Opacus's conventions for ``loss_reduction`` ("mean": the loss is the
+All follow Opacus's conventions for ``loss_reduction`` ("mean": the loss is the
 batch mean, gradients are divided by the *expected* batch size) and keep the
 Philox stream position (``seed``, ``offset``) so that no noise is ever reused.
 :class:`PoissonBatchSampler` and :func:`collate_with_empty` give a DataLoader
 true Poisson batches.
 
-Modules: ``optimizer`` (FusedDPOptimizer), ``clipper`` (GhostClipper and its
-hooks), ``data`` (the sampler and collate function), ``mechanism`` (the noise
-stream, argument checks and clip-and-noise call the drop-ins share).
+Modules: ``engine`` (PrivacyEngine), ``clipper`` (GhostClipper and its hooks),
+``layers`` (the per-layer rules and their registry), ``attention`` (multi-head
+attention's step-by-step forward and rule), ``optimizer`` (FusedDPOptimizer),
+``fix`` (fix_batchnorm), ``data`` (the sampler and collate function),
+``mechanism`` (the noise stream, argument checks and clip-and-noise call the
+drop-ins share).
 """
 from __future__ import annotations
 
@@ -26,8 +32,14 @@ try:
 except ImportError as exc:  # pragma: no cover - torch is an optional extra
     raise ImportError("ncdp_fast.torch needs PyTorch: pip install 'ncdp_fast[torch]'") from exc
 
+from . import attention as _attention  # noqa: F401  (registers the attention rule)
 from .clipper import GhostClipper
 from .data import PoissonBatchSampler, collate_with_empty
+from .engine import DPOptimizer, PrivacyEngine, PrivateModule
+from .fix import fix_batchnorm
+from .layers import Call, factored_or_instantiated, register_layer
 from .optimizer import FusedDPOptimizer
 
-__all__ = ["FusedDPOptimizer", "GhostClipper", "PoissonBatchSampler", "collate_with_empty"]
+__all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule", "GhostClipper", "FusedDPOptimizer",
+           "register_layer", "Call", "factored_or_instantiated", "fix_batchnorm",
+           "PoissonBatchSampler", "collate_with_empty"]

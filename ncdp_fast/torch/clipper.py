@@ -1,28 +1,34 @@
-"""GhostClipper: private gradients of all-nn.Linear models from one ordinary
-backward pass, with no per-sample gradient ever formed.
+"""GhostClipper: private gradients of a whole network from one ordinary backward
+pass (book-keeping clipping, Bu et al. ICML 2023), no per-sample gradient formed
+where the ghost norm is cheaper.
 
-Hooks record each layer's inputs and output gradients; the per-sample norms and
-the clipped sum come from the factored identities (DESIGN.md kernel 1).
+Hooks keep each trainable layer's inputs and output gradients; each layer's rule
+(:mod:`.layers`) turns them into blocks of the fused clip op, which computes
+every sample's norm over all layers, its clip factor, the clipped sums and the
+noise in one call (DESIGN.md kernel 1).
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .._clip import LayersClipResult
+from .._clip import GhostBlock, LayersClipResult, clip_and_noise_layers
+from .._validate import check_choice, check_positive
+from .attention import attention_forward, check_attention
+from .layers import Call, rule_for
 from .mechanism import ClippedGaussianStep
 
 __all__ = ["GhostClipper"]
 
 
 class _CaptureGrad(torch.autograd.Function):
-    """Identity on a layer's output whose backward hands the output gradient to
-    ``store`` and passes it on unchanged.  Returns a copy, not a view: a view
-    made in a custom Function may not be modified in place (an inplace ReLU
-    after the layer would fail), and the copy (B x K) costs far less than the
-    weight-gradient GEMM (B x K x d) it lets backward skip."""
+    """Identity whose backward hands the output gradient to ``store``: used only
+    when a layer's output would not otherwise require grad (nothing trainable
+    below it), the ``anchor`` leaf putting it into the graph.  Returns a copy: a
+    view made in a custom Function may not be modified in place."""
 
     @staticmethod
     def forward(ctx, output, anchor, store):
@@ -35,39 +41,45 @@ class _CaptureGrad(torch.autograd.Function):
         return grad, None, None
 
 
-class _LinearTap:
-    """Inputs and output gradients of one nn.Linear across the forward calls of a step."""
+@dataclass
+class _Record:
+    """One recorded forward call (or marked point) of a layer."""
+    inputs: tuple
+    slot: str | None
+    versions: tuple
+    grad: torch.Tensor | None = None
+    twice: bool = False
 
-    def __init__(self, name: str, module: nn.Linear):
-        self.name = name
-        self.module = module
-        self.has_bias = module.bias is not None and module.bias.requires_grad
-        self.params = [module.weight] + ([module.bias] if self.has_bias else [])
-        self.recording = False
-        self.acts: list = []
-        self.grads: dict[int, Any] = {}
-
-    def clear(self):
-        self.acts.clear()
-        self.grads.clear()
+    def set(self, grad):
+        if self.grad is not None:
+            self.twice = True       # a second backward through the same forward
+        self.grad = grad.detach()
 
 
-def _as_sequence(x, width):
-    """(B, ..., width) -> (B, T, width); explicit T so that B = 0 reshapes too."""
-    T = 1
-    for s in x.shape[1:-1]:
-        T *= s
-    return x.reshape(x.shape[0], T, width)
+@dataclass
+class _Tap:
+    """A trainable layer: its rule, trainable parameters and this step's records."""
+    name: str
+    module: nn.Module
+    rule: object
+    params: dict                    # relative name -> Parameter (trainable only)
+    records: list = field(default_factory=list)
+    recording: bool = False
+
+    def trainable(self):
+        return frozenset(self.params)
 
 
-def _cat_calls(parts):
-    """Several calls of a layer in one forward are one longer sequence; a single
-    call is used as is (no copy)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+def _batchnorm_error(name, module):
+    return ValueError(
+        f"GhostClipper: {name!r} is {type(module).__name__}: batch normalisation mixes the "
+        "samples of a batch, so no per-sample gradient (and no DP guarantee) exists. Replace "
+        "it: model = ncdp_fast.torch.fix_batchnorm(model) (GroupNorm, as Opacus's "
+        "ModuleValidator.fix), then train")
 
 
 class GhostClipper(ClippedGaussianStep):
-    """Private gradients for all-``nn.Linear`` models with no per-sample gradient.
+    """Private gradients for a network from one ordinary ``loss.backward()``.
 
     Usage::
 
@@ -78,114 +90,186 @@ class GhostClipper(ClippedGaussianStep):
         clipper.privatize_()              # p.grad <- clipped, noised, reduced
         optimizer.step()
 
-    Every trainable parameter of ``model`` must be the weight or bias of an
-    ``nn.Linear`` and appear in exactly one such layer; anything else (a
-    trainable norm layer, an embedding, tied weights) raises at construction.
-    Inputs may be (B, d) or (B, ..., d) (a sequence: every position is summed
-    into the per-sample gradient), and a layer may run several times in one
-    forward.  The per-sample norm over all layers is computed from the
-    factored identities (DESIGN.md kernel 1) and the clipped sum is one GEMM
-    per layer: memory O(B*(d+K)) per layer instead of O(B*K*d).
+    Layers: ``nn.Linear`` (inputs of any leading shape), ``nn.Conv1d/2d``
+    (groups, stride, padding, dilation, padding modes), ``nn.Embedding``,
+    ``nn.LayerNorm``, ``nn.GroupNorm``, affine instance norms,
+    ``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` works
+    unmodified), and any type given a rule with
+    :func:`ncdp_fast.torch.register_layer`.  Frozen parameters cost nothing;
+    a trainable parameter of another type, a batch norm anywhere (use
+    :func:`fix_batchnorm`), or a parameter shared by two layers raises at
+    construction.  A layer may run several times in one forward.
 
-    Privacy meaning as :class:`FusedDPOptimizer`: each :meth:`privatize_` is one
-    Gaussian mechanism (sensitivity ``max_grad_norm``, noise multiplier
-    ``noise_multiplier``) over the batch; the realized batch size is used only
-    to undo the mean of a mean-reduced loss, never to normalise the output.
+    Clipping: ``"flat"`` clips each sample's gradient over all parameters at
+    ``max_grad_norm``; ``"per_layer"`` clips each parameter's per-sample
+    gradient at its own bound (``max_grad_norm`` a list, one per trainable
+    parameter in :attr:`param_names` order, or a float C split as C/sqrt(P))
+    and adds noise of std ``noise_multiplier * sqrt(sum C_p^2)`` to each, as
+    Opacus's per-layer optimizer.
+
+    Privacy meaning: each :meth:`privatize_` is one Gaussian mechanism
+    (sensitivity ``max_grad_norm``, or sqrt(sum C_p^2) per layer; noise
+    multiplier ``noise_multiplier``) over the batch; the realized batch size
+    only undoes the mean of a mean-reduced loss, never normalises the output.
+    Noise comes from the clipper's Philox stream, one disjoint range per
+    parameter and step.
     """
 
-    def __init__(self, model: nn.Module, *, max_grad_norm: float, noise_multiplier: float,
+    def __init__(self, model: nn.Module, *, max_grad_norm, noise_multiplier: float,
                  expected_batch_size: float | None, loss_reduction: str = "mean",
-                 seed=None, offset: int | None = None, nan_policy: str = "raise"):
+                 clipping: str = "flat", seed=None, offset: int | None = None,
+                 nan_policy: str = "raise"):
+        check_choice(clipping, "clipping", ("flat", "per_layer"))
         self.model = model
-        super().__init__(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+        self.clipping = clipping
+        self.taps = self._find_layers(model)
+        self.param_names = [f"{t.name}.{n}" if t.name else n for t in self.taps for n in t.params]
+        self.layer_norms = self._layer_bounds(max_grad_norm, clipping)
+        total = max_grad_norm if clipping == "flat" else math.sqrt(
+            sum(c * c for c in self.layer_norms))
+        super().__init__(max_grad_norm=total, noise_multiplier=noise_multiplier,
                          expected_batch_size=expected_batch_size,
                          loss_reduction=loss_reduction, seed=seed, offset=offset,
                          nan_policy=nan_policy)
-        self.taps = self._find_layers(model)
         # A leaf that requires grad, so that a layer's output enters the graph
-        # (and its gradient reaches us) even when neither its input nor, during
-        # the forward, its parameters require grad.
+        # (and its gradient reaches us) even when nothing below it is trainable.
         self._anchor = torch.zeros((), requires_grad=True)
         self._handles = []
+        self._forwards = []
         for tap in self.taps:
             self._handles.append(tap.module.register_forward_pre_hook(self._pre_hook(tap)))
-            self._handles.append(tap.module.register_forward_hook(self._forward_hook(tap),
-                                                                  always_call=True))
+            if isinstance(tap.module, nn.MultiheadAttention):
+                self._forwards.append(tap.module)
+                tap.module.forward = attention_forward(tap.module, self._marker(tap))
+            else:
+                self._handles.append(tap.module.register_forward_hook(
+                    self._forward_hook(tap), always_call=True))
+            self._handles.append(tap.module.register_forward_hook(
+                self._restore_hook(tap), always_call=True))
+
+    # ------------------------------------------------------------ construction
+    def _layer_bounds(self, max_grad_norm, clipping):
+        if clipping == "flat":
+            check_positive(max_grad_norm, "max_grad_norm")
+            return None
+        P = len(self.param_names)
+        if isinstance(max_grad_norm, (list, tuple)):
+            if len(max_grad_norm) != P:
+                raise ValueError(f"max_grad_norm: expected {P} bounds for clipping='per_layer' "
+                                 f"(one per trainable parameter: {self.param_names}), got "
+                                 f"{len(max_grad_norm)}")
+            return [check_positive(c, f"max_grad_norm[{i}]") for i, c in enumerate(max_grad_norm)]
+        c = check_positive(max_grad_norm, "max_grad_norm")
+        return [c / math.sqrt(P)] * P
 
     @staticmethod
-    def _find_layers(model: nn.Module) -> list[_LinearTap]:
+    def _find_layers(model: nn.Module) -> list[_Tap]:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         owner: dict[int, str] = {}
-        taps = []
+        taps, seen = [], set()
+        composite = set()            # modules whose parameters a composite layer owns
         for name, module in model.named_modules(remove_duplicate=False):
-            for pname, p in module.named_parameters(recurse=False):
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                raise _batchnorm_error(name, module)
+            if id(module) in composite:
+                continue
+            params = {}
+            own = module.named_parameters(recurse=isinstance(module, nn.MultiheadAttention))
+            for pname, p in own:
+                full = f"{name}.{pname}" if name else pname
                 if not p.requires_grad:
                     continue
-                full = f"{name}.{pname}" if name else pname
-                if not isinstance(module, nn.Linear):
-                    raise ValueError(f"GhostClipper: trainable parameter {full!r} belongs to "
-                                     f"{type(module).__name__}; only nn.Linear layers are supported "
-                                     "(freeze it, or use opacus.GradSampleModule + FusedDPOptimizer)")
                 if id(p) in owner:
                     raise ValueError(f"GhostClipper: parameter {full!r} is shared with "
                                      f"{owner[id(p)]!r} (tied weights are not supported)")
                 owner[id(p)] = full
-            if isinstance(module, nn.Linear) and module.weight.requires_grad:
-                if any(t.module is module for t in taps):
-                    raise ValueError(f"GhostClipper: layer {name!r} appears twice in the model "
-                                     "(shared modules are not supported)")
-                taps.append(_LinearTap(name, module))
-            elif isinstance(module, nn.Linear) and module.bias is not None \
-                    and module.bias.requires_grad:
-                raise ValueError(f"GhostClipper: layer {name!r} has a trainable bias but a frozen "
-                                 "weight; not supported")
+                params[pname] = p
+            if isinstance(module, nn.MultiheadAttention):
+                composite.update(id(m) for m in module.modules() if m is not module)
+                check_attention(name, module)
+            if not params:
+                continue
+            rule = rule_for(module)
+            if rule is None:
+                shown = ", ".join(repr(f"{name}.{n}" if name else n) for n in params)
+                raise ValueError(
+                    f"GhostClipper: trainable parameter(s) {shown} belong to "
+                    f"{type(module).__name__}, which has no per-sample gradient rule; freeze "
+                    "them, or register one with ncdp_fast.torch.register_layer")
+            if id(module) in seen:
+                raise ValueError(f"GhostClipper: layer {name!r} appears twice in the model "
+                                 "(shared modules are not supported)")
+            seen.add(id(module))
+            taps.append(_Tap(name, module, rule, params))
         if not taps:
-            raise ValueError("GhostClipper: the model has no trainable nn.Linear layer")
+            raise ValueError("GhostClipper: the model has no trainable parameter")
         return taps
 
-    def _pre_hook(self, tap: _LinearTap):
+    # ------------------------------------------------------------------- hooks
+    def _pre_hook(self, tap: _Tap):
         def hook(module, inputs):
-            # The weight (and bias) gradient of the ordinary backward would be
-            # overwritten by privatize_(); switching requires_grad off for the
-            # duration of this forward keeps autograd from computing it at all
-            # (one GEMM of the size of the forward saved per layer).
+            # The parameter gradients of the ordinary backward would be replaced
+            # by privatize_(); switching requires_grad off for the duration of
+            # this forward keeps autograd from computing them at all (the
+            # weight-gradient GEMM of every layer saved).
             tap.recording = torch.is_grad_enabled()
             if tap.recording:
-                for p in tap.params:
+                for p in tap.params.values():
                     p.requires_grad_(False)
         return hook
 
-    def _forward_hook(self, tap: _LinearTap):
+    def _restore_hook(self, tap: _Tap):
         def hook(module, inputs, output):
-            if not getattr(tap, "recording", False):
-                return None
-            tap.recording = False
-            for p in tap.params:       # always_call=True: restored even on error
-                p.requires_grad_(True)
-            if not isinstance(output, torch.Tensor):
-                return None
-            call = len(tap.acts)
-            tap.acts.append(inputs[0].detach())
-
-            def keep_grad(grad, call=call):
-                if call in tap.grads:
-                    # A second backward through the same recorded forward (retain_graph):
-                    # keeping either gradient alone would silently drop the other.
-                    tap.grads[call] = None
-                    return
-                tap.grads[call] = grad
-            return _CaptureGrad.apply(output, self._anchor, keep_grad)
+            if tap.recording:        # always_call=True: restored even on error
+                tap.recording = False
+                for p in tap.params.values():
+                    p.requires_grad_(True)
         return hook
 
+    def _capture(self, tap: _Tap, slot, inputs: tuple, output):
+        """Record ``inputs`` and arrange for the gradient of ``output``; returns the
+        tensor the forward continues with."""
+        if not tap.recording or not isinstance(output, torch.Tensor):
+            return output
+        if any(r.grad is not None for r in tap.records):
+            raise RuntimeError(
+                f"GhostClipper: layer {tap.name!r} runs forward again after a backward pass "
+                "reached it; call privatize_() (optimizer.step()) before the next forward "
+                "(batches are not accumulated: each step is one batch), or clear() to discard")
+        inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
+        rec = _Record(inputs, slot, tuple(getattr(x, "_version", 0) for x in inputs))
+        tap.records.append(rec)
+        if output.requires_grad:
+            # A tensor hook fires with the gradient of this value even if a later
+            # in-place op (an inplace ReLU) modifies it: no copy needed.
+            output.register_hook(rec.set)
+            return output
+        return _CaptureGrad.apply(output, self._anchor, rec.set)
+
+    def _forward_hook(self, tap: _Tap):
+        def hook(module, inputs, output):
+            out = self._capture(tap, None, inputs, output)
+            return None if out is output else out
+        return hook
+
+    def _marker(self, tap: _Tap):
+        return lambda slot, x, output: self._capture(tap, slot, (x,), output)
+
+    # --------------------------------------------------------------- lifecycle
     def clear(self) -> None:
         """Forget recorded activations and gradients (e.g. after an aborted step)."""
         for tap in self.taps:
-            tap.clear()
+            tap.records.clear()
 
     def remove(self) -> None:
-        """Detach the hooks from the model."""
+        """Detach the hooks and restore the modules' own forwards."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        for module in self._forwards:
+            del module.forward
+        self._forwards = []
         self.clear()
 
     def __enter__(self):
@@ -194,53 +278,115 @@ class GhostClipper(ClippedGaussianStep):
     def __exit__(self, *exc):
         self.remove()
 
-    def _layer_specs(self):
+    # -------------------------------------------------------------------- step
+    def _batch_size(self) -> int:
         batch = None
         for tap in self.taps:
-            if any(g is None for g in tap.grads.values()):
-                raise RuntimeError(
-                    f"GhostClipper: backward reached layer {tap.name!r} twice through the same "
-                    "recorded forward; run exactly one loss.backward() per forward (sum the "
-                    "losses first), or call clear() to discard the step")
-            if len(tap.grads) != len(tap.acts):
-                raise RuntimeError(
-                    f"GhostClipper: layer {tap.name!r} ran forward {len(tap.acts)} time(s) but "
-                    f"backward reached it {len(tap.grads)} time(s); run exactly one "
-                    "loss.backward() per recorded forward (call clear() to discard a forward)")
-            for a in tap.acts:
+            for rec in tap.records:
+                if rec.twice:
+                    raise RuntimeError(
+                        f"GhostClipper: backward reached layer {tap.name!r} twice through the "
+                        "same recorded forward; run exactly one loss.backward() per forward (sum "
+                        "the losses first), or call clear() to discard the step")
+                if rec.grad is None:
+                    raise RuntimeError(
+                        f"GhostClipper: layer {tap.name!r} ran forward but backward did not reach "
+                        "it; run exactly one loss.backward() per recorded forward (call clear() "
+                        "to discard a forward)")
+                if any(getattr(x, "_version", 0) != v for x, v in zip(rec.inputs, rec.versions)):
+                    raise RuntimeError(
+                        f"GhostClipper: the input of layer {tap.name!r} was modified in place "
+                        "after the layer ran (an inplace op on a tensor the layer read); its "
+                        "per-sample gradient would be wrong. Make that op out of place")
+                b = rec.grad.shape[0]
                 if batch is None:
-                    batch = a.shape[0]
-                elif a.shape[0] != batch:
-                    raise RuntimeError(f"GhostClipper: layer {tap.name!r} saw batch size "
-                                       f"{a.shape[0]}, another layer {batch}")
+                    batch = b
+                elif b != batch:
+                    raise RuntimeError(f"GhostClipper: layer {tap.name!r} saw batch size {b}, "
+                                       f"another layer {batch}")
         if batch is None:
             raise RuntimeError("GhostClipper: no forward/backward was recorded since the last step")
-        specs = []
+        return batch
+
+    def _entries(self, batch: int):
+        """[(tap, names, block)] in layer order; a layer unused this step adds pure noise."""
+        scale = batch if self.loss_reduction == "mean" else 1
+        entries = []
         for tap in self.taps:
-            w = tap.module.weight
-            d, K = w.shape[1], w.shape[0]
-            if tap.acts:
-                a = _cat_calls([_as_sequence(x, d) for x in tap.acts])
-                g = _cat_calls([_as_sequence(tap.grads[i], K) for i in range(len(tap.acts))])
-                if self.loss_reduction == "mean":
-                    # Undo the batch mean so g holds each sample's own loss gradient.
-                    g = g * batch
-            else:  # unused this step: zero per-sample gradient, pure noise
-                a = w.new_zeros((batch, 0, d))
-                g = w.new_zeros((batch, 0, K))
-            if a.dim() == 3 and a.shape[1] == 1:
-                a, g = a[:, 0], g[:, 0]
-            specs.append((a.to(w.dtype), g.to(w.dtype), tap.has_bias))
-        return specs
+            if not tap.records:
+                for n, p in tap.params.items():
+                    zeros = p.new_zeros(p.shape)
+                    block = GhostBlock(torch.zeros(batch, dtype=torch.float64, device=p.device),
+                                       lambda f, z=zeros: z.clone(), tuple(p.shape), 1)
+                    entries.append((tap, (n,), block))
+                continue
+            # Undo the batch mean: g holds each sample's own loss gradient.
+            calls = [Call(r.inputs, r.grad * scale if scale != 1 else r.grad, r.slot)
+                     for r in tap.records]
+            got = tap.rule(tap.module, calls, tap.trainable())
+            covered = [n for names, _ in got for n in names]
+            if sorted(covered) != sorted(tap.params):
+                raise RuntimeError(f"GhostClipper: the rule of {type(tap.module).__name__} "
+                                   f"({tap.name!r}) returned blocks for {covered}, expected each "
+                                   f"of {sorted(tap.params)} once")
+            for names, block in got:
+                entries.append((tap, names, self._cast(tap, names, block)))
+        return entries
+
+    @staticmethod
+    def _cast(tap, names, block):
+        dtype = tap.params[names[0]].dtype
+        if isinstance(block, tuple):
+            a, g, bias = block
+            return (a.to(dtype), g.to(dtype), bias)
+        if isinstance(block, torch.Tensor):
+            return block.to(dtype)
+        return block
+
+    def _per_layer(self, entries) -> LayersClipResult:
+        """Each parameter on its own bound; one clip call per parameter, each taking
+        the next range of the stream."""
+        split = []
+        for tap, names, block in entries:
+            if isinstance(block, tuple) and len(names) == 2:
+                a, g, _ = block
+                split += [(tap, names[:1], (a, g, False)), (tap, names[1:], g.sum(1))]
+            else:
+                split.append((tap, names, block))
+        bounds = dict(zip(self.param_names, self.layer_norms))
+        grads, results = [], []
+        for tap, names, block in split:
+            c = bounds[f"{tap.name}.{names[0]}" if tap.name else names[0]]
+            res = clip_and_noise_layers(
+                [block], max_norm=c, noise_multiplier=self.noise_multiplier * self.max_grad_norm / c,
+                seed=self._stream, reduction=self.loss_reduction,
+                expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy)
+            results.append(res)
+            grads.append(res.grads[0])
+        self._steps += 1
+        first = results[0]
+        sq = sum(r.norms.to(torch.float64) ** 2 for r in results)
+        result = LayersClipResult(
+            norms=sq.sqrt(), num_clipped=max(r.num_clipped for r in results),
+            num_nonfinite=max(r.num_nonfinite for r in results), seed=first.seed,
+            offset=first.offset, draws=sum(r.draws for r in results), grads=grads)
+        self.last_result = result
+        return result, split
 
     def privatize_(self) -> LayersClipResult:
         """Overwrite every trainable ``p.grad`` with its private gradient and forget
-        the recorded tensors.  Returns the clip result (norms, clipped count,
-        stream position)."""
-        result = self._clip_and_noise(self._layer_specs())
-        for tap, (gw, gb) in zip(self.taps, result.grads):
-            tap.module.weight.grad = gw
-            if tap.has_bias:
-                tap.module.bias.grad = gb
+        the recorded tensors.  Returns the clip result (per-sample norms over
+        all layers, clipped count, stream position; with per-layer clipping
+        ``num_clipped`` is the largest count of any parameter)."""
+        entries = self._entries(self._batch_size())
+        if self.clipping == "flat":
+            result = self._clip_and_noise([block for _, _, block in entries])
+        else:
+            result, entries = self._per_layer(entries)
+        for (tap, names, _), grad in zip(entries, result.grads):
+            parts = grad if isinstance(grad, tuple) else (grad,)
+            for n, g in zip(names, parts):
+                p = tap.params[n]
+                p.grad = g.view(p.shape)
         self.clear()
         return result

@@ -1,0 +1,228 @@
+"""PrivacyEngine: Opacus's entry point, on book-keeping clipping and ncdp_fast's
+accountants.  Swapping ``from opacus import PrivacyEngine`` for ``from
+ncdp_fast.torch import PrivacyEngine`` is the whole migration of a training loop."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .. import _stream, privacy
+from .._validate import check_choice, check_pos_int, check_positive
+from .clipper import GhostClipper
+from .data import PoissonBatchSampler, collate_with_empty
+
+__all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule"]
+
+_ACCOUNTANTS = ("prv", "rdp", "gdp", "pld")
+_GRAD_SAMPLE_MODES = ("hooks", "ghost", "functorch", "ew")
+
+
+def _accountant_name(kind: str) -> str:
+    # "prv" (Opacus's default: privacy random variables composed by FFT) and
+    # "pld" compose the same privacy-loss distribution numerically; both are
+    # computed by dp-accounting's PLD accountant, a pessimistic upper bound.
+    return "pld" if kind == "prv" else kind
+
+
+class PrivateModule(nn.Module):
+    """The model as ``make_private`` returns it (Opacus's ``GradSampleModule``
+    shape): calls go to ``_module``, whose layers carry the clipper's hooks."""
+
+    def __init__(self, module: nn.Module, clipper: GhostClipper):
+        super().__init__()
+        self._module = module
+        self.clipper = clipper
+
+    def forward(self, *args, **kwargs):
+        return self._module(*args, **kwargs)
+
+    def remove_hooks(self) -> None:
+        """Detach the clipper: the module computes ordinary gradients again."""
+        self.clipper.remove()
+
+
+class DPOptimizer:
+    """The optimizer as ``make_private`` returns it: ``step()`` replaces every
+    gradient by the clipper's private one (one Gaussian mechanism over the
+    batch), records the step with the engine's accountant, then steps the
+    wrapped optimizer.  Attributes as Opacus's DPOptimizer: ``noise_multiplier``,
+    ``max_grad_norm``, ``expected_batch_size``, ``original_optimizer``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, clipper: GhostClipper, on_step):
+        self.original_optimizer = optimizer
+        self.clipper = clipper
+        self._on_step = on_step
+
+    noise_multiplier = property(lambda self: self.clipper.noise_multiplier)
+    max_grad_norm = property(lambda self: self.clipper.max_grad_norm)
+    expected_batch_size = property(lambda self: self.clipper.expected_batch_size)
+    param_groups = property(lambda self: self.original_optimizer.param_groups)
+    state = property(lambda self: self.original_optimizer.state)
+    defaults = property(lambda self: self.original_optimizer.defaults)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self.clipper.privatize_()
+        self._on_step()
+        return self.original_optimizer.step()
+
+    def state_dict(self):
+        """The wrapped optimizer's state plus ``"ncdp_noise"`` (the clipper's noise
+        stream: secret, keep such checkpoints private)."""
+        state = self.original_optimizer.state_dict()
+        state["ncdp_noise"] = self.clipper.noise_state()
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        state_dict = dict(state_dict)
+        noise = state_dict.pop("ncdp_noise", None)
+        self.original_optimizer.load_state_dict(state_dict)
+        if noise is not None:
+            self.clipper.load_noise_state(noise)
+
+    def __repr__(self):
+        return (f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm="
+                f"{self.max_grad_norm}, expected_batch_size={self.expected_batch_size}, "
+                f"{self.original_optimizer!r})")
+
+
+class PrivacyEngine:
+    """Opacus's ``PrivacyEngine``: ``make_private`` / ``make_private_with_epsilon``
+    return (module, optimizer, data_loader) for an unchanged training loop, and
+    :meth:`get_epsilon` answers for the steps taken.
+
+    Differences, all on the side of privacy or speed: gradients come from
+    :class:`GhostClipper` (one backward pass, every common layer, no
+    ``grad_sample``); the loader is always a true Poisson loader (empty batches
+    yielded, never skipped; ``poisson_sampling=False`` is refused, since no
+    accountant here covers shuffled fixed-size batches); noise comes from a
+    Philox stream keyed by the OS (``seed=`` to fix it, ``noise_generator`` is
+    refused); the accountant is :class:`ncdp_fast.privacy.Accountant`
+    ("prv" and "pld": dp-accounting's PLD accountant; "rdp"; "gdp": the CLT,
+    an approximation).  ``secure_mode`` is accepted: the noise is always
+    keyed by 64 bits from the OS.
+    """
+
+    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False):
+        check_choice(accountant, "accountant", _ACCOUNTANTS)
+        self.accountant_name = accountant
+        self.accountant = privacy.Accountant()
+        self.secure_mode = bool(secure_mode)
+        self.sample_rate: float | None = None
+
+    # ------------------------------------------------------------------ wiring
+    def _poisson_loader(self, data_loader, seed):
+        if not isinstance(data_loader, DataLoader):
+            raise TypeError(f"data_loader: expected a torch.utils.data.DataLoader, got "
+                            f"{type(data_loader).__name__}")
+        steps = len(data_loader)
+        if steps == 0:
+            raise ValueError("data_loader: expected at least one batch per epoch, got 0")
+        dataset = data_loader.dataset
+        n = len(dataset)
+        sample_rate = 1.0 / steps
+        sampler = PoissonBatchSampler(n, sample_rate=sample_rate, steps=steps, seed=seed)
+        loader = DataLoader(dataset, batch_sampler=sampler,
+                            collate_fn=collate_with_empty(dataset, data_loader.collate_fn),
+                            num_workers=data_loader.num_workers,
+                            pin_memory=data_loader.pin_memory,
+                            worker_init_fn=data_loader.worker_init_fn,
+                            persistent_workers=data_loader.persistent_workers)
+        return loader, sample_rate, n
+
+    def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+                     data_loader: DataLoader, noise_multiplier: float, max_grad_norm,
+                     criterion=None, batch_first: bool = True, loss_reduction: str = "mean",
+                     poisson_sampling: bool = True, clipping: str = "flat",
+                     noise_generator=None, grad_sample_mode: str = "hooks",
+                     wrap_model: bool = True, seed=None, **kwargs):
+        """Make a model, optimizer and loader private (Opacus's signature).
+
+        Args:
+            module: the model; its trainable layers must have rules
+                (:class:`GhostClipper`); batch norms are refused (use
+                :func:`ncdp_fast.torch.fix_batchnorm`).
+            optimizer: any torch optimizer over the model's parameters.
+            data_loader: the DataLoader whose ``len()`` fixes the sample rate
+                q = 1 / len(data_loader) and the expected batch size q * n.
+            noise_multiplier: sigma >= 0; noise std sigma * max_grad_norm.
+            max_grad_norm: C > 0 per sample ("flat"), or one bound per
+                trainable parameter ("per_layer").
+            criterion: returned unchanged in the 4-tuple of grad_sample_mode
+                "ghost" (Opacus's fast-gradient-clipping shape); any loss works.
+            batch_first: must be True (the batch is dimension 0 of every input).
+            loss_reduction: "mean" or "sum", as the loss the loop computes.
+            seed: the key of the stream the batches and the noise are drawn
+                from, in disjoint ranges (default: from the OS; or a
+                :class:`ncdp_fast.NoiseStream`).
+
+        Returns ``(module, optimizer, data_loader)`` (``(module, optimizer,
+        criterion, data_loader)`` with ``grad_sample_mode="ghost"``).
+        """
+        if not poisson_sampling:
+            raise ValueError("poisson_sampling: expected True; a shuffled fixed-size batch has "
+                             "no accountant here (Opacus accounts it as Poisson, which it is not)")
+        if noise_generator is not None:
+            raise ValueError("noise_generator: expected None; noise comes from a Philox stream "
+                             "keyed by the OS (pass seed= to fix the key)")
+        if not batch_first:
+            raise ValueError("batch_first: expected True (dimension 0 of every input is the batch)")
+        check_choice(grad_sample_mode, "grad_sample_mode", _GRAD_SAMPLE_MODES)
+        if kwargs:
+            raise TypeError(f"make_private: unexpected argument(s) {sorted(kwargs)}")
+        # One stream for the batches and the noise: each takes the next disjoint
+        # range as it goes, so neither ever reuses the other's draws.
+        stream = _stream.resolve(seed)
+        loader, sample_rate, n = self._poisson_loader(data_loader, stream)
+        clipper = GhostClipper(module, max_grad_norm=max_grad_norm,
+                               noise_multiplier=noise_multiplier,
+                               expected_batch_size=sample_rate * n,
+                               loss_reduction=loss_reduction, clipping=clipping, seed=stream)
+        self.sample_rate = sample_rate
+        self.noise_multiplier = clipper.noise_multiplier
+
+        def on_step():
+            if clipper.noise_multiplier > 0:
+                self.accountant.step(noise_multiplier=clipper.noise_multiplier,
+                                     sample_rate=sample_rate)
+            else:
+                self._unbounded = True
+        self._unbounded = False
+        private = PrivateModule(module, clipper) if wrap_model else module
+        dp_opt = DPOptimizer(optimizer, clipper, on_step)
+        if grad_sample_mode == "ghost":
+            return private, dp_opt, criterion, loader
+        return private, dp_opt, loader
+
+    def make_private_with_epsilon(self, *, module, optimizer, data_loader, target_epsilon,
+                                  target_delta, epochs, max_grad_norm, **kwargs):
+        """:meth:`make_private` with the smallest noise multiplier whose epsilon
+        after ``epochs`` epochs (``epochs * len(data_loader)`` Poisson steps of
+        rate 1/len(data_loader)) is at most ``target_epsilon`` at ``target_delta``
+        under the engine's accountant."""
+        check_positive(target_epsilon, "target_epsilon")
+        epochs = check_pos_int(epochs, "epochs")
+        if not isinstance(data_loader, DataLoader) or len(data_loader) == 0:
+            self._poisson_loader(data_loader, None)      # raises the clear error
+        q = 1.0 / len(data_loader)
+        sigma = privacy.calibrate_noise_multiplier(
+            target_epsilon, target_delta, q, epochs * len(data_loader),
+            accountant=_accountant_name(self.accountant_name))
+        return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                                 noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
+
+    def get_epsilon(self, delta) -> float:
+        """epsilon at ``delta`` for the private steps taken so far (0 before the
+        first; inf if any step had noise_multiplier 0)."""
+        if getattr(self, "_unbounded", False):
+            return float("inf")
+        if len(self.accountant) == 0:
+            return 0.0
+        return self.accountant.epsilon(delta, _accountant_name(self.accountant_name))
+

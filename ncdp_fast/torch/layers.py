@@ -1,0 +1,270 @@
+"""Book-keeping rules: each trainable layer's private-gradient blocks from what one
+ordinary backward pass leaves behind (its inputs and its output gradient).
+
+A rule is one function per layer type, ``rule(module, calls, trainable) ->
+[(names, block), ...]``: ``calls`` holds every forward call of the module in the
+step (:class:`Call`: its inputs and the gradient of each sample's own loss with
+respect to its output), ``trainable`` the names of its direct parameters that
+require grad.  Each block is handed to the fused clip op
+(:func:`ncdp_fast.clip_and_noise_layers`) and says how the per-sample gradient of
+the parameters ``names`` is given:
+
+* a pair ``(a, g, bias)``, ``a`` (B, T, d), ``g`` (B, T, K): the weight gradient
+  ``sum_t g_t a_t^T`` (and the bias ``sum_t g_t``), never formed: norm from the
+  ghost identity, clipped sum one GEMM; ``names`` = (weight,) or (weight, bias);
+* a dense (B, *shape) per-sample gradient (instantiated); ``names`` = (name,);
+* a :class:`ncdp_fast.GhostBlock` (squared norms + clipped-sum function).
+
+Between a pair and an instantiated gradient the rule takes the cheaper
+(:func:`factored_or_instantiated`, the mixed rule of Bu et al. 2023): the ghost
+norm costs B*T^2*(d+K) and no memory of size K*d; the instantiated gradient
+costs B*T*K*d and B*K*d memory.  Register a rule for your own layer type with
+:func:`register_layer`; the built-ins below are its examples.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._clip import GhostBlock
+
+__all__ = ["Call", "register_layer", "rule_for", "factored_or_instantiated", "RULES"]
+
+
+@dataclass
+class Call:
+    """One forward call of a layer during the recorded step.
+
+    inputs: the positional inputs of the call, detached (as the module got them).
+    grad: (B, *output.shape[1:]) gradient of each sample's *own* loss with
+        respect to the call's output (already multiplied by the batch size
+        when the loss is a batch mean).
+    slot: None for a plain layer; a composite layer's own label for the
+        point it marked (attention: "in", "q", "k", "v", "out").
+    """
+    inputs: tuple
+    grad: torch.Tensor
+    slot: str | None = None    # which marked point of a composite layer (attention)
+
+
+Rule = Callable[[nn.Module, "list[Call]", "frozenset[str]"], list]
+RULES: dict[type, Rule] = {}
+
+
+def register_layer(*module_types: type):
+    """Decorator: ``fn(module, calls, trainable) -> [(names, block), ...]`` becomes
+    the rule of ``module_types`` (and their subclasses, unless a subclass has its
+    own).  ``names`` are names of the module's *direct* parameters; every name in
+    ``trainable`` must appear in exactly one entry.  See the module docstring for
+    the blocks; the per-sample gradient of a sample is the sum over its calls."""
+    for t in module_types:
+        if not isinstance(t, type) or not issubclass(t, nn.Module):
+            raise TypeError(f"register_layer: expected nn.Module subclasses, got {t!r}")
+
+    def deco(fn: Rule) -> Rule:
+        if not callable(fn):
+            raise TypeError(f"register_layer: expected a function, got {type(fn).__name__}")
+        for t in module_types:
+            RULES[t] = fn
+        return fn
+    return deco
+
+
+def rule_for(module: nn.Module) -> Rule | None:
+    """The rule of ``module``'s class, or of its nearest registered base class."""
+    for t in type(module).__mro__:
+        if t in RULES:
+            return RULES[t]
+    return None
+
+
+# ---------------------------------------------------------------- shared pieces
+
+def _flat_positions(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, ..., width) -> (B, T, width); explicit T so that B = 0 reshapes too."""
+    T = 1
+    for s in x.shape[1:-1]:
+        T *= s
+    return x.reshape(x.shape[0], T, width)
+
+
+def _lead(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x with its dimensions after the first k flattened into one (B = 0 safe)."""
+    n = 1
+    for s in x.shape[k:]:
+        n *= s
+    return x.reshape(*x.shape[:k], n)
+
+
+def _cat(parts: list, dim: int = 1):
+    """Several calls of a layer are one longer sequence (a single call: no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def factored_or_instantiated(a: torch.Tensor, g: torch.Tensor, names: tuple, bias: bool):
+    """The weight (and bias) of ``y_t = W a_t (+ b)`` summed over T positions:
+    ``a`` (B, T, d), ``g`` (B, T, K).  Returns the cheaper block(s) (mixed rule):
+    the pair when the ghost norm is cheaper (2 T^2 <= K d), else the per-sample
+    weight gradient (B, K, d) formed by one batched GEMM (and the bias's (B, K))."""
+    B, T, d = a.shape
+    K = g.shape[2]
+    if 2 * T * T <= K * d or T == 1:
+        return [(names, (a, g, bias))]
+    out = [((names[0],), torch.bmm(g.transpose(1, 2), a))]
+    if bias:
+        out.append(((names[1],), g.sum(1)))
+    return out
+
+
+def _affine_rule(module, xhat: torch.Tensor, g: torch.Tensor, trainable, reduce_dims):
+    """Elementwise affine ``y = w * xhat + b``: per-sample gradients of w and b are
+    sums of g * xhat and g over ``reduce_dims`` (instantiated: they are small)."""
+    out = []
+    if "weight" in trainable:
+        out.append((("weight",), (g * xhat).sum(reduce_dims)))
+    if "bias" in trainable:
+        out.append((("bias",), g.sum(reduce_dims)))
+    return out
+
+
+# ---------------------------------------------------------------- built-in rules
+
+@register_layer(nn.Linear)
+def linear_rule(module: nn.Linear, calls, trainable):
+    """y = x W^T + b on inputs (B, ..., d): every position adds to the sample's gradient."""
+    d, K = module.in_features, module.out_features
+    a = _cat([_flat_positions(c.inputs[0], d) for c in calls])
+    g = _cat([_flat_positions(c.grad, K) for c in calls])
+    if "weight" in trainable:
+        names = ("weight", "bias") if "bias" in trainable else ("weight",)
+        return factored_or_instantiated(a, g, names, "bias" in trainable)
+    return [(("bias",), g.sum(1))] if "bias" in trainable else []
+
+
+def _conv_columns(module, x: torch.Tensor) -> torch.Tensor:
+    """The im2col matrix of a Conv1d/Conv2d input: (B, C_in*k, L) with L output positions."""
+    nd = len(module.kernel_size)
+    if nd == 1:
+        x = x.unsqueeze(-2)
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+        padding = (0, 0)
+    else:
+        padding = (0,) + tuple(module.padding) if nd == 1 else tuple(module.padding)
+    as2 = (lambda v: (1,) + tuple(v)) if nd == 1 else tuple
+    return F.unfold(x, as2(module.kernel_size), dilation=as2(module.dilation),
+                    padding=padding, stride=as2(module.stride))
+
+
+@register_layer(nn.Conv1d, nn.Conv2d)
+def conv_rule(module, calls, trainable):
+    """Convolution as a linear layer on its im2col columns: per group, weight
+    (C_out/G, C_in/G * k) against columns (B, L, C_in/G * k).  One group: the
+    mixed rule on the pair.  Several groups (depthwise convolutions): the
+    per-sample weight gradient (B, C_out, C_in/G, *k), formed by one batched
+    GEMM per group set -- its size is that of the kernel, small."""
+    G = module.groups
+    C_out = module.out_channels
+    cols = _cat([_conv_columns(module, c.inputs[0]) for c in calls], dim=2)   # (B, C_in k, L)
+    g = _cat([_lead(c.grad, 2) for c in calls], dim=2)                      # (B, C_out, L)
+    B, ck, L = cols.shape
+    out = []
+    if "weight" in trainable:
+        if G == 1:
+            names = ("weight", "bias") if "bias" in trainable else ("weight",)
+            blocks = factored_or_instantiated(cols.transpose(1, 2), g.transpose(1, 2), names,
+                                              "bias" in trainable)
+            for nm, blk in blocks:
+                if nm == ("weight",) and not isinstance(blk, tuple):
+                    blk = blk.reshape(B, *module.weight.shape)
+                out.append((nm, blk))
+            return out
+        cg = cols.reshape(B, G, ck // G, L)
+        gg = g.reshape(B, G, C_out // G, L)
+        gw = torch.matmul(gg, cg.transpose(2, 3))            # (B, G, C_out/G, C_in/G * k)
+        out.append((("weight",), gw.reshape(B, *module.weight.shape)))
+    if "bias" in trainable:
+        out.append((("bias",), g.sum(2)))
+    return out
+
+
+@register_layer(nn.Embedding)
+def embedding_rule(module: nn.Embedding, calls, trainable):
+    """Row lookup: sample i's gradient has rows ``sum_{t: idx_t = v} g_t`` at the
+    rows v it used.  Norms from the rows each sample touched (one scatter into
+    its distinct (sample, row) keys, float64), clipped sum one index_add: O(B T D),
+    nothing of size V*D per sample."""
+    if "weight" not in trainable:
+        return []
+    if module.max_norm is not None:
+        raise ValueError("nn.Embedding with max_norm renormalises rows in place during the "
+                         "forward; not supported for private training (set max_norm=None)")
+    V, D = module.weight.shape
+    idx = _cat([_lead(c.inputs[0], 1) for c in calls])                 # (B, T)
+    g = _cat([_flat_positions(c.grad, D) for c in calls])              # (B, T, D)
+    if module.padding_idx is not None:       # the padding row never gets a gradient
+        g = g.masked_fill((idx == module.padding_idx).unsqueeze(-1), 0)
+    B, T = idx.shape
+    sample = torch.arange(B, device=idx.device).unsqueeze(1).expand(B, T)
+    keys, inverse = torch.unique(sample * V + idx, return_inverse=True)
+    rows = torch.zeros((keys.numel(), D), dtype=torch.float64, device=g.device)
+    rows.index_add_(0, inverse.reshape(-1), g.reshape(-1, D).to(torch.float64))
+    sq = torch.zeros(B, dtype=torch.float64, device=g.device)
+    sq.index_add_(0, torch.div(keys, V, rounding_mode="floor"), rows.square().sum(1))
+    dtype = module.weight.dtype
+
+    def clipped_sum(factors):
+        scaled = (g.to(torch.float64) * factors.view(B, 1, 1)).to(dtype)
+        scaled = scaled.masked_fill((factors == 0).view(B, 1, 1), 0)   # dropped samples
+        out = torch.zeros((V, D), dtype=dtype, device=g.device)
+        out.index_add_(0, idx.reshape(-1), scaled.reshape(-1, D))
+        return out
+    return [(("weight",), GhostBlock(sq, clipped_sum, (V, D), T * D + D))]
+
+
+@register_layer(nn.LayerNorm)
+def layer_norm_rule(module: nn.LayerNorm, calls, trainable):
+    """y = w * xhat + b over the trailing ``normalized_shape``; xhat recomputed
+    with the forward's own normalisation (F.layer_norm without affine)."""
+    width = math.prod(module.normalized_shape)
+    xs, gs = [], []
+    for c in calls:
+        xhat = F.layer_norm(c.inputs[0], module.normalized_shape, None, None, module.eps)
+        xs.append(_flat_positions(xhat, width))
+        gs.append(_flat_positions(c.grad, width))
+    return [(n, b.reshape(b.shape[0], *module.normalized_shape))
+            for n, b in _affine_rule(module, _cat(xs), _cat(gs), trainable, 1)]
+
+
+@register_layer(nn.GroupNorm)
+def group_norm_rule(module: nn.GroupNorm, calls, trainable):
+    """y = w_c * xhat + b_c per channel c, xhat normalised over (group, positions)."""
+    xs, gs = [], []
+    for c in calls:
+        x = c.inputs[0]
+        xhat = F.group_norm(x, module.num_groups, None, None, module.eps)
+        xs.append(_lead(xhat, 2))
+        gs.append(_lead(c.grad, 2))
+    return _affine_rule(module, _cat(xs, 2), _cat(gs, 2), trainable, 2)
+
+
+@register_layer(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+def instance_norm_rule(module, calls, trainable):
+    """Affine instance norm (no running statistics): a group norm with one channel
+    per group, per sample."""
+    if module.track_running_stats and module.training:
+        raise ValueError(f"{type(module).__name__} with track_running_stats=True mixes samples "
+                         "through its running statistics; use track_running_stats=False")
+    xs, gs = [], []
+    for c in calls:
+        x = c.inputs[0]
+        xhat = F.instance_norm(x, eps=module.eps)
+        xs.append(_lead(xhat, 2))
+        gs.append(_lead(c.grad, 2))
+    return _affine_rule(module, _cat(xs, 2), _cat(gs, 2), trainable, 2)
