@@ -300,7 +300,7 @@ class _Layer:
 
 
 def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, reduction,
-                 expected_batch_size, nan_policy):
+                 expected_batch_size, nan_policy, grad_scale=1.0):
     max_norm, noise_std, inv_denom = _check_common(
         max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy)
     be = _backend.select("clip", **arrays)
@@ -322,17 +322,26 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     for layer in layers:
         if spread is not None:
             layer.add_spread(be.kernels, spread)
+    terms = sum(layer.terms for layer in layers)
+    if grad_scale != 1.0:
+        # The blocks hold gradients / s: the sample's norm is s times theirs (two
+        # more float64 roundings: s^2 * sq here, f * s below).
+        sq *= grad_scale * grad_scale
+        if spread is not None:
+            spread *= grad_scale
+        terms += 2
     factors, norms = be.io.empty((B,), _F64), be.io.empty((B,), _F64)
-    be.kernels.clip_factors(sq, spread, max_norm, sum(layer.terms for layer in layers), t_max,
+    be.kernels.clip_factors(sq, spread, max_norm, terms, t_max,
                             float(np.finfo(dtype).eps) / 2, factors, norms)
     acc = _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors)
     if acc["num_nonfinite"]:
         bad = np.flatnonzero(be.io.to_numpy(factors) == 0)
         for layer in layers:
             layer.drop_rows(be.io, bad)
+    weights = factors * grad_scale if grad_scale != 1.0 else factors
     grads, start = [], offset
     for layer in layers:
-        grads.append(layer.reduce(be, dtype, factors, noise_std, inv_denom, seed, start))
+        grads.append(layer.reduce(be, dtype, weights, noise_std, inv_denom, seed, start))
         start += layer.draws
     return grads, acc
 
@@ -372,15 +381,19 @@ def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier,
 
 
 def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=None, offset=None,
-                          reduction="sum", expected_batch_size=None,
-                          nan_policy="raise") -> LayersClipResult:
+                          reduction="sum", expected_batch_size=None, nan_policy="raise",
+                          grad_scale=1.0) -> LayersClipResult:
     """Clip several parameter blocks jointly: one factor per sample from the total norm.
 
     Each element of ``layers`` is a dense per-sample gradient (B, ...)
     (e.g. Opacus's ``p.grad_sample``), a linear layer ``(activations,
     backprops)`` / ``(activations, backprops, bias)`` as in
     :func:`clip_and_noise_linear`, or a :class:`GhostBlock` (per-sample squared
-    norms and a clipped-sum function; prod(shape) draws).  The sample's norm is
+    norms and a clipped-sum function; prod(shape) draws).  ``grad_scale`` s > 0:
+    the blocks hold the per-sample gradients divided by s (the output gradients
+    of a batch-mean loss, s = the realized batch size): norms, factors and sums
+    are those of s times the blocks, the multiplication folded into the (B,)
+    norms and factors instead of a pass over every block.  The sample's norm is
     ``sqrt(sum over blocks of its squared block norms)``; every block gets its
     own disjoint range of the noise stream, in order (dense: prod(shape[1:])
     draws; linear: K*d, then K for the bias).  Other arguments as
@@ -402,6 +415,9 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
             arrays[f"layers[{i}][1]"] = spec[1] if len(spec) > 1 else None
         else:
             arrays[f"layers[{i}]"] = spec
+    grad_scale = check_positive(grad_scale, "grad_scale")
+    if not np.isfinite(grad_scale):
+        raise ValueError(f"grad_scale: expected a finite number > 0, got {grad_scale!r}")
     grads, acc = _clip_layers(layers, arrays, max_norm, noise_multiplier, seed, offset, reduction,
-                              expected_batch_size, nan_policy)
+                              expected_batch_size, nan_policy, grad_scale)
     return LayersClipResult(grads=grads, **acc)

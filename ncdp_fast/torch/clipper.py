@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._clip import GhostBlock, LayersClipResult, clip_and_noise_layers
+from .._clip import GhostBlock, LayersClipResult
 from .._validate import check_choice, check_positive
 from .attention import attention_forward, check_attention
 from .layers import Call, rule_for
@@ -139,8 +139,11 @@ class GhostClipper(ClippedGaussianStep):
         for tap in self.taps:
             self._handles.append(tap.module.register_forward_pre_hook(self._pre_hook(tap)))
             if isinstance(tap.module, nn.MultiheadAttention):
-                self._forwards.append(tap.module)
-                tap.module.forward = attention_forward(tap.module, self._marker(tap))
+                self._patch(tap.module, "forward", attention_forward(tap.module, self._marker(tap)))
+            elif isinstance(tap.module, nn.modules.conv._ConvNd):
+                # Marked at _conv_forward, where the input is what the convolution
+                # sees: a subclass may pad in its own forward first (TF "SAME").
+                self._patch(tap.module, "_conv_forward", self._conv_marker(tap))
             else:
                 self._handles.append(tap.module.register_forward_hook(
                     self._forward_hook(tap), always_call=True))
@@ -190,7 +193,14 @@ class GhostClipper(ClippedGaussianStep):
                 check_attention(name, module)
             if not params:
                 continue
-            rule = rule_for(module)
+            rule, base = rule_for(module)
+            if rule is not None and type(module).forward is not base.forward and not isinstance(
+                    module, nn.modules.conv._ConvNd):
+                raise ValueError(
+                    f"GhostClipper: layer {name!r} ({type(module).__name__}) overrides the forward "
+                    f"of {base.__name__}, so {base.__name__}'s rule may not describe what it "
+                    "computes; register a rule for its own type with "
+                    "ncdp_fast.torch.register_layer")
             if rule is None:
                 shown = ", ".join(repr(f"{name}.{n}" if name else n) for n in params)
                 raise ValueError(
@@ -256,6 +266,18 @@ class GhostClipper(ClippedGaussianStep):
     def _marker(self, tap: _Tap):
         return lambda slot, x, output: self._capture(tap, slot, (x,), output)
 
+    def _conv_marker(self, tap: _Tap):
+        conv = type(tap.module)._conv_forward.__get__(tap.module)
+
+        def forward(x, weight, bias):
+            return self._capture(tap, None, (x,), conv(x, weight, bias))
+        return forward
+
+    def _patch(self, module, attr, fn):
+        """An instance attribute shadowing the class's method; remove() deletes it."""
+        setattr(module, attr, fn)
+        self._forwards.append((module, attr))
+
     # --------------------------------------------------------------- lifecycle
     def clear(self) -> None:
         """Forget recorded activations and gradients (e.g. after an aborted step)."""
@@ -267,8 +289,8 @@ class GhostClipper(ClippedGaussianStep):
         for h in self._handles:
             h.remove()
         self._handles = []
-        for module in self._forwards:
-            del module.forward
+        for module, attr in self._forwards:
+            delattr(module, attr)
         self._forwards = []
         self.clear()
 
@@ -310,7 +332,6 @@ class GhostClipper(ClippedGaussianStep):
 
     def _entries(self, batch: int):
         """[(tap, names, block)] in layer order; a layer unused this step adds pure noise."""
-        scale = batch if self.loss_reduction == "mean" else 1
         entries = []
         for tap in self.taps:
             if not tap.records:
@@ -320,9 +341,7 @@ class GhostClipper(ClippedGaussianStep):
                                        lambda f, z=zeros: z.clone(), tuple(p.shape), 1)
                     entries.append((tap, (n,), block))
                 continue
-            # Undo the batch mean: g holds each sample's own loss gradient.
-            calls = [Call(r.inputs, r.grad * scale if scale != 1 else r.grad, r.slot)
-                     for r in tap.records]
+            calls = [Call(r.inputs, r.grad, r.slot) for r in tap.records]
             got = tap.rule(tap.module, calls, tap.trainable())
             covered = [n for names, _ in got for n in names]
             if sorted(covered) != sorted(tap.params):
@@ -343,7 +362,7 @@ class GhostClipper(ClippedGaussianStep):
             return block.to(dtype)
         return block
 
-    def _per_layer(self, entries) -> LayersClipResult:
+    def _per_layer(self, entries, grad_scale):
         """Each parameter on its own bound; one clip call per parameter, each taking
         the next range of the stream."""
         split = []
@@ -354,22 +373,17 @@ class GhostClipper(ClippedGaussianStep):
             else:
                 split.append((tap, names, block))
         bounds = dict(zip(self.param_names, self.layer_norms))
-        grads, results = [], []
-        for tap, names, block in split:
-            c = bounds[f"{tap.name}.{names[0]}" if tap.name else names[0]]
-            res = clip_and_noise_layers(
-                [block], max_norm=c, noise_multiplier=self.noise_multiplier * self.max_grad_norm / c,
-                seed=self._stream, reduction=self.loss_reduction,
-                expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy)
-            results.append(res)
-            grads.append(res.grads[0])
+        results = [self._clip_and_noise([block], grad_scale, count=False,
+                                        max_norm=bounds[f"{t.name}.{n[0]}" if t.name else n[0]])
+                   for t, n, block in split]
         self._steps += 1
         first = results[0]
-        sq = sum(r.norms.to(torch.float64) ** 2 for r in results)
+        sq = sum(torch.as_tensor(r.norms, dtype=torch.float64) ** 2 for r in results)
         result = LayersClipResult(
             norms=sq.sqrt(), num_clipped=max(r.num_clipped for r in results),
             num_nonfinite=max(r.num_nonfinite for r in results), seed=first.seed,
-            offset=first.offset, draws=sum(r.draws for r in results), grads=grads)
+            offset=first.offset, draws=sum(r.draws for r in results),
+            grads=[r.grads[0] for r in results])
         self.last_result = result
         return result, split
 
@@ -378,11 +392,15 @@ class GhostClipper(ClippedGaussianStep):
         the recorded tensors.  Returns the clip result (per-sample norms over
         all layers, clipped count, stream position; with per-layer clipping
         ``num_clipped`` is the largest count of any parameter)."""
-        entries = self._entries(self._batch_size())
+        batch = self._batch_size()
+        entries = self._entries(batch)
+        # The output gradients of a batch-mean loss are each sample's own divided
+        # by the batch size: the op multiplies back (on the (B,) norms and factors).
+        scale = float(batch) if self.loss_reduction == "mean" and batch else 1.0
         if self.clipping == "flat":
-            result = self._clip_and_noise([block for _, _, block in entries])
+            result = self._clip_and_noise([block for _, _, block in entries], scale)
         else:
-            result, entries = self._per_layer(entries)
+            result, entries = self._per_layer(entries, scale)
         for (tap, names, _), grad in zip(entries, result.grads):
             parts = grad if isinstance(grad, tuple) else (grad,)
             for n, g in zip(names, parts):

@@ -3,8 +3,8 @@ ordinary backward pass leaves behind (its inputs and its output gradient).
 
 A rule is one function per layer type, ``rule(module, calls, trainable) ->
 [(names, block), ...]``: ``calls`` holds every forward call of the module in the
-step (:class:`Call`: its inputs and the gradient of each sample's own loss with
-respect to its output), ``trainable`` the names of its direct parameters that
+step (:class:`Call`: its inputs and the loss gradient with respect to its
+output), ``trainable`` the names of its direct parameters that
 require grad.  Each block is handed to the fused clip op
 (:func:`ncdp_fast.clip_and_noise_layers`) and says how the per-sample gradient of
 the parameters ``names`` is given:
@@ -41,9 +41,11 @@ class Call:
     """One forward call of a layer during the recorded step.
 
     inputs: the positional inputs of the call, detached (as the module got them).
-    grad: (B, *output.shape[1:]) gradient of each sample's *own* loss with
-        respect to the call's output (already multiplied by the batch size
-        when the loss is a batch mean).
+    grad: (B, *output.shape[1:]) gradient of the loss with respect to the
+        call's output, as backward produced it: row i is sample i's own loss
+        gradient, divided by the batch size when the loss is a batch mean (the
+        clip op multiplies back on its (B,) norms and factors, so every block
+        a rule returns must be linear in ``grad`` -- any parameter gradient is).
     slot: None for a plain layer; a composite layer's own label for the
         point it marked (attention: "in", "q", "k", "v", "out").
     """
@@ -75,12 +77,13 @@ def register_layer(*module_types: type):
     return deco
 
 
-def rule_for(module: nn.Module) -> Rule | None:
-    """The rule of ``module``'s class, or of its nearest registered base class."""
+def rule_for(module: nn.Module) -> tuple[Rule | None, type | None]:
+    """(rule, the class it is registered for): ``module``'s class, or its nearest
+    registered base class; (None, None) when there is none."""
     for t in type(module).__mro__:
         if t in RULES:
-            return RULES[t]
-    return None
+            return RULES[t], t
+    return None, None
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -121,14 +124,15 @@ def factored_or_instantiated(a: torch.Tensor, g: torch.Tensor, names: tuple, bia
     return out
 
 
-def _affine_rule(module, xhat: torch.Tensor, g: torch.Tensor, trainable, reduce_dims):
+def _affine_rule(xhat: torch.Tensor, g: torch.Tensor, trainable, equation: str, dim: int):
     """Elementwise affine ``y = w * xhat + b``: per-sample gradients of w and b are
-    sums of g * xhat and g over ``reduce_dims`` (instantiated: they are small)."""
+    sums of g * xhat and g over the positions (instantiated: they are small).
+    ``equation`` contracts the positions without forming g * xhat."""
     out = []
     if "weight" in trainable:
-        out.append((("weight",), (g * xhat).sum(reduce_dims)))
+        out.append((("weight",), torch.einsum(equation, g, xhat)))
     if "bias" in trainable:
-        out.append((("bias",), g.sum(reduce_dims)))
+        out.append((("bias",), g.sum(dim)))
     return out
 
 
@@ -146,51 +150,81 @@ def linear_rule(module: nn.Linear, calls, trainable):
     return [(("bias",), g.sum(1))] if "bias" in trainable else []
 
 
-def _conv_columns(module, x: torch.Tensor) -> torch.Tensor:
-    """The im2col matrix of a Conv1d/Conv2d input: (B, C_in*k, L) with L output positions."""
+def _conv_input(module, x: torch.Tensor):
+    """(input as the convolution reads it, 2-D form, padding still to apply): a
+    Conv1d becomes a Conv2d of height 1; non-zero padding modes and string
+    paddings are applied here, as the module's own _conv_forward does."""
     nd = len(module.kernel_size)
+    two = (lambda v: (1,) + tuple(v)) if nd == 1 else tuple
     if nd == 1:
         x = x.unsqueeze(-2)
     if module.padding_mode != "zeros" or isinstance(module.padding, str):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-        padding = (0, 0)
-    else:
-        padding = (0,) + tuple(module.padding) if nd == 1 else tuple(module.padding)
-    as2 = (lambda v: (1,) + tuple(v)) if nd == 1 else tuple
-    return F.unfold(x, as2(module.kernel_size), dilation=as2(module.dilation),
-                    padding=padding, stride=as2(module.stride))
+        pad = module._reversed_padding_repeated_twice
+        x = F.pad(x.squeeze(-2) if nd == 1 and mode != "constant" else x, pad, mode=mode)
+        if nd == 1 and mode != "constant":
+            x = x.unsqueeze(-2)
+        return x, (0, 0), two
+    return x, (0,) + tuple(module.padding) if nd == 1 else tuple(module.padding), two
+
+
+def _conv_columns(module, x: torch.Tensor) -> torch.Tensor:
+    """The im2col matrix of a convolution's input: (B, C_in*k, L), L output positions;
+    a plain 1x1 convolution needs no copy (its columns are the input's pixels)."""
+    x, padding, two = _conv_input(module, x)
+    k, stride, dil = two(module.kernel_size), two(module.stride), two(module.dilation)
+    if k == (1, 1) and padding == (0, 0):
+        x = x[:, :, ::stride[0], ::stride[1]]
+        return _lead(x, 2)
+    return F.unfold(x, k, dilation=dil, padding=padding, stride=stride)
+
+
+def _conv_per_sample(module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per-sample weight gradients (B, *weight.shape) by the convolution's own
+    weight-gradient kernel, the batch folded into the groups: no im2col."""
+    x, padding, two = _conv_input(module, x)
+    B = x.shape[0]
+    w = module.weight
+    if B == 0:
+        return w.new_zeros((0, *w.shape))
+    shape = (B * w.shape[0], *w.shape[1:])
+    if len(module.kernel_size) == 1:
+        shape = (shape[0], shape[1], 1, shape[2])
+        g = g.unsqueeze(-2)
+    gw = torch.nn.grad.conv2d_weight(
+        x.reshape(1, B * x.shape[1], *x.shape[2:]), shape,
+        g.reshape(1, B * g.shape[1], *g.shape[2:]), stride=two(module.stride), padding=padding,
+        dilation=two(module.dilation), groups=B * module.groups)
+    return gw.reshape(B, *w.shape)
 
 
 @register_layer(nn.Conv1d, nn.Conv2d)
 def conv_rule(module, calls, trainable):
-    """Convolution as a linear layer on its im2col columns: per group, weight
-    (C_out/G, C_in/G * k) against columns (B, L, C_in/G * k).  One group: the
-    mixed rule on the pair.  Several groups (depthwise convolutions): the
-    per-sample weight gradient (B, C_out, C_in/G, *k), formed by one batched
-    GEMM per group set -- its size is that of the kernel, small."""
-    G = module.groups
+    """Convolution as a linear layer on its im2col columns: weight (C_out, C_in*k)
+    against columns (B, L, C_in*k).  Mixed rule over all calls' L positions:
+    one group and 2 L^2 <= C_out C_in k: the pair (ghost norm; the columns
+    formed, free for a plain 1x1 convolution); otherwise (depthwise and other
+    grouped convolutions, large L) the per-sample gradient (B, *weight.shape)
+    from the convolution's own weight-gradient kernel, whose size is that of
+    the kernel, small."""
     C_out = module.out_channels
-    cols = _cat([_conv_columns(module, c.inputs[0]) for c in calls], dim=2)   # (B, C_in k, L)
-    g = _cat([_lead(c.grad, 2) for c in calls], dim=2)                      # (B, C_out, L)
-    B, ck, L = cols.shape
+    gs = [_lead(c.grad, 2) for c in calls]                         # (B, C_out, L) per call
+    L = sum(g.shape[2] for g in gs)
+    B = gs[0].shape[0]
     out = []
     if "weight" in trainable:
-        if G == 1:
-            names = ("weight", "bias") if "bias" in trainable else ("weight",)
-            blocks = factored_or_instantiated(cols.transpose(1, 2), g.transpose(1, 2), names,
-                                              "bias" in trainable)
-            for nm, blk in blocks:
-                if nm == ("weight",) and not isinstance(blk, tuple):
-                    blk = blk.reshape(B, *module.weight.shape)
-                out.append((nm, blk))
-            return out
-        cg = cols.reshape(B, G, ck // G, L)
-        gg = g.reshape(B, G, C_out // G, L)
-        gw = torch.matmul(gg, cg.transpose(2, 3))            # (B, G, C_out/G, C_in/G * k)
-        out.append((("weight",), gw.reshape(B, *module.weight.shape)))
+        bias = "bias" in trainable
+        names = ("weight", "bias") if bias else ("weight",)
+        if module.groups == 1 and 2 * L * L <= module.weight[0].numel() * C_out:
+            cols = _cat([_conv_columns(module, c.inputs[0]) for c in calls], dim=2)
+            return [(names, (cols.transpose(1, 2), _cat(gs, 2).transpose(1, 2), bias))]
+        gw = None
+        for c in calls:
+            part = _conv_per_sample(module, c.inputs[0], c.grad)
+            gw = part if gw is None else gw + part
+        out.append((("weight",), gw))
     if "bias" in trainable:
-        out.append((("bias",), g.sum(2)))
+        out.append((("bias",), _cat(gs, 2).sum(2) if B else gs[0].new_zeros((0, C_out))))
     return out
 
 
@@ -239,7 +273,7 @@ def layer_norm_rule(module: nn.LayerNorm, calls, trainable):
         xs.append(_flat_positions(xhat, width))
         gs.append(_flat_positions(c.grad, width))
     return [(n, b.reshape(b.shape[0], *module.normalized_shape))
-            for n, b in _affine_rule(module, _cat(xs), _cat(gs), trainable, 1)]
+            for n, b in _affine_rule(_cat(xs), _cat(gs), trainable, "btw,btw->bw", 1)]
 
 
 @register_layer(nn.GroupNorm)
@@ -251,7 +285,7 @@ def group_norm_rule(module: nn.GroupNorm, calls, trainable):
         xhat = F.group_norm(x, module.num_groups, None, None, module.eps)
         xs.append(_lead(xhat, 2))
         gs.append(_lead(c.grad, 2))
-    return _affine_rule(module, _cat(xs, 2), _cat(gs, 2), trainable, 2)
+    return _affine_rule(_cat(xs, 2), _cat(gs, 2), trainable, "bcl,bcl->bc", 2)
 
 
 @register_layer(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
@@ -267,4 +301,4 @@ def instance_norm_rule(module, calls, trainable):
         xhat = F.instance_norm(x, eps=module.eps)
         xs.append(_lead(xhat, 2))
         gs.append(_lead(c.grad, 2))
-    return _affine_rule(module, _cat(xs, 2), _cat(gs, 2), trainable, 2)
+    return _affine_rule(_cat(xs, 2), _cat(gs, 2), trainable, "bcl,bcl->bc", 2)

@@ -80,12 +80,19 @@ class ClippedGaussianStep(UsesNoiseStream):
         self._init_stream(seed, offset)
         self.last_result: LayersClipResult | None = None
 
-    def _clip_and_noise(self, blocks) -> LayersClipResult:
-        """One private step over ``blocks`` (:func:`ncdp_fast.clip_and_noise_layers`)."""
+    def _clip_and_noise(self, blocks, grad_scale=1.0, max_norm=None,
+                        count=True) -> LayersClipResult:
+        """One private step over ``blocks`` (:func:`ncdp_fast.clip_and_noise_layers`),
+        optionally with its own bound ``max_norm`` (per-layer clipping: the noise
+        std stays ``noise_multiplier * max_grad_norm``)."""
+        c = self.max_grad_norm if max_norm is None else max_norm
         result = clip_and_noise_layers(
-            blocks, max_norm=self.max_grad_norm, noise_multiplier=self.noise_multiplier,
+            blocks, max_norm=c, noise_multiplier=self.noise_multiplier * self.max_grad_norm / c,
             seed=self._stream, reduction=self.loss_reduction,
-            expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy)
+            expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy,
+            grad_scale=grad_scale)
+        if not count:
+            return result
         self._steps += 1
         self.last_result = result
         return result
