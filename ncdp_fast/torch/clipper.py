@@ -43,17 +43,14 @@ class _CaptureGrad(torch.autograd.Function):
 
 @dataclass
 class _Record:
-    """One recorded forward call (or marked point) of a layer."""
-    inputs: tuple
+    """One recorded forward call (or marked point) of a layer; its tensors are
+    dropped once the layer's rule has run."""
+    inputs: tuple | None
     slot: str | None
     versions: tuple
     grad: torch.Tensor | None = None
+    got: bool = False
     twice: bool = False
-
-    def set(self, grad):
-        if self.grad is not None:
-            self.twice = True       # a second backward through the same forward
-        self.grad = grad.detach()
 
 
 @dataclass
@@ -65,9 +62,15 @@ class _Tap:
     params: dict                    # relative name -> Parameter (trainable only)
     records: list = field(default_factory=list)
     recording: bool = False
+    blocks: list | None = None      # the rule's [(names, block)] once backward is through
+    batch: int | None = None
 
     def trainable(self):
         return frozenset(self.params)
+
+    def clear(self):
+        self.records.clear()
+        self.blocks, self.batch = None, None
 
 
 def _batchnorm_error(name, module):
@@ -242,7 +245,7 @@ class GhostClipper(ClippedGaussianStep):
         tensor the forward continues with."""
         if not tap.recording or not isinstance(output, torch.Tensor):
             return output
-        if any(r.grad is not None for r in tap.records):
+        if any(r.got for r in tap.records):
             raise RuntimeError(
                 f"GhostClipper: layer {tap.name!r} runs forward again after a backward pass "
                 "reached it; call privatize_() (optimizer.step()) before the next forward "
@@ -250,12 +253,50 @@ class GhostClipper(ClippedGaussianStep):
         inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
         rec = _Record(inputs, slot, tuple(getattr(x, "_version", 0) for x in inputs))
         tap.records.append(rec)
+        def on_grad(grad):
+            self._on_grad(tap, rec, grad)
         if output.requires_grad:
             # A tensor hook fires with the gradient of this value even if a later
             # in-place op (an inplace ReLU) modifies it: no copy needed.
-            output.register_hook(rec.set)
+            output.register_hook(on_grad)
             return output
-        return _CaptureGrad.apply(output, self._anchor, rec.set)
+        return _CaptureGrad.apply(output, self._anchor, on_grad)
+
+    def _on_grad(self, tap: _Tap, rec: _Record, grad):
+        if rec.got:
+            rec.twice = True            # a second backward through the same forward
+            return
+        rec.grad, rec.got = grad.detach(), True
+        if all(r.got for r in tap.records):
+            # The layer's last output gradient: run its rule now, inside backward,
+            # and let go of its inputs and gradients (instantiated blocks are the
+            # size of the parameters; the rest is freed as backward goes on).
+            self._evaluate(tap)
+
+    def _evaluate(self, tap: _Tap) -> None:
+        batch = None
+        for rec in tap.records:
+            if any(getattr(x, "_version", 0) != v for x, v in zip(rec.inputs, rec.versions)):
+                raise RuntimeError(
+                    f"GhostClipper: the input of layer {tap.name!r} was modified in place "
+                    "after the layer ran (an inplace op on a tensor the layer read); its "
+                    "per-sample gradient would be wrong. Make that op out of place")
+            b = rec.grad.shape[0]
+            if batch is not None and b != batch:
+                raise RuntimeError(f"GhostClipper: layer {tap.name!r} saw batch sizes {batch} "
+                                   f"and {b} in one step")
+            batch = b
+        calls = [Call(r.inputs, r.grad, r.slot) for r in tap.records]
+        got = tap.rule(tap.module, calls, tap.trainable())
+        covered = [n for names, _ in got for n in names]
+        if sorted(covered) != sorted(tap.params):
+            raise RuntimeError(f"GhostClipper: the rule of {type(tap.module).__name__} "
+                               f"({tap.name!r}) returned blocks for {covered}, expected each "
+                               f"of {sorted(tap.params)} once")
+        tap.blocks = [(names, self._cast(tap, names, block)) for names, block in got]
+        tap.batch = batch
+        for rec in tap.records:
+            rec.inputs = rec.grad = None
 
     def _forward_hook(self, tap: _Tap):
         def hook(module, inputs, output):
@@ -282,7 +323,7 @@ class GhostClipper(ClippedGaussianStep):
     def clear(self) -> None:
         """Forget recorded activations and gradients (e.g. after an aborted step)."""
         for tap in self.taps:
-            tap.records.clear()
+            tap.clear()
 
     def remove(self) -> None:
         """Detach the hooks and restore the modules' own forwards."""
@@ -304,28 +345,21 @@ class GhostClipper(ClippedGaussianStep):
     def _batch_size(self) -> int:
         batch = None
         for tap in self.taps:
-            for rec in tap.records:
-                if rec.twice:
-                    raise RuntimeError(
-                        f"GhostClipper: backward reached layer {tap.name!r} twice through the "
-                        "same recorded forward; run exactly one loss.backward() per forward (sum "
-                        "the losses first), or call clear() to discard the step")
-                if rec.grad is None:
-                    raise RuntimeError(
-                        f"GhostClipper: layer {tap.name!r} ran forward but backward did not reach "
-                        "it; run exactly one loss.backward() per recorded forward (call clear() "
-                        "to discard a forward)")
-                if any(getattr(x, "_version", 0) != v for x, v in zip(rec.inputs, rec.versions)):
-                    raise RuntimeError(
-                        f"GhostClipper: the input of layer {tap.name!r} was modified in place "
-                        "after the layer ran (an inplace op on a tensor the layer read); its "
-                        "per-sample gradient would be wrong. Make that op out of place")
-                b = rec.grad.shape[0]
-                if batch is None:
-                    batch = b
-                elif b != batch:
-                    raise RuntimeError(f"GhostClipper: layer {tap.name!r} saw batch size {b}, "
-                                       f"another layer {batch}")
+            if any(rec.twice for rec in tap.records):
+                raise RuntimeError(
+                    f"GhostClipper: backward reached layer {tap.name!r} twice through the "
+                    "same recorded forward; run exactly one loss.backward() per forward (sum "
+                    "the losses first), or call clear() to discard the step")
+            if tap.records and tap.blocks is None:
+                raise RuntimeError(
+                    f"GhostClipper: layer {tap.name!r} ran forward but backward did not reach "
+                    "it; run exactly one loss.backward() per recorded forward (call clear() "
+                    "to discard a forward)")
+            if tap.batch is not None:
+                if batch is not None and tap.batch != batch:
+                    raise RuntimeError(f"GhostClipper: layer {tap.name!r} saw batch size "
+                                       f"{tap.batch}, another layer {batch}")
+                batch = tap.batch
         if batch is None:
             raise RuntimeError("GhostClipper: no forward/backward was recorded since the last step")
         return batch
@@ -334,22 +368,14 @@ class GhostClipper(ClippedGaussianStep):
         """[(tap, names, block)] in layer order; a layer unused this step adds pure noise."""
         entries = []
         for tap in self.taps:
-            if not tap.records:
+            if tap.blocks is None:
                 for n, p in tap.params.items():
                     zeros = p.new_zeros(p.shape)
                     block = GhostBlock(torch.zeros(batch, dtype=torch.float64, device=p.device),
                                        lambda f, z=zeros: z.clone(), tuple(p.shape), 1)
                     entries.append((tap, (n,), block))
-                continue
-            calls = [Call(r.inputs, r.grad, r.slot) for r in tap.records]
-            got = tap.rule(tap.module, calls, tap.trainable())
-            covered = [n for names, _ in got for n in names]
-            if sorted(covered) != sorted(tap.params):
-                raise RuntimeError(f"GhostClipper: the rule of {type(tap.module).__name__} "
-                                   f"({tap.name!r}) returned blocks for {covered}, expected each "
-                                   f"of {sorted(tap.params)} once")
-            for names, block in got:
-                entries.append((tap, names, self._cast(tap, names, block)))
+            else:
+                entries += [(tap, names, block) for names, block in tap.blocks]
         return entries
 
     @staticmethod
