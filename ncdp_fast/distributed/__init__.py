@@ -1,0 +1,14 @@
+"""ncdp_fast across processes, on ``torch.distributed`` (gloo on CPUs, NCCL on GPUs).
+
+Every sharded capability here is the one-process computation cut into pieces:
+the same Philox draws at the same stream offsets, the same privacy report.  The
+helpers of :mod:`._group` resolve the process group, give the contiguous shard of
+each rank and check, before any other collective, that all ranks were called with
+the same configuration.  torch is imported lazily; with ``group=None`` and no
+initialised default group a call is an ordinary one-process call.
+"""
+from __future__ import annotations
+
+from ._group import check_same_config, rank_world, resolve_group, shard_bounds
+
+__all__ = ["resolve_group", "rank_world", "check_same_config", "shard_bounds"]

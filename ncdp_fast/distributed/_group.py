@@ -1,0 +1,117 @@
+"""Process groups for the sharded capabilities: which group, which rank, same config?
+
+Shared by every module of :mod:`ncdp_fast.distributed` (the sharded release, the
+row-sharded NTK Gram, ...).  torch is imported lazily: with ``group=None`` and no
+initialised default group (or no torch at all) a call is a one-process call.
+
+API (kept small and stable):
+
+* :func:`resolve_group` -- ``None`` -> the default group if ``torch.distributed`` is
+  initialised, else ``None`` (one process); a given group is returned as is.
+* :func:`rank_world` -- ``(rank, world)`` of this process in the group (``(0, 1)`` for
+  ``None``).
+* :func:`check_same_config` -- all ranks exchange a small config dict first; a
+  difference raises the same ``ValueError`` on every rank, naming the keys and ranks.
+* :func:`shard_bounds` -- the contiguous row range ``[start, stop)`` a rank holds.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _validate
+
+__all__ = ["resolve_group", "rank_world", "check_same_config", "shard_bounds"]
+
+
+def _dist():
+    """torch.distributed, or None when torch (or its distributed build) is absent."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    return dist if dist.is_available() else None
+
+
+def resolve_group(group: Any = None) -> Any:
+    """The process group a sharded call runs on, or ``None`` for one process.
+
+    ``group=None``: the default (WORLD) group when ``torch.distributed`` is
+    initialised, else ``None``.  A given group needs an initialised
+    ``torch.distributed`` (``TypeError``/``RuntimeError`` otherwise)."""
+    dist = _dist()
+    if group is None:
+        if dist is None or not dist.is_initialized():
+            return None
+        return dist.group.WORLD
+    if dist is None:
+        raise RuntimeError("group: expected a torch.distributed process group, but "
+                           "torch.distributed is not available in this installation")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected a torch.distributed ProcessGroup or None, got "
+                        f"{type(group).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError("group: expected an initialised torch.distributed "
+                           "(init_process_group), got none")
+    return group
+
+
+def rank_world(group: Any) -> tuple[int, int]:
+    """``(rank, world)`` of this process in ``group`` (already resolved; ``None`` -> (0, 1))."""
+    if group is None:
+        return 0, 1
+    dist = _dist()
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _digest(value: Any) -> str:
+    """A short stable text for one config value (repr of floats is exact)."""
+    text = repr(value)
+    if len(text) <= 200:
+        return text
+    import hashlib
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_same_config(config: dict, group: Any, what: str) -> None:
+    """All ranks of ``group`` must hold the same ``config``; else ``ValueError`` on every rank.
+
+    ``config``: a dict of str -> picklable value (seeds, sizes, epsilon, ...); only a
+    short text per value crosses the wire (``all_gather_object``, bounded by the
+    group's timeout).  ``what``: the operation, named in the message.  Every rank
+    raises the same message, so no rank goes on to a collective the others skip.
+    One process (``group=None``): nothing to check."""
+    if not isinstance(config, dict):
+        raise TypeError(f"config: expected a dict, got {type(config).__name__}")
+    if group is None:
+        return
+    dist = _dist()
+    _, world = rank_world(group)
+    mine = {str(k): _digest(v) for k, v in config.items()}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    keys = sorted(set().union(*(g.keys() for g in gathered)))
+    bad = []
+    for k in keys:
+        vals = [g.get(k, "<missing>") for g in gathered]
+        if len(set(vals)) > 1:
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
+            bad.append(f"{k} ({per_rank})")
+    if bad:
+        raise ValueError(f"{what}: expected the same configuration on all {world} ranks, "
+                         f"got differing " + "; ".join(bad))
+
+
+def shard_bounds(n: int, rank: int, world: int) -> tuple[int, int]:
+    """The contiguous rows ``[start, stop)`` of ``n`` that rank ``rank`` of ``world`` holds.
+
+    Balanced: the first ``n % world`` ranks hold one row more; ranks past ``n`` hold
+    an empty shard (``start == stop``).  The shards of ranks 0..world-1 tile [0, n)
+    in order."""
+    n = _validate.check_int(n, "n", 0)
+    world = _validate.check_pos_int(world, "world")
+    rank = _validate.check_int(rank, "rank", 0)
+    if rank >= world:
+        raise ValueError(f"rank: expected an integer in [0, {world}), got {rank}")
+    q, r = divmod(n, world)
+    start = rank * q + min(rank, r)
+    return start, start + q + (1 if rank < r else 0)
