@@ -22,8 +22,9 @@ Modules: ``engine`` (PrivacyEngine), ``clipper`` (GhostClipper and its hooks),
 ``layers`` (the per-layer rules and their registry), ``attention`` (multi-head
 attention's step-by-step forward and rule), ``optimizer`` (FusedDPOptimizer),
 ``fix`` (fix_batchnorm), ``data`` (the sampler and collate function),
-``mechanism`` (the noise stream, argument checks and clip-and-noise call the
-drop-ins share).
+``ranks`` (DP-SGD across torch.distributed ranks: the sharded Poisson
+sampler and the reduce-then-noise step), ``mechanism`` (the noise stream,
+argument checks and clip-and-noise call the drop-ins share).
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ from .engine import DPOptimizer, PrivacyEngine, PrivateModule
 from .fix import fix_batchnorm
 from .layers import Call, factored_or_instantiated, register_layer
 from .optimizer import FusedDPOptimizer
+from .ranks import DistributedPoissonBatchSampler
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule", "GhostClipper", "FusedDPOptimizer",
            "register_layer", "Call", "factored_or_instantiated", "fix_batchnorm",
-           "PoissonBatchSampler", "collate_with_empty"]
+           "PoissonBatchSampler", "DistributedPoissonBatchSampler", "collate_with_empty"]

@@ -110,6 +110,13 @@ class GhostClipper(ClippedGaussianStep):
     and adds noise of std ``noise_multiplier * sqrt(sum C_p^2)`` to each, as
     Opacus's per-layer optimizer.
 
+    Across ranks: with ``group`` (a torch.distributed process group; do not
+    also wrap the model in DDP), each rank feeds its own samples (a
+    :class:`DistributedPoissonBatchSampler` shard) and :meth:`privatize_`
+    gives every rank the one-process private gradient of the union batch, to
+    float rounding (:mod:`ncdp_fast.torch.ranks`); parameters are broadcast
+    from rank 0 at construction; ``seed=None`` is drawn on rank 0.
+
     Privacy meaning: each :meth:`privatize_` is one Gaussian mechanism
     (sensitivity ``max_grad_norm``, or sqrt(sum C_p^2) per layer; noise
     multiplier ``noise_multiplier``) over the batch; the realized batch size
@@ -121,7 +128,7 @@ class GhostClipper(ClippedGaussianStep):
     def __init__(self, model: nn.Module, *, max_grad_norm, noise_multiplier: float,
                  expected_batch_size: float | None, loss_reduction: str = "mean",
                  clipping: str = "flat", seed=None, offset: int | None = None,
-                 nan_policy: str = "raise"):
+                 nan_policy: str = "raise", group=None):
         check_choice(clipping, "clipping", ("flat", "per_layer"))
         self.model = model
         self.clipping = clipping
@@ -133,7 +140,10 @@ class GhostClipper(ClippedGaussianStep):
         super().__init__(max_grad_norm=total, noise_multiplier=noise_multiplier,
                          expected_batch_size=expected_batch_size,
                          loss_reduction=loss_reduction, seed=seed, offset=offset,
-                         nan_policy=nan_policy)
+                         nan_policy=nan_policy, group=group,
+                         params=[p for t in self.taps for p in t.params.values()],
+                         config={"clipping": clipping, "parameters": self.param_names,
+                                 "layer_norms": self.layer_norms})
         # A leaf that requires grad, so that a layer's output enters the graph
         # (and its gradient reaches us) even when nothing below it is trainable.
         self._anchor = torch.zeros((), requires_grad=True)

@@ -6,8 +6,11 @@ from .. import _stream
 from .._clip import LayersClipResult, clip_and_noise_layers
 from .._stream import NoiseStream
 from .._validate import check_choice, check_nonneg, check_positive
+from ..distributed._group import check_same_config, resolve_group
+from .ranks import agree_stream, broadcast_parameters, reduce_clip_and_noise
 
 __all__ = ["UsesNoiseStream", "ClippedGaussianStep", "check_dp_args"]
+
 
 
 class UsesNoiseStream:
@@ -72,12 +75,28 @@ class ClippedGaussianStep(UsesNoiseStream):
     :meth:`_clip_and_noise`, which draws the noise from the drop-in's stream."""
 
     def __init__(self, *, max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction,
-                 seed, offset, nan_policy):
+                 seed, offset, nan_policy, group=None, params=(), config=None):
         self.max_grad_norm, self.noise_multiplier, self.expected_batch_size = check_dp_args(
             max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction, nan_policy)
         self.loss_reduction = loss_reduction
         self.nan_policy = nan_policy
-        self._init_stream(seed, offset)
+        # Sharded steps only when asked for: a process group of its own is how a
+        # user says the ranks hold pieces of one batch (ncdp_fast.torch.ranks).
+        self.group = None if group is None else resolve_group(group)
+        if self.group is None:
+            self._init_stream(seed, offset)
+        else:
+            # The step's configuration and parameter shapes must agree (else the
+            # all-reduce would pair different tensors), and so must the stream.
+            what = type(self).__name__
+            check_same_config(dict(config or {}, max_grad_norm=self.max_grad_norm,
+                                   noise_multiplier=self.noise_multiplier,
+                                   expected_batch_size=self.expected_batch_size,
+                                   loss_reduction=loss_reduction, nan_policy=nan_policy,
+                                   shapes=[tuple(p.shape) for p in params]), self.group, what)
+            self._stream = agree_stream(seed, offset, self.group, what)
+            self._steps = 0
+            broadcast_parameters(params, self.group)
         self.last_result: LayersClipResult | None = None
 
     def _clip_and_noise(self, blocks, grad_scale=1.0, max_norm=None,
@@ -86,11 +105,18 @@ class ClippedGaussianStep(UsesNoiseStream):
         optionally with its own bound ``max_norm`` (per-layer clipping: the noise
         std stays ``noise_multiplier * max_grad_norm``)."""
         c = self.max_grad_norm if max_norm is None else max_norm
-        result = clip_and_noise_layers(
-            blocks, max_norm=c, noise_multiplier=self.noise_multiplier * self.max_grad_norm / c,
-            seed=self._stream, reduction=self.loss_reduction,
-            expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy,
-            grad_scale=grad_scale)
+        if self.group is not None:
+            result = reduce_clip_and_noise(
+                blocks, group=self.group, stream=self._stream, max_norm=c,
+                noise_multiplier=self.noise_multiplier * self.max_grad_norm / c,
+                reduction=self.loss_reduction, expected_batch_size=self.expected_batch_size,
+                nan_policy=self.nan_policy, grad_scale=grad_scale)
+        else:
+            result = clip_and_noise_layers(
+                blocks, max_norm=c, noise_multiplier=self.noise_multiplier * self.max_grad_norm / c,
+                seed=self._stream, reduction=self.loss_reduction,
+                expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy,
+                grad_scale=grad_scale)
         if not count:
             return result
         self._steps += 1

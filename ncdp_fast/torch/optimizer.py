@@ -22,6 +22,11 @@ class FusedDPOptimizer(ClippedGaussianStep):
     optimizer steps.  Same semantics as ``opacus.optimizers.DPOptimizer`` except
     the clip factor ``min(1, C/||g||)`` (Opacus uses ``C/(||g|| + 1e-6)``).
 
+    With ``group`` (a torch.distributed process group; the model may be
+    DDP-wrapped, its all-reduced ``p.grad`` is replaced), each rank's
+    ``grad_sample`` holds its own samples and the step equals the one-process
+    step of the union batch (:mod:`ncdp_fast.torch.ranks`).
+
     Privacy meaning: each step is a Gaussian mechanism with sensitivity
     ``max_grad_norm`` (add/remove one sample) and noise multiplier
     ``noise_multiplier``; account for it with ``ncdp_fast.privacy`` using your
@@ -32,14 +37,13 @@ class FusedDPOptimizer(ClippedGaussianStep):
     def __init__(self, optimizer: torch.optim.Optimizer, *, noise_multiplier: float,
                  max_grad_norm: float, expected_batch_size: float | None,
                  loss_reduction: str = "mean", seed=None, offset: int | None = None,
-                 nan_policy: str = "raise"):
+                 nan_policy: str = "raise", group=None):
         self.original_optimizer = optimizer
+        self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         super().__init__(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
                          expected_batch_size=expected_batch_size,
                          loss_reduction=loss_reduction, seed=seed, offset=offset,
-                         nan_policy=nan_policy)
-        self.params = [p for group in optimizer.param_groups for p in group["params"]
-                       if p.requires_grad]
+                         nan_policy=nan_policy, group=group, params=self.params)
 
     # --- optimizer protocol ----------------------------------------------------------
     @property

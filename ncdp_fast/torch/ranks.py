@@ -1,0 +1,170 @@
+"""DP-SGD across the ranks of a torch.distributed process group, equal to one process.
+
+A sharded step is the one-process step cut into pieces (docs/architecture.md,
+"Across ranks: DP-SGD"):
+
+* batches: every rank computes the one-process Poisson plan of the whole
+  dataset (O(expected batch) per step, the same stream on every rank) and
+  keeps the members in its own contiguous shard of the indices, so the union
+  over ranks is exactly the one-process batch, empty batches included, and
+  every rank runs the same number of steps;
+* gradients: each rank clips its own samples (the clip factor of a sample
+  depends on that sample alone) and sums them without noise; the sums are
+  all-reduced; rank r then adds the noise of its slice [lo_r, hi_r) of the
+  flattened gradient -- the draws the one-process step adds to those entries,
+  from the same (seed, offset) -- and the slices are all-gathered.  The noise is
+  drawn once in total, and the result equals one process's to float rounding
+  (the order of the float sums differs).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from .. import _stream
+from .._clip import LayersClipResult, clip_and_noise_layers
+from .._mix import poisson_batches
+from .._rng import gaussian
+from .._validate import check_int
+from ..distributed._group import check_same_config, rank_world, resolve_group, shard_bounds
+
+__all__ = ["DistributedPoissonBatchSampler", "agree_stream", "broadcast_parameters",
+           "reduce_clip_and_noise"]
+
+
+def _dist():
+    import torch.distributed as dist
+    return dist
+
+
+def agree_stream(seed, offset, group, what: str):
+    """The noise stream every rank of ``group`` uses: ``seed=None`` -> 64 bits from
+    rank 0's OS, broadcast (the key crosses the process group, which must be
+    private to the job, as the gradients themselves do); a given seed must be
+    the same on every rank (compared by digest)."""
+    if isinstance(seed, _stream.NoiseStream):
+        if offset is not None:
+            raise ValueError("offset: must be None when seed is a NoiseStream, got "
+                             f"{offset!r}")
+        seed, offset = seed.seed, seed.position
+    if seed is None:
+        box = [_stream.NoiseStream().seed if rank_world(group)[0] == 0 else None]
+        _dist().broadcast_object_list(box, src=_dist().get_global_rank(group, 0), group=group)
+        seed = box[0]
+    stream = _stream.resolve(seed, offset)
+    digest = hashlib.sha256(str(stream.seed).encode()).hexdigest()[:16]
+    check_same_config({"seed (sha256)": digest, "offset": stream.position}, group, what)
+    return stream
+
+
+def broadcast_parameters(tensors, group) -> None:
+    """Every rank starts from group rank 0's values (as DDP does at wrapping)."""
+    dist = _dist()
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t.data, src=src, group=group)
+
+
+class DistributedPoissonBatchSampler:
+    """The one-process Poisson batches (:class:`ncdp_fast.torch.PoissonBatchSampler`),
+    each rank yielding the members in its contiguous shard of ``range(n)``
+    (``shard_bounds(n, rank, world)``), as indices into the full dataset.
+
+    The union over ranks of step s's batches is exactly the one-process batch
+    of step s for the same seed; every rank yields ``steps`` batches per pass,
+    empty ones included (pair the loader with ``collate_with_empty``).
+    ``seed=None`` draws the key on rank 0 and broadcasts it.  Privacy meaning:
+    sample rate ``sample_rate`` over the whole dataset -- the rate the
+    accountant must be given.
+    """
+
+    def __init__(self, n: int, *, sample_rate: float, steps: int, seed=None, offset=None,
+                 group=None):
+        self.group = resolve_group(group)
+        self.n = check_int(n, "n", 1)
+        self.sample_rate, self.batches = sample_rate, check_int(steps, "steps", 0)
+        poisson_batches(self.n, sample_rate=sample_rate, steps=0, seed=0, offset=0)  # validate
+        check_same_config({"n": self.n, "sample_rate": float(sample_rate), "steps": self.batches},
+                          self.group, "DistributedPoissonBatchSampler")
+        self._stream = agree_stream(seed, offset, self.group, "DistributedPoissonBatchSampler")
+        self.rank, self.world = rank_world(self.group)
+        self.lo, self.hi = shard_bounds(self.n, self.rank, self.world)
+        self.passes = 0
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self):
+        plan = poisson_batches(self.n, sample_rate=self.sample_rate, steps=self.batches,
+                               seed=self._stream)
+        self.passes += 1
+        for batch in plan:
+            yield batch[(batch >= self.lo) & (batch < self.hi)].tolist()
+
+
+def _flatten(grads) -> list:
+    parts = []
+    for g in grads:
+        for t in (g if isinstance(g, tuple) else (g,)):
+            if t is not None:
+                parts.append(t.reshape(-1))
+    return parts
+
+
+def _unflatten(flat, like) -> list:
+    out, at = [], 0
+    for g in like:
+        if isinstance(g, tuple):
+            pieces = []
+            for t in g:
+                if t is None:
+                    pieces.append(None)
+                else:
+                    pieces.append(flat[at:at + t.numel()].view(t.shape))
+                    at += t.numel()
+            out.append(tuple(pieces))
+        else:
+            out.append(flat[at:at + g.numel()].view(g.shape))
+            at += g.numel()
+    return out
+
+
+def reduce_clip_and_noise(blocks, *, group, stream, max_norm, noise_multiplier, reduction,
+                          expected_batch_size, nan_policy, grad_scale) -> LayersClipResult:
+    """One private step of a sharded batch: this rank's ``blocks`` (its samples)
+    clipped and summed locally, the sums all-reduced, the noise of the one-process
+    step added slice by slice (rank r draws entries [lo_r, hi_r) of the flattened
+    gradient, at the one-process draws ``offset + lo_r ...``), the slices gathered.
+    Norms are this rank's samples'; ``num_clipped``/``num_nonfinite`` are global."""
+    dist = _dist()
+    rank, world = rank_world(group)
+    local = clip_and_noise_layers(blocks, max_norm=max_norm, noise_multiplier=0.0,
+                                  seed=_stream.NoiseStream(), reduction="sum",
+                                  nan_policy="zero", grad_scale=grad_scale)
+    parts = _flatten(local.grads)
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+    counts = torch.tensor([local.num_clipped, local.num_nonfinite], dtype=torch.int64)
+    dist.all_reduce(counts, group=group)
+    if nan_policy == "raise" and counts[1] > 0:
+        raise ValueError(f"per-sample gradients of {int(counts[1])} samples (over all {world} "
+                         "ranks) are not finite; fix the model or pass nan_policy='zero'")
+    P = flat.numel()
+    dist.all_reduce(flat, group=group)
+    offset = stream.take(P)
+    lo, hi = shard_bounds(P, rank, world)
+    std = noise_multiplier * max_norm
+    inv = 1.0 / expected_batch_size if reduction == "mean" else 1.0
+    noise = gaussian(hi - lo, seed=stream.seed, offset=offset + lo, dtype="float64", like=flat)
+    mine = ((flat[lo:hi].to(torch.float64) + std * noise) * inv).to(flat.dtype)
+    width = -(-P // world)
+    chunks = [flat.new_empty(width) for _ in range(world)]
+    padded = flat.new_zeros(width)
+    padded[:hi - lo] = mine
+    dist.all_gather(chunks, padded, group=group)
+    full = torch.cat([c[:b - a] for c, (a, b) in
+                      zip(chunks, (shard_bounds(P, r, world) for r in range(world)))])
+    return LayersClipResult(norms=local.norms, num_clipped=int(counts[0]),
+                            num_nonfinite=int(counts[1]), seed=stream.seed, offset=offset,
+                            draws=P, grads=_unflatten(full, local.grads))

@@ -1,0 +1,209 @@
+"""DP-SGD across gloo ranks (ncdp_fast.torch.ranks) equals the one-process run."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torch.distributed")
+
+from _distributed import spawn, spawn_outcomes  # noqa: E402
+from torch import nn  # noqa: E402
+
+import ncdp_fast as nf  # noqa: E402
+from ncdp_fast.distributed import shard_bounds  # noqa: E402
+from ncdp_fast.torch import (DistributedPoissonBatchSampler, FusedDPOptimizer,  # noqa: E402
+                             GhostClipper, PoissonBatchSampler)
+
+N, Q, STEPS = 23, 0.06, 10
+# Explicit keys and offsets, one pair per reduction, so that no other test's use of
+# the process-wide stream of a key can shift these runs.
+SEEDS = {"mean": (0x5EED0005, 0x5EED0099), "sum": (0x5EED0006, 0x5EED0100)}
+C, SIGMA = 0.5, 0.8
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (N,), generator=g)
+    return x, y
+
+
+def _model():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def _train(sampler, reduction, group=None):
+    """STEPS SGD steps; returns the final parameters and the batch sizes seen."""
+    x, y = _data()
+    model = _model()
+    clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=SIGMA,
+                           expected_batch_size=Q * N, seed=SEEDS[reduction][1], offset=0,
+                           group=group, loss_reduction=reduction)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sizes, offsets = [], []
+    for idx in sampler:
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        loss = nn.functional.cross_entropy(model(x[idx]), y[idx], reduction=reduction)
+        loss.backward()
+        res = clipper.privatize_()
+        offsets.append((res.offset, res.draws))
+        opt.step()
+        opt.zero_grad()
+        sizes.append(len(idx))
+    return [p.detach().numpy().copy() for p in model.parameters()], sizes, offsets
+
+
+def _one_process(reduction="mean"):
+    sampler = PoissonBatchSampler(N, sample_rate=Q, steps=STEPS, seed=SEEDS[reduction][0],
+                                  offset=0)
+    return _train(sampler, reduction)
+
+
+def _rank_run(rank, world, reduction):
+    import torch.distributed as dist
+    sampler = DistributedPoissonBatchSampler(N, sample_rate=Q, steps=STEPS,
+                                             seed=SEEDS[reduction][0], offset=0,
+                                             group=dist.group.WORLD)
+    params, sizes, offsets = _train(sampler, reduction, group=dist.group.WORLD)
+    return params, sizes, offsets, (sampler.lo, sampler.hi)
+
+
+def _both_reductions(rank, world):
+    return _rank_run(rank, world, "mean"), _rank_run(rank, world, "sum")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ten_steps_equal_one_process(world):
+    """Ten Poisson steps (one of them empty) of a small MLP: every rank ends with the
+    one-process parameters.  Tolerance: float64, the all-reduce changes only the
+    order of a handful of sums of clipped gradients (norm <= C) per step, 1e-12."""
+    ref, sizes, offsets = _one_process()
+    ref_sum, _, _ = _one_process("sum")
+    assert 0 in sizes, "the seeds were chosen so that one batch is empty"
+    both = spawn(_both_reductions, world, timeout=90)
+    for params, *_ in (b[1] for b in both):       # loss_reduction="sum"
+        for a, b in zip(params, ref_sum):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+    outs = [b[0] for b in both]
+    for rank, (params, local_sizes, local_offsets, bounds) in enumerate(outs):
+        assert bounds == shard_bounds(N, rank, world)
+        assert local_offsets == offsets          # the same noise draws as one process
+        for a, b in zip(params, ref):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+    # the ranks' batches tile the one-process batches exactly
+    assert [sum(o[1][s] for o in outs) for s in range(STEPS)] == sizes
+
+
+def _checks(rank, world):
+    """Several small properties in one gloo run (each spawn costs seconds)."""
+    import torch.distributed as dist
+    w = dist.group.WORLD
+    s = DistributedPoissonBatchSampler(40, sample_rate=0.2, steps=6, seed=7, group=w)
+    union = [list(b) for b in s] + [list(b) for b in s]     # two passes (epochs)
+    os_seed = DistributedPoissonBatchSampler(40, sample_rate=0.3, steps=3, group=w)._stream.seed
+    try:
+        GhostClipper(_model(), max_grad_norm=C * (1 + rank), noise_multiplier=SIGMA,
+                     expected_batch_size=4.0, seed=1, group=w)
+        mismatch = "no error"
+    except ValueError as exc:
+        mismatch = str(exc)
+    lin = nn.Linear(3, 2).double()
+    clipper = GhostClipper(lin, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=4.0,
+                           seed=321, offset=0, group=w)
+    (lin(torch.zeros(2, 3, dtype=torch.float64)) * 0).sum().backward()
+    clipper.privatize_()
+    noise = torch.cat([lin.weight.grad.reshape(-1), lin.bias.grad]).numpy()
+    return union, os_seed, mismatch, noise
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return spawn(_checks, 3, timeout=90)
+
+
+def test_sampler_union_is_the_one_process_plan(checks):
+    ref = PoissonBatchSampler(40, sample_rate=0.2, steps=6, seed=7)
+    expected = [list(b) for b in ref] + [list(b) for b in ref]
+    for s in range(len(expected)):
+        assert sorted(i for c in checks for i in c[0][s]) == expected[s]
+        for r, c in enumerate(checks):
+            lo, hi = shard_bounds(40, r, 3)
+            assert all(lo <= i < hi for i in c[0][s])
+
+
+def test_sampler_seed_from_rank0_is_shared(checks):
+    assert len({c[1] for c in checks}) == 1
+
+
+def test_mismatched_configuration_raises_on_every_rank(checks):
+    for c in checks:
+        assert "max_grad_norm" in c[2] and "rank 0" in c[2] and "rank 1" in c[2], c[2]
+
+
+def test_noise_slices_are_the_one_process_draws(checks):
+    """A zero-gradient step is pure noise: every rank holds the one-process draws
+    offset 0.. of the key, each entry drawn by the rank owning its slice."""
+    ref = checks[0][3]
+    for c in checks[1:]:
+        np.testing.assert_array_equal(c[3], ref)
+    expected = SIGMA * C / 4.0 * nf.gaussian(ref.size, seed=321, offset=0, dtype=np.float64)
+    np.testing.assert_allclose(ref, expected, rtol=1e-15, atol=0)
+
+
+def _fused_run(rank, world):
+    """FusedDPOptimizer with per-sample gradients computed by torch.func on each
+    rank's shard of one fixed batch."""
+    import torch.distributed as dist
+    from torch.func import functional_call, grad, vmap
+    x, y = _data()
+    group = dist.group.WORLD if world > 1 else None
+    lo, hi = shard_bounds(N, rank, world)
+    model = _model()
+    opt = FusedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.3), noise_multiplier=SIGMA,
+                           max_grad_norm=C, expected_batch_size=N, seed=0x5EED0007, offset=0,
+                           group=group)
+    names = [n for n, _ in model.named_parameters()]
+
+    def loss(params, xi, yi):
+        out = functional_call(model, dict(zip(names, params)), (xi.unsqueeze(0),))
+        return nn.functional.cross_entropy(out, yi.unsqueeze(0))
+    for _ in range(3):
+        ps = tuple(p.detach() for p in model.parameters())
+        gs = vmap(grad(loss), in_dims=(None, 0, 0))(ps, x[lo:hi], y[lo:hi])
+        for p, g in zip(model.parameters(), gs):
+            p.grad_sample = g
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def test_fused_optimizer_across_ranks_equals_one_process():
+    ref = _fused_run(0, 1)
+    for params in spawn(_fused_run, 2, timeout=90):
+        for a, b in zip(params, ref):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+
+
+def _dies(rank, world):
+    import torch.distributed as dist
+    model = _model()
+    clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=SIGMA,
+                           expected_batch_size=4.0, seed=1, group=dist.group.WORLD)
+    x, y = _data()
+    if rank == 1:
+        os._exit(3)                       # a rank that dies before the step
+    nn.functional.cross_entropy(model(x[:4]), y[:4]).backward()
+    clipper.privatize_()                  # waits on the dead rank: must raise, not hang
+    return "stepped"
+
+
+def test_dead_rank_gives_an_error_not_a_hang():
+    outs = spawn_outcomes(_dies, 2, timeout=60, pg_timeout=10)
+    assert outs[1].status == "died"
+    assert outs[0].status == "error", outs[0]
+
+
