@@ -149,14 +149,16 @@ def linear_rule(module: nn.Linear, calls, trainable):
 def _conv_columns(module, x: torch.Tensor) -> torch.Tensor:
     """The im2col matrix of a Conv1d/Conv2d input: (B, C_in*k, L) with L output positions."""
     nd = len(module.kernel_size)
-    if nd == 1:
-        x = x.unsqueeze(-2)
     if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        # Pad before adding Conv1d's dummy height: F.pad's non-constant modes
+        # take a 3-D input with 2 pads, not a 4-D one.
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
         padding = (0, 0)
     else:
         padding = (0,) + tuple(module.padding) if nd == 1 else tuple(module.padding)
+    if nd == 1:
+        x = x.unsqueeze(-2)
     as2 = (lambda v: (1,) + tuple(v)) if nd == 1 else tuple
     return F.unfold(x, as2(module.kernel_size), dilation=as2(module.dilation),
                     padding=padding, stride=as2(module.stride))
