@@ -130,11 +130,15 @@ def attention_rule(module: nn.MultiheadAttention, calls, trainable):
         names = ("in_proj_weight", "in_proj_bias") if in_bias else ("in_proj_weight",)
         out += factored_or_instantiated(a, _cat(padded), names, in_bias)
     else:
-        for c, third in in_calls:
-            w = f"{'qkv'[third]}_proj_weight"
-            if w in trainable:
-                a = _flat_positions(c.inputs[0], c.inputs[0].shape[-1])
-                out += factored_or_instantiated(a, _flat_positions(c.grad, E), (w,), False)
+        for slot in "qkv":
+            # One block per weight: the calls of a module run several times
+            # in one forward are one longer sequence of that weight's positions.
+            w = f"{slot}_proj_weight"
+            parts = by.get(slot, [])
+            if w in trainable and parts:
+                a = _cat([_flat_positions(c.inputs[0], c.inputs[0].shape[-1]) for c in parts])
+                g = _cat([_flat_positions(c.grad, E) for c in parts])
+                out += factored_or_instantiated(a, g, (w,), False)
         if in_bias:
             out.append((("in_proj_bias",), _cat(padded).sum(1)))
     if "out_proj.weight" in trainable or "out_proj.bias" in trainable:

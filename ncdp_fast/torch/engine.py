@@ -49,10 +49,13 @@ class DPOptimizer:
     wrapped optimizer.  Attributes as Opacus's DPOptimizer: ``noise_multiplier``,
     ``max_grad_norm``, ``expected_batch_size``, ``original_optimizer``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, clipper: GhostClipper, on_step):
+    def __init__(self, optimizer: torch.optim.Optimizer, clipper: GhostClipper, on_step,
+                 samplers=()):
         self.original_optimizer = optimizer
         self.clipper = clipper
         self._on_step = on_step
+        # Samplers that share the clipper's stream (make_private's Poisson loader).
+        self._samplers = list(samplers)
 
     noise_multiplier = property(lambda self: self.clipper.noise_multiplier)
     max_grad_norm = property(lambda self: self.clipper.max_grad_norm)
@@ -85,6 +88,11 @@ class DPOptimizer:
         self.original_optimizer.load_state_dict(state_dict)
         if noise is not None:
             self.clipper.load_noise_state(noise)
+            # The loader drew its batches from the same stream: it continues
+            # from the restored position too (else a resumed run would redraw
+            # the first epoch's batches from the start of the key's stream).
+            for sampler in self._samplers:
+                sampler._stream = self.clipper._stream
 
     def __repr__(self):
         return (f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm="
@@ -195,7 +203,7 @@ class PrivacyEngine:
                 self._unbounded = True
         self._unbounded = False
         private = PrivateModule(module, clipper) if wrap_model else module
-        dp_opt = DPOptimizer(optimizer, clipper, on_step)
+        dp_opt = DPOptimizer(optimizer, clipper, on_step, samplers=[loader.batch_sampler])
         if grad_sample_mode == "ghost":
             return private, dp_opt, criterion, loader
         return private, dp_opt, loader
