@@ -262,6 +262,11 @@ def numpy_dtype(x: Any) -> np.dtype:
     return _torch_to_numpy_dtype(x.dtype) if is_torch(x) else np.dtype(x.dtype)
 
 
+def as_numpy_dtype(dtype: Any) -> np.dtype:
+    """A dtype given as NumPy's (or a name) or as torch's, as NumPy's."""
+    return _torch_to_numpy_dtype(dtype) if _type_module(dtype) == "torch" else np.dtype(dtype)
+
+
 def _torch_to_numpy_dtype(tdtype) -> np.dtype:
     name = str(tdtype).replace("torch.", "")
     try:

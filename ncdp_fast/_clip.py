@@ -67,11 +67,20 @@ class GhostBlock:
     terms: float64 roundings in one sample's squared norm (the clip rule's
         rounding margin, reference.clip_bound); e.g. T*D + D for a sum of T
         rows of width D followed by its squared norm.
+    dtype: the parameter's dtype (NumPy's or torch's); needed only when every
+        block of the call is a ghost block (else the other blocks' dtype rules).
+    spread, seq_len: when ``clipped_sum`` adds T = ``seq_len`` terms per sample
+        in the data dtype, ``spread`` (B,) float64 is the sum of their norms
+        (``reference.clip_bound``'s E), so that the factor leaves room for that
+        rounding; None when the sum is exact or formed in float64.
     """
     sq_norms: Any
     clipped_sum: Any
     shape: tuple
     terms: int
+    dtype: Any = None
+    spread: Any = None
+    seq_len: int = 1
 
 
 # ------------------------------------------------------------------ validation
@@ -208,7 +217,8 @@ class _Layer:
             self.kind, self.dense, self.spec = "ghost", False, spec
             self.sq = be.io.to_kernel(spec.sq_norms)
             self.param_shape = tuple(int(n) for n in spec.shape)
-            self.B, self.T = s[0], 1
+            self.B, self.T = s[0], int(spec.seq_len)
+            self.spread = None if spec.spread is None else be.io.to_kernel(spec.spread)
             self.draws = int(np.prod(self.param_shape))
             self.terms = int(spec.terms)
             return
@@ -258,7 +268,10 @@ class _Layer:
 
     def add_spread(self, kernels, spread):
         """The rounding scale of a sum over positions (sequence blocks only)."""
-        if not self.dense and self.T > 1:
+        if self.kind == "ghost":
+            if self.spread is not None:
+                spread += self.spread
+        elif not self.dense and self.T > 1:
             kernels.linear_spread(self.a, self.g, self.bias, spread, True)
 
     def drop_rows(self, io, rows):
@@ -299,13 +312,27 @@ class _Layer:
         return be.io.to_user(gw), (None if gb is None else be.io.to_user(gb))
 
 
+def _ghost_dtype(specs) -> np.dtype:
+    dt = specs[0].dtype
+    if dt is None:
+        raise ValueError("layers[0].dtype: expected the parameter's dtype when every block is a "
+                         "GhostBlock, got None")
+    dt = _arrays.as_numpy_dtype(dt)
+    if dt not in _backend.FLOAT_DTYPES:
+        raise TypeError(f"layers[0].dtype: expected float32 or float64, got {dt}")
+    return dt
+
+
 def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, reduction,
                  expected_batch_size, nan_policy, grad_scale=1.0):
     max_norm, noise_std, inv_denom = _check_common(
         max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy)
     be = _backend.select("clip", **arrays)
-    first = next(iter(arrays))
-    dtype = be.check_float(arrays[first], first)
+    plain = [k for k in arrays if not k.endswith(".sq_norms")]
+    if plain:
+        dtype = be.check_float(arrays[plain[0]], plain[0])
+    else:           # ghost blocks only: their sq_norms are float64 whatever the data
+        dtype = _ghost_dtype(layer_specs)
     _check_noise_range(noise_std, inv_denom, dtype)
     layers = [_Layer(spec, i, be, dtype) for i, spec in enumerate(layer_specs)]
     B = layers[0].B

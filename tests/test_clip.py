@@ -361,3 +361,27 @@ def test_torch_cpu_in_torch_out():
         res_rg = nf.clip_and_noise(g.clone().requires_grad_(), max_norm=1.0,
                                    noise_multiplier=0.5, seed=4, offset=0)
     assert np.array_equal(res_rg.grad.numpy(), ref.grad)
+
+
+def test_ghost_block_equals_the_dense_block_and_needs_a_dtype_alone():
+    """A GhostBlock (norms + clipped-sum function) clips, scales and noises exactly as
+    the dense per-sample block it describes, with grad_scale folded in."""
+    rng = np.random.default_rng(3)
+    g = rng.normal(size=(5, 4, 3)).astype(np.float32)
+    sq = (g.astype(np.float64) ** 2).sum((1, 2))
+
+    def clipped_sum(f):
+        return np.einsum("b,bij->ij", f, g.astype(np.float64)).astype(np.float32)
+    ghost = nf.GhostBlock(sq, clipped_sum, (4, 3), 12, dtype=np.float32)
+    kw = dict(max_norm=1.5, noise_multiplier=0.7, seed=11, offset=0, reduction="mean",
+              expected_batch_size=4.0)
+    a = nf.clip_and_noise_layers([ghost], grad_scale=2.0, **kw)
+    with pytest.warns(nf.NoiseReuseWarning):
+        b = nf.clip_and_noise_layers([2.0 * g], **kw)
+    np.testing.assert_allclose(a.norms, b.norms, rtol=1e-15)
+    np.testing.assert_allclose(a.grads[0], b.grads[0], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"layers\[0\].dtype"):
+        nf.clip_and_noise_layers([nf.GhostBlock(sq, clipped_sum, (4, 3), 12)], max_norm=1.0,
+                                 noise_multiplier=0.0)
+    with pytest.raises(ValueError, match="grad_scale"):
+        nf.clip_and_noise_layers([g], max_norm=1.0, noise_multiplier=0.0, grad_scale=0.0)

@@ -253,20 +253,8 @@ def _tokens(B, T, seed, V=13):
     return idx, pad, torch.randint(0, 3, (B,), generator=g)
 
 
-GHOST_FIRST_F32 = pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "clip_and_noise_layers takes the dtype of its first array; when the first block is "
-    "a GhostBlock (an embedding, the first trainable layer of most language models) that "
-    "is its float64 sq_norms, and the float32 blocks after it are refused (bug in "
-    "_clip.py, reported)"))
-GHOST_ONLY_F32 = pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "a clip_and_noise_layers call of GhostBlocks only (a float32 model whose only "
-    "trainable layer is an embedding; per-layer clipping's call for an embedding) takes "
-    "float64 from the sq_norms and refuses the float32 clipped sum: GhostBlock does not "
-    "say its dtype (bug in _clip.py, reported)"))
-
-
 @pytest.mark.parametrize("mask", ["none", "padding", "causal"])
-@pytest.mark.parametrize("dtype", [pytest.param(F32, marks=GHOST_FIRST_F32), F64])
+@pytest.mark.parametrize("dtype", [F32, F64])
 def test_transformer_encoder_equals_per_sample_clipping(mask, dtype):
     torch.manual_seed(2)
     model = TinyTransformer().double()
@@ -291,8 +279,7 @@ def test_transformer_encoder_equals_per_sample_clipping(mask, dtype):
     assert float(got["emb.weight"][0].abs().max()) == 0.0
 
 
-@pytest.mark.parametrize("model", [pytest.param("embedding_then_linear", marks=GHOST_FIRST_F32),
-                                   pytest.param("embedding_only", marks=GHOST_ONLY_F32)])
+@pytest.mark.parametrize("model", ["embedding_then_linear", "embedding_only"])
 def test_float32_model_starting_with_an_embedding(model):
     """The smallest failing case of the transformer's float32 run."""
     torch.manual_seed(5)
@@ -343,12 +330,6 @@ def _efficientnet():
     return model
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "GhostClipper records a convolution's input at the module's forward: "
-    "EfficientNet's SameConv2d pads in its own forward before nn.Conv2d.forward, so "
-    "the recorded input is the unpadded one and the conv rule's columns do not match "
-    "the output gradient (bug in clipper.py, reported; recording at _conv_forward "
-    "fixes it)"))
 def test_efficientnet_lite0_after_fix_batchnorm_equals_per_sample_clipping():
     """Full fine-tuning of the pretrained network at 32x32, B = 2, float32,
     against float64 per-sample gradients (one backward per sample: torch.func's
@@ -508,10 +489,8 @@ class Twice(nn.Module):
 
     def __init__(self):
         super().__init__()
-        # lin registered before emb: a float32 model whose first block is the
-        # embedding's hits the xfail above; this test is about the several calls.
-        self.lin = nn.Linear(6, 6)
         self.emb = nn.Embedding(9, 6)
+        self.lin = nn.Linear(6, 6)
         self.conv = nn.Conv1d(6, 6, 3, padding=1)
         self.ln = nn.LayerNorm(6)
         self.att = nn.MultiheadAttention(6, 2, batch_first=True)
@@ -563,7 +542,7 @@ def _mixed_model():
     return Mixed().double()
 
 
-@pytest.mark.parametrize("dtype", [F64, pytest.param(F32, marks=GHOST_ONLY_F32)])
+@pytest.mark.parametrize("dtype", [F64, F32])
 def test_per_layer_clipping_each_parameter_at_its_bound(dtype):
     """clipping='per_layer': each parameter's per-sample gradient clipped at its
     own C_p (a list in param_names order), nothing else shared."""
@@ -733,10 +712,7 @@ class Branches(nn.Module):
 
     def __init__(self, kinds):
         super().__init__()
-        # The embedding last, and never alone: a float32 call whose first block
-        # is a GhostBlock is the xfail above (GHOST_FIRST_F32).
-        kinds = sorted(kinds, key=lambda k: k == "embedding")
-        self.kinds = ["linear_seq"] + kinds if kinds == ["embedding"] else kinds
+        self.kinds = list(kinds)
         mods = {"linear_seq": nn.Linear(4, 3), "conv": nn.Conv2d(2, 3, 2, padding=1),
                 "conv_groups": nn.Conv2d(2, 4, 2, groups=2, stride=2),
                 "embedding": nn.Embedding(5, 4), "layernorm": nn.LayerNorm(4),

@@ -382,7 +382,8 @@ class GhostClipper(ClippedGaussianStep):
                 for n, p in tap.params.items():
                     zeros = p.new_zeros(p.shape)
                     block = GhostBlock(torch.zeros(batch, dtype=torch.float64, device=p.device),
-                                       lambda f, z=zeros: z.clone(), tuple(p.shape), 1)
+                                       lambda f, z=zeros: z.clone(), tuple(p.shape), 1,
+                                       dtype=p.dtype)
                     entries.append((tap, (n,), block))
             else:
                 entries += [(tap, names, block) for names, block in tap.blocks]

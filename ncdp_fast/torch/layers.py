@@ -155,23 +155,18 @@ def _conv_input(module, x: torch.Tensor):
     Conv1d becomes a Conv2d of height 1; non-zero padding modes and string
     paddings are applied here, as the module's own _conv_forward does."""
     nd = len(module.kernel_size)
-<<<<<<< HEAD
     two = (lambda v: (1,) + tuple(v)) if nd == 1 else tuple
-    if nd == 1:
-        x = x.unsqueeze(-2)
-=======
->>>>>>> wt16t
     if module.padding_mode != "zeros" or isinstance(module.padding, str):
         # Pad before adding Conv1d's dummy height: F.pad's non-constant modes
         # take a 3-D input with 2 pads, not a 4-D one.
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-<<<<<<< HEAD
-        pad = module._reversed_padding_repeated_twice
-        x = F.pad(x.squeeze(-2) if nd == 1 and mode != "constant" else x, pad, mode=mode)
-        if nd == 1 and mode != "constant":
-            x = x.unsqueeze(-2)
-        return x, (0, 0), two
-    return x, (0,) + tuple(module.padding) if nd == 1 else tuple(module.padding), two
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+        padding = (0, 0)
+    else:
+        padding = (0,) + tuple(module.padding) if nd == 1 else tuple(module.padding)
+    if nd == 1:
+        x = x.unsqueeze(-2)
+    return x, padding, two
 
 
 def _conv_columns(module, x: torch.Tensor) -> torch.Tensor:
@@ -202,17 +197,6 @@ def _conv_per_sample(module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         g.reshape(1, B * g.shape[1], *g.shape[2:]), stride=two(module.stride), padding=padding,
         dilation=two(module.dilation), groups=B * module.groups)
     return gw.reshape(B, *w.shape)
-=======
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-        padding = (0, 0)
-    else:
-        padding = (0,) + tuple(module.padding) if nd == 1 else tuple(module.padding)
-    if nd == 1:
-        x = x.unsqueeze(-2)
-    as2 = (lambda v: (1,) + tuple(v)) if nd == 1 else tuple
-    return F.unfold(x, as2(module.kernel_size), dilation=as2(module.dilation),
-                    padding=padding, stride=as2(module.stride))
->>>>>>> wt16t
 
 
 @register_layer(nn.Conv1d, nn.Conv2d)
@@ -276,7 +260,11 @@ def embedding_rule(module: nn.Embedding, calls, trainable):
         out = torch.zeros((V, D), dtype=dtype, device=g.device)
         out.index_add_(0, idx.reshape(-1), scaled.reshape(-1, D))
         return out
-    return [(("weight",), GhostBlock(sq, clipped_sum, (V, D), T * D + D))]
+    # clipped_sum adds up to T rows per sample in the data dtype: their norms
+    # are the scale of its rounding (reference.clip_bound's E).
+    spread = torch.linalg.vector_norm(g.to(torch.float64), dim=2).sum(1)
+    return [(("weight",), GhostBlock(sq, clipped_sum, (V, D), T * D + D, dtype=dtype,
+                                     spread=spread, seq_len=T))]
 
 
 @register_layer(nn.LayerNorm)
