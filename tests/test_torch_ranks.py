@@ -117,7 +117,29 @@ def _checks(rank, world):
     (lin(torch.zeros(2, 3, dtype=torch.float64)) * 0).sum().backward()
     clipper.privatize_()
     noise = torch.cat([lin.weight.grad.reshape(-1), lin.bias.grad]).numpy()
-    return union, os_seed, mismatch, noise
+    return union, os_seed, mismatch, noise, _engine_epoch(w)
+
+
+def _engine_epoch(group=None):
+    """One epoch of an Opacus-style loop through PrivacyEngine (with group: each rank
+    passes the full dataset's loader and trains on its shard of every batch)."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from ncdp_fast import NoiseStream
+    from ncdp_fast.torch import PrivacyEngine
+    x, y = _data()
+    model = _model()
+    engine = PrivacyEngine(accountant="rdp")
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), data_loader=loader,
+        noise_multiplier=SIGMA, max_grad_norm=C, seed=NoiseStream(0x5EED0008, 0), group=group)
+    sizes = []
+    for xb, yb in loader:
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+        sizes.append(len(xb))
+    return [p.detach().numpy().copy() for p in model.parameters()], sizes, engine.get_epsilon(1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +164,16 @@ def test_sampler_seed_from_rank0_is_shared(checks):
 def test_mismatched_configuration_raises_on_every_rank(checks):
     for c in checks:
         assert "max_grad_norm" in c[2] and "rank 0" in c[2] and "rank 1" in c[2], c[2]
+
+
+def test_privacy_engine_across_ranks_equals_one_process(checks):
+    ref, sizes, eps = _engine_epoch()
+    assert [sum(c[4][1][s] for c in checks) for s in range(len(sizes))] == sizes
+    for c in checks:
+        params, _, eps_rank = c[4]
+        assert eps_rank == eps
+        for a, b in zip(params, ref):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
 
 
 def test_noise_slices_are_the_one_process_draws(checks):

@@ -10,7 +10,9 @@ from torch.utils.data import DataLoader
 from .. import _stream, privacy
 from .._validate import check_choice, check_pos_int, check_positive
 from .clipper import GhostClipper
+from ..distributed._group import resolve_group
 from .data import PoissonBatchSampler, collate_with_empty
+from .ranks import DistributedPoissonBatchSampler, agree_stream
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule"]
 
@@ -125,7 +127,7 @@ class PrivacyEngine:
         self.sample_rate: float | None = None
 
     # ------------------------------------------------------------------ wiring
-    def _poisson_loader(self, data_loader, seed):
+    def _poisson_loader(self, data_loader, seed, group=None):
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader: expected a torch.utils.data.DataLoader, got "
                             f"{type(data_loader).__name__}")
@@ -135,7 +137,11 @@ class PrivacyEngine:
         dataset = data_loader.dataset
         n = len(dataset)
         sample_rate = 1.0 / steps
-        sampler = PoissonBatchSampler(n, sample_rate=sample_rate, steps=steps, seed=seed)
+        if group is None:
+            sampler = PoissonBatchSampler(n, sample_rate=sample_rate, steps=steps, seed=seed)
+        else:
+            sampler = DistributedPoissonBatchSampler(n, sample_rate=sample_rate, steps=steps,
+                                                     seed=seed, group=group)
         loader = DataLoader(dataset, batch_sampler=sampler,
                             collate_fn=collate_with_empty(dataset, data_loader.collate_fn),
                             num_workers=data_loader.num_workers,
@@ -149,7 +155,7 @@ class PrivacyEngine:
                      criterion=None, batch_first: bool = True, loss_reduction: str = "mean",
                      poisson_sampling: bool = True, clipping: str = "flat",
                      noise_generator=None, grad_sample_mode: str = "hooks",
-                     wrap_model: bool = True, seed=None, **kwargs):
+                     wrap_model: bool = True, seed=None, group=None, **kwargs):
         """Make a model, optimizer and loader private (Opacus's signature).
 
         Args:
@@ -169,6 +175,12 @@ class PrivacyEngine:
             seed: the key of the stream the batches and the noise are drawn
                 from, in disjoint ranges (default: from the OS; or a
                 :class:`ncdp_fast.NoiseStream`).
+            group: a torch.distributed process group to train across ranks
+                (instead of wrapping the model in DDP): every rank passes the
+                full dataset's loader, draws the one-process Poisson batch
+                and keeps its shard of it (DistributedPoissonBatchSampler);
+                the step equals the one-process step (GhostClipper(group=)).
+                The sample rate, and so the accountant, is the global one.
 
         Returns ``(module, optimizer, data_loader)`` (``(module, optimizer,
         criterion, data_loader)`` with ``grad_sample_mode="ghost"``).
@@ -182,16 +194,22 @@ class PrivacyEngine:
         if not batch_first:
             raise ValueError("batch_first: expected True (dimension 0 of every input is the batch)")
         check_choice(grad_sample_mode, "grad_sample_mode", _GRAD_SAMPLE_MODES)
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            raise ValueError("module: got a DistributedDataParallel model; pass the plain model "
+                             "and group=<process group> instead (DDP would all-reduce gradients "
+                             "that the private step computes, reduces and noises itself)")
         if kwargs:
             raise TypeError(f"make_private: unexpected argument(s) {sorted(kwargs)}")
         # One stream for the batches and the noise: each takes the next disjoint
         # range as it goes, so neither ever reuses the other's draws.
-        stream = _stream.resolve(seed)
-        loader, sample_rate, n = self._poisson_loader(data_loader, stream)
+        stream = _stream.resolve(seed) if group is None else \
+            agree_stream(seed, None, resolve_group(group), "PrivacyEngine")
+        loader, sample_rate, n = self._poisson_loader(data_loader, stream, group)
         clipper = GhostClipper(module, max_grad_norm=max_grad_norm,
                                noise_multiplier=noise_multiplier,
                                expected_batch_size=sample_rate * n,
-                               loss_reduction=loss_reduction, clipping=clipping, seed=stream)
+                               loss_reduction=loss_reduction, clipping=clipping, seed=stream,
+                               group=group)
         self.sample_rate = sample_rate
         self.noise_multiplier = clipper.noise_multiplier
 

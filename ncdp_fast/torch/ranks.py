@@ -41,18 +41,19 @@ def _dist():
 def agree_stream(seed, offset, group, what: str):
     """The noise stream every rank of ``group`` uses: ``seed=None`` -> 64 bits from
     rank 0's OS, broadcast (the key crosses the process group, which must be
-    private to the job, as the gradients themselves do); a given seed must be
-    the same on every rank (compared by digest)."""
+    private to the job, as the gradients themselves do); a given seed (or
+    :class:`ncdp_fast.NoiseStream`, kept as the same object so that components
+    sharing it keep taking disjoint ranges) must be the same on every rank,
+    at the same position (compared by digest)."""
     if isinstance(seed, _stream.NoiseStream):
-        if offset is not None:
-            raise ValueError("offset: must be None when seed is a NoiseStream, got "
-                             f"{offset!r}")
-        seed, offset = seed.seed, seed.position
-    if seed is None:
-        box = [_stream.NoiseStream().seed if rank_world(group)[0] == 0 else None]
-        _dist().broadcast_object_list(box, src=_dist().get_global_rank(group, 0), group=group)
-        seed = box[0]
-    stream = _stream.resolve(seed, offset)
+        stream = _stream.resolve(seed, offset)
+    else:
+        if seed is None:
+            box = [_stream.NoiseStream().seed if rank_world(group)[0] == 0 else None]
+            _dist().broadcast_object_list(box, src=_dist().get_global_rank(group, 0),
+                                          group=group)
+            seed = box[0]
+        stream = _stream.resolve(seed, offset)
     digest = hashlib.sha256(str(stream.seed).encode()).hexdigest()[:16]
     check_same_config({"seed (sha256)": digest, "offset": stream.position}, group, what)
     return stream
