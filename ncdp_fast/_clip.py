@@ -299,7 +299,7 @@ class _Layer:
             flat = be.io.to_kernel(out).reshape(-1)
             be.kernels.add_gaussian(flat, np.uint64(seed), np.uint64(offset), float(noise_std),
                                     True, float(inv_denom))
-            return out
+            return be.io.to_user(flat.reshape(self.param_shape))
         if self.dense:
             out = be.io.empty((self.draws,), dtype)
             be.kernels.weighted_row_sum_noise(self.g, factors, noise_std, inv_denom, seed, offset,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .. import _C, _arrays
 from ._common import dtype_code, opt_ptr, ptr, stream, workspace
+from .rng import add_gaussian  # noqa: F401  (the finishing step of a ghost block, as _numba.clip)
 
 
 def row_sq_norms(g, sq, accumulate):
