@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 from .. import _stream, privacy
 from .._validate import check_choice, check_pos_int, check_positive
 from .clipper import GhostClipper
+from .mechanism import CheckpointsNoise
 from ..distributed._group import resolve_group
 from .data import PoissonBatchSampler, collate_with_empty
 from .ranks import DistributedPoissonBatchSampler, agree_stream
@@ -44,7 +45,7 @@ class PrivateModule(nn.Module):
         self.clipper.remove()
 
 
-class DPOptimizer:
+class DPOptimizer(CheckpointsNoise):
     """The optimizer as ``make_private`` returns it: ``step()`` replaces every
     gradient by the clipper's private one (one Gaussian mechanism over the
     batch), records the step with the engine's accountant, then steps the
@@ -77,24 +78,15 @@ class DPOptimizer:
         self._on_step()
         return self.original_optimizer.step()
 
-    def state_dict(self):
-        """The wrapped optimizer's state plus ``"ncdp_noise"`` (the clipper's noise
-        stream: secret, keep such checkpoints private)."""
-        state = self.original_optimizer.state_dict()
-        state["ncdp_noise"] = self.clipper.noise_state()
-        return state
+    def _noise_source(self):
+        return self.clipper
 
-    def load_state_dict(self, state_dict) -> None:
-        state_dict = dict(state_dict)
-        noise = state_dict.pop("ncdp_noise", None)
-        self.original_optimizer.load_state_dict(state_dict)
-        if noise is not None:
-            self.clipper.load_noise_state(noise)
-            # The loader drew its batches from the same stream: it continues
-            # from the restored position too (else a resumed run would redraw
-            # the first epoch's batches from the start of the key's stream).
-            for sampler in self._samplers:
-                sampler._stream = self.clipper._stream
+    def _noise_restored(self) -> None:
+        # The loader drew its batches from the same stream: it continues from the
+        # restored position too (else a resumed run would redraw the first
+        # epoch's batches from the start of the key's stream).
+        for sampler in self._samplers:
+            sampler._stream = self.clipper._stream
 
     def __repr__(self):
         return (f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm="

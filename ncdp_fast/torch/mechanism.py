@@ -9,7 +9,7 @@ from .._validate import check_choice, check_nonneg, check_positive
 from ..distributed._group import check_same_config, resolve_group
 from .ranks import agree_stream, broadcast_parameters, reduce_clip_and_noise
 
-__all__ = ["UsesNoiseStream", "ClippedGaussianStep", "check_dp_args"]
+__all__ = ["UsesNoiseStream", "ClippedGaussianStep", "CheckpointsNoise", "check_dp_args"]
 
 
 
@@ -47,6 +47,32 @@ class UsesNoiseStream:
                              f"noise_state()), got {state!r}")
         self._stream = NoiseStream.restore(state)
         self._steps = int(state["steps"])
+
+
+class CheckpointsNoise:
+    """``state_dict`` / ``load_state_dict`` of an optimizer wrapper: the wrapped
+    ``original_optimizer``'s state plus ``"ncdp_noise"``, the noise stream of
+    :meth:`_noise_source` -- a resumed run continues the stream where it stopped.
+    It holds the secret key: keep such checkpoints private, never publish them."""
+
+    def _noise_source(self) -> UsesNoiseStream:
+        return self
+
+    def _noise_restored(self) -> None:
+        """Called after a checkpoint's stream was loaded."""
+
+    def state_dict(self):
+        state = self.original_optimizer.state_dict()
+        state["ncdp_noise"] = self._noise_source().noise_state()
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        state_dict = dict(state_dict)
+        noise = state_dict.pop("ncdp_noise", None)
+        self.original_optimizer.load_state_dict(state_dict)
+        if noise is not None:
+            self._noise_source().load_noise_state(noise)
+            self._noise_restored()
 
 
 def check_dp_args(max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction,

@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 
 from .._clip import LayersClipResult
-from .mechanism import ClippedGaussianStep
+from .mechanism import CheckpointsNoise, ClippedGaussianStep
 
 __all__ = ["FusedDPOptimizer"]
 
 
-class FusedDPOptimizer(ClippedGaussianStep):
+class FusedDPOptimizer(CheckpointsNoise, ClippedGaussianStep):
     """DP-SGD step from Opacus per-sample gradients, in one fused clip-and-noise op.
 
     Wraps ``optimizer``; on :meth:`step` every trainable parameter's
@@ -53,21 +53,6 @@ class FusedDPOptimizer(ClippedGaussianStep):
     @property
     def state(self):
         return self.original_optimizer.state
-
-    def state_dict(self):
-        """The wrapped optimizer's state plus ``"ncdp_noise"`` (:meth:`noise_state`):
-        a training checkpoint resumes the noise stream where it stopped.  It holds
-        the secret key -- keep checkpoints private, never publish them."""
-        state = self.original_optimizer.state_dict()
-        state["ncdp_noise"] = self.noise_state()
-        return state
-
-    def load_state_dict(self, state_dict) -> None:
-        state_dict = dict(state_dict)
-        noise = state_dict.pop("ncdp_noise", None)
-        self.original_optimizer.load_state_dict(state_dict)
-        if noise is not None:
-            self.load_noise_state(noise)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
