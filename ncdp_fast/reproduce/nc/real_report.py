@@ -112,6 +112,7 @@ def _plots(res, out):
             ax.set_ylim(0, 1)
     axes[0][0].legend(fontsize=5)
     fig.suptitle("Fig. 3(b): NoisySGD vs dimension, perturbed test")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     save_figure(fig, "nc_real_dimension", out)
     if not res["pca"]:
         return
@@ -137,6 +138,7 @@ def _plots(res, out):
             ax.set_ylim(0, 1)
     axes[0][0].legend(fontsize=5)
     fig.suptitle("Fig. 4: PCA before NoisySGD, perturbed train and test")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     save_figure(fig, "nc_real_pca", out)
 
 
