@@ -14,7 +14,7 @@ REPRODUCTIONS = {
     "nc-synthetic": ("ncdp_fast.reproduce.nc", "synthetic_main",
                      "000: NoisyGD under perfect/perturbed Neural Collapse vs dimension (Fig. 3a)"),
     "nc-real": ("ncdp_fast.reproduce.nc", "real_main",
-                "000: NC metrics, beta, NoisySGD vs dimension and PCA on EfficientNet features"),
+                "000: NC metrics, beta, NoisySGD vs dimension (Fig. 3b), PCA protocols (Fig. 4)"),
     "neuromix-mnist": ("ncdp_fast.reproduce.neuromix", "main",
                        "002: NeuroMixGDP(-HS) on MNIST ScatterNet features (Table 2, Fig. 3, MIA)"),
     "theory": ("ncdp_fast.reproduce.theory", "main",
