@@ -301,3 +301,15 @@ def test_state_dict_round_trip_continues_the_noise_stream():
     res = step(pm2, popt2, *batches[0])
     assert (res.seed, res.offset) == (first[0].seed, start + 3)
     assert pm2.clipper.steps == 3
+
+
+def test_collate_with_empty_pickles_for_spawned_workers():
+    """DataLoader workers started by spawn/forkserver receive the collate function
+    pickled; a closure could not be (it was one before)."""
+    import pickle
+    from torch.utils.data import TensorDataset
+    from ncdp_fast.torch import collate_with_empty
+    ds = TensorDataset(torch.randn(4, 3), torch.arange(4))
+    fn = pickle.loads(pickle.dumps(collate_with_empty(ds)))
+    x, y = fn([])
+    assert x.shape == (0, 3) and y.shape == (0,) and y.dtype == torch.int64

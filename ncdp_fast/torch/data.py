@@ -44,25 +44,34 @@ class PoissonBatchSampler(UsesNoiseStream):
             yield batch.tolist()
 
 
+def _empty_like(item):
+    if isinstance(item, (tuple, list)):
+        return type(item)(_empty_like(x) for x in item)
+    if isinstance(item, dict):
+        return {k: _empty_like(v) for k, v in item.items()}
+    t = torch.as_tensor(item)
+    return t.new_empty((0, *t.shape))
+
+
+class _CollateWithEmpty:
+    """A class, not a closure, so that DataLoader workers started by spawn or
+    forkserver can receive it."""
+
+    def __init__(self, dataset, collate_fn):
+        self.dataset = dataset
+        self.collate = collate_fn or default_collate
+        self.template = None
+
+    def __call__(self, batch):
+        if len(batch):
+            return self.collate(batch)
+        if self.template is None:
+            self.template = _empty_like(self.dataset[0])
+        return self.template
+
+
 def collate_with_empty(dataset, collate_fn=None):
     """A collate function that turns an empty batch into correctly shaped empty
     tensors (shape (0, *item_shape) for every field), the shapes and dtypes being
     read once from ``dataset[0]`` (shapes are public; no value is used)."""
-    collate = collate_fn or default_collate
-    template = []
-
-    def empty_like(item):
-        if isinstance(item, (tuple, list)):
-            return type(item)(empty_like(x) for x in item)
-        if isinstance(item, dict):
-            return {k: empty_like(v) for k, v in item.items()}
-        t = torch.as_tensor(item)
-        return t.new_empty((0, *t.shape))
-
-    def fn(batch):
-        if len(batch):
-            return collate(batch)
-        if not template:
-            template.append(empty_like(dataset[0]))
-        return template[0]
-    return fn
+    return _CollateWithEmpty(dataset, collate_fn)
