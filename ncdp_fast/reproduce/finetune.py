@@ -29,17 +29,18 @@ PLD accountant, as is NoisySGDClassifier's "pld"):
 
 Test accuracy on ``--test-size`` test images (the same subset for every arm).
 
-Cost, and the choice it forces: one private full fine-tuning step costs about as
-much as 3-4 forward passes, and the project's machine has 2 shared CPU cores, so
-the default is a fixed random subset of 1000 training images at 32 x 32 (the
-28 x 28 images barely upsampled; the network's last feature map is 1 x 1),
-batches of 100 expected (q = 0.1), 1 epoch (10 steps) per epsilon: the whole
-reproduction fits in 25 minutes on the shared machine (a private step of this
-network took 30-40 s there while other jobs loaded it).  Consequence: full fine-tuning gets 10 noisy steps on 1000
-images -- far less data and far fewer steps than it would get on a GPU -- so this
-answers "is the last layer enough *at this budget*", not in general; the
-last-layer arm on the same 1000 images is the controlled comparison (same data,
-same privacy), the 60000-image arm shows what the cheap method buys instead.
+Cost, and the choice it forces: a private full fine-tuning step of this network
+costs several times a forward pass (bench/test_bench_finetune.py), and the
+project's machine has 2 CPU cores shared with other jobs, so the default is a
+fixed random subset of 1000 training images at 32 x 32 (the 28 x 28 images
+barely upsampled; the network's last feature map is 1 x 1), batches of 100
+expected (q = 0.1), 1 epoch (10 private steps) per epsilon: the whole
+reproduction then fits in 25 minutes there.  Consequence: full fine-tuning gets
+10 noisy steps on 1000 small images -- far less data, resolution and steps than
+it would get on a GPU -- so this answers "is the last layer enough *at this
+budget*", not in general; the last-layer arm on the same 1000 images is the
+controlled comparison (same data, same privacy, same resolution), the
+60000-image arm shows what the cheap method buys instead.
 ``--train-size/--epochs/--resolution`` scale it up where time allows.
 
 Options: --out (bench/results), --quick (200 training images, 1 epoch, epsilon 8
@@ -246,7 +247,8 @@ def _finetune(args, eps, Xtr, ytr, Xte, yte, seed):
                 last = now
                 rate = (now - t0) / done
                 _log(f"  eps={eps:g} full fine-tuning: step {done}/{steps} (epoch "
-                     f"{epoch + 1}/{args.epochs}), loss {float(loss.detach()):.3f}, {rate:.1f} s/step, "
+                     f"{epoch + 1}/{args.epochs}), loss {float(loss.detach()):.3f}, "
+                     f"{rate:.1f} s/step, "
                      f"eta {rate * (steps - done):.0f} s")
     train_s = time.perf_counter() - t0
     acc = _accuracy(model, Xte, yte, args.resolution)
@@ -398,7 +400,8 @@ def _report(args, rows, eps_list, master, total, have_cache):
                 seed=master, total_s=round(total, 1), quick=args.quick, synthetic=args.synthetic,
                 train_size=args.train_size, test_size=args.test_size,
                 resolution=args.resolution, batch=args.batch, epochs=args.epochs, lr=args.lr,
-                momentum=args.momentum, body_lr_factor=args.body_lr_factor, max_grad_norm=args.max_grad_norm, delta=args.delta,
+                momentum=args.momentum, body_lr_factor=args.body_lr_factor,
+                max_grad_norm=args.max_grad_norm, delta=args.delta,
                 ll_epochs=args.ll_epochs, ll_lr=args.ll_lr,
                 cache_resolution=args.cache_resolution if have_cache else None,
                 blocks=args.blocks, pretrained=not args.no_pretrained)
@@ -409,7 +412,8 @@ def _report(args, rows, eps_list, master, total, have_cache):
         + f"Fashion-MNIST: a fixed random subset of {args.train_size} training images "
         f"(of 60000) and {args.test_size} test images (the same for every arm), "
         f"{args.resolution}x{args.resolution}, seed {master}",
-        f"full fine-tuning: EfficientNet-Lite0 {'ImageNet-pretrained' if not args.no_pretrained else 'UNTRAINED'}"
+        f"full fine-tuning: EfficientNet-Lite0 "
+        f"{'UNTRAINED' if args.no_pretrained else 'ImageNet-pretrained'}"
         f"{'' if args.blocks is None else f' first {args.blocks} blocks'}, batch norms folded "
         f"(ImageNet statistics), every weight trainable, ncdp_fast.torch.PrivacyEngine."
         f"make_private_with_epsilon (Poisson q = {args.batch / args.train_size:g}, "
@@ -445,7 +449,10 @@ def _report(args, rows, eps_list, master, total, have_cache):
     if ref:
         ax.axhline(ref[0], color="gray", lw=0.8, label="last layer, non-private")
     ax.set_xscale("log")
+    ax.minorticks_off()
     ax.set_xticks(eps_list, [f"{e:g}" for e in eps_list])
+    accs = [r["accuracy"] for r in rows]
+    ax.set_ylim(max(0.0, min(accs) - 5), min(100.0, max(accs) + 5))
     ax.set_xlabel("epsilon (delta = %g)" % args.delta)
     ax.set_ylabel("test accuracy %")
     ax.set_title(("SYNTHETIC smoke run: " if args.synthetic else "")
