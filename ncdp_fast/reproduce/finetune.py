@@ -46,7 +46,7 @@ controlled comparison (same data, same privacy, same resolution), the
 Options: --out (bench/results), --quick (200 training images, 1 epoch, epsilon 8
 only, 32 x 32), --seed (default from the OS, recorded), --eps, --delta,
 --train-size, --test-size, --resolution, --batch, --epochs, --lr, --momentum,
---max-grad-norm, --ll-epochs, --ll-lr, --cache-resolution, --synthetic (random
+--max-grad-norm, --ll-epochs, --ll-lr, --cache-resolution, --tag, --synthetic (random
 images, no data needed, for tests), --blocks / --no-pretrained (a truncated /
 untrained network, for tests).
 """
@@ -343,6 +343,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ll-lr", type=float, default=2.0, help="last-layer step (unit-norm rows)")
     ap.add_argument("--cache-resolution", type=int, default=96)
     ap.add_argument("--no-cache", action="store_true", help="skip the all-60000 cached arm")
+    ap.add_argument("--tag", default=None,
+                    help="report name suffix (dp_finetune_<tag>), to keep a larger run's "
+                         "tables next to the default one's")
     ap.add_argument("--synthetic", action="store_true",
                     help="random images and labels of the same shapes (tests; no data needed)")
     ap.add_argument("--blocks", type=int, default=None, help="truncated network (tests)")
@@ -435,7 +438,8 @@ def _report(args, rows, eps_list, master, total, have_cache):
             ("sigma", "noise multiplier", "{:.3f}"), ("steps", "steps", None),
             ("sample_rate", "q", "{:.4f}"), ("epsilon_spent", "epsilon spent", "{:.3f}"),
             ("seconds", "seconds", "{:.1f}")]
-    write_report(NAME, args.out, meta, rows, cols, notes=notes)
+    name = NAME + (f"_{args.tag}" if args.tag else "")
+    write_report(name, args.out, meta, rows, cols, notes=notes)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -458,4 +462,4 @@ def _report(args, rows, eps_list, master, total, have_cache):
     ax.set_title(("SYNTHETIC smoke run: " if args.synthetic else "")
                  + f"Fashion-MNIST, EfficientNet-Lite0, {args.resolution}px")
     ax.legend(fontsize=8)
-    _log(f"plot: {save_figure(fig, NAME, args.out)}")
+    _log(f"plot: {save_figure(fig, name, args.out)}")
