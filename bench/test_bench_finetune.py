@@ -8,8 +8,9 @@ shape: timing does not depend on the pixel values):
 1. ``linear head``: ``nn.Linear(d, K)`` on (B, d) = (1024, 4096) features, K = 100.
 2. ``transformer``: ``nn.Embedding(1000, 256)`` -> ``nn.TransformerEncoder`` of 4
    ``nn.TransformerEncoderLayer(d_model=256, nhead=8, dim_feedforward=1024,
-   batch_first=True)`` (dropout 0.1, as PyTorch's default) -> mean over T -> 
-   ``nn.Linear(256, 10)``; tokens (B, T) = (64, 64).
+   batch_first=True)`` (dropout 0.1, as PyTorch's default) -> mean over T ->
+   ``nn.Linear(256, 10)``; tokens (B, T) = (64, 64).  (The head is registered
+   first: see ``_token_classifier_class``.)
 3. ``EfficientNet-Lite0``: full fine-tuning (every parameter trainable) of the
    ImageNet-pretrained EfficientNet-Lite0 of :mod:`ncdp_fast.datasets` with a new
    10-way head, its batch norms replaced by group norms (``fix_batchnorm``) and
@@ -79,7 +80,6 @@ SHAPES = {
 METHODS = ["nonprivate", "ncdp_ghost", "ncdp_engine", "opacus_hooks", "opacus_ghost"]
 ONCE = ("opacus_hooks",)
 OPACUS = ("opacus_hooks", "opacus_ghost")
-TARGETED = ("transformer", "efficientnet")
 C, SIGMA, LR = 1.0, 1.0, 0.01
 
 
@@ -125,12 +125,16 @@ def _token_classifier_class():
     return TokenClassifier
 
 
-def TokenClassifier(*args):
-    global TokenClassifier
-    cls = _token_classifier_class()
-    cls.__module__, cls.__qualname__ = __name__, "TokenClassifier"
-    TokenClassifier = cls           # module level: Opacus deep-copies (pickles) the model
-    return cls(*args)
+_CLASSES = {}
+
+
+def _token_classifier(*args):
+    if "tc" not in _CLASSES:
+        cls = _token_classifier_class()
+        # A module-level name: Opacus deep-copies (pickles) the model.
+        cls.__module__, cls.__qualname__ = __name__, "TokenClassifier"
+        globals()["TokenClassifier"] = _CLASSES["tc"] = cls
+    return _CLASSES["tc"](*args)
 
 
 def _network(p, torch, nn):
@@ -140,7 +144,7 @@ def _network(p, torch, nn):
     if kind == "linear":
         return nn.Linear(p["d"], p["K"]), torch.randn(B, p["d"]), torch.randint(0, p["K"], (B,))
     if kind == "transformer":
-        model = TokenClassifier(p["vocab"], p["d"], p["heads"], p["ff"], p["layers"], p["K"])
+        model = _token_classifier(p["vocab"], p["d"], p["heads"], p["ff"], p["layers"], p["K"])
         return (model, torch.randint(0, p["vocab"], (B, p["T"])),
                 torch.randint(0, p["K"], (B,)))
     from ncdp_fast.reproduce.finetune import finetune_model
