@@ -139,6 +139,66 @@ def clip_step(family):
          "(512, 768, 10) on CPU"])
 
 
+FINETUNE_METHODS = ("nonprivate", "ncdp_ghost", "ncdp_engine", "opacus_hooks", "opacus_ghost")
+# Issue 16's targets on the CPU, for this package's steps on the transformer and
+# the EfficientNet: time / non-private, peak memory / non-private, speed-up over
+# Opacus fast gradient clipping.
+FINETUNE_TARGETS = dict(time=1.3, memory=1.1, vs_opacus_ghost=1.4)
+
+
+def finetune(family):
+    rows = []
+    tg = FINETUNE_TARGETS
+    for w, ms in family.items():
+        base, og = _t(ms, "nonprivate"), _t(ms, "opacus_ghost")
+        base_mem = _x(ms, "nonprivate", "peak_extra_mb")
+        for m in FINETUNE_METHODS:
+            row = dict(workload=w, method=m)
+            if m not in ms:
+                row["error"] = NO_RESULT
+                rows.append(row)
+                continue
+            t, mem = _t(ms, m), _x(ms, m, "peak_extra_mb")
+            row.update(ms=1e3 * t, x_nonprivate=t / base if base else None,
+                       peak_extra_mb=mem, weights_mb=_x(ms, m, "weights_mb"),
+                       mem_x_nonprivate=mem / base_mem if mem is not None and base_mem else None,
+                       speedup_vs_opacus_ghost=og / t if og else None)
+            if m.startswith("ncdp") and _x(ms, m, "kind") in ("transformer", "efficientnet"):
+                checks = [("time", row["x_nonprivate"], lambda v: v <= tg["time"],
+                           f"<= {tg['time']}x time"),
+                          ("memory", row["mem_x_nonprivate"], lambda v: v <= tg["memory"],
+                           f"<= {tg['memory']}x memory"),
+                          ("opacus", row["speedup_vs_opacus_ghost"],
+                           lambda v: v >= tg["vs_opacus_ghost"],
+                           f">= {tg['vs_opacus_ghost']}x faster than opacus_ghost")]
+                row["targets"] = "; ".join(
+                    f"{label}: {'n/a' if v is None else ('met' if ok(v) else 'NOT met')}"
+                    for _, v, ok, label in checks)
+                row["targets_met"] = all(v is not None and ok(v) for _, v, ok, _ in checks)
+            rows.append(row)
+    return rows, (
+        [("workload", "workload", None), ("method", "method", None),
+         ("ms", "ms/step", "{:.1f}"), ("x_nonprivate", "× non-private time", "{:.2f}"),
+         ("peak_extra_mb", "peak extra MB", "{:.1f}"),
+         ("mem_x_nonprivate", "× non-private memory", "{:.2f}"),
+         ("speedup_vs_opacus_ghost", "speed-up vs opacus_ghost", "{:.2f}"),
+         ("weights_mb", "trainable weights MB", "{:.1f}"),
+         ("targets", "targets (issue 16)", None), ("error", "error", None)],
+        ["one step = zero_grad, forward, cross-entropy (mean), backward, privatize (the "
+         "private methods), SGD; noise multiplier 1, max_grad_norm 1, flat clipping; fixed "
+         "synthetic batches of the stated shapes (bench/test_bench_finetune.py)",
+         "ncdp_ghost: GhostClipper; ncdp_engine: the same via ncdp_fast.torch.PrivacyEngine; "
+         "opacus_hooks / opacus_ghost: Opacus PrivacyEngine grad_sample_mode 'hooks' / 'ghost' "
+         "(the transformer after ModuleValidator.fix: DPMultiheadAttention); opacus_hooks ran "
+         "in the first round only",
+         "peak extra MB: resident-set growth during one step from a state with no gradients "
+         "(gradients and per-sample gradients released, malloc_trim), sampled every ms; it "
+         "excludes the weights, the optimizer and the batch, which every method holds alike",
+         f"targets (issue 16, CPU) for ncdp_* on the transformer and the EfficientNet: "
+         f"<= {tg['time']}x non-private time, <= {tg['memory']}x its peak memory, "
+         f">= {tg['vs_opacus_ghost']}x faster than opacus_ghost"])
+
+
 def _extrapolated(ms, m, full):
     """(time at ``full`` rows scaled linearly from the rows measured, whether scaled)."""
     measured = _x(ms, m, "T_measured")
@@ -347,7 +407,8 @@ def privacy(family):
 
 FAMILIES = {"bench_clip_dense": clip_dense, "bench_clip_step": clip_step, "bench_mix": mix,
             "bench_poisson_batches": poisson_batches, "bench_ntk": ntk,
-            "bench_release": release, "bench_train": train, "privacy": privacy}
+            "bench_release": release, "bench_train": train, "privacy": privacy,
+            "bench_finetune": finetune}
 
 
 def write_tables(doc: dict, out: str | Path, quiet: bool = False) -> list[Path]:

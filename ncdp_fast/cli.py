@@ -24,7 +24,7 @@ def _cmd_demo(args) -> int:
 
 
 # bench/test_bench_<name>.py, pytest-benchmark tests (bench/README.md).
-BENCHES = ["clip", "mix", "ntk", "privacy", "train", "release"]
+BENCHES = ["clip", "mix", "ntk", "privacy", "train", "release", "finetune"]
 # Accounting only: no GPU part.
 CPU_ONLY_BENCHES = {"privacy"}
 GPU_BENCHES = [b for b in BENCHES if b not in CPU_ONLY_BENCHES]

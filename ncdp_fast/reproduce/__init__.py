@@ -17,6 +17,9 @@ REPRODUCTIONS = {
                 "000: NC metrics, beta, NoisySGD vs dimension (Fig. 3b), PCA protocols (Fig. 4)"),
     "neuromix-mnist": ("ncdp_fast.reproduce.neuromix", "main",
                        "002: NeuroMixGDP(-HS) on MNIST ScatterNet features (Table 2, Fig. 3, MIA)"),
+    "dp-finetune": ("ncdp_fast.reproduce.finetune", "main",
+                    "000: full private fine-tuning of EfficientNet-Lite0 vs last-layer NoisySGD "
+                    "on Fashion-MNIST (is the last layer enough?)"),
     "theory": ("ncdp_fast.reproduce.theory", "main",
                "004: NTK lambda_min vs width, RF/NTK robustness, privacy for free, DP-SGD ODE"),
 }
