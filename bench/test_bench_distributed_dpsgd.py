@@ -347,8 +347,8 @@ def test_distributed_dpsgd(benchmark, case, bench_device, bench_size, pools):
     e = benchmark.extra_info
     r0 = ranks[0]
     e.update(
-        ranks=ranks, threads=r0["threads"], cores=os.cpu_count(), loadavg=load, parameters=r0["parameters"],
-        grad_bytes=r0["grad_bytes"],
+        ranks=ranks, threads=r0["threads"], cores=os.cpu_count(), loadavg=load,
+        parameters=r0["parameters"], grad_bytes=r0["grad_bytes"],
         rank_step_s=[_median([s[r]["time_s"] for s in steps]) for r in range(world)],
         written_bytes=[_median([s[r]["written_bytes"] for s in steps]) for r in range(world)],
         rank_peak_rss_mb_max=max(r["rss_peak_mb"] for r in ranks),
