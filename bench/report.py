@@ -400,7 +400,8 @@ def distributed_dpsgd(family):
                 extra_mb=e["rank_extra_mb_max"], allreduce_mb=e["allreduce_bytes"] / 2**20,
                 allgather_mb=e["allgather_in_bytes"] / 2**20,
                 ring_mb=e["ring_sent_bytes"] / 2**20,
-                written_mb=e["written_bytes_max"] / 2**20))
+                written_mb=e["written_bytes_max"] / 2**20,
+                ddp_buckets=e.get("ddp_bucket_bytes")))
     load = (f"load average (1 min) of the machine during the run, sampled at the start and end "
             f"of every case: {min(loads):.1f} to {max(loads):.1f} on "
             f"{next(iter(next(iter(family.values())).values()))['extra_info']['cores']} cores"
@@ -433,7 +434,8 @@ def distributed_dpsgd(family):
          "torch.distributed.all_reduce / all_gather in one step, counted by wrapping them "
          "(private: the flattened clipped sum, 4P B, and 16 B of counts; its slice of "
          "ceil(P/W) floats gathered); for DDP (its reducer calls from C++) the gradients' "
-         "bytes 4P, all-reduced once in buckets",
+         "bytes 4P, all-reduced once in buckets (DDP's own bucket sizes, in the JSON's "
+         "ddp_buckets, say the same)",
          "ring sends (derived, not measured): 2(W-1)/W of the all-reduce plus (W-1) times the "
          "all-gather input; bytes written (measured): /proc/self/io wchar of the rank over "
          "the step, the gloo socket traffic on 127.0.0.1",

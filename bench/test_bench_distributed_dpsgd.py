@@ -31,7 +31,8 @@ barrier), the resident set before / peak during the sampled step, the bytes
 handed to all-reduce and all-gather (counted by wrapping
 ``torch.distributed.all_reduce/all_gather`` in that one step; DDP's reducer
 all-reduces from C++, so for DDP the bytes are the gradients' bytes, every
-trainable parameter's gradient once in its buckets), and the bytes the process
+trainable parameter's gradient once in its buckets, whose sizes DDP's logging
+data gives), and the bytes the process
 wrote during the step (``/proc/self/io`` wchar: on this machine the gloo socket
 traffic); and the machine's 1-minute load average at the start and end of the
 case (the machine may be shared).
@@ -185,11 +186,15 @@ def _setup(rank, world, group, method, p):
     with _CountCollectives() as count:
         step()
     grad_bytes = sum(q.numel() * q.element_size() for q in params)
+    buckets = None
     if method.startswith("ddp"):
         # DDP's reducer all-reduces its buckets from C++, out of the wrapper's
-        # sight: every trainable parameter's gradient, once.
+        # sight: every trainable parameter's gradient, once (its logging data
+        # says the buckets' sizes in bytes).
         count.reduce = grad_bytes
-    info = dict(rss_before_mb=rss.start, rss_peak_mb=rss.peak, rss_extra_mb=rss.extra_mb,
+        buckets = step.keep[0]._get_ddp_logging_data().get("bucket_sizes")
+    info = dict(ddp_bucket_bytes=buckets, rss_before_mb=rss.start, rss_peak_mb=rss.peak,
+                rss_extra_mb=rss.extra_mb,
                 parameters=sum(q.numel() for q in params), grad_bytes=grad_bytes,
                 allreduce_bytes=count.reduce, allgather_in_bytes=count.gather_in,
                 allgather_out_bytes=count.gather_out)
@@ -356,6 +361,7 @@ def test_distributed_dpsgd(benchmark, case, bench_device, bench_size, pools):
         allreduce_bytes=max(r["allreduce_bytes"] for r in ranks),
         allgather_in_bytes=max(r["allgather_in_bytes"] for r in ranks),
         allgather_out_bytes=max(r["allgather_out_bytes"] for r in ranks),
+        ddp_bucket_bytes=r0["ddp_bucket_bytes"],
         ring_sent_bytes=max(_ring_sent(world, r["allreduce_bytes"], r["allgather_in_bytes"])
                             for r in ranks))
     e["rank_step_s_max"] = max(e["rank_step_s"])
