@@ -413,12 +413,12 @@ def distributed_dpsgd(family):
          ("x_ddp", "× DDP (same ranks)", "{:.2f}"),
          ("x_ddp_rank", "× DDP in rank (same ranks)", "{:.2f}"),
          ("parameters", "parameters P", None),
-         ("rss_peak_mb", "peak RSS MB / rank (max)", "{:.0f}"),
-         ("extra_mb", "RSS growth in step MB / rank (max)", "{:.1f}"),
-         ("allreduce_mb", "all-reduce MB / rank", "{:.3f}"),
-         ("allgather_mb", "all-gather in MB / rank", "{:.3f}"),
-         ("ring_mb", "ring sends MB / rank (derived)", "{:.3f}"),
-         ("written_mb", "bytes written MB / rank (measured)", "{:.3f}"),
+         ("rss_peak_mb", "peak RSS MiB / rank (max)", "{:.0f}"),
+         ("extra_mb", "RSS growth in step MiB / rank (max)", "{:.1f}"),
+         ("allreduce_mb", "all-reduce MiB / rank", "{:.3f}"),
+         ("allgather_mb", "all-gather in MiB / rank", "{:.3f}"),
+         ("ring_mb", "ring sends MiB / rank (derived)", "{:.3f}"),
+         ("written_mb", "bytes written MiB / rank (measured)", "{:.3f}"),
          ("error", "error", None)],
         ["one step = zero_grad, forward, cross-entropy (mean over the rank's rows), "
          "backward, [GhostClipper.privatize_() with the process group: local clip, "
@@ -430,7 +430,7 @@ def distributed_dpsgd(family):
          "barrier (median of the calls, max over ranks); the cores are shared by the ranks "
          "(threads / rank), so 2 ranks measure the cost of splitting, not a speed-up; "
          "× DDP: private over DDP at the same number of ranks, from either time",
-         "all-reduce / all-gather MB: the bytes of the tensors the rank hands to "
+         "all-reduce / all-gather MiB (2^20 bytes): the bytes of the tensors the rank hands to "
          "torch.distributed.all_reduce / all_gather in one step, counted by wrapping them "
          "(private: the flattened clipped sum, 4P B, and 16 B of counts; its slice of "
          "ceil(P/W) floats gathered); for DDP (its reducer calls from C++) the gradients' "
