@@ -436,6 +436,77 @@ def write_tables(doc: dict, out: str | Path, quiet: bool = False) -> list[Path]:
     return paths
 
 
+def distributed_dpsgd(family):
+    """One row per (workload, method) of bench/test_bench_distributed_dpsgd.py: a
+    private step (GhostClipper with a process group) and DDP without privacy, at
+    1 and 2 gloo ranks."""
+    rows, loads = [], []
+    for w, ms in family.items():
+        for m in ("private_W1", "ddp_W1", "private_W2", "ddp_W2"):
+            world = int(m.rsplit("W", 1)[1])
+            if m not in ms:
+                rows.append(dict(workload=w, ranks=world, method=m.split("_")[0],
+                                 error=NO_RESULT))
+                continue
+            e = ms[m]["extra_info"]
+            loads += e.get("loadavg", [])
+            ddp = f"ddp_W{world}"
+            rows.append(dict(
+                workload=w, ranks=world, method=m.split("_")[0], threads=e["threads"],
+                ms=1e3 * _t(ms, m), rank_ms=1e3 * e["rank_step_s_max"],
+                x_ddp=_t(ms, m) / _t(ms, ddp) if ddp in ms else None,
+                x_ddp_rank=e["rank_step_s_max"] / ms[ddp]["extra_info"]["rank_step_s_max"]
+                if ddp in ms else None,
+                parameters=e["parameters"], rss_peak_mb=e["rank_peak_rss_mb_max"],
+                extra_mb=e["rank_extra_mb_max"], allreduce_mb=e["allreduce_bytes"] / 2**20,
+                allgather_mb=e["allgather_in_bytes"] / 2**20,
+                ring_mb=e["ring_sent_bytes"] / 2**20,
+                written_mb=e["written_bytes_max"] / 2**20,
+                ddp_buckets=e.get("ddp_bucket_bytes")))
+    load = (f"load average (1 min) of the machine during the run, sampled at the start and end "
+            f"of every case: {min(loads):.1f} to {max(loads):.1f} on "
+            f"{next(iter(next(iter(family.values())).values()))['extra_info']['cores']} cores"
+            if loads else "load average not recorded")
+    return rows, (
+        [("workload", "workload (global batch B)", None), ("ranks", "ranks", None),
+         ("method", "method", None), ("threads", "threads / rank", None),
+         ("ms", "ms / step", "{:.2f}"), ("rank_ms", "ms / step in rank (max)", "{:.2f}"),
+         ("x_ddp", "× DDP (same ranks)", "{:.2f}"),
+         ("x_ddp_rank", "× DDP in rank (same ranks)", "{:.2f}"),
+         ("parameters", "parameters P", None),
+         ("rss_peak_mb", "peak RSS MiB / rank (max)", "{:.0f}"),
+         ("extra_mb", "RSS growth in step MiB / rank (max)", "{:.1f}"),
+         ("allreduce_mb", "all-reduce MiB / rank", "{:.3f}"),
+         ("allgather_mb", "all-gather in MiB / rank", "{:.3f}"),
+         ("ring_mb", "ring sends MiB / rank (derived)", "{:.3f}"),
+         ("written_mb", "bytes written MiB / rank (measured)", "{:.3f}"),
+         ("error", "error", None)],
+        ["one step = zero_grad, forward, cross-entropy (mean over the rank's rows), "
+         "backward, [GhostClipper.privatize_() with the process group: local clip, "
+         "all-reduce of the clipped sums, noise of the rank's slice, all-gather; sigma = 1, "
+         "C = 1], SGD; ddp: the same model in DistributedDataParallel (gloo), no privacy; the "
+         "global batch B is split across the ranks; at 1 rank both run on a one-rank gloo group",
+         "ms / step: the parent's wall time for one step on every rank (a message to each "
+         "worker and the wait for all); in rank: the step's own time on a rank after a "
+         "barrier (median of the calls, max over ranks); the cores are shared by the ranks "
+         "(threads / rank), so 2 ranks measure the cost of splitting, not a speed-up; "
+         "× DDP: private over DDP at the same number of ranks, from either time",
+         "all-reduce / all-gather MiB (2^20 bytes): the bytes of the tensors the rank hands to "
+         "torch.distributed.all_reduce / all_gather in one step, counted by wrapping them "
+         "(private: the flattened clipped sum, 4P B, and 16 B of counts; its slice of "
+         "ceil(P/W) floats gathered); for DDP (its reducer calls from C++) the gradients' "
+         "bytes 4P, all-reduced once in buckets (DDP's own bucket sizes, in the JSON's "
+         "ddp_buckets, say the same)",
+         "ring sends (derived, not measured): 2(W-1)/W of the all-reduce plus (W-1) times the "
+         "all-gather input; bytes written (measured): /proc/self/io wchar of the rank over "
+         "the step, the gloo socket traffic on 127.0.0.1",
+         "peak RSS: the rank's resident set sampled every ms during one untimed step "
+         "(interpreter, torch, model, data shard); growth: that peak minus the set before "
+         "the step", load])
+
+
+FAMILIES["bench_distributed_dpsgd"] = distributed_dpsgd
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", help="pytest-benchmark's --benchmark-json output")
