@@ -84,11 +84,10 @@ def _rank_gram(rank, world, kind, counts, replicated):
             hi = lo + counts[rank]
         out[np.dtype(dtype).name] = dict(rows=rows, factors=_local_factors(x[lo:hi], net),
                                          stats=stats)
-        if dtype == np.float64:
-            st = {}
-            r = dntk.lambda_min(rows, tol=TOL, stats=st)
-            out["lambda"] = dict(value=r.value, residual=r.residual, vector=r.vector, stats=st,
-                                 method=r.method)
+        st = {}
+        r = dntk.lambda_min(rows, tol=TOL, stats=st)       # float32 rows: promoted by chunks
+        out["lambda" if dtype == np.float64 else "lambda32"] = dict(
+            value=r.value, residual=r.residual, vector=r.vector, stats=st, method=r.method)
     return out
 
 
@@ -158,6 +157,16 @@ def _check_against_one_process(results, kind, counts, replicated):
     assert abs(lam["value"] - dense.value) <= allowed, (lam["value"], dense.value, allowed)
     u = np.concatenate([l["vector"] for l in lams])
     assert u.shape == (n,) and abs(np.linalg.norm(u) - 1) < 1e-12
+    # float32 rows: the solver works in float64 on them; against eigh of the
+    # one-process float32 Gram, to the same kind of bound.
+    K32 = np.concatenate([r["float32"]["rows"] for r in results]).astype(np.float64)
+    K32_one = nf.ntk_gram(x_all.astype(np.float32), **_cast(_network(kind), np.float32))
+    dense32 = ntk.lambda_min(K32_one, method="eigh")
+    lam32 = [r["lambda32"] for r in results]
+    assert len({(l["value"], l["residual"]) for l in lam32}) == 1
+    allowed = lam32[0]["residual"] + np.linalg.norm(K32 - K32_one) + dense32.residual + \
+        n * np.finfo(np.float64).eps * knorm
+    assert abs(lam32[0]["value"] - dense32.value) <= allowed
     return lam
 
 

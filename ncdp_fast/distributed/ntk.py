@@ -511,13 +511,18 @@ def lambda_min(K_rows=None, *, x=None, weights=None, group=None, tol=1e-10, bloc
     if x is not None:
         if weights is None:
             raise ValueError("weights: required with x")
-        x = np.asarray(_arrays.to_host(x, "x"), dtype=np.float64)
-        weights = [np.asarray(_arrays.to_host(w, f"weights[{l}]"), dtype=np.float64)
-                   for l, w in enumerate(weights)]
-        if network.get("biases") is not None:
-            network["biases"] = [None if b is None else np.asarray(_arrays.to_host(b, "biases"),
-                                                                   np.float64)
-                                 for b in network["biases"]]
+        # In float64, as the one-process lambda_min; what cannot be converted goes to
+        # ntk_gram as it came, whose checks agree with the other ranks before raising.
+        try:
+            x = np.asarray(_arrays.to_host(x, "x"), dtype=np.float64)
+            weights = [np.asarray(_arrays.to_host(w, f"weights[{l}]"), dtype=np.float64)
+                       for l, w in enumerate(weights)]
+            if network.get("biases") is not None:
+                network["biases"] = [None if b is None else
+                                     np.asarray(_arrays.to_host(b, "biases"), np.float64)
+                                     for b in network["biases"]]
+        except (TypeError, ValueError):
+            pass
         gram_stats = {}
         K_rows = ntk_gram(x, weights, group=group, stats=gram_stats, **network)
     elif network:
