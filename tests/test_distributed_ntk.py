@@ -198,6 +198,29 @@ def test_one_process_is_the_op():
     assert float((rows_t - K_t).abs().max()) <= 1e-12 * float(K_t.abs().max())
 
 
+def test_singular_ntk_is_zero_to_rounding():
+    # 9 + 3 parameters < n rows: K is singular; the solver stops at once.
+    rng = np.random.default_rng(1)
+    W = [rng.standard_normal((3, 2)), rng.standard_normal((1, 3))]
+    x = rng.standard_normal((200, 2))
+    K = nf.ntk_gram(x, W, activation="tanh")
+    st = {}
+    r = dntk.lambda_min(K, stats=st)
+    assert st["converged"] and st["steps"] == 1
+    assert abs(r.value) <= 200 * np.finfo(np.float64).eps * np.linalg.norm(K, 2)
+
+
+def test_a_block_inside_the_basis_is_replaced_by_fresh_directions():
+    comm = dntk._Comm(None, "test")
+    rng = np.random.default_rng(0)
+    V, _ = np.linalg.qr(rng.standard_normal((50, 8)))
+    Z = V[:, :3] @ rng.standard_normal((3, 4))          # rank 3 < 4 columns, all inside V
+    Q = dntk._orthonormal_block(Z, V, comm, lambda m: rng.standard_normal((50, m)), "t")
+    assert Q.shape == (50, 4)
+    np.testing.assert_allclose(Q.T @ Q, np.eye(4), atol=1e-13)
+    assert np.abs(V.T @ Q).max() < 1e-13
+
+
 def test_arguments_are_checked_before_any_collective():
     net = _network("relu")
     with pytest.raises(ValueError, match="weights\\[0\\]: expects inputs of width 5"):

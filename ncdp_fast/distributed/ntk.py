@@ -312,20 +312,24 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", parameterization="st
 
 # --------------------------------------------------------------- the eigenvalue
 
-def _orthonormal_block(Z, V, comm, fresh, step):
+def _orthonormal_block(Z, V, comm, fresh, step, first_pass=None):
     """Z (n_r, c) made orthonormal over all ranks and orthogonal to V (n_r, k):
-    two passes of classical Gram-Schmidt against V, then Z (Z^T Z)^(-1/2) on the
-    kept directions (eigenvalues of the Gram above (1e-10 |Z|)^2), twice;
-    directions lost (an invariant subspace) are replaced by ``fresh(m)`` rows of
-    new random vectors, treated the same way."""
+    two passes of classical Gram-Schmidt against V (the first with the summed
+    coefficients ``first_pass`` = V^T Z when the caller has them already), then
+    Z (Z^T Z)^(-1/2) on the kept directions (eigenvalues of the Gram above
+    (1e-10 |Z|)^2), twice; directions lost (an invariant subspace) are replaced by
+    ``fresh(m)`` rows of new random vectors, treated the same way."""
     c = Z.shape[1]
     kept = np.empty((Z.shape[0], 0))
     for _ in range(4):
         scale = math.sqrt(max(float(np.max(np.diag(comm.allsum(Z.T @ Z, step)))), 0.0))
         basis = np.hstack([V, kept]) if kept.shape[1] else V
-        for _ in range(2):
+        for p in range(2):
             if basis.shape[1]:
-                Z = Z - basis @ comm.allsum(basis.T @ Z, step)
+                coeffs = first_pass if p == 0 and first_pass is not None else \
+                    comm.allsum(basis.T @ Z, step)
+                Z = Z - basis @ coeffs
+        first_pass = None
         for rep in range(2):
             if Z.shape[1] == 0:
                 break
@@ -436,8 +440,10 @@ def _block_lanczos(apply_rows, comm, counts, *, block, tol, max_blocks, seed):
         if k >= cap:
             break
         c_next = min(b, cap - k)
-        Z = AQ[:, :c_next] if c_next < c else AQ
-        Q = _orthonormal_block(Z, V[:, :k], comm, fresh, "re-orthogonalisation")
+        # C = V[:, :k]^T AQ (summed over ranks) is the first Gram-Schmidt pass's
+        # coefficients for the next block.
+        Q = _orthonormal_block(AQ[:, :c_next], V[:, :k], comm, fresh, "re-orthogonalisation",
+                               first_pass=C[:, :c_next])
     u = V[:, :k] @ y
     u /= math.sqrt(float(comm.allsum(np.array([u @ u]), "norm")[0]))
     Ku = apply_rows(comm.allgather_rows(u[:, None], counts, "Rayleigh quotient")[:, 0:1])[:, 0]
