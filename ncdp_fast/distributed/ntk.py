@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import _arrays, _backend
 from .._ntk import _check_network, accumulate_gram, iter_ntk_factors, namespace
-from .._validate import check_int, check_pos_int, check_positive, check_uint64
+from .._validate import check_pos_int, check_positive, check_uint64
 from ._group import check_same_config, rank_world, resolve_group, shard_bounds
 
 __all__ = ["ntk_gram", "lambda_min", "factor_widths"]
