@@ -128,21 +128,31 @@ def _check_against_one_process(results, kind, counts, replicated):
         bound = _one_process_bound([r[name]["factors"] for r in results], x, net, dtype)
         err = np.abs(K_sh.astype(np.float64) - K_one)
         assert np.all(err <= bound), (name, float((err - bound).max()))
-        lo = 0
-        for r, c in zip(rows, counts):     # each rank's own block: exactly symmetric
-            assert np.array_equal(r[:, lo:lo + c], r[:, lo:lo + c].T)
-            lo += c
-        # What a rank received: the factor rows of the other ranks, nothing n x n.
+        # Every off-diagonal entry is computed once (half tiles swapped between the
+        # ranks), diagonal blocks are mirrored: the stacked rows are exactly symmetric.
+        assert np.array_equal(K_sh, K_sh.T)
+        # What a rank sent and received: its factor rows to every peer, the other
+        # ranks' factor rows, and half of each tile it shares with a peer (nothing n x n).
+        item = np.dtype(dtype).itemsize
+        per_row = sum(b.shape[1] + (0 if f is None else f.shape[1])
+                      for f, b in _local_factors(x[:1], net)) * item
+        peers = len(counts) - 1
+        row_counts = 0 if replicated else 8 * peers         # the all-gather of the counts
         for rank, r in enumerate(results):
             st = r[name]["stats"]
             assert st["n"] == n and st["rows"] == counts[rank]
             assert st["row_start"] == sum(counts[:rank])
-            per_row = sum(b.shape[1] + (0 if f is None else f.shape[1])
-                          for f, b in _local_factors(x[:1], net)) * np.dtype(dtype).itemsize
-            peers = len(counts) - 1
-            row_counts = 0 if replicated else 8 * peers     # the all-gather of the counts
-            assert st["bytes_received"] == (n - counts[rank]) * per_row + row_counts
-            assert st["bytes_sent"] == counts[rank] * per_row * peers + row_counts
+            mine = counts[rank]
+            # tile halves: to a higher peer s, my rows x its first half; to a lower
+            # peer, its rows x my second half.
+            tiles_out = sum(mine * (counts[s] // 2) if s > rank else
+                            counts[s] * (mine - mine // 2) for s in range(len(counts))
+                            if s != rank and mine and counts[s]) * item
+            tiles_in = sum(mine * (counts[s] - counts[s] // 2) if s > rank else
+                           counts[s] * (mine // 2) for s in range(len(counts))
+                           if s != rank and mine and counts[s]) * item
+            assert st["bytes_received"] == (n - mine) * per_row + row_counts + tiles_in
+            assert st["bytes_sent"] == mine * per_row * peers + row_counts + tiles_out
     # lambda_min: the same bits on every rank; one-process value to the solver's bound.
     K64 = np.concatenate([r["float64"]["rows"] for r in results])
     lams = [r["lambda"] for r in results]
@@ -247,7 +257,9 @@ def test_two_ranks_replicated_inputs_equal_one_process():
 
 
 def test_three_ranks_uneven_shards_and_an_empty_rank_equal_one_process():
-    counts = [70, 0, 83]                    # sharded inputs; rank 1 holds no rows
+    # Sharded inputs; rank 1 holds no rows, rank 2 one (the half of its tile it
+    # computes is all of it; nothing goes from rank 0 to rank 2).
+    counts = [83, 0, 1]
     results = spawn(_rank_gram, 3, "relu", counts, False, timeout=90)
     lam = _check_against_one_process(results, "relu", counts, False)
     assert results[1]["lambda"]["vector"].shape == (0,)

@@ -10,9 +10,13 @@ trace-averaged over the outputs).  Row i of every factor depends on the input
 x_i alone, so a rank that owns rows ``R_r`` of K computes the factors of its own
 inputs, and ``K[R_r, R_s] = sum_l (F_l[R_r] F_l[R_s]^T) o (B_l[R_r] B_l[R_s]^T)``
 needs only rank s's factor rows: each rank broadcasts its factors, one layer at
-a time, and every rank adds the block against them to its rows.  K's n x n
-never exists on one rank (a rank holds its n_r x n rows), nor do all n rows of
-the factors (one layer's factors of one peer at a time).
+a time.  The diagonal block is the symmetric kernel's; the tile K[R_lo, R_hi] of
+two ranks is computed once, half by each (lo: its rows against the first half of
+hi's; hi: the second half of its rows against all of lo's), and the halves are
+swapped at the end, so the ranks together do the one-process n^2 / 2 entries and
+the stacked rows are exactly symmetric.  K's n x n never exists on one rank (a
+rank holds its n_r x n rows), nor do all n rows of the factors (one layer's
+factors of one peer at a time).
 
 :func:`lambda_min` finds the smallest eigenvalue of the sharded K by block
 Lanczos with full re-orthogonalisation whose vectors are sharded like K's rows:
@@ -49,7 +53,7 @@ class _Comm:
 
     Payload model: a broadcast root sends its buffer to each of the W - 1 others
     and each of them receives it once; an all-gather sends a rank's (padded) part
-    to W - 1 ranks and receives W - 1 parts.  These are the bytes handed to and
+    to W - 1 ranks and receives W - 1 parts; a send/recv counts its buffer once.  These are the bytes handed to and
     taken from ``torch.distributed``, not what gloo's algorithms put on the wire.
     """
 
@@ -86,6 +90,21 @@ class _Comm:
             self.sent += a.nbytes * (self.world - 1)
         else:
             self.received += a.nbytes
+        return a
+
+    def send(self, a, dst, step):
+        """Blocking point-to-point send of the C-contiguous ``a`` to group rank ``dst``."""
+        t = self.torch.from_numpy(a)
+        self._run(step, lambda: self.dist.send(t, dst=self.dist.get_global_rank(
+            self.group, dst), group=self.group))
+        self.sent += a.nbytes
+
+    def recv(self, a, src, step):
+        """Blocking receive into ``a`` from group rank ``src``; returns ``a``."""
+        t = self.torch.from_numpy(a)
+        self._run(step, lambda: self.dist.recv(t, src=self.dist.get_global_rank(
+            self.group, src), group=self.group))
+        self.received += a.nbytes
         return a
 
     def allgather(self, a, step):
@@ -204,15 +223,18 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", parameterization="st
     library (row_start = the rows of the lower ranks).  It equals the one-process
     ``ntk_gram`` of the stacked inputs row for row, to the rounding of the factors and
     of the kernel's dot products (the arithmetic per entry is the same; only BLAS's
-    blocking differs); the rank's diagonal block is exactly symmetric, the blocks of
-    two ranks are each other's transpose to that rounding.
+    blocking differs); the stacked rows are exactly symmetric (each off-diagonal
+    entry is computed by one rank and copied to the other).
 
-    Work per rank: the forward/backward pass of its n_r rows and n_r (n - n_r / 2)
-    entries per layer term (the one-process Gram does n^2 / 2); memory: the n_r x n
-    rows plus one layer's factors of this rank and of one peer; communication: each
-    rank receives n - n_r rows of every layer's factors (sum_l (a_l + c_l) numbers
-    per row) and sends its own n_r rows.  A rank that dies or stalls makes the others
-    raise after the group's timeout (or at once, when its sockets close).
+    Work per rank: the forward/backward pass of its n_r rows and about n_r n / 2
+    entries per layer term (n_r^2 / 2 for its diagonal block, half of each tile it
+    shares with a peer; one process: n^2 / 2); memory: the n_r x n rows plus one
+    layer's factors of this rank and of one peer, and one half tile in flight;
+    communication: each rank receives n - n_r rows of every layer's factors
+    (sum_l (a_l + c_l) numbers per row), sends its own n_r rows to each peer, and
+    swaps half of each shared tile (n_r n_s / 2 entries each way, pair by pair in
+    lexicographic order with blocking send/recv).  A rank that dies or stalls makes
+    the others raise after the group's timeout (or at once, when its sockets close).
     """
     group = resolve_group(group)
     what = "ncdp_fast.distributed.ntk_gram"
@@ -302,12 +324,61 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", parameterization="st
                 continue
             fs = None if a is None else comm.bcast(np.empty((counts[s], a), dtype), s, step)
             bs = comm.bcast(np.empty((counts[s], c), dtype), s, step)
-            if n_r:
-                accumulate_gram(be, [((lib(f), lib(b)), (lib(fs), lib(bs)))],
-                                out[:, offsets[s]:offsets[s + 1]], False)
+            # The tile K[R_lo, R_hi] of a pair of ranks lo < hi is computed once, half by
+            # each: lo its rows against the first half H1 of hi's rows, hi the second
+            # half H2 of its rows against all of lo's; the halves are swapped below.
+            if rank < s:
+                h = counts[s] // 2
+                if n_r and h:
+                    accumulate_gram(be, [((lib(f), lib(b)), (lib(_head(fs, h)), lib(bs[:h])))],
+                                    out[:, offsets[s]:offsets[s] + h], False)
+            else:
+                h = n_r // 2
+                if n_r > h:
+                    accumulate_gram(be, [((lib(_tail(f, h)), lib(b[h:])), (lib(fs), lib(bs)))],
+                                    out[h:, offsets[s]:offsets[s + 1]], False)
+    _swap_half_tiles(comm, out, counts, offsets)
     if stats is not None:
         stats.update(comm.stats(), row_start=lo, rows=n_r, n=n)
     return be.io.to_user(out)
+
+
+def _head(a, h):
+    return None if a is None else a[:h]
+
+
+def _tail(a, h):
+    return None if a is None else a[h:]
+
+
+def _swap_half_tiles(comm, out, counts, offsets):
+    """Complete the rows after the half tiles of :func:`ntk_gram`: for each pair of
+    ranks lo < hi (in lexicographic order, so that blocking sends and receives
+    cannot wait in a cycle), lo sends K[R_lo, H1] (n_lo x |H1|) and hi sends
+    K[H2, R_lo] (|H2| x n_lo); each writes the transpose of what it receives into
+    its rows.  Every
+    off-diagonal entry is then computed once and the stacked rows are exactly
+    symmetric."""
+    if comm.world == 1:
+        return
+    rank = comm.rank
+    for lo in range(comm.world):
+        for hi in range(lo + 1, comm.world):
+            if rank not in (lo, hi) or counts[lo] == 0 or counts[hi] == 0:
+                continue
+            h = counts[hi] // 2
+            c_lo, c_hi = slice(offsets[lo], offsets[lo + 1]), offsets[hi]
+            step = f"half tiles of ranks {lo} and {hi}"
+            # Each block travels as its sender holds it and is transposed on arrival.
+            if rank == lo:
+                if h:
+                    comm.send(np.ascontiguousarray(out[:, c_hi:c_hi + h]), hi, step)
+                got = comm.recv(np.empty((counts[hi] - h, counts[lo]), out.dtype), hi, step)
+                out[:, c_hi + h:c_hi + counts[hi]] = got.T
+            else:
+                if h:
+                    out[:h, c_lo] = comm.recv(np.empty((counts[lo], h), out.dtype), lo, step).T
+                comm.send(np.ascontiguousarray(out[h:, c_lo]), lo, step)
 
 
 # --------------------------------------------------------------- the eigenvalue
