@@ -415,19 +415,16 @@ def _orthonormal_block(Z, V, comm, fresh, step, first_pass=None):
                                 "(random vectors kept falling into it)")
 
 
-def _smallest_ritz_pair(H, band):
-    """Smallest eigenpair of the symmetric H restricted to its ``band`` sub-diagonals
-    (LAPACK's banded solver, O(k^2 band) instead of O(k^3)).  With full
-    re-orthogonalisation H = V^T K V is block tridiagonal (bandwidth 2 block - 1) up
-    to rounding and to the deficiency tolerance of a restarted block, so this is the
-    Ritz pair up to that; the residual that stops the iteration is computed from K V
-    itself, whatever H's truncation did."""
+def _smallest_ritz_pair(ab):
+    """Smallest eigenpair of the symmetric band matrix in LAPACK's lower band storage
+    ``ab`` (ab[d, j] = H[j + d, j]; O(k^2 band) instead of O(k^3) for a dense H).
+    With full re-orthogonalisation H = V^T K V is block tridiagonal (bandwidth
+    2 block - 1) up to rounding and to the deficiency tolerance of a restarted block,
+    so its band gives the Ritz pair up to that; the residual that stops the iteration
+    is computed from K V itself, whatever the truncation did."""
     from scipy.linalg import LinAlgError, eig_banded, solveh_banded
-    k = H.shape[0]
-    band = min(band, k - 1)
-    ab = np.zeros((band + 1, k))
-    for d in range(band + 1):                 # lower form: ab[d, j] = H[j + d, j]
-        ab[d, :k - d] = np.diagonal(H, -d)
+    k = ab.shape[1]
+    ab = ab[:min(ab.shape[0], k)]
     theta = float(eig_banded(ab, lower=True, eigvals_only=True, select="i",
                              select_range=(0, 0), check_finite=False)[0])
     # The vector by inverse iteration on the band, shifted just below theta so that
@@ -459,7 +456,8 @@ def _block_lanczos(apply_rows, comm, counts, *, block, tol, max_blocks, seed):
     matrix drawn from ``numpy.random.default_rng(seed)`` (the same matrix on every
     rank: a public start, linear algebra, not a privacy draw).  After each block the
     smallest Ritz pair (theta, u) of the projected matrix H = V^T K V is computed
-    (identical on every rank: H is reduced in rank order) and the iteration stops
+    from its band (kept in band storage, (2 block) x k numbers, never k x k;
+    identical on every rank: H is reduced in rank order) and the iteration stops
     when ||K u - theta u|| <= tol * knorm, knorm the largest Ritz value of K seen so
     far (<= ||K||_2), or when |theta| <= n eps knorm (K singular to working
     precision); the check runs after every block at first, then every ~steps/8
@@ -478,9 +476,10 @@ def _block_lanczos(apply_rows, comm, counts, *, block, tol, max_blocks, seed):
         return rng.standard_normal((n, m))[lo:lo + n_r]
 
     cap = min(n, max_blocks * b)
+    band = 2 * b - 1
     V = np.empty((n_r, cap))
     AV = np.empty((n_r, cap))
-    H = np.zeros((cap, cap))
+    ab = np.zeros((band + 1, cap))        # H = V^T K V in lower band storage
     Q = _orthonormal_block(fresh(b), V[:, :0], comm, fresh, "start block")
     k, knorm, steps, converged, next_check = 0, 0.0, 0, False, 1
     eps = np.finfo(np.float64).eps
@@ -490,18 +489,21 @@ def _block_lanczos(apply_rows, comm, counts, *, block, tol, max_blocks, seed):
         V[:, k:k + c] = Q
         AQ = apply_rows(comm.allgather_rows(Q, counts, "Lanczos block"))
         AV[:, k:k + c] = AQ
-        C = comm.allsum(V[:, :k + c].T @ AQ, "projection")
-        H[:k + c, k:k + c] = C
-        H[k:k + c, :k] = C[:k].T
-        H[k:k + c, k:k + c] = 0.5 * (C[k:] + C[k:].T)
-        knorm = max(knorm, float(np.linalg.eigvalsh(H[k:k + c, k:k + c])[-1]))
+        C = comm.allsum(V[:, :k + c].T @ AQ, "projection")   # H[:k + c, k:k + c]
+        D = 0.5 * (C[k:] + C[k:].T)                          # the new diagonal block
+        for p in range(c):                                   # row k + p of H, in the band
+            row = k + p
+            j0 = max(0, row - band)
+            js = np.arange(j0, row + 1)
+            ab[row - js, js] = np.concatenate([C[j0:k, p], D[max(0, j0 - k):p + 1, p]])
+        knorm = max(knorm, float(np.linalg.eigvalsh(D)[-1]))
         k += c
         if steps >= next_check or k >= cap:
             # The Ritz pair and its residual every step at first, then every ~steps/8
             # steps (each check costs O(k^2 block) + O(n_r k) against O(n_r k block)
             # for the step itself): at most ~12 % more steps than checking always.
             next_check = steps + max(1, steps // 8)
-            theta, y = _smallest_ritz_pair(H[:k, :k], 2 * b - 1)
+            theta, y = _smallest_ritz_pair(ab[:, :k])
             R = AV[:, :k] @ y - theta * (V[:, :k] @ y)
             r = math.sqrt(float(comm.allsum(np.array([R @ R]), "residual")[0]))
             done = r <= tol * knorm or abs(theta) <= n * eps * knorm
