@@ -566,9 +566,10 @@ def lambda_min(K_rows=None, *, x=None, weights=None, group=None, tol=1e-10, bloc
     basis and K times it, at most twice the float64 rows) and work O(n_r n k + n_r k^2)
     per rank.  Stopping rule: the Ritz residual ||K u - theta u|| <= tol * knorm
     (knorm: the largest Ritz value seen, a lower bound of ||K||_2), or |theta| <=
-    n eps knorm (K singular to working precision).  Then some eigenvalue of K lies within ``residual`` of the returned
-    value and lambda_min <= value (a Rayleigh quotient); with a gap delta to the
-    next eigenvalue the error is at most residual^2 / delta.  Without convergence
+    n eps knorm (K singular to working precision).  Then some eigenvalue of K lies
+    within ``residual`` of the returned value and lambda_min <= value (a Rayleigh
+    quotient); with a gap delta to the next eigenvalue the error is at most
+    residual^2 / delta.  Without convergence
     a RuntimeWarning says so and the value is an upper bound.  The start block is
     drawn from ``numpy.random.default_rng(seed)`` (public: linear algebra, not a
     privacy draw), identical on every rank; every reduction sums the ranks' parts
