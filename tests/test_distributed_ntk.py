@@ -245,6 +245,10 @@ def test_arguments_are_checked_before_any_collective():
         dntk.lambda_min(np.eye(3), tol=-1.0)
     with pytest.raises(ValueError, match="give either K_rows or x"):
         dntk.lambda_min()
+    with pytest.raises(TypeError, match="stats: expected None or a dict, got list"):
+        dntk.ntk_gram(np.zeros((3, 5)), stats=[], **net)
+    with pytest.raises(TypeError, match="replicated: expected True or False"):
+        dntk.ntk_gram(np.zeros((3, 5)), replicated=1, **net)
 
 
 def test_two_ranks_replicated_inputs_equal_one_process():

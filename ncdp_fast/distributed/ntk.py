@@ -245,6 +245,8 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", parameterization="st
     try:
         if not isinstance(replicated, bool):
             raise TypeError(f"replicated: expected True or False, got {replicated!r}")
+        if stats is not None and not isinstance(stats, dict):
+            raise TypeError(f"stats: expected None or a dict, got {type(stats).__name__}")
         arrays = {"x": x}
         if isinstance(weights, (list, tuple)):
             arrays.update({f"weights[{l}]": w for l, w in enumerate(weights)})
@@ -610,6 +612,8 @@ def lambda_min(K_rows=None, *, x=None, weights=None, group=None, tol=1e-10, bloc
         raise TypeError(f"lambda_min: {sorted(network)} only go with x and weights")
     error, config = None, {}
     try:
+        if stats is not None and not isinstance(stats, dict):
+            raise TypeError(f"stats: expected None or a dict, got {type(stats).__name__}")
         tol = check_positive(tol, "tol")
         block = check_pos_int(block, "block")
         seed = check_uint64(seed, "seed")
