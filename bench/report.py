@@ -405,10 +405,53 @@ def privacy(family):
                  "opacus prv ran in the first round only"])
 
 
+def distributed_ntk(family):
+    rows = []
+    for w, ms in family.items():
+        base = _t(ms, "one_process")
+        for m in ("one_process", "sharded_w1", "sharded_w2"):
+            row = dict(shape=w, method=m)
+            if m not in ms:
+                row["error"] = NO_RESULT
+            else:
+                e, t = ms[m]["extra_info"], _t(ms, m)
+                mb = e.get("peak_extra_mb_per_rank")
+                row.update(processes=e.get("processes"), seconds=t, gram_s=e.get("gram_s"),
+                           lambda_s=e.get("lambda_s"), vs_one_process=t / base if base else None,
+                           peak_mb_per_rank=None if mb is None else
+                           " / ".join(f"{v:.0f}" for v in mb),
+                           mb_sent=max(e["bytes_sent_per_rank"]) / 1e6,
+                           mb_received=max(e["bytes_received_per_rank"]) / 1e6,
+                           value=e.get("value"), residual=e.get("residual"),
+                           solver=e.get("solver"), steps=e.get("steps"))
+            rows.append(row)
+    return rows, (
+        [("shape", "(n, d, N) dtype", None), ("method", "method", None),
+         ("processes", "ranks", None), ("seconds", "s (Gram + lambda_min)", "{:.2f}"),
+         ("gram_s", "Gram s", "{:.2f}"), ("lambda_s", "lambda_min s", "{:.2f}"),
+         ("vs_one_process", "× one_process time", "{:.2f}"),
+         ("peak_mb_per_rank", "peak extra MB per rank", None),
+         ("mb_sent", "MB sent (max rank)", "{:.1f}"),
+         ("mb_received", "MB received (max rank)", "{:.1f}"),
+         ("value", "lambda_min", "{:.6e}"), ("residual", "residual", "{:.1e}"),
+         ("solver", "solver", None), ("steps", "Lanczos steps", None), ("error", "error", None)],
+        ["one call: the Gram and its lambda_min, two-layer ReLU, x on the unit sphere; "
+         "one_process: ncdp_fast.ntk_gram + ntk.lambda_min (auto: eigh to n = 4000); "
+         "sharded_w1 / sharded_w2: ncdp_fast.distributed.ntk_gram + ntk_lambda_min "
+         "(block Lanczos on the sharded rows, tol 1e-10) on 1 process / 2 gloo ranks on "
+         "127.0.0.1",
+         "each method in its own persistent worker process(es), the machine's threads "
+         "divided among the ranks; times: the slowest rank plus the queue round trip; "
+         "Gram / lambda_min s: the slowest rank's own timers",
+         "bytes: payload handed to torch.distributed by the module's collectives (factor "
+         "rows, Lanczos blocks, reductions), per rank, not gloo's wire traffic; "
+         "check_same_config's small all_gather_object is not counted"])
+
+
 FAMILIES = {"bench_clip_dense": clip_dense, "bench_clip_step": clip_step, "bench_mix": mix,
             "bench_poisson_batches": poisson_batches, "bench_ntk": ntk,
             "bench_release": release, "bench_train": train, "privacy": privacy,
-            "bench_finetune": finetune}
+            "bench_finetune": finetune, "bench_distributed_ntk": distributed_ntk}
 
 
 def write_tables(doc: dict, out: str | Path, quiet: bool = False) -> list[Path]:

@@ -25,7 +25,7 @@ import numpy as np
 from . import _arrays, _backend
 from ._validate import check_choice
 
-__all__ = ["ACTIVATIONS", "ntk_gram", "ntk_factors", "namespace", "activation"]
+__all__ = ["ACTIVATIONS", "ntk_gram", "ntk_factors", "namespace", "activation", "accumulate_gram"]
 
 ACTIVATIONS = ("relu", "tanh", "erf", "gelu", "softplus", "identity")
 
@@ -267,9 +267,7 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
         return _diagonal(pairs, dtype)
     if be.name == "cpu":
         out = be.io.zeros((n, n2), dtype)
-        for (fa, ba), (fb, bb) in pairs:
-            be.kernels.hadamard_gram([view(fa)], [view(ba)], [view(fb)], [view(bb)], out,
-                                     x2 is None, matmul=be.io.matmul, accumulate=True)
+        accumulate_gram(be, pairs, out, x2 is None)
         return be.io.to_user(out)
     # CUDA: one launch over all terms (the tile accumulates every layer in registers).
     pairs = list(pairs)
@@ -281,6 +279,24 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
     b2 = b if x2 is None else [view(t[1]) for _, t in pairs]
     be.kernels.hadamard_gram(f, b, f2, b2, out, x2 is None, accumulate_f64=accumulate_f64)
     return be.io.to_user(out)
+
+
+def accumulate_gram(be, pairs, out, symmetric):
+    """CPU: ``out += sum (fa fb^T) o (ba bb^T)`` over the factor pairs ``((fa, ba), (fb,
+    bb))`` (an iterable, consumed one layer at a time; ``fa is None``: a constant-1
+    factor), by the kernel of ``be`` (a CPU backend of :func:`_backend.select`).
+
+    out: (n, n2) NumPy array of the factors' dtype (a view into a larger array is
+    fine: the kernel writes it block by block); fa (n, a), ba (n, c), fb (n2, a),
+    bb (n2, c) arrays of ``be``'s library.  ``symmetric``: the pairs are (t, t), so
+    only blocks on and above the diagonal are computed and mirrored (out square).
+    :func:`ntk_gram` and the row-sharded Gram of ``ncdp_fast.distributed`` (one
+    block of rows against another rank's factors) both call it."""
+    def view(a):
+        return None if a is None else be.io.to_kernel(a)
+    for (fa, ba), (fb, bb) in pairs:
+        be.kernels.hadamard_gram([view(fa)], [view(ba)], [view(fb)], [view(bb)], out,
+                                 symmetric, matmul=be.io.matmul, accumulate=True)
 
 
 def _diagonal(pairs, dtype):

@@ -10,5 +10,7 @@ initialised default group a call is an ordinary one-process call.
 from __future__ import annotations
 
 from ._group import check_same_config, rank_world, resolve_group, shard_bounds
+from .ntk import lambda_min as ntk_lambda_min, ntk_gram
 
-__all__ = ["resolve_group", "rank_world", "check_same_config", "shard_bounds"]
+__all__ = ["resolve_group", "rank_world", "check_same_config", "shard_bounds", "ntk_gram",
+           "ntk_lambda_min"]
