@@ -106,12 +106,10 @@ def _token_classifier_class():
     class TokenClassifier(nn.Module):
         """Embedding -> TransformerEncoder -> mean over positions -> linear head.
 
-        The head is registered before the embedding: GhostClipper hands the fused
-        clip op its layers in registration order, and that op (ncdp_fast/_clip.py
-        ``_clip_layers``, commit 0338457) takes the batch dtype from its first
-        input, which for an embedding's GhostBlock is the float64 squared-norm
-        vector, then refuses the float32 activations of every later layer.  The
-        order changes nothing else (same modules, same computation)."""
+        The head is registered before the embedding (a workaround for a bug of
+        commit 0338457, fixed since: an embedding first made the fused op take
+        its float64 norms' dtype); kept so that recorded runs stay comparable,
+        it changes nothing else (same modules, same computation)."""
 
         def __init__(self, vocab, d, heads, ff, layers, K):
             super().__init__()
