@@ -225,4 +225,7 @@ def release_sharded(mech: NeuroMixGDP, features, labels, *, num_classes, group=N
     return ShardedRelease(x=out_x, y=out_y, row_start=t_lo, row_stop=t_hi, sigma_x=sx,
                           sigma_y=sy, report=report, mixup_degree=m, num_samples=T,
                           num_classes=K, clip_x=mech.clip_x, clip_y=mech.clip_y, group=group,
+                          stats=dict(rounds=rounds, rows_per_round=b, rows_sampled=T,
+                                     reduce_scatter_bytes=0 if group is None else
+                                     rounds * part.nbytes),
                           _noise_key=dict(seed=seed, offset=offset, draws=T * stride))

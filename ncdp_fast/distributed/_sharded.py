@@ -40,6 +40,9 @@ class ShardedRelease:
             clip_y: as :class:`~ncdp_fast.release.Released`; the report is the
             one-process report (the same on every rank).
         group: the process group (``None``: one process).
+        stats: what this rank did: ``rounds``, ``rows_per_round`` (b, per owner),
+            ``reduce_scatter_bytes`` (bytes this rank handed to reduce-scatters: W b d
+            elements per round; a ring sends (W-1)/W of them), ``rows_sampled``.
 
     The noise key is kept on the object only (never pickled or saved), as for
     :class:`Released`.
@@ -57,6 +60,7 @@ class ShardedRelease:
     clip_x: float
     clip_y: float
     group: Any = field(default=None, repr=False)
+    stats: dict = field(default_factory=dict, repr=False)
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc)
                          .strftime("%Y-%m-%dT%H:%M:%SZ"))
     _noise_key: Any = field(default=None, repr=False)
