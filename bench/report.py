@@ -356,6 +356,7 @@ def distributed_release(family):
             e = ms[m]["extra_info"]
             rows.append(dict(
                 config=w, ranks=e["world"], release_s=_t(ms, m),
+                **{k: e.get(k) for k in ("n", "T", "d", "K", "m")},
                 vs_w1=_t(ms, m) / _t(ms, "W1") if "W1" in ms else None,
                 accounting_s=e["accounting_s"], threads=e["ranks"][0]["threads"],
                 shard_mb=max(r["shard_mb"] for r in e["ranks"]),

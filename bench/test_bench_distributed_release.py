@@ -173,7 +173,8 @@ def test_distributed_release(benchmark, case, bench_device, bench_size):
     pool = Pool(case.params, world)
     try:
         measure(benchmark, case, pool.run, device="cpu", memory=False,
-                repeats=1 if bench_size == "full" else 2, warmup=0, world=world)
+                repeats=1 if bench_size == "full" else 2, warmup=0, world=world,
+                **{k: case.params[k] for k in ("n", "T", "d", "K", "m")})
         ranks = pool.last
     finally:
         pool.close()
