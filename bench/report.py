@@ -359,6 +359,7 @@ def distributed_release(family):
                 **{k: e.get(k) for k in ("n", "T", "d", "K", "m")},
                 vs_w1=_t(ms, m) / _t(ms, "W1") if "W1" in ms else None,
                 accounting_s=e["accounting_s"], threads=e["ranks"][0]["threads"],
+                rounds_s=e.get("rounds_s_max"), compute_s=e.get("compute_s_max"),
                 shard_mb=max(r["shard_mb"] for r in e["ranks"]),
                 rss_peak_mb=e["rank_peak_rss_mb_max"], extra_mb=e["rank_extra_mb_max"],
                 rs_mb=e["reduce_scatter_bytes_per_rank"] / 2**20,
@@ -367,7 +368,9 @@ def distributed_release(family):
     return rows, (
         [("config", "configuration", None), ("ranks", "ranks", None),
          ("threads", "numba threads / rank", None), ("release_s", "release s", "{:.2f}"),
-         ("vs_w1", "time / 1 rank", "{:.2f}"), ("accounting_s", "accounting s", "{:.2f}"),
+         ("vs_w1", "time / 1 rank", "{:.2f}"), ("accounting_s", "of which accounting s", "{:.2f}"),
+         ("rounds_s", "rounds s (max rank)", "{:.2f}"),
+         ("compute_s", "rounds minus reduce-scatter s (max rank)", "{:.2f}"),
          ("shard_mb", "shard MB / rank", "{:.0f}"),
          ("rss_peak_mb", "peak RSS MB / rank (max)", "{:.0f}"),
          ("extra_mb", "RSS growth in call MB / rank (max)", "{:.0f}"),

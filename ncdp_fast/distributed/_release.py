@@ -32,7 +32,7 @@ process's; the reduce adds W partials).
 from __future__ import annotations
 
 import hashlib
-import math
+import time
 
 import numpy as np
 
@@ -137,6 +137,7 @@ def release_sharded(mech: NeuroMixGDP, features, labels, *, num_classes, group=N
         the features' dtype) and the one-process :class:`PrivacyReport`; its
         ``gather()`` / ``save()`` assemble the whole release.
     """
+    t_start = time.perf_counter()
     group = resolve_group(group)
     rank, world = rank_world(group)
     stream = mech._stream
@@ -167,6 +168,7 @@ def release_sharded(mech: NeuroMixGDP, features, labels, *, num_classes, group=N
                          f"expected n = {n} (the labels' length)")
     seed = stream.seed if stream._explicit else locals_[0][1]
     offset = locals_[0][2]
+    t_checked = time.perf_counter()
     if group is None:
         sx, sy, report = _calibrate(mech, n, K, T, m, rates)
     else:
@@ -175,6 +177,7 @@ def release_sharded(mech: NeuroMixGDP, features, labels, *, num_classes, group=N
         except Exception as e:
             payload = ("error", f"{type(e).__name__}: {e}")
         sx, sy, report = _broadcast_from_0(payload, group, rank)
+    t_calibrated = time.perf_counter()
 
     s_y = min(1.0, mech.clip_y)
     std_x = sx * mech.clip_x / m
@@ -190,13 +193,15 @@ def release_sharded(mech: NeuroMixGDP, features, labels, *, num_classes, group=N
     factors = np.full(max(1, x.shape[0]), -1.0)
     unit = unit_roundoff(x.dtype)
     owned = [shard_bounds(T, q, world) for q in range(world)]
-    b = max(1, min(max(hi - lo_ for lo_, hi in owned),
-                   int(chunk_bytes) // (world * d * x.dtype.itemsize)))
-    rounds = -(-max(hi - lo_ for lo_, hi in owned) // b)
+    most = max(hi - lo_ for lo_, hi in owned)
+    b = max(1, min(most, int(chunk_bytes) // (world * d * x.dtype.itemsize)))
+    rounds = -(-most // b)
+    b = -(-most // rounds)          # the same rounds, as little padding as possible
     stride = d + K
     part = np.empty((world * b, d), x.dtype)
     count_y = np.empty((world * b, K))
     mine = np.empty((b, d), x.dtype)
+    comm_s = 0.0
     for k in range(rounds):
         rows = np.full(world * b, -1, np.int64)
         for q, (a, e) in enumerate(owned):
@@ -208,7 +213,9 @@ def release_sharded(mech: NeuroMixGDP, features, labels, *, num_classes, group=N
         if group is None:
             mine[:] = part[:b]
         else:
+            t0 = time.perf_counter()
             _reduce_scatter(mine, part, group)
+            comm_s += time.perf_counter() - t0
         a1 = min(t_lo + k * b, t_hi)
         e1 = min(t_lo + (k + 1) * b, t_hi)
         if e1 > a1:
@@ -227,5 +234,8 @@ def release_sharded(mech: NeuroMixGDP, features, labels, *, num_classes, group=N
                           num_classes=K, clip_x=mech.clip_x, clip_y=mech.clip_y, group=group,
                           stats=dict(rounds=rounds, rows_per_round=b, rows_sampled=T,
                                      reduce_scatter_bytes=0 if group is None else
-                                     rounds * part.nbytes),
+                                     rounds * part.nbytes, check_s=t_checked - t_start,
+                                     accounting_s=t_calibrated - t_checked,
+                                     rounds_s=time.perf_counter() - t_calibrated,
+                                     reduce_scatter_s=comm_s),
                           _noise_key=dict(seed=seed, offset=offset, draws=T * stride))

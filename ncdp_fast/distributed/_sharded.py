@@ -42,7 +42,11 @@ class ShardedRelease:
         group: the process group (``None``: one process).
         stats: what this rank did: ``rounds``, ``rows_per_round`` (b, per owner),
             ``reduce_scatter_bytes`` (bytes this rank handed to reduce-scatters: W b d
-            elements per round; a ring sends (W-1)/W of them), ``rows_sampled``.
+            elements per round; a ring sends (W-1)/W of them), ``rows_sampled``, and
+            seconds: ``check_s`` (arguments and the config exchange), ``accounting_s``
+            (rank 0's calibration and report, the others' wait for it), ``rounds_s``
+            (sampling, sums, reduce-scatters, noise), ``reduce_scatter_s`` (in the
+            collective, waiting for the slowest rank included).
 
     The noise key is kept on the object only (never pickled or saved), as for
     :class:`Released`.
