@@ -151,6 +151,9 @@ def _mismatch(rank, world, what):
         seed += 1
     if what == "n" and rank == 0:
         y = y[:-1]
+    if what == "nan" and rank == 1:
+        X = X.copy()
+        X[12, 0] = np.nan
     try:
         mech = NeuroMixGDP(seed=seed, accountant="clt", **kw)
         mech.value_discretization_interval = 1e-2
@@ -183,6 +186,10 @@ def test_mismatched_configuration_is_an_error_on_every_rank():
                 and key in m, m
         seen += msgs
     assert str(SEED) not in "".join(seen)          # the secret seed is never shown
+    # a bad shard on one rank: every rank says which, none waits for it
+    for m in spawn(_mismatch, 3, "nan", timeout=60):
+        assert m.startswith("NeuroMixGDP.release: 1 of 3 ranks failed before starting: rank "
+                            "1: ValueError: features: expected finite values"), m
 
 
 def test_a_rank_that_dies_is_an_error_not_a_hang():
