@@ -126,6 +126,12 @@ def run_release(args) -> int:
                               num_classes=args.num_classes, group=group,
                               chunk_bytes=int(args.chunk_mb * 2**20),
                               progress=_Progress(rank == 0 and not args.quiet))
+        if rank == 0 and not args.quiet:
+            st = res.stats
+            print(f"ncdp-fast release: config exchange {st['check_s']:.1f} s, accounting (rank 0) "
+                  f"{st['accounting_s']:.1f} s, {st['rounds']} round(s) {st['rounds_s']:.1f} s "
+                  f"(of which in reduce-scatter {st['reduce_scatter_s']:.1f} s); writing "
+                  f"{args.out}", file=sys.stderr, flush=True)
         out = res.save(args.out, overwrite=args.overwrite)
     except (ValueError, TypeError, OSError, RuntimeError) as e:   # gloo errors are RuntimeError
         print(f"ncdp-fast release: rank {rank} of {world}: error: {e}", file=sys.stderr,

@@ -17,6 +17,7 @@ API (kept small and stable):
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .. import _validate
@@ -39,6 +40,8 @@ def resolve_group(group: Any = None) -> Any:
     ``group=None``: the default (WORLD) group when ``torch.distributed`` is
     initialised, else ``None``.  A given group needs an initialised
     ``torch.distributed`` (``TypeError``/``RuntimeError`` otherwise)."""
+    if group is None and "torch.distributed" not in sys.modules:
+        return None         # nothing initialised a group; no torch import (seconds) for that
     dist = _dist()
     if group is None:
         if dist is None or not dist.is_initialized():

@@ -146,7 +146,8 @@ class ShardedRelease:
             out.mkdir(parents=True, exist_ok=True)
             clash = [str(p) for p in names if p.exists()]
             if clash and not overwrite:
-                problem = f"out_dir: {', '.join(clash)} exist; pass overwrite=True to replace them"
+                problem = (f"out_dir: {', '.join(clash)} exist; pass overwrite=True "
+                           "(ncdp-fast release: --overwrite) to replace them")
         if self.group is not None:          # every rank raises, none waits for rank 0
             box = [problem]
             _, dist = _p2p(self.group)
