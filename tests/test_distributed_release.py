@@ -12,7 +12,7 @@ What is compared, and why it may differ:
   group sequentially in float32; a rank sums its members in the same order and the
   reduce adds W partials, i.e. the same c terms re-associated, c + W - 1 additions.
   Each result is within gamma_{c+W} * sum|f_i x_i| of the exact sum (Higham,
-  eq. 3.4; conftest.gamma), so they differ by at most twice that, divided by m,
+  eq. 3.4; gamma below, as conftest's), so they differ by at most twice that, divided by m,
   plus one float32 rounding of each output.
 * the privacy report: equal (it is computed once, on rank 0, for the total n).
 """
@@ -30,13 +30,25 @@ import pytest
 pytest.importorskip("torch.distributed")
 
 from _distributed import spawn, spawn_outcomes  # noqa: E402
-from conftest import gamma, unit_roundoff  # noqa: E402
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from ncdp_fast import _stream  # noqa: E402
 from ncdp_fast.release import NeuroMixGDP  # noqa: E402
 
 SEED = 20261123
+
+
+# conftest.py's rounding helpers, repeated: the ranks import this module by name, and
+# "conftest" there may resolve to bench/conftest.py (tests/test_bench_suite.py puts
+# bench/ first on sys.path).
+def unit_roundoff(dtype) -> float:
+    return float(np.finfo(dtype).eps) / 2
+
+
+def gamma(n: int, dtype) -> float:
+    nu = n * unit_roundoff(dtype)
+    assert nu < 0.5, "bound meaningless at this size"
+    return nu / (1 - nu)
 
 
 def _data(n, d, K, onehot=False):
