@@ -64,8 +64,10 @@ def _shard(features):
     x = _arrays.to_numpy(features)
     if x.dtype not in (np.float32, np.float64):
         raise TypeError(f"features: expected float32 or float64, got dtype {x.dtype}")
-    if x.size and not np.isfinite(x).all():
-        raise ValueError("features: expected finite values, got NaN or Inf")
+    step = max(1, (1 << 24) // max(1, x.shape[1]))    # a bounded temporary, not n_r x d
+    for i in range(0, x.shape[0], step):
+        if not np.isfinite(x[i:i + step]).all():
+            raise ValueError("features: expected finite values, got NaN or Inf")
     return x
 
 
