@@ -447,11 +447,54 @@ def distributed_ntk(family):
          "rows, Lanczos blocks, reductions), per rank, not gloo's wire traffic; "
          "check_same_config's small all_gather_object is not counted"])
 
+def distributed_release(family):
+    """One row per (configuration, number of ranks) of test_bench_distributed_release.py."""
+    rows = []
+    for w, ms in family.items():
+        for m in ("W1", "W2"):
+            if m not in ms:
+                rows.append(dict(config=w, ranks=m[1:], error=NO_RESULT))
+                continue
+            e = ms[m]["extra_info"]
+            rows.append(dict(
+                config=w, ranks=e["world"], release_s=_t(ms, m),
+                **{k: e.get(k) for k in ("n", "T", "d", "K", "m")},
+                vs_w1=_t(ms, m) / _t(ms, "W1") if "W1" in ms else None,
+                accounting_s=e["accounting_s"], threads=e["ranks"][0]["threads"],
+                rounds_s=e.get("rounds_s_max"), compute_s=e.get("compute_s_max"),
+                shard_mb=max(r["shard_mb"] for r in e["ranks"]),
+                rss_peak_mb=e["rank_peak_rss_mb_max"], extra_mb=e["rank_extra_mb_max"],
+                rs_mb=e["reduce_scatter_bytes_per_rank"] / 2**20,
+                written_mb=e["written_bytes_per_rank"] / 2**20,
+                rounds=e["ranks"][0]["rounds"], epsilon_pld=e["epsilon_pld"]))
+    return rows, (
+        [("config", "configuration", None), ("ranks", "ranks", None),
+         ("threads", "numba threads / rank", None), ("release_s", "release s", "{:.2f}"),
+         ("vs_w1", "time / 1 rank", "{:.2f}"), ("accounting_s", "of which accounting s", "{:.2f}"),
+         ("rounds_s", "rounds s (max rank)", "{:.2f}"),
+         ("compute_s", "rounds minus reduce-scatter s (max rank)", "{:.2f}"),
+         ("shard_mb", "shard MB / rank", "{:.0f}"),
+         ("rss_peak_mb", "peak RSS MB / rank (max)", "{:.0f}"),
+         ("extra_mb", "RSS growth in call MB / rank (max)", "{:.0f}"),
+         ("rs_mb", "reduce-scatter input MB / rank", "{:.0f}"),
+         ("written_mb", "bytes written MB / rank (measured)", "{:.0f}"),
+         ("rounds", "rounds", None), ("epsilon_pld", "eps PLD", "{:.3f}"),
+         ("error", "error", None)],
+        ["ncdp_fast.distributed.release_sharded on a gloo group over 127.0.0.1 (1 rank: the "
+         "same code, no communication); synthetic float32 features; epsilon = 1, delta = "
+         "1e-5; the time of a call is the wall time until every rank has finished",
+         "the machine's cores are shared by the ranks (numba threads / rank), so 2 ranks "
+         "here measure the cost of sharding, not a speed-up",
+         "peak RSS: the rank's resident set, sampled every ms during the call (shard, "
+         "labels, outputs, buffers, and the interpreter with torch); bytes written: "
+         "/proc/self/io wchar over the call, the gloo socket traffic of that rank"])
+
 
 FAMILIES = {"bench_clip_dense": clip_dense, "bench_clip_step": clip_step, "bench_mix": mix,
             "bench_poisson_batches": poisson_batches, "bench_ntk": ntk,
             "bench_release": release, "bench_train": train, "privacy": privacy,
-            "bench_finetune": finetune, "bench_distributed_ntk": distributed_ntk}
+             "bench_finetune": finetune, "bench_distributed_ntk": distributed_ntk,
+             "bench_distributed_release": distributed_release}
 
 
 def write_tables(doc: dict, out: str | Path, quiet: bool = False) -> list[Path]:

@@ -25,9 +25,9 @@ def _cmd_demo(args) -> int:
 
 # bench/test_bench_<name>.py, pytest-benchmark tests (bench/README.md).
 BENCHES = ["clip", "mix", "ntk", "privacy", "train", "release", "finetune", "distributed_ntk",
-           "distributed_dpsgd"]
+           "distributed_dpsgd", "distributed_release"]
 # Accounting only, or gloo ranks on the CPU: no GPU part.
-CPU_ONLY_BENCHES = {"privacy", "distributed_ntk", "distributed_dpsgd"}
+CPU_ONLY_BENCHES = {"privacy", "distributed_ntk", "distributed_dpsgd", "distributed_release"}
 GPU_BENCHES = [b for b in BENCHES if b not in CPU_ONLY_BENCHES]
 
 
@@ -100,6 +100,13 @@ def _cmd_reproduce(args) -> int:
     return run(args.name, args.args)
 
 
+def _add_release(sub) -> None:
+    """``ncdp-fast release``: the NeuroMixGDP release of .npy files, in one process or
+    under torchrun (its options and run: ncdp_fast/distributed/_cli.py)."""
+    from .distributed._cli import add_release_parser
+    add_release_parser(sub)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ncdp-fast", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,6 +148,7 @@ def main(argv=None) -> int:
     rep.add_argument("name", choices=sorted(REPRODUCTIONS))
     rep.add_argument("args", nargs=argparse.REMAINDER, help="options of the reproduction (--help)")
     rep.set_defaults(fn=_cmd_reproduce)
+    _add_release(sub)
     args, extra = parser.parse_known_args(argv)
     if args.command == "data":
         # The fetcher parses its own options (argparse's REMAINDER cannot start

@@ -54,15 +54,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Imported once by the fork server, so that no child pays for them (numba's
+# thread pools start on first use, after the fork, so forking after these is safe).
+PRELOAD = ["numpy", "torch", "torch.distributed", "ncdp_fast", "ncdp_fast.release",
+           "ncdp_fast.distributed._release"]
+
+
 def _context():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["numpy", "torch", "torch.distributed"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
-def _child(fn, rank, world, port, args, pg_timeout, q):
+def _child(fn, rank, world, port, args, pg_timeout, q, torchrun_env):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
+        if torchrun_env:        # what torchrun sets; fn initialises the group itself
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                              LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(port))
+            q.put((rank, "ok", fn(rank, world, *args), ""))
+            return
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=pg_timeout))
@@ -76,16 +88,20 @@ def _child(fn, rank, world, port, args, pg_timeout, q):
 
 
 def spawn_outcomes(fn: Callable, world: int, *args, timeout: float = 60.0,
-                   pg_timeout: float = 20.0) -> list[Outcome]:
+                   pg_timeout: float = 20.0, torchrun_env: bool = False) -> list[Outcome]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; one :class:`Outcome` per rank.
 
     ``timeout``: seconds for the whole run (start-up included) before the children
     still running are terminated and reported "hung"; ``pg_timeout``: the process
-    group's collective timeout (a rank waiting on a dead peer raises after it)."""
+    group's collective timeout (a rank waiting on a dead peer raises after it).
+    ``torchrun_env=True``: no group is initialised; the child gets the environment
+    torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR =
+    127.0.0.1, MASTER_PORT) and ``fn`` initialises (and destroys) the group itself."""
     ctx = _context()
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, pg_timeout, q),
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, pg_timeout, q,
+                                                    torchrun_env),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -123,10 +139,11 @@ def spawn_outcomes(fn: Callable, world: int, *args, timeout: float = 60.0,
 
 
 def spawn(fn: Callable, world: int, *args, timeout: float = 60.0,
-          pg_timeout: float = 20.0) -> list:
+          pg_timeout: float = 20.0, torchrun_env: bool = False) -> list:
     """Like :func:`spawn_outcomes` but returns the ranks' values, or raises
     :class:`RankFailure` (with the children's tracebacks) if any rank failed."""
-    outs = spawn_outcomes(fn, world, *args, timeout=timeout, pg_timeout=pg_timeout)
+    outs = spawn_outcomes(fn, world, *args, timeout=timeout, pg_timeout=pg_timeout,
+                          torchrun_env=torchrun_env)
     if any(o.status != "ok" for o in outs):
         raise RankFailure(outs)
     return [o.value for o in outs]

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -88,3 +90,27 @@ def test_child_exception_and_death_surface_in_parent():
     assert time.monotonic() - t0 < 40
     assert outs[1].status == "died" and outs[1].exitcode == 3
     assert outs[0].status == "error"        # gloo reports the lost peer or times out
+
+
+def test_usable_without_torch():
+    """The package, _group and a one-process sharded release import and run with
+    torch made unimportable (torch is an optional dependency)."""
+    code = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("no torch")
+sys.meta_path.insert(0, Block())
+import numpy as np
+import ncdp_fast.distributed as D
+from ncdp_fast.release import NeuroMixGDP
+assert D.resolve_group(None) is None and D.shard_bounds(5, 1, 2) == (3, 5)
+m = NeuroMixGDP(epsilon=2, delta=1e-5, mixup_degree=4, accountant="clt", seed=1)
+m.value_discretization_interval = 1e-2
+r = D.release_sharded(m, np.ones((20, 3), np.float32), np.arange(20) % 2, num_classes=2)
+assert r.gather().x.shape == (20, 3) and "torch" not in sys.modules
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]

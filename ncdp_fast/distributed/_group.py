@@ -10,12 +10,14 @@ API (kept small and stable):
   initialised, else ``None`` (one process); a given group is returned as is.
 * :func:`rank_world` -- ``(rank, world)`` of this process in the group (``(0, 1)`` for
   ``None``).
-* :func:`check_same_config` -- all ranks exchange a small config dict first; a
-  difference raises the same ``ValueError`` on every rank, naming the keys and ranks.
+* :func:`check_same_config` -- all ranks exchange a small config dict first (plus,
+  optionally, a per-rank value and a local error); a difference or a failed rank
+  raises the same ``ValueError`` on every rank, naming the keys and ranks.
 * :func:`shard_bounds` -- the contiguous row range ``[start, stop)`` a rank holds.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .. import _validate
@@ -38,6 +40,8 @@ def resolve_group(group: Any = None) -> Any:
     ``group=None``: the default (WORLD) group when ``torch.distributed`` is
     initialised, else ``None``.  A given group needs an initialised
     ``torch.distributed`` (``TypeError``/``RuntimeError`` otherwise)."""
+    if group is None and "torch.distributed" not in sys.modules:
+        return None         # nothing initialised a group; no torch import (seconds) for that
     dist = _dist()
     if group is None:
         if dist is None or not dist.is_initialized():
@@ -72,33 +76,50 @@ def _digest(value: Any) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def check_same_config(config: dict, group: Any, what: str) -> None:
+def check_same_config(config: dict, group: Any, what: str, *, local: Any = None,
+                      error: BaseException | None = None) -> list:
     """All ranks of ``group`` must hold the same ``config``; else ``ValueError`` on every rank.
 
-    ``config``: a dict of str -> picklable value (seeds, sizes, epsilon, ...); only a
-    short text per value crosses the wire (``all_gather_object``, bounded by the
-    group's timeout).  ``what``: the operation, named in the message.  Every rank
-    raises the same message, so no rank goes on to a collective the others skip.
-    One process (``group=None``): nothing to check."""
+    ``config``: a dict of str -> picklable value (sizes, epsilon, a digest of the
+    seed, ...); only a short text per value crosses the wire (``all_gather_object``,
+    bounded by the group's timeout).  ``what``: the operation, named in the message.
+    ``local``: an optional small picklable value that may differ by rank (a shard
+    size); the list of every rank's ``local`` is returned, in rank order.
+    ``error``: an exception this rank met while preparing (a bad argument): every
+    rank then raises a ``ValueError`` naming the failing ranks and their messages,
+    instead of the others waiting in a later collective for a rank that left.
+    Every rank raises the same message, so no rank goes on to a collective that the
+    others skip.  One process (``group=None``): ``error`` is raised as is, and the
+    return value is ``[local]``."""
     if not isinstance(config, dict):
         raise TypeError(f"config: expected a dict, got {type(config).__name__}")
     if group is None:
-        return
+        if error is not None:
+            raise error
+        return [local]
     dist = _dist()
     _, world = rank_world(group)
     mine = {str(k): _digest(v) for k, v in config.items()}
+    why = None if error is None else f"{type(error).__name__}: {error}"
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)
-    keys = sorted(set().union(*(g.keys() for g in gathered)))
+    dist.all_gather_object(gathered, (mine, local, why), group=group)
+    failed = [(r, g[2]) for r, g in enumerate(gathered) if g[2] is not None]
+    if failed:
+        text = "; ".join(f"rank {r}: {w}" for r, w in failed)
+        raise ValueError(f"{what}: {len(failed)} of {world} ranks failed before starting: "
+                         f"{text}") from error
+    configs = [g[0] for g in gathered]
+    keys = sorted(set().union(*(c.keys() for c in configs)))
     bad = []
     for k in keys:
-        vals = [g.get(k, "<missing>") for g in gathered]
+        vals = [c.get(k, "<missing>") for c in configs]
         if len(set(vals)) > 1:
             per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
             bad.append(f"{k} ({per_rank})")
     if bad:
         raise ValueError(f"{what}: expected the same configuration on all {world} ranks, "
                          f"got differing " + "; ".join(bad))
+    return [g[1] for g in gathered]
 
 
 def shard_bounds(n: int, rank: int, world: int) -> tuple[int, int]:

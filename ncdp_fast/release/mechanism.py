@@ -204,7 +204,7 @@ class NeuroMixGDP:
         return sigma, sx, sy, None
 
     # ------------------------------------------------------------------ release
-    def release(self, features, labels, *, num_classes) -> Released:
+    def release(self, features, labels, *, num_classes, group=None):
         r"""Release T noisy mixed rows of (features, labels) (Algorithm 1).
 
         Args:
@@ -213,11 +213,22 @@ class NeuroMixGDP:
             labels: (n,) integer class ids in [0, num_classes).  Private.
             num_classes: K, the public label set size (required: inferring it from the
                 private labels would leak).
+            group: ``None`` (one process), or a ``torch.distributed`` process group: then
+                ``features`` is this rank's contiguous shard (n_r, d) of the rows (host
+                memory; n_r may be 0), ``labels`` all n labels, and the result is the
+                one-process release over the concatenated rows, sharded by output rows
+                (:func:`ncdp_fast.distributed.release_sharded`).
 
         Returns:
             :class:`Released` -- x (T, d) and y (T, K) in the features' array type and
-            device, the noise multipliers and the :class:`PrivacyReport`.
+            device, the noise multipliers and the :class:`PrivacyReport`; with a
+            ``group``, a :class:`ncdp_fast.distributed.ShardedRelease` (this rank's rows;
+            ``gather()`` / ``save()`` assemble the whole).
         """
+        if group is not None:
+            from ..distributed import release_sharded
+            return release_sharded(self, features, labels, num_classes=num_classes,
+                                   group=group)
         return self._release(features, labels, num_classes=num_classes)
 
     def _release(self, features, labels, *, num_classes, noise=True, sigma=None,

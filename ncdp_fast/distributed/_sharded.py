@@ -1,0 +1,178 @@
+r"""The output of the sharded release: :class:`ShardedRelease`, one rank's rows of it,
+and the two ways to assemble the whole: :meth:`~ShardedRelease.gather` (a
+:class:`~ncdp_fast.release.Released` on one rank) and :meth:`~ShardedRelease.save`
+(``x.npy``, ``y.npy`` in row order and ``report.json``, written by rank 0 from rows
+streamed to it in bounded chunks; no shared filesystem needed)."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..release.released import Released
+from ..release.report import PrivacyReport
+from ._group import rank_world, shard_bounds
+
+__all__ = ["ShardedRelease"]
+
+
+def _p2p(group):
+    import torch
+    import torch.distributed as dist
+    return torch, dist
+
+
+@dataclass(frozen=True, eq=False)
+class ShardedRelease:
+    r"""This rank's rows of a sharded NeuroMixGDP release.
+
+    Attributes:
+        x: (t_hi - t_lo, d) released features of output rows ``[row_start, row_stop)``,
+            NumPy, the features' dtype.  Publishable (together with the other ranks').
+        y: (t_hi - t_lo, K) released noisy soft labels of the same rows.
+        row_start, row_stop: this rank's output rows (``shard_bounds(T, rank, W)``).
+        sigma_x, sigma_y, report, mixup_degree, num_samples, num_classes, clip_x,
+            clip_y: as :class:`~ncdp_fast.release.Released`; the report is the
+            one-process report (the same on every rank).
+        group: the process group (``None``: one process).
+        stats: what this rank did: ``rounds``, ``rows_per_round`` (b, per owner),
+            ``reduce_scatter_bytes`` (bytes this rank handed to reduce-scatters: W b d
+            elements per round; a ring sends (W-1)/W of them), ``rows_sampled``, and
+            seconds: ``check_s`` (arguments and the config exchange), ``accounting_s``
+            (rank 0's calibration and report, the others' wait for it), ``rounds_s``
+            (sampling, sums, reduce-scatters, noise), ``reduce_scatter_s`` (in the
+            collective, waiting for the slowest rank included).
+
+    The noise key is kept on the object only (never pickled or saved), as for
+    :class:`Released`.
+    """
+    x: Any
+    y: Any
+    row_start: int
+    row_stop: int
+    sigma_x: float
+    sigma_y: float
+    report: PrivacyReport
+    mixup_degree: float
+    num_samples: int
+    num_classes: int
+    clip_x: float
+    clip_y: float
+    group: Any = field(default=None, repr=False)
+    stats: dict = field(default_factory=dict, repr=False)
+    created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc)
+                         .strftime("%Y-%m-%dT%H:%M:%SZ"))
+    _noise_key: Any = field(default=None, repr=False)
+
+    def __getstate__(self):
+        state = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        state["_noise_key"] = None
+        state["group"] = None
+        return state
+
+    def __setstate__(self, state):
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+
+    def _released(self, x, y) -> Released:
+        return Released(x=x, y=y, sigma_x=self.sigma_x, sigma_y=self.sigma_y,
+                        report=self.report, mixup_degree=self.mixup_degree,
+                        num_samples=self.num_samples, num_classes=self.num_classes,
+                        clip_x=self.clip_x, clip_y=self.clip_y, created=self.created,
+                        _noise_key=self._noise_key)
+
+    def _stream_rows(self, dst: int, sink, chunk_rows: int):
+        """Send every rank's rows to group rank ``dst`` in chunks; on ``dst``
+        ``sink(t0, x_rows, y_rows)`` receives them in row order (collective)."""
+        rank, world = rank_world(self.group)
+        T, d, K = self.num_samples, self.x.shape[1], self.y.shape[1]
+        if self.group is None:
+            sink(0, self.x, self.y)
+            return
+        torch, dist = _p2p(self.group)
+        peer = dist.get_global_rank(self.group, dst)
+        for q in range(world):
+            lo, hi = shard_bounds(T, q, world)
+            for a in range(lo, hi, chunk_rows):
+                e = min(hi, a + chunk_rows)
+                if q == dst:
+                    if rank == dst:
+                        sink(a, self.x[a - lo:e - lo], self.y[a - lo:e - lo])
+                elif rank == q:
+                    dist.send(torch.from_numpy(np.ascontiguousarray(self.x[a - lo:e - lo])),
+                              dst=peer, group=self.group)
+                    dist.send(torch.from_numpy(np.ascontiguousarray(self.y[a - lo:e - lo])),
+                              dst=peer, group=self.group)
+                elif rank == dst:
+                    src = dist.get_global_rank(self.group, q)
+                    bx = np.empty((e - a, d), self.x.dtype)
+                    by = np.empty((e - a, K), self.y.dtype)
+                    dist.recv(torch.from_numpy(bx), src=src, group=self.group)
+                    dist.recv(torch.from_numpy(by), src=src, group=self.group)
+                    sink(a, bx, by)
+
+    def gather(self, dst: int = 0) -> Released | None:
+        """The whole release as a :class:`Released` (NumPy (T, d) and (T, K)) on group
+        rank ``dst``, ``None`` on the others (collective: every rank calls it).
+        Memory on ``dst``: the full T x (d + K)."""
+        rank, _ = rank_world(self.group)
+        T, d, K = self.num_samples, self.x.shape[1], self.y.shape[1]
+        full = (np.empty((T, d), self.x.dtype), np.empty((T, K), self.y.dtype)) \
+            if rank == dst else None
+
+        def sink(t0, bx, by):
+            full[0][t0:t0 + len(bx)] = bx
+            full[1][t0:t0 + len(by)] = by
+        self._stream_rows(dst, sink, max(1, (1 << 24) // max(1, 4 * (d + K))))
+        return self._released(*full) if full is not None else None
+
+    def save(self, out_dir, *, overwrite: bool = False, chunk_bytes: int = 1 << 24) -> Path:
+        """Write ``out_dir/x.npy`` (T, d), ``out_dir/y.npy`` (T, K) in row order and
+        ``out_dir/report.json`` (the release's metadata and privacy report; no noise
+        key).  Rank 0 writes, from rows the others stream to it in chunks of about
+        ``chunk_bytes`` (memory bounded; no shared filesystem needed); collective.
+        Files are written under temporary names and renamed when complete."""
+        rank, _ = rank_world(self.group)
+        out = Path(out_dir)
+        T, d, K = self.num_samples, self.x.shape[1], self.y.shape[1]
+        names = [out / "x.npy", out / "y.npy", out / "report.json"]
+        problem = None
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            clash = [str(p) for p in names if p.exists()]
+            if clash and not overwrite:
+                problem = (f"out_dir: {', '.join(clash)} exist; pass overwrite=True "
+                           "(ncdp-fast release: --overwrite) to replace them")
+        if self.group is not None:          # every rank raises, none waits for rank 0
+            box = [problem]
+            _, dist = _p2p(self.group)
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0),
+                                       group=self.group)
+            problem = box[0]
+        if problem:
+            raise FileExistsError(problem)
+        maps = None
+        if rank == 0:
+            maps = tuple(np.lib.format.open_memmap(str(p) + ".part", mode="w+",
+                                                   dtype=self.x.dtype, shape=s)
+                         for p, s in zip(names[:2], [(T, d), (T, K)]))
+
+        def sink(t0, bx, by):
+            maps[0][t0:t0 + len(bx)] = bx
+            maps[1][t0:t0 + len(by)] = by
+        self._stream_rows(0, sink, max(1, int(chunk_bytes) // (self.x.dtype.itemsize * (d + K))))
+        if rank != 0:
+            return out
+        for mm in maps:
+            mm.flush()
+        del maps
+        meta = self._released(None, None).metadata()
+        (out / "report.json.part").write_text(json.dumps(meta, indent=1, sort_keys=True))
+        for p in names:
+            os.replace(str(p) + ".part", p)
+        return out
