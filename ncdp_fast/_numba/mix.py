@@ -90,6 +90,21 @@ def sampler_log1p(x):
 
 
 @njit(cache=True, inline="always")
+def add_clipped_row(ax, xi, f):
+    """ax += f * xi (f: the row's float64 clip factor) in ax's dtype.  f == 0 adds
+    nothing: the bound was not finite, and the row is never multiplied."""
+    if f >= TINY_FACTOR:
+        fc = ax.dtype.type(f)
+        for j in range(ax.shape[0]):
+            ax[j] += fc * xi[j]
+    elif f != 0.0:
+        # A float32 factor this small is a denormal (or 0): multiply in float64
+        # and round the product once.
+        for j in range(ax.shape[0]):
+            ax[j] += ax.dtype.type(f * np.float64(xi[j]))
+
+
+@njit(cache=True, inline="always")
 def row_sid(offset, r, row_stride):
     """Sub-stream of output row r: 1 + offset + r * row_stride (uint64, wrapping)."""
     return np.uint64(1) + offset + np.uint64(r) * row_stride
@@ -201,17 +216,7 @@ def _mix_block(features, labels, soft, has_soft, group_ptr, members, has_members
                     # as computed in the features' dtype has norm <= clip_x.
                     f = safe_factor(sq, 0.0, clip_x, d, 1.0, unit)
                     factors[i] = f
-            if f >= TINY_FACTOR:
-                fc = ax.dtype.type(f)
-                for j in range(d):
-                    ax[j] += fc * xi[j]
-            elif f != 0.0:
-                # A float32 factor this small is a denormal (or 0): multiply in
-                # float64 and round the product once.
-                for j in range(d):
-                    ax[j] += ax.dtype.type(f * np.float64(xi[j]))
-            # f == 0: the bound is not finite (a squared norm overflowing
-            # float64, refused by the op); the row is skipped, never multiplied.
+            add_clipped_row(ax, xi, f)
             if has_soft:
                 for k in range(K):
                     ay[k] += soft[i, k]

@@ -17,8 +17,8 @@ import numpy as np
 from numba import prange
 
 from .._numba._dispatch import sized_kernel
-from .._numba.clip import TINY_FACTOR, safe_factor
-from .._numba.mix import row_sid, sample_row
+from .._numba.clip import safe_factor
+from .._numba.mix import add_clipped_row, row_sid, sample_row
 
 __all__ = ["partial_rows", "finish_rows"]
 
@@ -61,13 +61,7 @@ def partial_rows(features, lo, labels, group_ptr, members, has_members, select_r
                             sq += v * v
                         f = safe_factor(sq, 0.0, clip_x, d, 1.0, unit)
                         factors[i - lo] = f
-                if f >= TINY_FACTOR:
-                    fc = ax.dtype.type(f)
-                    for j in range(d):
-                        ax[j] += fc * xi[j]
-                elif f != 0.0:
-                    for j in range(d):
-                        ax[j] += ax.dtype.type(f * np.float64(xi[j]))
+                add_clipped_row(ax, xi, f)
         for j in range(d):
             part_x[s, j] = ax[j]
         for k in range(K):
