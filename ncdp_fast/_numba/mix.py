@@ -90,6 +90,18 @@ def sampler_log1p(x):
 
 
 @njit(cache=True, inline="always")
+def row_clip_factor(xi, clip_x, unit):
+    """The clip factor of one feature row: the rounding-aware rule of the clip ops
+    on its float64 squared norm, so that the clipped row as computed in the
+    features' dtype has norm <= clip_x."""
+    sq = 0.0
+    for j in range(xi.shape[0]):
+        v = np.float64(xi[j])
+        sq += v * v
+    return safe_factor(sq, 0.0, clip_x, xi.shape[0], 1.0, unit)
+
+
+@njit(cache=True, inline="always")
 def add_clipped_row(ax, xi, f):
     """ax += f * xi (f: the row's float64 clip factor) in ax's dtype.  f == 0 adds
     nothing: the bound was not finite, and the row is never multiplied."""
@@ -208,13 +220,7 @@ def _mix_block(features, labels, soft, has_soft, group_ptr, members, has_members
                 # one entry write the same value.
                 f = factors[i]
                 if f < 0.0:
-                    sq = 0.0
-                    for j in range(d):
-                        v = np.float64(xi[j])
-                        sq += v * v
-                    # The rounding-aware rule of the clip ops: the clipped row
-                    # as computed in the features' dtype has norm <= clip_x.
-                    f = safe_factor(sq, 0.0, clip_x, d, 1.0, unit)
+                    f = row_clip_factor(xi, clip_x, unit)
                     factors[i] = f
             add_clipped_row(ax, xi, f)
             if has_soft:

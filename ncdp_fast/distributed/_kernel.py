@@ -4,7 +4,7 @@ The one-process ``mix`` (``_numba/mix._mix_block``) gives output row t the float
 sum, in sampler order, of ``f_i x_i`` over its group I_t, then adds noise.  Here a
 rank holding the feature rows ``[lo, lo + n_r)`` computes, for a block of output
 rows, the same sum restricted to the members it holds (in the same sampler order,
-with the same clip rule and the same code: ``sample_row``, ``safe_factor``), and
+with the same clip rule and the same code: ``sample_row``, ``row_clip_factor``), and
 the label counts of whole groups (labels are replicated).  The ranks' partial sums
 are then reduced across ranks and finished by the row's owner with
 :func:`finish_rows` (the expression of ``_mix_block``, on noise drawn at the row's
@@ -17,8 +17,7 @@ import numpy as np
 from numba import prange
 
 from .._numba._dispatch import sized_kernel
-from .._numba.clip import safe_factor
-from .._numba.mix import add_clipped_row, row_sid, sample_row
+from .._numba.mix import add_clipped_row, row_clip_factor, row_sid, sample_row
 
 __all__ = ["partial_rows", "finish_rows"]
 
@@ -55,11 +54,7 @@ def partial_rows(features, lo, labels, group_ptr, members, has_members, select_r
                 if clip_x > 0.0:
                     f = factors[i - lo]
                     if f < 0.0:
-                        sq = 0.0
-                        for j in range(d):
-                            v = np.float64(xi[j])
-                            sq += v * v
-                        f = safe_factor(sq, 0.0, clip_x, d, 1.0, unit)
+                        f = row_clip_factor(xi, clip_x, unit)
                         factors[i - lo] = f
                 add_clipped_row(ax, xi, f)
         for j in range(d):
