@@ -19,7 +19,8 @@ from .._clip import GhostBlock, LayersClipResult
 from .._validate import check_choice, check_positive
 from .attention import attention_forward, check_attention
 from .layers import Call, refuse_unsupported, rule_for
-from .mechanism import ClippedGaussianStep, ReleasedGrads, foreign_grad_error
+from .mechanism import (ClippedGaussianStep, ReleasedGrads, foreign_grad_error,
+                        optimizer_params)
 
 __all__ = ["GhostClipper"]
 
@@ -110,6 +111,17 @@ class GhostClipper(ClippedGaussianStep):
     :func:`fix_batchnorm`), or a parameter shared by two layers raises at
     construction.  A layer may run several times in one forward.
 
+    What is privatized: each step, the parameters that required grad when
+    their layer ran forward.  A parameter frozen after construction stays
+    frozen and is left out (no gradient written, no noise drawn).
+    :meth:`privatize_` refuses, before writing anything, a gradient it would
+    not privatize: one autograd gave a privatized parameter from a use
+    outside its layer's forward (a weight tied by ``F.linear(h, emb.weight)``,
+    a penalty on the weights in the loss: put weight decay in the optimizer),
+    and a ``.grad`` on any other parameter of the model or of the optimizer
+    passed to it (unfrozen after construction, added by ``add_param_group``)
+    unless it is a gradient the clipper released.
+
     Clipping: ``"flat"`` clips each sample's gradient over all parameters at
     ``max_grad_norm``; ``"per_layer"`` clips each parameter's per-sample
     gradient at its own bound (``max_grad_norm`` a list, one per trainable
@@ -157,6 +169,10 @@ class GhostClipper(ClippedGaussianStep):
         self._handles = []
         self._forwards = []
         self._released = ReleasedGrads()
+        # All of the model's parameters, frozen ones included (one unfrozen later
+        # must not step raw); listed once, a module traversal per step costs
+        # more than the check itself.
+        self._model_params = [(p, None) for p in model.parameters()]
         # Names of parameters autograd accumulated a gradient into since the last
         # step.  Inside a recorded forward a parameter does not require grad, so
         # any such gradient comes from a use outside the layer (a tied weight, a
@@ -226,7 +242,7 @@ class GhostClipper(ClippedGaussianStep):
             rule, base = rule_for(module)
             conv = isinstance(module, nn.modules.conv._ConvNd)
             if rule is not None and conv and \
-                    type(module)._conv_forward is not base._conv_forward:
+                    type(module)._conv_forward is not getattr(base, "_conv_forward", None):
                 # The hooks mark the convolution at _conv_forward: an override
                 # (weight standardisation, a reparametrisation) computes
                 # something the convolution's rule does not describe.
@@ -538,10 +554,9 @@ class GhostClipper(ClippedGaussianStep):
         """Every parameter the model holds, and the optimizer updates, that has a
         gradient must be one privatized now (or carry a gradient this clipper
         released earlier): else the optimizer would apply a raw gradient."""
-        params = [(p, None) for p in self.model.parameters()]
+        params = self._model_params
         if optimizer is not None:
-            params += [(p, (gi, i)) for gi, group in enumerate(optimizer.param_groups)
-                       for i, p in enumerate(group["params"])]
+            params = params + optimizer_params(optimizer)
         found = self._released.first_foreign(params, privatized)
         if found is None:
             return
@@ -572,8 +587,10 @@ class GhostClipper(ClippedGaussianStep):
         Refuses (RuntimeError / ValueError, nothing written, no noise drawn) a
         gradient the step would not privatize: autograd's gradient of a
         privatized parameter from a use outside its layer, or any ``.grad`` on
-        another parameter of the model or of ``optimizer`` (the torch optimizer
-        about to step, if given) other than one this clipper released."""
+        another parameter of the model (as it was at construction) or of
+        ``optimizer`` (the torch optimizer about to step: pass it, so that a
+        parameter it holds outside the model is checked too; ``DPOptimizer``
+        does) other than one this clipper released."""
         if not any(p.requires_grad for t in self.taps for p in t.params.values()):
             raise RuntimeError(
                 "GhostClipper: every parameter it privatizes has been frozen since it was "

@@ -1,5 +1,6 @@
 """What the drop-ins share: their noise stream and, for the two that release
-gradients, the checked DP arguments and the one fused clip-and-noise call."""
+gradients, the checked DP arguments, the one fused clip-and-noise call and the
+check that every gradient a step would apply is one they released."""
 from __future__ import annotations
 
 import weakref
@@ -12,7 +13,7 @@ from ..distributed._group import check_same_config, resolve_group
 from .ranks import agree_stream, broadcast_parameters, reduce_clip_and_noise
 
 __all__ = ["UsesNoiseStream", "ClippedGaussianStep", "CheckpointsNoise", "check_dp_args",
-           "ReleasedGrads"]
+           "ReleasedGrads", "optimizer_params", "foreign_grad_error"]
 
 
 class UsesNoiseStream:
@@ -124,6 +125,13 @@ class ReleasedGrads:
             if ref is None or ref() is not g:
                 return p, where
         return None
+
+
+def optimizer_params(optimizer) -> list:
+    """``[(p, (group index, index in group))]`` of a torch optimizer, for
+    :meth:`ReleasedGrads.first_foreign`."""
+    return [(p, (gi, i)) for gi, group in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group["params"])]
 
 
 def foreign_grad_error(who: str, name: str, p, reason: str, fix: str) -> ValueError:

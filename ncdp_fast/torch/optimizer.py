@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from .._clip import LayersClipResult
-from .mechanism import CheckpointsNoise, ClippedGaussianStep, ReleasedGrads, foreign_grad_error
+from .mechanism import (CheckpointsNoise, ClippedGaussianStep, ReleasedGrads,
+                        foreign_grad_error, optimizer_params)
 
 __all__ = ["FusedDPOptimizer"]
 
@@ -100,9 +101,7 @@ class FusedDPOptimizer(CheckpointsNoise, ClippedGaussianStep):
 
     def _refuse_foreign(self, active) -> None:
         privatized = {id(p) for _, p in active}
-        found = self._released.first_foreign(
-            ((p, (gi, i)) for gi, group in enumerate(self.param_groups)
-             for i, p in enumerate(group["params"])), privatized)
+        found = self._released.first_foreign(optimizer_params(self), privatized)
         if found is None:
             return
         p, (gi, i) = found
