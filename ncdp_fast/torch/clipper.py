@@ -292,7 +292,8 @@ class GhostClipper(ClippedGaussianStep):
                 raise RuntimeError(
                     f"GhostClipper: layer {tap.name!r} ran forward with trainable parameters "
                     f"{sorted(active)}, earlier in this step with {sorted(tap.active)}; "
-                    "freeze or unfreeze parameters between steps, not within one")
+                    "freeze or unfreeze parameters between steps, not within one (call clear() "
+                    "to discard this step)")
             tap.active = active
             if not conv:
                 # The parameter gradients of the ordinary backward would be
