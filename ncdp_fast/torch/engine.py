@@ -11,6 +11,7 @@ from .. import _stream, privacy
 from . import checkpoint as _checkpoint
 from .._validate import check_choice, check_pos_int, check_positive
 from .clipper import GhostClipper
+from .coupling import CheckedCriterion
 from .mechanism import CheckpointsNoise
 from ..distributed._group import resolve_group
 from .data import PoissonBatchSampler, collate_with_empty
@@ -161,8 +162,14 @@ class PrivacyEngine:
             noise_multiplier: sigma >= 0; noise std sigma * max_grad_norm.
             max_grad_norm: C > 0 per sample ("flat"), or one bound per
                 trainable parameter ("per_layer").
-            criterion: returned unchanged in the 4-tuple of grad_sample_mode
-                "ghost" (Opacus's fast-gradient-clipping shape); any loss works.
+            criterion: with grad_sample_mode "ghost", returned in the 4-tuple
+                (Opacus's fast-gradient-clipping shape) wrapped in a
+                :class:`~ncdp_fast.torch.coupling.CheckedCriterion`: a torch loss
+                whose ``reduction`` is ``loss_reduction``; means over a
+                whole-batch count (class weights, ``ignore_index`` targets) are
+                refused.  Whatever the mode, the loss must be a sum or mean of
+                per-sample terms (docs/torch.md, "The loss contract"; token
+                losses: :class:`~ncdp_fast.torch.TokenCrossEntropyLoss`).
             batch_first: must be True (the batch is dimension 0 of every input).
             loss_reduction: "mean" or "sum", as the loss the loop computes.
             seed: the key of the stream the batches and the noise are drawn
@@ -193,6 +200,9 @@ class PrivacyEngine:
                              "that the private step computes, reduces and noises itself)")
         if kwargs:
             raise TypeError(f"make_private: unexpected argument(s) {sorted(kwargs)}")
+        # Checked before anything is built: a refused criterion leaves no hooks behind.
+        if grad_sample_mode == "ghost" and criterion is not None:
+            criterion = CheckedCriterion(criterion, loss_reduction)
         # One stream for the batches and the noise: each takes the next disjoint
         # range as it goes, so neither ever reuses the other's draws.
         stream = _stream.resolve(seed) if group is None else \
