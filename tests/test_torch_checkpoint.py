@@ -184,3 +184,22 @@ def test_accountant_load_state_dict_refuses_damage_and_keeps_its_history():
     with pytest.raises(ValueError, match=r"events\[0\]\.steps"):
         acc.load_state_dict(state)
     assert acc.total_steps == 3
+
+
+def test_a_resumed_pass_never_hands_out_a_batch_twice():
+    """Loader workers prefetch: the sampler has handed out more batches than the
+    loop stepped on.  The resumed pass starts after every batch handed out (the
+    prefetched ones are skipped), so no batch is used for two steps."""
+    from ncdp_fast.torch import PoissonBatchSampler
+    s = PoissonBatchSampler(20, sample_rate=0.25, steps=4, seed=SEED)
+    it = iter(s)
+    handed = [next(it) for _ in range(3)]          # prefetched; one step taken, say
+    state = s.pass_state()
+    assert state["done"] == 3
+    whole = handed + list(it)
+    _stream._LEDGER.clear()
+    resumed = PoissonBatchSampler(20, sample_rate=0.25, steps=4, seed=None)
+    resumed._stream = _stream.NoiseStream(SEED, s.offset)
+    resumed.resume_pass(state)
+    assert list(resumed) == whole[3:]
+    assert resumed.pass_state() is None            # the pass is over: the next is fresh
