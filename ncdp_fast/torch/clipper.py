@@ -18,6 +18,7 @@ from torch import nn
 from .._clip import GhostBlock, LayersClipResult
 from .._validate import check_choice, check_positive
 from .attention import attention_forward, check_attention
+from .coupling import batch_dim_hooks, refuse_batch_mixing
 from .layers import Call, refuse_unsupported, rule_for
 from .mechanism import (ClippedGaussianStep, ReleasedGrads, foreign_grad_error,
                         optimizer_params)
@@ -79,14 +80,6 @@ class _Tap:
     def clear(self):
         self.records.clear()
         self.blocks, self.batch, self.active = None, None, None
-
-
-def _batchnorm_error(name, module):
-    return ValueError(
-        f"GhostClipper: {name!r} is {type(module).__name__}: batch normalisation mixes the "
-        "samples of a batch, so no per-sample gradient (and no DP guarantee) exists. Replace "
-        "it: model = ncdp_fast.torch.fix_batchnorm(model) (GroupNorm, as Opacus's "
-        "ModuleValidator.fix), then train")
 
 
 class GhostClipper(ClippedGaussianStep):
@@ -166,7 +159,7 @@ class GhostClipper(ClippedGaussianStep):
         # A leaf that requires grad, so that a layer's output enters the graph
         # (and its gradient reaches us) even when nothing below it is trainable.
         self._anchor = torch.zeros((), requires_grad=True)
-        self._handles = []
+        self._handles = batch_dim_hooks(model)
         self._forwards = []
         self._released = ReleasedGrads()
         # All of the model's parameters, frozen ones included (one unfrozen later
@@ -219,8 +212,7 @@ class GhostClipper(ClippedGaussianStep):
         taps, seen = [], set()
         composite = set()            # modules whose parameters a composite layer owns
         for name, module in model.named_modules(remove_duplicate=False):
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                raise _batchnorm_error(name, module)
+            refuse_batch_mixing(name, module)
             if id(module) in composite:
                 continue
             params = {}
