@@ -76,7 +76,9 @@ class DPOptimizer(CheckpointsNoise):
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        self.clipper.privatize_()
+        # The wrapped optimizer's parameters are checked too: one added by
+        # add_param_group, or never in the model, would otherwise step raw.
+        self.clipper.privatize_(self.original_optimizer)
         self._on_step()
         return self.original_optimizer.step()
 
