@@ -16,9 +16,11 @@ import torch
 from torch import nn
 
 from .._clip import GhostBlock, LayersClipResult
-from .._validate import check_choice, check_positive
+from .._validate import check_bool, check_choice, check_int, check_positive
 from .attention import attention_forward, check_attention
 from .layers import Call, rule_for
+from .layout import (batch_dim, enclosing_batch_first, fold_factor, input_batch,
+                     layer_batch_first, module_batch_first, to_batch_first)
 from .mechanism import ClippedGaussianStep
 
 __all__ = ["GhostClipper"]
@@ -64,6 +66,8 @@ class _Tap:
     recording: bool = False
     blocks: list | None = None      # the rule's [(names, block)] once backward is through
     batch: int | None = None
+    batch_first: bool = True        # the layout of its inputs and output (layout.py)
+    layout: str = ""                # where that layout comes from, for errors
 
     def trainable(self):
         return frozenset(self.params)
@@ -110,6 +114,19 @@ class GhostClipper(ClippedGaussianStep):
     and adds noise of std ``noise_multiplier * sqrt(sum C_p^2)`` to each, as
     Opacus's per-layer optimizer.
 
+    The batch: every layer's per-sample rows must be the samples of the batch
+    of the model's input -- dimension 0 of the first tensor the model is called
+    with (positional, then keyword), dimension 1 with ``batch_first=False`` --
+    or of a size declared with :meth:`declare_batch_size`.  A layer whose rows
+    are not (samples folded into the batch dimension, (B, k, d) -> (B*k, d))
+    raises in backward, before anything is written.  Layout: layers inside
+    ``nn.MultiheadAttention`` / ``nn.Transformer*`` take that module's own
+    ``batch_first``; convolutions and group/instance norms are always
+    batch-first; a layer with one leading dimension ((B, d)) has its batch
+    there; every other layer follows ``batch_first`` (Opacus's argument: with
+    False, a layer's dimension 1 is the batch, (T, B, d)).  The layout is
+    never inferred from sizes.
+
     Across ranks: with ``group`` (a torch.distributed process group; do not
     also wrap the model in DDP), each rank feeds its own samples (a
     :class:`DistributedPoissonBatchSampler` shard) and :meth:`privatize_`
@@ -128,11 +145,13 @@ class GhostClipper(ClippedGaussianStep):
     def __init__(self, model: nn.Module, *, max_grad_norm, noise_multiplier: float,
                  expected_batch_size: float | None, loss_reduction: str = "mean",
                  clipping: str = "flat", seed=None, offset: int | None = None,
-                 nan_policy: str = "raise", group=None):
+                 nan_policy: str = "raise", group=None, batch_first: bool = True):
         check_choice(clipping, "clipping", ("flat", "per_layer"))
+        self.batch_first = check_bool(batch_first, "batch_first")
         self.model = model
         self.clipping = clipping
         self.taps = self._find_layers(model)
+        self._set_layouts(model)
         self.param_names = [f"{t.name}.{n}" if t.name else n for t in self.taps for n in t.params]
         self.layer_norms = self._layer_bounds(max_grad_norm, clipping)
         total = max_grad_norm if clipping == "flat" else math.sqrt(
@@ -147,7 +166,12 @@ class GhostClipper(ClippedGaussianStep):
         # A leaf that requires grad, so that a layer's output enters the graph
         # (and its gradient reaches us) even when nothing below it is trainable.
         self._anchor = torch.zeros((), requires_grad=True)
-        self._handles = []
+        self._input_batch = self._declared_batch = None
+        self._input_shape = None
+        self._model_ran = False
+        # Registered before the layers' hooks: the batch is known before any
+        # layer (the model itself may be one) records.
+        self._handles = [model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True)]
         self._forwards = []
         for tap in self.taps:
             self._handles.append(tap.module.register_forward_pre_hook(self._pre_hook(tap)))
@@ -177,6 +201,17 @@ class GhostClipper(ClippedGaussianStep):
             return [check_positive(c, f"max_grad_norm[{i}]") for i, c in enumerate(max_grad_norm)]
         c = check_positive(max_grad_norm, "max_grad_norm")
         return [c / math.sqrt(P)] * P
+
+    def _set_layouts(self, model: nn.Module) -> None:
+        own = module_batch_first(model)
+        if own is not None and own != self.batch_first:
+            raise ValueError(
+                f"batch_first: expected {own}, as the model ({type(model).__name__}) was built "
+                f"with batch_first={own} and its inputs are laid out so; got {self.batch_first}")
+        layouts = enclosing_batch_first(model)
+        for tap in self.taps:
+            tap.batch_first, tap.layout = layer_batch_first(tap.name, tap.module, layouts,
+                                                            self.batch_first)
 
     @staticmethod
     def _find_layers(model: nn.Module) -> list[_Tap]:
@@ -230,6 +265,58 @@ class GhostClipper(ClippedGaussianStep):
         return taps
 
     # ------------------------------------------------------------------- hooks
+    def _model_pre_hook(self, module, args, kwargs):
+        if not torch.is_grad_enabled() or self._declared_batch is not None:
+            return
+        b, shape = input_batch(args, kwargs, self.batch_first)
+        if self._model_ran and b != self._input_batch:
+            raise ValueError(
+                f"GhostClipper: the model ran forward on a batch of {b} samples (input shape "
+                f"{shape}) after one of {self._input_batch} (input shape {self._input_shape}) "
+                "in the same step; every forward of a step must see the same samples (call "
+                "privatize_() or clear() between batches)")
+        self._model_ran = True
+        self._input_batch, self._input_shape = b, shape
+
+    def declare_batch_size(self, n: int) -> None:
+        """State the number of samples of the current step (until the next
+        :meth:`privatize_` or :meth:`clear`), for a model whose first input
+        tensor does not carry the batch; every layer's rows are checked
+        against it instead of the input's."""
+        self._declared_batch = check_int(n, "n", 0)
+
+    def _step_batch(self, tap: _Tap):
+        """(samples in this step, where that number comes from) for the layers' check."""
+        if self._declared_batch is not None:
+            return self._declared_batch, "declared with declare_batch_size"
+        if self._input_batch is None:
+            raise RuntimeError(
+                f"GhostClipper: layer {tap.name!r} ran, but the batch size of the step is "
+                "unknown: " + ("the model was called with no tensor argument"
+                               if self._model_ran else
+                               "the layer ran outside a forward of the model given to "
+                               "GhostClipper") +
+                ", so its rows cannot be checked against the samples. Call the model itself "
+                "on the batch, or declare the step's batch with clipper.declare_batch_size(n) "
+                "before backward (then clear() to discard this step)")
+        dim = 0 if self.batch_first else 1
+        return self._input_batch, (f"dimension {dim} of the model's first input tensor, shape "
+                                   f"{self._input_shape}, batch_first={self.batch_first}")
+
+    def _fold_error(self, tap: _Tap, rows: int, dim: int, shape, batch: int, source: str):
+        hint = ("keep each sample's rows in a dimension of their own (a layer takes (B, k, d) "
+                "as it is)")
+        if tap.layout == "batch_first argument":
+            hint += (", or, if the model's inputs and layers are sequence-first (T, B, ...), "
+                     "pass batch_first=False")
+        return ValueError(
+            f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) has {rows} rows "
+            f"in its batch dimension (dimension {dim} of its output, shape {tuple(shape)}; "
+            f"layout batch_first={tap.batch_first} from the {tap.layout}), but the step has "
+            f"{batch} samples ({source}){fold_factor(rows, batch)}. Its rows are not the "
+            "samples: clipping each row as a sample would not bound one sample's gradient by "
+            f"max_grad_norm. Expected {batch} rows; {hint}. Call clear() before the next step")
+
     def _pre_hook(self, tap: _Tap):
         def hook(module, inputs):
             # The parameter gradients of the ordinary backward would be replaced
@@ -284,18 +371,25 @@ class GhostClipper(ClippedGaussianStep):
             self._evaluate(tap)
 
     def _evaluate(self, tap: _Tap) -> None:
-        batch = None
+        batch, source = self._step_batch(tap)
         for rec in tap.records:
             if any(getattr(x, "_version", 0) != v for x, v in zip(rec.inputs, rec.versions)):
                 raise RuntimeError(
                     f"GhostClipper: the input of layer {tap.name!r} was modified in place "
                     "after the layer ran (an inplace op on a tensor the layer read); its "
                     "per-sample gradient would be wrong. Make that op out of place")
-            b = rec.grad.shape[0]
-            if batch is not None and b != batch:
-                raise RuntimeError(f"GhostClipper: layer {tap.name!r} saw batch sizes {batch} "
-                                   f"and {b} in one step")
-            batch = b
+            # The rules read dimension 0 as the batch: a sequence-first call is
+            # handed to them with its batch moved there.
+            shape = rec.grad.shape
+            if not shape:
+                raise ValueError(f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) "
+                                 "returned a 0-d output: it has no batch dimension, so no "
+                                 "per-sample gradient; expected an output whose rows are the "
+                                 f"step's {batch} samples")
+            dim = batch_dim(tap.module, tap.batch_first, rec.grad)
+            if shape[dim] != batch:
+                raise self._fold_error(tap, shape[dim], dim, shape, batch, source)
+            rec.inputs, rec.grad = to_batch_first(rec.inputs, rec.grad, dim)
         calls = [Call(r.inputs, r.grad, r.slot) for r in tap.records]
         got = tap.rule(tap.module, calls, tap.trainable())
         covered = [n for names, _ in got for n in names]
@@ -331,9 +425,12 @@ class GhostClipper(ClippedGaussianStep):
 
     # --------------------------------------------------------------- lifecycle
     def clear(self) -> None:
-        """Forget recorded activations and gradients (e.g. after an aborted step)."""
+        """Forget recorded activations and gradients (e.g. after an aborted step)
+        and the step's batch size."""
         for tap in self.taps:
             tap.clear()
+        self._input_batch = self._declared_batch = self._input_shape = None
+        self._model_ran = False
 
     def remove(self) -> None:
         """Detach the hooks and restore the modules' own forwards."""
