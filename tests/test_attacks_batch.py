@@ -13,6 +13,7 @@ torch.func's per-sample gradients (float64, relative 1e-10 as in
 test_torch_layers.py: the clip factor's rounding is 1e-15 relative).
 """
 import copy
+from collections import UserDict
 
 import pytest
 from hypothesis import given, settings
@@ -47,6 +48,7 @@ class Fold(nn.Module):
 
     def forward(self, x=None, *, input_ids=None):
         x = input_ids if x is None else x
+        x = x["input_ids"] if isinstance(x, UserDict) else x
         B = x.shape[0]
         return self.lin(x.reshape(-1, self.width)).reshape(B, -1).sum(1)
 
@@ -77,12 +79,17 @@ def test_fold_message_names_the_fold_and_the_way_out():
         model(torch.randn(2, 3, 4, dtype=F64)).sum().backward()
 
 
-def test_fold_read_from_keyword_input():
-    """HF-style models get their batch as input_ids=: it is read from there."""
+@pytest.mark.parametrize("how", ["keyword", "mapping"])
+def test_fold_read_from_keyword_or_mapping_input(how):
+    """HF-style models get their batch as input_ids= or a BatchEncoding (a
+    UserDict): it is read from there."""
     model = Fold().double()
-    _clipper(model)
+    clipper = _clipper(model)
+    ids = torch.randn(2, 3, 4, dtype=F64)
     with pytest.raises(ValueError, match=r"has 6 rows .* step has 2 samples"):
-        model(input_ids=torch.randn(2, 3, 4, dtype=F64)).sum().backward()
+        out = model(input_ids=ids) if how == "keyword" else model(UserDict(input_ids=ids))
+        out.sum().backward()
+    assert clipper._input_shape == (2, 3, 4)
 
 
 def test_unfolded_sample_rows_are_exact():
@@ -179,6 +186,8 @@ class SeqFirstTorch(nn.Module):
         self.kind = kind
         if kind == "mha":
             self.body = nn.MultiheadAttention(D, 2, dropout=0.0)
+        elif kind == "transformer":
+            self.body = nn.Transformer(D, 2, 1, 1, 12, dropout=0.0)
         else:
             layer = nn.TransformerEncoderLayer(D, 2, dim_feedforward=12, dropout=0.0)
             self.body = layer if kind == "layer" else nn.TransformerEncoder(
@@ -187,22 +196,29 @@ class SeqFirstTorch(nn.Module):
 
     def forward(self, x):
         h = x.transpose(0, 1)
-        h = self.body(h, h, h, need_weights=False)[0] if self.kind == "mha" else self.body(h)
+        if self.kind == "mha":
+            h = self.body(h, h, h, need_weights=False)[0]
+        else:
+            h = self.body(h, h) if self.kind == "transformer" else self.body(h)
         return self.head(h.mean(0))
 
 
+V = 11
+
+
 class SeqFirstUser(nn.Module):
-    """A user model on sequence-first input (T, B, D): its own layers get
+    """A user model on sequence-first tokens (T, B): its own layers get
     (T, B, .), the pooled head (B, .)."""
 
     def __init__(self):
         super().__init__()
+        self.emb = nn.Embedding(V, D)
         self.inp = nn.Linear(D, D)
         self.norm = nn.LayerNorm(D)
         self.head = nn.Linear(D, K)
 
-    def forward(self, x):
-        return self.head(self.norm(torch.tanh(self.inp(x))).mean(0))
+    def forward(self, tokens):
+        return self.head(self.norm(torch.tanh(self.inp(self.emb(tokens)))).mean(0))
 
 
 def _oracle(model, x, y, batch_dim):
@@ -226,12 +242,12 @@ def _check_exact(model, x, y, batch_dim, **kw):
         res = clipper.privatize_()
     finally:
         clipper.remove()
-    assert res.norms.shape == (B,)
+    assert res.norms.shape == (y.shape[0],)
     got = {k: p.grad for k, p in model.named_parameters()}
     assert_grads_close(got, clipped_mean(ps, C, 1), RTOL[F64])
 
 
-@pytest.mark.parametrize("kind", ["layer", "encoder", "mha"])
+@pytest.mark.parametrize("kind", ["layer", "encoder", "transformer", "mha"])
 def test_sequence_first_torch_modules_are_exact_when_T_equals_B(kind):
     torch.manual_seed(1)
     model = SeqFirstTorch(kind).double()
@@ -263,12 +279,15 @@ def test_sequence_first_root_module_needs_its_layout_and_is_exact():
     _check_exact(Wrap(), x, y, 1, batch_first=False)
 
 
-def test_sequence_first_user_model_is_exact_with_batch_first_false():
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(t=st.integers(1, 4), b=st.integers(2, 4))
+def test_sequence_first_user_model_is_exact_with_batch_first_false(t, b):
+    """Exact for every (T, B), T == B among them: the layout is the argument's."""
     torch.manual_seed(5)
     model = SeqFirstUser().double()
     g = torch.Generator().manual_seed(6)
-    x = torch.randn(T, B, D, generator=g, dtype=F64)
-    y = torch.randint(0, K, (B,), generator=g)
+    x = torch.randint(0, V, (t, b), generator=g)
+    y = torch.randint(0, K, (b,), generator=g)
     _check_exact(model, x, y, 1, batch_first=False)
 
 
@@ -277,7 +296,7 @@ def test_sequence_first_user_model_without_the_layout_names_it():
     and how to state the other (with T == B no size can tell: a contract)."""
     model = SeqFirstUser().double()
     _clipper(model)
-    x = torch.randn(5, 3, D, dtype=F64)
+    x = torch.randint(0, V, (5, 3))
     with pytest.raises(ValueError, match=r"layer 'head' \(Linear\) has 3 rows .*batch_first="
                                          r"True from the batch_first argument.*step has 5 "
                                          r"samples.*pass batch_first=False"):
@@ -290,7 +309,7 @@ def test_make_private_sequence_first_user_model_is_exact():
     gradients over the loader's batch, divided by the expected batch size."""
     torch.manual_seed(7)
     n = 16
-    data = TensorDataset(torch.randn(n, T, D, dtype=F64), torch.randint(0, K, (n,)))
+    data = TensorDataset(torch.randint(0, V, (n, T)), torch.randint(0, K, (n,)))
     model = SeqFirstUser().double()
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -298,9 +317,56 @@ def test_make_private_sequence_first_user_model_is_exact():
         module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=4),
         noise_multiplier=0.0, max_grad_norm=0.05, batch_first=False, seed=8)
     x, y = next(b for b in loader if len(b[0]) >= 2)
-    x = x.transpose(0, 1)                               # (T, B, D)
+    x = x.transpose(0, 1)                               # (T, B)
     nn.functional.cross_entropy(private(x), y).backward()
     opt.step()
     ps = _oracle(ref, x, y, 1)
     expected = clipped_mean(ps, 0.05, opt.expected_batch_size)
     assert_grads_close({k: p.grad for k, p in model.named_parameters()}, expected, RTOL[F64])
+
+
+class SeqFirstConv(nn.Module):
+    """Sequence-first tokens (T, B) -> embedding (T, B, D) -> a Conv1d on
+    (B, D, T), torch's fixed batch-first layout -> pooled head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.conv = nn.Conv1d(D, D, 3, padding=1)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, tokens):
+        h = self.conv(self.emb(tokens).permute(1, 2, 0))           # (B, D, T)
+        return self.head(torch.tanh(h).mean(2))
+
+
+def test_convolution_in_a_sequence_first_model_stays_batch_first():
+    torch.manual_seed(9)
+    model = SeqFirstConv().double()
+    g = torch.Generator().manual_seed(10)
+    x = torch.randint(0, V, (T, B), generator=g)
+    y = torch.randint(0, K, (B,), generator=g)
+    _check_exact(model, x, y, 1, batch_first=False)
+
+
+class PositionTable(nn.Module):
+    """A trainable per-position table looked up with arange(T) and broadcast over
+    the batch: its T rows are positions, not samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(16, D)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, x):                                          # (B, T, D)
+        h = x + self.pos(torch.arange(x.shape[1]))
+        return self.head(h.mean(1))
+
+
+def test_broadcast_position_table_with_T_not_B_is_refused():
+    """T != B: refused (with T == B no size can tell: docs/privacy.md's contract)."""
+    model = PositionTable().double()
+    _clipper(model)
+    with pytest.raises(ValueError, match=r"layer 'pos' \(Embedding\) has 5 rows .* step has 3"):
+        model(torch.randn(3, 5, D, dtype=F64)).sum().backward()
+    assert all(p.grad is None for p in model.parameters())

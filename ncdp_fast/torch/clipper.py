@@ -463,10 +463,7 @@ class GhostClipper(ClippedGaussianStep):
                     "it; run exactly one loss.backward() per recorded forward (call clear() "
                     "to discard a forward)")
             if tap.batch is not None:
-                if batch is not None and tap.batch != batch:
-                    raise RuntimeError(f"GhostClipper: layer {tap.name!r} saw batch size "
-                                       f"{tap.batch}, another layer {batch}")
-                batch = tap.batch
+                batch = tap.batch        # each layer's was checked against the step's
         if batch is None:
             raise RuntimeError("GhostClipper: no forward/backward was recorded since the last step")
         return batch

@@ -11,6 +11,8 @@ leading dimension has no choice to make.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -60,10 +62,10 @@ def layer_batch_first(name: str, module: nn.Module, layouts: dict, batch_first: 
 
 
 def _first_tensor(obj):
-    """The first tensor of nested tuples/lists/dicts (in argument order), or None."""
+    """The first tensor of nested tuples/lists/mappings (in argument order), or None."""
     if isinstance(obj, torch.Tensor):
         return obj
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):        # a dict, or HF's BatchEncoding
         obj = list(obj.values())
     if isinstance(obj, (tuple, list)):
         for x in obj:
