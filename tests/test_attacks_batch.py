@@ -16,7 +16,7 @@ import copy
 from collections import UserDict
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
@@ -203,7 +203,7 @@ class SeqFirstTorch(nn.Module):
         return self.head(h.mean(0))
 
 
-V = 11
+V = 17          # > 4 * 4: every sample of a batch gets tokens of its own
 
 
 class SeqFirstUser(nn.Module):
@@ -219,6 +219,21 @@ class SeqFirstUser(nn.Module):
 
     def forward(self, tokens):
         return self.head(self.norm(torch.tanh(self.inp(self.emb(tokens)))).mean(0))
+
+
+class SeqFirstConv(nn.Module):
+    """Sequence-first tokens (T, B) -> embedding (T, B, D) -> a Conv1d on
+    (B, D, T), torch's fixed batch-first layout -> pooled head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.conv = nn.Conv1d(D, D, 3, padding=1)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, tokens):
+        h = self.conv(self.emb(tokens).permute(1, 2, 0))           # (B, D, T)
+        return self.head(torch.tanh(h).mean(2))
 
 
 def _oracle(model, x, y, batch_dim):
@@ -279,14 +294,20 @@ def test_sequence_first_root_module_needs_its_layout_and_is_exact():
     _check_exact(Wrap(), x, y, 1, batch_first=False)
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
-@given(t=st.integers(1, 4), b=st.integers(2, 4))
-def test_sequence_first_user_model_is_exact_with_batch_first_false(t, b):
-    """Exact for every (T, B), T == B among them: the layout is the argument's."""
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(t=st.integers(1, 4), b=st.integers(2, 4),
+       net=st.sampled_from([SeqFirstUser, SeqFirstConv]))
+@example(t=T, b=B, net=SeqFirstUser)
+@example(t=T, b=B, net=SeqFirstConv)
+def test_sequence_first_user_model_is_exact_with_batch_first_false(t, b, net):
+    """Exact for every (T, B), T == B among them: the layout is the argument's
+    (a convolution keeps torch's batch-first layout)."""
+    # The oracle's limit: torch.func's vmap of conv1d's backward fails at length 1.
+    assume(t > 1 or net is SeqFirstUser)
     torch.manual_seed(5)
-    model = SeqFirstUser().double()
+    model = net().double()
     g = torch.Generator().manual_seed(6)
-    x = torch.randint(0, V, (t, b), generator=g)
+    x = torch.randperm(V, generator=g)[:t * b].reshape(t, b)
     y = torch.randint(0, K, (b,), generator=g)
     _check_exact(model, x, y, 1, batch_first=False)
 
@@ -323,30 +344,6 @@ def test_make_private_sequence_first_user_model_is_exact():
     ps = _oracle(ref, x, y, 1)
     expected = clipped_mean(ps, 0.05, opt.expected_batch_size)
     assert_grads_close({k: p.grad for k, p in model.named_parameters()}, expected, RTOL[F64])
-
-
-class SeqFirstConv(nn.Module):
-    """Sequence-first tokens (T, B) -> embedding (T, B, D) -> a Conv1d on
-    (B, D, T), torch's fixed batch-first layout -> pooled head."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(V, D)
-        self.conv = nn.Conv1d(D, D, 3, padding=1)
-        self.head = nn.Linear(D, K)
-
-    def forward(self, tokens):
-        h = self.conv(self.emb(tokens).permute(1, 2, 0))           # (B, D, T)
-        return self.head(torch.tanh(h).mean(2))
-
-
-def test_convolution_in_a_sequence_first_model_stays_batch_first():
-    torch.manual_seed(9)
-    model = SeqFirstConv().double()
-    g = torch.Generator().manual_seed(10)
-    x = torch.randint(0, V, (T, B), generator=g)
-    y = torch.randint(0, K, (B,), generator=g)
-    _check_exact(model, x, y, 1, batch_first=False)
 
 
 class PositionTable(nn.Module):
