@@ -19,8 +19,8 @@ from .._clip import GhostBlock, LayersClipResult
 from .._validate import check_bool, check_choice, check_int, check_positive
 from .attention import attention_forward, check_attention
 from .layers import Call, rule_for
-from .layout import (batch_dim, enclosing_batch_first, fold_factor, input_batch,
-                     layer_batch_first, module_batch_first, to_batch_first)
+from .layout import (StepBatch, batch_dim, enclosing_batch_first, layer_batch_first,
+                     module_batch_first, rows_error, to_batch_first)
 from .mechanism import ClippedGaussianStep
 
 __all__ = ["GhostClipper"]
@@ -122,8 +122,9 @@ class GhostClipper(ClippedGaussianStep):
     raises in backward, before anything is written.  Layout: layers inside
     ``nn.MultiheadAttention`` / ``nn.Transformer*`` take that module's own
     ``batch_first``; convolutions and group/instance norms are always
-    batch-first; a layer with one leading dimension ((B, d)) has its batch
-    there; every other layer follows ``batch_first`` (Opacus's argument: with
+    batch-first; an ``nn.Linear``, ``nn.Embedding`` or ``nn.LayerNorm`` with
+    one leading dimension ((B, d)) has its batch there; every other layer
+    follows ``batch_first`` (Opacus's argument: with
     False, a layer's dimension 1 is the batch, (T, B, d)).  The layout is
     never inferred from sizes.
 
@@ -166,12 +167,10 @@ class GhostClipper(ClippedGaussianStep):
         # A leaf that requires grad, so that a layer's output enters the graph
         # (and its gradient reaches us) even when nothing below it is trainable.
         self._anchor = torch.zeros((), requires_grad=True)
-        self._input_batch = self._declared_batch = None
-        self._input_shape = None
-        self._model_ran = False
+        self._batch = StepBatch(self.batch_first)
         # Registered before the layers' hooks: the batch is known before any
         # layer (the model itself may be one) records.
-        self._handles = [model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True)]
+        self._handles = [model.register_forward_pre_hook(self._batch.pre_hook, with_kwargs=True)]
         self._forwards = []
         for tap in self.taps:
             self._handles.append(tap.module.register_forward_pre_hook(self._pre_hook(tap)))
@@ -265,57 +264,12 @@ class GhostClipper(ClippedGaussianStep):
         return taps
 
     # ------------------------------------------------------------------- hooks
-    def _model_pre_hook(self, module, args, kwargs):
-        if not torch.is_grad_enabled() or self._declared_batch is not None:
-            return
-        b, shape = input_batch(args, kwargs, self.batch_first)
-        if self._model_ran and b != self._input_batch:
-            raise ValueError(
-                f"GhostClipper: the model ran forward on a batch of {b} samples (input shape "
-                f"{shape}) after one of {self._input_batch} (input shape {self._input_shape}) "
-                "in the same step; every forward of a step must see the same samples (call "
-                "privatize_() or clear() between batches)")
-        self._model_ran = True
-        self._input_batch, self._input_shape = b, shape
-
     def declare_batch_size(self, n: int) -> None:
         """State the number of samples of the current step (until the next
         :meth:`privatize_` or :meth:`clear`), for a model whose first input
         tensor does not carry the batch; every layer's rows are checked
         against it instead of the input's."""
-        self._declared_batch = check_int(n, "n", 0)
-
-    def _step_batch(self, tap: _Tap):
-        """(samples in this step, where that number comes from) for the layers' check."""
-        if self._declared_batch is not None:
-            return self._declared_batch, "declared with declare_batch_size"
-        if self._input_batch is None:
-            raise RuntimeError(
-                f"GhostClipper: layer {tap.name!r} ran, but the batch size of the step is "
-                "unknown: " + ("the model was called with no tensor argument"
-                               if self._model_ran else
-                               "the layer ran outside a forward of the model given to "
-                               "GhostClipper") +
-                ", so its rows cannot be checked against the samples. Call the model itself "
-                "on the batch, or declare the step's batch with clipper.declare_batch_size(n) "
-                "before backward (then clear() to discard this step)")
-        dim = 0 if self.batch_first else 1
-        return self._input_batch, (f"dimension {dim} of the model's first input tensor, shape "
-                                   f"{self._input_shape}, batch_first={self.batch_first}")
-
-    def _fold_error(self, tap: _Tap, rows: int, dim: int, shape, batch: int, source: str):
-        hint = ("keep each sample's rows in a dimension of their own (a layer takes (B, k, d) "
-                "as it is)")
-        if tap.layout == "batch_first argument":
-            hint += (", or, if the model's inputs and layers are sequence-first (T, B, ...), "
-                     "pass batch_first=False")
-        return ValueError(
-            f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) has {rows} rows "
-            f"in its batch dimension (dimension {dim} of its output, shape {tuple(shape)}; "
-            f"layout batch_first={tap.batch_first} from the {tap.layout}), but the step has "
-            f"{batch} samples ({source}){fold_factor(rows, batch)}. Its rows are not the "
-            "samples: clipping each row as a sample would not bound one sample's gradient by "
-            f"max_grad_norm. Expected {batch} rows; {hint}. Call clear() before the next step")
+        self._batch.declared = check_int(n, "n", 0)
 
     def _pre_hook(self, tap: _Tap):
         def hook(module, inputs):
@@ -371,15 +325,13 @@ class GhostClipper(ClippedGaussianStep):
             self._evaluate(tap)
 
     def _evaluate(self, tap: _Tap) -> None:
-        batch, source = self._step_batch(tap)
+        batch, source = self._batch.get(tap.name)
         for rec in tap.records:
             if any(getattr(x, "_version", 0) != v for x, v in zip(rec.inputs, rec.versions)):
                 raise RuntimeError(
                     f"GhostClipper: the input of layer {tap.name!r} was modified in place "
                     "after the layer ran (an inplace op on a tensor the layer read); its "
                     "per-sample gradient would be wrong. Make that op out of place")
-            # The rules read dimension 0 as the batch: a sequence-first call is
-            # handed to them with its batch moved there.
             shape = rec.grad.shape
             if not shape:
                 raise ValueError(f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) "
@@ -388,7 +340,10 @@ class GhostClipper(ClippedGaussianStep):
                                  f"step's {batch} samples")
             dim = batch_dim(tap.module, tap.batch_first, rec.grad)
             if shape[dim] != batch:
-                raise self._fold_error(tap, shape[dim], dim, shape, batch, source)
+                raise rows_error(tap.name, tap.module, shape, dim, tap.batch_first, tap.layout,
+                                 batch, source)
+            # The rules read dimension 0 as the batch: a sequence-first call is
+            # handed to them with its batch moved there.
             rec.inputs, rec.grad = to_batch_first(rec.inputs, rec.grad, dim)
         calls = [Call(r.inputs, r.grad, r.slot) for r in tap.records]
         got = tap.rule(tap.module, calls, tap.trainable())
@@ -429,8 +384,7 @@ class GhostClipper(ClippedGaussianStep):
         and the step's batch size."""
         for tap in self.taps:
             tap.clear()
-        self._input_batch = self._declared_batch = self._input_shape = None
-        self._model_ran = False
+        self._batch.clear()
 
     def remove(self) -> None:
         """Detach the hooks and restore the modules' own forwards."""

@@ -16,8 +16,10 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-__all__ = ["module_batch_first", "enclosing_batch_first", "input_batch", "batch_dim",
-           "to_batch_first"]
+__all__ = ["StepBatch", "module_batch_first", "enclosing_batch_first", "layer_batch_first",
+           "batch_dim", "to_batch_first", "rows_error"]
+
+ARGUMENT = "batch_first argument"    # a layer's layout when no module fixes it
 
 # torch's layers whose input is (N, C, ...) whatever the model's layout; the
 # attention forward (attention.py) marks its projections batch-first itself.
@@ -58,7 +60,7 @@ def layer_batch_first(name: str, module: nn.Module, layouts: dict, batch_first: 
         prefix = ".".join(parts[:k])
         if prefix in layouts:
             return layouts[prefix], f"enclosing {prefix or 'model'!r}"
-    return batch_first, "batch_first argument"
+    return batch_first, ARGUMENT
 
 
 def _first_tensor(obj):
@@ -126,9 +128,67 @@ def to_batch_first(inputs: tuple, grad: torch.Tensor, dim: int):
     return moved, grad.movedim(dim, 0)
 
 
-def fold_factor(rows: int, batch: int) -> str:
-    """The reading of a row count that is a multiple of the batch, for the error."""
+class StepBatch:
+    """The number of samples of the current step: read from each forward of the
+    model (under grad) or declared; every layer's rows are checked against it."""
+
+    def __init__(self, batch_first: bool):
+        self.batch_first = batch_first
+        self.clear()
+
+    def clear(self) -> None:
+        self.size = self.shape = self.declared = None
+        self.model_ran = False
+
+    def pre_hook(self, module, args, kwargs):
+        """The model's forward pre-hook (``with_kwargs=True``)."""
+        if not torch.is_grad_enabled() or self.declared is not None:
+            return
+        b, shape = input_batch(args, kwargs, self.batch_first)
+        if self.model_ran and b != self.size:
+            raise ValueError(
+                f"GhostClipper: the model ran forward on a batch of {b} samples (input shape "
+                f"{shape}) after one of {self.size} (input shape {self.shape}) in the same "
+                "step; every forward of a step must see the same samples (call privatize_() "
+                "or clear() between batches)")
+        self.model_ran = True
+        self.size, self.shape = b, shape
+
+    def get(self, layer: str):
+        """(samples in this step, where that number comes from)."""
+        if self.declared is not None:
+            return self.declared, "declared with declare_batch_size"
+        if self.size is None:
+            raise RuntimeError(
+                f"GhostClipper: layer {layer!r} ran, but the batch size of the step is "
+                "unknown: " + ("the model was called with no tensor argument"
+                               if self.model_ran else
+                               "the layer ran outside a forward of the model given to "
+                               "GhostClipper") +
+                ", so its rows cannot be checked against the samples. Call the model itself "
+                "on the batch, or declare the step's batch with clipper.declare_batch_size(n) "
+                "before backward (then clear() to discard this step)")
+        dim = 0 if self.batch_first else 1
+        return self.size, (f"dimension {dim} of the model's first input tensor, shape "
+                           f"{self.shape}, batch_first={self.batch_first}")
+
+
+def rows_error(name: str, module: nn.Module, shape, dim: int, batch_first: bool, layout: str,
+               batch: int, source: str) -> ValueError:
+    """The refusal of a layer whose rows (``shape[dim]``) are not the step's samples."""
+    rows = shape[dim]
+    fold = ""
     if batch and rows % batch == 0 and rows != batch:
-        return f" ({rows // batch} rows per sample: samples folded into the batch dimension)"
-    return ""
+        fold = f" ({rows // batch} rows per sample: samples folded into the batch dimension)"
+    hint = "keep each sample's rows in a dimension of their own (a layer takes (B, k, d) as it is)"
+    if layout == ARGUMENT:
+        hint += (", or, if the model's inputs and layers are sequence-first (T, B, ...), pass "
+                 "batch_first=False")
+    return ValueError(
+        f"GhostClipper: layer {name!r} ({type(module).__name__}) has {rows} rows in its batch "
+        f"dimension (dimension {dim} of its output, shape {tuple(shape)}; layout "
+        f"batch_first={batch_first} from the {layout}), but the step has {batch} samples "
+        f"({source}){fold}. Its rows are not the samples: clipping each row as a sample would "
+        f"not bound one sample's gradient by max_grad_norm. Expected {batch} rows; {hint}. "
+        "Call clear() before the next step")
 
