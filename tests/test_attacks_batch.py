@@ -324,6 +324,26 @@ def test_sequence_first_user_model_without_the_layout_names_it():
         model(x).sum().backward()
 
 
+class BatchFirstInput(SeqFirstUser):
+    """Batch-first tokens (B, T) into layers laid out (T, B, .)."""
+
+    def forward(self, tokens):
+        return super().forward(tokens.t())
+
+
+def test_batch_first_input_into_sequence_first_layers_needs_a_declared_size():
+    model = BatchFirstInput().double()
+    clipper = _clipper(model, batch_first=False)
+    x = torch.randint(0, V, (3, 5))
+    with pytest.raises(ValueError, match=r"layer 'head' \(Linear\) has 3 rows .* step has 5 "
+                                         r"samples .*declare_batch_size"):
+        model(x).sum().backward()
+    clipper.clear()
+    clipper.declare_batch_size(3)
+    model(x).sum().backward()
+    assert clipper.privatize_().norms.shape == (3,)
+
+
 def test_make_private_sequence_first_user_model_is_exact():
     """make_private(batch_first=False): the loop feeds (T, B, D); the private
     gradient (noise 0) is the clipped sum of torch.func's per-sample

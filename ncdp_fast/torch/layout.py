@@ -181,9 +181,12 @@ def rows_error(name: str, module: nn.Module, shape, dim: int, batch_first: bool,
     if batch and rows % batch == 0 and rows != batch:
         fold = f" ({rows // batch} rows per sample: samples folded into the batch dimension)"
     hint = "keep each sample's rows in a dimension of their own (a layer takes (B, k, d) as it is)"
-    if layout == ARGUMENT:
+    if layout == ARGUMENT and batch_first:
         hint += (", or, if the model's inputs and layers are sequence-first (T, B, ...), pass "
                  "batch_first=False")
+    elif layout == ARGUMENT:
+        hint += (", or, if the model's input is laid out unlike its layers, declare each "
+                 "step's batch with clipper.declare_batch_size(n)")
     return ValueError(
         f"GhostClipper: layer {name!r} ({type(module).__name__}) has {rows} rows in its batch "
         f"dimension (dimension {dim} of its output, shape {tuple(shape)}; layout "
