@@ -15,6 +15,7 @@ test_torch_layers.py: the clip factor's rounding is 1e-15 relative).
 import copy
 from collections import UserDict
 
+import numpy as np
 import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
@@ -24,7 +25,8 @@ from torch import nn  # noqa: E402
 from torch.func import functional_call, grad, vmap  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from ncdp_fast.torch import GhostClipper, PrivacyEngine  # noqa: E402
+from ncdp_fast.torch import GhostClipper, PrivacyEngine, register_layer  # noqa: E402
+from ncdp_fast.torch.layers import RULES  # noqa: E402
 
 from test_torch_layers import (F64, RTOL, assert_factor_matters,  # noqa: E402
                                assert_grads_close, clipped_mean, low_bound)
@@ -169,6 +171,30 @@ def test_two_forwards_of_different_batches_in_one_step_are_refused():
 def test_batch_first_must_be_a_bool():
     with pytest.raises(TypeError, match="batch_first: expected a bool"):
         _clipper(nn.Linear(2, 2), batch_first=1)
+    assert _clipper(nn.Linear(2, 2), batch_first=np.bool_(False)).batch_first is False
+
+
+class Total(nn.Module):
+    """A layer whose output is one number for the whole batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(4, dtype=F64))
+
+    def forward(self, x):
+        return (x * self.s).sum()
+
+
+def test_layer_with_a_0d_output_is_refused():
+    register_layer(Total)(lambda module, calls, trainable: [(("s",), calls[0].grad)])
+    try:
+        model = Total()
+        _clipper(model)
+        with pytest.raises(ValueError, match=r"layer '' \(Total\) returned a 0-d output"):
+            model(torch.randn(3, 4, dtype=F64)).backward()
+        assert model.s.grad is None
+    finally:
+        del RULES[Total]
 
 
 # ------------------------------------------------- item 3: sequence-first
@@ -262,13 +288,15 @@ def _check_exact(model, x, y, batch_dim, **kw):
     assert_grads_close(got, clipped_mean(ps, C, 1), RTOL[F64])
 
 
+@pytest.mark.parametrize("t,b", [(T, B), (3, 5)])
 @pytest.mark.parametrize("kind", ["layer", "encoder", "transformer", "mha"])
-def test_sequence_first_torch_modules_are_exact_when_T_equals_B(kind):
+def test_sequence_first_torch_modules_are_exact(kind, t, b):
+    """T == B (both dimensions could be the batch) and T != B."""
     torch.manual_seed(1)
     model = SeqFirstTorch(kind).double()
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(B, T, D, generator=g, dtype=F64)
-    y = torch.randint(0, K, (B,), generator=g)
+    x = torch.randn(b, t, D, generator=g, dtype=F64)
+    y = torch.randint(0, K, (b,), generator=g)
     _check_exact(model, x, y, 0)
 
 
