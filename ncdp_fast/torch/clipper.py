@@ -18,6 +18,7 @@ from torch import nn
 from .._clip import GhostBlock, LayersClipResult
 from .._validate import check_bool, check_choice, check_int, check_positive
 from .attention import attention_forward, check_attention
+from .coupling import batch_dim_hooks, refuse_batch_mixing
 from .layers import Call, rule_for
 from .layout import (StepBatch, batch_dim, enclosing_batch_first, layer_batch_first,
                      module_batch_first, rows_error, to_batch_first)
@@ -75,14 +76,6 @@ class _Tap:
     def clear(self):
         self.records.clear()
         self.blocks, self.batch = None, None
-
-
-def _batchnorm_error(name, module):
-    return ValueError(
-        f"GhostClipper: {name!r} is {type(module).__name__}: batch normalisation mixes the "
-        "samples of a batch, so no per-sample gradient (and no DP guarantee) exists. Replace "
-        "it: model = ncdp_fast.torch.fix_batchnorm(model) (GroupNorm, as Opacus's "
-        "ModuleValidator.fix), then train")
 
 
 class GhostClipper(ClippedGaussianStep):
@@ -171,6 +164,7 @@ class GhostClipper(ClippedGaussianStep):
         # Registered before the layers' hooks: the batch is known before any
         # layer (the model itself may be one) records.
         self._handles = [model.register_forward_pre_hook(self._batch.pre_hook, with_kwargs=True)]
+        self._handles += batch_dim_hooks(model)
         self._forwards = []
         for tap in self.taps:
             self._handles.append(tap.module.register_forward_pre_hook(self._pre_hook(tap)))
@@ -220,8 +214,7 @@ class GhostClipper(ClippedGaussianStep):
         taps, seen = [], set()
         composite = set()            # modules whose parameters a composite layer owns
         for name, module in model.named_modules(remove_duplicate=False):
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                raise _batchnorm_error(name, module)
+            refuse_batch_mixing(name, module)
             if id(module) in composite:
                 continue
             params = {}
