@@ -16,6 +16,8 @@ def info(print_it: bool = True) -> dict:
     report = {
         "version": __version__,
         "native_module": _backend._C is not None,
+        # Which build was loaded (NCDP_NATIVE_MODULE may name one outside the install).
+        "native_file": getattr(_backend._C, "__file__", None),
         "cuda_compiled": _backend.CUDA_COMPILED,
         "cuda_archs": [a for a in _backend.CUDA_ARCHS.split(";") if a],
         "cuda_runtime": None,
