@@ -143,10 +143,11 @@ def check_torch(python) -> dict:
         base = t["version"].split("+")[0]
         raise CheckFailed(
             f"torch {t['version']} ({what}) sees no GPU; the GPU tests and benchmarks take torch "
-            f"CUDA tensors. Install a CUDA build of torch {base} into this environment, e.g. "
-            f"`{python} -m pip install -c constraints.txt --force-reinstall torch=={base}` from "
-            "PyPI (its Linux x86-64 wheels are CUDA builds) or from a wheel file "
-            "(/opt/wheels holds the CPU build), then run the check again")
+            "CUDA tensors. Run the check with an interpreter that has a CUDA build of torch "
+            "(`make gpu-check PYTHON=/path/to/python`), or install one into this environment, "
+            f"e.g. `{python} -m pip install --force-reinstall torch=={base}` from PyPI (its "
+            "Linux x86-64 wheels are CUDA builds) or from a wheel file (/opt/wheels holds the "
+            "CPU build), then run the check again")
     return t
 
 

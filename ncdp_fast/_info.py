@@ -28,6 +28,12 @@ def info(print_it: bool = True) -> dict:
     }
     if _backend.CUDA_COMPILED:
         report["cuda_runtime"], report["cuda_driver"] = _backend._C.cuda_versions()
+    elif _backend._C is None:
+        report["cpu_only"] = f"the native module did not import ({_backend._C_ERROR})"
+    else:
+        # Modules built before build_note existed: the reason is unknown, not absent.
+        note = getattr(_backend._C, "build_note", lambda: "")()
+        report["cpu_only"] = note or "ncdp_fast._C was built without CUDA kernels"
     if print_it:
         width = max(len(k) for k in report)
         for key, value in report.items():

@@ -184,3 +184,35 @@ def test_benchmarks_the_budget_leaves_out_are_listed_not_failed(tmp_path, monkey
     failed = dict(phase="mix", status="failed", detail="exit status 1")
     assert gc.judge_benches(cut[:1] + [failed]) == (["mix: failed: exit status 1"],
                                                     [cut[0]["phase"]])
+
+
+def test_info_says_why_the_module_is_cpu_only(monkeypatch):
+    import types
+
+    from ncdp_fast import _backend, info
+    note = "nvcc was not found on PATH, CUDACXX or /usr/local/cuda, so this is a CPU-only module"
+    fake = types.SimpleNamespace(__file__="/x/_C.so", cuda_compiled=lambda: False,
+                                 cuda_archs=lambda: "", build_note=lambda: note)
+    monkeypatch.setattr(_backend, "_C", fake)
+    monkeypatch.setattr(_backend, "CUDA_COMPILED", False)
+    monkeypatch.setattr(_backend, "CUDA_ARCHS", "")
+    monkeypatch.setattr(_backend, "cuda_devices", lambda: ())
+    report = info(print_it=False)
+    assert report["cpu_only"] == note and report["native_file"] == "/x/_C.so"
+
+
+def test_native_module_override_loads_that_file_or_refuses(tmp_path):
+    from ncdp_fast import _backend
+    if _backend._C is None:
+        pytest.skip("ncdp_fast._C is not built")
+    code = "import ncdp_fast; print(ncdp_fast.info(print_it=False)['native_file'])"
+    built = _backend._C.__file__
+    env = dict(os.environ, NCDP_NATIVE_MODULE=built)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == built, proc.stderr
+    env["NCDP_NATIVE_MODULE"] = str(tmp_path / "missing.so")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "NCDP_NATIVE_MODULE: expected the path of a built ncdp_fast._C" in proc.stderr
