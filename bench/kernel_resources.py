@@ -27,6 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from ncdp_fast._gpu_check import nvcc_path as find_nvcc  # noqa: E402
+from ncdp_fast._report import write_report  # noqa: E402
 
 # sm_90 per-SM limits (CUDA C Programming Guide, "Technical Specifications per
 # Compute Capability", 9.0).
@@ -44,13 +47,6 @@ SUB_PARTITIONS = 4
 
 # The flags of CMakeLists.txt that change code generation (-lineinfo does not).
 NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]
-
-
-def find_nvcc() -> str | None:
-    for candidate in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return None
 
 
 def sources() -> list[Path]:
@@ -166,8 +162,6 @@ def nvcc_version(nvcc: str) -> str:
 
 
 def write(rows: list[dict], out_dir: str, nvcc: str, arch: str) -> Path:
-    sys.path.insert(0, str(ROOT))
-    from ncdp_fast._report import write_report
     spilled = [r["kernel"] for r in rows if r["spill_store_bytes"] or r["spill_load_bytes"]]
     meta = dict(device=f"{arch} (compiled, no GPU: ptxas -v)", device_tag=arch.replace("_", ""),
                 nvcc=nvcc_version(nvcc), nvcc_flags=" ".join(NVCC_FLAGS), arch=arch)

@@ -41,6 +41,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from ._backend import NATIVE_ENV as _NATIVE_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_QUICK_ARGS = ["--quick", "--rounds", "1"]
 DEFAULT_BUDGET_S = 480          # the whole check on one H100, quick benchmarks
@@ -103,11 +105,19 @@ def cuda_arch(cap: str) -> str:
     return f"{m[1]}{m[2]}-real"
 
 
-def find_nvcc() -> str:
+def nvcc_path() -> str | None:
+    """The CUDA compiler CMake would find (CUDACXX, PATH, /usr/local/cuda), or None."""
     for candidate in (os.environ.get("CUDACXX"), shutil.which("nvcc"),
                       "/usr/local/cuda/bin/nvcc"):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
+    return None
+
+
+def find_nvcc() -> str:
+    nvcc = nvcc_path()
+    if nvcc is not None:
+        return nvcc
     raise CheckFailed("nvcc not found (CUDACXX, PATH, /usr/local/cuda/bin): install the CUDA "
                       "toolkit to build the kernels")
 
@@ -122,7 +132,6 @@ def check_env(native: Path | None = None) -> dict:
     return env
 
 
-_NATIVE_ENV = "NCDP_NATIVE_MODULE"   # ncdp_fast._backend.NATIVE_ENV, without importing numba
 _INFO = "import json, ncdp_fast; print(json.dumps(ncdp_fast.info(print_it=False)))"
 
 
@@ -164,7 +173,8 @@ def rebuild(python, archs: list[str], nvcc: str, build_dir: Path = BUILD_DIR) ->
         _say("ignoring NCDP_DISABLE_CUDA for this build")
     site = build_dir / "site"
     rc = subprocess.call([python, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                          "--no-build-isolation", "--no-deps", "--no-index", "--target", str(site),
+                          "--no-build-isolation", "--no-deps", "--no-index", "--no-cache-dir",
+                          "--target", str(site),
                           "--config-settings", f"build-dir={build_dir / 'cmake'}", str(ROOT)],
                          cwd=ROOT, env=env)
     if rc != 0:

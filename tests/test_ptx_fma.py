@@ -3,25 +3,18 @@ where the reference rounds twice; the clip rule and the sampler's log promise
 bit-for-bit agreement with ncdp_fast/reference, so their device code must hold
 no contracted FMA. The emulation tier cannot see this (g++ on x86-64 never
 fuses): this test reads the PTX nvcc emits for sm_90. It needs nvcc, not a GPU."""
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from ncdp_fast._gpu_check import nvcc_path
+
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ROOT / "tests" / "ptx_probe" / "fma_probe.cu"
 ENTRIES = ("probe_clip_bound", "probe_clip_factor", "probe_sampler_log", "probe_sampler_log1p")
 FMA = re.compile(r"^\s*(?:@!?%p\d+\s+)?(fma|mad)\.[\w.]*f(32|64)\b", re.M)
-
-
-def _nvcc():
-    for candidate in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return None
 
 
 def entry_bodies(ptx: str) -> dict:
@@ -50,12 +43,12 @@ def test_entry_bodies_finds_a_contracted_fma():
     assert FMA.search(bodies["a"]) and not FMA.search(bodies["b"])
 
 
-@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (CUDACXX, PATH, /usr/local/cuda/bin): "
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found (CUDACXX, PATH, /usr/local/cuda/bin): "
                     "the PTX of the clip rule and the sampler log cannot be compiled")
 def test_clip_rule_and_sampler_log_hold_no_contracted_fma(tmp_path):
     out = tmp_path / "fma_probe.ptx"
     # The flags of the extension's build (CMakeLists.txt) that change code generation.
-    subprocess.run([_nvcc(), "-arch=sm_90", "-ptx", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
+    subprocess.run([nvcc_path(), "-arch=sm_90", "-ptx", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
                     f"-I{ROOT / 'csrc'}", str(PROBE), "-o", str(out)],
                    check=True, capture_output=True, text=True, timeout=300)
     bodies = entry_bodies(out.read_text())
