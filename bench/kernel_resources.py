@@ -26,10 +26,10 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ncdp_fast._gpu_check import nvcc_path as find_nvcc
+from ncdp_fast._report import write_report
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from ncdp_fast._gpu_check import nvcc_path as find_nvcc  # noqa: E402
-from ncdp_fast._report import write_report  # noqa: E402
 
 # sm_90 per-SM limits (CUDA C Programming Guide, "Technical Specifications per
 # Compute Capability", 9.0).
