@@ -56,12 +56,20 @@ bench: $(BUILT)
 
 # README, "GPU check" (ncdp_fast/_gpu_check.py). The nvidia-smi test comes
 # first so that a machine without a GPU fails at once, not after building a
-# virtual environment. GPU_CHECK_FLAGS: see `ncdp-fast gpu-check --help`.
+# virtual environment. PYTHON=/path/to/python runs the check with that
+# interpreter and what it has (a CUDA torch already installed): no virtual
+# environment, no download, nothing installed into it; without PYTHON the
+# project's venv (CPU torch: the check stops at "torch sees no GPU").
+# GPU_CHECK_FLAGS: see `ncdp-fast gpu-check --help`.
 gpu-check:
 	@gpus=$$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null) && test -n "$$gpus" || \
 	    { echo "make gpu-check: no NVIDIA GPU found (nvidia-smi missing, failing or listing none)" >&2; exit 1; }
+ifeq ($(strip $(PYTHON)),)
 	@$(MAKE) --no-print-directory $(DEPS)
 	$(BIN)/python -m ncdp_fast.cli gpu-check $(GPU_CHECK_FLAGS)
+else
+	$(PYTHON) -m ncdp_fast.cli gpu-check $(GPU_CHECK_FLAGS)
+endif
 
 info: $(BUILT)
 	$(BIN)/ncdp-fast info

@@ -19,6 +19,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "ncdp_fast native kernels";
   m.def("cuda_compiled", &ncdp::cuda_compiled, "Whether the CUDA kernels were compiled in.");
   m.def("cuda_archs", &ncdp::cuda_archs, "CMAKE_CUDA_ARCHITECTURES of this build ('' without CUDA).");
+  m.def("build_note", &ncdp::build_note, "Why the CUDA kernels are missing ('' with CUDA).");
 #ifdef NCDP_WITH_CUDA
   m.def("cuda_device_count", &ncdp::cuda_device_count, "Visible CUDA devices (0 without driver).");
   m.def("cuda_device_name", &ncdp::cuda_device_name, py::arg("device"));

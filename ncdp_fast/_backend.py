@@ -31,8 +31,32 @@ from ._numba import mix as _numba_mix
 from ._numba import ntk as _numba_ntk
 from ._numba import rng as _numba_rng
 
+# NATIVE_ENV names a built ncdp_fast._C file to load instead of the installed
+# one: `make gpu-check PYTHON=...` builds the CUDA module under the checkout and
+# must run it without installing anything into that interpreter. A path that
+# does not load is an error, never a quiet fall-back to another build.
+NATIVE_ENV = "NCDP_NATIVE_MODULE"
+
+
+def _load_native() -> ModuleType:
+    path = os.environ.get(NATIVE_ENV)
+    if not path:
+        from . import _C as native  # type: ignore[attr-defined]
+        return native
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location(f"{__package__}._C", path)
+    if spec is None or spec.loader is None or not os.path.isfile(path):
+        raise RuntimeError(f"{NATIVE_ENV}: expected the path of a built ncdp_fast._C "
+                           f"extension module, got {path!r}; unset it to use the installed one")
+    native = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native)
+    sys.modules[spec.name] = native
+    return native
+
+
 try:  # The native module is optional for the CPU path.
-    from . import _C  # type: ignore[attr-defined]
+    _C = _load_native()
     _C_ERROR: str | None = None
 except ImportError as exc:  # pragma: no cover - exercised only on broken installs
     _C = None

@@ -133,6 +133,9 @@ def test_cuda_ghost_clipper_matches_cpu(require_cuda):
 
 
 def test_cuda_fused_optimizer_matches_opacus(require_cuda):
+    # Opacus is the peer, not a dependency: without it the test is skipped and
+    # `make gpu-check` names the skip in its summary (not a failure).
+    pytest.importorskip("opacus", reason="opacus is not installed (the peer of this comparison)")
     import torch
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer

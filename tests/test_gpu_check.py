@@ -121,3 +121,98 @@ def test_bench_errors(tmp_path):
         {"config": "n=T=8000", "error": "CUDA error: an illegal memory access"}]}))
     assert gc.bench_errors(path) == [
         "bench_mix-gpu-20260101.json: n=T=8000 : CUDA error: an illegal memory access"]
+
+
+def _listing(root):
+    """Every file under ``root`` with its size and modification time."""
+    return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in Path(root).rglob("*") if p.is_file())
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_gpu_check_with_python_uses_that_interpreter_as_it_is(tmp_path):
+    # Issue 24: on a GPU machine with its CUDA stack preinstalled and no network,
+    # `make gpu-check PYTHON=...` must not build a venv or download anything, and
+    # must leave the interpreter's site-packages as they were. Here torch is the
+    # CPU build, so the check must get past nvidia-smi and stop at its own
+    # "torch sees no GPU" phase.
+    python = sys.executable
+    site_dirs = json.loads(subprocess.check_output(
+        [python, "-c", "import json, site; print(json.dumps(site.getsitepackages()))"], text=True))
+    before = [_listing(d) for d in site_dirs]
+    venv, pip_log, out = tmp_path / "venv", tmp_path / "pip.log", tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHON"}
+    env.update(PATH=_fake_nvidia_smi(tmp_path, 'printf "NVIDIA H100 80GB HBM3, 9.0\\n"'),
+               PIP_NO_INDEX="1", PIP_INDEX_URL="http://127.0.0.1:9/simple",
+               PIP_LOG=str(pip_log))
+    proc = subprocess.run(["make", "-s", "gpu-check", f"PYTHON={python}", f"VENV={venv}",
+                           f"GPU_CHECK_FLAGS=--out {out}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "NVIDIA H100 80GB HBM3 (compute capability 9.0)" in proc.stdout
+    assert "sees no GPU" in proc.stderr, proc.stderr
+    assert not venv.exists()
+    assert not pip_log.exists(), "pip ran"
+    assert [_listing(d) for d in site_dirs] == before
+    # The summary names the failed phase.
+    summary = json.loads(next(out.glob("gpu_check-gpu-*.json")).read_text())
+    assert [(r["phase"], r["status"]) for r in summary["rows"]] == [("torch", "failed")]
+
+
+def test_peer_skips_are_named_and_do_not_fail(tmp_path):
+    s = gc.summarize_junit(_junit(tmp_path, [
+        ("a", "passed", ""),
+        ("test_cuda_fused_optimizer_matches_opacus", "skipped",
+         "opacus is not installed (the peer of this comparison)")]))
+    assert gc.judge_tests(0, s) is None
+    assert s["peer_skips"] == ["test_cuda_fused_optimizer_matches_opacus: opacus is not "
+                               "installed (the peer of this comparison)"]
+
+
+def test_benchmarks_the_budget_leaves_out_are_listed_not_failed(tmp_path, monkeypatch):
+    from ncdp_fast.cli import GPU_BENCHES
+    monkeypatch.setattr(gc, "missing_peers", lambda python, env=None: ["opacus"])
+    # No time left: none starts.
+    rows = gc.run_benches(sys.executable, tmp_path, [], deadline=0.0)
+    assert [r["status"] for r in rows] == [gc.NOT_RUN] * len(GPU_BENCHES)
+    assert gc.judge_benches(rows) == ([], list(GPU_BENCHES))
+    # Cut short at the deadline: not run; a failing one still fails the check.
+    monkeypatch.setattr(gc, "_run_until", lambda cmd, deadline, env=None: None)
+    cut = gc.run_benches(sys.executable, tmp_path, [], deadline=float("inf"))
+    assert {r["status"] for r in cut} == {gc.NOT_RUN}
+    assert "cut short" in cut[0]["detail"]
+    failed = dict(phase="mix", status="failed", detail="exit status 1")
+    assert gc.judge_benches(cut[:1] + [failed]) == (["mix: failed: exit status 1"],
+                                                    [cut[0]["phase"]])
+
+
+def test_info_says_why_the_module_is_cpu_only(monkeypatch):
+    import types
+
+    from ncdp_fast import _backend, info
+    note = "nvcc was not found on PATH, CUDACXX or /usr/local/cuda, so this is a CPU-only module"
+    fake = types.SimpleNamespace(__file__="/x/_C.so", cuda_compiled=lambda: False,
+                                 cuda_archs=lambda: "", build_note=lambda: note)
+    monkeypatch.setattr(_backend, "_C", fake)
+    monkeypatch.setattr(_backend, "CUDA_COMPILED", False)
+    monkeypatch.setattr(_backend, "CUDA_ARCHS", "")
+    monkeypatch.setattr(_backend, "cuda_devices", lambda: ())
+    report = info(print_it=False)
+    assert report["cpu_only"] == note and report["native_file"] == "/x/_C.so"
+
+
+def test_native_module_override_loads_that_file_or_refuses(tmp_path):
+    from ncdp_fast import _backend
+    if _backend._C is None:
+        pytest.skip("ncdp_fast._C is not built")
+    code = "import ncdp_fast; print(ncdp_fast.info(print_it=False)['native_file'])"
+    built = _backend._C.__file__
+    env = dict(os.environ, NCDP_NATIVE_MODULE=built)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == built, proc.stderr
+    env["NCDP_NATIVE_MODULE"] = str(tmp_path / "missing.so")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "NCDP_NATIVE_MODULE: expected the path of a built ncdp_fast._C" in proc.stderr

@@ -249,8 +249,16 @@ __global__ void __launch_bounds__(kBlockThreads) linear_sq_norms_rank1_kernel(
 // Gram form, cheaper when 2 T^2 <= K d:
 // ||G_i||_F^2 = sum_{t,s} (a_it . a_is)(g_it . g_is), bias ||sum_t g_it||^2 = sum_{t,s} g_it . g_is.
 // Only tile pairs (tt <= ss) are formed; off-diagonal pairs count twice.
+// Resident blocks the two tiled norm kernels ask ptxas for: with the block
+// size alone it aimed at 4 blocks (64 registers) and spilled 48-64 bytes in
+// the tile loops at sm_90 (bench/kernel_resources.py); at 3 blocks (<= 85
+// registers) they fit without spills. direct<float> already fits in 80 without
+// a hint and spills 8 bytes with it, so it gets none (0: no minimum).
+template <typename Real, bool kGram>
+constexpr int kTiledNormMinBlocks = (kGram || sizeof(Real) == sizeof(double)) ? 3 : 0;
+
 template <typename Real>
-__global__ void __launch_bounds__(kBlockThreads) linear_sq_norms_gram_kernel(
+__global__ void __launch_bounds__(kBlockThreads, (kTiledNormMinBlocks<Real, true>)) linear_sq_norms_gram_kernel(
     const Real* __restrict__ acts,   // [B, T, d]
     const Real* __restrict__ grads,  // [B, T, K]
     std::int64_t B, std::int64_t T, std::int64_t d, std::int64_t K, bool bias,
@@ -284,7 +292,7 @@ __global__ void __launch_bounds__(kBlockThreads) linear_sq_norms_gram_kernel(
 // (each thread one (k, j) entry, summed over t) and add up the squares; the bias
 // term sums each column of g_i over t.
 template <typename Real>
-__global__ void __launch_bounds__(kBlockThreads) linear_sq_norms_direct_kernel(
+__global__ void __launch_bounds__(kBlockThreads, (kTiledNormMinBlocks<Real, false>)) linear_sq_norms_direct_kernel(
     const Real* __restrict__ acts,   // [B, T, d]
     const Real* __restrict__ grads,  // [B, T, K]
     std::int64_t B, std::int64_t T, std::int64_t d, std::int64_t K, bool bias,

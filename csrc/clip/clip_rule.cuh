@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "common/host_device.h"
+#include "common/philox.cuh"  // philox::detail: +, *, / that nvcc never contracts
 
 namespace ncdp {
 
@@ -27,14 +28,22 @@ constexpr double unit_roundoff() {
 }
 
 // reference.clip_bound, operation for operation. spread (E) is 0 except for
-// factored sequence blocks.
+// factored sequence blocks. Every + and * goes through philox::detail (_rn
+// intrinsics on the device): nvcc contracts a*b+c into one FMA by default, and
+// a fused sq + ge*ge or b + k*E rounds once where the reference rounds twice,
+// so the factor would differ in the last bit (issue 24: 106/2000 factors for
+// float32 sequence blocks at T = 16). tests/test_ptx_fma.py guards the PTX.
+// sqrt is correctly rounded on the device without an intrinsic (sqrt.rn.f64).
 NCDP_HOST_DEVICE double clip_bound(double sq, double spread, const ClipRule& rule) {
-  const double g = static_cast<double>(rule.terms + 4) * 0x1p-52;
+  using philox::detail::add;
+  using philox::detail::mul;
+  const double g = mul(static_cast<double>(rule.terms + 4), 0x1p-52);
   // (sqrt(g) E)^2 rather than g E^2: E may be large enough for E^2 to overflow.
-  const double ge = std::sqrt(g) * spread;
+  const double ge = mul(std::sqrt(g), spread);
   const double seq = static_cast<double>(rule.seq_len + 2);
-  const double b = (std::sqrt(sq + ge * ge) + seq * 0x1p-52 * spread) * (1.0 + g);
-  return (b + 2.0 * seq * rule.unit * spread) * (1.0 + 4.0 * rule.unit);
+  const double b =
+      mul(add(std::sqrt(add(sq, mul(ge, ge))), mul(mul(seq, 0x1p-52), spread)), add(1.0, g));
+  return mul(add(b, mul(mul(mul(2.0, seq), rule.unit), spread)), add(1.0, mul(4.0, rule.unit)));
 }
 
 // 0 when the bound is not finite (a non-finite row: dropped or raised on by
@@ -42,7 +51,7 @@ NCDP_HOST_DEVICE double clip_bound(double sq, double spread, const ClipRule& rul
 NCDP_HOST_DEVICE double clip_factor(double sq, double spread, const ClipRule& rule) {
   const double bound = clip_bound(sq, spread, rule);
   if (!std::isfinite(bound)) return 0.0;
-  return bound <= rule.max_norm ? 1.0 : rule.max_norm / bound;
+  return bound <= rule.max_norm ? 1.0 : philox::detail::divide(rule.max_norm, bound);
 }
 
 }  // namespace ncdp

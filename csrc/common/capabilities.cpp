@@ -12,4 +12,9 @@ bool cuda_compiled() {
 
 std::string cuda_archs() { return NCDP_CUDA_ARCHS; }
 
+#ifndef NCDP_BUILD_NOTE
+#define NCDP_BUILD_NOTE ""
+#endif
+std::string build_note() { return NCDP_BUILD_NOTE; }
+
 }  // namespace ncdp

@@ -9,6 +9,8 @@ namespace ncdp {
 
 bool cuda_compiled();
 std::string cuda_archs();
+// Why the CUDA kernels are missing ('' when they were compiled in).
+std::string build_note();
 
 #ifdef NCDP_WITH_CUDA
 // 0 when there is no driver or no device; never throws.

@@ -1,0 +1,60 @@
+"""Issue 24: nvcc contracts ``a*b+c`` into one FMA by default, which rounds once
+where the reference rounds twice; the clip rule and the sampler's log promise
+bit-for-bit agreement with ncdp_fast/reference, so their device code must hold
+no contracted FMA. The emulation tier cannot see this (g++ on x86-64 never
+fuses): this test reads the PTX nvcc emits for sm_90. It needs nvcc, not a GPU."""
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ncdp_fast._gpu_check import nvcc_path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = ROOT / "tests" / "ptx_probe" / "fma_probe.cu"
+ENTRIES = ("probe_clip_bound", "probe_clip_factor", "probe_sampler_log", "probe_sampler_log1p")
+FMA = re.compile(r"^\s*(?:@!?%p\d+\s+)?(fma|mad)\.[\w.]*f(32|64)\b", re.M)
+
+
+def entry_bodies(ptx: str) -> dict:
+    """Body text of each ``.entry`` (kernel) of a PTX module, by name."""
+    bodies = {}
+    for m in re.finditer(r"\.entry\s+(\w+)\s*\(", ptx):
+        start = ptx.index("{", m.end())
+        depth, i = 0, start
+        while True:
+            depth += {"{": 1, "}": -1}.get(ptx[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        bodies[m[1]] = ptx[start:i + 1]
+    return bodies
+
+
+def test_entry_bodies_finds_a_contracted_fma():
+    # The parser itself: a body with an FMA, one without, and a nested block.
+    ptx = (".visible .entry a(\n.param .u64 x\n)\n{\n{\n.reg .f64 %fd<2>;\n}\n"
+           "fma.rn.f64 %fd1, %fd2, %fd3, %fd4;\nret;\n}\n"
+           ".visible .entry b(\n)\n{\nmul.rn.f64 %fd1, %fd2, %fd3;\n"
+           "@%p1 add.rn.f64 %fd1, %fd1, %fd3;\nret;\n}\n")
+    bodies = entry_bodies(ptx)
+    assert set(bodies) == {"a", "b"}
+    assert FMA.search(bodies["a"]) and not FMA.search(bodies["b"])
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not found (CUDACXX, PATH, /usr/local/cuda/bin): "
+                    "the PTX of the clip rule and the sampler log cannot be compiled")
+def test_clip_rule_and_sampler_log_hold_no_contracted_fma(tmp_path):
+    out = tmp_path / "fma_probe.ptx"
+    # The flags of the extension's build (CMakeLists.txt) that change code generation.
+    subprocess.run([nvcc_path(), "-arch=sm_90", "-ptx", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
+                    f"-I{ROOT / 'csrc'}", str(PROBE), "-o", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    bodies = entry_bodies(out.read_text())
+    assert set(ENTRIES) <= set(bodies), sorted(bodies)
+    for name in ENTRIES:
+        # The probe must have compiled the arithmetic, not folded it away.
+        assert re.search(r"\b(mul|add|sub|div|fma)(\.\w+)*\.f64\b", bodies[name]), name
+        fused = [m.group(0).strip() for m in FMA.finditer(bodies[name])]
+        assert not fused, f"{name}: {len(fused)} contracted FMA(s) in the PTX, e.g. {fused[:3]}"
