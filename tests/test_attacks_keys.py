@@ -32,7 +32,12 @@ def _dataset(tmp, name, X, y):
 
 
 def _release(tmp, name, extra=()):
+    """One ``ncdp-fast release --seed SEED`` run.  Each run is a new process: the
+    in-process ledger of drawn ranges starts empty (what a fresh interpreter has;
+    cheaper than one)."""
+    from ncdp_fast import _stream
     from ncdp_fast.cli import main
+    _stream._LEDGER.clear()
     out = tmp / f"out_{name}_{len(list(tmp.iterdir()))}"
     rc = main(["release", "--features", str(tmp / f"{name}_X.npy"), "--labels",
                str(tmp / f"{name}_y.npy"), "--num-classes", "3", "--epsilon", "1", "--delta",
