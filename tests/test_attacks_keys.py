@@ -79,6 +79,13 @@ def test_cli_key_is_never_reused_across_runs(tmp_path, capsys):
     assert rc == 2 and not out.exists()
     assert "--offset: expected a range of --seed's stream that no earlier run used" in err
     assert "continue at draw" in err
+    # --offset means a range of --seed's stream: alone it is refused.
+    from ncdp_fast.cli import main
+    argv = ["release", "--features", str(tmp_path / "a_X.npy"), "--labels",
+            str(tmp_path / "a_y.npy"), "--num-classes", "3", "--epsilon", "1", "--delta",
+            "1e-5", "--offset", "5", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2 and not (tmp_path / "o").exists()
+    assert "--offset: expected it only with --seed" in capsys.readouterr().err
     # The ledger holds tags and ranges only: no byte pattern of the key.
     files = sorted(p.name for p in _key_ledger.ledger_dir().iterdir())
     assert files == ["lock", "ranges.json", "salt"]

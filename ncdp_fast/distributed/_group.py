@@ -11,8 +11,9 @@ API (kept small and stable):
 * :func:`rank_world` -- ``(rank, world)`` of this process in the group (``(0, 1)`` for
   ``None``).
 * :func:`check_same_config` -- all ranks exchange a small config dict first (plus,
-  optionally, a per-rank value and a local error); a difference or a failed rank
-  raises the same ``ValueError`` on every rank, naming the keys and ranks.
+  optionally, secret values compared by salted digest, a per-rank value and a local
+  error); a difference or a failed rank raises the same ``ValueError`` on every
+  rank, naming the keys and ranks (and the public values only).
 * :func:`shard_bounds` -- the contiguous row range ``[start, stop)`` a rank holds.
 """
 from __future__ import annotations
