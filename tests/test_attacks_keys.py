@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ncdp_fast as nf
 from ncdp_fast import _key_ledger
@@ -238,3 +240,37 @@ def test_config_mismatch_messages_show_no_key_or_label_digest():
             assert not re.search(r"[0-9a-f]{16}", m), m    # no digest of anything
             assert hashlib.sha256(str(SEED).encode()).hexdigest()[:16] not in m
             assert "max 7" not in m and "min 0" not in m    # private label values
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 60)), st.integers(0, 20)),
+                min_size=1, max_size=5))
+def test_ledger_never_grants_a_used_draw(claims):
+    """Whatever the sequence of runs (continue or explicit --offset), no draw is
+    granted twice; an explicit range is refused exactly when it meets a granted one."""
+    import tempfile
+    granted = []
+    with tempfile.TemporaryDirectory() as d:
+        for offset, draws in claims:
+            meets = offset is not None and draws > 0 and any(
+                a < offset + draws and offset < b for a, b in granted)
+            try:
+                start = _key_ledger.claim_range(SEED, draws, offset, directory=d)
+            except ValueError as e:
+                assert meets and "--offset: expected a range" in str(e)
+                continue
+            assert not meets
+            if offset is None:
+                assert start == max((b for _, b in granted), default=0)
+            if draws:
+                granted.append((start, start + draws))
+    for i, (a, b) in enumerate(granted):
+        assert all(b <= c or e <= a for c, e in granted[i + 1:])
+
+
+def test_ledger_directory_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv(_key_ledger.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert _key_ledger.ledger_dir() == tmp_path / "ncdp_fast" / "key-ledger"
+    monkeypatch.setenv(_key_ledger.ENV, str(tmp_path / "x"))
+    assert _key_ledger.ledger_dir() == tmp_path / "x"
