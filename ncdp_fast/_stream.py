@@ -16,7 +16,9 @@ process (ops, estimators, preprocessing, the release, the torch drop-ins):
 
 The seed is the secret that turns a release back into its private data
 (docs/privacy.md): a :class:`NoiseStream` refuses to be pickled, and the
-artifacts meant for publication never store it.
+artifacts meant for publication never store it.  This ledger ends with the
+process; ``ncdp-fast release --seed`` continues across runs in
+:mod:`ncdp_fast._key_ledger`, which reuses :class:`_Ledger`'s interval arithmetic.
 """
 from __future__ import annotations
 
