@@ -179,6 +179,26 @@ def test_clip_results_carry_the_key_only_on_the_object():
     assert results[1].offset == results[0].next_offset
 
 
+def test_clipper_last_result_carries_no_key():
+    torch = pytest.importorskip("torch")
+    from ncdp_fast.torch import PrivacyEngine
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randn(8, 5), torch.arange(8) % 3), batch_size=4)
+    pm, popt, _ = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader,
+                                               noise_multiplier=1.0, max_grad_norm=1.0,
+                                               seed=SEED)
+    x = torch.randn(4, 5)
+    torch.nn.functional.cross_entropy(pm(x), torch.arange(4) % 3).backward()
+    popt.step()
+    r = pm.clipper.last_result
+    assert r.seed == SEED
+    _no_key_in(SEED, repr(r), dataclasses.asdict(r), pickle.dumps(r))
+    assert pickle.loads(pickle.dumps(r)).seed is None
+
+
 def test_released_asdict_and_copies_carry_no_key(tmp_path):
     from ncdp_fast.release import NeuroMixGDP
     X = np.random.default_rng(0).standard_normal((30, 4))
