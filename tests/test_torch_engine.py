@@ -75,7 +75,7 @@ def test_make_private_returns_opacus_shaped_objects_and_the_loop_runs():
     out = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader,
                                        noise_multiplier=1.0, max_grad_norm=1.0, criterion=crit,
                                        grad_sample_mode="ghost", seed=6)
-    assert len(out) == 4 and out[2] is crit and isinstance(out[3], DataLoader)
+    assert len(out) == 4 and out[2].criterion is crit and isinstance(out[3], DataLoader)
     _train(out[0], out[1], out[3], criterion=out[2])
     pm.remove_hooks()
 

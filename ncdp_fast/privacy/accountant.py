@@ -338,6 +338,17 @@ class Accountant:
                 )
         return acc
 
+    def state_dict(self) -> dict:
+        """The history as plain types (:meth:`to_dict`), for a training
+        checkpoint: ``load_state_dict`` of it in a new process continues the
+        accounting where it stopped. Holds no key and no data."""
+        return self.to_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Replace the history by the one of :meth:`state_dict` (every field
+        validated first: nothing changes when it is refused)."""
+        self._events = list(type(self).from_dict(state_dict)._events)
+
     @classmethod
     def from_json(cls, s: str) -> "Accountant":
         """Rebuild an accountant from :meth:`to_json` output."""

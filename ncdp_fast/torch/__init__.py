@@ -11,6 +11,9 @@
   Opacus's ``GradSampleModule``: it clips, sums and noises the ``p.grad_sample``
   of all parameters in one fused op.
 * :func:`fix_batchnorm` replaces batch norms (which mix samples) by group norms.
+* :class:`TokenCrossEntropyLoss` / :func:`per_sample_token_loss`: token
+  cross-entropy whose terms are per sample (each sample's mean over its own
+  valid tokens), as the loss contract requires.
 
 All follow Opacus's conventions for ``loss_reduction`` ("mean": the loss is the
 batch mean, gradients are divided by the *expected* batch size) and keep the
@@ -21,7 +24,9 @@ true Poisson batches.
 Modules: ``engine`` (PrivacyEngine), ``clipper`` (GhostClipper and its hooks),
 ``layers`` (the per-layer rules and their registry), ``attention`` (multi-head
 attention's step-by-step forward and rule), ``optimizer`` (FusedDPOptimizer),
-``fix`` (fix_batchnorm), ``data`` (the sampler and collate function),
+``fix`` (fix_batchnorm), ``losses`` (per-sample token loss), ``coupling``
+(what mixes samples: refused modules, the checked ghost criterion),
+``checkpoint`` (save/resume of a private run), ``data`` (the sampler and collate function),
 ``ranks`` (DP-SGD across torch.distributed ranks: the sharded Poisson
 sampler and the reduce-then-noise step), ``mechanism`` (the noise stream,
 argument checks and clip-and-noise call the drop-ins share).
@@ -38,10 +43,12 @@ from .clipper import GhostClipper
 from .data import PoissonBatchSampler, collate_with_empty
 from .engine import DPOptimizer, PrivacyEngine, PrivateModule
 from .fix import fix_batchnorm
+from .losses import TokenCrossEntropyLoss, per_sample_token_loss
 from .layers import Call, factored_or_instantiated, register_layer
 from .optimizer import FusedDPOptimizer
 from .ranks import DistributedPoissonBatchSampler
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule", "GhostClipper", "FusedDPOptimizer",
            "register_layer", "Call", "factored_or_instantiated", "fix_batchnorm",
-           "PoissonBatchSampler", "DistributedPoissonBatchSampler", "collate_with_empty"]
+           "PoissonBatchSampler", "DistributedPoissonBatchSampler", "collate_with_empty",
+           "TokenCrossEntropyLoss", "per_sample_token_loss"]

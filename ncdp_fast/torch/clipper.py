@@ -18,8 +18,10 @@ from torch import nn
 from .._clip import GhostBlock, LayersClipResult
 from .._validate import check_choice, check_positive
 from .attention import attention_forward, check_attention
-from .layers import Call, rule_for
-from .mechanism import ClippedGaussianStep
+from .coupling import batch_dim_hooks, refuse_batch_mixing
+from .layers import Call, refuse_unsupported, rule_for
+from .mechanism import (ClippedGaussianStep, ReleasedGrads, foreign_grad_error,
+                        optimizer_params)
 
 __all__ = ["GhostClipper"]
 
@@ -62,23 +64,22 @@ class _Tap:
     params: dict                    # relative name -> Parameter (trainable only)
     records: list = field(default_factory=list)
     recording: bool = False
+    saved: tuple | None = None      # requires_grad as the user left it, during a forward
+    active: frozenset | None = None  # names trainable at this step's forwards
     blocks: list | None = None      # the rule's [(names, block)] once backward is through
     batch: int | None = None
 
-    def trainable(self):
-        return frozenset(self.params)
+    def trainable(self) -> frozenset:
+        """The parameters this step privatizes: those that required grad when the
+        layer ran forward (a parameter frozen after attach is left out, and the
+        optimizer skips it); for a layer unused this step, those that do now."""
+        if self.active is not None:
+            return self.active
+        return frozenset(n for n, p in self.params.items() if p.requires_grad)
 
     def clear(self):
         self.records.clear()
-        self.blocks, self.batch = None, None
-
-
-def _batchnorm_error(name, module):
-    return ValueError(
-        f"GhostClipper: {name!r} is {type(module).__name__}: batch normalisation mixes the "
-        "samples of a batch, so no per-sample gradient (and no DP guarantee) exists. Replace "
-        "it: model = ncdp_fast.torch.fix_batchnorm(model) (GroupNorm, as Opacus's "
-        "ModuleValidator.fix), then train")
+        self.blocks, self.batch, self.active = None, None, None
 
 
 class GhostClipper(ClippedGaussianStep):
@@ -102,6 +103,17 @@ class GhostClipper(ClippedGaussianStep):
     a trainable parameter of another type, a batch norm anywhere (use
     :func:`fix_batchnorm`), or a parameter shared by two layers raises at
     construction.  A layer may run several times in one forward.
+
+    What is privatized: each step, the parameters that required grad when
+    their layer ran forward.  A parameter frozen after construction stays
+    frozen and is left out (no gradient written, no noise drawn).
+    :meth:`privatize_` refuses, before writing anything, a gradient it would
+    not privatize: one autograd gave a privatized parameter from a use
+    outside its layer's forward (a weight tied by ``F.linear(h, emb.weight)``,
+    a penalty on the weights in the loss: put weight decay in the optimizer),
+    and a ``.grad`` on any other parameter of the model or of the optimizer
+    passed to it (unfrozen after construction, added by ``add_param_group``)
+    unless it is a gradient the clipper released.
 
     Clipping: ``"flat"`` clips each sample's gradient over all parameters at
     ``max_grad_norm``; ``"per_layer"`` clips each parameter's per-sample
@@ -147,8 +159,22 @@ class GhostClipper(ClippedGaussianStep):
         # A leaf that requires grad, so that a layer's output enters the graph
         # (and its gradient reaches us) even when nothing below it is trainable.
         self._anchor = torch.zeros((), requires_grad=True)
-        self._handles = []
+        self._handles = batch_dim_hooks(model)
         self._forwards = []
+        self._released = ReleasedGrads()
+        # All of the model's parameters, frozen ones included (one unfrozen later
+        # must not step raw); listed once, a module traversal per step costs
+        # more than the check itself.
+        self._model_params = [(p, None) for p in model.parameters()]
+        # Names of parameters autograd accumulated a gradient into since the last
+        # step.  Inside a recorded forward a parameter does not require grad, so
+        # any such gradient comes from a use outside the layer (a tied weight, a
+        # penalty in the loss), a term the rule never sees.
+        self._outside: dict[str, str] = {}
+        for tap in self.taps:
+            for n, p in tap.params.items():
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    self._outside_hook(f"{tap.name}.{n}" if tap.name else n, tap)))
         for tap in self.taps:
             self._handles.append(tap.module.register_forward_pre_hook(self._pre_hook(tap)))
             if isinstance(tap.module, nn.MultiheadAttention):
@@ -186,8 +212,7 @@ class GhostClipper(ClippedGaussianStep):
         taps, seen = [], set()
         composite = set()            # modules whose parameters a composite layer owns
         for name, module in model.named_modules(remove_duplicate=False):
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                raise _batchnorm_error(name, module)
+            refuse_batch_mixing(name, module)
             if id(module) in composite:
                 continue
             params = {}
@@ -207,8 +232,19 @@ class GhostClipper(ClippedGaussianStep):
             if not params:
                 continue
             rule, base = rule_for(module)
-            if rule is not None and type(module).forward is not base.forward and not isinstance(
-                    module, nn.modules.conv._ConvNd):
+            conv = isinstance(module, nn.modules.conv._ConvNd)
+            if rule is not None and conv and \
+                    type(module)._conv_forward is not getattr(base, "_conv_forward", None):
+                # The hooks mark the convolution at _conv_forward: an override
+                # (weight standardisation, a reparametrisation) computes
+                # something the convolution's rule does not describe.
+                raise ValueError(
+                    f"GhostClipper: layer {name!r} ({type(module).__name__}) overrides "
+                    f"_conv_forward of {base.__name__}, so {base.__name__}'s rule may not "
+                    "describe what it computes (weight standardisation: its gradient is "
+                    "not the plain convolution's); register a rule for its own type with "
+                    "ncdp_fast.torch.register_layer")
+            if rule is not None and type(module).forward is not base.forward and not conv:
                 raise ValueError(
                     f"GhostClipper: layer {name!r} ({type(module).__name__}) overrides the forward "
                     f"of {base.__name__}, so {base.__name__}'s rule may not describe what it "
@@ -223,6 +259,7 @@ class GhostClipper(ClippedGaussianStep):
             if id(module) in seen:
                 raise ValueError(f"GhostClipper: layer {name!r} appears twice in the model "
                                  "(shared modules are not supported)")
+            refuse_unsupported(name, module)
             seen.add(id(module))
             taps.append(_Tap(name, module, rule, params))
         if not taps:
@@ -231,30 +268,76 @@ class GhostClipper(ClippedGaussianStep):
 
     # ------------------------------------------------------------------- hooks
     def _pre_hook(self, tap: _Tap):
+        conv = isinstance(tap.module, nn.modules.conv._ConvNd)
+
         def hook(module, inputs):
-            # The parameter gradients of the ordinary backward would be replaced
-            # by privatize_(); switching requires_grad off for the duration of
-            # this forward keeps autograd from computing them at all (the
-            # weight-gradient GEMM of every layer saved).
             tap.recording = torch.is_grad_enabled()
-            if tap.recording:
-                for p in tap.params.values():
-                    p.requires_grad_(False)
+            if not tap.recording:
+                return
+            active = frozenset(n for n, p in tap.params.items() if p.requires_grad)
+            if not active and not tap.records:
+                # Every parameter frozen since attach: an ordinary frozen layer.
+                tap.recording = False
+                return
+            if tap.records and active != tap.active:
+                tap.recording = False
+                raise RuntimeError(
+                    f"GhostClipper: layer {tap.name!r} ran forward with trainable parameters "
+                    f"{sorted(active)}, earlier in this step with {sorted(tap.active)}; "
+                    "freeze or unfreeze parameters between steps, not within one (call clear() "
+                    "to discard this step)")
+            tap.active = active
+            if not conv:
+                # The parameter gradients of the ordinary backward would be
+                # replaced by privatize_(); switching requires_grad off for the
+                # duration of this forward keeps autograd from computing them at
+                # all (the weight-gradient GEMM of every layer saved).  A
+                # convolution does this around _conv_forward only, where its
+                # rule applies: a subclass's own forward keeps its gradients.
+                tap.saved = self._switch_off(tap)
         return hook
+
+    @staticmethod
+    def _switch_off(tap: _Tap) -> tuple:
+        saved = tuple(p.requires_grad for p in tap.params.values())
+        for p in tap.params.values():
+            p.requires_grad_(False)
+        return saved
+
+    @staticmethod
+    def _switch_back(tap: _Tap, saved: tuple) -> None:
+        # The state the user left, not True: a parameter frozen after attach
+        # stays frozen.
+        for p, r in zip(tap.params.values(), saved):
+            p.requires_grad_(r)
 
     def _restore_hook(self, tap: _Tap):
         def hook(module, inputs, output):
-            if tap.recording:        # always_call=True: restored even on error
-                tap.recording = False
-                for p in tap.params.values():
-                    p.requires_grad_(True)
+            tap.recording = False
+            if tap.saved is not None:        # always_call=True: restored even on error
+                self._switch_back(tap, tap.saved)
+                tap.saved = None
+        return hook
+
+    def _outside_hook(self, name: str, tap: _Tap):
+        def hook(p):
+            self._outside.setdefault(name, type(tap.module).__name__)
         return hook
 
     def _capture(self, tap: _Tap, slot, inputs: tuple, output):
         """Record ``inputs`` and arrange for the gradient of ``output``; returns the
         tensor the forward continues with."""
-        if not tap.recording or not isinstance(output, torch.Tensor):
+        if not tap.recording or output is None:
+            # None: the forward raised (always_call hooks still run), or nothing
+            # depends on the layer, whose gradient is then exactly zero.
             return output
+        if not isinstance(output, torch.Tensor):
+            # Nothing to hook a gradient on: the layer would get pure noise.
+            raise TypeError(
+                f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) returned "
+                f"{type(output).__name__}, expected one tensor (its rule is given the "
+                "gradient of that output); return one tensor from the layer, or put the "
+                "trainable parameters in a sub-module that does")
         if any(r.got for r in tap.records):
             raise RuntimeError(
                 f"GhostClipper: layer {tap.name!r} runs forward again after a backward pass "
@@ -297,12 +380,13 @@ class GhostClipper(ClippedGaussianStep):
                                    f"and {b} in one step")
             batch = b
         calls = [Call(r.inputs, r.grad, r.slot) for r in tap.records]
-        got = tap.rule(tap.module, calls, tap.trainable())
+        trainable = tap.trainable()
+        got = tap.rule(tap.module, calls, trainable)
         covered = [n for names, _ in got for n in names]
-        if sorted(covered) != sorted(tap.params):
+        if sorted(covered) != sorted(trainable):
             raise RuntimeError(f"GhostClipper: the rule of {type(tap.module).__name__} "
                                f"({tap.name!r}) returned blocks for {covered}, expected each "
-                               f"of {sorted(tap.params)} once")
+                               f"of {sorted(trainable)} once")
         tap.blocks = [(names, self._cast(tap, names, block)) for names, block in got]
         tap.batch = batch
         for rec in tap.records:
@@ -318,10 +402,26 @@ class GhostClipper(ClippedGaussianStep):
         return lambda slot, x, output: self._capture(tap, slot, (x,), output)
 
     def _conv_marker(self, tap: _Tap):
-        conv = type(tap.module)._conv_forward.__get__(tap.module)
+        module = tap.module
+        conv = type(module)._conv_forward.__get__(module)
 
         def forward(x, weight, bias):
-            return self._capture(tap, None, (x,), conv(x, weight, bias))
+            if not tap.recording:
+                return conv(x, weight, bias)
+            if weight is not module.weight or bias is not module.bias:
+                # The rule differentiates with respect to the parameters
+                # themselves, not a tensor computed from them.
+                raise ValueError(
+                    f"GhostClipper: layer {tap.name!r} ({type(module).__name__}) passes a "
+                    "weight or bias to _conv_forward that is not its own parameter (computed "
+                    "from it in its forward?); the convolution's rule would give the gradient "
+                    "of the wrong tensor. Register a rule for its own type with "
+                    "ncdp_fast.torch.register_layer")
+            saved = self._switch_off(tap)
+            try:
+                return self._capture(tap, None, (x,), conv(x, weight, bias))
+            finally:
+                self._switch_back(tap, saved)
         return forward
 
     def _patch(self, module, attr, fn):
@@ -334,6 +434,7 @@ class GhostClipper(ClippedGaussianStep):
         """Forget recorded activations and gradients (e.g. after an aborted step)."""
         for tap in self.taps:
             tap.clear()
+        self._outside.clear()
 
     def remove(self) -> None:
         """Detach the hooks and restore the modules' own forwards."""
@@ -379,7 +480,10 @@ class GhostClipper(ClippedGaussianStep):
         entries = []
         for tap in self.taps:
             if tap.blocks is None:
+                trainable = tap.trainable()
                 for n, p in tap.params.items():
+                    if n not in trainable:
+                        continue
                     zeros = p.new_zeros(p.shape)
                     block = GhostBlock(torch.zeros(batch, dtype=torch.float64, device=p.device),
                                        lambda f, z=zeros: z.clone(), tuple(p.shape), 1,
@@ -424,13 +528,72 @@ class GhostClipper(ClippedGaussianStep):
         self.last_result = result
         return result, split
 
-    def privatize_(self) -> LayersClipResult:
+    def _refuse_outside_terms(self) -> None:
+        if self._outside:
+            # In the model's order (the hooks fired in backward's order).
+            shown = ", ".join(f"{n!r} ({self._outside[n]})" for n in self.param_names
+                              if n in self._outside)
+            raise RuntimeError(
+                f"GhostClipper: parameter(s) {shown} got a gradient from outside the layer's "
+                "forward in this backward: a term that uses the parameter directly "
+                "(a tied weight such as F.linear(h, emb.weight), a penalty on the weights "
+                "in the loss, a subclass forward that uses the weight itself). Its private "
+                "gradient comes from the layer's inputs and output gradients only, so that "
+                "term would be dropped. Put weight decay in the optimizer (weight_decay=), "
+                "tie weights by calling the layer itself, or register a rule for a layer "
+                "that computes the whole use; call clear() to discard this step")
+
+    def _refuse_foreign(self, privatized: set, optimizer) -> None:
+        """Every parameter the model holds, and the optimizer updates, that has a
+        gradient must be one privatized now (or carry a gradient this clipper
+        released earlier): else the optimizer would apply a raw gradient."""
+        params = self._model_params
+        if optimizer is not None:
+            params = params + optimizer_params(optimizer)
+        found = self._released.first_foreign(params, privatized)
+        if found is None:
+            return
+        p, where = found
+        names = {id(q): n for n, q in self.model.named_parameters()}
+        if id(p) in names:
+            name = repr(names[id(p)])
+            mine = {id(q) for t in self.taps for q in t.params.values()}
+            reason = ("it was frozen when this step's forward ran" if id(p) in mine else
+                      "it is not one of the clipper's parameters: it was frozen when the "
+                      "clipper was built (make_private) and unfrozen since, or added since")
+        else:
+            name = f"optimizer.param_groups[{where[0]}]['params'][{where[1]}]"
+            reason = ("it is not a parameter of the model the clipper wraps: an extra "
+                      "parameter given to the optimizer, or an add_param_group")
+        raise foreign_grad_error(
+            "GhostClipper", name, p, reason,
+            "Build the clipper (make_private) once the model and optimizer hold every "
+            "parameter to train, unfrozen; to leave one untrained, freeze it "
+            "(requires_grad_(False)) and set its .grad to None")
+
+    def privatize_(self, optimizer=None) -> LayersClipResult:
         """Overwrite every trainable ``p.grad`` with its private gradient and forget
         the recorded tensors.  Returns the clip result (per-sample norms over
         all layers, clipped count, stream position; with per-layer clipping
-        ``num_clipped`` is the largest count of any parameter)."""
+        ``num_clipped`` is the largest count of any parameter).
+
+        Refuses (RuntimeError / ValueError, nothing written, no noise drawn) a
+        gradient the step would not privatize: autograd's gradient of a
+        privatized parameter from a use outside its layer, or any ``.grad`` on
+        another parameter of the model (as it was at construction) or of
+        ``optimizer`` (the torch optimizer about to step: pass it, so that a
+        parameter it holds outside the model is checked too; ``DPOptimizer``
+        does) other than one this clipper released."""
+        if not any(p.requires_grad for t in self.taps for p in t.params.values()):
+            raise RuntimeError(
+                "GhostClipper: every parameter it privatizes has been frozen since it was "
+                f"built ({self.param_names}); nothing would be trained. Unfreeze some, or "
+                "skip the step")
         batch = self._batch_size()
+        self._refuse_outside_terms()
         entries = self._entries(batch)
+        self._refuse_foreign({id(tap.params[n]) for tap, names, _ in entries for n in names},
+                             optimizer)
         # The output gradients of a batch-mean loss are each sample's own divided
         # by the batch size: the op multiplies back (on the (B,) norms and factors).
         scale = float(batch) if self.loss_reduction == "mean" and batch else 1.0
@@ -443,5 +606,6 @@ class GhostClipper(ClippedGaussianStep):
             for n, g in zip(names, parts):
                 p = tap.params[n]
                 p.grad = g.view(p.shape)
+                self._released.wrote(p, p.grad)
         self.clear()
         return result

@@ -6,12 +6,13 @@ from torch.utils.data import default_collate
 
 from .._mix import poisson_batches
 from .._validate import check_int
+from .checkpoint import ResumesPass
 from .mechanism import UsesNoiseStream
 
 __all__ = ["PoissonBatchSampler", "collate_with_empty"]
 
 
-class PoissonBatchSampler(UsesNoiseStream):
+class PoissonBatchSampler(ResumesPass, UsesNoiseStream):
     """True Poisson sampling for ``DataLoader(dataset, batch_sampler=...)``.
 
     Each of the ``steps`` batches includes every index 0..n-1 independently with
@@ -37,10 +38,8 @@ class PoissonBatchSampler(UsesNoiseStream):
         return self.batches
 
     def __iter__(self):
-        plan = poisson_batches(self.n, sample_rate=self.sample_rate, steps=self.batches,
-                               seed=self._stream)
         self._steps += 1
-        for batch in plan:
+        for batch in self._pass(self.n):
             yield batch.tolist()
 
 

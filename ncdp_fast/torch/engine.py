@@ -8,8 +8,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .. import _stream, privacy
+from . import checkpoint as _checkpoint
 from .._validate import check_choice, check_pos_int, check_positive
 from .clipper import GhostClipper
+from .coupling import CheckedCriterion
 from .mechanism import CheckpointsNoise
 from ..distributed._group import resolve_group
 from .data import PoissonBatchSampler, collate_with_empty
@@ -74,7 +76,9 @@ class DPOptimizer(CheckpointsNoise):
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        self.clipper.privatize_()
+        # The wrapped optimizer's parameters are checked too: one added by
+        # add_param_group, or never in the model, would otherwise step raw.
+        self.clipper.privatize_(self.original_optimizer)
         self._on_step()
         return self.original_optimizer.step()
 
@@ -160,8 +164,14 @@ class PrivacyEngine:
             noise_multiplier: sigma >= 0; noise std sigma * max_grad_norm.
             max_grad_norm: C > 0 per sample ("flat"), or one bound per
                 trainable parameter ("per_layer").
-            criterion: returned unchanged in the 4-tuple of grad_sample_mode
-                "ghost" (Opacus's fast-gradient-clipping shape); any loss works.
+            criterion: with grad_sample_mode "ghost", returned in the 4-tuple
+                (Opacus's fast-gradient-clipping shape) wrapped in a
+                :class:`~ncdp_fast.torch.coupling.CheckedCriterion`: a torch loss
+                whose ``reduction`` is ``loss_reduction``; means over a
+                whole-batch count (class weights, ``ignore_index`` targets) are
+                refused.  Whatever the mode, the loss must be a sum or mean of
+                per-sample terms (docs/torch.md, "The loss contract"; token
+                losses: :class:`~ncdp_fast.torch.TokenCrossEntropyLoss`).
             batch_first: must be True (the batch is dimension 0 of every input).
             loss_reduction: "mean" or "sum", as the loss the loop computes.
             seed: the key of the stream the batches and the noise are drawn
@@ -192,6 +202,9 @@ class PrivacyEngine:
                              "that the private step computes, reduces and noises itself)")
         if kwargs:
             raise TypeError(f"make_private: unexpected argument(s) {sorted(kwargs)}")
+        # Checked before anything is built: a refused criterion leaves no hooks behind.
+        if grad_sample_mode == "ghost" and criterion is not None:
+            criterion = CheckedCriterion(criterion, loss_reduction)
         # One stream for the batches and the noise: each takes the next disjoint
         # range as it goes, so neither ever reuses the other's draws.
         stream = _stream.resolve(seed) if group is None else \
@@ -214,6 +227,7 @@ class PrivacyEngine:
         self._unbounded = False
         private = PrivateModule(module, clipper) if wrap_model else module
         dp_opt = DPOptimizer(optimizer, clipper, on_step, samplers=[loader.batch_sampler])
+        self._run = _checkpoint.Run(private, dp_opt, clipper, loader.batch_sampler)
         if grad_sample_mode == "ghost":
             return private, dp_opt, criterion, loader
         return private, dp_opt, loader
@@ -234,6 +248,62 @@ class PrivacyEngine:
             accountant=_accountant_name(self.accountant_name))
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                  noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
+
+    def save_checkpoint(self, *, path, module, optimizer=None, noise_scheduler=None,
+                        grad_clip_scheduler=None, checkpoint_dict=None,
+                        module_state_dict_kwargs=None, torch_save_kwargs=None) -> None:
+        """Write a private training checkpoint (Opacus's signature) with
+        ``torch.save``: ``module_state_dict``, ``optimizer_state_dict`` (of the
+        wrapped optimizer, when ``optimizer`` is given),
+        ``privacy_accountant_state_dict`` (the accountant's history) and
+        ``ncdp_engine``: the noise configuration, the position of the stream
+        the loader and the noise share, and how far the loader's current pass
+        went. :meth:`load_checkpoint` in a new process then continues the run:
+        same epsilon, same batches, same noise as the uninterrupted run.
+
+        The file holds the secret noise key (whoever has it can subtract the
+        noise from the released gradients): keep it as private as the data.
+
+        Args:
+            path: a file name or file object for ``torch.save``.
+            module, optimizer: the module and DPOptimizer :meth:`make_private`
+                returned (optimizer optional).
+            noise_scheduler, grad_clip_scheduler: must be None (no schedulers here).
+            checkpoint_dict: more entries to store (plain types and tensors, so that
+                :meth:`load_checkpoint` can read them with ``weights_only``).
+        """
+        _checkpoint.save(self, path=path, module=module, optimizer=optimizer,
+                         noise_scheduler=noise_scheduler,
+                         grad_clip_scheduler=grad_clip_scheduler,
+                         checkpoint_dict=checkpoint_dict,
+                         module_state_dict_kwargs=module_state_dict_kwargs,
+                         torch_save_kwargs=torch_save_kwargs)
+
+    def load_checkpoint(self, *, path, module, optimizer=None, noise_scheduler=None,
+                        grad_clip_scheduler=None, module_load_dict_kwargs=None,
+                        torch_load_kwargs=None) -> dict:
+        """Resume a run from :meth:`save_checkpoint` (Opacus's signature).
+
+        Call it right after :meth:`make_private` (with the checkpoint's
+        noise_multiplier, max_grad_norm, clipping, loss_reduction and a loader
+        of the same length and dataset size), passing the module and optimizer it
+        returned, as with Opacus. It restores their states, the accountant's
+        history (``get_epsilon`` continues from the checkpoint's), the noise
+        stream and the loader's pass. Refused, before anything is written: an
+        engine that has taken steps, another accountant or noise configuration,
+        a file not written by save_checkpoint.
+
+        ``torch.load`` runs with ``weights_only=True`` (a full unpickle would run
+        code named in the file); ``torch_load_kwargs`` may override it.
+
+        Returns the checkpoint's entries (``checkpoint_dict``'s included), without
+        the engine's own (the key).
+        """
+        return _checkpoint.load(self, path=path, module=module, optimizer=optimizer,
+                                noise_scheduler=noise_scheduler,
+                                grad_clip_scheduler=grad_clip_scheduler,
+                                module_load_dict_kwargs=module_load_dict_kwargs,
+                                torch_load_kwargs=torch_load_kwargs)
 
     def get_epsilon(self, delta) -> float:
         """epsilon at ``delta`` for the private steps taken so far (0 before the

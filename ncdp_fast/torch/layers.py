@@ -33,7 +33,8 @@ from torch import nn
 
 from .._clip import GhostBlock
 
-__all__ = ["Call", "register_layer", "rule_for", "factored_or_instantiated", "RULES"]
+__all__ = ["Call", "register_layer", "rule_for", "factored_or_instantiated", "RULES",
+           "refuse_unsupported"]
 
 
 @dataclass
@@ -229,6 +230,32 @@ def conv_rule(module, calls, trainable):
     return out
 
 
+def _embedding_problem(module: nn.Embedding) -> str | None:
+    """Why an embedding's options leave no exact per-sample gradient, or None."""
+    if module.max_norm is not None:
+        return ("max_norm renormalises rows in place during the forward; not supported for "
+                "private training (set max_norm=None)")
+    if module.scale_grad_by_freq:
+        return ("scale_grad_by_freq=True scales each row's gradient by its count over the "
+                "whole batch, which couples the samples (no per-sample gradient exists); "
+                "set scale_grad_by_freq=False")
+    if module.sparse:
+        return ("sparse=True asks for a sparse gradient, but the private gradient is dense: "
+                "noise is added to every row (a sparse one would reveal which rows the batch "
+                "used); set sparse=False and use a dense optimizer")
+    return None
+
+
+def refuse_unsupported(name: str, module: nn.Module) -> None:
+    """Raise ValueError naming the layer when a trainable layer's options leave no
+    exact per-sample gradient for its rule (checked at construction; the rule
+    checks again at each step, the options being mutable)."""
+    if isinstance(module, nn.Embedding):
+        problem = _embedding_problem(module)
+        if problem is not None:
+            raise ValueError(f"GhostClipper: layer {name!r} (nn.Embedding): {problem}")
+
+
 @register_layer(nn.Embedding)
 def embedding_rule(module: nn.Embedding, calls, trainable):
     """Row lookup: sample i's gradient has rows ``sum_{t: idx_t = v} g_t`` at the
@@ -237,9 +264,9 @@ def embedding_rule(module: nn.Embedding, calls, trainable):
     nothing of size V*D per sample."""
     if "weight" not in trainable:
         return []
-    if module.max_norm is not None:
-        raise ValueError("nn.Embedding with max_norm renormalises rows in place during the "
-                         "forward; not supported for private training (set max_norm=None)")
+    problem = _embedding_problem(module)
+    if problem is not None:
+        raise ValueError(f"nn.Embedding: {problem}")
     V, D = module.weight.shape
     idx = _cat([_lead(c.inputs[0], 1) for c in calls])                 # (B, T)
     g = _cat([_flat_positions(c.grad, D) for c in calls])              # (B, T, D)

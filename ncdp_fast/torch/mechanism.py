@@ -1,6 +1,9 @@
 """What the drop-ins share: their noise stream and, for the two that release
-gradients, the checked DP arguments and the one fused clip-and-noise call."""
+gradients, the checked DP arguments, the one fused clip-and-noise call and the
+check that every gradient a step would apply is one they released."""
 from __future__ import annotations
+
+import weakref
 
 from .. import _stream
 from .._clip import LayersClipResult, clip_and_noise_layers
@@ -9,8 +12,8 @@ from .._validate import check_choice, check_nonneg, check_positive
 from ..distributed._group import check_same_config, resolve_group
 from .ranks import agree_stream, broadcast_parameters, reduce_clip_and_noise
 
-__all__ = ["UsesNoiseStream", "ClippedGaussianStep", "CheckpointsNoise", "check_dp_args"]
-
+__all__ = ["UsesNoiseStream", "ClippedGaussianStep", "CheckpointsNoise", "check_dp_args",
+           "ReleasedGrads", "optimizer_params", "foreign_grad_error"]
 
 
 class UsesNoiseStream:
@@ -91,6 +94,52 @@ def check_dp_args(max_grad_norm, noise_multiplier, expected_batch_size, loss_red
         raise ValueError("expected_batch_size: required with loss_reduction='mean'")
     check_choice(nan_policy, "nan_policy", ("raise", "zero"))
     return max_grad_norm, noise_multiplier, expected_batch_size
+
+
+class ReleasedGrads:
+    """The gradient tensors a drop-in wrote, so that a step can tell a released
+    (private) gradient from one autograd produced outside the mechanism.
+
+    Identity, not value: the optimizer would apply whatever ``p.grad`` holds,
+    and the only gradients that may reach it are the ones the mechanism wrote
+    (or those zeroed in place by ``zero_grad(set_to_none=False)``, the same
+    tensors).  Weak references: a gradient the user dropped is not kept alive."""
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def wrote(self, p, grad) -> None:
+        self._refs[id(p)] = weakref.ref(grad)
+
+    def first_foreign(self, params, privatized: set):
+        """The first parameter of ``params`` (iterable of ``(p, where)``) that has
+        a ``.grad`` the optimizer would apply and that is neither privatized
+        this step (``id(p)`` in ``privatized``) nor a gradient this drop-in
+        released earlier: ``(p, where)``, or None.  O(len(params)), identity
+        checks only."""
+        for p, where in params:
+            g = p.grad
+            if g is None or id(p) in privatized:
+                continue
+            ref = self._refs.get(id(p))
+            if ref is None or ref() is not g:
+                return p, where
+        return None
+
+
+def optimizer_params(optimizer) -> list:
+    """``[(p, (group index, index in group))]`` of a torch optimizer, for
+    :meth:`ReleasedGrads.first_foreign`."""
+    return [(p, (gi, i)) for gi, group in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group["params"])]
+
+
+def foreign_grad_error(who: str, name: str, p, reason: str, fix: str) -> ValueError:
+    """The refusal for a gradient the private step did not produce."""
+    return ValueError(
+        f"{who}: parameter {name} (shape {tuple(p.shape)}) has a gradient that the private "
+        f"step did not produce ({reason}); the optimizer would apply it raw, unclipped and "
+        f"unnoised, while the step is accounted as private. {fix}. Nothing was stepped")
 
 
 class ClippedGaussianStep(UsesNoiseStream):

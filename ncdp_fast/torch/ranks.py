@@ -27,6 +27,7 @@ from .._mix import poisson_batches
 from .._rng import gaussian
 from .._validate import check_int
 from ..distributed._group import check_same_config, rank_world, resolve_group, shard_bounds
+from .checkpoint import ResumesPass
 
 __all__ = ["DistributedPoissonBatchSampler", "agree_stream", "broadcast_parameters",
            "reduce_clip_and_noise"]
@@ -66,7 +67,7 @@ def broadcast_parameters(tensors, group) -> None:
             dist.broadcast(t.data, src=src, group=group)
 
 
-class DistributedPoissonBatchSampler:
+class DistributedPoissonBatchSampler(ResumesPass):
     """The one-process Poisson batches (:class:`ncdp_fast.torch.PoissonBatchSampler`),
     each rank yielding the members in its contiguous shard of ``range(n)``
     (``shard_bounds(n, rank, world)``), as indices into the full dataset.
@@ -96,10 +97,8 @@ class DistributedPoissonBatchSampler:
         return self.batches
 
     def __iter__(self):
-        plan = poisson_batches(self.n, sample_rate=self.sample_rate, steps=self.batches,
-                               seed=self._stream)
         self.passes += 1
-        for batch in plan:
+        for batch in self._pass(self.n):
             yield batch[(batch >= self.lo) & (batch < self.hi)].tolist()
 
 

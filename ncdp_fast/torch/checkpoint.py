@@ -1,0 +1,217 @@
+"""Private training checkpoints of :class:`PrivacyEngine`: what a resumed run
+needs to continue the uninterrupted one exactly -- the accountant's history,
+the position of the one stream the loader and the noise draw from, the pass
+the loader was in, and the module and optimizer states.
+
+The file holds the secret noise key: whoever holds it can subtract the noise
+from every released gradient. It is a private file, like the training data.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .. import privacy
+from .._mix import poisson_batches
+from .._stream import NoiseReuseWarning
+
+__all__ = ["ResumesPass", "save", "load"]
+
+_FORMAT = "ncdp_fast.torch.PrivacyEngine checkpoint"
+_VERSION = 1
+_ENGINE = "ncdp_engine"
+# Opacus's keys, so that a loop reading checkpoint["module_state_dict"] works.
+_MODULE, _OPTIMIZER, _ACCOUNTANT = ("module_state_dict", "optimizer_state_dict",
+                                    "privacy_accountant_state_dict")
+_RESERVED = (_MODULE, _OPTIMIZER, _ACCOUNTANT, _ENGINE)
+
+
+class ResumesPass:
+    """A Poisson sampler whose pass can be resumed at a given batch.
+
+    The plan of a pass is drawn from the stream at ``plan_offset`` when the
+    pass starts; ``pass_done`` counts the batches handed out since.
+    :meth:`resume_pass` makes the next pass redraw that same plan (the same
+    draws give the same batches) and start after the ``done`` first ones.
+    Handed out, not stepped on: with DataLoader workers prefetching, a resumed
+    run skips the prefetched batches rather than use any batch twice."""
+
+    plan_offset = None
+    pass_done = 0
+    _resume = None
+
+    def _pass(self, n):
+        """The batches of one pass, drawn at the first one asked for."""
+        if self._resume is None:
+            start, done = self._stream.position, 0
+            plan = poisson_batches(n, sample_rate=self.sample_rate, steps=self.batches,
+                                   seed=self._stream)
+        else:
+            (start, done), self._resume = self._resume, None
+            # The range of the checkpointed pass, redrawn for that same pass (in
+            # the process that drew it first, the ledger would call it reuse):
+            # the stream itself is already past it and draws nothing twice.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", NoiseReuseWarning)
+                plan = poisson_batches(n, sample_rate=self.sample_rate, steps=self.batches,
+                                       seed=self._stream.seed, offset=start)
+        self.plan_offset, self.pass_done = start, done
+        for i in range(done, len(plan)):
+            self.pass_done = i + 1
+            yield plan[i]
+
+    def pass_state(self) -> dict | None:
+        """``{"plan_offset", "done"}`` of an unfinished pass, else None."""
+        if self.plan_offset is None or self.pass_done >= self.batches:
+            return None
+        return {"plan_offset": self.plan_offset, "done": self.pass_done}
+
+    def resume_pass(self, state: dict | None) -> None:
+        """The next pass continues the one ``pass_state()`` described (None: a
+        fresh pass)."""
+        self._resume = None if state is None else (state["plan_offset"], state["done"])
+
+
+class Run:
+    """What make_private built and a checkpoint restores."""
+
+    def __init__(self, module, optimizer, clipper, sampler):
+        self.module, self.optimizer, self.clipper, self.sampler = \
+            module, optimizer, clipper, sampler
+
+    def config(self, engine) -> dict:
+        """The noise configuration a checkpoint is valid for (all public)."""
+        c = self.clipper
+        return {"noise_multiplier": c.noise_multiplier, "max_grad_norm": c.max_grad_norm,
+                "clipping": c.clipping, "layer_norms": c.layer_norms,
+                "loss_reduction": c.loss_reduction,
+                "expected_batch_size": c.expected_batch_size,
+                "sample_rate": engine.sample_rate, "batches_per_pass": self.sampler.batches,
+                "parameters": list(c.param_names)}
+
+
+def _run(engine, what) -> Run:
+    run = getattr(engine, "_run", None)
+    if run is None:
+        raise RuntimeError(f"PrivacyEngine.{what}: expected an engine after make_private, got "
+                           "one before it; call make_private first and pass the module and "
+                           "optimizer it returned (a checkpoint restores the private run "
+                           "into them, as Opacus's does)")
+    return run
+
+
+def _check_targets(run, module, optimizer, noise_scheduler, grad_clip_scheduler):
+    inner = getattr(run.module, "_module", run.module)
+    if module is not run.module and module is not inner:
+        raise ValueError(f"module: expected the module make_private returned (or the model it "
+                         f"wraps), got another {type(module).__name__}")
+    if optimizer is not None and optimizer is not run.optimizer:
+        raise ValueError(f"optimizer: expected the DPOptimizer make_private returned or None, "
+                         f"got {type(optimizer).__name__}")
+    for name, value in (("noise_scheduler", noise_scheduler),
+                        ("grad_clip_scheduler", grad_clip_scheduler)):
+        if value is not None:
+            raise ValueError(f"{name}: expected None, got {type(value).__name__}; the engine "
+                             "has no schedulers (noise_multiplier and max_grad_norm are fixed "
+                             "at make_private, and the accountant records them)")
+
+
+def _kwargs(value, name) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"{name}: expected a dict or None, got {type(value).__name__}")
+    return value
+
+
+def save(engine, *, path, module, optimizer=None, noise_scheduler=None,
+         grad_clip_scheduler=None, checkpoint_dict=None, module_state_dict_kwargs=None,
+         torch_save_kwargs=None) -> None:
+    run = _run(engine, "save_checkpoint")
+    _check_targets(run, module, optimizer, noise_scheduler, grad_clip_scheduler)
+    extra = _kwargs(checkpoint_dict, "checkpoint_dict")
+    clash = sorted(set(extra) & set(_RESERVED))
+    if clash:
+        raise ValueError(f"checkpoint_dict: expected no key the engine writes {list(_RESERVED)}, "
+                         f"got {clash}")
+    state = dict(extra)
+    state[_MODULE] = module.state_dict(**_kwargs(module_state_dict_kwargs,
+                                                 "module_state_dict_kwargs"))
+    if optimizer is not None:
+        # The stream goes once, under _ENGINE, whichever optimizer is passed.
+        state[_OPTIMIZER] = optimizer.original_optimizer.state_dict()
+    state[_ACCOUNTANT] = engine.accountant.state_dict()
+    state[_ENGINE] = {"format": _FORMAT, "version": _VERSION,
+                      "accountant": engine.accountant_name,
+                      "unbounded": bool(engine._unbounded),
+                      "config": run.config(engine),
+                      "noise": run.clipper.noise_state(),
+                      "loader_pass": run.sampler.pass_state()}
+    torch.save(state, path, **_kwargs(torch_save_kwargs, "torch_save_kwargs"))
+
+
+def _engine_state(ckpt, path) -> dict:
+    eng = ckpt.get(_ENGINE) if isinstance(ckpt, dict) else None
+    if not isinstance(eng, dict) or eng.get("format") != _FORMAT:
+        raise ValueError(f"path: expected a checkpoint written by PrivacyEngine.save_checkpoint, "
+                         f"got {path!r} without its {_ENGINE!r} entry (an Opacus checkpoint has "
+                         "no noise stream and cannot continue a private run here)")
+    if eng.get("version") != _VERSION:
+        raise ValueError(f"path: expected checkpoint version {_VERSION}, got "
+                         f"{eng.get('version')!r}")
+    noise = eng.get("noise")
+    if not isinstance(noise, dict) or not all(
+            isinstance(noise.get(k), int) and noise[k] >= 0 for k in ("seed", "offset", "steps")):
+        raise ValueError(f"path: expected the noise stream as non-negative integers seed, offset "
+                         f"and steps in {path!r}, got a damaged entry")
+    lp = eng.get("loader_pass")
+    if lp is not None and not (isinstance(lp, dict) and all(
+            isinstance(lp.get(k), int) and lp[k] >= 0 for k in ("plan_offset", "done"))):
+        raise ValueError(f"path: expected the loader's pass as non-negative integers "
+                         f"plan_offset and done in {path!r}, got a damaged entry")
+    return eng
+
+
+def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
+         grad_clip_scheduler=None, module_load_dict_kwargs=None, torch_load_kwargs=None) -> dict:
+    run = _run(engine, "load_checkpoint")
+    _check_targets(run, module, optimizer, noise_scheduler, grad_clip_scheduler)
+    if len(engine.accountant) or engine._unbounded or run.clipper.steps:
+        raise RuntimeError("PrivacyEngine.load_checkpoint: expected a fresh engine, got one that "
+                           f"already took {run.clipper.steps} private step(s); their privacy "
+                           "cost would be lost. Call make_private in a new engine and load "
+                           "right after it")
+    # weights_only: unpickling a full pickle runs whatever code the file names;
+    # the checkpoint is plain types and tensors, so nothing else is allowed in.
+    ckpt = torch.load(path, **{"weights_only": True,
+                               **_kwargs(torch_load_kwargs, "torch_load_kwargs")})
+    eng = _engine_state(ckpt, path)
+    if eng.get("accountant") != engine.accountant_name:
+        raise ValueError(f"accountant: the checkpoint was written by an engine with "
+                         f"accountant={eng.get('accountant')!r}, this one has "
+                         f"{engine.accountant_name!r}; create PrivacyEngine(accountant="
+                         f"{eng.get('accountant')!r}) to resume it")
+    saved, now = eng.get("config"), run.config(engine)
+    for key, value in now.items():
+        if not isinstance(saved, dict) or saved.get(key) != value:
+            got = saved.get(key) if isinstance(saved, dict) else None
+            raise ValueError(f"{key}: the checkpoint was taken with {key}={got!r}, this run "
+                             f"has {value!r}; call make_private with the checkpoint's "
+                             "configuration (and the same data loader) to resume it")
+    accountant = privacy.Accountant.from_dict(ckpt.get(_ACCOUNTANT))   # validated before use
+    if optimizer is not None and _OPTIMIZER not in ckpt:
+        raise ValueError(f"optimizer: expected None, since {path!r} holds no optimizer state "
+                         "(save_checkpoint was given none)")
+    # Everything checked: only now is anything written.
+    module.load_state_dict(ckpt[_MODULE], **_kwargs(module_load_dict_kwargs,
+                                                    "module_load_dict_kwargs"))
+    if optimizer is not None:
+        optimizer.original_optimizer.load_state_dict(ckpt[_OPTIMIZER])
+    engine.accountant.load_state_dict(accountant.state_dict())
+    engine._unbounded = bool(eng.get("unbounded"))
+    run.clipper.load_noise_state(eng["noise"])
+    run.optimizer._noise_restored()
+    run.sampler.resume_pass(eng.get("loader_pass"))
+    # What the loop saved, without the key.
+    return {k: v for k, v in ckpt.items() if k != _ENGINE}

@@ -1,0 +1,196 @@
+"""Attacks through losses and modules that couple the samples of a batch
+(issue 23, item 8).  Per-sample clipping bounds one sample's contribution by C
+only when each sample's loss term depends on that sample alone; a loss or
+module that mixes samples lets one sample move the others' gradients.
+
+Each test states the attack and what must make it fail: the per-sample token
+loss keeps every removal within C; the ghost-mode criterion, batch-statistics
+modules and a softmax over the batch are refused before anything is stepped."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from ncdp_fast.torch import (GhostClipper, PrivacyEngine, TokenCrossEntropyLoss,  # noqa: E402
+                             per_sample_token_loss)
+
+D, V = 3, 2          # token features, classes
+
+
+def _batch(seed, n, length):
+    """Tokens (n, length, D) of large norm (so that clipping is active for some
+    samples only), targets with a random number of valid tokens per sample
+    (0 allowed), padding at -100."""
+    g = torch.Generator().manual_seed(seed)
+    x = 3.0 * torch.randn(n, length, D, generator=g)
+    t = torch.randint(0, V, (n, length), generator=g)
+    valid = torch.randint(0, length + 1, (n,), generator=g)
+    for i in range(n):
+        t[i, valid[i]:] = -100
+    return x, t
+
+
+def _clipped_sum(x, t, loss_fn, C, keep):
+    """sum_i clip_C(g_i) over the samples ``keep``, as the clipper computes it
+    with no noise (loss_reduction "mean", expected batch size 1)."""
+    lin = nn.Linear(D, V, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[0.5, -1.0, 0.25], [-0.75, 0.5, 1.0]]))
+    clipper = GhostClipper(lin, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=1.0)
+    loss_fn(lin(x[keep]), t[keep]).backward()
+    clipper.privatize_()
+    clipper.remove()
+    return lin.weight.grad.double()
+
+
+def _worst_removal(x, t, loss_fn, C):
+    """max over i of ||S(D) - S(D minus i)|| / C: the sensitivity one sample buys."""
+    n = x.shape[0]
+    full = _clipped_sum(x, t, loss_fn, C, torch.arange(n))
+    return max(float(torch.linalg.norm(full - _clipped_sum(
+        x, t, loss_fn, C, torch.tensor([j for j in range(n) if j != i])))) / C for i in range(n))
+
+
+def _whole_batch_mean(logits, t):
+    return F.cross_entropy(logits.reshape(-1, V), t.reshape(-1), ignore_index=-100)
+
+
+def _bound(n):
+    """Rounding slack of the ratio: each clipped row has norm <= C(1 + 4u) and
+    each of the two float32 sums of <= n rows of norm <= C errs by at most
+    gamma_n n C (Higham 3.4, norm-wise): 1 + 4u + 2 gamma_n n, u = 2^-24."""
+    u = 2.0 ** -24
+    return 1.0 + 4 * u + 2 * n * (n * u / (1 - n * u))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(2, 4), length=st.integers(1, 5),
+       C=st.floats(0.1, 3.0))
+def test_per_sample_token_loss_keeps_every_removal_within_C(seed, n, length, C):
+    x, t = _batch(seed, n, length)
+    assert _worst_removal(x, t, per_sample_token_loss, C) <= _bound(n)
+
+
+def test_whole_batch_token_mean_exceeds_C():
+    """The attack the helper prevents: the mean over the valid tokens of the
+    whole batch lets one sample (by its token count) rescale the others'
+    gradients; the batch of seed 37 (n=4, 8 tokens; the worst of seeds 0-149
+    at C in {0.2, 0.5, 1}) moves the clipped sum by 1.35 C."""
+    x, t = _batch(37, 4, 8)
+    assert _worst_removal(x, t, _whole_batch_mean, 0.5) > 1.3
+    assert _worst_removal(x, t, per_sample_token_loss, 0.5) <= _bound(4)
+
+
+def test_per_sample_token_loss_is_each_samples_own_mean():
+    x, t = _batch(3, 3, 4)
+    t[0] = -100                                   # a sample without any valid token
+    logits = torch.randn(3, 4, V)
+    per = per_sample_token_loss(logits, t, reduction="none")
+    # Two float32 evaluations of a mean of <= 4 positive terms: each within
+    # gamma_4 of the sum plus one rounding of the division.
+    u = 2.0 ** -24
+    rtol = 2 * (4 * u / (1 - 4 * u) + u)
+    for i in range(3):
+        mask = t[i] != -100
+        want = F.cross_entropy(logits[i][mask], t[i][mask]) if mask.any() else torch.tensor(0.)
+        assert torch.allclose(per[i], want, rtol=rtol, atol=0)
+    assert per_sample_token_loss(logits, t) == per.sum() / 3
+    assert TokenCrossEntropyLoss(reduction="sum")(logits, t) == per.sum()
+    with pytest.raises(ValueError, match=r"target: expected a \(3, 4\) tensor"):
+        per_sample_token_loss(logits, t[:, :2])
+    empty = per_sample_token_loss(logits[:0], t[:0])     # an empty Poisson batch
+    assert empty.item() == 0.0
+
+
+# --------------------------------------------------------- ghost-mode criterion
+
+def _make(criterion, loss_reduction="mean"):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 4, generator=g), torch.randint(0, 3, (12,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    out = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=1.0,
+        max_grad_norm=1.0, criterion=criterion, loss_reduction=loss_reduction,
+        grad_sample_mode="ghost", seed=4)
+    return model, out
+
+
+@pytest.mark.parametrize("criterion, loss_reduction, error, match", [
+    (nn.CrossEntropyLoss(reduction="sum"), "mean", ValueError,
+     r"criterion: expected reduction='mean' \(loss_reduction\), got 'sum'"),
+    (nn.CrossEntropyLoss(reduction="none"), "sum", ValueError,
+     r"criterion: expected reduction='sum' \(loss_reduction\), got 'none'"),
+    (nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 1.0])), "mean", ValueError,
+     r"CrossEntropyLoss\(weight=...\) with reduction='mean' divides by the summed weights"),
+    (lambda out, y: F.cross_entropy(out @ out.T, torch.arange(len(y))), "mean", TypeError,
+     r"criterion: expected a torch loss with a reduction attribute"),
+])
+def test_ghost_criterion_that_couples_or_mismatches_is_refused_before_anything_is_built(
+        criterion, loss_reduction, error, match):
+    g = torch.Generator().manual_seed(0)
+    model = nn.Linear(4, 3)
+    with pytest.raises(error, match=match):
+        PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(torch.randn(8, 4, generator=g),
+                                                 torch.zeros(8, dtype=torch.long)),
+                                   batch_size=4),
+            noise_multiplier=1.0, max_grad_norm=1.0, criterion=criterion,
+            loss_reduction=loss_reduction, grad_sample_mode="ghost")
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_ghost_criterion_refuses_ignored_targets_under_a_mean_before_the_step():
+    model, (pm, popt, crit, loader) = _make(nn.CrossEntropyLoss())
+    before = model.weight.detach().clone()
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, -100, 2])
+    with pytest.raises(ValueError, match=r"target: contains ignore_index=-100 under "
+                                         r"CrossEntropyLoss\(reduction='mean'\)"):
+        crit(pm(x), y).backward()
+    assert torch.equal(model.weight, before) and pm.clipper.steps == 0
+    loss = crit(pm(x), y.clamp(min=0))            # no padding: the plain batch mean
+    assert loss == F.cross_entropy(pm(x), y.clamp(min=0))
+
+
+def test_ghost_token_criterion_is_accepted_and_exact():
+    model, (pm, popt, crit, loader) = _make(TokenCrossEntropyLoss())
+    logits, t = torch.randn(2, 3, 3), torch.tensor([[0, 1, -100], [2, -100, -100]])
+    assert crit(logits, t) == per_sample_token_loss(logits, t)
+
+
+# ------------------------------------------------- modules that mix the batch
+
+@pytest.mark.parametrize("layer, match", [
+    (nn.InstanceNorm1d(4, track_running_stats=True), r"'1' is InstanceNorm1d with "
+                                                      r"track_running_stats=True"),
+    (nn.LazyInstanceNorm1d(track_running_stats=True), r"'1' is LazyInstanceNorm1d with "
+                                                       r"track_running_stats=True"),
+    (nn.Softmax(dim=0), r"'1' is Softmax\(dim=0\), which normalises across the samples"),
+    (nn.LogSoftmax(dim=None), r"'1' is LogSoftmax\(dim=None\)"),
+    (nn.Softmin(0), r"'1' is Softmin\(dim=0\)"),
+    (nn.SyncBatchNorm(4), r"'1' is SyncBatchNorm: batch normalisation mixes"),
+    (nn.LazyBatchNorm1d(), r"'1' is LazyBatchNorm1d: batch normalisation mixes"),
+])
+def test_batch_statistics_and_batch_softmax_are_refused_at_construction(layer, match):
+    """Instance norms tracking running statistics do not couple gradients, but
+    their buffers average every batch's statistics unnoised (a release of the
+    data); a softmax over dim 0 couples the samples outright."""
+    model = nn.Sequential(nn.Linear(4, 4), layer)
+    with pytest.raises(ValueError, match=match):
+        GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+
+
+def test_softmax_whose_negative_dim_lands_on_the_batch_is_refused_at_forward():
+    model = nn.Sequential(nn.Linear(4, 1), nn.Flatten(0), nn.Softmax(dim=-1))
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    with pytest.raises(ValueError, match=r"Softmax\(dim=-1\) got a 1-dimensional input, on "
+                                         r"which that dim is the batch"):
+        model(torch.randn(4, 4))
+    clipper.remove()
+    assert model(torch.randn(4, 4)).shape == (4,)     # the hook left with the clipper

@@ -1,0 +1,205 @@
+"""Resume of a private run (issue 23, item 6): PrivacyEngine.save_checkpoint /
+load_checkpoint carry the accountant's history, the one stream the loader and
+the noise draw from, the loader's pass and the states, so that a run resumed
+in a new process reports the epsilon of the uninterrupted run and reaches its
+parameters.  Before: epsilon restarted from zero (2.85 reported for 3.59)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from ncdp_fast import _stream, privacy  # noqa: E402
+from ncdp_fast.torch import PrivacyEngine  # noqa: E402
+
+SEED = 8231     # the tests' own key, so that the uninterrupted run can be redone
+DELTA = 1e-5
+
+
+def _training(seed, accountant="prv", noise_multiplier=1.0):
+    """20 samples in passes of 4 Poisson batches (q = 1/4), a linear model,
+    SGD with momentum (optimizer state that must be restored too)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 4, generator=g), torch.randint(0, 3, (20,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = PrivacyEngine(accountant=accountant)
+    pm, popt, ploader = engine.make_private(
+        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=5),
+        noise_multiplier=noise_multiplier, max_grad_norm=1.0, seed=seed)
+    return engine, pm, popt, ploader
+
+
+def _train(pm, popt, ploader, steps):
+    """Opacus's loop, over passes, stopping after ``steps`` private steps
+    (mid-pass when steps is not a multiple of 4)."""
+    taken = 0
+    while taken < steps:
+        for x, y in ploader:
+            popt.zero_grad()
+            F.cross_entropy(pm(x), y).backward()
+            popt.step()
+            taken += 1
+            if taken == steps:
+                return
+
+
+def _resume(path, out, steps):
+    """The resumed run, as a new process runs it: a fresh engine with an OS key
+    (the checkpoint's key replaces it), load, train on."""
+    engine, pm, popt, ploader = _training(seed=None)
+    extra = engine.load_checkpoint(path=path, module=pm, optimizer=popt)
+    _train(pm, popt, ploader, steps)
+    torch.save({"eps": engine.get_epsilon(DELTA), "epoch": extra["epoch"],
+                "params": [p.detach().clone() for p in pm.parameters()]}, out)
+
+
+def test_resume_in_a_new_process_matches_the_uninterrupted_run(tmp_path):
+    """6 steps, checkpoint, a new process loads it and takes 5 more: epsilon
+    and parameters equal those of 11 uninterrupted steps (both checkpoint and
+    end fall mid-pass, so the loader's pass is resumed too)."""
+    k, n = 6, 11
+    engine, pm, popt, ploader = _training(SEED)
+    _train(pm, popt, ploader, k)
+    path, out = tmp_path / "ckpt.pt", tmp_path / "out.pt"
+    engine.save_checkpoint(path=path, module=pm, optimizer=popt, checkpoint_dict={"epoch": 1})
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_torch_checkpoint as t; "
+            "t._resume(sys.argv[2], sys.argv[3], int(sys.argv[4]))")
+    proc = subprocess.run([sys.executable, "-c", code, tests, str(path), str(out), str(n - k)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _stream._LEDGER.clear()                       # the uninterrupted run, as its own process
+    engine_u, pm_u, popt_u, ploader_u = _training(SEED)
+    _train(pm_u, popt_u, ploader_u, n)
+    resumed = torch.load(out, weights_only=True)
+    assert resumed["epoch"] == 1
+    assert engine_u.accountant.total_steps == n
+    assert resumed["eps"] == engine_u.get_epsilon(DELTA) > engine.get_epsilon(DELTA) > 0
+    for a, b in zip(resumed["params"], pm_u.parameters()):
+        assert torch.equal(a, b.detach())
+
+
+def test_resume_at_a_pass_boundary_draws_the_next_pass_fresh(tmp_path):
+    """A checkpoint after a whole pass: the resumed loader draws the next pass
+    from the stream's position, as the uninterrupted loader does (same process:
+    the ledger then knows the range, and must not see it drawn twice)."""
+    engine, pm, popt, ploader = _training(SEED)
+    _train(pm, popt, ploader, 4)
+    engine.save_checkpoint(path=tmp_path / "c.pt", module=pm, optimizer=popt)
+    ref = [b.tolist() for b in [*ploader.batch_sampler._pass(20)]]     # the next pass
+    _stream._LEDGER.clear()
+    engine2, pm2, popt2, ploader2 = _training(None)
+    engine2.load_checkpoint(path=tmp_path / "c.pt", module=pm2, optimizer=popt2)
+    assert list(ploader2.batch_sampler) == ref
+
+
+def _refused(engine, pm, popt, path, error, match, **kw):
+    """The refusal is raised, and nothing was written: parameters, accountant
+    and stream are those of before the call."""
+    before = [p.detach().clone() for p in pm.parameters()]
+    offset, events = pm.clipper.offset, engine.accountant.history
+    with pytest.raises(error, match=match):
+        engine.load_checkpoint(path=path, module=pm, optimizer=popt, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(before, pm.parameters()))
+    assert (pm.clipper.offset, engine.accountant.history) == (offset, events)
+
+
+def test_mismatched_or_misplaced_loads_are_refused_and_write_nothing(tmp_path):
+    engine, pm, popt, ploader = _training(SEED)
+    _train(pm, popt, ploader, 2)
+    path = tmp_path / "c.pt"
+    engine.save_checkpoint(path=path, module=pm, optimizer=popt)
+    _stream._LEDGER.clear()
+    # Another accountant kind: epsilon would be answered by another method.
+    _refused(*_training(None, accountant="rdp")[:3], path, ValueError,
+             r"accountant: the checkpoint was written by an engine with accountant='prv'")
+    # Another noise: the history's sigma would not be this run's.
+    _refused(*_training(None, noise_multiplier=2.0)[:3], path, ValueError,
+             r"noise_multiplier: the checkpoint was taken with noise_multiplier=1.0, this run "
+             r"has 2.0")
+    # An engine that already stepped: its steps would vanish from the accountant.
+    e, m, o, loader = _training(None)
+    _train(m, o, loader, 1)
+    _refused(e, m, o, path, RuntimeError, r"already took 1 private step")
+    # A file without the engine's entry (an Opacus-style checkpoint).
+    torch.save({"module_state_dict": pm.state_dict()}, tmp_path / "opacus.pt")
+    _refused(*_training(None)[:3], tmp_path / "opacus.pt", ValueError,
+             r"path: expected a checkpoint written by PrivacyEngine.save_checkpoint")
+    _refused(*_training(None)[:3], path, ValueError, r"noise_scheduler: expected None",
+             noise_scheduler=object())
+    with pytest.raises(RuntimeError, match=r"load_checkpoint: expected an engine after "
+                                           r"make_private"):
+        PrivacyEngine().load_checkpoint(path=path, module=pm._module)
+    e, m, o, _ = _training(None)
+    with pytest.raises(ValueError, match=r"optimizer: expected the DPOptimizer make_private "
+                                         r"returned or None, got SGD"):
+        e.save_checkpoint(path=path, module=m, optimizer=o.original_optimizer)
+
+
+def test_returned_entries_carry_no_key(tmp_path):
+    engine, pm, popt, ploader = _training(SEED)
+    _train(pm, popt, ploader, 1)
+    engine.save_checkpoint(path=tmp_path / "c.pt", module=pm, optimizer=popt)
+    _stream._LEDGER.clear()
+    e, m, o, _ = _training(None)
+    got = e.load_checkpoint(path=tmp_path / "c.pt", module=m, optimizer=o)
+    assert str(SEED) not in repr(got) and "ncdp_engine" not in got
+    assert set(got) == {"module_state_dict", "optimizer_state_dict",
+                        "privacy_accountant_state_dict"}
+
+
+_events = st.lists(st.one_of(
+    st.tuples(st.just("g"), st.floats(0.3, 5.0), st.floats(1e-4, 1.0), st.integers(1, 50)),
+    st.tuples(st.just("z"), st.floats(1e-3, 2.0), st.integers(1, 5))), max_size=6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_events)
+def test_accountant_state_dict_round_trips_through_json(events):
+    acc = privacy.Accountant()
+    for e in events:
+        if e[0] == "g":
+            acc.step(noise_multiplier=e[1], sample_rate=e[2], steps=e[3])
+        else:
+            acc.add_zcdp(e[1], e[2])
+    back = privacy.Accountant()
+    back.load_state_dict(json.loads(json.dumps(acc.state_dict())))
+    assert back == acc and back.history == acc.history
+
+
+def test_accountant_load_state_dict_refuses_damage_and_keeps_its_history():
+    acc = privacy.Accountant().step(noise_multiplier=1.0, sample_rate=0.1, steps=3)
+    state = acc.state_dict()
+    state["events"][0]["steps"] = -1
+    with pytest.raises(ValueError, match=r"events\[0\]\.steps"):
+        acc.load_state_dict(state)
+    assert acc.total_steps == 3
+
+
+def test_a_resumed_pass_never_hands_out_a_batch_twice():
+    """Loader workers prefetch: the sampler has handed out more batches than the
+    loop stepped on.  The resumed pass starts after every batch handed out (the
+    prefetched ones are skipped), so no batch is used for two steps."""
+    from ncdp_fast.torch import PoissonBatchSampler
+    s = PoissonBatchSampler(20, sample_rate=0.25, steps=4, seed=SEED)
+    it = iter(s)
+    handed = [next(it) for _ in range(3)]          # prefetched; one step taken, say
+    state = s.pass_state()
+    assert state["done"] == 3
+    whole = handed + list(it)
+    _stream._LEDGER.clear()
+    resumed = PoissonBatchSampler(20, sample_rate=0.25, steps=4, seed=None)
+    resumed._stream = _stream.NoiseStream(SEED, s.offset)
+    resumed.resume_pass(state)
+    assert list(resumed) == whole[3:]
+    assert resumed.pass_state() is None            # the pass is over: the next is fresh
