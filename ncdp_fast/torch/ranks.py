@@ -18,7 +18,6 @@ A sharded step is the one-process step cut into pieces (docs/architecture.md,
 """
 from __future__ import annotations
 
-
 import torch
 
 from .. import _stream
