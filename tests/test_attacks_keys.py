@@ -213,6 +213,15 @@ def test_released_asdict_and_copies_carry_no_key(tmp_path):
             c.save_audit_key(tmp_path / "k.json")
 
 
+def test_a_field_is_public_or_secret_not_both():
+    from ncdp_fast.distributed import check_same_config
+    with pytest.raises(ValueError, match=r"secret: expected keys that config does not have, "
+                       r"got \['seed'\] in both"):
+        check_same_config({"seed": 1}, None, "op", secret={"seed": 1})
+    with pytest.raises(TypeError, match="secret: expected a dict or None, got list"):
+        check_same_config({}, None, "op", secret=[1])
+
+
 def _mismatch(rank, world):
     """Ranks that differ in the key and in one private label: the message names the
     fields, never a value or digest of them."""

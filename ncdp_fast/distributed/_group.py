@@ -126,22 +126,23 @@ def check_same_config(config: dict, group: Any, what: str, *, secret: dict | Non
     return value is ``[local]``."""
     if not isinstance(config, dict):
         raise TypeError(f"config: expected a dict, got {type(config).__name__}")
+    if secret is not None and not isinstance(secret, dict):
+        raise TypeError(f"secret: expected a dict or None, got {type(secret).__name__}")
+    clash = sorted(set(map(str, secret or ())) & set(map(str, config)))
+    if clash and error is None:
+        # Raised through the exchange below, so that no rank waits for this one.
+        error = ValueError(f"secret: expected keys that config does not have, got {clash} "
+                           "in both")
     if group is None:
         if error is not None:
             raise error
         return [local]
-    if secret is not None and not isinstance(secret, dict):
-        raise TypeError(f"secret: expected a dict or None, got {type(secret).__name__}")
     dist = _dist()
     _, world = rank_world(group)
     mine = {str(k): _digest(v) for k, v in config.items()}
     if secret is not None:
         salt = _call_salt(group)
-        hidden = {str(k): _secret_digest(salt, v) for k, v in secret.items()}
-        if set(hidden) & set(mine):
-            raise ValueError(f"secret: expected keys not in config, got "
-                             f"{sorted(set(hidden) & set(mine))} in both")
-        mine.update({k: ("secret", v) for k, v in hidden.items()})
+        mine.update({str(k): ("secret", _secret_digest(salt, v)) for k, v in secret.items()})
     why = None if error is None else f"{type(error).__name__}: {error}"
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (mine, local, why), group=group)
