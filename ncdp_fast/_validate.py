@@ -26,7 +26,7 @@ from . import _arrays
 __all__ = [
     "check_real", "check_finite", "check_positive", "check_nonneg", "check_int",
     "check_pos_int", "check_uint64", "check_draw_range", "check_probability", "check_delta",
-    "check_choice",
+    "check_choice", "check_bool",
     "as_matrix", "as_targets", "check_features", "check_labels",
 ]
 
@@ -133,6 +133,13 @@ def check_choice(value: Any, name: str, choices) -> Any:
     if value not in choices:
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
     return value
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """A bool (Python or NumPy); an integer 0/1 is a TypeError, not a guess."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise _type_error(value, name, "a bool (True or False)")
+    return bool(value)
 
 
 # ----------------------------------------------------------------------- arrays

@@ -205,8 +205,8 @@ def test_refusals_name_the_argument_or_module():
         _make(lin, poisson_sampling=False)
     with pytest.raises(ValueError, match="noise_generator: expected None"):
         _make(lin, noise_generator=torch.Generator())
-    with pytest.raises(ValueError, match="batch_first: expected True"):
-        _make(lin, batch_first=False)
+    with pytest.raises(TypeError, match="batch_first: expected a bool"):
+        _make(lin, batch_first=0)
     with pytest.raises(ValueError, match="grad_sample_mode"):
         _make(lin, grad_sample_mode="magic")
     with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['foo'\]"):

@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 from .._clip import GhostBlock, LayersClipResult
-from .._validate import check_choice, check_positive
+from .._validate import check_bool, check_choice, check_int, check_positive
 from .attention import attention_forward, check_attention
 from .coupling import batch_dim_hooks, refuse_batch_mixing
 from .layers import Call, refuse_unsupported, rule_for
+from .layout import (StepBatch, batch_dim, enclosing_batch_first, layer_batch_first,
+                     module_batch_first, rows_error, to_batch_first)
 from .mechanism import (ClippedGaussianStep, ReleasedGrads, foreign_grad_error,
                         optimizer_params)
 
@@ -68,6 +70,8 @@ class _Tap:
     active: frozenset | None = None  # names trainable at this step's forwards
     blocks: list | None = None      # the rule's [(names, block)] once backward is through
     batch: int | None = None
+    batch_first: bool = True        # the layout of its inputs and output (layout.py)
+    layout: str = ""                # where that layout comes from, for errors
 
     def trainable(self) -> frozenset:
         """The parameters this step privatizes: those that required grad when the
@@ -122,6 +126,20 @@ class GhostClipper(ClippedGaussianStep):
     and adds noise of std ``noise_multiplier * sqrt(sum C_p^2)`` to each, as
     Opacus's per-layer optimizer.
 
+    The batch: every layer's per-sample rows must be the samples of the batch
+    of the model's input -- dimension 0 of the first tensor the model is called
+    with (positional, then keyword), dimension 1 with ``batch_first=False`` --
+    or of a size declared with :meth:`declare_batch_size`.  A layer whose rows
+    are not (samples folded into the batch dimension, (B, k, d) -> (B*k, d))
+    raises in backward, before anything is written.  Layout: layers inside
+    ``nn.MultiheadAttention`` / ``nn.Transformer*`` take that module's own
+    ``batch_first``; convolutions and group/instance norms are always
+    batch-first; an ``nn.Linear``, ``nn.Embedding`` or ``nn.LayerNorm`` with
+    one leading dimension ((B, d)) has its batch there; every other layer
+    follows ``batch_first`` (Opacus's argument: with
+    False, a layer's dimension 1 is the batch, (T, B, d)).  The layout is
+    never inferred from sizes.
+
     Across ranks: with ``group`` (a torch.distributed process group; do not
     also wrap the model in DDP), each rank feeds its own samples (a
     :class:`DistributedPoissonBatchSampler` shard) and :meth:`privatize_`
@@ -140,11 +158,13 @@ class GhostClipper(ClippedGaussianStep):
     def __init__(self, model: nn.Module, *, max_grad_norm, noise_multiplier: float,
                  expected_batch_size: float | None, loss_reduction: str = "mean",
                  clipping: str = "flat", seed=None, offset: int | None = None,
-                 nan_policy: str = "raise", group=None):
+                 nan_policy: str = "raise", group=None, batch_first: bool = True):
         check_choice(clipping, "clipping", ("flat", "per_layer"))
+        self.batch_first = check_bool(batch_first, "batch_first")
         self.model = model
         self.clipping = clipping
         self.taps = self._find_layers(model)
+        self._set_layouts(model)
         self.param_names = [f"{t.name}.{n}" if t.name else n for t in self.taps for n in t.params]
         self.layer_norms = self._layer_bounds(max_grad_norm, clipping)
         total = max_grad_norm if clipping == "flat" else math.sqrt(
@@ -159,7 +179,11 @@ class GhostClipper(ClippedGaussianStep):
         # A leaf that requires grad, so that a layer's output enters the graph
         # (and its gradient reaches us) even when nothing below it is trainable.
         self._anchor = torch.zeros((), requires_grad=True)
-        self._handles = batch_dim_hooks(model)
+        self._batch = StepBatch(self.batch_first)
+        # Registered before the layers' hooks: the batch is known before any
+        # layer (the model itself may be one) records.
+        self._handles = [model.register_forward_pre_hook(self._batch.pre_hook, with_kwargs=True)]
+        self._handles += batch_dim_hooks(model)
         self._forwards = []
         self._released = ReleasedGrads()
         # All of the model's parameters, frozen ones included (one unfrozen later
@@ -203,6 +227,17 @@ class GhostClipper(ClippedGaussianStep):
             return [check_positive(c, f"max_grad_norm[{i}]") for i, c in enumerate(max_grad_norm)]
         c = check_positive(max_grad_norm, "max_grad_norm")
         return [c / math.sqrt(P)] * P
+
+    def _set_layouts(self, model: nn.Module) -> None:
+        own = module_batch_first(model)
+        if own is not None and own != self.batch_first:
+            raise ValueError(
+                f"batch_first: expected {own}, as the model ({type(model).__name__}) was built "
+                f"with batch_first={own} and its inputs are laid out so; got {self.batch_first}")
+        layouts = enclosing_batch_first(model)
+        for tap in self.taps:
+            tap.batch_first, tap.layout = layer_batch_first(tap.name, tap.module, layouts,
+                                                            self.batch_first)
 
     @staticmethod
     def _find_layers(model: nn.Module) -> list[_Tap]:
@@ -267,6 +302,13 @@ class GhostClipper(ClippedGaussianStep):
         return taps
 
     # ------------------------------------------------------------------- hooks
+    def declare_batch_size(self, n: int) -> None:
+        """State the number of samples of the current step (until the next
+        :meth:`privatize_` or :meth:`clear`), for a model whose first input
+        tensor does not carry the batch; every layer's rows are checked
+        against it instead of the input's."""
+        self._batch.declared = check_int(n, "n", 0)
+
     def _pre_hook(self, tap: _Tap):
         conv = isinstance(tap.module, nn.modules.conv._ConvNd)
 
@@ -367,18 +409,26 @@ class GhostClipper(ClippedGaussianStep):
             self._evaluate(tap)
 
     def _evaluate(self, tap: _Tap) -> None:
-        batch = None
+        batch, source = self._batch.get(tap.name)
         for rec in tap.records:
             if any(getattr(x, "_version", 0) != v for x, v in zip(rec.inputs, rec.versions)):
                 raise RuntimeError(
                     f"GhostClipper: the input of layer {tap.name!r} was modified in place "
                     "after the layer ran (an inplace op on a tensor the layer read); its "
                     "per-sample gradient would be wrong. Make that op out of place")
-            b = rec.grad.shape[0]
-            if batch is not None and b != batch:
-                raise RuntimeError(f"GhostClipper: layer {tap.name!r} saw batch sizes {batch} "
-                                   f"and {b} in one step")
-            batch = b
+            shape = rec.grad.shape
+            if not shape:
+                raise ValueError(f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) "
+                                 "returned a 0-d output: it has no batch dimension, so no "
+                                 "per-sample gradient; expected an output whose rows are the "
+                                 f"step's {batch} samples")
+            dim = batch_dim(tap.module, tap.batch_first, rec.grad)
+            if shape[dim] != batch:
+                raise rows_error(tap.name, tap.module, shape, dim, tap.batch_first, tap.layout,
+                                 batch, source)
+            # The rules read dimension 0 as the batch: a sequence-first call is
+            # handed to them with its batch moved there.
+            rec.inputs, rec.grad = to_batch_first(rec.inputs, rec.grad, dim)
         calls = [Call(r.inputs, r.grad, r.slot) for r in tap.records]
         trainable = tap.trainable()
         got = tap.rule(tap.module, calls, trainable)
@@ -431,10 +481,12 @@ class GhostClipper(ClippedGaussianStep):
 
     # --------------------------------------------------------------- lifecycle
     def clear(self) -> None:
-        """Forget recorded activations and gradients (e.g. after an aborted step)."""
+        """Forget recorded activations and gradients (e.g. after an aborted step)
+        and the step's batch size."""
         for tap in self.taps:
             tap.clear()
         self._outside.clear()
+        self._batch.clear()
 
     def remove(self) -> None:
         """Detach the hooks and restore the modules' own forwards."""
@@ -467,10 +519,7 @@ class GhostClipper(ClippedGaussianStep):
                     "it; run exactly one loss.backward() per recorded forward (call clear() "
                     "to discard a forward)")
             if tap.batch is not None:
-                if batch is not None and tap.batch != batch:
-                    raise RuntimeError(f"GhostClipper: layer {tap.name!r} saw batch size "
-                                       f"{tap.batch}, another layer {batch}")
-                batch = tap.batch
+                batch = tap.batch        # each layer's was checked against the step's
         if batch is None:
             raise RuntimeError("GhostClipper: no forward/backward was recorded since the last step")
         return batch

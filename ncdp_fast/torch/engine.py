@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from .. import _stream, privacy
 from . import checkpoint as _checkpoint
-from .._validate import check_choice, check_pos_int, check_positive
+from .._validate import check_bool, check_choice, check_pos_int, check_positive
 from .clipper import GhostClipper
 from .coupling import CheckedCriterion
 from .mechanism import CheckpointsNoise
@@ -172,7 +172,10 @@ class PrivacyEngine:
                 refused.  Whatever the mode, the loss must be a sum or mean of
                 per-sample terms (docs/torch.md, "The loss contract"; token
                 losses: :class:`~ncdp_fast.torch.TokenCrossEntropyLoss`).
-            batch_first: must be True (the batch is dimension 0 of every input).
+            batch_first: the layout of the model's inputs and of its layers that are
+                not inside a torch module with its own ``batch_first``: True, the
+                batch is dimension 0; False, dimension 1 ((T, B, ...), Opacus's
+                meaning).  :class:`GhostClipper`'s argument.
             loss_reduction: "mean" or "sum", as the loss the loop computes.
             seed: the key of the stream the batches and the noise are drawn
                 from, in disjoint ranges (default: from the OS; or a
@@ -193,8 +196,7 @@ class PrivacyEngine:
         if noise_generator is not None:
             raise ValueError("noise_generator: expected None; noise comes from a Philox stream "
                              "keyed by the OS (pass seed= to fix the key)")
-        if not batch_first:
-            raise ValueError("batch_first: expected True (dimension 0 of every input is the batch)")
+        batch_first = check_bool(batch_first, "batch_first")
         check_choice(grad_sample_mode, "grad_sample_mode", _GRAD_SAMPLE_MODES)
         if isinstance(module, nn.parallel.DistributedDataParallel):
             raise ValueError("module: got a DistributedDataParallel model; pass the plain model "
@@ -214,7 +216,7 @@ class PrivacyEngine:
                                noise_multiplier=noise_multiplier,
                                expected_batch_size=sample_rate * n,
                                loss_reduction=loss_reduction, clipping=clipping, seed=stream,
-                               group=group)
+                               group=group, batch_first=batch_first)
         self.sample_rate = sample_rate
         self.noise_multiplier = clipper.noise_multiplier
 

@@ -47,6 +47,9 @@ class Call:
         gradient, divided by the batch size when the loss is a batch mean (the
         clip op multiplies back on its (B,) norms and factors, so every block
         a rule returns must be linear in ``grad`` -- any parameter gradient is).
+        A sequence-first call ((T, B, ...), GhostClipper's ``batch_first``)
+        arrives with its batch moved to dimension 0, here and in every tensor
+        input that has a dimension 1.
     slot: None for a plain layer; a composite layer's own label for the
         point it marked (attention: "in", "q", "k", "v", "out").
     """

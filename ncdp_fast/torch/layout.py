@@ -1,0 +1,197 @@
+"""Which dimension of a tensor is the batch: of the model's input, and of each
+layer's recorded input and output gradient.
+
+The layout is never read from sizes (when T == B two dimensions could be the
+batch): it comes from the torch module that encloses a layer (a transformer
+or attention module with its own ``batch_first``) or, for everything else,
+from the ``batch_first`` the user states for the model (Opacus's argument).
+Layers whose input layout torch itself fixes (convolutions, group and
+instance norms) always have the batch at dimension 0, and a layer with one
+leading dimension has no choice to make.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["StepBatch", "module_batch_first", "enclosing_batch_first", "layer_batch_first",
+           "batch_dim", "to_batch_first", "rows_error"]
+
+ARGUMENT = "batch_first argument"    # a layer's layout when no module fixes it
+
+# torch's layers whose input is (N, C, ...) whatever the model's layout; the
+# attention forward (attention.py) marks its projections batch-first itself.
+_BATCH_FIRST_ALWAYS = (nn.modules.conv._ConvNd, nn.GroupNorm,
+                       nn.modules.instancenorm._InstanceNorm, nn.MultiheadAttention)
+
+
+def module_batch_first(module: nn.Module) -> bool | None:
+    """``batch_first`` of a torch transformer or attention module, as its forward
+    uses it (the layers and stacks take it from their self-attention); None
+    for any other module."""
+    if isinstance(module, (nn.MultiheadAttention, nn.Transformer)):
+        return bool(module.batch_first)
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return bool(module.self_attn.batch_first)
+    if isinstance(module, (nn.TransformerEncoder, nn.TransformerDecoder)) and len(module.layers):
+        return module_batch_first(module.layers[0])
+    return None
+
+
+def enclosing_batch_first(model: nn.Module) -> dict[str, bool]:
+    """{qualified name: batch_first} of every module of ``model`` with its own layout."""
+    out = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        bf = module_batch_first(module)
+        if bf is not None:
+            out[name] = bf
+    return out
+
+
+def layer_batch_first(name: str, module: nn.Module, layouts: dict, batch_first: bool):
+    """(batch_first, source) of a layer: True for torch's (N, C, ...) layers and
+    attention; else the nearest enclosing module's own; else the model's."""
+    if isinstance(module, _BATCH_FIRST_ALWAYS):
+        return True, type(module).__name__
+    parts = name.split(".") if name else []
+    for k in range(len(parts) - 1, -1, -1):
+        prefix = ".".join(parts[:k])
+        if prefix in layouts:
+            return layouts[prefix], f"enclosing {prefix or 'model'!r}"
+    return batch_first, ARGUMENT
+
+
+def _first_tensor(obj):
+    """The first tensor of nested tuples/lists/mappings (in argument order), or None."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, Mapping):        # a dict, or HF's BatchEncoding
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        for x in obj:
+            t = _first_tensor(x)
+            if t is not None:
+                return t
+    return None
+
+
+def input_batch(args: tuple, kwargs: dict, batch_first: bool):
+    """(batch size, shape of the tensor it was read from) of a model call: dim 0
+    (dim 1 when not batch_first) of the first tensor among the positional
+    arguments, then the keyword ones (``input_ids=`` of HF-style models).
+    (None, None) when the call has no tensor; raises when that tensor has no
+    such dimension."""
+    t = _first_tensor((args, kwargs))
+    if t is None:
+        return None, None
+    dim = 0 if batch_first else 1
+    if t.dim() <= dim:
+        raise ValueError(
+            f"GhostClipper: the model's first input tensor has shape {tuple(t.shape)}, expected "
+            f"its batch at dimension {dim} (batch_first={batch_first}); pass the batch "
+            "first among the model's tensor arguments, or declare each step's batch size "
+            "with clipper.declare_batch_size(n)")
+    return int(t.shape[dim]), tuple(t.shape)
+
+
+def feature_dims(module: nn.Module) -> int | None:
+    """How many trailing dimensions of the output are features (never the batch)
+    for torch's layers that take any leading shape; None when unknown."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        return 1
+    if isinstance(module, nn.LayerNorm):
+        return len(module.normalized_shape)
+    return None
+
+
+def batch_dim(module: nn.Module, batch_first: bool, grad: torch.Tensor) -> int:
+    """The batch dimension of one recorded call, from its output gradient: 0 when
+    batch_first or when the layer has a single leading dimension (a pooled
+    (B, d) head of a sequence-first model: no other dimension could be the
+    batch); else 1."""
+    if batch_first:
+        return 0
+    feats = feature_dims(module)
+    leading = grad.dim() - (feats if feats is not None else 0)
+    return 1 if leading >= 2 else 0
+
+
+def to_batch_first(inputs: tuple, grad: torch.Tensor, dim: int):
+    """The call with dimension ``dim`` moved to 0 in the gradient and in every
+    tensor input that has it (the rules read dimension 0 as the batch)."""
+    if dim == 0:
+        return inputs, grad
+    moved = tuple(x.movedim(dim, 0) if isinstance(x, torch.Tensor) and x.dim() > dim else x
+                  for x in inputs)
+    return moved, grad.movedim(dim, 0)
+
+
+class StepBatch:
+    """The number of samples of the current step: read from each forward of the
+    model (under grad) or declared; every layer's rows are checked against it."""
+
+    def __init__(self, batch_first: bool):
+        self.batch_first = batch_first
+        self.clear()
+
+    def clear(self) -> None:
+        self.size = self.shape = self.declared = None
+        self.model_ran = False
+
+    def pre_hook(self, module, args, kwargs):
+        """The model's forward pre-hook (``with_kwargs=True``)."""
+        if not torch.is_grad_enabled() or self.declared is not None:
+            return
+        b, shape = input_batch(args, kwargs, self.batch_first)
+        if self.model_ran and b != self.size:
+            raise ValueError(
+                f"GhostClipper: the model ran forward on a batch of {b} samples (input shape "
+                f"{shape}) after one of {self.size} (input shape {self.shape}) in the same "
+                "step; every forward of a step must see the same samples (call privatize_() "
+                "or clear() between batches)")
+        self.model_ran = True
+        self.size, self.shape = b, shape
+
+    def get(self, layer: str):
+        """(samples in this step, where that number comes from)."""
+        if self.declared is not None:
+            return self.declared, "declared with declare_batch_size"
+        if self.size is None:
+            raise RuntimeError(
+                f"GhostClipper: layer {layer!r} ran, but the batch size of the step is "
+                "unknown: " + ("the model was called with no tensor argument"
+                               if self.model_ran else
+                               "the layer ran outside a forward of the model given to "
+                               "GhostClipper") +
+                ", so its rows cannot be checked against the samples. Call the model itself "
+                "on the batch, or declare the step's batch with clipper.declare_batch_size(n) "
+                "before backward (then clear() to discard this step)")
+        dim = 0 if self.batch_first else 1
+        return self.size, (f"dimension {dim} of the model's first input tensor, shape "
+                           f"{self.shape}, batch_first={self.batch_first}")
+
+
+def rows_error(name: str, module: nn.Module, shape, dim: int, batch_first: bool, layout: str,
+               batch: int, source: str) -> ValueError:
+    """The refusal of a layer whose rows (``shape[dim]``) are not the step's samples."""
+    rows = shape[dim]
+    fold = ""
+    if batch and rows % batch == 0 and rows != batch:
+        fold = f" ({rows // batch} rows per sample: samples folded into the batch dimension)"
+    hint = "keep each sample's rows in a dimension of their own (a layer takes (B, k, d) as it is)"
+    if layout == ARGUMENT and batch_first:
+        hint += (", or, if the model's inputs and layers are sequence-first (T, B, ...), pass "
+                 "batch_first=False")
+    elif layout == ARGUMENT:
+        hint += (", or, if the model's input is laid out unlike its layers, declare each "
+                 "step's batch with clipper.declare_batch_size(n)")
+    return ValueError(
+        f"GhostClipper: layer {name!r} ({type(module).__name__}) has {rows} rows in its batch "
+        f"dimension (dimension {dim} of its output, shape {tuple(shape)}; layout "
+        f"batch_first={batch_first} from the {layout}), but the step has {batch} samples "
+        f"({source}){fold}. Its rows are not the samples: clipping each row as a sample would "
+        f"not bound one sample's gradient by max_grad_norm. Expected {batch} rows; {hint}. "
+        "Call clear() before the next step")
+
