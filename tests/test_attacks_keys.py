@@ -211,6 +211,13 @@ def test_released_asdict_and_copies_carry_no_key(tmp_path):
         assert c._noise_key is None
         with pytest.raises(ValueError, match="no noise key"):
             c.save_audit_key(tmp_path / "k.json")
+    # the sharded release's per-rank object, one process here
+    from ncdp_fast.distributed import release_sharded
+    sh = release_sharded(NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=4, accountant="clt",
+                                     seed=SEED), X, np.arange(30) % 3, num_classes=3)
+    assert sh._noise_key["seed"] == SEED
+    _no_key_in(SEED, repr(sh), dataclasses.asdict(sh), pickle.dumps(sh))
+    assert copy.copy(sh)._noise_key is None
 
 
 def test_a_field_is_public_or_secret_not_both():
