@@ -48,6 +48,21 @@ def _release(tmp, name, extra=()):
     return rc, out
 
 
+def _release_process(tmp, name):
+    """The same run as a fresh ``python -m ncdp_fast.cli`` interpreter (the
+    environment, with the test's ledger directory, is inherited)."""
+    import subprocess
+    import sys
+    out = tmp / f"proc_{name}_{len(list(tmp.iterdir()))}"
+    p = subprocess.run([sys.executable, "-m", "ncdp_fast.cli", "release", "--features",
+                        str(tmp / f"{name}_X.npy"), "--labels", str(tmp / f"{name}_y.npy"),
+                        "--num-classes", "3", "--epsilon", "1", "--delta", "1e-5",
+                        "--mixup-degree", str(M), "--accountant", "clt", "--pld-interval",
+                        "1e-2", "--seed", str(SEED), "--out", str(out), "--quiet"],
+                       capture_output=True, text=True, timeout=300)
+    return p.returncode, out
+
+
 def _difference_attack(out_a, out_b):
     """The audit's attack on two releases under one key of neighbouring data (record 0
     zeroed in b): equal noise and groups cancel in the rows that differ, and
@@ -75,6 +90,12 @@ def test_cli_key_is_never_reused_across_runs(tmp_path, capsys):
     # row differs and the estimate is noise (std sigma_x C/m * m = sigma_x >> |x_0| = 0.5).
     assert rows.size == 60
     assert np.abs(est - X[0]).max(axis=1).min() > 1e-3
+    # The same across two interpreters (what the issue ran): fresh noise again.
+    (rc_c, out_c), (rc_d, out_d) = _release_process(tmp_path, "a"), _release_process(tmp_path,
+                                                                                      "b")
+    assert rc_c == rc_d == 0
+    rows, est = _difference_attack(out_c, out_d)
+    assert rows.size == 60 and np.abs(est - X[0]).max(axis=1).min() > 1e-3
     # An explicit offset inside a used range is refused, and nothing is written.
     rc, out = _release(tmp_path, "b", ["--offset", "0"])
     err = capsys.readouterr().err
@@ -96,7 +117,7 @@ def test_cli_key_is_never_reused_across_runs(tmp_path, capsys):
     draws = 60 * (5 + 3)
     import json
     ranges = json.loads((_key_ledger.ledger_dir() / "ranges.json").read_text())["keys"]
-    assert list(ranges.values()) == [[[0, 2 * draws]]]
+    assert list(ranges.values()) == [[[0, 4 * draws]]]
 
 
 def test_seed_help_says_secret_and_single_use(capsys):
