@@ -5,7 +5,7 @@ allocates outputs and calls the kernels of the chosen backend.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -21,16 +21,34 @@ _F64 = np.dtype(np.float64)
 
 @dataclass(frozen=True)
 class _Accounting:
+    """What a private step did.  ``seed``, the Philox key used (drawn from the OS
+    when the caller gave none), is secret: with it and the output anyone can
+    subtract the noise.  It is an init-only argument kept on the object alone:
+    not a field, so not in ``repr``/``str``, ``==``, ``dataclasses.asdict``/
+    ``astuple``, and dropped by ``pickle`` and ``copy`` (a copy's ``seed`` is
+    None).  ``offset``/``draws`` are public: they reveal nothing without it."""
     norms: Any           # (B,) float64 pre-clip per-sample norms, caller's array type/device
     num_clipped: int     # samples whose norm exceeded max_norm (their gradient was scaled down)
     num_nonfinite: int   # samples dropped under nan_policy="zero"
-    seed: int            # the Philox key used (drawn from the OS when the caller gave none)
     offset: int          # first draw of the stream this call used
     draws: int           # draws consumed: the next call should start at offset + draws
+    seed: InitVar[Any] = None
+
+    def __post_init__(self, seed):
+        object.__setattr__(self, "_seed", seed)
+
+    def __getstate__(self):
+        # A pickled or copied result may be shared: never with the key.
+        return {k: v for k, v in self.__dict__.items() if k != "_seed"}
 
     @property
     def next_offset(self) -> int:
         return self.offset + self.draws
+
+
+# Added after the class is made: a property named like the InitVar would be its default.
+_Accounting.seed = property(lambda self: self.__dict__.get("_seed"),
+                            doc="The secret Philox key of this call (None on a copy).")
 
 
 @dataclass(frozen=True)

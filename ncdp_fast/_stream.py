@@ -16,7 +16,9 @@ process (ops, estimators, preprocessing, the release, the torch drop-ins):
 
 The seed is the secret that turns a release back into its private data
 (docs/privacy.md): a :class:`NoiseStream` refuses to be pickled, and the
-artifacts meant for publication never store it.
+artifacts meant for publication never store it.  This ledger ends with the
+process; ``ncdp-fast release --seed`` continues across runs in
+:mod:`ncdp_fast._key_ledger`, which reuses :class:`_Ledger`'s interval arithmetic.
 """
 from __future__ import annotations
 
@@ -40,12 +42,13 @@ class NoiseReuseWarning(UserWarning):
 
 
 class _Ledger:
-    """Draw ranges used per explicit seed in this process: sorted, merged,
-    disjoint [start, end) intervals, and the end of the highest one."""
+    """Draw ranges used per key: sorted, merged, disjoint [start, end) intervals,
+    and the end of the highest one.  Keys are the explicit seeds of this process
+    (``_LEDGER``), or the salted tags of the across-runs ledger (``_key_ledger``)."""
 
-    def __init__(self):
+    def __init__(self, used: dict | None = None):
         self._lock = threading.Lock()
-        self._used: dict[int, list[list[int]]] = {}
+        self._used: dict = {} if used is None else used
 
     def clear(self):
         """Forget every recorded range (the test suite: each test is its own run)."""
@@ -64,15 +67,29 @@ class _Ledger:
             self._add(seed, start, start + draws)
             return start
 
-    def record(self, seed: int, start: int, draws: int) -> bool:
-        """Mark [start, start+draws) used; True if it overlapped an earlier range."""
-        end = start + draws
+    def overlaps(self, seed, start: int, draws: int) -> bool:
+        """Whether [start, start+draws) meets a recorded range (never for draws = 0)."""
         with self._lock:
-            used = self._used.setdefault(seed, [])
-            i = bisect.bisect_right(used, [start, _END + 1])
-            overlap = (i > 0 and used[i - 1][1] > start) or (i < len(used) and used[i][0] < end)
-            self._add(seed, start, end)
-            return overlap and draws > 0
+            return self._overlaps(seed, start, draws)
+
+    def record(self, seed, start: int, draws: int) -> bool:
+        """Mark [start, start+draws) used; True if it overlapped an earlier range."""
+        with self._lock:
+            overlap = self._overlaps(seed, start, draws)
+            self._add(seed, start, start + draws)
+            return overlap
+
+    def _overlaps(self, seed, start, draws):
+        end = start + draws
+        used = self._used.get(seed, [])
+        i = bisect.bisect_right(used, [start, _END + 1])
+        hit = (i > 0 and used[i - 1][1] > start) or (i < len(used) and used[i][0] < end)
+        return hit and draws > 0
+
+    def ranges(self, seed) -> list:
+        """The recorded [start, end) ranges of ``seed`` (a copy)."""
+        with self._lock:
+            return [list(iv) for iv in self._used.get(seed, [])]
 
     def _add(self, seed, start, end):
         if end <= start:

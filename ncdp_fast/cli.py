@@ -118,7 +118,8 @@ def main(argv=None) -> int:
     demo.add_argument("--batch-size", type=int, default=256, help="expected (Poisson) batch size")
     demo.add_argument("--delta", type=float, default=1e-5)
     demo.add_argument("--seed", type=int, default=None,
-                      help="seed for data split, sampling and noise (default: from the OS)")
+                      help="seed for data split, sampling and noise (default: from the OS); "
+                      "the demo's data is public, so no key ledger is kept (unlike release)")
     demo.set_defaults(fn=_cmd_demo)
     bench = sub.add_parser("bench", help="run the benchmarks of bench/ against their peers "
                            "(pytest-benchmark) and write their tables (what `make bench` runs)")

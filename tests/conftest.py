@@ -45,6 +45,13 @@ def _fresh_noise_ledger():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_key_ledger(tmp_path_factory, monkeypatch):
+    """The across-runs key ledger (``ncdp_fast._key_ledger``) of each test is its own
+    empty directory: no test reads or writes the user's cache."""
+    monkeypatch.setenv("NCDP_FAST_LEDGER_DIR", str(tmp_path_factory.mktemp("key-ledger")))
+
+
 def cuda_available() -> bool:
     try:
         import torch

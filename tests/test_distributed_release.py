@@ -258,7 +258,7 @@ def _cli_processes(tmp: Path, world: int, timeout=120):
     return res
 
 
-def test_cli_same_release_with_1_2_3_processes(tmp_path, capsys):
+def test_cli_same_release_with_1_2_3_processes(tmp_path, capsys, monkeypatch):
     """1 process: main() here; 2: two fresh ``python -m ncdp_fast.cli`` processes with
     torchrun's environment; 3: three forked children with that environment (cheaper
     than three more interpreters; the same code path from main() on)."""
@@ -267,9 +267,15 @@ def test_cli_same_release_with_1_2_3_processes(tmp_path, capsys):
     X, y = _data(80, 6, 3)
     np.save(tmp_path / "X.npy", X)
     np.save(tmp_path / "y.npy", y)
-    runs = {1: [(main(_argv(tmp_path, 1)), *capsys.readouterr())],
-            2: _cli_processes(tmp_path, 2),
-            3: spawn(_cli_child, 3, _argv(tmp_path, 3), timeout=90, torchrun_env=True)}
+    runs = {}
+    for world, run in [(1, lambda: [(main(_argv(tmp_path, 1)), *capsys.readouterr())]),
+                       (2, lambda: _cli_processes(tmp_path, 2)),
+                       (3, lambda: spawn(_cli_child, 3, _argv(tmp_path, 3), timeout=90,
+                                         torchrun_env=True))]:
+        # The same key and data on purpose: each run on a key ledger of its own
+        # (one ledger would give each later run a fresh range of --seed's stream).
+        monkeypatch.setenv("NCDP_FAST_LEDGER_DIR", str(tmp_path / f"ledger{world}"))
+        runs[world] = run()
     arrays = {}
     for world, res in runs.items():
         assert all(rc == 0 for rc, _, _ in res), res

@@ -207,7 +207,8 @@ def test_bad_release_input():
         g.release(X, lab[:-1], num_classes=K)
     bad = lab.copy()
     bad[3] = K + 2
-    with pytest.raises(ValueError, match=r"labels: expected integers in \[0, 4\), got .*max 6"):
+    with pytest.raises(ValueError, match=r"labels: expected integers in \[0, 4\), got values "
+                       r"outside it \(not shown: labels are private\)$"):
         g.release(X, bad, num_classes=K)
     bad[3] = -1
     with pytest.raises(ValueError, match="labels: expected integers"):

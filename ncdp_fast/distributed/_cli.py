@@ -42,7 +42,15 @@ def add_release_parser(sub) -> None:
                    help="PLD accountant's grid step in nats (default 1e-4; coarser is faster "
                    "and more pessimistic)")
     p.add_argument("--seed", type=int, default=None,
-                   help="noise key (secret; default: from the OS on rank 0)")
+                   help="noise key: SECRET (with it and the output anyone can solve for the "
+                   "private rows) and SINGLE-USE: each run takes a fresh range of its stream, "
+                   "recorded in the key ledger ($NCDP_FAST_LEDGER_DIR, else "
+                   "$XDG_CACHE_HOME/ncdp_fast/key-ledger or ~/.cache/ncdp_fast/key-ledger; "
+                   "a salted scrypt tag of the key and the used ranges, never the key). "
+                   "Default: from the OS on rank 0, used once and not recorded")
+    p.add_argument("--offset", type=int, default=None,
+                   help="first draw of --seed's stream (default: the next range no earlier run "
+                   "recorded); a range an earlier run used is refused")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -93,6 +101,38 @@ class _Progress:
                   f"{now - self.t0:.1f} s", file=sys.stderr, flush=True)
 
 
+def _ledger_offset(args, kw, d, n, group, rank):
+    """The first draw of ``--seed``'s stream this run may use: rank 0 reserves it in
+    the key ledger (``ncdp_fast._key_ledger``) and sends it to the other ranks, or
+    sends its refusal so that every rank stops.  None without ``--seed``."""
+    if args.seed is None:
+        if args.offset is not None:
+            raise ValueError(f"--offset: expected it only with --seed (a key from the OS is "
+                             f"used once, from draw 0), got --offset {args.offset}")
+        return None
+    payload = None
+    if rank == 0:
+        from .._key_ledger import claim_range
+        from ..release.mechanism import NeuroMixGDP
+        from ._release import noise_draws
+        try:
+            draws = noise_draws(NeuroMixGDP(**kw, seed=args.seed, offset=0), n, d, args.num_classes)
+            payload = ("ok", claim_range(args.seed, draws, args.offset))
+        except (ValueError, TypeError, OSError) as e:
+            payload = ("error", str(e))
+        if payload[0] == "ok" and not args.quiet:
+            print(f"ncdp-fast release: --seed's draws [{payload[1]}, {payload[1] + draws}) "
+                  "reserved in the key ledger", file=sys.stderr, flush=True)
+    if group is not None:
+        import torch.distributed as dist
+        box = [payload]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        payload = box[0]
+    if payload[0] == "error":
+        raise ValueError(payload[1] if rank == 0 else f"rank 0: {payload[1]}")
+    return payload[1]
+
+
 def run_release(args) -> int:
     import numpy as np
 
@@ -111,11 +151,13 @@ def run_release(args) -> int:
         if feats.ndim != 2:
             raise ValueError(f"--features: expected an (n, d) array, got shape {feats.shape}")
         lo, hi = shard_bounds(feats.shape[0], rank, world)
-        mech = NeuroMixGDP(epsilon=args.epsilon, delta=args.delta,
-                           mixup_degree=_mixup(args.mixup_degree), num_samples=args.num_samples,
-                           lam=args.lam, clip_x=args.clip_x, clip_y=args.clip_y,
-                           hierarchical_classes=args.hierarchical_classes,
-                           accountant=args.accountant, seed=args.seed)
+        kw = dict(epsilon=args.epsilon, delta=args.delta, mixup_degree=_mixup(args.mixup_degree),
+                  num_samples=args.num_samples, lam=args.lam, clip_x=args.clip_x,
+                  clip_y=args.clip_y, hierarchical_classes=args.hierarchical_classes,
+                  accountant=args.accountant)
+        offset = _ledger_offset(args, kw, feats.shape[1], labels.shape[0] if labels.ndim else 0,
+                                group, rank)
+        mech = NeuroMixGDP(**kw, seed=args.seed, offset=offset)
         if args.pld_interval is not None:
             mech.value_discretization_interval = check_positive(args.pld_interval,
                                                                 "--pld-interval")

@@ -11,14 +11,20 @@ API (kept small and stable):
 * :func:`rank_world` -- ``(rank, world)`` of this process in the group (``(0, 1)`` for
   ``None``).
 * :func:`check_same_config` -- all ranks exchange a small config dict first (plus,
-  optionally, a per-rank value and a local error); a difference or a failed rank
-  raises the same ``ValueError`` on every rank, naming the keys and ranks.
+  optionally, secret values compared by salted digest, a per-rank value and a local
+  error); a difference or a failed rank raises the same ``ValueError`` on every
+  rank, naming the keys and ranks (and the public values only).
 * :func:`shard_bounds` -- the contiguous row range ``[start, stop)`` a rank holds.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import sys
 from typing import Any
+
+import numpy as np
 
 from .. import _validate
 
@@ -68,21 +74,48 @@ def rank_world(group: Any) -> tuple[int, int]:
 
 
 def _digest(value: Any) -> str:
-    """A short stable text for one config value (repr of floats is exact)."""
+    """A short stable text for one public config value (repr of floats is exact)."""
     text = repr(value)
     if len(text) <= 200:
         return text
-    import hashlib
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def check_same_config(config: dict, group: Any, what: str, *, local: Any = None,
-                      error: BaseException | None = None) -> list:
+def _secret_digest(salt: bytes, value: Any) -> str:
+    """HMAC-SHA256 of a secret value under this call's salt: equal values give equal
+    digests within the call, and a digest says nothing about the value without the
+    salt (a 64-bit seed cannot be looked up in a table of hashes)."""
+    h = hmac.new(salt, digestmod=hashlib.sha256)
+    if isinstance(value, np.ndarray):
+        a = np.ascontiguousarray(value)
+        h.update(f"{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.data)
+    else:
+        h.update(repr(value).encode())
+    return h.hexdigest()
+
+
+def _call_salt(group) -> bytes:
+    """Fresh random bytes from group rank 0, the same on every rank."""
+    dist = _dist()
+    box = [secrets.token_bytes(32) if rank_world(group)[0] == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def check_same_config(config: dict, group: Any, what: str, *, secret: dict | None = None,
+                      local: Any = None, error: BaseException | None = None) -> list:
     """All ranks of ``group`` must hold the same ``config``; else ``ValueError`` on every rank.
 
-    ``config``: a dict of str -> picklable value (sizes, epsilon, a digest of the
-    seed, ...); only a short text per value crosses the wire (``all_gather_object``,
-    bounded by the group's timeout).  ``what``: the operation, named in the message.
+    ``config``: a dict of str -> picklable *public* value (sizes, epsilon, ...); only
+    a short text per value crosses the wire (``all_gather_object``, bounded by the
+    group's timeout) and a differing value is shown in the message.
+    ``secret``: a dict of str -> value that must agree but must never be shown (the
+    noise key, private labels or features; NumPy arrays are compared by dtype, shape
+    and bytes): only an HMAC under a salt drawn for this call on rank 0 crosses the
+    wire, and a difference names the key and which ranks agree, never a value or
+    a digest.  Pass it (``{}`` included) on every rank or on none: the salt is one
+    more collective.  ``what``: the operation, named in the message.
     ``local``: an optional small picklable value that may differ by rank (a shard
     size); the list of every rank's ``local`` is returned, in rank order.
     ``error``: an exception this rank met while preparing (a bad argument): every
@@ -93,6 +126,13 @@ def check_same_config(config: dict, group: Any, what: str, *, local: Any = None,
     return value is ``[local]``."""
     if not isinstance(config, dict):
         raise TypeError(f"config: expected a dict, got {type(config).__name__}")
+    if secret is not None and not isinstance(secret, dict):
+        raise TypeError(f"secret: expected a dict or None, got {type(secret).__name__}")
+    clash = sorted(set(map(str, secret or ())) & set(map(str, config)))
+    if clash and error is None:
+        # Raised through the exchange below, so that no rank waits for this one.
+        error = ValueError(f"secret: expected keys that config does not have, got {clash} "
+                           "in both")
     if group is None:
         if error is not None:
             raise error
@@ -100,6 +140,9 @@ def check_same_config(config: dict, group: Any, what: str, *, local: Any = None,
     dist = _dist()
     _, world = rank_world(group)
     mine = {str(k): _digest(v) for k, v in config.items()}
+    if secret is not None:
+        salt = _call_salt(group)
+        mine.update({str(k): ("secret", _secret_digest(salt, v)) for k, v in secret.items()})
     why = None if error is None else f"{type(error).__name__}: {error}"
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (mine, local, why), group=group)
@@ -113,7 +156,17 @@ def check_same_config(config: dict, group: Any, what: str, *, local: Any = None,
     bad = []
     for k in keys:
         vals = [c.get(k, "<missing>") for c in configs]
-        if len(set(vals)) > 1:
+        if len(set(vals)) <= 1:
+            continue
+        if any(isinstance(v, tuple) for v in vals):
+            # Only which ranks agree: the values and their digests stay unknown.
+            classes: dict = {}
+            for r, v in enumerate(vals):
+                classes.setdefault(v, []).append(r)
+            shown = " | ".join(f"ranks {rs}" if vals[rs[0]] != "<missing>" else
+                               f"ranks {rs}: <missing>" for rs in classes.values())
+            bad.append(f"{k} (secret, values not shown; equal within each group: {shown})")
+        else:
             per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
             bad.append(f"{k} ({per_rank})")
     if bad:

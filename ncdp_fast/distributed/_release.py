@@ -31,7 +31,6 @@ process's; the reduce adds W partials).
 """
 from __future__ import annotations
 
-import hashlib
 import time
 
 import numpy as np
@@ -79,13 +78,18 @@ def _config(mech, n, d, K, dtype, labels, stream):
                hierarchical_classes=hc.tolist() if isinstance(hc, np.ndarray) else hc,
                value_discretization_interval=mech.value_discretization_interval,
                num_classes=K, d=d, dtype=str(dtype), n=n,
-               labels=hashlib.sha256(np.ascontiguousarray(labels).tobytes()).hexdigest()[:16],
                seed_source="explicit" if stream._explicit else "os")
+    # Private labels and the key are compared by salted digest, never shown.
+    secret = dict(labels=labels)
     if stream._explicit:
-        # The seed is secret: only a digest crosses the wire (and the error message).
-        cfg["seed"] = hashlib.sha256(str(stream.seed).encode()).hexdigest()[:16]
+        secret["seed"] = stream.seed
         cfg["offset"] = stream.position
-    return cfg
+    return cfg, secret
+
+
+def noise_draws(mech: NeuroMixGDP, n: int, d: int, K: int) -> int:
+    """Draws of the noise stream a release of n rows of width d and K classes takes."""
+    return mech.resolve(n, K)["T"] * (d + K)
 
 
 def _calibrate(mech, n, K, T, m, rates):
@@ -143,7 +147,7 @@ def release_sharded(mech: NeuroMixGDP, features, labels, *, num_classes, group=N
     group = resolve_group(group)
     rank, world = rank_world(group)
     stream = mech._stream
-    err, cfg, local = None, {}, None
+    err, cfg, secret, local = None, {}, {}, None
     try:
         x = _shard(features)
         d = x.shape[1]
@@ -156,14 +160,14 @@ def release_sharded(mech: NeuroMixGDP, features, labels, *, num_classes, group=N
         m, T, rates = r["m"], r["T"], r["class_rates"]
         if mech.clip_x > 0 and x.shape[0]:
             _check_clip_range(_backend.host("mix"), x, d, x.dtype)
-        cfg = _config(mech, n, d, K, x.dtype, lab, stream)
-        draws = T * (d + K)
+        cfg, secret = _config(mech, n, d, K, x.dtype, lab, stream)
+        draws = noise_draws(mech, n, d, K)
         offset = stream.take(draws)
         local = (x.shape[0], stream.seed if rank == 0 and not stream._explicit else None,
                  offset)
     except Exception as e:      # every rank learns of it: no rank waits for a lost peer
         err = e
-    locals_ = check_same_config(cfg, group, WHAT, local=local, error=err)
+    locals_ = check_same_config(cfg, group, WHAT, secret=secret, local=local, error=err)
     sizes = [loc[0] for loc in locals_]
     if sum(sizes) != n:
         raise ValueError(f"features: the ranks' shards hold {sizes} rows, {sum(sizes)} in all; "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +67,15 @@ class ShardedRelease:
     stats: dict = field(default_factory=dict, repr=False)
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc)
                          .strftime("%Y-%m-%dT%H:%M:%SZ"))
-    _noise_key: Any = field(default=None, repr=False)
+    # Init-only, kept in the instance's __dict__ alone: not a field, so never in repr,
+    # ==, dataclasses.asdict/astuple; __getstate__ drops it from pickles and copies.
+    _noise_key: InitVar[Any] = None
+
+    def __post_init__(self, _noise_key):
+        object.__setattr__(self, "_noise_key", _noise_key)
 
     def __getstate__(self):
-        state = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        state["_noise_key"] = None
+        state = {k: v for k, v in self.__dict__.items() if k != "_noise_key"}
         state["group"] = None
         return state
 

@@ -154,7 +154,7 @@ def _sha256(a):
     return hashlib.sha256(str((a.dtype.str, a.shape)).encode() + a.tobytes()).hexdigest()[:20]
 
 
-def _agree_on_arguments(comm, config, error, what):
+def _agree_on_arguments(comm, config, error, what, secret=None):
     """Every rank exchanges its configuration (and its own argument error, if any)
     before any other collective: a difference raises on every rank, the rank whose
     arguments were wrong raises its own error; identical errors raise everywhere."""
@@ -169,7 +169,7 @@ def _agree_on_arguments(comm, config, error, what):
         raise
     if error is not None:
         raise error
-    check_same_config(config, comm.group, what)
+    check_same_config(config, comm.group, what, secret=secret)
 
 
 def _row_counts(comm, n_local):
@@ -241,7 +241,7 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", parameterization="st
     what = "ncdp_fast.distributed.ntk_gram"
     comm = _Comm(group, what)
     rank, world = comm.rank, comm.world
-    error, config = None, {}
+    error, config, secret = None, {}, {}
     try:
         if not isinstance(replicated, bool):
             raise TypeError(f"replicated: expected True or False, got {replicated!r}")
@@ -268,10 +268,11 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", parameterization="st
                       biases=None if biases is None else
                       [None if b is None else _sha256(b) for b in biases])
         if replicated:
-            config.update(n=xs[0], x_sha256=_sha256(x))
+            config["n"] = xs[0]
+            secret["x"] = np.ascontiguousarray(_arrays.to_numpy(x))   # private: never shown
     except (TypeError, ValueError) as e:
         error = e
-    _agree_on_arguments(comm, config, error, what)
+    _agree_on_arguments(comm, config, error, what, secret)
 
     if replicated:
         n = xs[0]

@@ -70,8 +70,9 @@ def _labels_host(labels, n: int, K: int) -> np.ndarray:
     if lab.dtype.kind not in "iu":
         raise TypeError(f"labels: expected integer class ids, got dtype {lab.dtype}")
     if lab.size and (lab.min() < 0 or lab.max() >= K):
-        raise ValueError(f"labels: expected integers in [0, {K}), got min {lab.min()} and max "
-                         f"{lab.max()}")
+        # The values are private (this message may reach every rank's log).
+        raise ValueError(f"labels: expected integers in [0, {K}), got values outside it (not "
+                         "shown: labels are private)")
     return lab
 
 

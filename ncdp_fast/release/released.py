@@ -12,7 +12,7 @@ import json
 import math
 import os
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +59,16 @@ class Released:
     clip_y: float
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc)
                          .strftime("%Y-%m-%dT%H:%M:%SZ"))
-    _noise_key: Any = field(default=None, repr=False, compare=False)
+    # Init-only, kept in the instance's __dict__ alone: not a field, so never in repr,
+    # ==, dataclasses.asdict/astuple; __getstate__ drops it from pickles and copies.
+    _noise_key: InitVar[Any] = None
+
+    def __post_init__(self, _noise_key):
+        object.__setattr__(self, "_noise_key", _noise_key)
 
     def __getstate__(self):
         # A pickled release is a published release: never with its noise key.
-        state = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        state["_noise_key"] = None
+        state = {k: v for k, v in self.__dict__.items() if k != "_noise_key"}
         return state
 
     def __setstate__(self, state):

@@ -18,8 +18,6 @@ A sharded step is the one-process step cut into pieces (docs/architecture.md,
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from .. import _stream
@@ -45,7 +43,7 @@ def agree_stream(seed, offset, group, what: str):
     private to the job, as the gradients themselves do); a given seed (or
     :class:`ncdp_fast.NoiseStream`, kept as the same object so that components
     sharing it keep taking disjoint ranges) must be the same on every rank,
-    at the same position (compared by digest)."""
+    at the same position (the seed compared by salted digest, never shown)."""
     if isinstance(seed, _stream.NoiseStream):
         stream = _stream.resolve(seed, offset)
     else:
@@ -55,8 +53,7 @@ def agree_stream(seed, offset, group, what: str):
                                           group=group)
             seed = box[0]
         stream = _stream.resolve(seed, offset)
-    digest = hashlib.sha256(str(stream.seed).encode()).hexdigest()[:16]
-    check_same_config({"seed (sha256)": digest, "offset": stream.position}, group, what)
+    check_same_config({"offset": stream.position}, group, what, secret={"seed": stream.seed})
     return stream
 
 

@@ -1,0 +1,147 @@
+"""The ranges of noise drawn under each user-given key, across runs of the command line.
+
+The in-process ledger of :mod:`ncdp_fast._stream` ends with the process: two
+``ncdp-fast release --seed S`` runs would both start at draw 0, and two releases
+with equal noise and groups cancel in their difference (the issue-23 audit
+recovered a changed record to 1.8e-15).  This ledger lives in a directory of the
+user's (``NCDP_FAST_LEDGER_DIR``; else ``$XDG_CACHE_HOME/ncdp_fast/key-ledger``;
+else ``~/.cache/ncdp_fast/key-ledger``) and holds, per key, only the used
+``[start, end)`` ranges:
+
+* ``salt``: 32 random bytes, made once per directory (mode 0600);
+* ``ranges.json``: ``{"version": 1, "keys": {tag: [[start, end], ...]}}`` where
+  ``tag = scrypt(seed, salt)`` -- the seed is never stored.  The salt makes
+  tags of one directory useless elsewhere (no precomputed table); scrypt
+  (2**14 x 8 x 128 bytes = 16 MiB; 0.04-0.07 s a tag, docs/privacy.md) makes
+  each guess of a seed costly for whoever reads the directory.  A low-entropy
+  seed (42) is still found in a few guesses: use seeds drawn from the OS.
+* ``lock``: ``fcntl.flock`` serialises concurrent runs (read, check, write).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+from contextlib import contextmanager
+from pathlib import Path
+
+from . import _stream, _validate
+
+__all__ = ["ENV", "ledger_dir", "claim_range"]
+
+ENV = "NCDP_FAST_LEDGER_DIR"
+_VERSION = 1
+
+
+def ledger_dir() -> Path:
+    """The directory of the key ledger (see the module)."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "ncdp_fast" / "key-ledger"
+
+
+@contextmanager
+def _locked(directory: Path):
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)         # closing releases the lock
+
+
+def _salt(directory: Path) -> bytes:
+    path = directory / "salt"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        if e.errno != errno.EEXIST:
+            raise
+        salt = path.read_bytes()
+        if len(salt) != 32:
+            raise ValueError(f"key ledger: expected 32 bytes in {path}, got {len(salt)}; the "
+                             "ledger is damaged (remove the directory only if no earlier run's "
+                             "key will ever be used again)")
+        return salt
+    salt = secrets.token_bytes(32)
+    with os.fdopen(fd, "wb") as f:
+        f.write(salt)
+        f.flush()
+        os.fsync(f.fileno())
+    return salt
+
+
+def _tag(seed: int, salt: bytes) -> str:
+    return hashlib.scrypt(seed.to_bytes(8, "little"), salt=salt, n=2 ** 14, r=8, p=1,
+                          dklen=32).hex()
+
+
+def _load(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        keys = data["keys"]
+        ok = data["version"] == _VERSION and isinstance(keys, dict) and all(
+            isinstance(r, list) and all(isinstance(iv, list) and len(iv) == 2 and
+                                        all(type(v) is int for v in iv) for iv in r)
+            and all(0 <= a < b <= 2 ** 64 for a, b in r)
+            and all(r[i][1] < r[i + 1][0] for i in range(len(r) - 1))   # sorted, merged
+            for r in keys.values())
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        # Starting afresh would let the next run reuse every recorded range.
+        raise ValueError(f"key ledger: expected a version-{_VERSION} ledger in {path}, got an "
+                         "unreadable file; refusing rather than forgetting the used ranges "
+                         "(repair or remove it only if no earlier run's key will be used again)")
+    return keys
+
+
+def claim_range(seed: int, draws: int, offset: int | None = None, *,
+                directory: Path | None = None) -> int:
+    """Reserve ``draws`` draws of ``seed``'s stream for this run; returns the first.
+
+    ``offset=None``: the end of the highest range any earlier run recorded (0 for
+    a new key).  An explicit ``offset`` overlapping a recorded range is a
+    ``ValueError`` naming ``--offset`` and the next free draw; nothing is recorded
+    then.  The range is recorded before the caller draws, so a run that fails later
+    still counts as having used it."""
+    seed = _validate.check_uint64(seed, "--seed")
+    draws = _validate.check_uint64(draws, "draws")
+    if offset is not None:
+        offset = _validate.check_uint64(offset, "--offset")
+    directory = ledger_dir() if directory is None else Path(directory)
+    with _locked(directory):
+        tag = _tag(seed, _salt(directory))
+        path = directory / "ranges.json"
+        keys = _load(path)
+        # The in-process interval arithmetic of _stream serves here too.
+        used = _stream._Ledger({tag: keys.get(tag, [])})
+        if offset is None:
+            start = used.next_free(tag)
+        elif used.overlaps(tag, offset, draws):
+            raise ValueError(
+                f"--offset: expected a range of --seed's stream that no earlier run used, got "
+                f"draws [{offset}, {offset + draws}), which overlap a range recorded in the key "
+                f"ledger {directory}; the noise would repeat and the two outputs together reveal "
+                f"the private data.  Pass no --offset to continue at draw "
+                f"{used.next_free(tag)}, or a new --seed")
+        else:
+            start = offset
+        _validate.check_draw_range(start, draws, "--offset")
+        used.record(tag, start, draws)
+        keys[tag] = used.ranges(tag)
+        tmp = path.with_name(f"ranges.json.tmp{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": _VERSION, "keys": keys}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return start
