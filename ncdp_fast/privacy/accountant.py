@@ -40,12 +40,11 @@ from typing import Union
 from .._validate import (check_choice, check_delta, check_nonneg, check_pos_int, check_positive,
                          check_probability)
 from ._validate import check_discretization_interval, import_dp_accounting
-from .gdp import gdp_to_dp
 from .subsampled import (
     DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
     gaussian_event,
 )
-from .zcdp import zcdp_to_dp
+from .truncation import epsilon_with_truncation, gdp_epsilon, zcdp_epsilon
 
 __all__ = ["Accountant", "GaussianEvent", "ZCDPEvent"]
 
@@ -255,8 +254,9 @@ class Accountant:
         interval = check_discretization_interval(value_discretization_interval)
         if not self._events:
             return 0.0
+        # Every reported epsilon charges the sampler's truncated tails (privacy.truncation).
         if accountant == "zcdp":
-            return zcdp_to_dp(self.zcdp_rho(), d)
+            return zcdp_epsilon(self.zcdp_rho(), d)
         has_zcdp = bool(self._zcdp_events())
         if has_zcdp and accountant in ("pld", "gdp"):
             raise ValueError(
@@ -275,7 +275,7 @@ class Accountant:
                     if x > 700.0:
                         return math.inf
                     mu2 += q * q * t * math.expm1(x)
-            return gdp_to_dp(math.sqrt(mu2), d) if math.isfinite(mu2) else math.inf
+            return gdp_epsilon(math.sqrt(mu2), d)
         dpa = import_dp_accounting()
         rel = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
         if accountant == "pld":
@@ -283,7 +283,7 @@ class Accountant:
         else:
             acc = dpa.rdp.RdpAccountant(neighboring_relation=rel)
         acc.compose(self.dp_event())
-        return float(acc.get_epsilon(d))
+        return epsilon_with_truncation(lambda dd: float(acc.get_epsilon(dd)), d)
 
     # -- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from .. import _stream
-from ..privacy import Accountant, dp_to_zcdp, noisygd_sigma, zcdp_to_dp
+from ..privacy import Accountant, dp_to_zcdp, noisygd_sigma
+from ..privacy.truncation import ideal_delta, zcdp_epsilon
 from .._validate import check_delta, check_positive
 from .._validate import check_int
 from .base import LinearClassifierBase, prior_rho
@@ -68,7 +69,8 @@ class NoisyGDClassifier(LinearClassifierBase):
                              f"rho; got epsilon={self.epsilon!r}, delta={self.delta!r}")
         eps = check_positive(self.epsilon, "epsilon")
         delta = check_delta(self.delta)
-        return dp_to_zcdp(eps, delta), delta
+        # The zCDP budget leaves room for the sampler's truncated tails (privacy.truncation).
+        return dp_to_zcdp(eps, ideal_delta(delta, eps)), delta
 
     def fit(self, X, y, *, counts=None, preprocessing=()):
         r"""Train on private features.
@@ -115,7 +117,7 @@ class NoisyGDClassifier(LinearClassifierBase):
         self.sigma_, self.noise_multiplier_ = sigma, z
         self.rho_train_, self.rho_ = rho_train, acc.zcdp_rho()
         self.accountant_, self.delta_ = acc, delta
-        self.epsilon_ = None if delta is None else zcdp_to_dp(self.rho_, delta)
+        self.epsilon_ = None if delta is None else zcdp_epsilon(self.rho_, delta)
         self.num_clipped_ = info["num_clipped"]
         self.n_steps_ = T
         return self
