@@ -9,10 +9,8 @@ truncation (ncdp_fast.privacy.truncation).
 from __future__ import annotations
 
 import math
-import shutil
 import struct
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +27,8 @@ from ncdp_fast.privacy import subsampled as S
 from ncdp_fast.privacy import truncation
 from ncdp_fast.privacy._validate import import_dp_accounting
 
-REPO = Path(__file__).resolve().parents[1]
+from _host_cpp import build
+
 OLD_BOUND = 6.7637          # sqrt(-2 ln(0.5 / 2^32)), the 32-bit sampler's largest |z|
 W32 = st.integers(0, 2**32 - 1)
 EXTREMES = [(0,) * 6, (2**32 - 1,) * 6, (0, 2**32 - 1, 0, 0, 0, 2**32 - 1),
@@ -75,14 +74,7 @@ int main() {
 @pytest.fixture(scope="module")
 def cpp(tmp_path_factory):
     """philox.cuh's uniforms_of_words, host build (the CUDA kernels' formula)."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not found")
-    d = tmp_path_factory.mktemp("tails_cpp")
-    (d / "driver.cpp").write_text(DRIVER)
-    exe = d / "driver"
-    subprocess.run([gxx, "-std=c++17", "-O2", "-I", str(REPO / "csrc"), str(d / "driver.cpp"),
-                    "-o", str(exe)], check=True, capture_output=True)
+    exe = build(DRIVER, tmp_path_factory.mktemp("tails_cpp"), "-O2")
 
     def run(words):
         out = subprocess.run([str(exe)], input="".join(" ".join(map(str, w)) + "\n"
