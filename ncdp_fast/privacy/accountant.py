@@ -247,7 +247,9 @@ class Accountant:
             value_discretization_interval: PLD grid step (``"pld"`` only).
 
         Returns:
-            epsilon >= 0 (0.0 for an empty history; ``inf`` if unbounded).
+            epsilon >= 0 (0.0 for an empty history; ``inf`` if unbounded), with
+            the sampler's truncated tails charged
+            (:func:`~ncdp_fast.privacy.truncation_delta`).
         """
         d = check_delta(delta)
         check_choice(accountant, "accountant", _ACCOUNTANTS)

@@ -136,7 +136,9 @@ def epsilon_poisson_gaussian(
             in (0, 1]; smaller is tighter and slower.
 
     Returns:
-        epsilon >= 0 (``inf`` when the accountant finds no finite epsilon).
+        epsilon >= 0 (``inf`` when the accountant finds no finite epsilon), with the
+        sampler's truncated tails charged: the accountant's delta at it plus
+        :func:`~ncdp_fast.privacy.truncation_delta` is at most ``delta``.
     """
     s = check_positive(noise_multiplier, "noise_multiplier")
     q = check_probability(sample_rate, "sample_rate")
