@@ -9,20 +9,24 @@ folds the ideal mass of its lowest cell :math:`u_1 < 2^{-128}` -- the pair
 radii beyond :math:`\sqrt{256 \ln 2}` -- onto its largest radius, and is
 otherwise the ideal sampler on the grid of its uniforms (the grid is the
 floating-point question, docs/privacy.md, "Noise tails and floating point").
-Modelled as the ideal Gaussian conditioned on the event G that no pair falls in
-that cell, with :math:`\tau = 1 - (1 - 2^{-128})^{N}` for N pairs in the run:
+Let :math:`\tau = 1 - (1 - 2^{-128})^{N}` for N pairs in the run.
 
-Derivation (docs/privacy.md): G is an event of the noise alone, independent
-of the data and of Poisson sampling, so the implemented mechanism M' on any
-dataset D is the law of the ideal M(D) given G, whatever the composition or
-subsampling.  If M is :math:`(\varepsilon, \delta)`-DP then for every output set E
+Derivation (docs/privacy.md): run the implemented mechanism M' and the ideal M
+on the same uniforms.  Their outputs differ only on the event B that some
+pair's u1 falls in the lowest cell; B concerns the noise alone, so
+:math:`P[B] \le \tau` on every dataset, whatever the (adaptive) composition or
+the Poisson sampling.  If M is :math:`(\varepsilon, \delta)`-DP then for every
+output set E
 
 .. math::
-    P[M'(D) \in E] \le \frac{e^\varepsilon P[M(D') \in E] + \delta}{1-\tau}
-    \le \frac{e^\varepsilon (P[M'(D') \in E](1-\tau) + \tau) + \delta}{1-\tau},
+    P[M'(D) \in E] \le P[M(D) \in E] + \tau
+    \le e^\varepsilon P[M(D') \in E] + \delta + \tau
+    \le e^\varepsilon P[M'(D') \in E] + \delta + (1 + e^\varepsilon)\tau,
 
-so M' is :math:`(\varepsilon, \delta + (1 + e^\varepsilon)\tau/(1-\tau))`-DP
-(using :math:`\delta \le 1`).  That added term is :func:`truncation_delta`.
+so M' is :math:`(\varepsilon, \delta + (1 + e^\varepsilon)\tau)`-DP.  The term
+charged, :func:`truncation_delta`, is :math:`(1 + e^\varepsilon)\tau/(1-\tau)`,
+which also covers the variant that conditions on the complement of B instead
+of folding.
 
 N defaults to :data:`PAIRS_PER_KEY`, the most pairs one key's stream holds
 (offsets are 64-bit), which needs no dimension: one accounted run draws its
