@@ -188,6 +188,12 @@ def test_every_report_charges_truncation(loud_tails):
     assert privacy.zcdp_to_dp(rho, d - loud_tails(e)) <= e
     e = a.epsilon(d, "gdp")
     assert _gdp_ok(math.sqrt(10) / 8.0, e, d, loud_tails)
+    # Composed releases may be keyed apart: one key's pairs per event (zCDP counts too).
+    a.add_zcdp(0.01, count=2)
+    e = a.epsilon(d, "zcdp")
+    three_keys = truncation.truncation_delta(e, 3 * truncation.PAIRS_PER_KEY)
+    assert three_keys > loud_tails(e)
+    assert privacy.zcdp_to_dp(a.zcdp_rho(), d - three_keys) <= e
     # Hierarchical sampling (the release's accountant), CLT form.
     kw = dict(mixup_degree=4, n=1000, num_samples=200, class_rates=[1.0], delta=d)
     e = privacy.hs_epsilon(1.0, accountant="clt", **kw)

@@ -29,8 +29,10 @@ which also covers the variant that conditions on the complement of B instead
 of folding.
 
 N defaults to :data:`PAIRS_PER_KEY`, the most pairs one key's stream holds
-(offsets are 64-bit), which needs no dimension: one accounted run draws its
-noise from one key.  Then :math:`\tau \le 2^{-65}` and the charge is
+(offsets are 64-bit), which needs no dimension: the functions of one mechanism
+(one key, shared by every rank) use it; :class:`~ncdp_fast.privacy.Accountant`
+charges one key per event of its history, since composed releases (a private
+PCA, then training) may be keyed apart.  Then :math:`\tau \le 2^{-65}` and the charge is
 :math:`(1 + e^\varepsilon)\,2.7 \cdot 10^{-20}`: below 1e-16 up to
 :math:`\varepsilon = 8`, 1.3e-11 at 20.  A caller that knows the public noise
 size (T steps of p coordinates: at most ``T * (p // 2 + 1)`` pairs) may pass it.
@@ -110,32 +112,57 @@ def epsilon_with_truncation(epsilon_of, delta, pairs=None, *, mass=None) -> floa
     implemented sampler is (e, delta)-DP; ``inf`` when no such e is found.
     """
     d = float(delta)
-    guess = epsilon_of(d)
-    for _ in range(8):
-        if not math.isfinite(guess):
-            return math.inf
-        # A guess a hair above the ideal answer: the charge is tiny, so the
-        # re-evaluated epsilon almost always lands below it at the first try.
-        guess = guess * (1.0 + 1e-9) + 1e-12
-        rest = d - truncation_delta(guess, pairs, mass=mass)
+
+    def fits(e):
+        """epsilon_of(delta - charge(e)) when that is <= e (then e is valid), else None."""
+        rest = d - truncation_delta(e, pairs, mass=mass)
         if not rest > 0.0:
-            return math.inf
-        e = epsilon_of(rest)
-        if e <= guess:
-            return e
-        guess = e
-    return math.inf
+            return None
+        got = epsilon_of(rest)
+        return got if got <= e else None
+
+    lo = epsilon_of(d)
+    if not math.isfinite(lo):
+        return math.inf
+    # Widen the gap above the ideal answer until it fits: usually at the first
+    # try, the charge being tiny.  The answer fits its own charge too (no larger
+    # than the one at the point tried).
+    gap = lo * 1e-9 + 1e-12
+    got = fits(lo + gap)
+    if got is not None:
+        return got
+    below = lo + gap
+    for _ in range(80):
+        gap *= 4.0
+        above = lo + gap
+        if not math.isfinite(above) or truncation_delta(above, pairs, mass=mass) >= d:
+            return math.inf      # the charge only grows with epsilon
+        got = fits(above)
+        if got is not None:
+            break
+        below = above
+    else:
+        return math.inf
+    # The charge is a visible part of delta: bisect for the smallest fitting epsilon.
+    while above - below > 1e-13 * above:
+        mid = 0.5 * (below + above)
+        g = fits(mid)
+        if g is None:
+            below = mid
+        else:
+            above, got = mid, g
+    return got
 
 
-def gdp_epsilon(mu, delta) -> float:
+def gdp_epsilon(mu, delta, pairs=None) -> float:
     """epsilon at ``delta`` of a mu-GDP accounting of the sampler as implemented:
     Lemma D.3's exact conversion (:func:`gdp_to_dp`) with the tails charged."""
     if not math.isfinite(mu):
         return math.inf
-    return epsilon_with_truncation(lambda d: gdp_to_dp(mu, d), delta)
+    return epsilon_with_truncation(lambda d: gdp_to_dp(mu, d), delta, pairs)
 
 
-def zcdp_epsilon(rho, delta) -> float:
+def zcdp_epsilon(rho, delta, pairs=None) -> float:
     """epsilon at ``delta`` of a rho-zCDP accounting of the sampler as implemented:
     the tight conversion (:func:`zcdp_to_dp`) with the tails charged."""
-    return epsilon_with_truncation(lambda d: zcdp_to_dp(rho, d), delta)
+    return epsilon_with_truncation(lambda d: zcdp_to_dp(rho, d), delta, pairs)

@@ -20,7 +20,7 @@ import numpy as np
 
 from ... import nc
 from ...privacy import dp_to_zcdp
-from ...privacy.truncation import ideal_delta, zcdp_epsilon
+from ...privacy.truncation import PAIRS_PER_KEY, ideal_delta, zcdp_epsilon
 from ..._validate import check_delta, check_pos_int, check_positive, check_probability
 
 __all__ = ["NOT_PRIVATE", "Projection", "protocol_names", "dp_pca_budget", "fit_protocol",
@@ -43,8 +43,9 @@ def dp_pca_budget(epsilon, delta, share) -> dict:
     eps = check_positive(epsilon, "epsilon")
     delta = check_delta(delta)
     share = check_probability(share, "share", one=False)
-    # The zCDP budget leaves room for the sampler's truncated tails (privacy.truncation).
-    rho_total = dp_to_zcdp(eps, ideal_delta(delta, eps))
+    # The zCDP budget leaves room for the sampler's truncated tails (privacy.truncation)
+    # of two keys: the PCA's and training's.
+    rho_total = dp_to_zcdp(eps, ideal_delta(delta, eps, 2 * PAIRS_PER_KEY))
     rho = share * rho_total
     return dict(rho_total=rho_total, rho_pca=rho, epsilon_pca=zcdp_epsilon(rho, delta))
 
