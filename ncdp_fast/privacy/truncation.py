@@ -32,9 +32,9 @@ N defaults to :data:`PAIRS_PER_KEY`, the most pairs one key's stream holds
 (offsets are 64-bit), which needs no dimension: the functions of one mechanism
 (one key, shared by every rank) use it; :class:`~ncdp_fast.privacy.Accountant`
 charges one key per event of its history, since composed releases (a private
-PCA, then training) may be keyed apart.  Then :math:`\tau \le 2^{-65}` and the charge is
-:math:`(1 + e^\varepsilon)\,2.7 \cdot 10^{-20}`: below 1e-16 up to
-:math:`\varepsilon = 8`, 1.3e-11 at 20.  A caller that knows the public noise
+PCA, then training) may be keyed apart.  With one key :math:`\tau \le 2^{-65}`
+and the charge is :math:`(1 + e^\varepsilon)\,2.7 \cdot 10^{-20}`: below 1e-16
+up to :math:`\varepsilon = 8`, 1.3e-11 at 20.  A caller that knows the public noise
 size (T steps of p coordinates: at most ``T * (p // 2 + 1)`` pairs) may pass it.
 """
 from __future__ import annotations
