@@ -17,10 +17,10 @@ from ._clip import (ClipResult, GhostBlock, LayersClipResult, LinearClipResult, 
 from ._info import info
 from ._mix import BatchPlan, MixResult, mix, poisson_batches
 from ._ntk import ntk_gram
-from ._rng import gaussian
+from ._rng import GAUSSIAN_TAIL_BOUND, gaussian
 from ._stream import NoiseReuseWarning, NoiseStream
 
-__all__ = ["__version__", "info", "gaussian", "clip_and_noise", "clip_and_noise_linear",
+__all__ = ["__version__", "info", "gaussian", "GAUSSIAN_TAIL_BOUND", "clip_and_noise", "clip_and_noise_linear",
            "clip_and_noise_layers", "ClipResult", "LinearClipResult", "LayersClipResult", "GhostBlock",
            "mix", "poisson_batches", "MixResult", "BatchPlan", "ntk_gram", "NoiseStream",
            "NoiseReuseWarning"]

@@ -5,6 +5,9 @@ import numpy as np
 
 from . import _backend
 from ._validate import check_draw_range, check_int, check_uint64
+# The largest |z| gaussian (and every noisy op) can produce before rounding to
+# the output dtype: sqrt(-2 ln 2^-129) ~ 13.37 (128-bit Box-Muller radius uniform).
+from .reference.rng import GAUSSIAN_TAIL_BOUND  # noqa: F401
 
 
 def gaussian(count, *, seed, offset=0, dtype=np.float32, like=None):
@@ -13,7 +16,10 @@ def gaussian(count, *, seed, offset=0, dtype=np.float32, like=None):
     Exactly the variates every noisy op of ncdp_fast adds (see
     :mod:`ncdp_fast.reference` for the formula): an op called with
     ``(seed, offset)`` that consumes ``p`` draws adds ``scale * gaussian(p,
-    seed=seed, offset=offset)``.  Backends agree to one float32 ulp.
+    seed=seed, offset=offset)``.  Backends agree to one float32 ulp.  Every
+    value satisfies ``|z| <= GAUSSIAN_TAIL_BOUND`` in float64 (its float32
+    rounding in float32); the accountants charge that truncation
+    (:mod:`ncdp_fast.privacy.truncation`).
 
     Args:
         count: number of normals (>= 0); consumes ``count`` draws.

@@ -18,7 +18,8 @@ from . import _stream
 from ._validate import as_matrix, as_targets, check_delta, check_nonneg, check_pos_int, check_positive
 from ._clip import clip_and_noise_linear
 from .ntk.regress import activation_derivatives, draw_rf_weights
-from .privacy import dp_to_zcdp, epsilon_poisson_gaussian, zcdp_to_dp
+from .privacy import dp_to_zcdp, epsilon_poisson_gaussian
+from .privacy.truncation import ideal_delta, zcdp_epsilon
 
 __all__ = ["DPGDRegressor"]
 
@@ -73,7 +74,9 @@ class DPGDRegressor:
             if delta is None:
                 raise ValueError("delta: required with epsilon")
             epsilon = check_positive(epsilon, "epsilon")
-            sigma = math.sqrt(self.lr * self.steps / (2.0 * dp_to_zcdp(epsilon, delta)))
+            # The zCDP budget leaves room for the sampler's truncated tails.
+            sigma = math.sqrt(self.lr * self.steps /
+                              (2.0 * dp_to_zcdp(epsilon, ideal_delta(delta, epsilon))))
         self.sigma = check_nonneg(sigma, "sigma")
         self.epsilon, self.delta = epsilon, delta
         self.seed, self.offset = seed, offset
@@ -156,7 +159,7 @@ class DPGDRegressor:
         rho = self.steps * self.lr / (2.0 * self.sigma ** 2)
         z = self.sigma / math.sqrt(self.lr)
         eps_ma = math.sqrt(8.0 * self.lr * self.steps * math.log(1.0 / delta)) / self.sigma
-        return dict(rho_zcdp=rho, epsilon_zcdp=zcdp_to_dp(rho, delta),
+        return dict(rho_zcdp=rho, epsilon_zcdp=zcdp_epsilon(rho, delta),
                     epsilon_pld=epsilon_poisson_gaussian(z, 1.0, self.steps, delta),
                     epsilon_moments=eps_ma if eps_ma < 8.0 * math.log(1.0 / delta) else math.inf,
                     delta=delta, noise_multiplier_per_step=z)

@@ -32,8 +32,8 @@ DTYPES = (np.float32, np.float64)
 # The emulation build's grid cap (tests/cuda_emu/Makefile).
 GRID_CAP = 3
 # libm vs NumPy: a few ulps of each float64 transcendental, times the largest
-# Box-Muller radius (sqrt(-2 log 2^-33) < 7).
-NORMAL_ATOL = 64 * 2.0 ** -52 * 7
+# Box-Muller radius (R.GAUSSIAN_TAIL_BOUND ~ 13.37).
+NORMAL_ATOL = 64 * 2.0 ** -52 * R.GAUSSIAN_TAIL_BOUND
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import pytest
 from scipy import stats
 
 from ncdp_fast import reference as R
+from ncdp_fast.privacy import truncation
 from ncdp_fast.privacy import (dp_to_gdp, epsilon_poisson_gaussian, gdp_to_dp, neuromix_noise,
                                optimal_mixup_degree, poisson_gdp_mu)
 from ncdp_fast.release import (NeuroMixGDP, Released, SoftLabelClassifier, hs_epsilon,
@@ -44,7 +45,9 @@ def test_poisson_noise_scales_equal_calibration():
     assert rel.noise_std_x == nz.sigma_x * 1.5 / 10 and rel.noise_std_y == nz.sigma_y / 10
     rep = rel.report
     assert rep.epsilon_clt == pytest.approx(2.0, rel=1e-9)
-    assert rep.epsilon_pld == nz.epsilon_pld and rep.mu == dp_to_gdp(2.0, 1e-5)
+    # mu is the GDP target at delta less the sampler's truncation charge (privacy.truncation).
+    assert rep.epsilon_pld == nz.epsilon_pld and rep.mu == nz.mu
+    assert rep.mu == dp_to_gdp(2.0, truncation.ideal_delta(1e-5, 2.0))
     assert rel.x.shape == (300, 6) and rel.y.shape == (300, K)
     assert rel.recompute_report() == rep
 

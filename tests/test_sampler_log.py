@@ -9,7 +9,6 @@ crosses an integer, so a one-ulp difference between two libms (NumPy's
 AVX-512 log and glibc's differ on ~0.3 % of stream uniforms on the x86-64
 development machine; the GPU has a third) used to change memberships."""
 import math
-import shutil
 import struct
 import subprocess
 
@@ -23,7 +22,8 @@ from ncdp_fast import _stream
 from ncdp_fast import reference as R
 from ncdp_fast._numba import mix as M
 
-REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+from _host_cpp import build
+
 
 EDGES = [1.0, 0.5, 2.0 ** -53, 2.0 ** -54, 1.0 - 2.0 ** -53, 1.0 - 2.0 ** -52, 1.0 + 2.0 ** -52,
          2.0, 0.75, 0.7071067811865476, 1.4142135623730951, 1e-300, 1e-19, 1e-16, 1.0 - 1e-16,
@@ -88,14 +88,7 @@ def cpp(request, tmp_path_factory):
     """The host build of philox.cuh's sampler_log/sampler_log1p as a function
     of a list of floats (default x86-64 target: no FMA instructions, the same
     as the extension's host code)."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not found")
-    d = tmp_path_factory.mktemp("sampler_log_cpp")
-    (d / "driver.cpp").write_text(DRIVER)
-    exe = d / "driver"
-    subprocess.run([gxx, "-std=c++17", request.param, "-I", str(REPO / "csrc"),
-                    str(d / "driver.cpp"), "-o", str(exe)], check=True, capture_output=True)
+    exe = build(DRIVER, tmp_path_factory.mktemp("sampler_log_cpp"), request.param)
 
     def run(xs):
         out = subprocess.run([str(exe)], input="".join(f"{_bits(x):x}\n" for x in xs),

@@ -69,43 +69,61 @@ NCDP_HOST_DEVICE std::uint32_t word_at(std::uint64_t seed, std::uint64_t index) 
   return stream_block(seed, index >> 2).w[index & 3];
 }
 
-// A word as a uniform in the open interval (0, 1): (w + 0.5) / 2^32 in float64.
-NCDP_HOST_DEVICE double uniform_open01(std::uint32_t word) {
-  return (static_cast<double>(word) + 0.5) / kTwoPow32;
+// Box-Muller pair `pair` (reference/rng.py) uses draws 2*pair, 2*pair+1 (a, b)
+// and the four words of its tail block 2^63 + pair, which no draw addresses
+// (draws stop at block 2^62): u1 has 128 bits, so |z| <= sqrt(258 ln 2) ~ 13.37
+// instead of 6.76 with a 32-bit u1 (issue 23, item 5).
+constexpr std::uint64_t kTailBlock = std::uint64_t{1} << 63;
+constexpr double kTwoPow64 = 18446744073709551616.0;
+constexpr double kTwoPow96 = kTwoPow64 * kTwoPow32;
+constexpr double kTwoPowM64 = 1.0 / kTwoPow64;
+constexpr double kTwoPowM128 = kTwoPowM64 * kTwoPowM64;
+
+// (u1, u2) of a pair's draws (a, b) and its tail block x (reference.uniforms_of_words).
+// The sums run in reference.py's order; every product is by a power of two and
+// exact, so a contracted multiply-add rounds exactly as the separate operations.
+NCDP_HOST_DEVICE void uniforms_of_words(std::uint32_t a, std::uint32_t b, const Block& x,
+                                        double* u1, double* u2) {
+  *u1 = ((((static_cast<double>(x.w[2]) + 0.5) + static_cast<double>(x.w[1]) * kTwoPow32) +
+          static_cast<double>(x.w[0]) * kTwoPow64) +
+         static_cast<double>(a) * kTwoPow96) * kTwoPowM128;
+  *u2 = ((static_cast<double>(x.w[3]) + 0.5) + static_cast<double>(b) * kTwoPow32) * kTwoPowM64;
 }
 
-// Box-Muller on one aligned pair of words (w_even, w_odd) = words (2m, 2m+1):
-// z_even = r cos(theta), z_odd = r sin(theta) with r and theta below, in float64.
-NCDP_HOST_DEVICE double box_muller_radius(std::uint32_t w_even) {
-  return sqrt(-2.0 * log(uniform_open01(w_even)));
+// Radius sqrt(-2 ln u1) and angle 2 pi u2 of pair `pair`, whose draws are (a, b).
+NCDP_HOST_DEVICE void box_muller_polar(std::uint64_t seed, std::uint64_t pair, std::uint32_t a,
+                                       std::uint32_t b, double* radius, double* angle) {
+  double u1, u2;
+  uniforms_of_words(a, b, stream_block(seed, kTailBlock + pair), &u1, &u2);
+  *radius = sqrt(-2.0 * log(u1));
+  *angle = kTwoPi * u2;
 }
-NCDP_HOST_DEVICE double box_muller_angle(std::uint32_t w_odd) {
-  return kTwoPi * uniform_open01(w_odd);
-}
-NCDP_HOST_DEVICE void box_muller(std::uint32_t w_even, std::uint32_t w_odd, double* z_even,
-                                 double* z_odd) {
-  const double radius = box_muller_radius(w_even);
-  const double angle = box_muller_angle(w_odd);
+
+// z_even = r cos(theta), z_odd = r sin(theta) of pair `pair` with draws (a, b), in float64.
+NCDP_HOST_DEVICE void box_muller(std::uint64_t seed, std::uint64_t pair, std::uint32_t a,
+                                 std::uint32_t b, double* z_even, double* z_odd) {
+  double radius, angle;
+  box_muller_polar(seed, pair, a, b, &radius, &angle);
   *z_even = radius * cos(angle);
   *z_odd = radius * sin(angle);
 }
 
-// The four normals of stream indices 4*block .. 4*block+3 (two Box-Muller pairs
-// from one Philox block); kernels that need consecutive normals use this so that
-// each block is computed once.
+// The four normals of stream indices 4*block .. 4*block+3 (pairs 2*block and
+// 2*block+1, whose draws are one Philox block); kernels that need consecutive
+// normals use this so that the draws' block is computed once.
 NCDP_HOST_DEVICE void normals_of_block(std::uint64_t seed, std::uint64_t block, double z[4]) {
   const Block b = stream_block(seed, block);
-  box_muller(b.w[0], b.w[1], &z[0], &z[1]);
-  box_muller(b.w[2], b.w[3], &z[2], &z[3]);
+  box_muller(seed, 2 * block, b.w[0], b.w[1], &z[0], &z[1]);
+  box_muller(seed, 2 * block + 1, b.w[2], b.w[3], &z[2], &z[3]);
 }
 
 // Normal variate `index` of stream `seed` (index = offset + j), on its own; only
 // the sine or the cosine it needs is evaluated.
 NCDP_HOST_DEVICE double normal_at(std::uint64_t seed, std::uint64_t index) {
   const Block b = stream_block(seed, index >> 2);
-  const int pair = static_cast<int>(index & 2);
-  const double radius = box_muller_radius(b.w[pair]);
-  const double angle = box_muller_angle(b.w[pair + 1]);
+  const int lane = static_cast<int>(index & 2);
+  double radius, angle;
+  box_muller_polar(seed, index >> 1, b.w[lane], b.w[lane + 1], &radius, &angle);
   return (index & 1) ? radius * sin(angle) : radius * cos(angle);
 }
 

@@ -375,8 +375,8 @@ __device__ __forceinline__ void normals_of_slot(std::uint64_t seed, std::uint64_
       pair = index >> 1;
       const philox::Block b = philox::stream_block(seed, index >> 2);
       const bool high = (index & 2) != 0;
-      radius = philox::box_muller_radius(high ? b.w[2] : b.w[0]);
-      angle = philox::box_muller_angle(high ? b.w[3] : b.w[1]);
+      philox::box_muller_polar(seed, pair, high ? b.w[2] : b.w[0], high ? b.w[3] : b.w[1],
+                               &radius, &angle);
     }
     z[q] = (index & 1) ? radius * sin(angle) : radius * cos(angle);
   }

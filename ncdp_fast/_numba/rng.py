@@ -51,12 +51,32 @@ def philox_block(seed, block):
     return philox4x32_10(seed & _M32, seed >> _S32, block & _M32, block >> _S32, zero, zero)
 
 
-@sized_kernel(lambda seed, first_pair, u1, u2: 8 * u1.shape[0])
-def pair_uniforms(seed, first_pair, u1, u2):
-    """Uniforms of word pairs ``first_pair .. first_pair + len(u1) - 1``.
+_TAIL_BLOCK = np.uint64(1 << 63)
+_TWO_32 = 4294967296.0
+_TWO_64 = 18446744073709551616.0
+_TWO_96 = _TWO_64 * _TWO_32
+_INV_2_64 = 2.0 ** -64
+_INV_2_128 = 2.0 ** -128
 
-    Pair q holds stream words 2q and 2q+1; ``u = (w + 0.5) / 2^32`` in float64,
-    so u is in (0, 1) and log(u) is finite.  seed, first_pair: uint64.
+
+@njit(cache=True, inline="always")
+def uniforms_of_words(a, b, x0, x1, x2, x3):
+    """reference.uniforms_of_words: ``(u1, u2)`` of a pair's draws a, b and its tail
+    block's words x0..x3 (uint64 holding 32-bit values), the same sums in order."""
+    u1 = (((np.float64(x2) + 0.5) + np.float64(x1) * _TWO_32) + np.float64(x0) * _TWO_64) \
+        + np.float64(a) * _TWO_96
+    u2 = (np.float64(x3) + 0.5) + np.float64(b) * _TWO_32
+    return u1 * _INV_2_128, u2 * _INV_2_64
+
+
+@sized_kernel(lambda seed, first_pair, u1, u2: 16 * u1.shape[0])
+def pair_uniforms(seed, first_pair, u1, u2):
+    """Uniforms of Box-Muller pairs ``first_pair .. first_pair + len(u1) - 1``.
+
+    Pair q's draws are stream words 2q and 2q+1; its 128-bit u1 and 64-bit u2
+    add the words of tail block 2^63 + q, summed in float64 in the reference's
+    order (ncdp_fast.reference.rng), so u1 is in [2^-129, 1] and log(u1) is
+    finite.  seed, first_pair: uint64; u1, u2: float64 [len].
     """
     n = u1.shape[0]
     nblocks = (n + 1) // 2 + 1
@@ -68,8 +88,9 @@ def pair_uniforms(seed, first_pair, u1, u2):
         for half in range(2):
             q = np.int64(2 * b + half) - np.int64(first_pair & np.uint64(1))
             if 0 <= q < n:
-                u1[q] = (np.float64(w[2 * half]) + 0.5) * _INV_2_32
-                u2[q] = (np.float64(w[2 * half + 1]) + 0.5) * _INV_2_32
+                x = philox_block(seed, _TAIL_BLOCK + first_pair + np.uint64(q))
+                u1[q], u2[q] = uniforms_of_words(w[2 * half], w[2 * half + 1],
+                                                 x[0], x[1], x[2], x[3])
 
 
 # Cody-Waite reduction by pi/2 (two-part constant) and the sin/cos kernel

@@ -20,6 +20,11 @@ Which function for which paper:
   :func:`calibrate_noise_multiplier`, :class:`Accountant`; the calibration search
   itself, for any accountant whose epsilon falls with sigma: :func:`search_noise_multiplier`.
 
+Every epsilon reported and every sigma calibrated here (and by the trainers,
+the release report and the torch engine) charges the sampler's truncated
+Gaussian tails, :func:`truncation_delta` (:mod:`ncdp_fast.privacy.truncation`);
+the pure conversions (:func:`zcdp_to_dp`, :func:`gdp_to_dp`, ...) do not.
+
 See ``docs/privacy.md``.
 """
 
@@ -34,6 +39,7 @@ from .subsampled import (
     epsilon_poisson_gaussian,
     search_noise_multiplier,
 )
+from .truncation import PAIRS_PER_KEY, epsilon_with_truncation, ideal_delta, truncation_delta
 from .zcdp import dp_to_zcdp, gaussian_zcdp, noisygd_sigma, zcdp_to_dp
 
 __all__ = [
@@ -62,6 +68,11 @@ __all__ = [
     # NeuroMixGDP with hierarchical sampling
     "hs_epsilon",
     "hs_noise_multiplier",
+    # The sampler's truncated tails, charged by every function above
+    "truncation_delta",
+    "ideal_delta",
+    "epsilon_with_truncation",
+    "PAIRS_PER_KEY",
     # Accountant
     "Accountant",
     "GaussianEvent",

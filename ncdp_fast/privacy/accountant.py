@@ -40,12 +40,12 @@ from typing import Union
 from .._validate import (check_choice, check_delta, check_nonneg, check_pos_int, check_positive,
                          check_probability)
 from ._validate import check_discretization_interval, import_dp_accounting
-from .gdp import gdp_to_dp
 from .subsampled import (
     DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
     gaussian_event,
 )
-from .zcdp import zcdp_to_dp
+from . import truncation
+from .truncation import epsilon_with_truncation, gdp_epsilon, zcdp_epsilon
 
 __all__ = ["Accountant", "GaussianEvent", "ZCDPEvent"]
 
@@ -191,6 +191,14 @@ class Accountant:
                 groups[key] = groups.get(key, 0) + e.steps
         return groups
 
+    def _noise_pairs(self) -> int:
+        """Box-Muller pairs the history may have drawn, for the truncation charge:
+        every key's stream holds at most PAIRS_PER_KEY, and each event (a run of
+        equal Gaussian steps, or one zCDP release of a count) is taken to draw
+        from a key of its own; the engine's steps share one key (one event)."""
+        keys = sum(e.count if isinstance(e, ZCDPEvent) else 1 for e in self._events)
+        return max(1, keys) * truncation.PAIRS_PER_KEY
+
     def _zcdp_events(self):
         return [e for e in self._events if isinstance(e, ZCDPEvent)]
 
@@ -248,15 +256,18 @@ class Accountant:
             value_discretization_interval: PLD grid step (``"pld"`` only).
 
         Returns:
-            epsilon >= 0 (0.0 for an empty history; ``inf`` if unbounded).
+            epsilon >= 0 (0.0 for an empty history; ``inf`` if unbounded), with
+            the sampler's truncated tails charged
+            (:func:`~ncdp_fast.privacy.truncation_delta`).
         """
         d = check_delta(delta)
         check_choice(accountant, "accountant", _ACCOUNTANTS)
         interval = check_discretization_interval(value_discretization_interval)
         if not self._events:
             return 0.0
+        # Every reported epsilon charges the sampler's truncated tails (privacy.truncation).
         if accountant == "zcdp":
-            return zcdp_to_dp(self.zcdp_rho(), d)
+            return zcdp_epsilon(self.zcdp_rho(), d, self._noise_pairs())
         has_zcdp = bool(self._zcdp_events())
         if has_zcdp and accountant in ("pld", "gdp"):
             raise ValueError(
@@ -275,7 +286,7 @@ class Accountant:
                     if x > 700.0:
                         return math.inf
                     mu2 += q * q * t * math.expm1(x)
-            return gdp_to_dp(math.sqrt(mu2), d) if math.isfinite(mu2) else math.inf
+            return gdp_epsilon(math.sqrt(mu2), d, self._noise_pairs())
         dpa = import_dp_accounting()
         rel = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
         if accountant == "pld":
@@ -283,7 +294,8 @@ class Accountant:
         else:
             acc = dpa.rdp.RdpAccountant(neighboring_relation=rel)
         acc.compose(self.dp_event())
-        return float(acc.get_epsilon(d))
+        return epsilon_with_truncation(lambda dd: float(acc.get_epsilon(dd)), d,
+                                       self._noise_pairs())
 
     # -- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict:

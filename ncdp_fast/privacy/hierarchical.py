@@ -39,7 +39,8 @@ import numpy as np
 
 from .._validate import check_choice, check_delta, check_positive
 from ._validate import import_dp_accounting
-from .gdp import dp_to_gdp, gdp_to_dp
+from .gdp import dp_to_gdp
+from .truncation import epsilon_with_truncation, gdp_epsilon, ideal_delta
 from .subsampled import DEFAULT_EPSILON_RTOL, DEFAULT_VALUE_DISCRETIZATION_INTERVAL, \
     search_noise_multiplier
 
@@ -67,7 +68,8 @@ def _hs_pld_epsilon(sigma: float, p: float, q: float, steps: int, delta: float,
         # Revealed class selection: with probability 1 - p the row is independent of
         # the record (privacy loss exactly 0).
         one = one.compute_mixture(pld_mod.identity(interval, pessimistic_estimate=True), p)
-    return float(one.self_compose(steps).get_epsilon_for_delta(delta))
+    composed = one.self_compose(steps)
+    return epsilon_with_truncation(lambda d: float(composed.get_epsilon_for_delta(d)), delta)
 
 
 def hs_epsilon(noise_multiplier, *, mixup_degree, n, num_samples, class_rates, delta,
@@ -99,7 +101,7 @@ def hs_epsilon(noise_multiplier, *, mixup_degree, n, num_samples, class_rates, d
     T = int(num_samples)
     if accountant == "clt":
         mu = q * math.sqrt(T * p * math.expm1(1.0 / (s * s)))
-        return gdp_to_dp(mu, d) if math.isfinite(mu) else math.inf
+        return gdp_epsilon(mu, d)
     return _hs_pld_epsilon(s, p, q, T, d, float(value_discretization_interval))
 
 
@@ -123,7 +125,8 @@ def hs_noise_multiplier(epsilon, delta, *, mixup_degree, n, num_samples, class_r
     check_choice(accountant, "accountant", ("pld", "clt"))
     m, n, T = float(mixup_degree), int(n), int(num_samples)
     p, _ = _hs_rates(np.asarray(class_rates, dtype=np.float64), m, n)
-    mu = dp_to_gdp(e, d)
+    # The start (the closed form for "clt") leaves room for the truncation charge.
+    mu = dp_to_gdp(e, ideal_delta(d, e))
     sigma0 = 1.0 / math.sqrt(math.log1p(mu * mu * p * n * n / (m * m * T)))
 
     def eps(s):

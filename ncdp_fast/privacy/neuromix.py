@@ -28,6 +28,7 @@ from scipy.optimize import brentq
 
 from .._validate import check_choice, check_delta, check_pos_int, check_positive
 from .gdp import clt_noise_multiplier, dp_to_gdp, gdp_to_dp, poisson_gdp_mu
+from .truncation import gdp_epsilon, ideal_delta
 from .subsampled import (
     DEFAULT_EPSILON_RTOL,
     DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
@@ -151,7 +152,8 @@ def neuromix_noise(
     lam_ = check_positive(lam, "lam")
     check_choice(accountant, "accountant", ("clt", "pld"))
     q = m / n_
-    mu = dp_to_gdp(e, d)
+    # The GDP target leaves room for the sampler's truncated tails (privacy.truncation).
+    mu = dp_to_gdp(e, ideal_delta(d, e))
     if accountant == "clt":
         # ln(1 + mu^2 n^2 / (m^2 T)) = ln(1 + mu^2 / (q^2 T)); Theorem 3.1.
         sigma = clt_noise_multiplier(mu, q, t)
@@ -169,7 +171,7 @@ def neuromix_noise(
     sigma_x = sigma * scale / lam_
     sigma_y = sigma * scale
     mu_clt = poisson_gdp_mu(sigma, q, t)
-    eps_clt = gdp_to_dp(mu_clt, d) if math.isfinite(mu_clt) else math.inf
+    eps_clt = gdp_epsilon(mu_clt, d)
     eps_pld = epsilon_poisson_gaussian(
         sigma, q, t, d, "pld", value_discretization_interval=value_discretization_interval
     )

@@ -38,7 +38,8 @@ import math
 
 from .._validate import check_choice, check_delta, check_pos_int, check_positive, check_probability
 from ._validate import check_discretization_interval, check_epsilon_rtol, import_dp_accounting
-from .gdp import clt_noise_multiplier, dp_to_gdp, gdp_to_dp, poisson_gdp_mu
+from .gdp import clt_noise_multiplier, dp_to_gdp, poisson_gdp_mu
+from .truncation import epsilon_with_truncation, gdp_epsilon, ideal_delta
 
 __all__ = [
     "DEFAULT_VALUE_DISCRETIZATION_INTERVAL",
@@ -72,32 +73,33 @@ def gaussian_event(dpa, sigma: float, q: float, steps: int):
     return dpa.SelfComposedDpEvent(inner, steps)
 
 
-def _pld_epsilon(event, delta: float, interval: float) -> float:
+def _pld_epsilon_of(event, interval: float):
     dpa = import_dp_accounting()
     acc = dpa.pld.PLDAccountant(
         neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE,
         value_discretization_interval=interval,
     )
     acc.compose(event)
-    return float(acc.get_epsilon(delta))
+    return lambda delta: float(acc.get_epsilon(delta))
 
 
-def _rdp_epsilon(event, delta: float) -> float:
+def _rdp_epsilon_of(event):
     dpa = import_dp_accounting()
     acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
     acc.compose(event)
-    return float(acc.get_epsilon(delta))
+    return lambda delta: float(acc.get_epsilon(delta))
 
 
 def _epsilon(sigma, q, steps, delta, accountant, interval) -> float:
+    """epsilon at delta of the sampler as implemented: the ideal accountant's, with
+    the truncated tails charged (privacy.truncation)."""
     if accountant == "gdp":
         mu = math.sqrt(steps) / sigma if q == 1.0 else poisson_gdp_mu(sigma, q, steps)
-        return math.inf if not math.isfinite(mu) else gdp_to_dp(mu, delta)
+        return gdp_epsilon(mu, delta)
     dpa = import_dp_accounting()
     event = gaussian_event(dpa, sigma, q, steps)
-    if accountant == "pld":
-        return _pld_epsilon(event, delta, interval)
-    return _rdp_epsilon(event, delta)
+    of = _pld_epsilon_of(event, interval) if accountant == "pld" else _rdp_epsilon_of(event)
+    return epsilon_with_truncation(of, delta)
 
 
 def epsilon_poisson_gaussian(
@@ -134,7 +136,9 @@ def epsilon_poisson_gaussian(
             in (0, 1]; smaller is tighter and slower.
 
     Returns:
-        epsilon >= 0 (``inf`` when the accountant finds no finite epsilon).
+        epsilon >= 0 (``inf`` when the accountant finds no finite epsilon), with the
+        sampler's truncated tails charged: the accountant's delta at it plus
+        :func:`~ncdp_fast.privacy.truncation_delta` is at most ``delta``.
     """
     s = check_positive(noise_multiplier, "noise_multiplier")
     q = check_probability(sample_rate, "sample_rate")
@@ -200,7 +204,8 @@ def calibrate_noise_multiplier(
     rtol = check_epsilon_rtol(epsilon_rtol)
     interval = check_discretization_interval(value_discretization_interval)
 
-    mu = dp_to_gdp(e_t, d)
+    # The start (the closed form for "gdp") leaves room for the truncation charge.
+    mu = dp_to_gdp(e_t, ideal_delta(d, e_t))
     sigma0 = math.sqrt(t) / mu if q == 1.0 else clt_noise_multiplier(mu, q, t)
 
     def eps(sigma: float) -> float:

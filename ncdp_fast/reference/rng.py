@@ -7,15 +7,32 @@ Random-number contract (DESIGN.md, "Random numbers"):
   stream is the concatenation of blocks, so word ``w`` is element ``w % 4`` of
   block ``w // 4``.  The last two counter words are reserved (zero).
 * A *draw* is one 32-bit word.  Offsets count draws.
-* Normal variate ``j`` of stream ``(seed, offset)`` uses the pair of words
-  ``k = offset + j`` and its partner ``k ^ 1`` -- i.e. words ``2*(k//2)`` and
-  ``2*(k//2)+1``.  With ``u1, u2`` those words converted to uniforms in (0, 1) as
-  ``(w + 0.5) / 2^32`` in float64, Box--Muller gives
-  ``r = sqrt(-2 ln u1)``, ``z_even = r cos(2 pi u2)``, ``z_odd = r sin(2 pi u2)``;
-  the normal is ``z_even`` when ``k`` is even and ``z_odd`` when it is odd,
-  computed in float64 and rounded once to the output dtype.  ``count`` normals
-  consume ``count`` draws, so disjoint offset ranges give independent noise.
-  (32-bit uniforms truncate the tails at |z| <= 6.66.)
+* Normal variate ``j`` of stream ``(seed, offset)`` belongs to the Box--Muller
+  pair ``p = k // 2`` of draw ``k = offset + j`` (draws ``2p`` and ``2p+1``, the
+  words ``2*(p%2)`` and ``2*(p%2)+1`` of block ``p // 2``); the normal is
+  ``z_even = r cos(2 pi u2)`` when ``k`` is even and ``z_odd = r sin(2 pi u2)``
+  when it is odd, ``r = sqrt(-2 ln u1)``, computed in float64 and rounded once
+  to the output dtype.  ``count`` normals consume ``count`` draws, so disjoint
+  offset ranges give independent noise (the two members of a pair are
+  independent exact normals under Box--Muller).
+* The pair's uniforms are wide: with ``(a, b)`` its two draws and
+  ``(x0, x1, x2, x3)`` the words of the *tail block* ``2^63 + p``,
+  ``u1 = (((x2 + 0.5) + x1 2^32) + x0 2^64) + a 2^96) / 2^128`` and
+  ``u2 = ((x3 + 0.5) + b 2^32) / 2^64``, summed in float64 in exactly that
+  order (each product by a power of two is exact, so a fused multiply-add
+  gives the same bits).  u1 lies in ``[2^-129, 1]`` and u2 in ``(0, 1]`` (the
+  top ~2^-54 of each rounds to 1.0: radius 0, angle 2 pi).  Draws address blocks below ``2^62`` only (a draw
+  index is below ``2^64``), and sub-streams have non-zero counter words 2-3,
+  so tail blocks are never a draw of any consumer: the Poisson samplers and
+  every offset computation are unchanged by them.
+* Why 128 bits for u1: the smallest u1 is ``2^-129`` (all words zero), so
+  ``|z| <= sqrt(258 ln 2) = GAUSSIAN_TAIL_BOUND ~ 13.37``.  With 32-bit u1 the
+  bound was 6.7637 and a record whose clipped contribution sits on one
+  coordinate made outputs impossible without it (issue 23, item 5); the
+  accountant now charges the truncation (``ncdp_fast.privacy.truncation``),
+  and at 2^-128 per pair that charge is below 1e-20 for any realistic run.
+  u2 only sets the angle; 64 bits keep it as fine as u1's top bits.
+  Costs: one Philox block per pair on top of the half block of the draws.
 """
 from __future__ import annotations
 
@@ -27,6 +44,18 @@ PHILOX_M1 = 0xCD9E8D57
 PHILOX_W0 = 0x9E3779B9
 PHILOX_W1 = 0xBB67AE85
 TWO_POW_32 = 4294967296.0
+TWO_POW_64 = 18446744073709551616.0
+INV_TWO_POW_64 = 2.0 ** -64
+INV_TWO_POW_128 = 2.0 ** -128
+# Tail blocks (see module docstring) live at block index 2^63 + pair.
+TAIL_BLOCK = 1 << 63
+# Probability that u1 falls in its lowest cell [0, 2^-128): the ideal Gaussian
+# pair mass that the sampler folds onto its largest radius, charged per pair by
+# the accountant (ncdp_fast.privacy.truncation).
+GAUSSIAN_TRUNCATION_MASS = 2.0 ** -128
+# The largest |z| the sampler can return before rounding to the output dtype:
+# the radius of the smallest u1, 2^-129 (cos(2 pi u2) rounds to 1 at u2 near 0).
+GAUSSIAN_TAIL_BOUND = float(np.sqrt(-2.0 * np.log(2.0 ** -129)))
 
 
 def philox4x32_10(key, counter):
@@ -70,16 +99,36 @@ def philox_words(count, *, seed, offset=0):
     return out
 
 
+def uniforms_of_words(a, b, x0, x1, x2, x3):
+    """``(u1, u2)`` from a pair's draws ``a, b`` and its tail block's words ``x0..x3``."""
+    u1 = (((float(x2) + 0.5) + float(x1) * TWO_POW_32) + float(x0) * TWO_POW_64) \
+        + float(a) * (TWO_POW_64 * TWO_POW_32)
+    u2 = (float(x3) + 0.5) + float(b) * TWO_POW_32
+    return u1 * INV_TWO_POW_128, u2 * INV_TWO_POW_64
+
+
+def pair_uniforms(seed, pair):
+    """The float64 uniforms ``(u1, u2)`` of Box--Muller pair ``pair`` (module docstring)."""
+    key = (seed & MASK32, seed >> 32)
+    b = pair >> 1
+    main = philox4x32_10(key, (b & MASK32, b >> 32, 0, 0))
+    lane = 2 * (pair & 1)
+    t = TAIL_BLOCK + pair
+    return uniforms_of_words(main[lane], main[lane + 1],
+                             *philox4x32_10(key, (t & MASK32, t >> 32, 0, 0)))
+
+
+def box_muller(u1, u2, odd):
+    """``r cos(2 pi u2)`` (``odd`` false) or ``r sin(2 pi u2)``, ``r = sqrt(-2 ln u1)``."""
+    r = np.sqrt(-2.0 * np.log(u1))
+    return r * (np.sin(2.0 * np.pi * u2) if odd else np.cos(2.0 * np.pi * u2))
+
+
 def gaussian(count, *, seed, offset=0, dtype=np.float32):
     """The stream's normals ``offset .. offset+count-1`` (see module docstring)."""
     seed, offset = check_seed_offset(seed, offset)
     out = np.empty(count, dtype=np.float64)
     for j in range(count):
         k = offset + j
-        pair = philox_words(2, seed=seed, offset=k & ~1)
-        u1 = (float(pair[0]) + 0.5) / TWO_POW_32
-        u2 = (float(pair[1]) + 0.5) / TWO_POW_32
-        r = np.sqrt(-2.0 * np.log(u1))
-        out[j] = r * (np.sin(2.0 * np.pi * u2) if k & 1 else np.cos(2.0 * np.pi * u2))
+        out[j] = box_muller(*pair_uniforms(seed, k >> 1), k & 1)
     return out.astype(dtype)
-

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..privacy import dp_to_gdp, epsilon_poisson_gaussian, gdp_to_dp, poisson_gdp_mu
+from ..privacy import dp_to_gdp, epsilon_poisson_gaussian, poisson_gdp_mu
 from ..privacy.hierarchical import hs_epsilon
+from ..privacy.truncation import gdp_epsilon, ideal_delta
 
 __all__ = ["PrivacyReport", "privacy_report"]
 
@@ -76,7 +77,7 @@ def privacy_report(*, sigma, epsilon, delta, accountant, class_rates, n, m, T, l
         eps_clt, eps_pld, eps_paper = known.epsilon_clt, known.epsilon_pld, None
     elif class_rates is None:
         mu_clt = poisson_gdp_mu(sigma, q, T)
-        eps_clt = gdp_to_dp(mu_clt, delta) if math.isfinite(mu_clt) else math.inf
+        eps_clt = gdp_epsilon(mu_clt, delta)
         eps_pld = epsilon_poisson_gaussian(sigma, q, T, delta, "pld",
                                            value_discretization_interval=interval)
         eps_paper = None
@@ -86,10 +87,10 @@ def privacy_report(*, sigma, epsilon, delta, accountant, class_rates, n, m, T, l
         eps_clt = hs_epsilon(sigma, accountant="clt", **kw)
         eps_pld = hs_epsilon(sigma, accountant="pld", **kw)
         mu_paper = poisson_gdp_mu(sigma, q, T)
-        eps_paper = gdp_to_dp(mu_paper, delta) if math.isfinite(mu_paper) else math.inf
+        eps_paper = gdp_epsilon(mu_paper, delta)
     return PrivacyReport(
         epsilon_target=epsilon, delta=delta,
-        mu=None if epsilon is None else dp_to_gdp(epsilon, delta),
+        mu=None if epsilon is None else dp_to_gdp(epsilon, ideal_delta(delta, epsilon)),
         epsilon_clt=eps_clt, epsilon_pld=eps_pld, epsilon_paper=eps_paper,
         noise_multiplier=sigma, accountant=accountant,
         sampling="poisson" if class_rates is None else "hierarchical",

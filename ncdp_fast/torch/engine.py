@@ -111,15 +111,29 @@ class PrivacyEngine:
     Philox stream keyed by the OS (``seed=`` to fix it, ``noise_generator`` is
     refused); the accountant is :class:`ncdp_fast.privacy.Accountant`
     ("prv" and "pld": dp-accounting's PLD accountant; "rdp"; "gdp": the CLT,
-    an approximation).  ``secure_mode`` is accepted: the noise is always
-    keyed by 64 bits from the OS.
+    an approximation).  ``secure_mode=True`` is refused: the noise is a
+    Philox4x32-10 stream keyed by 64 bits from the OS (``secrets``), not a
+    cryptographically secure generator, and its float64 Box--Muller output is
+    not hardened against the floating-point attack (Mironov 2012); see
+    docs/privacy.md, "Noise tails and floating point".
     """
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False):
         check_choice(accountant, "accountant", _ACCOUNTANTS)
         self.accountant_name = accountant
         self.accountant = privacy.Accountant()
-        self.secure_mode = bool(secure_mode)
+        if not isinstance(secure_mode, bool):
+            raise TypeError(f"secure_mode: expected a bool, got {type(secure_mode).__name__}")
+        if secure_mode:
+            raise ValueError(
+                "secure_mode: expected False, got True. ncdp_fast has no secure mode: its noise "
+                "is a Philox4x32-10 stream keyed by 64 bits from the OS (secrets.randbits), "
+                "not a cryptographically secure generator, and the float64 Box-Muller values "
+                "rounded to the parameters' dtype are not hardened against the floating-point "
+                "attack of Mironov (2012). Use PrivacyEngine() (secure_mode=False) knowing this, "
+                "or Opacus with secure_mode=True; docs/privacy.md, 'Noise tails and floating "
+                "point', states what the stream guarantees and the residual risk")
+        self.secure_mode = False
         self.sample_rate: float | None = None
 
     # ------------------------------------------------------------------ wiring

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from .. import _stream
-from ..privacy import Accountant, dp_to_zcdp, noisygd_sigma, zcdp_to_dp
+from ..privacy import Accountant, dp_to_zcdp, noisygd_sigma
+from ..privacy.truncation import PAIRS_PER_KEY, ideal_delta
 from .._validate import check_delta, check_positive
 from .._validate import check_int
 from .base import LinearClassifierBase, prior_rho
@@ -56,7 +57,7 @@ class NoisyGDClassifier(LinearClassifierBase):
         self.max_grad_norm, self.projection_radius = max_grad_norm, projection_radius
         self.fit_intercept, self.num_classes, self.seed = fit_intercept, num_classes, seed
 
-    def _budget(self):
+    def _budget(self, keys=1):
         if self.rho is not None:
             if self.epsilon is not None:
                 raise ValueError("rho: give either rho or (epsilon, delta), got both")
@@ -68,7 +69,9 @@ class NoisyGDClassifier(LinearClassifierBase):
                              f"rho; got epsilon={self.epsilon!r}, delta={self.delta!r}")
         eps = check_positive(self.epsilon, "epsilon")
         delta = check_delta(self.delta)
-        return dp_to_zcdp(eps, delta), delta
+        # The zCDP budget leaves room for the sampler's truncated tails (privacy.truncation)
+        # of every key: training's and each private preprocessing's.
+        return dp_to_zcdp(eps, ideal_delta(delta, eps, keys * PAIRS_PER_KEY)), delta
 
     def fit(self, X, y, *, counts=None, preprocessing=()):
         r"""Train on private features.
@@ -88,8 +91,8 @@ class NoisyGDClassifier(LinearClassifierBase):
         """
         self._validate_common()
         T = check_int(self.steps, "steps", 1)
-        rho, delta = self._budget()
         spent = prior_rho(preprocessing)
+        rho, delta = self._budget(keys=1 + len(spent))
         rho_train = rho - sum(spent)
         if not rho_train > 0:
             raise ValueError(f"preprocessing: private preprocessing spent rho={sum(spent)!r}, "
@@ -115,7 +118,7 @@ class NoisyGDClassifier(LinearClassifierBase):
         self.sigma_, self.noise_multiplier_ = sigma, z
         self.rho_train_, self.rho_ = rho_train, acc.zcdp_rho()
         self.accountant_, self.delta_ = acc, delta
-        self.epsilon_ = None if delta is None else zcdp_to_dp(self.rho_, delta)
+        self.epsilon_ = None if delta is None else acc.epsilon(delta, "zcdp")
         self.num_clipped_ = info["num_clipped"]
         self.n_steps_ = T
         return self

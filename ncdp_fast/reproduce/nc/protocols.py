@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ... import nc
-from ...privacy import dp_to_zcdp, zcdp_to_dp
+from ...privacy import dp_to_zcdp
+from ...privacy.truncation import PAIRS_PER_KEY, ideal_delta, zcdp_epsilon
 from ..._validate import check_delta, check_pos_int, check_positive, check_probability
 
 __all__ = ["NOT_PRIVATE", "Projection", "protocol_names", "dp_pca_budget", "fit_protocol",
@@ -42,9 +43,11 @@ def dp_pca_budget(epsilon, delta, share) -> dict:
     eps = check_positive(epsilon, "epsilon")
     delta = check_delta(delta)
     share = check_probability(share, "share", one=False)
-    rho_total = dp_to_zcdp(eps, delta)
+    # The zCDP budget leaves room for the sampler's truncated tails (privacy.truncation)
+    # of two keys: the PCA's and training's.
+    rho_total = dp_to_zcdp(eps, ideal_delta(delta, eps, 2 * PAIRS_PER_KEY))
     rho = share * rho_total
-    return dict(rho_total=rho_total, rho_pca=rho, epsilon_pca=zcdp_to_dp(rho, delta))
+    return dict(rho_total=rho_total, rho_pca=rho, epsilon_pca=zcdp_epsilon(rho, delta))
 
 
 @dataclass
@@ -90,7 +93,7 @@ def fit_protocol(name, k, *, Xpriv, Xpub, seed, rho=None, clip=None, delta=None)
         return Projection(name, pca, Xpriv.shape[0], True,
                           f"Analyze-Gauss DP-PCA, rho={rho:.3g} from the budget", rho=rho,
                           epsilon_pca=None if delta is None else
-                          zcdp_to_dp(rho, check_delta(delta)),
+                          zcdp_epsilon(rho, check_delta(delta)),
                           clip=clip, preprocessing=[pca])
     raise ValueError(f"protocol: expected 'paper', 'public-M' or 'dp-pca', got {name!r}")
 

@@ -22,6 +22,7 @@ from ... import nc
 from ..._backend import resolve_seed
 from ..._report import save_figure, write_report
 from ...privacy import dp_to_zcdp
+from ...privacy.truncation import ideal_delta
 from ...train import NoisyGDClassifier, linear_steps
 from .common import FixedLinear, run_meta
 
@@ -101,7 +102,7 @@ def synthetic_main(argv: list[str]) -> int:
     master = resolve_seed(args.seed)
     ss = np.random.SeedSequence(master)
     K, n, beta, alpha = args.classes, args.n, args.beta, args.imbalance
-    rho = dp_to_zcdp(args.epsilon, args.delta)
+    rho = dp_to_zcdp(args.epsilon, ideal_delta(args.delta, args.epsilon))
     budget = dict(epsilon=args.epsilon, delta=args.delta)
     settings = ["balanced", "imbalanced", "offset (balanced)", "offset+imbalance",
                 "perturbed test", "perturbed test (n/10)",
