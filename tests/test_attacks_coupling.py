@@ -189,8 +189,23 @@ def test_batch_statistics_and_batch_softmax_are_refused_at_construction(layer, m
 def test_softmax_whose_negative_dim_lands_on_the_batch_is_refused_at_forward():
     model = nn.Sequential(nn.Linear(4, 1), nn.Flatten(0), nn.Softmax(dim=-1))
     clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
-    with pytest.raises(ValueError, match=r"Softmax\(dim=-1\) got a 1-dimensional input, on "
-                                         r"which that dim is the batch"):
+    with pytest.raises(ValueError, match=r"Softmax\(dim=-1\) and got a 1-dimensional input "
+                                         r".* on which that dim is the batch"):
         model(torch.randn(4, 4))
     clipper.remove()
     assert model(torch.randn(4, 4)).shape == (4,)     # the hook left with the clipper
+
+
+def test_softmax_over_the_batch_of_a_sequence_first_input_is_refused():
+    """Under batch_first=False a (T, B, K) input has its batch at dim 1: a
+    Softmax(dim=1) there normalises across samples (passed unnoticed before,
+    only dim 0 was refused); the same softmax on the pooled (B, K) head is fine."""
+    seq = nn.Sequential(nn.Linear(4, 3), nn.Softmax(dim=1))
+    clipper = GhostClipper(seq, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=5,
+                           batch_first=False)
+    with pytest.raises(ValueError, match=r"Softmax\(dim=1\) and got a 3-dimensional input "
+                                         r".*batch_first=False.* on which that dim is the batch"):
+        seq(torch.randn(6, 5, 4))                      # (T, B, d), T != B
+    clipper.clear()
+    assert seq(torch.randn(5, 4)).shape == (5, 3)      # (B, d): the class dimension
+    clipper.remove()

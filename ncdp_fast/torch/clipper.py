@@ -183,7 +183,7 @@ class GhostClipper(ClippedGaussianStep):
         # Registered before the layers' hooks: the batch is known before any
         # layer (the model itself may be one) records.
         self._handles = [model.register_forward_pre_hook(self._batch.pre_hook, with_kwargs=True)]
-        self._handles += batch_dim_hooks(model)
+        self._handles += batch_dim_hooks(model, self.batch_first)
         self._forwards = []
         self._released = ReleasedGrads()
         # All of the model's parameters, frozen ones included (one unfrozen later

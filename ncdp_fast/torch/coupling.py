@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .._validate import check_choice
+from .layout import enclosing_batch_first, layer_batch_first
 
 __all__ = ["refuse_batch_mixing", "batch_dim_hooks", "CheckedCriterion"]
 
@@ -53,20 +54,33 @@ def refuse_batch_mixing(name: str, module: nn.Module) -> None:
             "explicitly, e.g. dim=-1 or dim=1")
 
 
-def batch_dim_hooks(model: nn.Module) -> list:
-    """Forward pre-hooks on softmaxes with a negative ``dim``, refusing an
-    input on which that dim is the batch (e.g. dim=-1 of a 1-dimensional
-    input); the handles, for the clipper to remove."""
-    def hook(module, inputs):
-        x = inputs[0] if inputs else None
-        if isinstance(x, torch.Tensor) and x.ndim and module.dim % x.ndim == 0:
-            raise ValueError(
-                f"GhostClipper: {type(module).__name__}(dim={module.dim}) got a "
-                f"{x.ndim}-dimensional input, on which that dim is the batch: it would "
-                "normalise across samples; expected an input with the batch and a class "
-                "dimension")
-    return [m.register_forward_pre_hook(hook) for m in model.modules()
-            if isinstance(m, _SOFTMAXES) and isinstance(m.dim, int) and m.dim < 0]
+def batch_dim_hooks(model: nn.Module, batch_first: bool) -> list:
+    """Forward pre-hooks on every softmax that refuse an input on which its
+    ``dim`` is the batch dimension: dim=-1 of a 1-dimensional input, or dim=1 of
+    a (T, B, K) input inside a sequence-first part of the model (the layout of
+    :func:`.layout.layer_batch_first`: the enclosing torch module's, else
+    ``batch_first``; an input with one leading dimension has its batch at 0).
+    The handles, for the clipper to remove."""
+    layouts = enclosing_batch_first(model)
+
+    def hook_for(name, module):
+        first, _ = layer_batch_first(name, module, layouts, batch_first)
+
+        def hook(module, inputs):
+            x = inputs[0] if inputs else None
+            if not isinstance(x, torch.Tensor) or not x.ndim:
+                return
+            batch = 0 if first or x.ndim < 3 else 1
+            if module.dim % x.ndim == batch:
+                raise ValueError(
+                    f"GhostClipper: {name!r} is {type(module).__name__}(dim={module.dim}) and "
+                    f"got a {x.ndim}-dimensional input (shape {tuple(x.shape)}, "
+                    f"batch_first={first}) on which that dim is the batch: it would normalise "
+                    "across samples; expected an input with the batch and a class dimension, "
+                    "the softmax over the class dimension")
+        return hook
+    return [m.register_forward_pre_hook(hook_for(n, m)) for n, m in model.named_modules()
+            if isinstance(m, _SOFTMAXES) and isinstance(m.dim, int)]
 
 
 class CheckedCriterion(nn.Module):
