@@ -273,12 +273,15 @@ inline void barrier_arrive(Barrier& b, int expected, bool wait, bool orders_memo
     fatal("%s %d: thread count %d outside 1..%d (the block's size)", what, id, expected,
           block.threads);
   }
-  NCDP_EMU_HIDDEN_BEGIN();
+  // A shuffle's caller has hidden the whole exchange already.
+  if (orders_memory) NCDP_EMU_HIDDEN_BEGIN();
   std::unique_lock<std::mutex> lock(b.mutex);
   const std::uint64_t generation = b.generation;
-  NCDP_EMU_HIDDEN_END();
-  if (orders_memory) NCDP_EMU_RELEASE(&b.tokens[generation & 3]);
-  NCDP_EMU_HIDDEN_BEGIN();
+  if (orders_memory) {
+    NCDP_EMU_HIDDEN_END();
+    NCDP_EMU_RELEASE(&b.tokens[generation & 3]);
+    NCDP_EMU_HIDDEN_BEGIN();
+  }
   if (b.arrived == 0) {
     b.expected = expected;
   } else if (b.expected != expected) {
@@ -311,8 +314,10 @@ inline void barrier_arrive(Barrier& b, int expected, bool wait, bool orders_memo
     }
   }
   lock.unlock();
-  NCDP_EMU_HIDDEN_END();
-  if (wait && orders_memory) NCDP_EMU_ACQUIRE(&b.tokens[generation & 3]);
+  if (orders_memory) {
+    NCDP_EMU_HIDDEN_END();
+    if (wait) NCDP_EMU_ACQUIRE(&b.tokens[generation & 3]);
+  }
 }
 
 inline void syncthreads() {
@@ -332,8 +337,8 @@ inline void named_barrier(int id, int threads, bool wait) {
 // one meeting per exchange suffices: a lane can only write a buffer again two
 // exchanges later, after a meeting that every lane reached after reading it.
 // The hardware gives a shuffle no memory ordering (unlike __syncwarp), so the
-// meeting orders nothing for the race detector and the slots, which only the
-// meeting orders, are hidden from it.
+// whole exchange, slots and meeting, is hidden from the race detector and
+// orders nothing for it.
 inline int lane_id() { return t_state->linear % kWarpSize; }
 
 inline std::uint64_t* next_warp_slots() {
@@ -359,9 +364,7 @@ inline void exchange_words(unsigned mask, std::uint64_t mine, std::uint64_t (&ou
   std::uint64_t* slots = next_warp_slots();
   NCDP_EMU_HIDDEN_BEGIN();
   slots[lane_id()] = mine;
-  NCDP_EMU_HIDDEN_END();
   warp_meet(mask, what);
-  NCDP_EMU_HIDDEN_BEGIN();
   for (int lane = 0; lane < kWarpSize; ++lane) out[lane] = slots[lane];
   NCDP_EMU_HIDDEN_END();
 }
@@ -567,8 +570,9 @@ class Pool {
     return pool;
   }
 
-  // Runs job(t) on workers 0 .. threads-1 (as fibers[t], if given, which first
-  // acquire `start`) and returns when all have finished.
+  // Runs job(t) on workers 0 .. threads-1 (under ThreadSanitizer as fibers[t],
+  // or as the worker's own thread if null, after acquiring `start`) and
+  // returns when all have finished.
   NCDP_EMU_UNSANITIZED void run(int threads, const Job& job, void* const* fibers, char* start) {
     const std::uint32_t generation = __atomic_load_n(&generation_, __ATOMIC_RELAXED);
     while (static_cast<int>(workers_.size()) < threads) {
@@ -617,19 +621,17 @@ class Pool {
       if (__atomic_load_n(&stop_, __ATOMIC_RELAXED)) return;
       if (index < active_) {
 #if defined(__SANITIZE_THREAD__)
+        // The identities of one worker share its stack, which is each CUDA
+        // thread's private memory; forgetting the previous one's accesses
+        // there keeps them from being reported as races with this one.
+        char* const frame = static_cast<char*>(__builtin_frame_address(0));
+        forget_accesses(frame - kFiberStackBytes, kFiberStackBytes);
         // Switched here, in a frame TSan does not instrument, so that the
         // fiber's shadow call stack starts and ends balanced.
-        if (fibers_ != nullptr) {
-          // The fibers of one worker share its stack, which is each thread's
-          // private memory; forgetting the previous fiber's accesses there
-          // keeps them from being reported as races with this one.
-          char* const frame = static_cast<char*>(__builtin_frame_address(0));
-          forget_accesses(frame - kFiberStackBytes, kFiberStackBytes);
-          __tsan_switch_to_fiber(fibers_[index], NCDP_EMU_FIBER_NO_SYNC);
-          // Before the fiber touches the job: a reused fiber knows nothing of
-          // what the launching thread did since its last block.
-          __tsan_acquire(start_);
-        }
+        if (fibers_ != nullptr) __tsan_switch_to_fiber(fibers_[index], NCDP_EMU_FIBER_NO_SYNC);
+        // Before the job is touched: a reused identity knows nothing of what
+        // the launching thread did since its last block.
+        __tsan_acquire(start_);
         (*job_)(index);
         if (fibers_ != nullptr) __tsan_switch_to_fiber(own, NCDP_EMU_FIBER_NO_SYNC);
 #else
@@ -656,21 +658,24 @@ class Pool {
 // the next one created inherit its history (measured: a race between blocks
 // went unreported). Reusing a fiber in a later launch adds no ordering that the
 // launch boundary does not already give. Within a launch, the block at run
-// position p uses set p mod kSets: distinct fibers for up to kSets blocks
-// (TSan dies past 8128 threads), so in longer launches blocks kSets apart in
-// the run order are ordered after one another and their races are missed.
+// position p uses set p mod (kMaxFibers / threads): distinct identities for
+// that many blocks (TSan dies past 8128 threads); in longer launches blocks
+// that far apart in the run order are ordered and their races are missed.
 class Fibers {
  public:
-  static constexpr int kMaxFibers = 4096;
+  static constexpr int kMaxFibers = 2048;
 
   static Fibers& instance() {
     static Fibers fibers;
     return fibers;
   }
 
-  // The `threads` fibers of run position `position`.
+  // The `threads` fibers of run position `position`; null for the workers'
+  // own threads, which serve as the first set (most launches have one or two
+  // blocks, and creating fibers is the tier's largest cost under TSan).
   void* const* set(int position, int threads) {
     const int sets = std::max(1, kMaxFibers / threads);
+    if (position % sets == 0) return nullptr;
     std::vector<void*>& fibers = sets_[{threads, position % sets}];
     if (fibers.empty()) {
       // Created in a random order: TSan has 256 thread slots and a thread
@@ -747,7 +752,7 @@ void run_grid(const dim3& grid, const dim3& block_dim, std::size_t shared_bytes,
     };
 #if defined(__SANITIZE_THREAD__)
     void* const* fibers = Fibers::instance().set(position, threads);
-    for (int t = 0; t < threads; ++t) {
+    for (int t = 0; fibers != nullptr && t < threads; ++t) {
       char name[64];
       std::snprintf(name, sizeof(name), "block (%u, %u, %u) thread %d", block.block_idx.x,
                     block.block_idx.y, block.block_idx.z, t);
