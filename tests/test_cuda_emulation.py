@@ -504,3 +504,32 @@ def test_tier_reports_a_removed_syncthreads(built, tmp_path):
 def test_tier_aborts_on_undefined_barrier_use(built, variant, mode, message):
     rc, stderr = run_program([str(BUILD / f"tier-probe-{variant}"), mode], timeout=120)
     assert rc != 0 and "ncdp_emu: FATAL" in stderr and message in stderr, stderr[-3000:]
+
+
+# Issue 24: the tier must see races between blocks, shared memory a block did not
+# write, and a shared-memory hand-off ordered only by a shuffle (tier_probe.cpp).
+
+@pytest.mark.parametrize("mode", ["blocks_exact", "handoff_barrier", "shared_written"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tier_runs_the_correct_variants_cleanly(built, variant, mode):
+    rc, stderr = run_program([str(BUILD / f"tier-probe-{variant}"), mode], timeout=120)
+    assert rc == 0 and "Sanitizer" not in stderr, stderr[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["blocks_racy", "handoff_shuffle"])
+def test_tier_reports_races_the_hardware_allows(built, mode):
+    # blocks_racy: three blocks add into one total without atomics; they run one
+    # after another, so the total is right, but nothing orders them. handoff_shuffle:
+    # lane 1 reads what lane 0 stored after only a __shfl_sync, which orders no memory.
+    rc, stderr = run_program([str(BUILD / "tier-probe-tsan"), mode], timeout=120)
+    assert rc != 0 and "ThreadSanitizer: data race" in stderr, stderr[-3000:]
+    assert "tier_probe.cpp" in stderr
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tier_poisons_shared_memory_a_block_did_not_write(built, variant):
+    # Block 1 reads a slot only block 0 wrote: zero-initialised statics kept
+    # block 0's value there and the sum came out right.
+    rc, stderr = run_program([str(BUILD / f"tier-probe-{variant}"), "shared_unwritten"],
+                             timeout=120)
+    assert rc == 1 and "read unwritten shared memory: sum -nan" in stderr, stderr[-3000:]

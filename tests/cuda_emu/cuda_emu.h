@@ -3,22 +3,30 @@
 // "Testing the CUDA code without a GPU"). Force-included (-include) before
 // every .cu compiled with the host compiler.
 //
-// Model: one OS thread per CUDA thread; the blocks of a launch run one after
-// another, the threads of a block all at once, so __shared__ variables (made
-// function statics) are block-local storage. __syncthreads, warp shuffles and
-// ballots, and counted named barriers are real barriers: a thread waits until
-// its phase completes. They abort on what the hardware would leave undefined
-// or hang on: a barrier phase reached with different thread counts, every live
-// thread of a block waiting (deadlock, e.g. a barrier some threads skip),
-// threads exiting with barrier phases left open, a partial warp in a warp
-// intrinsic, an invalid launch shape, and, as a last resort, a watchdog.
+// Model: one OS thread per CUDA thread (a persistent pool); the blocks of a
+// launch run one at a time in a seeded random order, the threads of a block
+// all at once. __syncthreads, warp shuffles and ballots, and counted named
+// barriers are real barriers: a thread waits until its phase completes. They
+// abort on what the hardware would leave undefined or hang on: a barrier phase
+// reached with different thread counts, every live thread of a block waiting
+// (deadlock, e.g. a barrier some threads skip), threads exiting with barrier
+// phases left open, a partial warp in a warp intrinsic, an invalid launch
+// shape, and, as a last resort, a watchdog.
 //
-// Under ThreadSanitizer the barriers' own mutexes are hidden from the race
-// detector and replaced by exact happens-before annotations: a thread's writes
-// before a barrier are ordered before every waiter's code after it, and
-// nothing else (bar.arrive releases without acquiring), so a missing
-// __syncthreads shows up as a data race instead of being masked by the
-// emulator's locks.
+// __shared__ variables are function statics; before each block the launcher
+// fills them all with 0xff bytes (NaN in every float and double,
+// -1 in every integer), so a read of shared memory the block did not write
+// yields a poisoned value instead of a zero or the previous block's data.
+//
+// Under ThreadSanitizer the emulator adds no ordering the hardware does not
+// give: its own locks and the pool's hand-off are hidden from the race
+// detector; a barrier orders a thread's writes before it for every waiter after
+// it, and nothing else (bar.arrive releases without acquiring), so a missing
+// __syncthreads shows up as a data race; shuffles and ballots exchange values
+// but order no memory, as on the hardware; and every CUDA thread of every block
+// is its own TSan fiber, so the blocks of a launch are concurrent to the
+// detector (nothing orders one block after another; the launch's end orders
+// them all before what follows), although they run one after another.
 #pragma once
 #define NCDP_CPU_EMULATION 1
 
@@ -37,11 +45,20 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include <elf.h>
+#include <limits.h>
+#include <map>
+#include <link.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 // ---------------------------------------------------------------------------
 // Keywords and built-in types.
@@ -53,7 +70,9 @@
 #define __launch_bounds__(...)
 #define __grid_constant__
 // Blocks run one at a time, so one instance per kernel instantiation is
-// block-local storage shared by exactly the threads of the running block.
+// block-local storage shared by exactly the threads of the running block. The
+// launcher finds them all in the symbol table (shared_variables()): g++ drops
+// a section attribute on statics of function templates, so no marker survives.
 #define __shared__ static
 
 struct dim3 {
@@ -81,9 +100,18 @@ void AnnotateIgnoreReadsBegin(const char* file, int line);
 void AnnotateIgnoreReadsEnd(const char* file, int line);
 void AnnotateIgnoreWritesBegin(const char* file, int line);
 void AnnotateIgnoreWritesEnd(const char* file, int line);
+void __tsan_java_alloc(unsigned long ptr, unsigned long size);
+void __tsan_java_free(unsigned long ptr, unsigned long size);
 void __tsan_acquire(void* addr);
 void __tsan_release(void* addr);
+void* __tsan_get_current_fiber(void);
+void* __tsan_create_fiber(unsigned flags);
+void __tsan_destroy_fiber(void* fiber);
+void __tsan_switch_to_fiber(void* fiber, unsigned flags);
+void __tsan_set_fiber_name(void* fiber, const char* name);
 }
+// __tsan_switch_to_fiber's flag: the switch itself orders nothing.
+#define NCDP_EMU_FIBER_NO_SYNC 1u
 #define NCDP_EMU_HIDDEN_BEGIN()                 \
   (AnnotateIgnoreSyncBegin(__FILE__, __LINE__), \
    AnnotateIgnoreReadsBegin(__FILE__, __LINE__), AnnotateIgnoreWritesBegin(__FILE__, __LINE__))
@@ -99,12 +127,21 @@ void __tsan_release(void* addr);
 #define NCDP_EMU_RELEASE(addr) ((void)(addr))
 #endif
 
+// Code the sanitizers must not see: the pool's hand-off between the launching
+// thread and the workers (under ThreadSanitizer it would order the blocks of a
+// launch, and it runs outside any fiber) and the poisoning of shared memory
+// (the launching thread's writes, which TSan must not count as accesses).
+#define NCDP_EMU_UNSANITIZED __attribute__((no_sanitize("address", "thread", "undefined")))
+
 namespace ncdp_emu {
 
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 // Barrier ids 0..15 as on the hardware; 0 is __syncthreads'.
 constexpr int kNamedBarriers = 16;
+// Every byte of shared memory at the start of a block: NaN in any float or
+// double at any offset, so an unwritten value poisons every sum it reaches.
+constexpr unsigned char kSharedPoison = 0xff;
 
 [[noreturn]] inline void fatal(const char* format, ...) __attribute__((format(printf, 1, 2)));
 [[noreturn]] inline void fatal(const char* format, ...) {
@@ -128,6 +165,45 @@ inline double watchdog_seconds() {
   return seconds;
 }
 
+// The generator of block orders (and, under ThreadSanitizer, of the order in
+// which a block's fibers are created): NCDP_EMU_SEED, or one from the OS that
+// is printed so that a failing run can be repeated.
+inline std::uint64_t next_random() {
+  static std::mutex mutex;
+  static std::uint64_t state = [] {
+    const char* text = std::getenv("NCDP_EMU_SEED");
+    std::uint64_t seed = 0;
+    if (text != nullptr && *text != '\0') {
+      seed = std::strtoull(text, nullptr, 0);
+    } else {
+      std::random_device device;
+      seed = (static_cast<std::uint64_t>(device()) << 32) ^ device();
+      std::fprintf(stderr, "ncdp_emu: block order seed %llu (NCDP_EMU_SEED repeats it)\n",
+                   static_cast<unsigned long long>(seed));
+    }
+    return seed;
+  }();
+  std::uint64_t z;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    z = (state += 0x9e3779b97f4a7c15ull);  // splitmix64
+  }
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// A uniformly random permutation of 0 .. n-1 (Fisher-Yates).
+inline std::vector<int> random_order(int n) {
+  std::vector<int> order(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
+  for (int i = n - 1; i > 0; --i) {
+    const int j = static_cast<int>(next_random() % static_cast<std::uint64_t>(i + 1));
+    std::swap(order[static_cast<std::size_t>(i)], order[static_cast<std::size_t>(j)]);
+  }
+  return order;
+}
+
 struct Block;
 
 // One counted barrier: a phase completes when `expected` arrivals (sync or
@@ -145,18 +221,6 @@ struct Barrier {
   char tokens[4] = {};
 };
 
-struct Block {
-  dim3 block_idx;
-  int threads = 0;
-  Barrier named[kNamedBarriers];
-  std::vector<std::unique_ptr<Barrier>> warp_barriers;
-  std::vector<std::uint64_t> warp_slots;  // [warps, 2, 32]: double-buffered
-  // Threads waiting at a barrier plus threads that have returned; relaxed
-  // atomics only, so the race detector sees no synchronization through them.
-  std::atomic<int> inactive{0};
-  std::atomic<int> blocked{0};
-};
-
 struct ThreadState {
   dim3 thread_idx;
   dim3 block_idx;
@@ -169,7 +233,26 @@ struct ThreadState {
   Block* block = nullptr;
 };
 
-inline thread_local ThreadState t_state;
+// Heap-allocated for the whole launch: TSan keys its sync objects by address,
+// so a block reusing another's barriers would inherit its happens-before.
+struct Block {
+  dim3 block_idx;
+  int threads = 0;
+  Barrier named[kNamedBarriers];
+  std::vector<std::unique_ptr<Barrier>> warp_barriers;
+  std::vector<std::uint64_t> warp_slots;  // [warps, 2, 32]: double-buffered
+  std::vector<ThreadState> states;        // [threads]
+  char start = 0;                         // released by the launcher
+  std::function<void(int)> job;           // runs thread t of this block
+  // Threads waiting at a barrier plus threads that have returned; relaxed
+  // atomics only, so the race detector sees no synchronization through them.
+  std::atomic<int> inactive{0};
+  std::atomic<int> blocked{0};
+};
+
+// The running CUDA thread's state. Every fiber on one OS thread shares this
+// pointer, so it is only written hidden from the race detector.
+inline thread_local ThreadState* t_state = nullptr;
 
 inline void check_deadlock(Block& block, int inactive, const char* where) {
   if (inactive == block.threads && block.blocked.load(std::memory_order_relaxed) > 0) {
@@ -180,26 +263,31 @@ inline void check_deadlock(Block& block, int inactive, const char* where) {
 }
 
 // Counts this thread at barrier `b` for a phase of `expected` threads; with
-// `wait`, returns once the phase is complete.
-inline void barrier_arrive(Barrier& b, int expected, bool wait, const char* what, int id) {
-  Block& block = *t_state.block;
+// `wait`, returns once the phase is complete. With `orders_memory`, the
+// thread's writes before it happen before every waiter's code after it (a
+// block barrier); without, the phase only exchanges values (a shuffle).
+inline void barrier_arrive(Barrier& b, int expected, bool wait, bool orders_memory,
+                           const char* what, int id) {
+  Block& block = *t_state->block;
   if (expected <= 0 || expected > block.threads) {
     fatal("%s %d: thread count %d outside 1..%d (the block's size)", what, id, expected,
           block.threads);
   }
-  NCDP_EMU_HIDDEN_BEGIN();
+  // A shuffle's caller has hidden the whole exchange already.
+  if (orders_memory) NCDP_EMU_HIDDEN_BEGIN();
   std::unique_lock<std::mutex> lock(b.mutex);
   const std::uint64_t generation = b.generation;
-  // This thread's writes so far are ordered before the waiters of this phase.
-  NCDP_EMU_HIDDEN_END();
-  NCDP_EMU_RELEASE(&b.tokens[generation & 3]);
-  NCDP_EMU_HIDDEN_BEGIN();
+  if (orders_memory) {
+    NCDP_EMU_HIDDEN_END();
+    NCDP_EMU_RELEASE(&b.tokens[generation & 3]);
+    NCDP_EMU_HIDDEN_BEGIN();
+  }
   if (b.arrived == 0) {
     b.expected = expected;
   } else if (b.expected != expected) {
     fatal("%s %d in block (%u, %u, %u): thread %d arrives expecting %d threads, but this phase "
           "expects %d",
-          what, id, block.block_idx.x, block.block_idx.y, block.block_idx.z, t_state.linear,
+          what, id, block.block_idx.x, block.block_idx.y, block.block_idx.z, t_state->linear,
           expected, b.expected);
   }
   if (++b.arrived == b.expected) {
@@ -219,61 +307,78 @@ inline void barrier_arrive(Barrier& b, int expected, bool wait, const char* what
         check_deadlock(block, block.inactive.load(std::memory_order_relaxed), what);
         const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
         if (waited.count() > watchdog_seconds()) {
-          fatal("watchdog: thread %d waited %.0f s at %s %d", t_state.linear, waited.count(),
+          fatal("watchdog: thread %d waited %.0f s at %s %d", t_state->linear, waited.count(),
                 what, id);
         }
       }
     }
   }
   lock.unlock();
-  NCDP_EMU_HIDDEN_END();
-  if (wait) NCDP_EMU_ACQUIRE(&b.tokens[generation & 3]);
+  if (orders_memory) {
+    NCDP_EMU_HIDDEN_END();
+    if (wait) NCDP_EMU_ACQUIRE(&b.tokens[generation & 3]);
+  }
 }
 
 inline void syncthreads() {
-  barrier_arrive(t_state.block->named[0], t_state.block->threads, true, "__syncthreads", 0);
+  barrier_arrive(t_state->block->named[0], t_state->block->threads, true, true, "__syncthreads",
+                 0);
 }
 
 inline void named_barrier(int id, int threads, bool wait) {
   if (id <= 0 || id >= kNamedBarriers) fatal("named barrier id %d outside 1..15", id);
   if (threads % kWarpSize != 0) fatal("named barrier %d: %d threads, not whole warps", id, threads);
-  barrier_arrive(t_state.block->named[id], threads, wait, wait ? "bar.sync" : "bar.arrive", id);
+  barrier_arrive(t_state->block->named[id], threads, wait, true, wait ? "bar.sync" : "bar.arrive",
+                 id);
 }
 
 // ---- Warp intrinsics: every lane writes its value to the warp's slots, the
 // warp meets, each lane reads. Exchanges alternate between two slot buffers, so
 // one meeting per exchange suffices: a lane can only write a buffer again two
 // exchanges later, after a meeting that every lane reached after reading it.
-inline int lane_id() { return t_state.linear % kWarpSize; }
+// The hardware gives a shuffle no memory ordering (unlike __syncwarp), so the
+// whole exchange, slots and meeting, is hidden from the race detector and
+// orders nothing for it.
+inline int lane_id() { return t_state->linear % kWarpSize; }
 
 inline std::uint64_t* next_warp_slots() {
-  const std::size_t warp = static_cast<std::size_t>(t_state.linear / kWarpSize);
-  const std::size_t buffer = static_cast<std::size_t>(t_state.exchanges++ & 1u);
-  return &t_state.block->warp_slots[(warp * 2 + buffer) * kWarpSize];
+  const std::size_t warp = static_cast<std::size_t>(t_state->linear / kWarpSize);
+  const std::size_t buffer = static_cast<std::size_t>(t_state->exchanges++ & 1u);
+  return &t_state->block->warp_slots[(warp * 2 + buffer) * kWarpSize];
 }
 
-inline void warp_barrier(unsigned mask, const char* what) {
-  Block& block = *t_state.block;
+inline void warp_meet(unsigned mask, const char* what) {
+  Block& block = *t_state->block;
   if (mask != kFullMask) fatal("%s with mask 0x%08x: only full-warp masks are emulated", what, mask);
-  const int warp = t_state.linear / kWarpSize;
+  const int warp = t_state->linear / kWarpSize;
   if ((warp + 1) * kWarpSize > block.threads) {
     fatal("%s in a partial warp (block of %d threads)", what, block.threads);
   }
-  barrier_arrive(*block.warp_barriers[static_cast<std::size_t>(warp)], kWarpSize, true, what,
-                 warp);
+  barrier_arrive(*block.warp_barriers[static_cast<std::size_t>(warp)], kWarpSize, true, false,
+                 what, warp);
+}
+
+// Every lane's 8-byte word after the warp has met: out[lane] = mine of lane.
+inline void exchange_words(unsigned mask, std::uint64_t mine, std::uint64_t (&out)[kWarpSize],
+                           const char* what) {
+  std::uint64_t* slots = next_warp_slots();
+  NCDP_EMU_HIDDEN_BEGIN();
+  slots[lane_id()] = mine;
+  warp_meet(mask, what);
+  for (int lane = 0; lane < kWarpSize; ++lane) out[lane] = slots[lane];
+  NCDP_EMU_HIDDEN_END();
 }
 
 template <typename T>
 T exchange(unsigned mask, T value, int source, const char* what) {
   static_assert(sizeof(T) <= sizeof(std::uint64_t) && std::is_trivially_copyable<T>::value,
                 "shuffled values are at most 8 bytes");
-  std::uint64_t* slots = next_warp_slots();
   std::uint64_t mine = 0;
   std::memcpy(&mine, &value, sizeof(T));
-  slots[lane_id()] = mine;
-  warp_barrier(mask, what);
+  std::uint64_t words[kWarpSize];
+  exchange_words(mask, mine, words, what);
   T out;
-  std::memcpy(&out, &slots[source], sizeof(T));
+  std::memcpy(&out, &words[source], sizeof(T));
   return out;
 }
 
@@ -320,12 +425,108 @@ T shfl_xor_sync(unsigned mask, T value, int lane_mask, int width) {
 }
 
 inline unsigned ballot_sync(unsigned mask, int predicate) {
-  std::uint64_t* slots = next_warp_slots();
-  slots[lane_id()] = predicate != 0 ? 1u : 0u;
-  warp_barrier(mask, "__ballot_sync");
+  std::uint64_t words[kWarpSize];
+  exchange_words(mask, predicate != 0 ? 1u : 0u, words, "__ballot_sync");
   unsigned bits = 0;
-  for (int lane = 0; lane < kWarpSize; ++lane) bits |= static_cast<unsigned>(slots[lane]) << lane;
+  for (int lane = 0; lane < kWarpSize; ++lane) bits |= static_cast<unsigned>(words[lane]) << lane;
   return bits;
+}
+
+// ---- Memory that starts over.
+
+// Makes ThreadSanitizer forget every access to [begin, begin + bytes), as for
+// newly allocated memory. AnnotateNewMemory is a no-op in this runtime; the
+// Java heap hooks are the interface that resets shadow memory (allocation
+// resets it, and freeing at once drops the block record allocation made).
+NCDP_EMU_UNSANITIZED inline void forget_accesses(char* begin, std::size_t bytes) {
+#if defined(__SANITIZE_THREAD__)
+  // The hooks work on 8-byte granules.
+  const std::uintptr_t lo = reinterpret_cast<std::uintptr_t>(begin) & ~std::uintptr_t{7};
+  const std::uintptr_t hi = (reinterpret_cast<std::uintptr_t>(begin) + bytes + 7) & ~std::uintptr_t{7};
+  if (hi > lo) {
+    __tsan_java_alloc(lo, hi - lo);
+    __tsan_java_free(lo, hi - lo);
+  }
+#else
+  (void)begin;
+  (void)bytes;
+#endif
+}
+
+// ---- Shared memory.
+
+struct SharedVariable {
+  char* address;
+  std::size_t bytes;
+};
+
+// Whether a symbol is a __shared__ variable: a function-local static (_ZZ) of
+// a function in csrc's namespace ncdp or in an anonymous namespace of a
+// file of its own (the tier's probe). Device code has no other function-local
+// statics; the emulator's own live in ncdp_emu (_ZZN8ncdp_emu...).
+inline bool is_shared_symbol(const char* name) {
+  return std::strncmp(name, "_ZZN4ncdp", 9) == 0 || std::strncmp(name, "_ZZN12_GLOBAL__N_1", 18) == 0;
+}
+
+// Every __shared__ variable of the program, read once from the executable's
+// symbol table (the build keeps it: -g, not stripped).
+inline const std::vector<SharedVariable>& shared_variables() {
+  static const std::vector<SharedVariable> variables = [] {
+    std::uintptr_t bias = 0;  // the executable's load address (PIE)
+    dl_iterate_phdr(
+        [](dl_phdr_info* info, std::size_t, void* data) {
+          *static_cast<std::uintptr_t*>(data) = info->dlpi_addr;
+          return 1;  // the first object is the executable
+        },
+        &bias);
+    std::FILE* file = std::fopen("/proc/self/exe", "rb");
+    if (file == nullptr) fatal("cannot read /proc/self/exe to find the __shared__ variables");
+    std::vector<char> image;
+    char chunk[1 << 16];
+    for (std::size_t n; (n = std::fread(chunk, 1, sizeof(chunk), file)) > 0;) {
+      image.insert(image.end(), chunk, chunk + n);
+    }
+    std::fclose(file);
+    std::vector<SharedVariable> found;
+    bool has_symtab = false;
+    const auto* header = reinterpret_cast<const Elf64_Ehdr*>(image.data());
+    const auto* sections = reinterpret_cast<const Elf64_Shdr*>(image.data() + header->e_shoff);
+    for (int i = 0; i < header->e_shnum; ++i) {
+      if (sections[i].sh_type != SHT_SYMTAB) continue;
+      has_symtab = true;
+      const char* names = image.data() + sections[sections[i].sh_link].sh_offset;
+      const auto* symbols = reinterpret_cast<const Elf64_Sym*>(image.data() + sections[i].sh_offset);
+      const std::size_t count = sections[i].sh_size / sizeof(Elf64_Sym);
+      for (std::size_t k = 0; k < count; ++k) {
+        const Elf64_Sym& symbol = symbols[k];
+        if (ELF64_ST_TYPE(symbol.st_info) != STT_OBJECT || symbol.st_size == 0 ||
+            symbol.st_shndx == SHN_UNDEF || !is_shared_symbol(names + symbol.st_name)) {
+          continue;
+        }
+        found.push_back({reinterpret_cast<char*>(bias + symbol.st_value),
+                         static_cast<std::size_t>(symbol.st_size)});
+      }
+    }
+    if (!has_symtab) {
+      fatal("the executable has no symbol table: __shared__ variables cannot be found to poison "
+            "them (build the emulation tier without stripping)");
+    }
+    return found;
+  }();
+  return variables;
+}
+
+// Fills every __shared__ variable of the program with kSharedPoison. Under
+// ThreadSanitizer the previous block's accesses are forgotten first: the next
+// block's memory is new, not shared with the blocks before it.
+NCDP_EMU_UNSANITIZED inline void poison_shared_memory() {
+  for (const SharedVariable& variable : shared_variables()) {
+    forget_accesses(variable.address, variable.bytes);
+    // Volatile: a plain loop may become a call to memset, which the sanitizers
+    // intercept and check.
+    volatile unsigned char* byte = reinterpret_cast<volatile unsigned char*>(variable.address);
+    for (std::size_t i = 0; i < variable.bytes; ++i) byte[i] = kSharedPoison;
+  }
 }
 
 // ---- Launches.
@@ -343,108 +544,242 @@ inline void check_launch_shape(const dim3& grid, const dim3& block, std::size_t 
   }
 }
 
+NCDP_EMU_UNSANITIZED inline void futex_wait(std::uint32_t* word, std::uint32_t expected) {
+  syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+
+NCDP_EMU_UNSANITIZED inline void futex_wake_all(std::uint32_t* word) {
+  syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
+
 // Worker threads kept across blocks and launches (creating 256 threads per
 // block dominated the run time under ThreadSanitizer). Worker t runs thread t
-// of each block in turn; the pool's mutex orders one block after the other.
+// of each block in turn, under ThreadSanitizer as that thread's fiber. The
+// hand-off is atomics and futexes in unsanitized code: invisible to the race
+// detector, so it orders neither the launching thread after a block nor one
+// block after another.
 class Pool {
  public:
+  // Stack a fiber may use below the worker's frame (see work()).
+  static constexpr std::size_t kFiberStackBytes = 64 * 1024;
+
+  using Job = std::function<void(int)>;
+
   static Pool& instance() {
     static Pool pool;
     return pool;
   }
 
-  // Runs job(t) on workers 0 .. threads-1 and returns when all have finished.
-  void run(int threads, const std::function<void(int)>& job) {
-    std::unique_lock<std::mutex> lock(mutex_);
+  // Runs job(t) on workers 0 .. threads-1 (under ThreadSanitizer as fibers[t],
+  // or as the worker's own thread if null, after acquiring `start`) and
+  // returns when all have finished.
+  NCDP_EMU_UNSANITIZED void run(int threads, const Job& job, void* const* fibers, char* start) {
+    const std::uint32_t generation = __atomic_load_n(&generation_, __ATOMIC_RELAXED);
     while (static_cast<int>(workers_.size()) < threads) {
-      const int index = static_cast<int>(workers_.size());
-      workers_.emplace_back([this, index] { work(index); });
+      spawn(static_cast<int>(workers_.size()), generation);
     }
     job_ = &job;
+    fibers_ = fibers;
+    start_ = start;
     active_ = threads;
-    remaining_ = threads;
-    ++generation_;
-    start_.notify_all();
-    done_.wait(lock, [this] { return remaining_ == 0; });
-    job_ = nullptr;
+    // Every worker checks in, active or not, so none can still be reading this
+    // run's job when the next run replaces it.
+    __atomic_store_n(&remaining_, static_cast<std::uint32_t>(workers_.size()), __ATOMIC_RELAXED);
+    __atomic_store_n(&generation_, generation + 1, __ATOMIC_RELEASE);
+    futex_wake_all(&generation_);
+    for (;;) {
+      const std::uint32_t left = __atomic_load_n(&remaining_, __ATOMIC_ACQUIRE);
+      if (left == 0) break;
+      futex_wait(&remaining_, left);
+    }
   }
 
-  ~Pool() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    start_.notify_all();
+  NCDP_EMU_UNSANITIZED ~Pool() {
+    __atomic_store_n(&stop_, true, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&generation_, 1, __ATOMIC_RELEASE);
+    futex_wake_all(&generation_);
     for (std::thread& worker : workers_) worker.join();
   }
 
  private:
-  void work(int index) {
-    std::uint64_t seen = 0;
-    std::unique_lock<std::mutex> lock(mutex_);
+  void spawn(int index, std::uint32_t generation) {
+    workers_.emplace_back([this, index, generation] { work(index, generation); });
+  }
+
+  NCDP_EMU_UNSANITIZED void work(int index, std::uint32_t seen) {
+#if defined(__SANITIZE_THREAD__)
+    void* const own = __tsan_get_current_fiber();
+    // Written by this thread's TSan start-up, read by each of its fibers.
+    forget_accesses(reinterpret_cast<char*>(&t_state), sizeof(t_state));
+#endif
     for (;;) {
-      start_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      if (index >= active_) continue;
-      const std::function<void(int)>* job = job_;
-      lock.unlock();
-      (*job)(index);
-      lock.lock();
-      if (--remaining_ == 0) done_.notify_one();
+      std::uint32_t generation;
+      while ((generation = __atomic_load_n(&generation_, __ATOMIC_ACQUIRE)) == seen) {
+        futex_wait(&generation_, seen);
+      }
+      seen = generation;
+      if (__atomic_load_n(&stop_, __ATOMIC_RELAXED)) return;
+      if (index < active_) {
+#if defined(__SANITIZE_THREAD__)
+        // The identities of one worker share its stack, which is each CUDA
+        // thread's private memory; forgetting the previous one's accesses
+        // there keeps them from being reported as races with this one.
+        char* const frame = static_cast<char*>(__builtin_frame_address(0));
+        forget_accesses(frame - kFiberStackBytes, kFiberStackBytes);
+        // Switched here, in a frame TSan does not instrument, so that the
+        // fiber's shadow call stack starts and ends balanced.
+        if (fibers_ != nullptr) __tsan_switch_to_fiber(fibers_[index], NCDP_EMU_FIBER_NO_SYNC);
+        // Before the job is touched: a reused identity knows nothing of what
+        // the launching thread did since its last block.
+        __tsan_acquire(start_);
+        (*job_)(index);
+        if (fibers_ != nullptr) __tsan_switch_to_fiber(own, NCDP_EMU_FIBER_NO_SYNC);
+#else
+        (*job_)(index);
+#endif
+      }
+      if (__atomic_sub_fetch(&remaining_, 1, __ATOMIC_ACQ_REL) == 0) futex_wake_all(&remaining_);
     }
   }
 
-  std::mutex mutex_;
-  std::condition_variable start_;
-  std::condition_variable done_;
   std::vector<std::thread> workers_;
-  const std::function<void(int)>* job_ = nullptr;
-  std::uint64_t generation_ = 0;
+  const Job* job_ = nullptr;
+  void* const* fibers_ = nullptr;
+  char* start_ = nullptr;
   int active_ = 0;
-  int remaining_ = 0;
+  std::uint32_t generation_ = 0;
+  std::uint32_t remaining_ = 0;
   bool stop_ = false;
 };
 
-// Runs body() as every thread of every block of the grid, one block at a time.
+#if defined(__SANITIZE_THREAD__)
+// TSan identities of CUDA threads, kept across launches: creating fibers cost
+// more than running the kernels, and destroying one while a launch runs let
+// the next one created inherit its history (measured: a race between blocks
+// went unreported). Reusing a fiber in a later launch adds no ordering that the
+// launch boundary does not already give. Within a launch, the block at run
+// position p uses set p mod (kMaxFibers / threads): distinct identities for
+// that many blocks; in longer launches blocks that far apart in the run order
+// are ordered and their races are missed. The cap trades coverage for time:
+// creating a fiber costs milliseconds (page faults of its state), and with
+// 2048 instead of 512 the tier's TSan cases ran 60 s instead of 41 s (20 s
+// before fibers) on 2 loaded cores; TSan dies past 8128 threads anyway.
+class Fibers {
+ public:
+  static constexpr int kMaxFibers = 512;
+
+  static Fibers& instance() {
+    static Fibers fibers;
+    return fibers;
+  }
+
+  // The `threads` fibers of run position `position`; null for the workers'
+  // own threads, which serve as the first set (most launches have one or two
+  // blocks, and creating fibers is the tier's largest cost under TSan).
+  void* const* set(int position, int threads) {
+    const int sets = std::max(1, kMaxFibers / threads);
+    if (position % sets == 0) return nullptr;
+    std::vector<void*>& fibers = sets_[{threads, position % sets}];
+    if (fibers.empty()) {
+      // Created in a random order: TSan has 256 thread slots and a thread
+      // taking over a slot inherits the history of its previous owner, so
+      // which threads of a launch of more than about 200 threads share a slot
+      // (and whose races are missed) varies with the seed.
+      fibers.assign(static_cast<std::size_t>(threads), nullptr);
+      for (const int t : random_order(threads)) {
+        fibers[static_cast<std::size_t>(t)] = __tsan_create_fiber(0);
+      }
+    }
+    return fibers.data();
+  }
+
+ private:
+  std::map<std::pair<int, int>, std::vector<void*>> sets_;
+};
+#endif
+
+// Runs body() as every thread of every block of the grid, one block at a time
+// in a random order.
 template <typename Body>
 void run_grid(const dim3& grid, const dim3& block_dim, std::size_t shared_bytes,
               const Body& body) {
   check_launch_shape(grid, block_dim, shared_bytes);
   const int threads = static_cast<int>(block_dim.x * block_dim.y * block_dim.z);
   const int warps = (threads + kWarpSize - 1) / kWarpSize;
-  for (unsigned int bz = 0; bz < grid.z; ++bz) {
-    for (unsigned int by = 0; by < grid.y; ++by) {
-      for (unsigned int bx = 0; bx < grid.x; ++bx) {
-        Block block;
-        block.block_idx = dim3(bx, by, bz);
-        block.threads = threads;
-        for (int w = 0; w < warps; ++w) block.warp_barriers.emplace_back(new Barrier());
-        block.warp_slots.assign(static_cast<std::size_t>(warps) * 2 * kWarpSize, 0u);
-        const std::function<void(int)> job = [&](int t) {
-          t_state.thread_idx = dim3(t % block_dim.x, (t / block_dim.x) % block_dim.y,
-                                    t / (block_dim.x * block_dim.y));
-          t_state.block_idx = block.block_idx;
-          t_state.block_dim = block_dim;
-          t_state.grid_dim = grid;
-          t_state.linear = t;
-          t_state.exchanges = 0;
-          t_state.block = &block;
-          body();
-          check_deadlock(block, block.inactive.fetch_add(1, std::memory_order_relaxed) + 1,
-                         "thread exit");
-          t_state.block = nullptr;
-        };
-        Pool::instance().run(threads, job);
-        for (int id = 0; id < kNamedBarriers; ++id) {
-          if (block.named[id].arrived != 0) {
-            fatal("block (%u, %u, %u) ended with %d arrivals pending at barrier %d (expected %d)",
-                  bx, by, bz, block.named[id].arrived, id, block.named[id].expected);
-          }
-        }
+  const std::uint64_t count = static_cast<std::uint64_t>(grid.x) * grid.y * grid.z;
+  if (count > static_cast<std::uint64_t>(INT_MAX)) fatal("grid of %llu blocks", (unsigned long long)count);
+  // The launch's end, which every thread's writes happen before; on the heap,
+  // like the blocks, so that no earlier launch's sync object sits at its address.
+  std::unique_ptr<char> launch_end(new char(0));
+  std::vector<std::unique_ptr<Block>> blocks;
+  blocks.reserve(static_cast<std::size_t>(count));
+  for (std::uint64_t b = 0; b < count; ++b) {
+    std::unique_ptr<Block> block(new Block());
+    block->block_idx = dim3(static_cast<unsigned>(b % grid.x),
+                            static_cast<unsigned>((b / grid.x) % grid.y),
+                            static_cast<unsigned>(b / (static_cast<std::uint64_t>(grid.x) * grid.y)));
+    block->threads = threads;
+    for (int w = 0; w < warps; ++w) block->warp_barriers.emplace_back(new Barrier());
+    block->warp_slots.assign(static_cast<std::size_t>(warps) * 2 * kWarpSize, 0u);
+    block->states.resize(static_cast<std::size_t>(threads));
+    for (int t = 0; t < threads; ++t) {
+      ThreadState& state = block->states[static_cast<std::size_t>(t)];
+      state.thread_idx = dim3(t % block_dim.x, (t / block_dim.x) % block_dim.y,
+                              t / (block_dim.x * block_dim.y));
+      state.block_idx = block->block_idx;
+      state.block_dim = block_dim;
+      state.grid_dim = grid;
+      state.linear = t;
+      state.block = block.get();
+    }
+    blocks.push_back(std::move(block));
+  }
+  int position = 0;
+  for (const int b : random_order(static_cast<int>(count))) {
+    Block& block = *blocks[static_cast<std::size_t>(b)];
+    poison_shared_memory();
+    // Kept to the launch's end (freeing it is a write).
+    char* const end = launch_end.get();
+    block.job = [&block, end, &body](int t) {
+      ThreadState* state = &block.states[static_cast<std::size_t>(t)];
+      NCDP_EMU_HIDDEN_BEGIN();
+      t_state = state;
+      NCDP_EMU_HIDDEN_END();
+      body();
+      check_deadlock(block, block.inactive.fetch_add(1, std::memory_order_relaxed) + 1,
+                     "thread exit");
+      NCDP_EMU_RELEASE(end);
+      NCDP_EMU_HIDDEN_BEGIN();
+      t_state = nullptr;
+      NCDP_EMU_HIDDEN_END();
+    };
+#if defined(__SANITIZE_THREAD__)
+    void* const* fibers = Fibers::instance().set(position, threads);
+    for (int t = 0; fibers != nullptr && t < threads; ++t) {
+      char name[64];
+      std::snprintf(name, sizeof(name), "block (%u, %u, %u) thread %d", block.block_idx.x,
+                    block.block_idx.y, block.block_idx.z, t);
+      __tsan_set_fiber_name(fibers[t], name);
+    }
+#else
+    void* const* fibers = nullptr;
+#endif
+    ++position;
+    // The block's start: everything this thread did so far happens before it,
+    // and nothing of the blocks before it in this launch.
+    NCDP_EMU_RELEASE(&block.start);
+    Pool::instance().run(threads, block.job, fibers, &block.start);
+    NCDP_EMU_HIDDEN_BEGIN();
+    for (int id = 0; id < kNamedBarriers; ++id) {
+      if (block.named[id].arrived != 0) {
+        fatal("block (%u, %u, %u) ended with %d arrivals pending at barrier %d (expected %d)",
+              block.block_idx.x, block.block_idx.y, block.block_idx.z, block.named[id].arrived,
+              id, block.named[id].expected);
       }
     }
+    NCDP_EMU_HIDDEN_END();
   }
+  NCDP_EMU_ACQUIRE(launch_end.get());
 }
 
 template <typename... Params>
@@ -475,10 +810,10 @@ Launch<Params...> make_launch(void (*kernel)(Params...), dim3 grid, dim3 block,
 // ---------------------------------------------------------------------------
 // The CUDA names the kernels use.
 
-#define threadIdx (::ncdp_emu::t_state.thread_idx)
-#define blockIdx (::ncdp_emu::t_state.block_idx)
-#define blockDim (::ncdp_emu::t_state.block_dim)
-#define gridDim (::ncdp_emu::t_state.grid_dim)
+#define threadIdx (::ncdp_emu::t_state->thread_idx)
+#define blockIdx (::ncdp_emu::t_state->block_idx)
+#define blockDim (::ncdp_emu::t_state->block_dim)
+#define gridDim (::ncdp_emu::t_state->grid_dim)
 
 inline void __syncthreads() { ::ncdp_emu::syncthreads(); }
 // Ordering inside a block comes from the barriers that follow a fence in these
@@ -505,6 +840,9 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
 inline unsigned __ballot_sync(unsigned mask, int predicate) {
   return ::ncdp_emu::ballot_sync(mask, predicate);
 }
+
+// ---- Arithmetic intrinsics: host versions of the device intrinsics the
+// kernels call.
 inline int __ffs(int x) { return __builtin_ffs(x); }
 
 // common/launch.cuh's hooks.

@@ -9,6 +9,18 @@
 //   tier-probe mismatched  one named barrier phase reached with two thread
 //                          counts: must abort.
 //   tier-probe launch      a block of 2048 threads: must abort as an invalid launch.
+//
+// Three planted bugs the tier must report, each with its correct variant,
+// which must run cleanly (exit 0) under both sanitizers:
+//   blocks_racy / blocks_exact        every block adds its sum into one global
+//                          total without atomics (a race between blocks, which
+//                          ThreadSanitizer must report) / writes its own partial.
+//   handoff_shuffle / handoff_barrier lane 0 stores to shared memory, lane 1
+//                          loads after only a __shfl_sync (a race: a shuffle
+//                          orders no memory) / after a __syncthreads.
+//   shared_unwritten / shared_written one block leaves a shared slot unwritten
+//                          and reads it; exits 1 when the sum is not exact (the
+//                          poison must reach it) / every block writes every slot.
 #include <cstdio>
 #include <cstring>
 
@@ -20,11 +32,12 @@ namespace {
 constexpr int kThreads = 256;
 
 __global__ void two_block_sums(const double* values,  // [2, kThreads]
-                               double* sums) {        // [2]
+                               double* sums) {        // [blocks, 2]
   __shared__ double scratch[kThreads / 32];
   for (int call = 0; call < 2; ++call) {
     const double total = ncdp::block_sum<kThreads>(values[call * kThreads + threadIdx.x], scratch);
-    if (threadIdx.x == 0) sums[call] = total;
+    // One slot per block: the blocks of a launch are concurrent.
+    if (threadIdx.x == 0) sums[blockIdx.x * 2 + call] = total;
   }
 }
 
@@ -41,13 +54,55 @@ __global__ void mismatched_named_barrier() {
 
 __global__ void no_op() {}
 
+constexpr int kSmall = 64;
+constexpr int kSmallBlocks = 3;
+
+__global__ void block_totals(const double* values,  // [kSmallBlocks, kSmall]
+                             double* totals,        // [kSmallBlocks]
+                             int racy) {
+  __shared__ double scratch[kSmall / 32];
+  const double total =
+      ncdp::block_sum<kSmall>(values[blockIdx.x * kSmall + threadIdx.x], scratch);
+  if (threadIdx.x == 0) {
+    if (racy) {
+      totals[0] += total;
+    } else {
+      totals[blockIdx.x] = total;
+    }
+  }
+}
+
+__global__ void shuffle_handoff(double* out,  // [1]; one warp
+                                int barrier) {
+  __shared__ double slot;
+  if (threadIdx.x == 0) slot = 42.0;
+  // Every lane takes lane 0's value: the lanes meet, but no memory is ordered.
+  const int zero = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x), 0);
+  if (barrier) __syncthreads();
+  if (threadIdx.x == 1) out[0] = slot + zero;
+}
+
+__global__ void partly_written_shared(double* sums,  // [kSmallBlocks]
+                                      int complete) {
+  __shared__ double slots[kSmall];
+  // Block 1 forgets slot 0: a block that keeps the previous block's shared
+  // memory (or zeros) can still produce the right sum.
+  if (complete || blockIdx.x != 1 || threadIdx.x != 0) slots[threadIdx.x] = threadIdx.x + 1.0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double sum = 0.0;
+    for (int i = 0; i < kSmall; ++i) sum += slots[i];
+    sums[blockIdx.x] = sum;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const char* mode = argc > 1 ? argv[1] : "";
   if (std::strcmp(mode, "block_sum") == 0) {
     static double values[2 * kThreads];
-    double sums[2] = {0.0, 0.0};
+    double sums[4] = {0.0, 0.0, 0.0, 0.0};
     double expected[2] = {0.0, 0.0};
     for (int i = 0; i < 2 * kThreads; ++i) {
       values[i] = (i % 7) - 3 + 0.5 * (i / kThreads);  // small integers: exact sums
@@ -55,10 +110,12 @@ int main(int argc, char** argv) {
     }
     for (int repeat = 0; repeat < 4; ++repeat) {
       NCDP_LAUNCH(2, kThreads, 0, nullptr, two_block_sums)(values, sums);
-      if (sums[0] != expected[0] || sums[1] != expected[1]) {
-        std::fprintf(stderr, "block_sum: got %g %g, expected %g %g\n", sums[0], sums[1],
-                     expected[0], expected[1]);
-        return 1;
+      for (int b = 0; b < 2; ++b) {
+        if (sums[2 * b] != expected[0] || sums[2 * b + 1] != expected[1]) {
+          std::fprintf(stderr, "block_sum: block %d got %g %g, expected %g %g\n", b,
+                       sums[2 * b], sums[2 * b + 1], expected[0], expected[1]);
+          return 1;
+        }
       }
     }
     return 0;
@@ -76,6 +133,50 @@ int main(int argc, char** argv) {
     NCDP_LAUNCH(1, 2048, 0, nullptr, no_op)();
     return 0;
   }
-  std::fprintf(stderr, "usage: %s block_sum|divergent|mismatched|launch\n", argv[0]);
+  if (std::strcmp(mode, "blocks_racy") == 0 || std::strcmp(mode, "blocks_exact") == 0) {
+    const int racy = std::strcmp(mode, "blocks_racy") == 0;
+    static double values[kSmallBlocks * kSmall];
+    double totals[kSmallBlocks] = {};
+    double expected[kSmallBlocks] = {};
+    for (int i = 0; i < kSmallBlocks * kSmall; ++i) {
+      values[i] = (i % 5) - 2;  // small integers: exact sums in any order
+      expected[racy ? 0 : i / kSmall] += values[i];
+    }
+    NCDP_LAUNCH(kSmallBlocks, kSmall, 0, nullptr, block_totals)(values, totals, racy);
+    for (int b = 0; b < kSmallBlocks; ++b) {
+      if (totals[b] != expected[b]) {
+        std::fprintf(stderr, "%s: total %d is %g, expected %g\n", mode, b, totals[b], expected[b]);
+        return 1;
+      }
+    }
+    return 0;
+  }
+  if (std::strcmp(mode, "handoff_shuffle") == 0 || std::strcmp(mode, "handoff_barrier") == 0) {
+    double out[1] = {0.0};
+    NCDP_LAUNCH(1, 32, 0, nullptr, shuffle_handoff)(out, std::strcmp(mode, "handoff_barrier") == 0);
+    if (out[0] != 42.0) {
+      std::fprintf(stderr, "%s: got %g, expected 42\n", mode, out[0]);
+      return 1;
+    }
+    return 0;
+  }
+  if (std::strcmp(mode, "shared_unwritten") == 0 || std::strcmp(mode, "shared_written") == 0) {
+    double sums[kSmallBlocks] = {};
+    NCDP_LAUNCH(kSmallBlocks, kSmall, 0, nullptr, partly_written_shared)(
+        sums, std::strcmp(mode, "shared_written") == 0);
+    const double expected = kSmall * (kSmall + 1) / 2.0;
+    for (int b = 0; b < kSmallBlocks; ++b) {
+      if (sums[b] != expected) {
+        std::fprintf(stderr, "%s: block %d read unwritten shared memory: sum %g, expected %g\n",
+                     mode, b, sums[b], expected);
+        return 1;
+      }
+    }
+    return 0;
+  }
+  std::fprintf(stderr,
+               "usage: %s block_sum|divergent|mismatched|launch|blocks_racy|blocks_exact|"
+               "handoff_shuffle|handoff_barrier|shared_unwritten|shared_written\n",
+               argv[0]);
   return 2;
 }
