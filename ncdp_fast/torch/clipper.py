@@ -117,7 +117,11 @@ class GhostClipper(ClippedGaussianStep):
     a penalty on the weights in the loss: put weight decay in the optimizer),
     and a ``.grad`` on any other parameter of the model or of the optimizer
     passed to it (unfrozen after construction, added by ``add_param_group``)
-    unless it is a gradient the clipper released.
+    unless it is a gradient the clipper released.  Nothing is recorded while
+    the model is not in training mode (``model.eval()``: an evaluation forward
+    with gradients on) or :attr:`enabled` is False (``disable_hooks()``), as
+    in Opacus; a step over the ordinary gradients a backward then left is
+    refused, naming that cause.
 
     Clipping: ``"flat"`` clips each sample's gradient over all parameters at
     ``max_grad_norm``; ``"per_layer"`` clips each parameter's per-sample
