@@ -6,6 +6,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -127,6 +129,29 @@ def test_set_noise_multiplier_noises_and_accounts_each_step_at_its_own_sigma():
     for sigma in (1.0, 1.0, 0.25, 3.0):
         fresh.step(noise_multiplier=sigma, sample_rate=Q)
     assert engine.get_epsilon(1e-5) == fresh.epsilon(1e-5, "rdp")
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=1, max_size=5))
+def test_any_sigma_schedule_is_recorded_step_by_step_on_fresh_noise(sigmas):
+    """Property: whatever the schedule, the history is its run-length encoding
+    (each step at the sigma it was noised with) and each step's noise is the
+    next unused range of the stream."""
+    model, x, y, loader = _setup()
+    engine, pm, popt, _ = _private(model, loader)
+    P = sum(p.numel() for p in model.parameters())
+    start = pm.clipper.offset
+    for i, sigma in enumerate(sigmas):
+        popt.noise_multiplier = sigma
+        _step(pm, popt, x[:BATCH], y[:BATCH])
+        assert pm.clipper.last_result.offset == start + i * P
+    runs = []
+    for sigma in sigmas:
+        if runs and runs[-1][0] == sigma:
+            runs[-1] = (sigma, Q, runs[-1][2] + 1)
+        else:
+            runs.append((sigma, Q, 1))
+    assert engine.accountant.history == runs
 
 
 def test_opacus_noise_scheduler_drives_the_optimizer():
