@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import ncdp_fast as nf  # noqa: E402
 from ncdp_fast import _stream  # noqa: E402
-from ncdp_fast.torch import GhostClipper, PrivacyEngine  # noqa: E402
+from ncdp_fast.torch import PrivacyEngine  # noqa: E402
 from test_torch_checkpoint import DELTA, SEED, _refused, _train, _training  # noqa: E402
 
 warnings.filterwarnings("ignore", module="opacus")
@@ -113,26 +113,7 @@ def test_max_grad_norm_change_with_per_layer_clipping_is_refused():
                                          r"clipping='per_layer'.*needs clipping='flat'"):
         popt.max_grad_norm = 0.5
     assert pm.clipper.max_grad_norm == before and pm.clipper.layer_norms == [0.5] * 4
-
-
-def _set_bound_across_ranks(rank, world):
-    import torch.distributed as dist
-    clipper = GhostClipper(nn.Linear(3, 2).double(), max_grad_norm=1.0, noise_multiplier=1.0,
-                           expected_batch_size=4.0, group=dist.group.WORLD)
-    clipper.max_grad_norm = 1.0             # the value the ranks agreed on: allowed
-    try:
-        clipper.max_grad_norm = 0.5
-    except ValueError as e:
-        return str(e), clipper.max_grad_norm
-    return None, clipper.max_grad_norm
-
-
-def test_max_grad_norm_change_across_ranks_is_refused():
-    pytest.importorskip("torch.distributed")
-    from _distributed import spawn
-    message, c = spawn(_set_bound_across_ranks, 1, timeout=90)[0]
-    assert c == 1.0
-    assert message.startswith("max_grad_norm: expected 1.0") and "group=" in message
+    # Across ranks (group=): tests/test_torch_api.py, with noise_multiplier's test.
 
 
 def test_opacus_grad_clip_schedulers_set_the_bound():
