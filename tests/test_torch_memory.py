@@ -7,6 +7,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -60,15 +62,26 @@ def _logical_run(seed, **kw):
     return grads, sizes, engine.accountant.total_steps, pm.clipper.offset
 
 
+def _assert_same_steps(ref, ref_sizes, grads, E=10.0):
+    """Bound: each clipped per-sample term is at most C = 1 per coordinate, so a
+    sum over B samples plus noise N rounds by at most (B + 3) eps (B C + |N|) in
+    each run (B - 1 additions, the clip factor's and the division's roundings);
+    the two runs differ by at most twice that, over E."""
+    assert len(grads) == len(ref)
+    for step, (g_ref, g) in enumerate(zip(ref, grads)):
+        B = ref_sizes[step]
+        for a, b in zip(g_ref, g):
+            noise = a.abs().max().item() * E + B      # |N| <= |E a| + B C
+            bound = 2 * (B + 3) * EPS * (B * 1.0 + noise) / E
+            assert (a - b).abs().max().item() <= bound
+
+
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_physical_batches_give_the_logical_step(clipping):
     """k physical batches of at most 3 samples = one logical batch (E = 10):
     same batches, same noise, one accountant step per logical batch, and the
-    gradient equal up to summation order.  Bound: each clipped per-sample term
-    is at most C = 1 per coordinate, so a sum over B samples plus noise N
-    rounds by at most (B + 3) eps (B C + |N|) in each run (B - 1 additions,
-    the clip factor's and the division's roundings); the two runs differ by at
-    most twice that, over E."""
+    gradient equal up to summation order (not bit for bit: the clipped sums
+    are added in another order; measured, about 1 ulp)."""
     ref, ref_sizes, ref_steps, ref_offset = _logical_run(31, clipping=clipping)
     engine, pm, popt, ploader = _private(40, 10, 31, clipping=clipping)
     with BatchMemoryManager(data_loader=ploader, max_physical_batch_size=3,
@@ -78,13 +91,28 @@ def test_physical_batches_give_the_logical_step(clipping):
     assert len(sizes) > len(ref_sizes), "seed 31 should split some logical batch"
     assert engine.accountant.total_steps == ref_steps == len(ref_sizes) == len(grads)
     assert pm.clipper.offset == ref_offset          # the same noise draws, no more
-    E = 10.0
-    for step, (g_ref, g) in enumerate(zip(ref, grads)):
-        B = ref_sizes[step]
-        for a, b in zip(g_ref, g):
-            noise = a.abs().max().item() * E + B      # |N| <= |E a| + B C
-            bound = 2 * (B + 3) * EPS * (B * 1.0 + noise) / E
-            assert (a - b).abs().max().item() <= bound
+    _assert_same_steps(ref, ref_sizes, grads)
+
+
+_REF = {}
+
+
+@settings(max_examples=6, deadline=None)
+@given(max_size=st.integers(1, 14))
+def test_any_physical_size_is_one_step_per_logical_batch(max_size):
+    """Whatever the physical size: chunks within it, one accountant step and
+    one noise range per logical batch (the stream ends where the one-batch run's
+    does), the same gradients within the rounding bound."""
+    if not _REF:
+        _REF["run"] = _logical_run(36)
+    ref, ref_sizes, ref_steps, ref_offset = _REF["run"]
+    engine, pm, popt, ploader = _private(40, 10, 36)
+    with BatchMemoryManager(data_loader=ploader, max_physical_batch_size=max_size,
+                            optimizer=popt) as physical:
+        grads, sizes = _train(pm, popt, physical)
+    assert max(sizes) <= max_size and sum(sizes) == sum(ref_sizes)
+    assert engine.accountant.total_steps == ref_steps and pm.clipper.offset == ref_offset
+    _assert_same_steps(ref, ref_sizes, grads)
 
 
 def test_opacus_batch_memory_manager_drives_our_optimizer():
