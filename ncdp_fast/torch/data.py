@@ -28,6 +28,9 @@ class PoissonBatchSampler(ResumesPass, UsesNoiseStream):
         self.n, self.sample_rate, self.batches = n, sample_rate, check_int(steps, "steps", 0)
         self._init_stream(seed, offset)
         poisson_batches(n, sample_rate=sample_rate, steps=0, seed=self._stream)  # validate
+        # Called as each pass begins (the optimizer ends a logical batch left
+        # unfinished, which must not be noised with a batch of the new pass).
+        self._pass_hooks: list = []
 
     @property
     def steps(self) -> int:
@@ -38,6 +41,8 @@ class PoissonBatchSampler(ResumesPass, UsesNoiseStream):
         return self.batches
 
     def __iter__(self):
+        for hook in self._pass_hooks:
+            hook()
         self._steps += 1
         for batch in self._pass(self.n):
             yield batch.tolist()

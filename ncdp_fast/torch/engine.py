@@ -3,6 +3,8 @@ accountants.  Swapping ``from opacus import PrivacyEngine`` for ``from
 ncdp_fast.torch import PrivacyEngine`` is the whole migration of a training loop."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -73,6 +75,10 @@ class DPOptimizer(CheckpointsNoise):
         # of the loop, signalling for batches not yet trained on.
         self._step_skip_queue: list[bool] = []
         self._is_last_step_skipped = False
+        for sampler in self._samplers:
+            hooks = getattr(sampler, "_pass_hooks", None)
+            if hooks is not None:
+                hooks.append(self._new_pass)
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Queue whether the next unqueued ``step()`` only accumulates (Opacus's
@@ -85,6 +91,19 @@ class DPOptimizer(CheckpointsNoise):
         if not self._step_skip_queue:
             return False
         return self._step_skip_queue.pop(0) if pop_next else self._step_skip_queue[0]
+
+    def _new_pass(self) -> None:
+        """A pass of the Poisson loader begins: a logical batch still open was
+        left (Opacus's BatchMemoryManager loop ended early has no exit to
+        close it).  Its clipped sums would be noised with a batch of this pass,
+        one step for two Poisson batches (a sample in both counted twice)."""
+        if self._step_skip_queue or self.clipper._accumulated:
+            warnings.warn(
+                "DPOptimizer: a pass of the private loader began inside a logical batch (a "
+                "BatchMemoryManager loop left early?); its clipped sums and "
+                f"{len(self._step_skip_queue)} queued skip decision(s) are discarded: never "
+                "released, not accounted", RuntimeWarning, stacklevel=3)
+            self._end_logical_batches()
 
     def _end_logical_batches(self) -> None:
         """Forget queued decisions and any unfinished logical batch (a loop left
