@@ -179,15 +179,18 @@ def test_skip_protocol_refusals_leave_nothing_behind(tmp_path):
         BatchMemoryManager(data_loader=ploader, max_physical_batch_size=0, optimizer=popt)
 
 
-def test_leaving_the_context_early_discards_the_unfinished_logical_batch():
-    engine, pm, popt, ploader = _private(40, 10, 34)
-    with BatchMemoryManager(data_loader=ploader, max_physical_batch_size=2,
-                            optimizer=popt) as physical:
+def _leave_after_a_skipped_step(manager, pm, popt, ploader):
+    with manager(data_loader=ploader, max_physical_batch_size=2, optimizer=popt) as physical:
         for x, y in physical:
             nn.functional.cross_entropy(pm(x), y).backward()
             popt.step()
             if popt._is_last_step_skipped:
                 break
+
+
+def test_leaving_the_context_early_discards_the_unfinished_logical_batch():
+    engine, pm, popt, ploader = _private(40, 10, 34)
+    _leave_after_a_skipped_step(BatchMemoryManager, pm, popt, ploader)
     assert not pm.clipper._accumulated and not popt._step_skip_queue
     assert engine.accountant.total_steps == 0
     # The next logical batch is stepped from scratch.
@@ -228,13 +231,7 @@ def test_a_new_pass_ends_a_logical_batch_left_by_opacus_manager():
     Poisson batches counted twice). The next pass discards them, saying so."""
     bmm = pytest.importorskip("opacus.utils.batch_memory_manager")
     engine, pm, popt, ploader = _private(40, 10, 37)
-    with bmm.BatchMemoryManager(data_loader=ploader, max_physical_batch_size=2,
-                                optimizer=popt) as physical:
-        for x, y in physical:
-            nn.functional.cross_entropy(pm(x), y).backward()
-            popt.step()
-            if popt._is_last_step_skipped:
-                break
+    _leave_after_a_skipped_step(bmm.BatchMemoryManager, pm, popt, ploader)
     assert pm.clipper._accumulated
     with pytest.warns(RuntimeWarning, match="began inside a logical batch"):
         x, y = next(iter(ploader))
