@@ -35,7 +35,7 @@ import json
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Union
+from typing import NamedTuple, Union
 
 from .._validate import (check_choice, check_delta, check_nonneg, check_pos_int, check_positive,
                          check_probability)
@@ -54,10 +54,12 @@ _VERSION = 1
 _ACCOUNTANTS = ("pld", "rdp", "gdp", "zcdp")
 
 
-@dataclass(frozen=True)
-class GaussianEvent:
+class GaussianEvent(NamedTuple):
     """``steps`` compositions of the Poisson(``sample_rate``)-subsampled Gaussian
-    mechanism with noise multiplier ``noise_multiplier`` (std / L2 sensitivity)."""
+    mechanism with noise multiplier ``noise_multiplier`` (std / L2 sensitivity).
+
+    A named tuple ``(noise_multiplier, sample_rate, steps)``: the entry format
+    of Opacus's ``accountant.history``, so code written for it reads ours."""
 
     noise_multiplier: float
     sample_rate: float

@@ -117,7 +117,11 @@ class GhostClipper(ClippedGaussianStep):
     a penalty on the weights in the loss: put weight decay in the optimizer),
     and a ``.grad`` on any other parameter of the model or of the optimizer
     passed to it (unfrozen after construction, added by ``add_param_group``)
-    unless it is a gradient the clipper released.
+    unless it is a gradient the clipper released.  Nothing is recorded while
+    the model is not in training mode (``model.eval()``: an evaluation forward
+    with gradients on) or :attr:`enabled` is False (``disable_hooks()``), as
+    in Opacus; a step over the ordinary gradients a backward then left is
+    refused, naming that cause.
 
     Clipping: ``"flat"`` clips each sample's gradient over all parameters at
     ``max_grad_norm``; ``"per_layer"`` clips each parameter's per-sample
@@ -180,9 +184,16 @@ class GhostClipper(ClippedGaussianStep):
         # (and its gradient reaches us) even when nothing below it is trainable.
         self._anchor = torch.zeros((), requires_grad=True)
         self._batch = StepBatch(self.batch_first)
+        # False while PrivateModule.disable_hooks() holds: nothing is recorded.
+        self.enabled = True
+        # Why a forward under grad since the last step was not recorded
+        # ("eval", "disabled"), and the parameters a backward then gave an
+        # ordinary gradient: a step over those is refused, naming the cause.
+        self._uncaptured: set[str] = set()
+        self._uncaptured_grads: dict[str, str] = {}
         # Registered before the layers' hooks: the batch is known before any
         # layer (the model itself may be one) records.
-        self._handles = [model.register_forward_pre_hook(self._batch.pre_hook, with_kwargs=True)]
+        self._handles = [model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True)]
         self._handles += batch_dim_hooks(model, self.batch_first)
         self._forwards = []
         self._released = ReleasedGrads()
@@ -304,7 +315,26 @@ class GhostClipper(ClippedGaussianStep):
             raise ValueError("GhostClipper: the model has no trainable parameter")
         return taps
 
+    @staticmethod
+    def check_model(model: nn.Module) -> None:
+        """Raise what construction would refuse about ``model``'s layers (the
+        first refusal, naming the layer), attaching nothing."""
+        GhostClipper._find_layers(model)
+
     # ------------------------------------------------------------------- hooks
+    def _capturing(self) -> bool:
+        # As Opacus: nothing is recorded outside training mode (an evaluation
+        # forward with grad on), or while hooks are disabled; such a forward
+        # computes ordinary gradients, which a step refuses.
+        return torch.is_grad_enabled() and self.enabled and self.model.training
+
+    def _model_pre_hook(self, module, args, kwargs):
+        if self._capturing():
+            return self._batch.pre_hook(module, args, kwargs)
+        if torch.is_grad_enabled():
+            self._uncaptured.add("disabled" if not self.enabled else "eval")
+        return None
+
     def declare_batch_size(self, n: int) -> None:
         """State the number of samples of the current step (until the next
         :meth:`privatize_` or :meth:`clear`), for a model whose first input
@@ -316,7 +346,7 @@ class GhostClipper(ClippedGaussianStep):
         conv = isinstance(tap.module, nn.modules.conv._ConvNd)
 
         def hook(module, inputs):
-            tap.recording = torch.is_grad_enabled()
+            tap.recording = self._capturing()
             if not tap.recording:
                 return
             active = frozenset(n for n, p in tap.params.items() if p.requires_grad)
@@ -366,7 +396,10 @@ class GhostClipper(ClippedGaussianStep):
 
     def _outside_hook(self, name: str, tap: _Tap):
         def hook(p):
-            self._outside.setdefault(name, type(tap.module).__name__)
+            # After an unrecorded forward, a gradient may be that forward's
+            # ordinary one: refused under that cause (if still there at the step).
+            found = self._uncaptured_grads if self._uncaptured else self._outside
+            found.setdefault(name, type(tap.module).__name__)
         return hook
 
     def _capture(self, tap: _Tap, slot, inputs: tuple, output):
@@ -489,6 +522,8 @@ class GhostClipper(ClippedGaussianStep):
         for tap in self.taps:
             tap.clear()
         self._outside.clear()
+        self._uncaptured.clear()
+        self._uncaptured_grads.clear()
         self._batch.clear()
 
     def remove(self) -> None:
@@ -599,6 +634,30 @@ class GhostClipper(ClippedGaussianStep):
                 "tie weights by calling the layer itself, or register a rule for a layer "
                 "that computes the whole use; call clear() to discard this step")
 
+    def _refuse_uncaptured(self) -> None:
+        if not self._uncaptured_grads:
+            return
+        params = {f"{t.name}.{n}" if t.name else n: p for t in self.taps
+                  for n, p in t.params.items()}
+        # A gradient zeroed since (zero_grad) is gone: only one still held counts.
+        held = [n for n in self.param_names
+                if n in self._uncaptured_grads and params[n].grad is not None]
+        if not held:
+            return
+        causes = []
+        if "eval" in self._uncaptured:
+            causes.append("ran in eval mode (the model's training flag was False: model.eval())")
+        if "disabled" in self._uncaptured:
+            causes.append("ran while the hooks were disabled (disable_hooks())")
+        raise RuntimeError(
+            f"GhostClipper: parameter(s) {held} hold a gradient that was not privatized: a "
+            f"forward since the last step {' and one '.join(causes)}, when the clipper records "
+            "nothing (as Opacus), and a backward gave them its ordinary, unclipped and "
+            "unnoised gradient (or a term outside the layer's forward, such as a tied weight, "
+            "did). Evaluate under torch.no_grad(); call model.train() (and enable_hooks()) "
+            "before a training forward; discard these gradients with zero_grad() and "
+            "clipper.clear(). Nothing was written")
+
     def _refuse_foreign(self, privatized: set, optimizer) -> None:
         """Every parameter the model holds, and the optimizer updates, that has a
         gradient must be one privatized now (or carry a gradient this clipper
@@ -645,6 +704,7 @@ class GhostClipper(ClippedGaussianStep):
                 "GhostClipper: every parameter it privatizes has been frozen since it was "
                 f"built ({self.param_names}); nothing would be trained. Unfreeze some, or "
                 "skip the step")
+        self._refuse_uncaptured()
         batch = self._batch_size()
         self._refuse_outside_terms()
         entries = self._entries(batch)

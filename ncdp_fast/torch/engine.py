@@ -12,7 +12,9 @@ from torch.utils.data import DataLoader
 from .. import _stream, privacy
 from . import checkpoint as _checkpoint
 from .._validate import check_bool, check_choice, check_pos_int, check_positive
+from .accounting import EngineAccountant, dp_accounting_name
 from .clipper import GhostClipper
+from .fix import fix_batchnorm
 from .coupling import CheckedCriterion
 from .mechanism import CheckpointsNoise
 from ..distributed._group import resolve_group
@@ -23,13 +25,6 @@ __all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule"]
 
 _ACCOUNTANTS = ("prv", "rdp", "gdp", "pld")
 _GRAD_SAMPLE_MODES = ("hooks", "ghost", "functorch", "ew")
-
-
-def _accountant_name(kind: str) -> str:
-    # "prv" (Opacus's default: privacy random variables composed by FFT) and
-    # "pld" compose the same privacy-loss distribution numerically; both are
-    # computed by dp-accounting's PLD accountant, a pessimistic upper bound.
-    return "pld" if kind == "prv" else kind
 
 
 class PrivateModule(nn.Module):
@@ -47,6 +42,18 @@ class PrivateModule(nn.Module):
     def remove_hooks(self) -> None:
         """Detach the clipper: the module computes ordinary gradients again."""
         self.clipper.remove()
+
+    def disable_hooks(self) -> None:
+        """Stop recording (Opacus's ``disable_hooks``): forward and backward
+        compute ordinary, non-private gradients until :meth:`enable_hooks`.
+        A DPOptimizer step over such gradients is refused (they were never
+        clipped or noised); discard them with ``zero_grad()`` and
+        ``clipper.clear()``."""
+        self.clipper.enabled = False
+
+    def enable_hooks(self) -> None:
+        """Record again after :meth:`disable_hooks` (the default state)."""
+        self.clipper.enabled = True
 
 
 class DPOptimizer(CheckpointsNoise):
@@ -112,7 +119,11 @@ class DPOptimizer(CheckpointsNoise):
         self._is_last_step_skipped = False
         self.clipper.discard_accumulated()
 
-    noise_multiplier = property(lambda self: self.clipper.noise_multiplier)
+    # Settable (Opacus's noise schedulers assign it); the clipper checks the
+    # value, and each later step is noised and accounted at it.
+    noise_multiplier = property(lambda self: self.clipper.noise_multiplier,
+                                lambda self, value: setattr(self.clipper, "noise_multiplier",
+                                                            value))
     max_grad_norm = property(lambda self: self.clipper.max_grad_norm)
     expected_batch_size = property(lambda self: self.clipper.expected_batch_size)
     param_groups = property(lambda self: self.original_optimizer.param_groups)
@@ -180,7 +191,7 @@ class PrivacyEngine:
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False):
         check_choice(accountant, "accountant", _ACCOUNTANTS)
         self.accountant_name = accountant
-        self.accountant = privacy.Accountant()
+        self.accountant = EngineAccountant(accountant)
         if not isinstance(secure_mode, bool):
             raise TypeError(f"secure_mode: expected a bool, got {type(secure_mode).__name__}")
         if secure_mode:
@@ -194,6 +205,37 @@ class PrivacyEngine:
                 "point', states what the stream guarantees and the residual risk")
         self.secure_mode = False
         self.sample_rate: float | None = None
+
+    # ------------------------------------------------------------ compatibility
+    @classmethod
+    def get_compatible_module(cls, module: nn.Module) -> nn.Module:
+        """``module`` with its batch norms replaced by group norms
+        (:func:`fix_batchnorm`, in place), then :meth:`validate`-d; returns it.
+        The one fix there is: any other refusal raises here, naming the layer."""
+        module = fix_batchnorm(module)
+        GhostClipper.check_model(module)
+        return module
+
+    def is_compatible(self, *, module: nn.Module, optimizer=None, data_loader=None) -> bool:
+        """Whether :meth:`validate` passes."""
+        try:
+            self.validate(module=module, optimizer=optimizer, data_loader=data_loader)
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    def validate(self, *, module: nn.Module, optimizer=None, data_loader=None) -> None:
+        """Raise what :meth:`make_private` would refuse before a step: the
+        model's layers as :class:`GhostClipper` checks them at construction
+        (the first refusal, naming the layer), the optimizer's type and the
+        loader's type and length.  Attaches nothing; refusals that depend on
+        the data (a layer's rows, the loss) come at the step."""
+        GhostClipper.check_model(module)
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if data_loader is not None:
+            self._poisson_loader(data_loader, None)      # raises the clear error
 
     # ------------------------------------------------------------------ wiring
     def _poisson_loader(self, data_loader, seed, group=None):
@@ -296,7 +338,6 @@ class PrivacyEngine:
                                      sample_rate=sample_rate)
             else:
                 self._unbounded = True
-        self._unbounded = False
         private = PrivateModule(module, clipper) if wrap_model else module
         dp_opt = DPOptimizer(optimizer, clipper, on_step, samplers=[loader.batch_sampler])
         self._run = _checkpoint.Run(private, dp_opt, clipper, loader.batch_sampler)
@@ -317,7 +358,7 @@ class PrivacyEngine:
         q = 1.0 / len(data_loader)
         sigma = privacy.calibrate_noise_multiplier(
             target_epsilon, target_delta, q, epochs * len(data_loader),
-            accountant=_accountant_name(self.accountant_name))
+            accountant=dp_accounting_name(self.accountant_name))
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                  noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
 
@@ -377,12 +418,14 @@ class PrivacyEngine:
                                 module_load_dict_kwargs=module_load_dict_kwargs,
                                 torch_load_kwargs=torch_load_kwargs)
 
+    # A step at noise_multiplier 0 is recorded on the accountant, so that
+    # accountant.get_epsilon answers as the engine does (inf).
+    _unbounded = property(lambda self: self.accountant.unbounded,
+                          lambda self, value: setattr(self.accountant, "unbounded", value))
+
     def get_epsilon(self, delta) -> float:
         """epsilon at ``delta`` for the private steps taken so far (0 before the
-        first; inf if any step had noise_multiplier 0)."""
-        if getattr(self, "_unbounded", False):
-            return float("inf")
-        if len(self.accountant) == 0:
-            return 0.0
-        return self.accountant.epsilon(delta, _accountant_name(self.accountant_name))
+        first; inf if any step had noise_multiplier 0); the same as
+        ``accountant.get_epsilon(delta)``."""
+        return self.accountant.get_epsilon(delta)
 

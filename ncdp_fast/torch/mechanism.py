@@ -82,11 +82,7 @@ def check_dp_args(max_grad_norm, noise_multiplier, expected_batch_size, loss_red
                   nan_policy):
     """The drop-ins' arguments, checked at construction under the user's names."""
     max_grad_norm = check_positive(max_grad_norm, "max_grad_norm")
-    noise_multiplier = check_nonneg(noise_multiplier, "noise_multiplier")
-    if noise_multiplier * max_grad_norm > 1e150:
-        raise ValueError(f"noise_multiplier: {noise_multiplier!r} * max_grad_norm "
-                         f"{max_grad_norm!r} is too large a noise std (the noise would "
-                         "overflow)")
+    noise_multiplier = check_noise_multiplier(noise_multiplier, max_grad_norm)
     check_choice(loss_reduction, "loss_reduction", ("mean", "sum"))
     if expected_batch_size is not None:
         expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
@@ -94,6 +90,16 @@ def check_dp_args(max_grad_norm, noise_multiplier, expected_batch_size, loss_red
         raise ValueError("expected_batch_size: required with loss_reduction='mean'")
     check_choice(nan_policy, "nan_policy", ("raise", "zero"))
     return max_grad_norm, noise_multiplier, expected_batch_size
+
+
+def check_noise_multiplier(noise_multiplier, max_grad_norm: float) -> float:
+    """sigma >= 0, finite, with a noise std sigma * max_grad_norm that cannot overflow."""
+    noise_multiplier = check_nonneg(noise_multiplier, "noise_multiplier")
+    if noise_multiplier * max_grad_norm > 1e150:
+        raise ValueError(f"noise_multiplier: {noise_multiplier!r} * max_grad_norm "
+                         f"{max_grad_norm!r} is too large a noise std (the noise would "
+                         "overflow)")
+    return noise_multiplier
 
 
 class ReleasedGrads:
@@ -151,7 +157,7 @@ class ClippedGaussianStep(UsesNoiseStream):
 
     def __init__(self, *, max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction,
                  seed, offset, nan_policy, group=None, params=(), config=None):
-        self.max_grad_norm, self.noise_multiplier, self.expected_batch_size = check_dp_args(
+        self.max_grad_norm, self._noise_multiplier, self.expected_batch_size = check_dp_args(
             max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction, nan_policy)
         self.loss_reduction = loss_reduction
         self.nan_policy = nan_policy
@@ -173,6 +179,26 @@ class ClippedGaussianStep(UsesNoiseStream):
             self._steps = 0
             broadcast_parameters(params, self.group)
         self.last_result: LayersClipResult | None = None
+
+    @property
+    def noise_multiplier(self) -> float:
+        """sigma: each step's noise std divided by ``max_grad_norm``."""
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value) -> None:
+        # Settable between steps, as Opacus's optimizer attribute (its noise
+        # schedulers assign it): every later step draws, and is accounted, at
+        # the new sigma. Checked here, since a negative or NaN sigma would
+        # otherwise reach the noise draw unnoticed.
+        sigma = check_noise_multiplier(value, self.max_grad_norm)
+        if self.group is not None and sigma != self._noise_multiplier:
+            raise ValueError(
+                f"noise_multiplier: expected {self._noise_multiplier!r}, the value the ranks "
+                f"agreed on at construction, got {value!r}: across ranks (group=) each rank "
+                "adds its share of one noise draw, and a rank left at another sigma would "
+                "diverge unseen. Build the clipper (make_private) again with the new value")
+        self._noise_multiplier = sigma
 
     def _clip_and_noise(self, blocks, grad_scale=1.0, max_norm=None,
                         count=True) -> LayersClipResult:

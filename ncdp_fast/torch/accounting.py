@@ -1,0 +1,55 @@
+"""The accountant a PrivacyEngine exposes as ``privacy_engine.accountant``:
+ncdp_fast's :class:`~ncdp_fast.privacy.Accountant` with the calls Opacus user
+code makes on its accountant."""
+from __future__ import annotations
+
+from .. import privacy
+from .._validate import check_delta
+
+__all__ = ["EngineAccountant"]
+
+
+def dp_accounting_name(kind: str) -> str:
+    # "prv" (Opacus's default: privacy random variables composed by FFT) and
+    # "pld" compose the same privacy-loss distribution numerically; both are
+    # computed by dp-accounting's PLD accountant, a pessimistic upper bound.
+    return "pld" if kind == "prv" else kind
+
+
+class EngineAccountant(privacy.Accountant):
+    """The engine's record of its private steps, one Poisson-subsampled Gaussian
+    event per run of steps at equal (noise_multiplier, sample_rate).
+
+    Opacus's accountant calls: :meth:`get_epsilon` (delta), ``len()`` (the
+    number of history entries, as Opacus), :attr:`history` (a list of
+    ``(noise_multiplier, sample_rate, num_steps)`` tuples), :meth:`mechanism`,
+    ``step``, ``state_dict`` / ``load_state_dict``.  ``unbounded`` is set once a
+    step ran with noise_multiplier 0: such a step has no finite epsilon, and
+    every later answer is inf.  Neighbouring relation: add/remove one record.
+    """
+
+    def __init__(self, mechanism: str = "prv"):
+        super().__init__()
+        self._mechanism = mechanism
+        self.unbounded = False
+
+    def mechanism(self) -> str:
+        """The engine's ``accountant=`` ("prv", "rdp", "gdp" or "pld")."""
+        return self._mechanism
+
+    @property
+    def history(self) -> list:
+        """The recorded steps, oldest first: a new list of
+        ``(noise_multiplier, sample_rate, num_steps)`` named tuples (Opacus's
+        format; changing the list changes nothing recorded)."""
+        return list(super().history)
+
+    def get_epsilon(self, delta) -> float:
+        """epsilon at ``delta`` of the steps recorded (0 before the first; inf
+        once a step had noise_multiplier 0), under the engine's accountant."""
+        d = check_delta(delta)
+        if self.unbounded:
+            return float("inf")
+        if len(self) == 0:
+            return 0.0
+        return self.epsilon(d, dp_accounting_name(self._mechanism))

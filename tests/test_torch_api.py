@@ -1,0 +1,289 @@
+"""Issue 25: the accountant and optimizer API Opacus user code calls, the
+compatibility checks, disable_hooks / enable_hooks and eval-mode forwards."""
+import copy
+import math
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import ncdp_fast as nf  # noqa: E402
+from ncdp_fast import privacy  # noqa: E402
+from ncdp_fast.torch import GhostClipper, PrivacyEngine  # noqa: E402
+
+warnings.filterwarnings("ignore", module="opacus")
+
+N, BATCH, C = 24, 6, 0.5
+Q = BATCH / N
+
+
+def _setup(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (N,), generator=g)
+    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3)).double()
+    return model, x, y, loader
+
+
+def _private(model, loader, sigma=1.0, lr=0.1, seed=None, engine=None, **kw):
+    engine = engine or PrivacyEngine(accountant="rdp")   # the cheapest rigorous accountant
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    pm, popt, ploader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
+                                            noise_multiplier=sigma, max_grad_norm=C, seed=seed,
+                                            **kw)
+    return engine, pm, popt, ploader
+
+
+def _step(pm, popt, x, y):
+    popt.zero_grad()
+    nn.functional.cross_entropy(pm(x), y).backward()
+    popt.step()
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _same(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+# ------------------------------------------------------------------ accountant
+def test_accountant_answers_opacus_calls():
+    model, x, y, loader = _setup()
+    engine, pm, popt, _ = _private(model, loader)
+    assert engine.accountant.get_epsilon(1e-5) == 0.0 and len(engine.accountant) == 0
+    assert engine.accountant.history == [] and engine.accountant.mechanism() == "rdp"
+    for _ in range(3):
+        _step(pm, popt, x[:BATCH], y[:BATCH])
+    acc = engine.accountant
+    # Opacus's format: a list of (noise_multiplier, sample_rate, num_steps), one
+    # entry per run of equal steps; len() counts entries.
+    assert acc.history == [(1.0, Q, 3)] and len(acc) == 1
+    sigma, q, steps = acc.history[0]
+    assert (sigma, q, steps) == (1.0, Q, 3)
+    eps = privacy.epsilon_poisson_gaussian(1.0, Q, 3, 1e-5, "rdp")
+    assert acc.get_epsilon(1e-5) == engine.get_epsilon(1e-5) == eps
+    # The list handed out is a copy: changing it changes nothing recorded.
+    acc.history.append((0.1, 1.0, 100))
+    assert acc.history == [(1.0, Q, 3)]
+    assert privacy.Accountant.from_dict(acc.state_dict()) == acc
+    with pytest.raises(ValueError, match="delta: expected"):
+        acc.get_epsilon(2.0)
+
+
+def test_gaussian_events_read_as_opacus_history_tuples():
+    acc = privacy.Accountant().step(noise_multiplier=1.1, sample_rate=0.01, steps=250)
+    assert acc.history == ((1.1, 0.01, 250),)
+    assert acc.history[0] == privacy.GaussianEvent(1.1, 0.01, 250)
+    assert acc.history[0].noise_multiplier == 1.1 and acc.history[0].to_dict()["steps"] == 250
+
+
+def test_noise_free_step_makes_the_accountant_infinite():
+    model, x, y, loader = _setup()
+    engine, pm, popt, _ = _private(model, loader, sigma=0.0)
+    _step(pm, popt, x[:BATCH], y[:BATCH])
+    assert engine.accountant.get_epsilon(1e-5) == engine.get_epsilon(1e-5) == math.inf
+
+
+# ------------------------------------------------------------ noise_multiplier
+def test_set_noise_multiplier_noises_and_accounts_each_step_at_its_own_sigma():
+    """Each step's noise equals the reference draws of its stream slice times
+    that step's sigma * C / E, and the accountant holds each step at its sigma."""
+    model, x, y, loader = _setup()
+    ref = copy.deepcopy(model)
+    engine, pm, popt, _ = _private(model, loader, lr=0.0)    # lr 0: the batch's gradient stays
+    ref_clipper = GhostClipper(ref, max_grad_norm=C, noise_multiplier=0.0,
+                               expected_batch_size=popt.expected_batch_size)
+    E = popt.expected_batch_size
+    xb, yb = x[:BATCH], y[:BATCH]
+    for sigma in (1.0, 1.0, 0.25, 3.0):
+        popt.noise_multiplier = sigma
+        assert popt.noise_multiplier == sigma == pm.clipper.noise_multiplier
+        _step(pm, popt, xb, yb)
+        res = pm.clipper.last_result
+        for p in ref.parameters():
+            p.grad = None
+        nn.functional.cross_entropy(ref(xb), yb).backward()
+        ref_clipper.privatize_()
+        noisy = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        clean = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+        noise = sigma * C / E * torch.from_numpy(
+            nf.gaussian(noisy.numel(), seed=pm.clipper.seed, offset=res.offset,
+                        dtype=np.float64))
+        assert res.draws == noisy.numel()
+        # Same clipped sum on both sides; each side holds a few float64 roundings
+        # (the sum plus noise, the product by 1/E): 8 ulps of the largest term.
+        tol = 8 * 2.0 ** -53 * (noisy.abs() + clean.abs() + noise.abs())
+        assert ((noisy - clean - noise).abs() <= tol).all()
+    assert engine.accountant.history == [(1.0, Q, 2), (0.25, Q, 1), (3.0, Q, 1)]
+    fresh = privacy.Accountant()
+    for sigma in (1.0, 1.0, 0.25, 3.0):
+        fresh.step(noise_multiplier=sigma, sample_rate=Q)
+    assert engine.get_epsilon(1e-5) == fresh.epsilon(1e-5, "rdp")
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=1, max_size=5))
+def test_any_sigma_schedule_is_recorded_step_by_step_on_fresh_noise(sigmas):
+    """Property: whatever the schedule, the history is its run-length encoding
+    (each step at the sigma it was noised with) and each step's noise is the
+    next unused range of the stream."""
+    model, x, y, loader = _setup()
+    engine, pm, popt, _ = _private(model, loader)
+    P = sum(p.numel() for p in model.parameters())
+    start = pm.clipper.offset
+    for i, sigma in enumerate(sigmas):
+        popt.noise_multiplier = sigma
+        _step(pm, popt, x[:BATCH], y[:BATCH])
+        assert pm.clipper.last_result.offset == start + i * P
+    runs = []
+    for sigma in sigmas:
+        if runs and runs[-1][0] == sigma:
+            runs[-1] = (sigma, Q, runs[-1][2] + 1)
+        else:
+            runs.append((sigma, Q, 1))
+    assert engine.accountant.history == runs
+
+
+def test_opacus_noise_scheduler_drives_the_optimizer():
+    schedulers = pytest.importorskip("opacus.schedulers")
+    model, x, y, loader = _setup()
+    engine, pm, popt, _ = _private(model, loader, sigma=2.0)
+    scheduler = schedulers.ExponentialNoise(popt, gamma=0.5)
+    for _ in range(2):
+        _step(pm, popt, x[:BATCH], y[:BATCH])
+        scheduler.step()
+    assert popt.noise_multiplier == 0.5
+    assert engine.accountant.history == [(2.0, Q, 1), (1.0, Q, 1)]
+
+
+@pytest.mark.parametrize("value, error, match", [
+    (-0.5, ValueError, "noise_multiplier: expected a finite number >= 0, got -0.5"),
+    (float("nan"), ValueError, "noise_multiplier: expected a real number, got nan"),
+    (float("inf"), ValueError, "noise_multiplier: expected a finite number >= 0, got inf"),
+    ("1.0", TypeError, "noise_multiplier: expected a real number, got str"),
+    (1e300, ValueError, "noise_multiplier: .*too large a noise std"),
+])
+def test_bad_noise_multiplier_is_refused_and_changes_nothing(value, error, match):
+    model, x, y, loader = _setup()
+    _, pm, popt, _ = _private(model, loader)
+    with pytest.raises(error, match=match):
+        popt.noise_multiplier = value
+    assert popt.noise_multiplier == 1.0
+    with pytest.raises(error, match=match):
+        pm.clipper.noise_multiplier = value
+    assert pm.clipper.noise_multiplier == 1.0
+
+
+def _set_sigma_across_ranks(rank, world):
+    import torch.distributed as dist
+    clipper = GhostClipper(nn.Linear(3, 2).double(), max_grad_norm=C, noise_multiplier=1.0,
+                           expected_batch_size=4.0, group=dist.group.WORLD)
+    clipper.noise_multiplier = 1.0          # the value the ranks agreed on: allowed
+    try:
+        clipper.noise_multiplier = 0.5
+    except ValueError as e:
+        return str(e), clipper.noise_multiplier
+    return None, clipper.noise_multiplier
+
+
+def test_noise_multiplier_change_across_ranks_is_refused():
+    pytest.importorskip("torch.distributed")
+    from _distributed import spawn
+    message, sigma = spawn(_set_sigma_across_ranks, 1, timeout=90)[0]
+    assert sigma == 1.0
+    assert message.startswith("noise_multiplier: expected 1.0") and "group=" in message
+
+
+# --------------------------------------------------------------- compatibility
+def test_get_compatible_module_is_compatible_and_validate():
+    engine = PrivacyEngine()
+    bn = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    assert not engine.is_compatible(module=bn, optimizer=None, data_loader=None)
+    with pytest.raises(ValueError, match="BatchNorm1d"):
+        engine.validate(module=bn, optimizer=None, data_loader=None)
+    fixed = PrivacyEngine.get_compatible_module(bn)
+    assert isinstance(fixed[1], nn.GroupNorm)
+    opt = torch.optim.SGD(fixed.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
+    assert engine.is_compatible(module=fixed, optimizer=opt, data_loader=loader)
+    engine.validate(module=fixed, optimizer=opt, data_loader=loader)
+    # Validation attaches nothing to the model.
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in fixed.modules())
+    lstm = nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 3))
+    with pytest.raises(ValueError, match="'1.weight_ih_l0'.*LSTM.*register_layer"):
+        PrivacyEngine.get_compatible_module(lstm)
+    assert not engine.is_compatible(module=lstm, optimizer=None, data_loader=None)
+    with pytest.raises(TypeError, match="optimizer: expected a torch.optim.Optimizer, got str"):
+        engine.validate(module=fixed, optimizer="sgd", data_loader=loader)
+    empty = DataLoader(TensorDataset(torch.randn(0, 4)), batch_size=2)
+    with pytest.raises(ValueError, match="data_loader: expected at least one batch"):
+        engine.validate(module=fixed, optimizer=opt, data_loader=empty)
+    assert not engine.is_compatible(module=fixed, optimizer=opt, data_loader=empty)
+
+
+# ------------------------------------------------------- hooks off, eval mode
+def test_disabled_hooks_give_ordinary_gradients_and_the_step_is_refused():
+    model, x, y, loader = _setup()
+    plain = copy.deepcopy(model)
+    engine, pm, popt, _ = _private(model, loader)
+    pm.disable_hooks()
+    popt.zero_grad()
+    nn.functional.cross_entropy(pm(x[:BATCH]), y[:BATCH]).backward()
+    nn.functional.cross_entropy(plain(x[:BATCH]), y[:BATCH]).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(),
+                                                           plain.parameters()))
+    before, offset = _params(model), pm.clipper.offset
+    with pytest.raises(RuntimeError, match=r"disable_hooks\(\)"):
+        popt.step()
+    assert _same(before, model.parameters()) and pm.clipper.offset == offset
+    assert len(engine.accountant) == 0
+    pm.enable_hooks()
+    _step(pm, popt, x[:BATCH], y[:BATCH])
+    assert not _same(before, model.parameters()) and len(engine.accountant) == 1
+
+
+def test_eval_forward_with_grad_records_nothing_and_training_goes_on():
+    model, x, y, loader = _setup()
+    engine, pm, popt, _ = _private(model, loader)
+    pm.eval()
+    nn.functional.cross_entropy(pm(x), y)           # an evaluation loss, no backward
+    pm.train()
+    _step(pm, popt, x[:BATCH], y[:BATCH])
+    assert len(engine.accountant) == 1
+
+
+@pytest.mark.parametrize("wrap_model", [True, False])
+def test_step_after_an_eval_mode_backward_is_refused_naming_eval(wrap_model):
+    model, x, y, loader = _setup()
+    engine, pm, popt, _ = _private(model, loader, wrap_model=wrap_model)
+    clipper = popt.clipper
+    pm.eval()
+    popt.zero_grad()
+    nn.functional.cross_entropy(pm(x[:BATCH]), y[:BATCH]).backward()
+    before, offset = _params(model), clipper.offset
+    with pytest.raises(RuntimeError, match=r"ran in eval mode .*model\.eval\(\)"):
+        popt.step()
+    assert _same(before, model.parameters()) and clipper.offset == offset
+    assert len(engine.accountant) == 0
+    # The same with a training step after the eval backward: its gradient is
+    # still held, so the step is still refused.
+    pm.train()
+    nn.functional.cross_entropy(pm(x[:BATCH]), y[:BATCH]).backward()
+    with pytest.raises(RuntimeError, match="ran in eval mode"):
+        popt.step()
+    assert _same(before, model.parameters()) and len(engine.accountant) == 0
+    # Discarded, training goes on.
+    popt.zero_grad()
+    clipper.clear()
+    _step(pm, popt, x[:BATCH], y[:BATCH])
+    assert len(engine.accountant) == 1
