@@ -19,7 +19,7 @@ from .._clip import GhostBlock, LayersClipResult, clip_and_noise_layers
 from .._validate import check_bool, check_choice, check_int, check_positive
 from .attention import attention_forward, check_attention
 from .coupling import batch_dim_hooks, refuse_batch_mixing
-from .layers import Call, refuse_unsupported, rule_for
+from .layers import HALF, Call, accumulation_dtype, refuse_unsupported, rule_for
 from .layout import (StepBatch, batch_dim, enclosing_batch_first, layer_batch_first,
                      module_batch_first, rows_error, to_batch_first)
 from .mechanism import (ClippedGaussianStep, ReleasedGrads, foreign_grad_error,
@@ -73,6 +73,11 @@ class _Tap:
     batch_first: bool = True        # the layout of its inputs and output (layout.py)
     layout: str = ""                # where that layout comes from, for errors
 
+    @property
+    def half(self) -> bool:
+        """A float16/bfloat16 parameter: the rule gets its tensors in float32."""
+        return any(p.dtype in HALF for p in self.params.values())
+
     def trainable(self) -> frozenset:
         """The parameters this step privatizes: those that required grad when the
         layer ran forward (a parameter frozen after attach is left out, and the
@@ -84,6 +89,10 @@ class _Tap:
     def clear(self):
         self.records.clear()
         self.blocks, self.batch, self.active = None, None, None
+
+
+def _upcast(x):
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype in HALF else x
 
 
 class GhostClipper(ClippedGaussianStep):
@@ -107,6 +116,12 @@ class GhostClipper(ClippedGaussianStep):
     a trainable parameter of another type, a batch norm anywhere (use
     :func:`fix_batchnorm`), or a parameter shared by two layers raises at
     construction.  A layer may run several times in one forward.
+
+    Precision: a float32/float64 parameter's private gradient is computed in
+    its dtype; a float16/bfloat16 one's from its layer's tensors upcast to
+    float32, its clipped sum and noise in float32, rounded to its dtype once
+    (a float16 result that overflows on that rounding is refused, nothing
+    written).  Per-sample norms accumulate in float64 in every case.
 
     What is privatized: each step, the parameters that required grad when
     their layer ran forward.  A parameter frozen after construction stays
@@ -465,6 +480,12 @@ class GhostClipper(ClippedGaussianStep):
             # The rules read dimension 0 as the batch: a sequence-first call is
             # handed to them with its batch moved there.
             rec.inputs, rec.grad = to_batch_first(rec.inputs, rec.grad, dim)
+            if tap.half:
+                # The rule computes in float32 from here on: the half values
+                # are exact in float32, so nothing but the final rounding of
+                # the private gradient to the parameter's dtype is in half.
+                rec.inputs = tuple(_upcast(x) for x in rec.inputs)
+                rec.grad = _upcast(rec.grad)
         calls = [Call(r.inputs, r.grad, r.slot) for r in tap.records]
         trainable = tap.trainable()
         got = tap.rule(tap.module, calls, trainable)
@@ -571,10 +592,11 @@ class GhostClipper(ClippedGaussianStep):
                 for n, p in tap.params.items():
                     if n not in trainable:
                         continue
-                    zeros = p.new_zeros(p.shape)
+                    dtype = accumulation_dtype(p.dtype)
+                    zeros = p.new_zeros(p.shape, dtype=dtype)
                     block = GhostBlock(torch.zeros(batch, dtype=torch.float64, device=p.device),
                                        lambda f, z=zeros: z.clone(), tuple(p.shape), 1,
-                                       dtype=p.dtype)
+                                       dtype=dtype)
                     entries.append((tap, (n,), block))
             else:
                 entries += [(tap, names, block) for names, block in tap.blocks]
@@ -582,12 +604,22 @@ class GhostClipper(ClippedGaussianStep):
 
     @staticmethod
     def _cast(tap, names, block):
-        dtype = tap.params[names[0]].dtype
+        """The block in its parameter's accumulation dtype (float32 for a half
+        parameter; autocast's half activations of a float32 layer, float32)."""
+        dtype = accumulation_dtype(tap.params[names[0]].dtype)
         if isinstance(block, tuple):
             a, g, bias = block
             return (a.to(dtype), g.to(dtype), bias)
         if isinstance(block, torch.Tensor):
             return block.to(dtype)
+        if isinstance(block, GhostBlock) and block.dtype in HALF:
+            raise TypeError(
+                f"GhostClipper: the rule of {type(tap.module).__name__} ({tap.name!r}) returned "
+                f"a GhostBlock for {list(names)} of dtype {block.dtype}, expected "
+                f"{dtype}: the private gradient of a half-precision parameter is summed and "
+                f"noised in {dtype} and rounded to {block.dtype} once; give the block "
+                f"dtype={dtype} and a clipped_sum returning {dtype} (call clear() to discard "
+                "this step)")
         return block
 
     def _per_layer(self, entries, grad_scale, noise=True):
@@ -785,19 +817,43 @@ class GhostClipper(ClippedGaussianStep):
             result = self._clip_and_noise([block for _, _, block in entries], scale)
         else:
             result, entries = self._per_layer(entries, scale)
+        writes = []
         for (tap, names, _), grad in zip(entries, result.grads):
             parts = grad if isinstance(grad, tuple) else (grad,)
             for n, g in zip(names, parts):
                 p = tap.params[n]
-                p.grad = g.view(p.shape)
+                g = g.view(p.shape)
                 held = self._accumulated.get(f"{tap.name}.{n}" if tap.name else n)
                 if held is not None:
                     # The op returned inv * (S_last + noise); the earlier physical
                     # batches' clipped sums take the same division.
                     inv = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" \
                         else 1.0
-                    p.grad.add_(held, alpha=inv)
-                self._released.wrote(p, p.grad)
+                    g = g.add_(held, alpha=inv)
+                # A half parameter's gradient was summed and noised in float32:
+                # rounded here, once.
+                writes.append((tap, n, p, g.to(p.dtype)))
+        # Spent with this step's noise, whether it is written or refused.
         self._accumulated.clear()
+        self._refuse_overflow(writes)
+        for _, _, p, g in writes:
+            p.grad = g
+            self._released.wrote(p, p.grad)
         self.clear()
         return result
+
+    def _refuse_overflow(self, writes) -> None:
+        """A finite float32 private gradient rounded to float16 (largest 65504) can
+        become inf: writing it would step every weight it touches to inf."""
+        for tap, n, p, g in writes:
+            if p.dtype in HALF and not bool(torch.isfinite(g).all()):
+                name = f"{tap.name}.{n}" if tap.name else n
+                self.clear()
+                raise ValueError(
+                    f"GhostClipper: the private gradient of parameter {name!r} overflows "
+                    f"{p.dtype} (largest {torch.finfo(p.dtype).max:g}) when rounded from "
+                    "float32; expected a gradient within its range (noise std "
+                    f"{self.noise_multiplier * self.max_grad_norm:g} before the division by the "
+                    "batch). Keep the parameters in float32 and run the forward under "
+                    "torch.autocast, or use bfloat16. Nothing was written; this step's noise "
+                    "is spent")

@@ -34,7 +34,16 @@ from torch import nn
 from .._clip import GhostBlock
 
 __all__ = ["Call", "register_layer", "rule_for", "factored_or_instantiated", "RULES",
-           "refuse_unsupported"]
+           "refuse_unsupported", "HALF", "accumulation_dtype"]
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter's private gradient is computed in: float32 for a
+    float16/bfloat16 parameter (its 8 or 11 significant bits cannot hold a sum
+    over the batch; the clip op takes float32/float64 only), else its own."""
+    return torch.float32 if dtype in HALF else dtype
 
 
 @dataclass
@@ -49,7 +58,10 @@ class Call:
         a rule returns must be linear in ``grad`` -- any parameter gradient is).
         A sequence-first call ((T, B, ...), GhostClipper's ``batch_first``)
         arrives with its batch moved to dimension 0, here and in every tensor
-        input that has a dimension 1.
+        input that has a dimension 1.  For a layer with a float16/bfloat16
+        parameter, ``grad`` and every float16/bfloat16 tensor input arrive
+        upcast to float32 (exactly: each half value is a float32 value), and
+        its blocks must be float32 (:func:`accumulation_dtype`).
     slot: None for a plain layer; a composite layer's own label for the
         point it marked (attention: "in", "q", "k", "v", "out").
     """
@@ -92,10 +104,12 @@ def rule_for(module: nn.Module) -> tuple[Rule | None, type | None]:
 
 # ---------------------------------------------------------------- shared pieces
 
-def _flat_positions(x: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, ..., width) -> (B, T, width); explicit T so that B = 0 reshapes too."""
+def _flat_positions(x: torch.Tensor, width: int, features: int = 1) -> torch.Tensor:
+    """(B, ..., f_1, ..., f_k) -> (B, T, width), the last ``features`` = k dimensions
+    (``width`` = their product) the features and the rest positions; explicit T
+    so that B = 0 reshapes too."""
     T = 1
-    for s in x.shape[1:-1]:
+    for s in x.shape[1:x.dim() - features]:
         T *= s
     return x.reshape(x.shape[0], T, width)
 
@@ -282,7 +296,7 @@ def embedding_rule(module: nn.Embedding, calls, trainable):
     rows.index_add_(0, inverse.reshape(-1), g.reshape(-1, D).to(torch.float64))
     sq = torch.zeros(B, dtype=torch.float64, device=g.device)
     sq.index_add_(0, torch.div(keys, V, rounding_mode="floor"), rows.square().sum(1))
-    dtype = module.weight.dtype
+    dtype = accumulation_dtype(module.weight.dtype)
 
     def clipped_sum(factors):
         scaled = (g.to(torch.float64) * factors.view(B, 1, 1)).to(dtype)
@@ -299,14 +313,17 @@ def embedding_rule(module: nn.Embedding, calls, trainable):
 
 @register_layer(nn.LayerNorm)
 def layer_norm_rule(module: nn.LayerNorm, calls, trainable):
-    """y = w * xhat + b over the trailing ``normalized_shape``; xhat recomputed
-    with the forward's own normalisation (F.layer_norm without affine)."""
+    """y = w * xhat + b over the trailing ``normalized_shape`` (k >= 1 dimensions,
+    flattened into one feature axis: every other dimension is a position);
+    xhat recomputed with the forward's own normalisation (F.layer_norm
+    without affine)."""
     width = math.prod(module.normalized_shape)
+    k = len(module.normalized_shape)
     xs, gs = [], []
     for c in calls:
         xhat = F.layer_norm(c.inputs[0], module.normalized_shape, None, None, module.eps)
-        xs.append(_flat_positions(xhat, width))
-        gs.append(_flat_positions(c.grad, width))
+        xs.append(_flat_positions(xhat, width, k))
+        gs.append(_flat_positions(c.grad, width, k))
     return [(n, b.reshape(b.shape[0], *module.normalized_shape))
             for n, b in _affine_rule(_cat(xs), _cat(gs), trainable, "btw,btw->bw", 1)]
 
