@@ -24,13 +24,15 @@ pytestmark = pytest.mark.filterwarnings("ignore::ncdp_fast.NoiseReuseWarning")
 EPS = float(np.finfo(np.float64).eps)
 
 
-def _private(n, batch_size, seed, *, sigma=1.0, clipping="flat", loader_kw=None):
+def _private(n, batch_size, seed, *, sigma=1.0, clipping="flat", loader_kw=None,
+             dtype=torch.float64):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 5, generator=g, dtype=torch.float64)
+    x = torch.randn(n, 5, generator=g, dtype=torch.float64).to(dtype)
     y = torch.randint(0, 3, (n,), generator=g)
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, **(loader_kw or {}))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3)).double()
+    model = nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.ReLU(),
+                          nn.Linear(8, 3)).double().to(dtype)
     # lr 0: every logical step sees the same parameters in both runs, so the
     # gradients of all steps are comparable, not only the first's.
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -92,6 +94,29 @@ def test_physical_batches_give_the_logical_step(clipping):
     assert engine.accountant.total_steps == ref_steps == len(ref_sizes) == len(grads)
     assert pm.clipper.offset == ref_offset          # the same noise draws, no more
     _assert_same_steps(ref, ref_sizes, grads)
+
+
+def test_half_parameters_accumulate_in_float32_and_round_once():
+    """bfloat16 parameters: the physical batches' clipped sums are held in
+    float32 (the dtype the op sums and noises half parameters in) and each
+    logical step writes bfloat16 once, with the one-batch run's steps and noise
+    range.  (Values are not compared: the per-sample gradients themselves are
+    computed in bfloat16 through a backward scaled by each physical batch's
+    size, which no float64-style bound covers.)"""
+    bf = torch.bfloat16
+    _, ref_sizes, ref_steps, ref_offset = _logical_run(38, dtype=bf)
+    engine, pm, popt, ploader = _private(40, 10, 38, dtype=bf)
+    with BatchMemoryManager(data_loader=ploader, max_physical_batch_size=3,
+                            optimizer=popt) as physical:
+        grads, sizes = _train(pm, popt, physical)
+    assert all(g.dtype == bf for step in grads for g in step)
+    assert len(grads) == engine.accountant.total_steps == ref_steps == len(ref_sizes)
+    assert pm.clipper.offset == ref_offset and max(sizes) <= 3
+    x, y = next(iter(ploader))
+    popt.signal_skip_step(do_skip=True)
+    nn.functional.cross_entropy(pm(x[:3]), y[:3]).backward()
+    popt.step()
+    assert {t.dtype for t in pm.clipper._accumulated.values()} == {torch.float32}
 
 
 _REF = {}
