@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._clip import GhostBlock, LayersClipResult
+from .._clip import GhostBlock, LayersClipResult, clip_and_noise_layers
 from .._validate import check_bool, check_choice, check_int, check_positive
 from .attention import attention_forward, check_attention
 from .coupling import batch_dim_hooks, refuse_batch_mixing
@@ -232,6 +232,9 @@ class GhostClipper(ClippedGaussianStep):
         self._handles += batch_dim_hooks(model, self.batch_first)
         self._forwards = []
         self._released = ReleasedGrads()
+        # Parameter name -> clipped sum of the logical batch's earlier physical
+        # batches (accumulate_), noised once by the next privatize_.
+        self._accumulated: dict[str, torch.Tensor] = {}
         # All of the model's parameters, frozen ones included (one unfrozen later
         # must not step raw); listed once, a module traversal per step costs
         # more than the check itself.
@@ -700,9 +703,10 @@ class GhostClipper(ClippedGaussianStep):
                 "this step)")
         return block
 
-    def _per_layer(self, entries, grad_scale):
+    def _per_layer(self, entries, grad_scale, noise=True):
         """Each parameter on its own bound; one clip call per parameter, each taking
-        the next range of the stream."""
+        the next range of the stream (``noise=False``: clipped sums only, no
+        draw, no step counted)."""
         split = []
         for tap, names, block in entries:
             if isinstance(block, tuple) and len(names) == 2:
@@ -711,9 +715,12 @@ class GhostClipper(ClippedGaussianStep):
             else:
                 split.append((tap, names, block))
         bounds = dict(zip(self.param_names, self.layer_norms))
-        results = [self._clip_and_noise([block], grad_scale, count=False,
-                                        max_norm=bounds[f"{t.name}.{n[0]}" if t.name else n[0]])
+        clip = self._clip_and_noise if noise else self._clip_only
+        results = [clip([block], grad_scale, count=False,
+                        max_norm=bounds[f"{t.name}.{n[0]}" if t.name else n[0]])
                    for t, n, block in split]
+        if not noise:
+            return results, split
         self._steps += 1
         first = results[0]
         sq = sum(torch.as_tensor(r.norms, dtype=torch.float64) ** 2 for r in results)
@@ -792,6 +799,83 @@ class GhostClipper(ClippedGaussianStep):
             "parameter to train, unfrozen; to leave one untrained, freeze it "
             "(requires_grad_(False)) and set its .grad to None")
 
+    def _clip_only(self, blocks, grad_scale, max_norm=None, count=False) -> LayersClipResult:
+        """Clipped sum of ``blocks`` without noise and without the mean's division:
+        the share of one physical batch in a logical step.  Noise std 0 adds
+        exactly 0, so a throwaway key from the OS serves (seed=None: no ledger
+        entry); the clipper's own stream is left for the step's single noise."""
+        return clip_and_noise_layers(
+            blocks, max_norm=self.max_grad_norm if max_norm is None else max_norm,
+            noise_multiplier=0.0, seed=None, reduction="sum",
+            nan_policy=self.nan_policy, grad_scale=grad_scale)
+
+    def _step_entries(self, optimizer):
+        """The checks before a step or an accumulation (nothing written or drawn
+        if one fails): ``(entries, grad_scale)``."""
+        if not any(p.requires_grad for t in self.taps for p in t.params.values()):
+            raise RuntimeError(
+                "GhostClipper: every parameter it privatizes has been frozen since it was "
+                f"built ({self.param_names}); nothing would be trained. Unfreeze some, or "
+                "skip the step")
+        self._refuse_uncaptured()
+        batch = self._batch_size()
+        self._refuse_outside_terms()
+        entries = self._entries(batch)
+        self._refuse_foreign({id(tap.params[n]) for tap, names, _ in entries for n in names},
+                             optimizer)
+        if self._accumulated:
+            now = {f"{tap.name}.{n}" if tap.name else n for tap, names, _ in entries
+                   for n in names}
+            if now != set(self._accumulated):
+                raise RuntimeError(
+                    "GhostClipper: the trainable parameters changed within one logical batch "
+                    f"(accumulated: {sorted(self._accumulated)}, now: {sorted(now)}); freeze "
+                    "or unfreeze parameters between logical steps, or discard_accumulated()")
+        # The output gradients of a batch-mean loss are each sample's own divided
+        # by the batch size: the op multiplies back (on the (B,) norms and factors).
+        scale = float(batch) if self.loss_reduction == "mean" and batch else 1.0
+        return entries, scale
+
+    def accumulate_(self, optimizer=None) -> None:
+        """Clip this physical batch's samples and add their clipped sum to the
+        logical batch's accumulator, without noise: the next :meth:`privatize_`
+        adds it to its own batch's sum before noising once.  Same refusals as
+        :meth:`privatize_` (nothing accumulated if one fails); no ``.grad`` is
+        written, nothing drawn from the stream, no step counted.
+
+        Privacy meaning: the physical batches of one logical (Poisson) batch
+        hold disjoint samples, so each sample's whole gradient is clipped at
+        ``max_grad_norm`` in exactly one of them and the logical step stays one
+        Gaussian mechanism of sensitivity ``max_grad_norm``.  With a
+        mean-reduced loss the physical batch's mean is undone by its realized
+        size, and the step divides by ``expected_batch_size`` (the logical
+        one) once."""
+        if self.group is not None:
+            raise ValueError(
+                "GhostClipper: accumulate_ (a skipped step, BatchMemoryManager) with group=: "
+                "expected one process; the ranks' shards of a logical batch split into "
+                "different numbers of physical batches, so their steps would not pair. Train "
+                "across ranks without BatchMemoryManager, or with a smaller logical batch")
+        entries, scale = self._step_entries(optimizer)
+        if self.clipping == "flat":
+            grads = self._clip_only([block for _, _, block in entries], scale).grads
+        else:
+            results, entries = self._per_layer(entries, scale, noise=False)
+            grads = [r.grads[0] for r in results]
+        for (tap, names, _), grad in zip(entries, grads):
+            parts = grad if isinstance(grad, tuple) else (grad,)
+            for n, g in zip(names, parts):
+                name = f"{tap.name}.{n}" if tap.name else n
+                g = g.view(tap.params[n].shape)
+                held = self._accumulated.get(name)
+                self._accumulated[name] = g if held is None else held.add_(g)
+        self.clear()
+
+    def discard_accumulated(self) -> None:
+        """Drop the clipped sums accumulated since the last :meth:`privatize_`
+        (a logical batch left unfinished: nothing of it is released)."""
+        self._accumulated.clear()
+
     def privatize_(self, optimizer=None) -> LayersClipResult:
         """Overwrite every trainable ``p.grad`` with its private gradient and forget
         the recorded tensors.  Returns the clip result (per-sample norms over
@@ -804,21 +888,12 @@ class GhostClipper(ClippedGaussianStep):
         another parameter of the model (as it was at construction) or of
         ``optimizer`` (the torch optimizer about to step: pass it, so that a
         parameter it holds outside the model is checked too; ``DPOptimizer``
-        does) other than one this clipper released."""
-        if not any(p.requires_grad for t in self.taps for p in t.params.values()):
-            raise RuntimeError(
-                "GhostClipper: every parameter it privatizes has been frozen since it was "
-                f"built ({self.param_names}); nothing would be trained. Unfreeze some, or "
-                "skip the step")
-        self._refuse_uncaptured()
-        batch = self._batch_size()
-        self._refuse_outside_terms()
-        entries = self._entries(batch)
-        self._refuse_foreign({id(tap.params[n]) for tap, names, _ in entries for n in names},
-                             optimizer)
-        # The output gradients of a batch-mean loss are each sample's own divided
-        # by the batch size: the op multiplies back (on the (B,) norms and factors).
-        scale = float(batch) if self.loss_reduction == "mean" and batch else 1.0
+        does) other than one this clipper released.
+
+        After :meth:`accumulate_` calls, the accumulated clipped sums are added
+        before the noise's division (one noise for the logical batch);
+        ``last_result`` then describes this call's physical batch only."""
+        entries, scale = self._step_entries(optimizer)
         if self.clipping == "flat":
             result = self._clip_and_noise([block for _, _, block in entries], scale)
         else:
@@ -828,9 +903,19 @@ class GhostClipper(ClippedGaussianStep):
             parts = grad if isinstance(grad, tuple) else (grad,)
             for n, g in zip(names, parts):
                 p = tap.params[n]
+                g = g.view(p.shape)
+                held = self._accumulated.get(f"{tap.name}.{n}" if tap.name else n)
+                if held is not None:
+                    # The op returned inv * (S_last + noise); the earlier physical
+                    # batches' clipped sums take the same division.
+                    inv = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" \
+                        else 1.0
+                    g = g.add_(held, alpha=inv)
                 # A half parameter's gradient was summed and noised in float32:
                 # rounded here, once.
-                writes.append((tap, n, p, g.view(p.shape).to(p.dtype)))
+                writes.append((tap, n, p, g.to(p.dtype)))
+        # Spent with this step's noise, whether it is written or refused.
+        self._accumulated.clear()
         self._refuse_overflow(writes)
         for _, _, p, g in writes:
             p.grad = g
