@@ -240,3 +240,21 @@ def test_every_clipped_contribution_of_the_tied_model_is_within_C(seed, C):
         clipper.privatize_()
         norm = math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters()))
         assert norm <= C * (1 + 1e-12)
+
+
+def test_physical_batches_of_a_tied_model_accumulate_to_the_logical_step():
+    """accumulate_ (BatchMemoryManager's skipped steps) on two physical batches,
+    privatize_ on the third: the clipped sum of the whole logical batch."""
+    model = _lm()
+    idx, y = _tokens()
+    ps = per_sample_grads(model, lm_loss, (idx, y))
+    C = low_bound(ps)
+    clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B,
+                           seed=0)
+    for lo, hi in ((0, 2), (2, 3), (3, B)):
+        lm_loss(model, idx[lo:hi], y[lo:hi]).backward()
+        if hi < B:
+            clipper.accumulate_()
+    clipper.privatize_()
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert_grads_close(got, clipped_mean(ps, C, B), RTOL[F64])
