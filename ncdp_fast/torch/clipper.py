@@ -65,6 +65,9 @@ class _Tap:
     rule: object
     params: dict                    # relative name -> Parameter (trainable only)
     records: list = field(default_factory=list)
+    # A weight shared with an earlier layer: relative name -> the full name of
+    # the use that owns it (its one entry, bound, noise range and .grad).
+    alias: dict = field(default_factory=dict)
     recording: bool = False
     saved: tuple | None = None      # requires_grad as the user left it, during a forward
     active: frozenset | None = None  # names trainable at this step's forwards
@@ -72,6 +75,11 @@ class _Tap:
     batch: int | None = None
     batch_first: bool = True        # the layout of its inputs and output (layout.py)
     layout: str = ""                # where that layout comes from, for errors
+
+    @property
+    def owned(self) -> dict:
+        """Its parameters less the weights another layer owns."""
+        return {n: p for n, p in self.params.items() if n not in self.alias}
 
     @property
     def half(self) -> bool:
@@ -114,8 +122,18 @@ class GhostClipper(ClippedGaussianStep):
     unmodified), and any type given a rule with
     :func:`ncdp_fast.torch.register_layer`.  Frozen parameters cost nothing;
     a trainable parameter of another type, a batch norm anywhere (use
-    :func:`fix_batchnorm`), or a parameter shared by two layers raises at
-    construction.  A layer may run several times in one forward.
+    :func:`fix_batchnorm`), a bias or attention parameter shared by two
+    layers, or a module used twice under two names raises at construction.
+    A layer may run several times in one forward.
+
+    Tied weights: a ``weight`` shared by several supported layers (an
+    embedding tied to the output ``nn.Linear`` of a language model) is one
+    parameter: each sample's gradient of it is the sum over its uses, so its
+    norm includes the cross terms between them.  Each use's per-sample
+    gradient is instantiated, (B, *weight.shape) per layer (an embedding's
+    B*V*D: its ghost form cannot give the cross terms), summed into one block
+    of B*prod(shape) values; it is listed, bounded, noised and written once,
+    under the name of its first layer.
 
     Precision: a float32/float64 parameter's private gradient is computed in
     its dtype; a float16/bfloat16 one's from its layer's tensors upcast to
@@ -184,7 +202,9 @@ class GhostClipper(ClippedGaussianStep):
         self.clipping = clipping
         self.taps = self._find_layers(model)
         self._set_layouts(model)
-        self.param_names = [f"{t.name}.{n}" if t.name else n for t in self.taps for n in t.params]
+        self.param_names = [f"{t.name}.{n}" if t.name else n for t in self.taps for n in t.owned]
+        # Parameters used by several layers: each use's blocks instantiated.
+        self._tied = {id(t.params[n]) for t in self.taps for n in t.alias}
         self.layer_norms = self._layer_bounds(max_grad_norm, clipping)
         total = max_grad_norm if clipping == "flat" else math.sqrt(
             sum(c * c for c in self.layer_norms))
@@ -192,7 +212,7 @@ class GhostClipper(ClippedGaussianStep):
                          expected_batch_size=expected_batch_size,
                          loss_reduction=loss_reduction, seed=seed, offset=offset,
                          nan_policy=nan_policy, group=group,
-                         params=[p for t in self.taps for p in t.params.values()],
+                         params=[p for t in self.taps for p in t.owned.values()],
                          config={"clipping": clipping, "parameters": self.param_names,
                                  "layer_norms": self.layer_norms})
         # A leaf that requires grad, so that a layer's output enters the graph
@@ -225,7 +245,7 @@ class GhostClipper(ClippedGaussianStep):
         # penalty in the loss), a term the rule never sees.
         self._outside: dict[str, str] = {}
         for tap in self.taps:
-            for n, p in tap.params.items():
+            for n, p in tap.owned.items():
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     self._outside_hook(f"{tap.name}.{n}" if tap.name else n, tap)))
         for tap in self.taps:
@@ -272,23 +292,36 @@ class GhostClipper(ClippedGaussianStep):
     def _find_layers(model: nn.Module) -> list[_Tap]:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        owner: dict[int, str] = {}
+        owner: dict[int, tuple] = {}     # id -> (full name, a direct weight of a plain layer)
         taps, seen = [], set()
         composite = set()            # modules whose parameters a composite layer owns
         for name, module in model.named_modules(remove_duplicate=False):
             refuse_batch_mixing(name, module)
             if id(module) in composite:
                 continue
-            params = {}
-            own = module.named_parameters(recurse=isinstance(module, nn.MultiheadAttention))
+            if id(module) in seen:
+                raise ValueError(f"GhostClipper: layer {name!r} appears twice in the model "
+                                 "(shared modules are not supported)")
+            params, alias = {}, {}
+            composite_layer = isinstance(module, nn.MultiheadAttention)
+            own = module.named_parameters(recurse=composite_layer)
             for pname, p in own:
                 full = f"{name}.{pname}" if name else pname
                 if not p.requires_grad:
                     continue
+                plain = pname == "weight" and not composite_layer
                 if id(p) in owner:
-                    raise ValueError(f"GhostClipper: parameter {full!r} is shared with "
-                                     f"{owner[id(p)]!r} (tied weights are not supported)")
-                owner[id(p)] = full
+                    first, first_plain = owner[id(p)]
+                    if not (plain and first_plain):
+                        raise ValueError(
+                            f"GhostClipper: parameter {full!r} is shared with {first!r}; "
+                            "expected only the `weight` of layers outside "
+                            "nn.MultiheadAttention to be shared (an embedding tied to the "
+                            "output Linear), got a shared bias or attention parameter. Tie "
+                            "the weights only, or give each layer its own parameter")
+                    alias[pname] = first
+                else:
+                    owner[id(p)] = (full, plain)
                 params[pname] = p
             if isinstance(module, nn.MultiheadAttention):
                 composite.update(id(m) for m in module.modules() if m is not module)
@@ -320,12 +353,9 @@ class GhostClipper(ClippedGaussianStep):
                     f"GhostClipper: trainable parameter(s) {shown} belong to "
                     f"{type(module).__name__}, which has no per-sample gradient rule; freeze "
                     "them, or register one with ncdp_fast.torch.register_layer")
-            if id(module) in seen:
-                raise ValueError(f"GhostClipper: layer {name!r} appears twice in the model "
-                                 "(shared modules are not supported)")
             refuse_unsupported(name, module)
             seen.add(id(module))
-            taps.append(_Tap(name, module, rule, params))
+            taps.append(_Tap(name, module, rule, params, alias=alias))
         if not taps:
             raise ValueError("GhostClipper: the model has no trainable parameter")
         return taps
@@ -494,10 +524,39 @@ class GhostClipper(ClippedGaussianStep):
             raise RuntimeError(f"GhostClipper: the rule of {type(tap.module).__name__} "
                                f"({tap.name!r}) returned blocks for {covered}, expected each "
                                f"of {sorted(trainable)} once")
-        tap.blocks = [(names, self._cast(tap, names, block)) for names, block in got]
+        tap.blocks = self._instantiate_tied(
+            tap, [(names, self._cast(tap, names, block)) for names, block in got], batch)
         tap.batch = batch
         for rec in tap.records:
             rec.inputs = rec.grad = None
+
+    def _instantiate_tied(self, tap: _Tap, blocks: list, batch: int) -> list:
+        """A shared weight's block as its dense per-sample gradient (B, *shape):
+        the uses' blocks are summed sample by sample before any norm (a ghost
+        norm per use would leave out the cross terms between uses)."""
+        out = []
+        for names, block in blocks:
+            p = tap.params[names[0]]
+            if id(p) not in self._tied:
+                out.append((names, block))
+            elif isinstance(block, tuple):
+                a, g, bias = block
+                out.append(((names[0],), torch.bmm(g.transpose(1, 2), a).reshape(batch, *p.shape)))
+                if bias:
+                    out.append(((names[1],), g.sum(1)))
+            elif isinstance(block, torch.Tensor):
+                out.append((names, block.reshape(batch, *p.shape)))
+            else:
+                # A ghost block only gives sums over samples: sample i's rows
+                # are its clipped sum with factor 1 for i and 0 for the rest,
+                # exact (each row is multiplied by 1.0 or dropped). B calls.
+                one = torch.eye(batch, dtype=torch.float64, device=block.sq_norms.device)
+                rows = [torch.as_tensor(block.clipped_sum(one[i])).reshape(p.shape)
+                        for i in range(batch)]
+                dtype = accumulation_dtype(p.dtype)
+                out.append((names, torch.stack(rows).to(dtype) if rows else
+                            p.new_zeros((0, *p.shape), dtype=dtype)))
+        return out
 
     def _forward_hook(self, tap: _Tap):
         def hook(module, inputs, output):
@@ -584,13 +643,30 @@ class GhostClipper(ClippedGaussianStep):
         return batch
 
     def _entries(self, batch: int):
-        """[(tap, names, block)] in layer order; a layer unused this step adds pure noise."""
+        """[(tap, names, block)] in layer order; a layer unused this step adds pure
+        noise.  A shared weight has one entry, at its first layer: the sum of
+        its uses' per-sample gradients (B, *shape)."""
+        uses: dict[int, list] = {}
+        for tap in self.taps:
+            for names, block in tap.blocks or ():
+                if id(tap.params[names[0]]) in self._tied:
+                    uses.setdefault(id(tap.params[names[0]]), []).append(block)
+
+        def summed(p):
+            blocks = uses[id(p)]
+            total = blocks[0]
+            for b in blocks[1:]:
+                total = total + b        # no stacked copy of all uses
+            return total
         entries = []
         for tap in self.taps:
             if tap.blocks is None:
                 trainable = tap.trainable()
                 for n, p in tap.params.items():
-                    if n not in trainable:
+                    if n in tap.alias or (n not in trainable and id(p) not in uses):
+                        continue
+                    if id(p) in uses:
+                        entries.append((tap, (n,), summed(p)))
                         continue
                     dtype = accumulation_dtype(p.dtype)
                     zeros = p.new_zeros(p.shape, dtype=dtype)
@@ -599,7 +675,12 @@ class GhostClipper(ClippedGaussianStep):
                                        dtype=dtype)
                     entries.append((tap, (n,), block))
             else:
-                entries += [(tap, names, block) for names, block in tap.blocks]
+                for names, block in tap.blocks:
+                    p = tap.params[names[0]]
+                    if id(p) not in self._tied:
+                        entries.append((tap, names, block))
+                    elif names[0] not in tap.alias:
+                        entries.append((tap, names, summed(p)))
         return entries
 
     @staticmethod
@@ -670,7 +751,7 @@ class GhostClipper(ClippedGaussianStep):
         if not self._uncaptured_grads:
             return
         params = {f"{t.name}.{n}" if t.name else n: p for t in self.taps
-                  for n, p in t.params.items()}
+                  for n, p in t.owned.items()}
         # A gradient zeroed since (zero_grad) is gone: only one still held counts.
         held = [n for n in self.param_names
                 if n in self._uncaptured_grads and params[n].grad is not None]
