@@ -10,6 +10,8 @@
 * :class:`FusedDPOptimizer` replaces Opacus's ``DPOptimizer`` for models kept in
   Opacus's ``GradSampleModule``: it clips, sums and noises the ``p.grad_sample``
   of all parameters in one fused op.
+* :class:`BatchMemoryManager` trains each Poisson logical batch in physical
+  batches of bounded size, one private step per logical batch (Opacus's).
 * :func:`fix_batchnorm` replaces batch norms (which mix samples) by group norms.
 * :class:`TokenCrossEntropyLoss` / :func:`per_sample_token_loss`: token
   cross-entropy whose terms are per sample (each sample's mean over its own
@@ -26,7 +28,8 @@ Modules: ``engine`` (PrivacyEngine), ``clipper`` (GhostClipper and its hooks),
 attention's step-by-step forward and rule), ``optimizer`` (FusedDPOptimizer),
 ``fix`` (fix_batchnorm), ``losses`` (per-sample token loss), ``coupling``
 (what mixes samples: refused modules, the checked ghost criterion),
-``checkpoint`` (save/resume of a private run), ``data`` (the sampler and collate function),
+``checkpoint`` (save/resume of a private run), ``memory``
+(BatchMemoryManager), ``data`` (the sampler and collate function),
 ``ranks`` (DP-SGD across torch.distributed ranks: the sharded Poisson
 sampler and the reduce-then-noise step), ``mechanism`` (the noise stream,
 argument checks and clip-and-noise call the drop-ins share).
@@ -44,11 +47,13 @@ from .data import PoissonBatchSampler, collate_with_empty
 from .engine import DPOptimizer, PrivacyEngine, PrivateModule
 from .fix import fix_batchnorm
 from .losses import TokenCrossEntropyLoss, per_sample_token_loss
+from .memory import BatchMemoryManager
 from .layers import Call, factored_or_instantiated, register_layer
 from .optimizer import FusedDPOptimizer
 from .ranks import DistributedPoissonBatchSampler
 
-__all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule", "GhostClipper", "FusedDPOptimizer",
+__all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule", "BatchMemoryManager",
+           "GhostClipper", "FusedDPOptimizer",
            "register_layer", "Call", "factored_or_instantiated", "fix_batchnorm",
            "PoissonBatchSampler", "DistributedPoissonBatchSampler", "collate_with_empty",
            "TokenCrossEntropyLoss", "per_sample_token_loss"]

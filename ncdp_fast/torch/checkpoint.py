@@ -179,6 +179,13 @@ def save(engine, *, path, module, optimizer=None, noise_scheduler=None,
          torch_save_kwargs=None) -> None:
     run = _run(engine, "save_checkpoint")
     _check_targets(run, module, optimizer, noise_scheduler, grad_clip_scheduler)
+    if run.clipper._accumulated:
+        # The clipped sums of the logical batch's earlier physical batches are
+        # not in the file: a resumed run would noise that logical batch without them.
+        raise ValueError("save_checkpoint: expected a checkpoint between logical steps, got one "
+                         "inside a logical batch (BatchMemoryManager: physical batches "
+                         "accumulated, its step not taken yet); save after a step that was not "
+                         "skipped (optimizer._is_last_step_skipped is False)")
     extra = _kwargs(checkpoint_dict, "checkpoint_dict")
     clash = sorted(set(extra) & set(_RESERVED))
     if clash:

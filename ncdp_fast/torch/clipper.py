@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._clip import GhostBlock, LayersClipResult
+from .._clip import GhostBlock, LayersClipResult, clip_and_noise_layers
 from .._validate import check_bool, check_choice, check_int, check_positive
 from .attention import attention_forward, check_attention
 from .coupling import batch_dim_hooks, refuse_batch_mixing
@@ -65,6 +65,9 @@ class _Tap:
     rule: object
     params: dict                    # relative name -> Parameter (trainable only)
     records: list = field(default_factory=list)
+    # A weight shared with an earlier layer: relative name -> the full name of
+    # the use that owns it (its one entry, bound, noise range and .grad).
+    alias: dict = field(default_factory=dict)
     recording: bool = False
     saved: tuple | None = None      # requires_grad as the user left it, during a forward
     active: frozenset | None = None  # names trainable at this step's forwards
@@ -72,6 +75,11 @@ class _Tap:
     batch: int | None = None
     batch_first: bool = True        # the layout of its inputs and output (layout.py)
     layout: str = ""                # where that layout comes from, for errors
+
+    @property
+    def owned(self) -> dict:
+        """Its parameters less the weights another layer owns."""
+        return {n: p for n, p in self.params.items() if n not in self.alias}
 
     @property
     def half(self) -> bool:
@@ -114,8 +122,18 @@ class GhostClipper(ClippedGaussianStep):
     unmodified), and any type given a rule with
     :func:`ncdp_fast.torch.register_layer`.  Frozen parameters cost nothing;
     a trainable parameter of another type, a batch norm anywhere (use
-    :func:`fix_batchnorm`), or a parameter shared by two layers raises at
-    construction.  A layer may run several times in one forward.
+    :func:`fix_batchnorm`), a bias or attention parameter shared by two
+    layers, or a module used twice under two names raises at construction.
+    A layer may run several times in one forward.
+
+    Tied weights: a ``weight`` shared by several supported layers (an
+    embedding tied to the output ``nn.Linear`` of a language model) is one
+    parameter: each sample's gradient of it is the sum over its uses, so its
+    norm includes the cross terms between them.  Each use's per-sample
+    gradient is instantiated, (B, *weight.shape) per layer (an embedding's
+    B*V*D: its ghost form cannot give the cross terms), summed into one block
+    of B*prod(shape) values; it is listed, bounded, noised and written once,
+    under the name of its first layer.
 
     Precision: a float32/float64 parameter's private gradient is computed in
     its dtype; a float16/bfloat16 one's from its layer's tensors upcast to
@@ -184,7 +202,9 @@ class GhostClipper(ClippedGaussianStep):
         self.clipping = clipping
         self.taps = self._find_layers(model)
         self._set_layouts(model)
-        self.param_names = [f"{t.name}.{n}" if t.name else n for t in self.taps for n in t.params]
+        self.param_names = [f"{t.name}.{n}" if t.name else n for t in self.taps for n in t.owned]
+        # Parameters used by several layers: each use's blocks instantiated.
+        self._tied = {id(t.params[n]) for t in self.taps for n in t.alias}
         self.layer_norms = self._layer_bounds(max_grad_norm, clipping)
         total = max_grad_norm if clipping == "flat" else math.sqrt(
             sum(c * c for c in self.layer_norms))
@@ -192,7 +212,7 @@ class GhostClipper(ClippedGaussianStep):
                          expected_batch_size=expected_batch_size,
                          loss_reduction=loss_reduction, seed=seed, offset=offset,
                          nan_policy=nan_policy, group=group,
-                         params=[p for t in self.taps for p in t.params.values()],
+                         params=[p for t in self.taps for p in t.owned.values()],
                          config={"clipping": clipping, "parameters": self.param_names,
                                  "layer_norms": self.layer_norms})
         # A leaf that requires grad, so that a layer's output enters the graph
@@ -212,6 +232,9 @@ class GhostClipper(ClippedGaussianStep):
         self._handles += batch_dim_hooks(model, self.batch_first)
         self._forwards = []
         self._released = ReleasedGrads()
+        # Parameter name -> clipped sum of the logical batch's earlier physical
+        # batches (accumulate_), noised once by the next privatize_.
+        self._accumulated: dict[str, torch.Tensor] = {}
         # All of the model's parameters, frozen ones included (one unfrozen later
         # must not step raw); listed once, a module traversal per step costs
         # more than the check itself.
@@ -222,7 +245,7 @@ class GhostClipper(ClippedGaussianStep):
         # penalty in the loss), a term the rule never sees.
         self._outside: dict[str, str] = {}
         for tap in self.taps:
-            for n, p in tap.params.items():
+            for n, p in tap.owned.items():
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     self._outside_hook(f"{tap.name}.{n}" if tap.name else n, tap)))
         for tap in self.taps:
@@ -284,23 +307,36 @@ class GhostClipper(ClippedGaussianStep):
     def _find_layers(model: nn.Module) -> list[_Tap]:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        owner: dict[int, str] = {}
+        owner: dict[int, tuple] = {}     # id -> (full name, a direct weight of a plain layer)
         taps, seen = [], set()
         composite = set()            # modules whose parameters a composite layer owns
         for name, module in model.named_modules(remove_duplicate=False):
             refuse_batch_mixing(name, module)
             if id(module) in composite:
                 continue
-            params = {}
-            own = module.named_parameters(recurse=isinstance(module, nn.MultiheadAttention))
+            if id(module) in seen:
+                raise ValueError(f"GhostClipper: layer {name!r} appears twice in the model "
+                                 "(shared modules are not supported)")
+            params, alias = {}, {}
+            composite_layer = isinstance(module, nn.MultiheadAttention)
+            own = module.named_parameters(recurse=composite_layer)
             for pname, p in own:
                 full = f"{name}.{pname}" if name else pname
                 if not p.requires_grad:
                     continue
+                plain = pname == "weight" and not composite_layer
                 if id(p) in owner:
-                    raise ValueError(f"GhostClipper: parameter {full!r} is shared with "
-                                     f"{owner[id(p)]!r} (tied weights are not supported)")
-                owner[id(p)] = full
+                    first, first_plain = owner[id(p)]
+                    if not (plain and first_plain):
+                        raise ValueError(
+                            f"GhostClipper: parameter {full!r} is shared with {first!r}; "
+                            "expected only the `weight` of layers outside "
+                            "nn.MultiheadAttention to be shared (an embedding tied to the "
+                            "output Linear), got a shared bias or attention parameter. Tie "
+                            "the weights only, or give each layer its own parameter")
+                    alias[pname] = first
+                else:
+                    owner[id(p)] = (full, plain)
                 params[pname] = p
             if isinstance(module, nn.MultiheadAttention):
                 composite.update(id(m) for m in module.modules() if m is not module)
@@ -332,12 +368,9 @@ class GhostClipper(ClippedGaussianStep):
                     f"GhostClipper: trainable parameter(s) {shown} belong to "
                     f"{type(module).__name__}, which has no per-sample gradient rule; freeze "
                     "them, or register one with ncdp_fast.torch.register_layer")
-            if id(module) in seen:
-                raise ValueError(f"GhostClipper: layer {name!r} appears twice in the model "
-                                 "(shared modules are not supported)")
             refuse_unsupported(name, module)
             seen.add(id(module))
-            taps.append(_Tap(name, module, rule, params))
+            taps.append(_Tap(name, module, rule, params, alias=alias))
         if not taps:
             raise ValueError("GhostClipper: the model has no trainable parameter")
         return taps
@@ -506,10 +539,39 @@ class GhostClipper(ClippedGaussianStep):
             raise RuntimeError(f"GhostClipper: the rule of {type(tap.module).__name__} "
                                f"({tap.name!r}) returned blocks for {covered}, expected each "
                                f"of {sorted(trainable)} once")
-        tap.blocks = [(names, self._cast(tap, names, block)) for names, block in got]
+        tap.blocks = self._instantiate_tied(
+            tap, [(names, self._cast(tap, names, block)) for names, block in got], batch)
         tap.batch = batch
         for rec in tap.records:
             rec.inputs = rec.grad = None
+
+    def _instantiate_tied(self, tap: _Tap, blocks: list, batch: int) -> list:
+        """A shared weight's block as its dense per-sample gradient (B, *shape):
+        the uses' blocks are summed sample by sample before any norm (a ghost
+        norm per use would leave out the cross terms between uses)."""
+        out = []
+        for names, block in blocks:
+            p = tap.params[names[0]]
+            if id(p) not in self._tied:
+                out.append((names, block))
+            elif isinstance(block, tuple):
+                a, g, bias = block
+                out.append(((names[0],), torch.bmm(g.transpose(1, 2), a).reshape(batch, *p.shape)))
+                if bias:
+                    out.append(((names[1],), g.sum(1)))
+            elif isinstance(block, torch.Tensor):
+                out.append((names, block.reshape(batch, *p.shape)))
+            else:
+                # A ghost block only gives sums over samples: sample i's rows
+                # are its clipped sum with factor 1 for i and 0 for the rest,
+                # exact (each row is multiplied by 1.0 or dropped). B calls.
+                one = torch.eye(batch, dtype=torch.float64, device=block.sq_norms.device)
+                rows = [torch.as_tensor(block.clipped_sum(one[i])).reshape(p.shape)
+                        for i in range(batch)]
+                dtype = accumulation_dtype(p.dtype)
+                out.append((names, torch.stack(rows).to(dtype) if rows else
+                            p.new_zeros((0, *p.shape), dtype=dtype)))
+        return out
 
     def _forward_hook(self, tap: _Tap):
         def hook(module, inputs, output):
@@ -596,13 +658,30 @@ class GhostClipper(ClippedGaussianStep):
         return batch
 
     def _entries(self, batch: int):
-        """[(tap, names, block)] in layer order; a layer unused this step adds pure noise."""
+        """[(tap, names, block)] in layer order; a layer unused this step adds pure
+        noise.  A shared weight has one entry, at its first layer: the sum of
+        its uses' per-sample gradients (B, *shape)."""
+        uses: dict[int, list] = {}
+        for tap in self.taps:
+            for names, block in tap.blocks or ():
+                if id(tap.params[names[0]]) in self._tied:
+                    uses.setdefault(id(tap.params[names[0]]), []).append(block)
+
+        def summed(p):
+            blocks = uses[id(p)]
+            total = blocks[0]
+            for b in blocks[1:]:
+                total = total + b        # no stacked copy of all uses
+            return total
         entries = []
         for tap in self.taps:
             if tap.blocks is None:
                 trainable = tap.trainable()
                 for n, p in tap.params.items():
-                    if n not in trainable:
+                    if n in tap.alias or (n not in trainable and id(p) not in uses):
+                        continue
+                    if id(p) in uses:
+                        entries.append((tap, (n,), summed(p)))
                         continue
                     dtype = accumulation_dtype(p.dtype)
                     zeros = p.new_zeros(p.shape, dtype=dtype)
@@ -611,7 +690,12 @@ class GhostClipper(ClippedGaussianStep):
                                        dtype=dtype)
                     entries.append((tap, (n,), block))
             else:
-                entries += [(tap, names, block) for names, block in tap.blocks]
+                for names, block in tap.blocks:
+                    p = tap.params[names[0]]
+                    if id(p) not in self._tied:
+                        entries.append((tap, names, block))
+                    elif names[0] not in tap.alias:
+                        entries.append((tap, names, summed(p)))
         return entries
 
     @staticmethod
@@ -634,9 +718,10 @@ class GhostClipper(ClippedGaussianStep):
                 "this step)")
         return block
 
-    def _per_layer(self, entries, grad_scale):
+    def _per_layer(self, entries, grad_scale, noise=True):
         """Each parameter on its own bound; one clip call per parameter, each taking
-        the next range of the stream."""
+        the next range of the stream (``noise=False``: clipped sums only, no
+        draw, no step counted)."""
         split = []
         for tap, names, block in entries:
             if isinstance(block, tuple) and len(names) == 2:
@@ -645,9 +730,12 @@ class GhostClipper(ClippedGaussianStep):
             else:
                 split.append((tap, names, block))
         bounds = dict(zip(self.param_names, self.layer_norms))
-        results = [self._clip_and_noise([block], grad_scale, count=False,
-                                        max_norm=bounds[f"{t.name}.{n[0]}" if t.name else n[0]])
+        clip = self._clip_and_noise if noise else self._clip_only
+        results = [clip([block], grad_scale, count=False,
+                        max_norm=bounds[f"{t.name}.{n[0]}" if t.name else n[0]])
                    for t, n, block in split]
+        if not noise:
+            return results, split
         self._steps += 1
         first = results[0]
         sq = sum(torch.as_tensor(r.norms, dtype=torch.float64) ** 2 for r in results)
@@ -678,7 +766,7 @@ class GhostClipper(ClippedGaussianStep):
         if not self._uncaptured_grads:
             return
         params = {f"{t.name}.{n}" if t.name else n: p for t in self.taps
-                  for n, p in t.params.items()}
+                  for n, p in t.owned.items()}
         # A gradient zeroed since (zero_grad) is gone: only one still held counts.
         held = [n for n in self.param_names
                 if n in self._uncaptured_grads and params[n].grad is not None]
@@ -726,6 +814,83 @@ class GhostClipper(ClippedGaussianStep):
             "parameter to train, unfrozen; to leave one untrained, freeze it "
             "(requires_grad_(False)) and set its .grad to None")
 
+    def _clip_only(self, blocks, grad_scale, max_norm=None, count=False) -> LayersClipResult:
+        """Clipped sum of ``blocks`` without noise and without the mean's division:
+        the share of one physical batch in a logical step.  Noise std 0 adds
+        exactly 0, so a throwaway key from the OS serves (seed=None: no ledger
+        entry); the clipper's own stream is left for the step's single noise."""
+        return clip_and_noise_layers(
+            blocks, max_norm=self.max_grad_norm if max_norm is None else max_norm,
+            noise_multiplier=0.0, seed=None, reduction="sum",
+            nan_policy=self.nan_policy, grad_scale=grad_scale)
+
+    def _step_entries(self, optimizer):
+        """The checks before a step or an accumulation (nothing written or drawn
+        if one fails): ``(entries, grad_scale)``."""
+        if not any(p.requires_grad for t in self.taps for p in t.params.values()):
+            raise RuntimeError(
+                "GhostClipper: every parameter it privatizes has been frozen since it was "
+                f"built ({self.param_names}); nothing would be trained. Unfreeze some, or "
+                "skip the step")
+        self._refuse_uncaptured()
+        batch = self._batch_size()
+        self._refuse_outside_terms()
+        entries = self._entries(batch)
+        self._refuse_foreign({id(tap.params[n]) for tap, names, _ in entries for n in names},
+                             optimizer)
+        if self._accumulated:
+            now = {f"{tap.name}.{n}" if tap.name else n for tap, names, _ in entries
+                   for n in names}
+            if now != set(self._accumulated):
+                raise RuntimeError(
+                    "GhostClipper: the trainable parameters changed within one logical batch "
+                    f"(accumulated: {sorted(self._accumulated)}, now: {sorted(now)}); freeze "
+                    "or unfreeze parameters between logical steps, or discard_accumulated()")
+        # The output gradients of a batch-mean loss are each sample's own divided
+        # by the batch size: the op multiplies back (on the (B,) norms and factors).
+        scale = float(batch) if self.loss_reduction == "mean" and batch else 1.0
+        return entries, scale
+
+    def accumulate_(self, optimizer=None) -> None:
+        """Clip this physical batch's samples and add their clipped sum to the
+        logical batch's accumulator, without noise: the next :meth:`privatize_`
+        adds it to its own batch's sum before noising once.  Same refusals as
+        :meth:`privatize_` (nothing accumulated if one fails); no ``.grad`` is
+        written, nothing drawn from the stream, no step counted.
+
+        Privacy meaning: the physical batches of one logical (Poisson) batch
+        hold disjoint samples, so each sample's whole gradient is clipped at
+        ``max_grad_norm`` in exactly one of them and the logical step stays one
+        Gaussian mechanism of sensitivity ``max_grad_norm``.  With a
+        mean-reduced loss the physical batch's mean is undone by its realized
+        size, and the step divides by ``expected_batch_size`` (the logical
+        one) once."""
+        if self.group is not None:
+            raise ValueError(
+                "GhostClipper: accumulate_ (a skipped step, BatchMemoryManager) with group=: "
+                "expected one process; the ranks' shards of a logical batch split into "
+                "different numbers of physical batches, so their steps would not pair. Train "
+                "across ranks without BatchMemoryManager, or with a smaller logical batch")
+        entries, scale = self._step_entries(optimizer)
+        if self.clipping == "flat":
+            grads = self._clip_only([block for _, _, block in entries], scale).grads
+        else:
+            results, entries = self._per_layer(entries, scale, noise=False)
+            grads = [r.grads[0] for r in results]
+        for (tap, names, _), grad in zip(entries, grads):
+            parts = grad if isinstance(grad, tuple) else (grad,)
+            for n, g in zip(names, parts):
+                name = f"{tap.name}.{n}" if tap.name else n
+                g = g.view(tap.params[n].shape)
+                held = self._accumulated.get(name)
+                self._accumulated[name] = g if held is None else held.add_(g)
+        self.clear()
+
+    def discard_accumulated(self) -> None:
+        """Drop the clipped sums accumulated since the last :meth:`privatize_`
+        (a logical batch left unfinished: nothing of it is released)."""
+        self._accumulated.clear()
+
     def privatize_(self, optimizer=None) -> LayersClipResult:
         """Overwrite every trainable ``p.grad`` with its private gradient and forget
         the recorded tensors.  Returns the clip result (per-sample norms over
@@ -738,21 +903,12 @@ class GhostClipper(ClippedGaussianStep):
         another parameter of the model (as it was at construction) or of
         ``optimizer`` (the torch optimizer about to step: pass it, so that a
         parameter it holds outside the model is checked too; ``DPOptimizer``
-        does) other than one this clipper released."""
-        if not any(p.requires_grad for t in self.taps for p in t.params.values()):
-            raise RuntimeError(
-                "GhostClipper: every parameter it privatizes has been frozen since it was "
-                f"built ({self.param_names}); nothing would be trained. Unfreeze some, or "
-                "skip the step")
-        self._refuse_uncaptured()
-        batch = self._batch_size()
-        self._refuse_outside_terms()
-        entries = self._entries(batch)
-        self._refuse_foreign({id(tap.params[n]) for tap, names, _ in entries for n in names},
-                             optimizer)
-        # The output gradients of a batch-mean loss are each sample's own divided
-        # by the batch size: the op multiplies back (on the (B,) norms and factors).
-        scale = float(batch) if self.loss_reduction == "mean" and batch else 1.0
+        does) other than one this clipper released.
+
+        After :meth:`accumulate_` calls, the accumulated clipped sums are added
+        before the noise's division (one noise for the logical batch);
+        ``last_result`` then describes this call's physical batch only."""
+        entries, scale = self._step_entries(optimizer)
         if self.clipping == "flat":
             result = self._clip_and_noise([block for _, _, block in entries], scale)
         else:
@@ -762,9 +918,19 @@ class GhostClipper(ClippedGaussianStep):
             parts = grad if isinstance(grad, tuple) else (grad,)
             for n, g in zip(names, parts):
                 p = tap.params[n]
+                g = g.view(p.shape)
+                held = self._accumulated.get(f"{tap.name}.{n}" if tap.name else n)
+                if held is not None:
+                    # The op returned inv * (S_last + noise); the earlier physical
+                    # batches' clipped sums take the same division.
+                    inv = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" \
+                        else 1.0
+                    g = g.add_(held, alpha=inv)
                 # A half parameter's gradient was summed and noised in float32:
                 # rounded here, once.
-                writes.append((tap, n, p, g.view(p.shape).to(p.dtype)))
+                writes.append((tap, n, p, g.to(p.dtype)))
+        # Spent with this step's noise, whether it is written or refused.
+        self._accumulated.clear()
         self._refuse_overflow(writes)
         for _, _, p, g in writes:
             p.grad = g

@@ -9,7 +9,7 @@ from .._validate import check_int
 from .checkpoint import ResumesPass
 from .mechanism import UsesNoiseStream
 
-__all__ = ["PoissonBatchSampler", "collate_with_empty"]
+__all__ = ["PoissonBatchSampler", "collate_with_empty", "loader_settings"]
 
 
 class PoissonBatchSampler(ResumesPass, UsesNoiseStream):
@@ -28,6 +28,9 @@ class PoissonBatchSampler(ResumesPass, UsesNoiseStream):
         self.n, self.sample_rate, self.batches = n, sample_rate, check_int(steps, "steps", 0)
         self._init_stream(seed, offset)
         poisson_batches(n, sample_rate=sample_rate, steps=0, seed=self._stream)  # validate
+        # Called as each pass begins (the optimizer ends a logical batch left
+        # unfinished, which must not be noised with a batch of the new pass).
+        self._pass_hooks: list = []
 
     @property
     def steps(self) -> int:
@@ -38,6 +41,8 @@ class PoissonBatchSampler(ResumesPass, UsesNoiseStream):
         return self.batches
 
     def __iter__(self):
+        for hook in self._pass_hooks:
+            hook()
         self._steps += 1
         for batch in self._pass(self.n):
             yield batch.tolist()
@@ -74,3 +79,19 @@ def collate_with_empty(dataset, collate_fn=None):
     tensors (shape (0, *item_shape) for every field), the shapes and dtypes being
     read once from ``dataset[0]`` (shapes are public; no value is used)."""
     return _CollateWithEmpty(dataset, collate_fn)
+
+
+def loader_settings(data_loader) -> dict:
+    """The DataLoader keyword arguments a loader rebuilt around another batch
+    sampler keeps from ``data_loader`` (workers, memory pinning, timeout,
+    multiprocessing context, prefetching).  Not its ``generator``: the Poisson
+    batches are drawn from the noise stream.  ``prefetch_factor`` only with
+    workers, where torch accepts it."""
+    settings = dict(num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory,
+                    worker_init_fn=data_loader.worker_init_fn,
+                    persistent_workers=data_loader.persistent_workers,
+                    timeout=data_loader.timeout,
+                    multiprocessing_context=data_loader.multiprocessing_context)
+    if data_loader.num_workers > 0:
+        settings["prefetch_factor"] = data_loader.prefetch_factor
+    return settings

@@ -3,6 +3,8 @@ accountants.  Swapping ``from opacus import PrivacyEngine`` for ``from
 ncdp_fast.torch import PrivacyEngine`` is the whole migration of a training loop."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -16,7 +18,7 @@ from .fix import fix_batchnorm
 from .coupling import CheckedCriterion
 from .mechanism import CheckpointsNoise
 from ..distributed._group import resolve_group
-from .data import PoissonBatchSampler, collate_with_empty
+from .data import PoissonBatchSampler, collate_with_empty, loader_settings
 from .ranks import DistributedPoissonBatchSampler, agree_stream
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule"]
@@ -59,7 +61,15 @@ class DPOptimizer(CheckpointsNoise):
     gradient by the clipper's private one (one Gaussian mechanism over the
     batch), records the step with the engine's accountant, then steps the
     wrapped optimizer.  Attributes as Opacus's DPOptimizer: ``noise_multiplier``,
-    ``max_grad_norm``, ``expected_batch_size``, ``original_optimizer``."""
+    ``max_grad_norm``, ``expected_batch_size``, ``original_optimizer``.
+
+    Opacus's skip-step protocol (what its ``BatchMemoryManager`` and ours
+    drive): each :meth:`signal_skip_step` queues one decision for one future
+    ``step()``; a skipped step clips its physical batch's samples and adds
+    their clipped sum to the logical batch's (``GhostClipper.accumulate_``),
+    writes no gradient, draws no noise, records nothing, and returns None; the
+    next step that is not skipped noises the whole logical batch once and is
+    the one step the accountant records."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, clipper: GhostClipper, on_step,
                  samplers=()):
@@ -68,6 +78,46 @@ class DPOptimizer(CheckpointsNoise):
         self._on_step = on_step
         # Samplers that share the clipper's stream (make_private's Poisson loader).
         self._samplers = list(samplers)
+        # A queue, not a flag: a loader with workers runs its batch sampler ahead
+        # of the loop, signalling for batches not yet trained on.
+        self._step_skip_queue: list[bool] = []
+        self._is_last_step_skipped = False
+        for sampler in self._samplers:
+            hooks = getattr(sampler, "_pass_hooks", None)
+            if hooks is not None:
+                hooks.append(self._new_pass)
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Queue whether the next unqueued ``step()`` only accumulates (Opacus's
+        protocol: True for every physical batch of a logical batch but its last)."""
+        self._step_skip_queue.append(check_bool(do_skip, "do_skip"))
+
+    def _check_skip_next_step(self, pop_next: bool = True) -> bool:
+        """Whether the next ``step()`` is skipped (False when nothing is queued);
+        ``pop_next`` consumes the decision."""
+        if not self._step_skip_queue:
+            return False
+        return self._step_skip_queue.pop(0) if pop_next else self._step_skip_queue[0]
+
+    def _new_pass(self) -> None:
+        """A pass of the Poisson loader begins: a logical batch still open was
+        left (Opacus's BatchMemoryManager loop ended early has no exit to
+        close it).  Its clipped sums would be noised with a batch of this pass,
+        one step for two Poisson batches (a sample in both counted twice)."""
+        if self._step_skip_queue or self.clipper._accumulated:
+            warnings.warn(
+                "DPOptimizer: a pass of the private loader began inside a logical batch (a "
+                "BatchMemoryManager loop left early?); its clipped sums and "
+                f"{len(self._step_skip_queue)} queued skip decision(s) are discarded: never "
+                "released, not accounted", RuntimeWarning, stacklevel=3)
+            self._end_logical_batches()
+
+    def _end_logical_batches(self) -> None:
+        """Forget queued decisions and any unfinished logical batch (a loop left
+        early): nothing of it was released, so nothing is accounted."""
+        self._step_skip_queue.clear()
+        self._is_last_step_skipped = False
+        self.clipper.discard_accumulated()
 
     # Settable (Opacus's noise schedulers assign it); the clipper checks the
     # value, and each later step is noised and accounted at it.
@@ -90,9 +140,18 @@ class DPOptimizer(CheckpointsNoise):
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        # The decision is consumed only once the step went through: a refused
+        # step leaves the queue as it was.
+        if self._check_skip_next_step(pop_next=False):
+            self.clipper.accumulate_(self.original_optimizer)
+            self._check_skip_next_step()
+            self._is_last_step_skipped = True
+            return None
         # The wrapped optimizer's parameters are checked too: one added by
         # add_param_group, or never in the model, would otherwise step raw.
         self.clipper.privatize_(self.original_optimizer)
+        self._check_skip_next_step()
+        self._is_last_step_skipped = False
         self._on_step()
         return self.original_optimizer.step()
 
@@ -199,10 +258,7 @@ class PrivacyEngine:
                                                      seed=seed, group=group)
         loader = DataLoader(dataset, batch_sampler=sampler,
                             collate_fn=collate_with_empty(dataset, data_loader.collate_fn),
-                            num_workers=data_loader.num_workers,
-                            pin_memory=data_loader.pin_memory,
-                            worker_init_fn=data_loader.worker_init_fn,
-                            persistent_workers=data_loader.persistent_workers)
+                            **loader_settings(data_loader))
         return loader, sample_rate, n
 
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,

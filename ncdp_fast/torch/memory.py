@@ -1,0 +1,110 @@
+"""BatchMemoryManager: large logical (Poisson) batches trained in physical
+batches of bounded size, one private step per logical batch (Opacus's
+``opacus.utils.batch_memory_manager`` on ncdp_fast's optimizer)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from torch.utils.data import DataLoader
+
+from .._validate import check_pos_int
+from .data import PoissonBatchSampler, loader_settings
+
+__all__ = ["BatchMemoryManager"]
+
+
+class _SplittingSampler:
+    """Each logical batch of ``sampler`` as ``ceil(len / max_size)`` chunks of
+    near-equal size (Opacus's ``np.array_split``, so both managers train the same
+    chunks), signalling ``optimizer`` to skip the step of every chunk but the
+    last.  An empty logical batch is one empty chunk and one step (its noise)."""
+
+    def __init__(self, sampler, max_size: int, optimizer):
+        self.sampler, self.max_size, self.optimizer = sampler, max_size, optimizer
+
+    def __len__(self) -> int:
+        # Opacus's estimate (the count is random): chunks of the expected batch.
+        expected = self.sampler.sample_rate * self.sampler.n
+        return math.ceil(len(self.sampler) * expected / self.max_size)
+
+    def __iter__(self):
+        for batch in self.sampler:
+            if not batch:
+                self.optimizer.signal_skip_step(do_skip=False)
+                yield []
+                continue
+            chunks = np.array_split(batch, math.ceil(len(batch) / self.max_size))
+            for chunk in chunks[:-1]:
+                self.optimizer.signal_skip_step(do_skip=True)
+                yield chunk.tolist()
+            self.optimizer.signal_skip_step(do_skip=False)
+            yield chunks[-1].tolist()
+
+
+class BatchMemoryManager:
+    """Opacus's ``BatchMemoryManager(data_loader=, max_physical_batch_size=,
+    optimizer=)``: a context manager yielding a DataLoader of physical batches
+    of at most ``max_physical_batch_size`` samples, each Poisson logical batch
+    of ``data_loader`` split into consecutive physical batches.
+
+    The loop is unchanged (forward, backward, ``optimizer.step()``,
+    ``optimizer.zero_grad()`` per physical batch): the optimizer clips every
+    physical batch's samples and accumulates their clipped sum, and the step of
+    a logical batch's last physical batch noises the whole logical batch once
+    (one accountant step).  An empty logical batch is one empty physical batch
+    and one noise-only step.  Activation memory is that of a physical batch;
+    the accumulator is one parameter-sized tensor per trainable parameter.
+
+    ``data_loader`` and ``optimizer`` must come from the same
+    ``PrivacyEngine.make_private`` (one process, no ``group=``).  Leaving the
+    context (a loop ended early, an exception) discards an unfinished logical
+    batch: its clipped sums were never released, so nothing is accounted.
+
+    Privacy meaning: the physical batches of a logical batch hold disjoint
+    samples and are trained in order (the returned loader keeps ``in_order``),
+    so each logical step is the Gaussian mechanism of the one-batch step, its
+    sensitivity ``max_grad_norm``; the mean reduction divides by the logical
+    expected batch size.
+    """
+
+    def __init__(self, *, data_loader: DataLoader, max_physical_batch_size: int, optimizer):
+        from .engine import DPOptimizer
+        if not isinstance(optimizer, DPOptimizer):
+            raise TypeError(f"optimizer: expected the DPOptimizer returned by "
+                            f"ncdp_fast.torch.PrivacyEngine.make_private, got "
+                            f"{type(optimizer).__name__}")
+        if optimizer.clipper.group is not None:
+            raise ValueError(
+                "optimizer: expected a one-process DPOptimizer, got one made with group= "
+                "(ranks would split their shards of a logical batch into different numbers of "
+                "physical batches, and their steps would not pair); train across ranks "
+                "without BatchMemoryManager")
+        if not isinstance(data_loader, DataLoader):
+            raise TypeError(f"data_loader: expected the DataLoader returned by make_private, "
+                            f"got {type(data_loader).__name__}")
+        sampler = data_loader.batch_sampler
+        if not isinstance(sampler, PoissonBatchSampler) or \
+                not any(sampler is s for s in optimizer._samplers):
+            raise ValueError(
+                "data_loader: expected the Poisson loader returned by the same make_private "
+                f"call as the optimizer, got a loader whose batch sampler is "
+                f"{type(sampler).__name__} (another loader's batches are not the ones the "
+                "accountant records); pass make_private's data_loader")
+        self.data_loader = data_loader
+        self.optimizer = optimizer
+        self.max_physical_batch_size = check_pos_int(max_physical_batch_size,
+                                                     "max_physical_batch_size")
+
+    def __enter__(self) -> DataLoader:
+        loader = self.data_loader
+        # Not in_order=False: a logical batch's last chunk must be stepped after
+        # its others, else they would be noised with the next logical batch.
+        return DataLoader(loader.dataset,
+                          batch_sampler=_SplittingSampler(loader.batch_sampler,
+                                                          self.max_physical_batch_size,
+                                                          self.optimizer),
+                          collate_fn=loader.collate_fn, **loader_settings(loader))
+
+    def __exit__(self, *exc) -> None:
+        self.optimizer._end_logical_batches()

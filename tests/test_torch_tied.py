@@ -1,0 +1,260 @@
+"""Tied weights (issue 25): one Parameter used by several supported layers (the
+embedding of a language model tied to its output Linear; one Linear weight
+in two Linear layers) is one parameter of the private gradient.
+
+Oracle.  ``torch.func`` per-sample gradients of the model's parameters
+(``functional_call`` ties the shared weight, so its per-sample gradient is the
+sum over its uses); expected private gradient ``sum_i min(1, C/||g_i||) g_i /
+B`` with the norm over all parameters (tests/test_torch_layers.py's helpers).
+Tolerance: float64, relative 1e-10, as test_torch_layers.py (the clip factor's
+rounding margin is ~1e-15 there).  C lies between the two smallest per-sample
+norms, so every sample but one is clipped, and the factor moves the result by
+far more than the tolerance.
+"""
+import copy
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from ncdp_fast.torch import GhostClipper, PrivacyEngine  # noqa: E402
+
+from test_torch_layers import (F64, RTOL, assert_factor_matters, assert_grads_close,  # noqa: E402
+                               clipped_mean, flat_norms, low_bound, per_sample_grads,
+                               private_grads)
+
+V, D, T, B = 11, 6, 5, 6
+
+
+class TinyLM(nn.Module):
+    """Embedding(V, D) -> Linear(D, D) -> Linear(D, V), head tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.mid = nn.Linear(D, D)
+        self.head = nn.Linear(D, V)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.mid(self.emb(idx))))
+
+
+def lm_loss(call, idx, y, reduction="mean"):
+    """Token cross-entropy, mean over the tokens of each sample (and the batch)."""
+    logits = call(idx)
+    per_token = nn.functional.cross_entropy(logits.reshape(-1, V), y.reshape(-1),
+                                            reduction="none").reshape(y.shape)
+    per_sample = per_token.mean(1)
+    return per_sample.mean() if reduction == "mean" else per_sample.sum()
+
+
+def _lm(seed=0):
+    torch.manual_seed(seed)
+    return TinyLM().double()
+
+
+def _tokens(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+def _check(model, loss_one, batch):
+    ps = per_sample_grads(model, loss_one, batch)
+    C = low_bound(ps)
+    assert_factor_matters(ps, C, B, RTOL[F64])
+    work = copy.deepcopy(model)
+    got, res, clipper = private_grads(work, lambda m: loss_one(m, *batch), C=C, E=B)
+    assert res.num_clipped >= 1 and res.num_clipped < B
+    assert_grads_close(got, clipped_mean(ps, C, B), RTOL[F64])
+    assert torch.allclose(torch.as_tensor(res.norms, dtype=F64), flat_norms(ps),
+                          rtol=RTOL[F64], atol=0)
+    return ps, clipper
+
+
+def test_language_model_with_tied_head_equals_per_sample_clipping():
+    model = _lm()
+    idx, y = _tokens()
+    ps, clipper = _check(model, lm_loss, (idx, y))
+    # One parameter, listed once under its first layer.
+    assert clipper.param_names == ["emb.weight", "mid.weight", "mid.bias", "head.bias"]
+    assert list(ps) == ["emb.weight", "mid.weight", "mid.bias", "head.bias"]
+    # The cross terms between the two uses matter: the norm of the summed
+    # gradient is not the root of the uses' squared norms.
+    uses = {}
+    for part in ("emb", "head"):
+        frozen = copy.deepcopy(model)
+        for n, p in frozen.named_parameters():
+            p.requires_grad_(False)
+        # The gradient of one use alone: the weight as a fresh leaf in that use.
+        w = model.emb.weight.detach().clone()
+        other = nn.Parameter(w.clone(), requires_grad=False)
+        if part == "emb":
+            frozen.head.weight = other
+            frozen.emb.weight = nn.Parameter(w.clone())
+        else:
+            frozen.emb.weight = other
+            frozen.head.weight = nn.Parameter(w.clone())
+        uses[part] = per_sample_grads(frozen, lm_loss, (idx, y))[f"{part}.weight"]
+    assert torch.allclose(uses["emb"] + uses["head"], ps["emb.weight"], rtol=1e-12, atol=1e-15)
+    tied = ps["emb.weight"].reshape(B, -1).norm(dim=1)
+    apart = (uses["emb"].reshape(B, -1).norm(dim=1) ** 2
+             + uses["head"].reshape(B, -1).norm(dim=1) ** 2).sqrt()
+    assert float(((tied - apart).abs() / tied).min()) > 1e-3
+
+
+class TwoTied(nn.Module):
+    """One Linear weight used by two Linear layers (own biases)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _ce(call, x, y, reduction="mean"):
+    return nn.functional.cross_entropy(call(x), y, reduction=reduction)
+
+
+def test_two_linear_layers_sharing_a_weight_equal_per_sample_clipping():
+    torch.manual_seed(3)
+    model = TwoTied().double()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(B, 4, generator=g, dtype=F64)
+    y = torch.randint(0, 3, (B,), generator=g)
+    _, clipper = _check(model, _ce, (x, y))
+    assert clipper.param_names == ["a.weight", "a.bias", "b.bias", "out.weight", "out.bias"]
+
+
+def test_shared_linear_weight_on_sequences_in_the_instantiated_form():
+    """Inputs (B, 3, 4): 2 T^2 = 18 > K d = 16, so the Linear rule forms the
+    per-sample weight gradient itself (the (B, 4) case above is its ghost pair,
+    instantiated for the tie)."""
+    torch.manual_seed(5)
+    model = TwoTied().double()
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(B, 3, 4, generator=g, dtype=F64)
+    y = torch.randint(0, 3, (B, 3), generator=g)
+
+    def loss(call, x, y, reduction="mean"):
+        per_sample = nn.functional.cross_entropy(call(x).reshape(-1, 3), y.reshape(-1),
+                                                 reduction="none").reshape(y.shape).sum(1)
+        return per_sample.mean() if reduction == "mean" else per_sample.sum()
+    _check(model, loss, (x, y))
+
+
+def test_per_layer_clipping_gives_the_shared_weight_one_bound():
+    model = _lm()
+    idx, y = _tokens()
+    ps = per_sample_grads(model, lm_loss, (idx, y))
+    bounds = [0.05, 0.3, 0.2, 0.1]
+    work = copy.deepcopy(model)
+    got, _, clipper = private_grads(work, lambda m: lm_loss(m, idx, y), C=bounds, E=B,
+                                    clipping="per_layer")
+    expected = {}
+    for (name, g), c in zip(ps.items(), bounds):
+        f = (c / g.reshape(B, -1).norm(dim=1)).clamp(max=1.0)
+        assert float(f.min()) < 1.0
+        expected[name] = torch.einsum("i,i...->...", f, g) / B
+    assert_grads_close(got, expected, RTOL[F64])
+
+
+def test_noise_is_drawn_once_for_the_shared_weight():
+    model = _lm()
+    idx, y = _tokens()
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=B,
+                           seed=0, offset=0)
+    lm_loss(model, idx, y).backward()
+    clipper.privatize_()
+    assert clipper.offset == sum(p.numel() for p in model.parameters())  # shared counted once
+    assert model.head.weight.grad is model.emb.weight.grad
+
+
+def test_make_private_with_a_tied_language_model_equals_per_sample_clipping():
+    model = _lm()
+    idx, y = _tokens()
+    loader = DataLoader(TensorDataset(idx, y), batch_size=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pm, popt, ploader = PrivacyEngine().make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
+        max_grad_norm=0.05, seed=0)
+    assert pm.clipper.param_names == ["emb.weight", "mid.weight", "mid.bias", "head.bias"]
+    steps = 0
+    for xb, yb in ploader:
+        if xb.shape[0] == 0:
+            continue
+        oracle = _lm()                    # the clipper's hooks are on model
+        oracle.load_state_dict(model.state_dict())
+        ps = per_sample_grads(oracle, lm_loss, (xb, yb))
+        expected = clipped_mean(ps, 0.05, popt.expected_batch_size)
+        popt.zero_grad()
+        lm_loss(pm, xb, yb).backward()
+        popt.step()
+        got = {n: p.grad for n, p in model.named_parameters()}
+        assert_grads_close(got, expected, RTOL[F64])
+        steps += 1
+    assert steps >= 1 and model.head.weight is model.emb.weight
+
+
+def test_shared_bias_is_refused():
+    model = TwoTied()
+    model.b.bias = model.a.bias
+    with pytest.raises(ValueError, match=r"parameter 'b\.bias' is shared with 'a\.bias'.*weight"):
+        GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+
+
+def test_tied_use_outside_a_layer_stays_refused():
+    model = _lm()
+    idx, y = _tokens()
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=B,
+                           seed=0)
+    loss = lm_loss(model, idx, y) + nn.functional.linear(
+        model.mid(model.emb(idx)), model.emb.weight).square().mean()
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"'emb\.weight' \(Embedding\).*outside"):
+        clipper.privatize_()
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**31 - 1), C=st.floats(1e-3, 10.0))
+def test_every_clipped_contribution_of_the_tied_model_is_within_C(seed, C):
+    """Each sample's contribution (the private gradient of a batch holding only
+    it, sum reduction, no noise) has norm <= C (1 + 1e-12: float64 rounding)."""
+    model = _lm(seed % 1000)
+    idx, y = _tokens(seed)
+    clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=1,
+                           loss_reduction="sum", seed=0)
+    for i in range(2):
+        model.zero_grad()
+        lm_loss(model, idx[i:i + 1], y[i:i + 1], reduction="sum").backward()
+        clipper.privatize_()
+        norm = math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters()))
+        assert norm <= C * (1 + 1e-12)
+
+
+def test_physical_batches_of_a_tied_model_accumulate_to_the_logical_step():
+    """accumulate_ (BatchMemoryManager's skipped steps) on two physical batches,
+    privatize_ on the third: the clipped sum of the whole logical batch."""
+    model = _lm()
+    idx, y = _tokens()
+    ps = per_sample_grads(model, lm_loss, (idx, y))
+    C = low_bound(ps)
+    clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B,
+                           seed=0)
+    for lo, hi in ((0, 2), (2, 3), (3, B)):
+        lm_loss(model, idx[lo:hi], y[lo:hi]).backward()
+        if hi < B:
+            clipper.accumulate_()
+    clipper.privatize_()
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert_grads_close(got, clipped_mean(ps, C, B), RTOL[F64])
