@@ -116,6 +116,22 @@ def test_max_grad_norm_change_with_per_layer_clipping_is_refused():
     # Across ranks (group=): tests/test_torch_api.py, with noise_multiplier's test.
 
 
+def test_max_grad_norm_change_inside_a_logical_batch_is_refused():
+    """A physical batch accumulated (BatchMemoryManager's skipped step) was
+    clipped at the old bound; the logical step's noise must cover it."""
+    _, pm, popt, xb, yb = _setup()
+    F.cross_entropy(pm(xb), yb).backward()
+    pm.clipper.accumulate_(popt.original_optimizer)
+    popt.max_grad_norm = 1.0                # unchanged: allowed
+    with pytest.raises(ValueError, match=r"max_grad_norm: expected 1.0 until the logical "
+                                         r"batch's step .* got 0.5"):
+        popt.max_grad_norm = 0.5
+    assert popt.max_grad_norm == 1.0
+    pm.clipper.discard_accumulated()
+    popt.max_grad_norm = 0.5
+    assert popt.max_grad_norm == 0.5
+
+
 def test_opacus_grad_clip_schedulers_set_the_bound():
     schedulers = pytest.importorskip("opacus.schedulers")
     for make, expected in (

@@ -275,6 +275,14 @@ class GhostClipper(ClippedGaussianStep):
                 f"clipping='per_layer', bounds {self.layer_norms}), got {value!r}; a "
                 "grad-clip scheduler needs clipping='flat', or build again (make_private) "
                 "with the new per-layer bounds")
+        if self._accumulated and check_positive(value, "max_grad_norm") != self.max_grad_norm:
+            # The logical batch's earlier physical batches were clipped at the old
+            # bound: noise at a smaller new one would not cover their samples.
+            raise ValueError(
+                f"max_grad_norm: expected {self.max_grad_norm!r} until the logical batch's "
+                f"step (physical batches accumulated at it: BatchMemoryManager), got "
+                f"{value!r}; change it between logical steps (a grad-clip scheduler steps "
+                "per epoch), or discard_accumulated() first")
         ClippedGaussianStep.max_grad_norm.fset(self, value)
 
     # ------------------------------------------------------------ construction
