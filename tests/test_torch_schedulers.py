@@ -105,6 +105,28 @@ def test_bad_max_grad_norm_is_refused_and_changes_nothing(value, error, match):
     assert popt.max_grad_norm == 1.0
 
 
+def test_fused_optimizer_max_grad_norm_is_checked_and_clips_at_the_new_bound():
+    """FusedDPOptimizer shares the setter: checked (before, any value was
+    stored), and the next step clips at it."""
+    from ncdp_fast.torch import FusedDPOptimizer
+    lin = nn.Linear(3, 1, bias=False).double()
+    opt = FusedDPOptimizer(torch.optim.SGD(lin.parameters(), lr=0.0), noise_multiplier=0.0,
+                           max_grad_norm=1.0, expected_batch_size=None, loss_reduction="sum")
+    with pytest.raises(ValueError, match=r"max_grad_norm: expected a finite number > 0, "
+                                         r"got -2.0"):
+        opt.max_grad_norm = -2.0
+    opt.max_grad_norm = 0.25
+    lin.weight.grad_sample = torch.tensor([[[3.0, 0.0, 4.0]], [[0.0, 0.1, 0.0]]],
+                                          dtype=torch.float64)
+    opt.step()
+    # Norms 5 and 0.1: the second kept whole, the first scaled to norm 0.25, never
+    # above it (the factor's rounding margin: about 1e-15 relative plus a few
+    # float64 roundings, under 64 ulps).
+    first = lin.weight.grad[0] - torch.tensor([0.0, 0.1, 0.0], dtype=torch.float64)
+    assert first[1] == 0 and 0.25 * (1 - 64 * EPS64) <= first.norm() <= 0.25
+    assert abs(first[0] / first[2] - 0.75) <= 4 * EPS64
+
+
 def test_max_grad_norm_change_with_per_layer_clipping_is_refused():
     _, pm, popt, _, _ = _setup(clipping="per_layer", max_grad_norm=[0.5, 0.5, 0.5, 0.5])
     before = pm.clipper.max_grad_norm
