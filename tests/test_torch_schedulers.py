@@ -267,3 +267,22 @@ def test_scheduler_without_its_state_or_state_without_its_scheduler_is_refused(t
     with pytest.raises(TypeError, match=r"grad_clip_scheduler: expected a scheduler with "
                                         r"state_dict\(\)"):
         engine.save_checkpoint(path=without, module=pm, grad_clip_scheduler=object())
+
+
+def test_scheduled_sigma_and_bound_are_restored_together(tmp_path):
+    """Scheduled to sigma 1 and C 1e60 from make_private's 1e100 and 1: set one
+    at a time on load, C first would meet sigma 1e100 (a noise std of 1e160,
+    refused) after the module was written; both are checked, then set."""
+    engine, pm, popt, _ = _training(SEED, noise_multiplier=1e100)
+    scheds = _schedulers(popt)
+    popt.noise_multiplier = 1.0
+    popt.max_grad_norm = 1e60
+    path = tmp_path / "c.pt"
+    engine.save_checkpoint(path=path, module=pm, optimizer=popt, noise_scheduler=scheds[0],
+                           grad_clip_scheduler=scheds[1])
+    _stream._LEDGER.clear()
+    e, m, o, _ = _training(None, noise_multiplier=1e100)
+    s = _schedulers(o)
+    e.load_checkpoint(path=path, module=m, optimizer=o, noise_scheduler=s[0],
+                      grad_clip_scheduler=s[1])
+    assert (o.noise_multiplier, o.max_grad_norm) == (1.0, 1e60)

@@ -277,8 +277,12 @@ def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
                                                     "module_load_dict_kwargs"))
     if optimizer is not None:
         optimizer.original_optimizer.load_state_dict(ckpt[_OPTIMIZER])
-    for key in sorted(scheduled):          # the next step's sigma and C, as scheduled
-        setattr(run.clipper, key, saved[key])
+    # The next step's sigma and C, as scheduled; checked together above (through
+    # the setters one at a time, the first could meet the other's old value).
+    if "noise_multiplier" in scheduled:
+        run.clipper._noise_multiplier = float(saved["noise_multiplier"])
+    if "max_grad_norm" in scheduled:
+        run.clipper._max_grad_norm = float(saved["max_grad_norm"])
     for name, value in (("noise_scheduler", noise_scheduler),
                         ("grad_clip_scheduler", grad_clip_scheduler)):
         if value is not None:
