@@ -184,24 +184,27 @@ def test_bad_noise_multiplier_is_refused_and_changes_nothing(value, error, match
     assert pm.clipper.noise_multiplier == 1.0
 
 
-def _set_sigma_across_ranks(rank, world):
+def _set_across_ranks(rank, world, name):
     import torch.distributed as dist
     clipper = GhostClipper(nn.Linear(3, 2).double(), max_grad_norm=C, noise_multiplier=1.0,
                            expected_batch_size=4.0, group=dist.group.WORLD)
-    clipper.noise_multiplier = 1.0          # the value the ranks agreed on: allowed
+    agreed = getattr(clipper, name)
+    setattr(clipper, name, agreed)          # the value the ranks agreed on: allowed
     try:
-        clipper.noise_multiplier = 0.5
+        setattr(clipper, name, agreed / 2)
     except ValueError as e:
-        return str(e), clipper.noise_multiplier
-    return None, clipper.noise_multiplier
+        return str(e), getattr(clipper, name)
+    return None, getattr(clipper, name)
 
 
-def test_noise_multiplier_change_across_ranks_is_refused():
+@pytest.mark.parametrize("name, agreed", [("noise_multiplier", 1.0), ("max_grad_norm", C)])
+def test_noise_multiplier_or_bound_change_across_ranks_is_refused(name, agreed):
+    """noise_multiplier (noise schedulers) and max_grad_norm (grad-clip schedulers)."""
     pytest.importorskip("torch.distributed")
     from _distributed import spawn
-    message, sigma = spawn(_set_sigma_across_ranks, 1, timeout=90)[0]
-    assert sigma == 1.0
-    assert message.startswith("noise_multiplier: expected 1.0") and "group=" in message
+    message, value = spawn(_set_across_ranks, 1, name, timeout=90)[0]
+    assert value == agreed
+    assert message.startswith(f"{name}: expected {agreed}") and "group=" in message
 
 
 # --------------------------------------------------------------- compatibility

@@ -15,6 +15,8 @@ import torch
 from .. import privacy
 from .._mix import poisson_batches
 from .._stream import NoiseReuseWarning
+from .._validate import check_positive
+from . import mechanism as _mechanism    # imports this module: used at call time
 
 __all__ = ["ResumesPass", "save", "load"]
 
@@ -24,7 +26,11 @@ _ENGINE = "ncdp_engine"
 # Opacus's keys, so that a loop reading checkpoint["module_state_dict"] works.
 _MODULE, _OPTIMIZER, _ACCOUNTANT = ("module_state_dict", "optimizer_state_dict",
                                     "privacy_accountant_state_dict")
-_RESERVED = (_MODULE, _OPTIMIZER, _ACCOUNTANT, _ENGINE)
+# Opacus's keys for the schedulers' states.
+_SCHEDULERS = {"noise_scheduler": ("noise_scheduler_state_dict", "noise_multiplier"),
+               "grad_clip_scheduler": ("grad_clip_scheduler_state_dict", "max_grad_norm")}
+_RESERVED = (_MODULE, _OPTIMIZER, _ACCOUNTANT, _ENGINE) + tuple(
+    key for key, _ in _SCHEDULERS.values())
 
 
 class ResumesPass:
@@ -111,10 +117,53 @@ def _check_targets(run, module, optimizer, noise_scheduler, grad_clip_scheduler)
                          f"got {type(optimizer).__name__}")
     for name, value in (("noise_scheduler", noise_scheduler),
                         ("grad_clip_scheduler", grad_clip_scheduler)):
-        if value is not None:
-            raise ValueError(f"{name}: expected None, got {type(value).__name__}; the engine "
-                             "has no schedulers (noise_multiplier and max_grad_norm are fixed "
-                             "at make_private, and the accountant records them)")
+        if value is None:
+            continue
+        if not (callable(getattr(value, "state_dict", None))
+                and callable(getattr(value, "load_state_dict", None))):
+            raise TypeError(f"{name}: expected a scheduler with state_dict() and "
+                            f"load_state_dict() (opacus.schedulers), got {type(value).__name__}")
+        if getattr(value, "optimizer", None) is not run.optimizer:
+            raise ValueError(f"{name}: expected a scheduler of the DPOptimizer make_private "
+                             f"returned, got a {type(value).__name__} of another optimizer; "
+                             "its state would not be the schedule of this run")
+
+
+def _scheduler_state(scheduler) -> dict:
+    # A Lambda scheduler's function is code, like the model's: it is not stored
+    # (weights_only loading could not read it back); the scheduler the resumed
+    # run builds brings its own, and everything else is restored.
+    return {k: v for k, v in scheduler.state_dict().items() if not callable(v)}
+
+
+def _scheduled(run, ckpt, path, schedulers) -> set:
+    """The config keys a restored scheduler sets: the checkpoint's value (the
+    sigma or C of the next step) replaces make_private's. A scheduler passed
+    without a stored state, or a stored state without its scheduler, is
+    refused: either way the run would go on at a value its schedule did not
+    give."""
+    keys = set()
+    for name, value in schedulers.items():
+        key, attr = _SCHEDULERS[name]
+        stored = isinstance(ckpt, dict) and key in ckpt
+        if value is not None and not stored:
+            raise ValueError(f"{name}: expected None, since {path!r} holds no {key!r} "
+                             f"(save_checkpoint was given no {name}); the schedule's "
+                             f"{attr} of the checkpoint is unknown")
+        if value is None and stored:
+            raise ValueError(f"{name}: expected the run's scheduler, since {path!r} holds its "
+                             f"state {key!r}, got None; without it the run would go on at "
+                             f"make_private's {attr} instead of the scheduled one. Build the "
+                             "scheduler on the DPOptimizer make_private returned and pass it")
+        if stored and not isinstance(ckpt[key], dict):
+            raise ValueError(f"path: expected {key!r} as a dict in {path!r}, got "
+                             f"{type(ckpt[key]).__name__}")
+        # Only values the clipper lets change: a flat bound, one process.
+        settable = run.clipper.group is None and (
+            attr == "noise_multiplier" or run.clipper.clipping == "flat")
+        if stored and settable:
+            keys.add(attr)
+    return keys
 
 
 def _kwargs(value, name) -> dict:
@@ -148,6 +197,10 @@ def save(engine, *, path, module, optimizer=None, noise_scheduler=None,
     if optimizer is not None:
         # The stream goes once, under _ENGINE, whichever optimizer is passed.
         state[_OPTIMIZER] = optimizer.original_optimizer.state_dict()
+    for name, value in (("noise_scheduler", noise_scheduler),
+                        ("grad_clip_scheduler", grad_clip_scheduler)):
+        if value is not None:
+            state[_SCHEDULERS[name][0]] = _scheduler_state(value)
     state[_ACCOUNTANT] = engine.accountant.state_dict()
     state[_ENGINE] = {"format": _FORMAT, "version": _VERSION,
                       "accountant": engine.accountant_name,
@@ -200,7 +253,16 @@ def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
                          f"{engine.accountant_name!r}; create PrivacyEngine(accountant="
                          f"{eng.get('accountant')!r}) to resume it")
     saved, now = eng.get("config"), run.config(engine)
+    scheduled = _scheduled(run, ckpt, path, {"noise_scheduler": noise_scheduler,
+                                             "grad_clip_scheduler": grad_clip_scheduler})
+    if scheduled and isinstance(saved, dict):
+        # The scheduled values are checked as the setters check them, before any write.
+        c = check_positive(saved.get("max_grad_norm"), "max_grad_norm") \
+            if "max_grad_norm" in scheduled else run.clipper.max_grad_norm
+        _mechanism.check_noise_multiplier(saved.get("noise_multiplier"), c)
     for key, value in now.items():
+        if key in scheduled:
+            continue
         if not isinstance(saved, dict) or saved.get(key) != value:
             got = saved.get(key) if isinstance(saved, dict) else None
             raise ValueError(f"{key}: the checkpoint was taken with {key}={got!r}, this run "
@@ -215,6 +277,16 @@ def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
                                                     "module_load_dict_kwargs"))
     if optimizer is not None:
         optimizer.original_optimizer.load_state_dict(ckpt[_OPTIMIZER])
+    # The next step's sigma and C, as scheduled; checked together above (through
+    # the setters one at a time, the first could meet the other's old value).
+    if "noise_multiplier" in scheduled:
+        run.clipper._noise_multiplier = float(saved["noise_multiplier"])
+    if "max_grad_norm" in scheduled:
+        run.clipper._max_grad_norm = float(saved["max_grad_norm"])
+    for name, value in (("noise_scheduler", noise_scheduler),
+                        ("grad_clip_scheduler", grad_clip_scheduler)):
+        if value is not None:
+            value.load_state_dict(ckpt[_SCHEDULERS[name][0]])
     engine.accountant.load_state_dict(accountant.state_dict())
     engine._unbounded = bool(eng.get("unbounded"))
     run.clipper.load_noise_state(eng["noise"])

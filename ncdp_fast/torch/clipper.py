@@ -262,6 +262,29 @@ class GhostClipper(ClippedGaussianStep):
             self._handles.append(tap.module.register_forward_hook(
                 self._restore_hook(tap), always_call=True))
 
+    @ClippedGaussianStep.max_grad_norm.setter
+    def max_grad_norm(self, value) -> None:
+        # Per-layer bounds are fixed: scaling them with a new total would be
+        # one choice among many (Opacus's per-layer optimizer keeps clipping at
+        # its old bounds while its noise follows the new total), so a change
+        # is refused rather than guessed.
+        if self.clipping == "per_layer" and check_positive(value, "max_grad_norm") != \
+                self.max_grad_norm:
+            raise ValueError(
+                f"max_grad_norm: expected {self.max_grad_norm!r} (fixed with "
+                f"clipping='per_layer', bounds {self.layer_norms}), got {value!r}; a "
+                "grad-clip scheduler needs clipping='flat', or build again (make_private) "
+                "with the new per-layer bounds")
+        if self._accumulated and check_positive(value, "max_grad_norm") != self.max_grad_norm:
+            # The logical batch's earlier physical batches were clipped at the old
+            # bound: noise at a smaller new one would not cover their samples.
+            raise ValueError(
+                f"max_grad_norm: expected {self.max_grad_norm!r} until the logical batch's "
+                f"step (physical batches accumulated at it: BatchMemoryManager), got "
+                f"{value!r}; change it between logical steps (a grad-clip scheduler steps "
+                "per epoch), or discard_accumulated() first")
+        ClippedGaussianStep.max_grad_norm.fset(self, value)
+
     # ------------------------------------------------------------ construction
     def _layer_bounds(self, max_grad_norm, clipping):
         if clipping == "flat":

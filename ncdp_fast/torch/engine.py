@@ -124,7 +124,10 @@ class DPOptimizer(CheckpointsNoise):
     noise_multiplier = property(lambda self: self.clipper.noise_multiplier,
                                 lambda self, value: setattr(self.clipper, "noise_multiplier",
                                                             value))
-    max_grad_norm = property(lambda self: self.clipper.max_grad_norm)
+    # Settable too (Opacus's grad-clip schedulers): later steps clip at the new
+    # C with noise std noise_multiplier * C, so the accounting is unchanged.
+    max_grad_norm = property(lambda self: self.clipper.max_grad_norm,
+                             lambda self, value: setattr(self.clipper, "max_grad_norm", value))
     expected_batch_size = property(lambda self: self.clipper.expected_batch_size)
     param_groups = property(lambda self: self.original_optimizer.param_groups)
     state = property(lambda self: self.original_optimizer.state)
@@ -381,7 +384,10 @@ class PrivacyEngine:
             path: a file name or file object for ``torch.save``.
             module, optimizer: the module and DPOptimizer :meth:`make_private`
                 returned (optimizer optional).
-            noise_scheduler, grad_clip_scheduler: must be None (no schedulers here).
+            noise_scheduler, grad_clip_scheduler: Opacus's schedulers of this
+                optimizer (or None): their ``state_dict()`` is stored under
+                ``noise_scheduler_state_dict`` / ``grad_clip_scheduler_state_dict``
+                (a Lambda scheduler's function is code and is not stored).
             checkpoint_dict: more entries to store (plain types and tensors, so that
                 :meth:`load_checkpoint` can read them with ``weights_only``).
         """
@@ -405,6 +411,14 @@ class PrivacyEngine:
         stream and the loader's pass. Refused, before anything is written: an
         engine that has taken steps, another accountant or noise configuration,
         a file not written by save_checkpoint.
+
+        Schedulers: pass the ones save_checkpoint was given, built on the
+        optimizer make_private returned; their states are restored, and the
+        checkpoint's noise_multiplier (and, with ``clipping="flat"`` on one
+        process, max_grad_norm) -- the value the schedule set for the next
+        step -- replaces make_private's. A scheduler without a stored state,
+        or a stored state without its scheduler, is refused; without a
+        scheduler every value must match make_private's.
 
         ``torch.load`` runs with ``weights_only=True`` (a full unpickle would run
         code named in the file); ``torch_load_kwargs`` may override it.

@@ -157,7 +157,7 @@ class ClippedGaussianStep(UsesNoiseStream):
 
     def __init__(self, *, max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction,
                  seed, offset, nan_policy, group=None, params=(), config=None):
-        self.max_grad_norm, self._noise_multiplier, self.expected_batch_size = check_dp_args(
+        self._max_grad_norm, self._noise_multiplier, self.expected_batch_size = check_dp_args(
             max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction, nan_policy)
         self.loss_reduction = loss_reduction
         self.nan_policy = nan_policy
@@ -192,13 +192,32 @@ class ClippedGaussianStep(UsesNoiseStream):
         # the new sigma. Checked here, since a negative or NaN sigma would
         # otherwise reach the noise draw unnoticed.
         sigma = check_noise_multiplier(value, self.max_grad_norm)
-        if self.group is not None and sigma != self._noise_multiplier:
-            raise ValueError(
-                f"noise_multiplier: expected {self._noise_multiplier!r}, the value the ranks "
-                f"agreed on at construction, got {value!r}: across ranks (group=) each rank "
-                "adds its share of one noise draw, and a rank left at another sigma would "
-                "diverge unseen. Build the clipper (make_private) again with the new value")
+        self._refuse_rank_change("noise_multiplier", self._noise_multiplier, sigma, value)
         self._noise_multiplier = sigma
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C: the per-sample clip bound (the sensitivity) of each step."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value) -> None:
+        # Settable between steps (Opacus's grad-clip schedulers assign it): later
+        # steps clip at the new C and draw noise of std noise_multiplier * C, so
+        # each stays a Gaussian mechanism of multiplier noise_multiplier and the
+        # accountant, which sees only sigma and q, needs nothing more.
+        c = check_positive(value, "max_grad_norm")
+        check_noise_multiplier(self._noise_multiplier, c)
+        self._refuse_rank_change("max_grad_norm", self._max_grad_norm, c, value)
+        self._max_grad_norm = c
+
+    def _refuse_rank_change(self, name, agreed, new, value) -> None:
+        if self.group is not None and new != agreed:
+            raise ValueError(
+                f"{name}: expected {agreed!r}, the value the ranks agreed on at "
+                f"construction, got {value!r}: across ranks (group=) each rank clips and "
+                "adds its share of one noise draw, and a rank left at another value would "
+                "diverge unseen. Build the clipper (make_private) again with the new value")
 
     def _clip_and_noise(self, blocks, grad_scale=1.0, max_norm=None,
                         count=True) -> LayersClipResult:
