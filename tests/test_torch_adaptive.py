@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import ncdp_fast as nf  # noqa: E402
 from ncdp_fast.torch import GhostClipper, PrivacyEngine  # noqa: E402
 from ncdp_fast.torch.adaptive import AdaptiveClip  # noqa: E402
+from test_torch_schedulers import _per_sample_grads  # noqa: E402
 
 EPS64 = 2.0 ** -53
 Z, SIGMA_B = 1.0, 2.0
@@ -42,13 +43,10 @@ def _setup(n=24, batch=6, clipping="adaptive", max_grad_norm=1.0, seed=None, **k
     return engine, pm, popt, x, y
 
 
-def _per_sample_grads(model, x, y):
-    rows = []
-    for i in range(len(x)):
-        model.zero_grad()
-        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
-        rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
-    return torch.stack(rows)
+def _step(pm, popt, x, y):
+    popt.zero_grad()
+    F.cross_entropy(pm(x), y).backward()
+    popt.step()
 
 
 def test_gradient_and_count_noise_are_the_streams_draws_and_the_bound_follows_the_update():
@@ -61,9 +59,7 @@ def test_gradient_and_count_noise_are_the_streams_draws_and_the_bound_follows_th
     moved = set()
     for _ in range(5):
         c = popt.max_grad_norm
-        popt.zero_grad()
-        F.cross_entropy(pm(xb), yb).backward()
-        popt.step()
+        _step(pm, popt, xb, yb)
         res = pm.clipper.last_result
         noisy = torch.cat([p.grad.reshape(-1) for p in pm.parameters()])
         scale = torch.clamp(c / norms, max=1.0)
@@ -88,9 +84,7 @@ def test_epsilon_equals_a_fixed_bound_run_at_the_same_z():
     for clipping in ("adaptive", "flat"):
         engine, pm, popt, x, y = _setup(clipping=clipping)
         for _ in range(3):
-            popt.zero_grad()
-            F.cross_entropy(pm(x[:6]), y[:6]).backward()
-            popt.step()
+            _step(pm, popt, x[:6], y[:6])
         runs.append(engine.get_epsilon(1e-5))
     assert runs[0] == runs[1]
 
@@ -105,9 +99,7 @@ def test_bound_moves_to_the_target_quantile():
     norms = _per_sample_grads(_setup.plain, x, y).norm(dim=1)
     popt.max_grad_norm = 4 * float(norms.max())
     for _ in range(100):
-        popt.zero_grad()
-        F.cross_entropy(pm(x), y).backward()
-        popt.step()
+        _step(pm, popt, x, y)
     frac = float((norms <= popt.max_grad_norm).double().mean())
     assert 0.3 <= frac <= 0.7, (frac, popt.max_grad_norm)
 

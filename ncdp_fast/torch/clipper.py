@@ -163,6 +163,11 @@ class GhostClipper(ClippedGaussianStep):
     parameter in :attr:`param_names` order, or a float C split as C/sqrt(P))
     and adds noise of std ``noise_multiplier * sqrt(sum C_p^2)`` to each, as
     Opacus's per-layer optimizer.
+    ``"adaptive"``: flat clipping at a bound that follows a quantile of the
+    norms (``adaptive``, an :class:`~ncdp_fast.torch.adaptive.AdaptiveClip`;
+    one process only): each :meth:`privatize_` also releases a noised
+    unclipped count, then sets ``max_grad_norm`` for the next step
+    (:mod:`ncdp_fast.torch.adaptive`).
 
     The batch: every layer's per-sample rows must be the samples of the batch
     of the model's input -- dimension 0 of the first tensor the model is called
