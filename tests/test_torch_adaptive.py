@@ -26,7 +26,8 @@ ADA = dict(target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipb
            min_clipbound=0.01, unclipped_num_std=SIGMA_B)
 
 
-def _setup(n=24, batch=6, clipping="adaptive", max_grad_norm=1.0, seed=None, **kw):
+def _setup(n=24, batch=6, clipping="adaptive", max_grad_norm=1.0, seed=None,
+           noise_multiplier=Z, **kw):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 5, generator=g, dtype=torch.float64) * \
         torch.linspace(0.1, 3.0, n, dtype=torch.float64)[:, None]
@@ -39,7 +40,8 @@ def _setup(n=24, batch=6, clipping="adaptive", max_grad_norm=1.0, seed=None, **k
     pm, popt, _ = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
         data_loader=DataLoader(TensorDataset(x, y), batch_size=batch),
-        noise_multiplier=Z, max_grad_norm=max_grad_norm, clipping=clipping, seed=seed, **args)
+        noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=clipping,
+        seed=seed, **args)
     return engine, pm, popt, x, y
 
 
@@ -154,6 +156,7 @@ def test_clipped_contribution_within_the_current_bound(scales):
     (dict(unclipped_num_std=0.5), ValueError,
      r"unclipped_num_std: expected > noise_multiplier / 2 = 0.5"),
     (dict(unclipped_num_std="2"), TypeError, r"unclipped_num_std: expected"),
+    (dict(noise_multiplier=math.nan), ValueError, r"noise_multiplier: expected"),
 ])
 def test_invalid_arguments_are_refused_naming_them(kw, error, match):
     with pytest.raises(error, match=match):

@@ -316,7 +316,7 @@ class GhostClipper(ClippedGaussianStep):
         if expected_batch_size is None:
             raise ValueError("expected_batch_size: required with clipping='adaptive' (the "
                              "unclipped count is divided by it), got None")
-        adaptive.grad_multiplier(noise_multiplier)
+        adaptive.grad_multiplier(check_nonneg(noise_multiplier, "noise_multiplier"))
         return adaptive
 
     @ClippedGaussianStep.noise_multiplier.setter
@@ -1014,7 +1014,7 @@ class GhostClipper(ClippedGaussianStep):
                     f"GhostClipper: the private gradient of parameter {name!r} overflows "
                     f"{p.dtype} (largest {torch.finfo(p.dtype).max:g}) when rounded from "
                     "float32; expected a gradient within its range (noise std "
-                    f"{self.noise_multiplier * self.max_grad_norm:g} before the division by the "
-                    "batch). Keep the parameters in float32 and run the forward under "
-                    "torch.autocast, or use bfloat16. Nothing was written; this step's noise "
-                    "is spent")
+                    f"{self._grad_noise_multiplier() * self.max_grad_norm:g} before the "
+                    "division by the batch). Keep the parameters in float32 and run the "
+                    "forward under torch.autocast, or use bfloat16. Nothing was written; this "
+                    "step's noise is spent")
