@@ -53,6 +53,17 @@ DELTA = 1e-5
 
 
 # ------------------------------------------------------------------ the scripts
+def train(model, optimizer, train_loader, criterion, losses):
+    """One epoch, the loop of Opacus's tutorials."""
+    model.train()
+    for inputs, target in train_loader:
+        optimizer.zero_grad()
+        loss = criterion(model(inputs), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+
+
 def cnn_tutorial(lib):
     PrivacyEngine, BatchMemoryManager, ModuleValidator = (
         lib.PrivacyEngine, lib.BatchMemoryManager, lib.ModuleValidator)
@@ -71,15 +82,9 @@ def cnn_tutorial(lib):
     criterion = nn.CrossEntropyLoss()
     losses = []
     for _ in range(2):
-        model.train()
         with BatchMemoryManager(data_loader=train_loader, max_physical_batch_size=8,
                                 optimizer=optimizer) as memory_safe_data_loader:
-            for images, target in memory_safe_data_loader:
-                optimizer.zero_grad()
-                loss = criterion(model(images), target)
-                loss.backward()
-                optimizer.step()
-                losses.append(loss.item())
+            train(model, optimizer, memory_safe_data_loader, criterion, losses)
     return optimizer.noise_multiplier, privacy_engine.get_epsilon(DELTA), losses
 
 
@@ -109,12 +114,7 @@ def text_tutorial(lib):
     criterion = nn.CrossEntropyLoss()
     losses = []
     for _ in range(2):
-        for batch_tokens, batch_labels in train_loader:
-            optimizer.zero_grad()
-            loss = criterion(model(batch_tokens), batch_labels)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        train(model, optimizer, train_loader, criterion, losses)
     return optimizer.noise_multiplier, privacy_engine.get_epsilon(DELTA), losses
 
 
@@ -135,12 +135,7 @@ def mlp_frozen_tutorial(lib):
     frozen = [p.detach().clone() for p in model.parameters() if not p.requires_grad]
     losses = []
     for _ in range(3):
-        for data, target in train_loader:
-            optimizer.zero_grad()
-            loss = criterion(model(data), target)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        train(model, optimizer, train_loader, criterion, losses)
     still = [p for p in model.parameters() if not p.requires_grad]
     assert len(still) == 2 and all(torch.equal(a, b) for a, b in zip(frozen, still))
     return optimizer.noise_multiplier, privacy_engine.get_epsilon(DELTA), losses
