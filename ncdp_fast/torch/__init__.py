@@ -12,7 +12,8 @@
   of all parameters in one fused op.
 * :class:`BatchMemoryManager` trains each Poisson logical batch in physical
   batches of bounded size, one private step per logical batch (Opacus's).
-* :func:`fix_batchnorm` replaces batch norms (which mix samples) by group norms.
+* :func:`fix_batchnorm` replaces batch norms (which mix samples) by group norms;
+  :class:`ModuleValidator` is Opacus's face over it (``fix``, ``validate``).
 * :class:`TokenCrossEntropyLoss` / :func:`per_sample_token_loss`: token
   cross-entropy whose terms are per sample (each sample's mean over its own
   valid tokens), as the loss contract requires.
@@ -26,7 +27,7 @@ true Poisson batches.
 Modules: ``engine`` (PrivacyEngine), ``clipper`` (GhostClipper and its hooks),
 ``layers`` (the per-layer rules and their registry), ``attention`` (multi-head
 attention's step-by-step forward and rule), ``optimizer`` (FusedDPOptimizer),
-``fix`` (fix_batchnorm), ``losses`` (per-sample token loss), ``coupling``
+``fix`` (fix_batchnorm), ``validators`` (ModuleValidator), ``losses`` (per-sample token loss), ``coupling``
 (what mixes samples: refused modules, the checked ghost criterion),
 ``checkpoint`` (save/resume of a private run), ``memory``
 (BatchMemoryManager), ``data`` (the sampler and collate function),
@@ -50,10 +51,11 @@ from .losses import TokenCrossEntropyLoss, per_sample_token_loss
 from .memory import BatchMemoryManager
 from .layers import Call, factored_or_instantiated, register_layer
 from .optimizer import FusedDPOptimizer
+from .validators import ModuleValidator
 from .ranks import DistributedPoissonBatchSampler
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule", "BatchMemoryManager",
            "GhostClipper", "FusedDPOptimizer",
            "register_layer", "Call", "factored_or_instantiated", "fix_batchnorm",
            "PoissonBatchSampler", "DistributedPoissonBatchSampler", "collate_with_empty",
-           "TokenCrossEntropyLoss", "per_sample_token_loss"]
+           "TokenCrossEntropyLoss", "per_sample_token_loss", "ModuleValidator"]
