@@ -231,7 +231,7 @@ def test_refusals_name_the_argument_or_module():
                                          r"clipping='per_layer'.*\['0\.weight', '0\.bias'\].*got 3"):
         _make(nn.Sequential(nn.Linear(4, 3)), clipping="per_layer", max_grad_norm=[1.0] * 3)
     with pytest.raises(ValueError, match="clipping"):
-        _make(nn.Sequential(nn.Linear(4, 3)), clipping="adaptive")
+        _make(nn.Sequential(nn.Linear(4, 3)), clipping="automatic")
     with pytest.raises(ValueError, match="target_epsilon"):
         PrivacyEngine().make_private_with_epsilon(
             module=lin, optimizer=torch.optim.SGD(lin.parameters(), lr=0.1),

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from .._clip import GhostBlock, LayersClipResult, clip_and_noise_layers
-from .._validate import check_bool, check_choice, check_int, check_positive
+from .._validate import check_bool, check_choice, check_int, check_nonneg, check_positive
+from .adaptive import AdaptiveClip
 from .attention import attention_forward, check_attention
 from .coupling import batch_dim_hooks, refuse_batch_mixing
 from .layers import HALF, Call, accumulation_dtype, refuse_unsupported, rule_for
@@ -162,6 +163,11 @@ class GhostClipper(ClippedGaussianStep):
     parameter in :attr:`param_names` order, or a float C split as C/sqrt(P))
     and adds noise of std ``noise_multiplier * sqrt(sum C_p^2)`` to each, as
     Opacus's per-layer optimizer.
+    ``"adaptive"``: flat clipping at a bound that follows a quantile of the
+    norms (``adaptive``, an :class:`~ncdp_fast.torch.adaptive.AdaptiveClip`;
+    one process only): each :meth:`privatize_` also releases a noised
+    unclipped count, then sets ``max_grad_norm`` for the next step
+    (:mod:`ncdp_fast.torch.adaptive`).
 
     The batch: every layer's per-sample rows must be the samples of the batch
     of the model's input -- dimension 0 of the first tensor the model is called
@@ -195,8 +201,14 @@ class GhostClipper(ClippedGaussianStep):
     def __init__(self, model: nn.Module, *, max_grad_norm, noise_multiplier: float,
                  expected_batch_size: float | None, loss_reduction: str = "mean",
                  clipping: str = "flat", seed=None, offset: int | None = None,
-                 nan_policy: str = "raise", group=None, batch_first: bool = True):
-        check_choice(clipping, "clipping", ("flat", "per_layer"))
+                 nan_policy: str = "raise", group=None, batch_first: bool = True,
+                 adaptive: AdaptiveClip | None = None):
+        check_choice(clipping, "clipping", ("flat", "per_layer", "adaptive"))
+        self.adaptive = self._check_adaptive(clipping, adaptive, noise_multiplier,
+                                             expected_batch_size, group)
+        # sum_i (1[norm_i <= C] - 1/2) of the logical batch's accumulated
+        # physical batches (adaptive clipping), released with the step's count.
+        self._centered = 0.0
         self.batch_first = check_bool(batch_first, "batch_first")
         self.model = model
         self.clipping = clipping
@@ -206,7 +218,7 @@ class GhostClipper(ClippedGaussianStep):
         # Parameters used by several layers: each use's blocks instantiated.
         self._tied = {id(t.params[n]) for t in self.taps for n in t.alias}
         self.layer_norms = self._layer_bounds(max_grad_norm, clipping)
-        total = max_grad_norm if clipping == "flat" else math.sqrt(
+        total = max_grad_norm if clipping != "per_layer" else math.sqrt(
             sum(c * c for c in self.layer_norms))
         super().__init__(max_grad_norm=total, noise_multiplier=noise_multiplier,
                          expected_batch_size=expected_batch_size,
@@ -286,8 +298,42 @@ class GhostClipper(ClippedGaussianStep):
         ClippedGaussianStep.max_grad_norm.fset(self, value)
 
     # ------------------------------------------------------------ construction
+    @staticmethod
+    def _check_adaptive(clipping, adaptive, noise_multiplier, expected_batch_size, group):
+        if clipping != "adaptive":
+            if adaptive is not None:
+                raise ValueError(f"adaptive: expected None with clipping={clipping!r}, got "
+                                 f"{adaptive!r}; pass clipping='adaptive' to use it")
+            return None
+        if not isinstance(adaptive, AdaptiveClip):
+            raise TypeError("adaptive: expected an AdaptiveClip (its five arguments) with "
+                            f"clipping='adaptive', got {type(adaptive).__name__}")
+        if group is not None:
+            raise ValueError(
+                "clipping: expected 'flat' or 'per_layer' with group=, got 'adaptive': each "
+                "rank would count its own shard's unclipped samples; the count is not "
+                "reduced across ranks here. Train on one process, or use clipping='flat'")
+        if expected_batch_size is None:
+            raise ValueError("expected_batch_size: required with clipping='adaptive' (the "
+                             "unclipped count is divided by it), got None")
+        adaptive.grad_multiplier(check_nonneg(noise_multiplier, "noise_multiplier"))
+        return adaptive
+
+    @ClippedGaussianStep.noise_multiplier.setter
+    def noise_multiplier(self, value) -> None:
+        # The new z must leave the count its share of the budget (a noise
+        # scheduler lowering z past 2 * unclipped_num_std is refused here).
+        if self.adaptive is not None:
+            self.adaptive.grad_multiplier(check_nonneg(value, "noise_multiplier"))
+        ClippedGaussianStep.noise_multiplier.fset(self, value)
+
+    def _grad_noise_multiplier(self) -> float:
+        if self.adaptive is None:
+            return self.noise_multiplier
+        return self.adaptive.grad_multiplier(self.noise_multiplier)
+
     def _layer_bounds(self, max_grad_norm, clipping):
-        if clipping == "flat":
+        if clipping != "per_layer":
             check_positive(max_grad_norm, "max_grad_norm")
             return None
         P = len(self.param_names)
@@ -880,8 +926,11 @@ class GhostClipper(ClippedGaussianStep):
                 "different numbers of physical batches, so their steps would not pair. Train "
                 "across ranks without BatchMemoryManager, or with a smaller logical batch")
         entries, scale = self._step_entries(optimizer)
-        if self.clipping == "flat":
-            grads = self._clip_only([block for _, _, block in entries], scale).grads
+        if self.clipping != "per_layer":
+            only = self._clip_only([block for _, _, block in entries], scale)
+            grads = only.grads
+            if self.adaptive is not None:
+                self._centered += self.adaptive.centered_count(only.norms, self.max_grad_norm)
         else:
             results, entries = self._per_layer(entries, scale, noise=False)
             grads = [r.grads[0] for r in results]
@@ -898,6 +947,7 @@ class GhostClipper(ClippedGaussianStep):
         """Drop the clipped sums accumulated since the last :meth:`privatize_`
         (a logical batch left unfinished: nothing of it is released)."""
         self._accumulated.clear()
+        self._centered = 0.0
 
     def privatize_(self, optimizer=None) -> LayersClipResult:
         """Overwrite every trainable ``p.grad`` with its private gradient and forget
@@ -917,7 +967,7 @@ class GhostClipper(ClippedGaussianStep):
         before the noise's division (one noise for the logical batch);
         ``last_result`` then describes this call's physical batch only."""
         entries, scale = self._step_entries(optimizer)
-        if self.clipping == "flat":
+        if self.clipping != "per_layer":
             result = self._clip_and_noise([block for _, _, block in entries], scale)
         else:
             result, entries = self._per_layer(entries, scale)
@@ -939,11 +989,18 @@ class GhostClipper(ClippedGaussianStep):
                 writes.append((tap, n, p, g.to(p.dtype)))
         # Spent with this step's noise, whether it is written or refused.
         self._accumulated.clear()
+        centered, self._centered = self._centered, 0.0
         self._refuse_overflow(writes)
         for _, _, p, g in writes:
             p.grad = g
             self._released.wrote(p, p.grad)
         self.clear()
+        if self.adaptive is not None:
+            # After the step's noise, at the logical step: the next logical
+            # batch is clipped (and noised) at the new bound throughout.
+            centered += self.adaptive.centered_count(result.norms, self.max_grad_norm)
+            self.max_grad_norm = self.adaptive.next_bound(
+                centered, self.max_grad_norm, self.expected_batch_size, self._stream)
         return result
 
     def _refuse_overflow(self, writes) -> None:
@@ -957,7 +1014,7 @@ class GhostClipper(ClippedGaussianStep):
                     f"GhostClipper: the private gradient of parameter {name!r} overflows "
                     f"{p.dtype} (largest {torch.finfo(p.dtype).max:g}) when rounded from "
                     "float32; expected a gradient within its range (noise std "
-                    f"{self.noise_multiplier * self.max_grad_norm:g} before the division by the "
-                    "batch). Keep the parameters in float32 and run the forward under "
-                    "torch.autocast, or use bfloat16. Nothing was written; this step's noise "
-                    "is spent")
+                    f"{self._grad_noise_multiplier() * self.max_grad_norm:g} before the "
+                    "division by the batch). Keep the parameters in float32 and run the "
+                    "forward under torch.autocast, or use bfloat16. Nothing was written; this "
+                    "step's noise is spent")

@@ -13,6 +13,7 @@ from .. import _stream, privacy
 from . import checkpoint as _checkpoint
 from .._validate import check_bool, check_choice, check_pos_int, check_positive
 from .accounting import EngineAccountant, dp_accounting_name
+from .adaptive import AdaptiveClip
 from .clipper import GhostClipper
 from .fix import fix_batchnorm
 from .coupling import CheckedCriterion
@@ -25,6 +26,9 @@ __all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule"]
 
 _ACCOUNTANTS = ("prv", "rdp", "gdp", "pld")
 _GRAD_SAMPLE_MODES = ("hooks", "ghost", "functorch", "ew")
+# Opacus's make_private keyword arguments of clipping="adaptive".
+_ADAPTIVE_ARGS = ("target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound",
+                  "min_clipbound", "unclipped_num_std")
 
 
 class PrivateModule(nn.Module):
@@ -277,8 +281,15 @@ class PrivacyEngine:
             data_loader: the DataLoader whose ``len()`` fixes the sample rate
                 q = 1 / len(data_loader) and the expected batch size q * n.
             noise_multiplier: sigma >= 0; noise std sigma * max_grad_norm.
-            max_grad_norm: C > 0 per sample ("flat"), or one bound per
-                trainable parameter ("per_layer").
+            max_grad_norm: C > 0 per sample ("flat"; "adaptive": the first
+                step's bound), or one bound per trainable parameter ("per_layer").
+            clipping: "flat", "per_layer" or "adaptive" (Andrew et al. 2021,
+                :mod:`ncdp_fast.torch.adaptive`; then Opacus's keyword arguments
+                target_unclipped_quantile, clipbound_learning_rate,
+                max_clipbound, min_clipbound, unclipped_num_std are required;
+                the accountant records noise_multiplier per step, the gradient
+                is noised at the larger multiplier that leaves the count its
+                share).
             criterion: with grad_sample_mode "ghost", returned in the 4-tuple
                 (Opacus's fast-gradient-clipping shape) wrapped in a
                 :class:`~ncdp_fast.torch.coupling.CheckedCriterion`: a torch loss
@@ -317,8 +328,17 @@ class PrivacyEngine:
             raise ValueError("module: got a DistributedDataParallel model; pass the plain model "
                              "and group=<process group> instead (DDP would all-reduce gradients "
                              "that the private step computes, reduces and noises itself)")
+        adaptive = None
+        if clipping == "adaptive":
+            missing = [k for k in _ADAPTIVE_ARGS if k not in kwargs]
+            if missing:
+                raise TypeError(f"make_private: clipping='adaptive' requires {missing} "
+                                "(Opacus's AdaClipDPOptimizer arguments)")
+            adaptive = AdaptiveClip(**{k: kwargs.pop(k) for k in _ADAPTIVE_ARGS})
         if kwargs:
-            raise TypeError(f"make_private: unexpected argument(s) {sorted(kwargs)}")
+            raise TypeError(f"make_private: unexpected argument(s) {sorted(kwargs)}"
+                            + (" (adaptive clipping's arguments need clipping='adaptive')"
+                               if set(kwargs) & set(_ADAPTIVE_ARGS) else ""))
         # Checked before anything is built: a refused criterion leaves no hooks behind.
         if grad_sample_mode == "ghost" and criterion is not None:
             criterion = CheckedCriterion(criterion, loss_reduction)
@@ -331,7 +351,7 @@ class PrivacyEngine:
                                noise_multiplier=noise_multiplier,
                                expected_batch_size=sample_rate * n,
                                loss_reduction=loss_reduction, clipping=clipping, seed=stream,
-                               group=group, batch_first=batch_first)
+                               group=group, batch_first=batch_first, adaptive=adaptive)
         self.sample_rate = sample_rate
         self.noise_multiplier = clipper.noise_multiplier
 

@@ -211,6 +211,11 @@ class ClippedGaussianStep(UsesNoiseStream):
         self._refuse_rank_change("max_grad_norm", self._max_grad_norm, c, value)
         self._max_grad_norm = c
 
+    def _grad_noise_multiplier(self) -> float:
+        """The gradient's noise std over ``max_grad_norm``: ``noise_multiplier``,
+        unless part of the budget goes to another release of the same step."""
+        return self.noise_multiplier
+
     def _refuse_rank_change(self, name, agreed, new, value) -> None:
         if self.group is not None and new != agreed:
             raise ValueError(
@@ -228,12 +233,13 @@ class ClippedGaussianStep(UsesNoiseStream):
         if self.group is not None:
             result = reduce_clip_and_noise(
                 blocks, group=self.group, stream=self._stream, max_norm=c,
-                noise_multiplier=self.noise_multiplier * self.max_grad_norm / c,
+                noise_multiplier=self._grad_noise_multiplier() * self.max_grad_norm / c,
                 reduction=self.loss_reduction, expected_batch_size=self.expected_batch_size,
                 nan_policy=self.nan_policy, grad_scale=grad_scale)
         else:
             result = clip_and_noise_layers(
-                blocks, max_norm=c, noise_multiplier=self.noise_multiplier * self.max_grad_norm / c,
+                blocks, max_norm=c,
+                noise_multiplier=self._grad_noise_multiplier() * self.max_grad_norm / c,
                 seed=self._stream, reduction=self.loss_reduction,
                 expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy,
                 grad_scale=grad_scale)

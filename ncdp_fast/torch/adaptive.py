@@ -1,0 +1,82 @@
+"""Adaptive clipping (Andrew et al., NeurIPS 2021, "Differentially Private
+Learning with Adaptive Clipping"): the bound C follows a private estimate of
+the ``target_unclipped_quantile`` of the per-sample gradient norms.
+
+Each logical step releases, besides the noised gradient sum, one noised count
+
+    s = sum_i (1[norm_i <= C] - 1/2) + N(0, unclipped_num_std^2)
+
+whose sensitivity is 1/2 under adding or removing one sample (each term is
++-1/2; centering by the realized batch size, not the expected one, is what
+makes this exact under Poisson sampling), and sets
+
+    C <- clamp(C * exp(-clipbound_learning_rate * (s / E + 1/2 - target)),
+               min_clipbound, max_clipbound)
+
+with E the expected batch size.  The gradient is noised at multiplier
+``z_grad = (z^-2 - (2 unclipped_num_std)^-2)^(-1/2)``, so that the pair
+(gradient sum / C, count / (1/2)) is one Gaussian mechanism of multiplier z,
+the user's ``noise_multiplier`` (the paper's Theorem 1): the accountant
+records z per step.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .._rng import gaussian
+from .._validate import check_positive, check_probability
+
+__all__ = ["AdaptiveClip"]
+
+
+class AdaptiveClip:
+    """Opacus's ``AdaClipDPOptimizer`` arguments, checked: ``target_unclipped_quantile``
+    in [0, 1], ``clipbound_learning_rate`` > 0, 0 < ``min_clipbound`` <=
+    ``max_clipbound``, ``unclipped_num_std`` > 0 (the count noise std)."""
+
+    def __init__(self, *, target_unclipped_quantile, clipbound_learning_rate, max_clipbound,
+                 min_clipbound, unclipped_num_std):
+        self.target_unclipped_quantile = check_probability(
+            target_unclipped_quantile, "target_unclipped_quantile", zero=True)
+        self.clipbound_learning_rate = check_positive(clipbound_learning_rate,
+                                                      "clipbound_learning_rate")
+        self.min_clipbound = check_positive(min_clipbound, "min_clipbound")
+        self.max_clipbound = check_positive(max_clipbound, "max_clipbound")
+        if self.max_clipbound < self.min_clipbound:
+            raise ValueError(f"max_clipbound: expected >= min_clipbound {min_clipbound!r}, "
+                             f"got {max_clipbound!r}")
+        self.unclipped_num_std = check_positive(unclipped_num_std, "unclipped_num_std")
+
+    def grad_multiplier(self, noise_multiplier: float) -> float:
+        """z_grad for the user's z: the gradient's noise multiplier that leaves
+        the count's share of the budget (Theorem 1 of Andrew et al. 2021).
+        Refuses z >= 2 * unclipped_num_std (the count alone would spend it all)."""
+        z = noise_multiplier
+        if z == 0:
+            return 0.0
+        if not 2 * self.unclipped_num_std > z:
+            raise ValueError(
+                f"unclipped_num_std: expected > noise_multiplier / 2 = {z / 2!r} (the count's "
+                f"noise takes a share (2 * unclipped_num_std)^-2 of the budget z^-2), got "
+                f"{self.unclipped_num_std!r}; raise unclipped_num_std or lower noise_multiplier")
+        rest = z ** -2 - (2 * self.unclipped_num_std) ** -2
+        return 1.0 / math.sqrt(rest)
+
+    def centered_count(self, norms, bound: float) -> float:
+        """sum_i (1[norm_i <= bound] - 1/2) over a batch's (B,) per-sample norms
+        (a non-finite norm counts as clipped)."""
+        norms = np.asarray(norms.cpu() if hasattr(norms, "cpu") else norms, dtype=np.float64)
+        return float(np.count_nonzero(norms <= bound)) - 0.5 * norms.size
+
+    def next_bound(self, centered: float, bound: float, expected_batch_size: float,
+                   stream) -> float:
+        """The bound of the next step, from this step's centered count; draws
+        the count's one normal from the next unused draw of ``stream``."""
+        start = stream.take(1)
+        z = float(gaussian(1, seed=stream.seed, offset=start, dtype=np.float64)[0])
+        unclipped = (centered + self.unclipped_num_std * z) / expected_batch_size + 0.5
+        c = bound * math.exp(-self.clipbound_learning_rate *
+                             (unclipped - self.target_unclipped_quantile))
+        return min(max(c, self.min_clipbound), self.max_clipbound)
