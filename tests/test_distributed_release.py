@@ -298,3 +298,35 @@ def test_cli_same_release_with_1_2_3_processes(tmp_path, capsys, monkeypatch):
     bad = spawn(_cli_child, 2, _argv(tmp_path, 9, ["--hierarchical-classes", "9"]),
                 timeout=60, torchrun_env=True)
     assert all(rc == 2 and "hierarchical_classes: expected" in e for rc, _, e in bad), bad
+
+
+def _torchrun(tmp: Path, world: int, out: str, extra=(), timeout=180):
+    """``torchrun --standalone --nproc-per-node world -m ncdp_fast.cli release``: the real
+    launcher (its exit status is 0 only when every rank exited 0)."""
+    argv = _argv(tmp, world, extra)
+    argv[argv.index("--out") + 1] = str(tmp / out)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", NUMBA_NUM_THREADS="1",
+               OMP_NUM_THREADS="1", NCDP_FAST_LEDGER_DIR=str(tmp / "ledger"))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={world}", "-m", "ncdp_fast.cli", *argv],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_key_ledger_under_real_torchrun(tmp_path):
+    """Issue 23 item 7 across ranks, through torchrun itself: two runs with one --seed
+    on one ledger both exit 0 on every rank and the second draws a fresh range (rank 0
+    reserves it and broadcasts it, so the ranks agree); --offset at a used range is
+    refused on every rank, before anything is written."""
+    X, y = _data(40, 5, 3)
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    first = _torchrun(tmp_path, 2, "a")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _torchrun(tmp_path, 2, "b")
+    assert second.returncode == 0, second.stderr[-3000:]
+    a, b = np.load(tmp_path / "a" / "x.npy"), np.load(tmp_path / "b" / "x.npy")
+    assert a.shape == b.shape and not np.any(np.all(a == b, axis=1))   # no row repeats
+    reused = _torchrun(tmp_path, 2, "c", ["--offset", "0"])
+    assert reused.returncode != 0
+    assert reused.stderr.count("--offset") >= 2, reused.stderr[-3000:]  # said by each rank
+    assert not (tmp_path / "c" / "x.npy").exists()
