@@ -107,7 +107,7 @@ def _run(engine, what) -> Run:
     return run
 
 
-def _check_targets(run, module, optimizer, noise_scheduler, grad_clip_scheduler):
+def _check_targets(run, module, optimizer, schedulers: dict):
     inner = getattr(run.module, "_module", run.module)
     if module is not run.module and module is not inner:
         raise ValueError(f"module: expected the module make_private returned (or the model it "
@@ -115,8 +115,7 @@ def _check_targets(run, module, optimizer, noise_scheduler, grad_clip_scheduler)
     if optimizer is not None and optimizer is not run.optimizer:
         raise ValueError(f"optimizer: expected the DPOptimizer make_private returned or None, "
                          f"got {type(optimizer).__name__}")
-    for name, value in (("noise_scheduler", noise_scheduler),
-                        ("grad_clip_scheduler", grad_clip_scheduler)):
+    for name, value in schedulers.items():
         if value is None:
             continue
         if not (callable(getattr(value, "state_dict", None))
@@ -178,7 +177,8 @@ def save(engine, *, path, module, optimizer=None, noise_scheduler=None,
          grad_clip_scheduler=None, checkpoint_dict=None, module_state_dict_kwargs=None,
          torch_save_kwargs=None) -> None:
     run = _run(engine, "save_checkpoint")
-    _check_targets(run, module, optimizer, noise_scheduler, grad_clip_scheduler)
+    schedulers = {"noise_scheduler": noise_scheduler, "grad_clip_scheduler": grad_clip_scheduler}
+    _check_targets(run, module, optimizer, schedulers)
     if run.clipper._accumulated:
         # The clipped sums of the logical batch's earlier physical batches are
         # not in the file: a resumed run would noise that logical batch without them.
@@ -197,8 +197,7 @@ def save(engine, *, path, module, optimizer=None, noise_scheduler=None,
     if optimizer is not None:
         # The stream goes once, under _ENGINE, whichever optimizer is passed.
         state[_OPTIMIZER] = optimizer.original_optimizer.state_dict()
-    for name, value in (("noise_scheduler", noise_scheduler),
-                        ("grad_clip_scheduler", grad_clip_scheduler)):
+    for name, value in schedulers.items():
         if value is not None:
             state[_SCHEDULERS[name][0]] = _scheduler_state(value)
     state[_ACCOUNTANT] = engine.accountant.state_dict()
@@ -220,23 +219,24 @@ def _engine_state(ckpt, path) -> dict:
     if eng.get("version") != _VERSION:
         raise ValueError(f"path: expected checkpoint version {_VERSION}, got "
                          f"{eng.get('version')!r}")
-    noise = eng.get("noise")
-    if not isinstance(noise, dict) or not all(
-            isinstance(noise.get(k), int) and noise[k] >= 0 for k in ("seed", "offset", "steps")):
-        raise ValueError(f"path: expected the noise stream as non-negative integers seed, offset "
-                         f"and steps in {path!r}, got a damaged entry")
-    lp = eng.get("loader_pass")
-    if lp is not None and not (isinstance(lp, dict) and all(
-            isinstance(lp.get(k), int) and lp[k] >= 0 for k in ("plan_offset", "done"))):
-        raise ValueError(f"path: expected the loader's pass as non-negative integers "
-                         f"plan_offset and done in {path!r}, got a damaged entry")
+    _check_counts(eng.get("noise"), ("seed", "offset", "steps"), "the noise stream", path)
+    if eng.get("loader_pass") is not None:
+        _check_counts(eng["loader_pass"], ("plan_offset", "done"), "the loader's pass", path)
     return eng
+
+
+def _check_counts(entry, keys, what, path) -> None:
+    if not isinstance(entry, dict) or not all(
+            isinstance(entry.get(k), int) and entry[k] >= 0 for k in keys):
+        raise ValueError(f"path: expected {what} as non-negative integers "
+                         f"{', '.join(keys)} in {path!r}, got a damaged entry")
 
 
 def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
          grad_clip_scheduler=None, module_load_dict_kwargs=None, torch_load_kwargs=None) -> dict:
     run = _run(engine, "load_checkpoint")
-    _check_targets(run, module, optimizer, noise_scheduler, grad_clip_scheduler)
+    schedulers = {"noise_scheduler": noise_scheduler, "grad_clip_scheduler": grad_clip_scheduler}
+    _check_targets(run, module, optimizer, schedulers)
     if len(engine.accountant) or engine._unbounded or run.clipper.steps:
         raise RuntimeError("PrivacyEngine.load_checkpoint: expected a fresh engine, got one that "
                            f"already took {run.clipper.steps} private step(s); their privacy "
@@ -253,8 +253,7 @@ def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
                          f"{engine.accountant_name!r}; create PrivacyEngine(accountant="
                          f"{eng.get('accountant')!r}) to resume it")
     saved, now = eng.get("config"), run.config(engine)
-    scheduled = _scheduled(run, ckpt, path, {"noise_scheduler": noise_scheduler,
-                                             "grad_clip_scheduler": grad_clip_scheduler})
+    scheduled = _scheduled(run, ckpt, path, schedulers)
     if scheduled and isinstance(saved, dict):
         # The scheduled values are checked as the setters check them, before any write.
         c = check_positive(saved.get("max_grad_norm"), "max_grad_norm") \
@@ -283,8 +282,7 @@ def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
         run.clipper._noise_multiplier = float(saved["noise_multiplier"])
     if "max_grad_norm" in scheduled:
         run.clipper._max_grad_norm = float(saved["max_grad_norm"])
-    for name, value in (("noise_scheduler", noise_scheduler),
-                        ("grad_clip_scheduler", grad_clip_scheduler)):
+    for name, value in schedulers.items():
         if value is not None:
             value.load_state_dict(ckpt[_SCHEDULERS[name][0]])
     engine.accountant.load_state_dict(accountant.state_dict())
