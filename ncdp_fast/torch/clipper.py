@@ -77,6 +77,10 @@ class _Tap:
     batch_first: bool = True        # the layout of its inputs and output (layout.py)
     layout: str = ""                # where that layout comes from, for errors
 
+    def full(self, n: str) -> str:
+        """The model-level name of its parameter ``n`` (as in ``param_names``)."""
+        return f"{self.name}.{n}" if self.name else n
+
     @property
     def owned(self) -> dict:
         """Its parameters less the weights another layer owns."""
@@ -98,6 +102,15 @@ class _Tap:
     def clear(self):
         self.records.clear()
         self.blocks, self.batch, self.active = None, None, None
+
+
+def _per_parameter(entries, grads):
+    """``(tap, name, grad)`` for each parameter of the step's ``entries`` and the
+    clip op's ``grads`` (a pair block's grad is a (weight, bias) tuple), each
+    grad in its parameter's shape."""
+    for (tap, names, _), grad in zip(entries, grads):
+        for n, g in zip(names, grad if isinstance(grad, tuple) else (grad,)):
+            yield tap, n, g.view(tap.params[n].shape)
 
 
 def _upcast(x):
@@ -214,7 +227,7 @@ class GhostClipper(ClippedGaussianStep):
         self.clipping = clipping
         self.taps = self._find_layers(model)
         self._set_layouts(model)
-        self.param_names = [f"{t.name}.{n}" if t.name else n for t in self.taps for n in t.owned]
+        self.param_names = [t.full(n) for t in self.taps for n in t.owned]
         # Parameters used by several layers: each use's blocks instantiated.
         self._tied = {id(t.params[n]) for t in self.taps for n in t.alias}
         self.layer_norms = self._layer_bounds(max_grad_norm, clipping)
@@ -259,7 +272,7 @@ class GhostClipper(ClippedGaussianStep):
         for tap in self.taps:
             for n, p in tap.owned.items():
                 self._handles.append(p.register_post_accumulate_grad_hook(
-                    self._outside_hook(f"{tap.name}.{n}" if tap.name else n, tap)))
+                    self._outside_hook(tap.full(n), tap)))
         for tap in self.taps:
             self._handles.append(tap.module.register_forward_pre_hook(self._pre_hook(tap)))
             if isinstance(tap.module, nn.MultiheadAttention):
@@ -786,7 +799,7 @@ class GhostClipper(ClippedGaussianStep):
         bounds = dict(zip(self.param_names, self.layer_norms))
         clip = self._clip_and_noise if noise else self._clip_only
         results = [clip([block], grad_scale, count=False,
-                        max_norm=bounds[f"{t.name}.{n[0]}" if t.name else n[0]])
+                        max_norm=bounds[t.full(n[0])])
                    for t, n, block in split]
         if not noise:
             return results, split
@@ -819,7 +832,7 @@ class GhostClipper(ClippedGaussianStep):
     def _refuse_uncaptured(self) -> None:
         if not self._uncaptured_grads:
             return
-        params = {f"{t.name}.{n}" if t.name else n: p for t in self.taps
+        params = {t.full(n): p for t in self.taps
                   for n, p in t.owned.items()}
         # A gradient zeroed since (zero_grad) is gone: only one still held counts.
         held = [n for n in self.param_names
@@ -893,7 +906,7 @@ class GhostClipper(ClippedGaussianStep):
         self._refuse_foreign({id(tap.params[n]) for tap, names, _ in entries for n in names},
                              optimizer)
         if self._accumulated:
-            now = {f"{tap.name}.{n}" if tap.name else n for tap, names, _ in entries
+            now = {tap.full(n) for tap, names, _ in entries
                    for n in names}
             if now != set(self._accumulated):
                 raise RuntimeError(
@@ -934,13 +947,10 @@ class GhostClipper(ClippedGaussianStep):
         else:
             results, entries = self._per_layer(entries, scale, noise=False)
             grads = [r.grads[0] for r in results]
-        for (tap, names, _), grad in zip(entries, grads):
-            parts = grad if isinstance(grad, tuple) else (grad,)
-            for n, g in zip(names, parts):
-                name = f"{tap.name}.{n}" if tap.name else n
-                g = g.view(tap.params[n].shape)
-                held = self._accumulated.get(name)
-                self._accumulated[name] = g if held is None else held.add_(g)
+        for tap, n, g in _per_parameter(entries, grads):
+            name = tap.full(n)
+            held = self._accumulated.get(name)
+            self._accumulated[name] = g if held is None else held.add_(g)
         self.clear()
 
     def discard_accumulated(self) -> None:
@@ -972,21 +982,17 @@ class GhostClipper(ClippedGaussianStep):
         else:
             result, entries = self._per_layer(entries, scale)
         writes = []
-        for (tap, names, _), grad in zip(entries, result.grads):
-            parts = grad if isinstance(grad, tuple) else (grad,)
-            for n, g in zip(names, parts):
-                p = tap.params[n]
-                g = g.view(p.shape)
-                held = self._accumulated.get(f"{tap.name}.{n}" if tap.name else n)
-                if held is not None:
-                    # The op returned inv * (S_last + noise); the earlier physical
-                    # batches' clipped sums take the same division.
-                    inv = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" \
-                        else 1.0
-                    g = g.add_(held, alpha=inv)
-                # A half parameter's gradient was summed and noised in float32:
-                # rounded here, once.
-                writes.append((tap, n, p, g.to(p.dtype)))
+        for tap, n, g in _per_parameter(entries, result.grads):
+            p = tap.params[n]
+            held = self._accumulated.get(tap.full(n))
+            if held is not None:
+                # The op returned inv * (S_last + noise); the earlier physical
+                # batches' clipped sums take the same division.
+                inv = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
+                g = g.add_(held, alpha=inv)
+            # A half parameter's gradient was summed and noised in float32:
+            # rounded here, once.
+            writes.append((tap, n, p, g.to(p.dtype)))
         # Spent with this step's noise, whether it is written or refused.
         self._accumulated.clear()
         centered, self._centered = self._centered, 0.0
@@ -1008,7 +1014,7 @@ class GhostClipper(ClippedGaussianStep):
         become inf: writing it would step every weight it touches to inf."""
         for tap, n, p, g in writes:
             if p.dtype in HALF and not bool(torch.isfinite(g).all()):
-                name = f"{tap.name}.{n}" if tap.name else n
+                name = tap.full(n)
                 self.clear()
                 raise ValueError(
                     f"GhostClipper: the private gradient of parameter {name!r} overflows "
