@@ -84,7 +84,7 @@ def test_foreign_gradient_on_an_optimizer_only_parameter_is_refused_every_step()
     left them (none: the clipper switches them off)."""
     engine, pm, popt, x, y = _setup()
     extra = nn.Parameter(torch.ones(2))
-    popt.add_param_group({"params": [extra]})
+    popt.original_optimizer.add_param_group({"params": [extra]})
     for _ in range(2):
         popt.zero_grad()
         nn.functional.cross_entropy(pm(x), y).backward()
