@@ -175,30 +175,54 @@ def _loader(x, y, torch):
     return DataLoader(TensorDataset(x, y), batch_size=x.shape[0])
 
 
-class CheckTimer:
-    """Accumulates the wall time of the torch drop-in's per-step checks (issue
-    23) by wrapping them where GhostClipper calls them; installed before the
-    clipper is built (it binds some of them at construction).  The wrapper's own
-    two ``perf_counter`` calls are counted too, so the figure errs high."""
+class _StepTimer:
+    """Wall time accumulated by wrappers installed on a method's code, per step:
+    ``counted(step)`` counts the steps; ``_timed(fn, attr)`` adds each call's
+    time to ``self.<attr>``; ``_patch`` / ``remove`` install and undo the
+    wrappers (an attribute that was not there before is deleted again).  The
+    wrappers' own ``perf_counter`` calls are counted too, so figures err high."""
 
     def __init__(self):
-        self.seconds = 0.0
         self.steps = 0
         self._saved = []
 
-    def _timed(self, fn):
+    def _timed(self, fn, attr="seconds"):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t0
+                setattr(self, attr, getattr(self, attr) + time.perf_counter() - t0)
         return timed
 
     def _patch(self, owner, name, wrapper):
-        self._saved.append((owner, name, owner.__dict__[name]))
+        self._saved.append((owner, name, vars(owner).get(name)))
         setattr(owner, name, wrapper)
+
+    def remove(self) -> None:
+        for owner, name, fn in reversed(self._saved):
+            if fn is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, fn)
+        self._saved = []
+
+    def counted(self, step):
+        def call():
+            self.steps += 1
+            return step()
+        return call
+
+
+class CheckTimer(_StepTimer):
+    """Accumulates the wall time of the torch drop-in's per-step checks (issue
+    23) by wrapping them where GhostClipper calls them; installed before the
+    clipper is built (it binds some of them at construction)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = 0.0
 
     def install(self) -> "CheckTimer":
         from ncdp_fast.torch import clipper, layout
@@ -211,49 +235,26 @@ class CheckTimer:
         self._patch(G, "_outside_hook", lambda clip, *a: self._timed(make_hook(clip, *a)))
         return self
 
-    def remove(self) -> None:
-        for owner, name, fn in reversed(self._saved):
-            setattr(owner, name, fn)
-        self._saved = []
-
-    def counted(self, step):
-        def call():
-            self.steps += 1
-            return step()
-        return call
-
     def ms_per_step(self) -> float | None:
         return 1e3 * self.seconds / self.steps if self.steps else None
 
 
-class EngineTimer:
+class EngineTimer(_StepTimer):
     """The wall time of what ``PrivacyEngine`` adds to a GhostClipper step
     (issue 25), measured where it runs rather than as the difference of two
     noisy step times: the time in ``DPOptimizer.step`` / ``zero_grad`` and in
     the ``PrivateModule`` call, less the time spent inside what they wrap
     (``GhostClipper.privatize_`` / ``accumulate_``, the torch optimizer's
     ``step`` / ``zero_grad``, the wrapped module's call).  The wrapped module's
-    call is timed from inside its own hooks, so the dispatch around them, and
-    the wrappers' own ``perf_counter`` calls, count as engine time: the figure
-    errs high."""
+    call is timed from inside its own hooks, so the dispatch around them counts
+    as engine time: the figure errs high."""
 
     def __init__(self):
+        super().__init__()
         self.outer = 0.0
         self.inner = 0.0
-        self.steps = 0
-        self._saved = []
         self._handles = []
         self._t0 = None
-
-    def _timed(self, fn, attr):
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                setattr(self, attr, getattr(self, attr) + time.perf_counter() - t0)
-        return timed
 
     def install(self) -> "EngineTimer":
         from torch import nn
@@ -265,8 +266,7 @@ class EngineTimer:
                                   (clipper.GhostClipper, "privatize_", "inner"),
                                   (clipper.GhostClipper, "accumulate_", "inner")):
             fn = owner.__dict__.get(name, nn.Module.__call__ if name == "__call__" else None)
-            self._saved.append((owner, name, owner.__dict__.get(name)))
-            setattr(owner, name, self._timed(fn, attr))
+            self._patch(owner, name, self._timed(fn, attr))
         return self
 
     def attach(self, private_module, dp_optimizer) -> None:
@@ -275,8 +275,7 @@ class EngineTimer:
         pre-hook and last forward hook)."""
         opt = dp_optimizer.original_optimizer
         for name in ("step", "zero_grad"):
-            self._saved.append((opt, name, None))
-            setattr(opt, name, self._timed(getattr(opt, name), "inner"))
+            self._patch(opt, name, self._timed(getattr(opt, name), "inner"))
 
         def start(module, args):
             self._t0 = time.perf_counter()
@@ -293,18 +292,7 @@ class EngineTimer:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for owner, name, fn in reversed(self._saved):
-            if fn is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, fn)
-        self._saved = []
-
-    def counted(self, step):
-        def call():
-            self.steps += 1
-            return step()
-        return call
+        super().remove()
 
     def ms_per_step(self) -> float | None:
         return 1e3 * (self.outer - self.inner) / self.steps if self.steps else None
