@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import time
 import warnings
 
@@ -387,6 +388,7 @@ def test_finetune_step(benchmark, case, bench_device, bench_size):
     if case.method in OPACUS:
         pytest.importorskip("opacus")
     warnings.filterwarnings("ignore")
+    load = [os.getloadavg()[0]]          # how busy the machine was (the report says)
     timer = CheckTimer().install() if case.method.startswith("ncdp") else None
     engine = EngineTimer().install() if case.method == "ncdp_engine" else None
     try:
@@ -400,6 +402,8 @@ def test_finetune_step(benchmark, case, bench_device, bench_size):
                 benchmark.extra_info["checks_ms"] = timer.ms_per_step()
             if engine is not None:
                 benchmark.extra_info["engine_ms"] = engine.ms_per_step()
+            benchmark.extra_info.update(loadavg=load + [os.getloadavg()[0]],
+                                        cores=os.cpu_count())
     finally:
         for t in (engine, timer):
             if t is not None:
