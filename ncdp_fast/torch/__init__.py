@@ -43,6 +43,7 @@ except ImportError as exc:  # pragma: no cover - torch is an optional extra
     raise ImportError("ncdp_fast.torch needs PyTorch: pip install 'ncdp_fast[torch]'") from exc
 
 from . import attention as _attention  # noqa: F401  (registers the attention rule)
+from . import hf_layers as _hf_layers  # noqa: F401  (rules of transformers' layers, by name)
 from .clipper import GhostClipper
 from .data import PoissonBatchSampler, collate_with_empty
 from .engine import DPOptimizer, PrivacyEngine, PrivateModule

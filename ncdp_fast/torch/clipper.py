@@ -21,8 +21,8 @@ from .adaptive import AdaptiveClip
 from .attention import attention_forward, check_attention
 from .coupling import batch_dim_hooks, refuse_batch_mixing
 from .layers import HALF, Call, accumulation_dtype, refuse_unsupported, rule_for
-from .layout import (StepBatch, batch_dim, enclosing_batch_first, layer_batch_first,
-                     module_batch_first, rows_error, to_batch_first)
+from .layout import (StepBatch, batch_dim, broadcast_rows, enclosing_batch_first,
+                     layer_batch_first, module_batch_first, rows_error, to_batch_first)
 from .mechanism import (ClippedGaussianStep, ReleasedGrads, foreign_grad_error,
                         optimizer_params)
 
@@ -642,7 +642,11 @@ class GhostClipper(ClippedGaussianStep):
 
     def _forward_hook(self, tap: _Tap):
         def hook(module, inputs, output):
-            out = self._capture(tap, None, inputs, output)
+            got = output
+            if tap.recording:       # position ids (1, T): one row per sample
+                inputs, got = broadcast_rows(module, inputs, output, tap.batch_first,
+                                             self._batch.known())
+            out = self._capture(tap, None, inputs, got)
             return None if out is output else out
         return hook
 
