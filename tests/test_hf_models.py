@@ -328,6 +328,77 @@ def test_one_sample_private_gradient_has_norm_at_most_C(seed, C):
         assert norm == pytest.approx(C, rel=1e-9)
 
 
+# ------------------------------------------------------ single layers
+
+class _Tagger(nn.Module):
+    """Tokens + position embeddings (positions (1, T), or (T, 1) sequence-first,
+    broadcast over the batch) -> a norm -> a Conv1D-free linear head."""
+
+    def __init__(self, norm, batch_first=True):
+        super().__init__()
+        self.tok = nn.Embedding(V, 16)
+        self.pos = nn.Embedding(T, 16)
+        self.norm = norm
+        self.head = nn.Linear(16, LABELS)
+        self.batch_first = batch_first
+
+    def forward(self, ids):
+        t = ids.shape[1] if self.batch_first else ids.shape[0]
+        pos = torch.arange(t).unsqueeze(0 if self.batch_first else 1)
+        h = self.norm(self.tok(ids) + self.pos(pos))
+        return self.head(h).mean(1 if self.batch_first else 0)
+
+
+def _tagger_exact(norm, batch_first=True):
+    torch.manual_seed(0)
+    model = _Tagger(norm, batch_first).to(F64).train()
+    g = torch.Generator().manual_seed(2)
+    ids, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, LABELS, (B,), generator=g)
+    rows = []
+    params = [p for p in model.parameters()]
+    for i in range(B):
+        x = ids[i:i + 1] if batch_first else ids[i:i + 1].T
+        loss = nn.functional.cross_entropy(model(x), y[i:i + 1])
+        rows.append(torch.autograd.grad(loss, params))
+    ps = {k: torch.stack([r[j] for r in rows]) for j, (k, _) in enumerate(model.named_parameters())}
+    C = low_bound(ps)
+    work = copy.deepcopy(model)
+    with GhostClipper(work, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B,
+                      loss_reduction="sum", batch_first=batch_first, seed=0) as clipper:
+        x = ids if batch_first else ids.T
+        nn.functional.cross_entropy(work(x), y, reduction="sum").backward()
+        res = clipper.privatize_()
+    got = {k: p.grad for k, p in work.named_parameters()}
+    assert 1 <= res.num_clipped < B
+    assert rel_err(got, clipped(ps, C, 1)) <= 1e-10
+    assert rel_err(got, clipped(ps, C, 1), ["pos.weight"]) <= 1e-10
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_broadcast_position_ids_and_torch_rms_norm_are_exact(batch_first):
+    """Position ids (1, T) -- (T, 1) sequence-first -- looked up once for the
+    batch: each sample's gradient of the position table is its own rows."""
+    _tagger_exact(nn.RMSNorm(16, eps=1e-6), batch_first)
+
+
+def test_t5_layer_norm_is_exact():
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+    norm = T5LayerNorm(16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    _tagger_exact(norm)
+
+
+def test_a_conv1d_subclass_with_its_own_forward_is_refused():
+    from transformers.pytorch_utils import Conv1D
+
+    class Scaled(Conv1D):
+        def forward(self, x):
+            return 2 * super().forward(x)
+    with pytest.raises(ValueError, match=r"'0' \(Scaled\) overrides the forward of Conv1D"):
+        _clip(nn.Sequential(Scaled(4, 3)))
+
+
 # --------------------------------------------------------------- refusals
 
 def _clip(model):
@@ -381,6 +452,24 @@ def test_a_bare_parameter_without_a_rule_is_refused_naming_it():
                                          r"belong to _Gain, which has no per-sample gradient "
                                          r"rule.*register_layer"):
         _clip(model)
+
+
+def test_a_transformers_layer_called_with_a_keyword_input_is_refused():
+    from transformers.pytorch_utils import Conv1D
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = Conv1D(3, 4)
+
+        def forward(self, h):
+            return self.c(x=h)
+    model = Net().to(F64).train()
+    with _clip(model):
+        out = model(torch.randn(B, 4, dtype=F64))
+        with pytest.raises(ValueError, match=r"Conv1D was called without a positional tensor "
+                                             r"input.*first positional argument"):
+            out.sum().backward()
 
 
 def test_importing_ncdp_fast_torch_does_not_import_transformers():
