@@ -42,6 +42,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ncdp_fast.torch import GhostClipper, PrivacyEngine  # noqa: E402
 
+from test_torch_layers import clipped_mean, flat_norms, low_bound  # noqa: E402
+
 F32, F64 = torch.float32, torch.float64
 V, T, B, LABELS = 97, 8, 4, 3
 IMG = 16
@@ -153,20 +155,9 @@ def one_at_a_time(model, name, data):
     return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(params)}
 
 
-def flat_norms(ps):
-    n = next(iter(ps.values())).shape[0]
-    return torch.cat([g.reshape(n, -1).to(F64) for g in ps.values()], 1).norm(dim=1)
-
-
 def clipped(ps, C, denom):
-    f = (C / flat_norms(ps)).clamp(max=1.0)
-    return {k: torch.einsum("i,i...->...", f, g.to(F64)) / denom for k, g in ps.items()}
-
-
-def low_bound(ps):
-    norms = flat_norms(ps).sort().values
-    assert norms[0] < norms[1]
-    return float((norms[0] + norms[1]) / 2)
+    """The expected private gradient, in float64 (``ps`` of any float dtype)."""
+    return clipped_mean({k: g.to(F64) for k, g in ps.items()}, C, denom)
 
 
 def rel_err(got, expected, names=None):
@@ -196,8 +187,8 @@ def cast(data, dtype):
 
 # ------------------------------------------------------------------- tests
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name, reduction", [(n, "mean") for n in sorted(MODELS)] +
+                         [(n, "sum") for n in ("bert", "gpt2", "vit")])
 def test_float64_private_gradient_equals_per_sample_clipping(name, reduction):
     model = build(name)
     data = batch(name)
@@ -370,8 +361,8 @@ def _tagger_exact(norm, batch_first=True):
         res = clipper.privatize_()
     got = {k: p.grad for k, p in work.named_parameters()}
     assert 1 <= res.num_clipped < B
-    assert rel_err(got, clipped(ps, C, 1)) <= 1e-10
-    assert rel_err(got, clipped(ps, C, 1), ["pos.weight"]) <= 1e-10
+    for k in ps:                      # the position table and the norm's scale included
+        assert rel_err(got, clipped(ps, C, 1), [k]) <= 1e-10, k
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
@@ -387,6 +378,16 @@ def test_t5_layer_norm_is_exact():
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     _tagger_exact(norm)
+
+
+def test_dinov2_layer_scale_is_exact():
+    """A LayerScale gain (a bare Parameter multiplying the activations) with a
+    rule: the norm slot of the tagger holds LayerNorm then the gain."""
+    from transformers.models.dinov2.modeling_dinov2 import Dinov2LayerScale
+    gain = Dinov2LayerScale(transformers.Dinov2Config(hidden_size=16, layerscale_value=0.7))
+    with torch.no_grad():
+        gain.lambda1.uniform_(0.5, 1.5)
+    _tagger_exact(nn.Sequential(nn.LayerNorm(16), gain))
 
 
 def test_a_conv1d_subclass_with_its_own_forward_is_refused():

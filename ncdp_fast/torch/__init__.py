@@ -26,7 +26,8 @@ true Poisson batches.
 
 Modules: ``engine`` (PrivacyEngine), ``clipper`` (GhostClipper and its hooks),
 ``layers`` (the per-layer rules and their registry), ``attention`` (multi-head
-attention's step-by-step forward and rule), ``optimizer`` (FusedDPOptimizer),
+attention's step-by-step forward and rule), ``hf_layers`` (rules of Hugging Face
+``transformers`` layers, registered by class name), ``optimizer`` (FusedDPOptimizer),
 ``fix`` (fix_batchnorm), ``validators`` (ModuleValidator), ``losses`` (per-sample token loss), ``coupling``
 (what mixes samples: refused modules, the checked ghost criterion),
 ``checkpoint`` (save/resume of a private run), ``memory``

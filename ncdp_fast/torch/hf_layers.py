@@ -1,7 +1,7 @@
 """Rules for the layers Hugging Face ``transformers`` models are built from that
-torch has no class for: GPT-2's ``Conv1D``, the RMS norms of LLaMA and T5, and
-ViT's embeddings (a class token and position embeddings that are bare
-Parameters).
+torch has no class for: GPT-2's ``Conv1D``, the RMS norms of LLaMA and T5, the
+LayerScale gains of DINOv2/v3, and ViT's embeddings (a class token and
+position embeddings that are bare Parameters).
 
 Registered by class name (:func:`~.layers.register_layer_by_name`): importing
 ncdp_fast never imports ``transformers``; a model built from it matches these
@@ -26,7 +26,7 @@ from torch import nn
 from .layers import (_cat, _flat_positions, accumulation_dtype, factored_or_instantiated,
                      register_layer_by_name)
 
-__all__ = ["conv1d_rule", "scale_norm_rule", "vit_embeddings_rule"]
+__all__ = ["conv1d_rule", "scale_rule", "vit_embeddings_rule"]
 
 
 def _input(module: nn.Module, call) -> torch.Tensor:
@@ -72,24 +72,39 @@ def _unit_scale(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
         return type(module).forward(shadow, x)
 
 
-@register_layer_by_name("transformers.models.llama.modeling_llama.LlamaRMSNorm",
-                        "transformers.models.t5.modeling_t5.T5LayerNorm")
-def scale_norm_rule(module: nn.Module, calls, trainable):
-    """RMS norm with a weight-only scale (LLaMA's ``LlamaRMSNorm``, T5's
-    ``T5LayerNorm``): ``y = w * z(x)`` with ``z`` the normalised input as the
-    module's own forward computes it (its float32 variance included), so the
-    per-sample gradient of ``w`` (shape (D,)) is ``sum_t g_t * z_t``, (B, D)."""
-    if "weight" not in trainable:
-        return []
-    w = module.weight
-    zs, gs = [], []
-    for c in calls:
-        zs.append(_flat_positions(_unit_scale(module, "weight", _input(module, c)), w.numel(),
-                                  w.dim()))
-        gs.append(_flat_positions(c.grad, w.numel(), w.dim()))
-    z, g = _cat(zs), _cat(gs)
-    per_sample = torch.einsum("btw,btw->bw", g, z.to(g.dtype))
-    return [(("weight",), per_sample.reshape(per_sample.shape[0], *w.shape))]
+def scale_rule(name: str):
+    """The rule of a layer computing ``y = p * z(x)``, ``p`` its parameter
+    ``name`` broadcast over the trailing dimensions of ``z`` and ``z`` not
+    depending on ``p``: an RMS norm's weight-only scale, a LayerScale gain.
+    ``z`` is the module's own forward run with ``p`` set to ones (an RMS norm's
+    float32 variance included), so the per-sample gradient of ``p`` (shape
+    (D,)) is ``sum_t g_t * z_t``, (B, D).  Exact only for that form: a class
+    computing ``(1 + p) * z`` (Gemma's RMS norm) needs another rule."""
+    def rule(module: nn.Module, calls, trainable):
+        if name not in trainable:
+            return []
+        p = module._parameters[name]
+        zs, gs = [], []
+        for c in calls:
+            z = _unit_scale(module, name, _input(module, c))
+            zs.append(_flat_positions(z, p.numel(), p.dim()))
+            gs.append(_flat_positions(c.grad, p.numel(), p.dim()))
+        z, g = _cat(zs), _cat(gs)
+        per_sample = torch.einsum("btw,btw->bw", g, z.to(g.dtype))
+        return [((name,), per_sample.reshape(per_sample.shape[0], *p.shape))]
+    rule.__name__ = rule.__qualname__ = f"scale_rule_{name}"
+    return rule
+
+
+# Each registered class's forward is ``self.<name> * z(x)`` (read in
+# transformers 5.24.0).
+register_layer_by_name("transformers.models.llama.modeling_llama.LlamaRMSNorm",
+                       "transformers.models.t5.modeling_t5.T5LayerNorm")(scale_rule("weight"))
+register_layer_by_name(
+    "transformers.models.dinov2.modeling_dinov2.Dinov2LayerScale",
+    "transformers.models.dinov2_with_registers.modeling_dinov2_with_registers."
+    "Dinov2WithRegistersLayerScale",
+    "transformers.models.dinov3_vit.modeling_dinov3_vit.DINOv3ViTLayerScale")(scale_rule("lambda1"))
 
 
 def _vit_problem(module: nn.Module) -> str | None:

@@ -19,7 +19,10 @@ Between a pair and an instantiated gradient the rule takes the cheaper
 (:func:`factored_or_instantiated`, the mixed rule of Bu et al. 2023): the ghost
 norm costs B*T^2*(d+K) and no memory of size K*d; the instantiated gradient
 costs B*T*K*d and B*K*d memory.  Register a rule for your own layer type with
-:func:`register_layer`; the built-ins below are its examples.
+:func:`register_layer`; the built-ins below are its examples.  A class of an
+optional package (``transformers``) is matched by its qualified name
+(:func:`register_layer_by_name`, used by :mod:`.hf_layers`), so that its rule
+needs no import of that package.
 """
 from __future__ import annotations
 
