@@ -260,15 +260,18 @@ def test_tied_heads_go_through_the_tied_path():
         assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(c.param_names)
 
 
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self, data):
-        self.data = data
-
-    def __len__(self):
-        return self.data[0].shape[0]
-
-    def __getitem__(self, i):
-        return tuple(x[i] for x in self.data)
+def test_the_llama_under_test_has_rotary_swiglu_and_grouped_query_attention():
+    """What the LLaMA exactness tests cover: rotary embeddings (a module with
+    no parameter), SwiGLU (gate/up/down Linears, SiLU) and 4 query heads
+    sharing 2 key/value heads (k/v projections half the width of q's)."""
+    model = build("llama")
+    layer = model.model.layers[0]
+    assert not list(model.model.rotary_emb.parameters())
+    assert layer.self_attn.q_proj.out_features == 2 * layer.self_attn.k_proj.out_features
+    assert layer.self_attn.v_proj.out_features == layer.self_attn.k_proj.out_features
+    act = layer.mlp.act_fn
+    assert type(act).__name__ == "SiLUActivation" and not list(act.parameters())
+    assert isinstance(layer.mlp.gate_proj, nn.Linear)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert", "roberta", "distilbert", "vit", "llama"])
@@ -378,6 +381,29 @@ def test_t5_layer_norm_is_exact():
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     _tagger_exact(norm)
+
+
+@pytest.mark.parametrize("seq", [1, 6])
+def test_conv1d_is_exact_as_a_pair_and_instantiated(seq):
+    """Conv1D(nf=5, nx=4): T = 1 takes the (swapped) pair, T = 6 the
+    instantiated per-sample gradient (2 T^2 = 72 > 5 * 4)."""
+    from transformers.pytorch_utils import Conv1D
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(5, 4), nn.Tanh(), Conv1D(2, 5)).to(F64).train()
+    x = torch.randn(B, seq, 4, dtype=F64, generator=torch.Generator().manual_seed(4))
+    params = list(model.parameters())
+    rows = [torch.autograd.grad(model(x[i:i + 1]).square().sum(), params) for i in range(B)]
+    ps = {k: torch.stack([r[j] for r in rows]) for j, (k, _) in enumerate(model.named_parameters())}
+    C = low_bound(ps)
+    with GhostClipper(model, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B,
+                      loss_reduction="sum", seed=0) as clipper:
+        model(x).square().sum().backward()
+        res = clipper.privatize_()
+    assert 1 <= res.num_clipped < B
+    got = {k: p.grad for k, p in model.named_parameters()}
+    for k in ps:
+        assert got[k].shape == ps[k].shape[1:]
+        assert rel_err(got, clipped(ps, C, 1), [k]) <= 1e-10, k
 
 
 def test_dinov2_layer_scale_is_exact():
