@@ -131,9 +131,10 @@ class GhostClipper(ClippedGaussianStep):
 
     Layers: ``nn.Linear`` (inputs of any leading shape), ``nn.Conv1d/2d``
     (groups, stride, padding, dilation, padding modes), ``nn.Embedding``,
-    ``nn.LayerNorm``, ``nn.GroupNorm``, affine instance norms,
+    ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, affine instance norms,
     ``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` works
-    unmodified), and any type given a rule with
+    unmodified), the layers of Hugging Face models (:mod:`.hf_layers`: GPT-2,
+    BERT, RoBERTa, DistilBERT, ViT, LLaMA), and any type given a rule with
     :func:`ncdp_fast.torch.register_layer`.  Frozen parameters cost nothing;
     a trainable parameter of another type, a batch norm anywhere (use
     :func:`fix_batchnorm`), a bias or attention parameter shared by two
