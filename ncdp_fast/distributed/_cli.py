@@ -264,9 +264,8 @@ def _preflight(args, group, rank):
             key = _read_key(args.hmac_key_file)
             writer = DirectoryWriter(args.out, overwrite=args.overwrite, name="--out",
                                      overwrite_hint="--overwrite").open()
-            if not args.quiet:
-                for line in writer.notes:
-                    print(f"ncdp-fast release: {line}", file=sys.stderr, flush=True)
+            for line in writer.notes:       # not progress: said even with --quiet
+                print(f"ncdp-fast release: {line}", file=sys.stderr, flush=True)
     except (ValueError, TypeError, OSError) as e:
         err = e
     try:
@@ -330,8 +329,8 @@ def run_release(args) -> int:
                   f"{args.out}", file=sys.stderr, flush=True)
         out = res.write(args.out, writer, key=key, chunk_bytes=int(args.chunk_mb * 2**20))
     except (ValueError, TypeError, OSError, RuntimeError) as e:   # gloo errors are RuntimeError
-        print(f"ncdp-fast release: rank {rank} of {world}: error: {e}", file=sys.stderr,
-              flush=True)
+        print(f"ncdp-fast release: rank {rank} of {world}: error: "
+              f"{str(e).removeprefix('ncdp-fast release: ')}", file=sys.stderr, flush=True)
         return 2
     except _Terminated:
         print(f"ncdp-fast release: rank {rank} of {world}: stopped by SIGTERM (torchrun "
