@@ -460,3 +460,23 @@ def test_bad_command_inputs_one_line_exit_2(tmp_path, capsys, change, expected):
     assert rc == 2 and err == f"ncdp-fast release: rank 0 of 1: error: " \
         f"{expected.format(tmp=tmp_path)}\n", err
     assert not (tmp_path / "out").exists()
+
+
+def test_sigterm_while_writing_removes_partial_output(tmp_path):
+    """One process that receives SIGTERM (torchrun's signal to the surviving ranks)
+    right after the first rows reached its .part files: it removes them, its lock and
+    the directory it made, says so in one line and exits 143."""
+    X, y = _data(40, 4, 3)
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    out = tmp_path / "rel"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("_release_victim.py")),
+                          *_release_argv(tmp_path, out, ["--quiet"])],
+                         env=dict(env, NCDP_TEST_KILL_RANK="0", NCDP_TEST_SIGNAL="TERM",
+                                  NCDP_FAST_LEDGER_DIR=str(tmp_path / "ledger")),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 143, run.stderr[-3000:]
+    assert run.stderr == ("ncdp-fast release: rank 0 of 1: stopped by SIGTERM (torchrun stops "
+                          "the other ranks when one fails); partial output removed\n")
+    assert not out.exists()
