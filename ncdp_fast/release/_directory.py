@@ -115,7 +115,11 @@ class DirectoryWriter:
             raise NotADirectoryError(f"{self.name}: {out} exists and is not a directory; expected a "
                                      "directory (created if absent)")
         self._created = not out.exists()
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"{self.name}: cannot create the directory {out} "
+                          f"({e.strerror})") from None
         self._clear_leftovers()
         clash = [n for n in (*FILES, MANIFEST) if (out / n).exists()]
         if clash and not self.overwrite:
@@ -136,31 +140,30 @@ class DirectoryWriter:
         return self
 
     def _clear_leftovers(self):
-        out = self.out
-        lock = out / LOCK
+        """Remove the ``.part`` files and lock of a writer that no longer runs (noted in
+        :attr:`notes`); refuse a lock that a live process, or another host, may hold."""
+        out, lock = self.out, self.out / LOCK
+        who = ""
         if lock.exists():
             try:
                 held = json.loads(lock.read_text())
                 pid, host, start = int(held["pid"]), str(held["host"]), held.get("start")
             except (OSError, ValueError, KeyError, TypeError):
-                raise FileExistsError(f"{self.name}: {lock} is unreadable; if no ncdp-fast release "
-                                      "is writing this directory, delete it") from None
+                raise FileExistsError(f"{self.name}: {lock} is unreadable; if no ncdp-fast "
+                                      "release is writing this directory, delete it") from None
             if host != socket.gethostname() or _alive(pid, start):
                 raise FileExistsError(
                     f"{self.name}: {out} is being written by pid {pid} on host {host} ({lock}); "
                     "wait for it to finish, or if that process no longer exists delete the lock")
-            what = f"an interrupted run (pid {pid} on this host, no longer running)"
-        else:
-            what = "an interrupted run"
+            who = f" (pid {pid} on this host, no longer running)"
         parts = sorted(p.name for p in out.glob("*" + PART)
                        if p.name[:-len(PART)] in (*FILES, MANIFEST))
         for name in parts:
             (out / name).unlink(missing_ok=True)
-        if lock.exists():
-            lock.unlink(missing_ok=True)
-        if parts or what != "an interrupted run":
+        lock.unlink(missing_ok=True)
+        if parts or who:
             self.notes.append(f"removed {', '.join(parts) or 'nothing but its lock'} left in "
-                              f"{out} by {what}")
+                              f"{out} by an interrupted run{who}")
 
     # ------------------------------------------------------------------ write
     def _part(self, name: str) -> Path:
