@@ -181,6 +181,9 @@ class ShardedRelease:
         ``DirectoryWriter`` for ``out_dir`` (None on the other ranks).  On any
         exception rank 0 aborts the writer (its ``.part`` files and lock go)."""
         rank, _ = rank_world(self.group)
+        if rank == 0 and getattr(writer, "out", None) != Path(out_dir):
+            raise TypeError(f"writer: expected on rank 0 the opened DirectoryWriter of "
+                            f"{out_dir} (see save()), got {type(writer).__name__}")
         T, d, K = self.num_samples, self.x.shape[1], self.y.shape[1]
         try:
             maps = None
