@@ -1,5 +1,5 @@
 """The ``ncdp-fast`` command: ``info``, ``demo``, ``bench``, ``gpu-check``, ``data``,
-``reproduce``."""
+``reproduce``, ``release`` (one process or under ``torchrun -m ncdp_fast.cli release``)."""
 from __future__ import annotations
 
 import argparse
