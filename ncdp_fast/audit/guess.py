@@ -1,0 +1,127 @@
+"""From canary scores to guesses, counts and both bounds (:class:`AuditResult`).
+
+The auditor guesses IN for the k highest-scored canaries and OUT for the k
+lowest, abstaining on the rest.  Which k is best is not known before the run,
+so a fixed grid of k is tried and each bound is taken at confidence
+1 - (1 - confidence) / len(grid) (Bonferroni): the maximum over the grid is then
+valid at ``confidence``, which choosing k after seeing the scores would not be.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._validate import check_int, check_probability
+from .bounds import one_run_bound, one_run_bound_gdp
+
+__all__ = ["AuditResult", "bound_from_scores", "guess_grid"]
+
+_GRID_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+
+
+@dataclass
+class AuditResult:
+    """An audit's outcome.
+
+    ``epsilon_lower_bound``: Steinke et al.'s (eps, delta)-DP bound;
+    ``epsilon_lower_bound_gdp`` / ``mu_lower_bound``: the mu-GDP bound of
+    Mahloujifar et al. and the eps of a mu-GDP mechanism at ``delta``;
+    ``epsilon_claimed``: the accountant's eps of the audited run at ``delta``
+    (None where nothing was claimed).  ``canaries`` m; for each analysis the k
+    (IN and OUT guesses each), guesses r = 2k and right guesses v it was reached
+    with (``k``, ``guesses``, ``correct`` for the first, ``*_gdp`` for the
+    second); ``guessed_in`` / ``guessed_out``: canary indices of the first
+    analysis's guesses; ``confidence`` (of each bound, after the Bonferroni
+    correction over ``k_grid``).  ``details``: what was audited and how.
+    """
+    epsilon_lower_bound: float
+    epsilon_lower_bound_gdp: float | None
+    mu_lower_bound: float
+    epsilon_claimed: float | None
+    delta: float
+    canaries: int
+    k: int
+    guesses: int
+    correct: int
+    k_gdp: int
+    guesses_gdp: int
+    correct_gdp: int
+    guessed_in: np.ndarray
+    guessed_out: np.ndarray
+    confidence: float
+    k_grid: tuple
+    details: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        """Plain JSON types: the numbers of a results table."""
+        keys = ("epsilon_claimed", "epsilon_lower_bound", "epsilon_lower_bound_gdp",
+                "mu_lower_bound", "delta", "canaries", "k", "guesses", "correct", "k_gdp",
+                "guesses_gdp", "correct_gdp", "confidence")
+        out = {k: getattr(self, k) for k in keys}
+        out["k_grid"] = list(self.k_grid)
+        out.update(self.details)
+        return out
+
+
+def guess_grid(m: int) -> tuple:
+    """The k tried for m canaries: fractions 1, 2, 5, 10, 20, 50 % of m (at least 1,
+    distinct)."""
+    return tuple(sorted({max(1, int(round(f * m))) for f in _GRID_FRACTIONS if f * m >= 0.5}
+                        or {1}))
+
+
+def bound_from_scores(scores, membership, *, delta, confidence=0.95, k=None,
+                      epsilon_claimed=None, details=None) -> AuditResult:
+    """Guess from ``scores`` (m,) (higher says IN), count against ``membership``
+    (m,) bool, and compute both bounds.
+
+    Args:
+        scores: (m,) float; ties are broken by index (a fixed, score-free order).
+        membership: (m,) bool, True where the canary was included.
+        delta: the delta of the hypothesis (the run's claimed delta), in (0, 1).
+        confidence: of the returned bounds, in (0, 1).
+        k: one k (int, 1 <= k <= m // 2), or None for :func:`guess_grid` with
+            the Bonferroni correction.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    mem = np.asarray(membership)
+    if s.ndim != 1 or mem.shape != s.shape or mem.dtype != bool:
+        raise ValueError(f"scores, membership: expected (m,) floats and (m,) bools, got "
+                         f"{s.shape} {s.dtype} and {mem.shape} {mem.dtype}")
+    if not np.all(np.isfinite(s)):
+        raise ValueError("scores: expected finite scores, got NaN or inf; a score that "
+                         "cannot be computed cannot be ranked")
+    m = s.size
+    confidence = check_probability(confidence, "confidence", one=False)
+    if m < 2:
+        raise ValueError(f"scores: expected at least 2 canaries, got {m}")
+    if k is None:
+        grid = guess_grid(m)
+        grid = tuple(g for g in grid if g <= m // 2)
+    else:
+        k = check_int(k, "k", 1)
+        if k > m // 2:
+            raise ValueError(f"k: expected at most m // 2 = {m // 2} (k IN and k OUT guesses), "
+                             f"got {k}")
+        grid = (k,)
+    level = 1.0 - (1.0 - confidence) / len(grid)
+    order = np.argsort(-s, kind="stable")       # highest first
+    best = best_gdp = None
+    for kk in grid:
+        g_in, g_out = order[:kk], order[m - kk:]
+        v = int(mem[g_in].sum() + (~mem[g_out]).sum())
+        eps = one_run_bound(v, 2 * kk, delta=delta, confidence=level, canaries=m)
+        gdp = one_run_bound_gdp(v, 2 * kk, m, delta=delta, confidence=level)
+        if best is None or eps > best[0]:
+            best = (eps, kk, v, g_in, g_out)
+        if best_gdp is None or gdp.mu > best_gdp[0].mu:
+            best_gdp = (gdp, kk, v)
+    eps, kk, v, g_in, g_out = best
+    gdp, kg, vg = best_gdp
+    return AuditResult(
+        epsilon_lower_bound=float(eps), epsilon_lower_bound_gdp=gdp.epsilon,
+        mu_lower_bound=gdp.mu, epsilon_claimed=epsilon_claimed, delta=float(delta),
+        canaries=m, k=kk, guesses=2 * kk, correct=v, k_gdp=kg, guesses_gdp=2 * kg,
+        correct_gdp=vg, guessed_in=np.sort(g_in), guessed_out=np.sort(g_out),
+        confidence=confidence, k_grid=grid, details=dict(details or {}))
