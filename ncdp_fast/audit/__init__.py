@@ -7,15 +7,21 @@
 * :mod:`.guess`: scores to guesses to both bounds (:class:`AuditResult`).
 * :mod:`.dpsgd`: :func:`audit_dpsgd`, the white-box audit of DP-SGD through
   :class:`ncdp_fast.torch.PrivacyEngine` (needs torch; imported on use).
+* :mod:`.release`: :func:`audit_release`, the audit of a NeuroMixGDP release.
+* :mod:`.membership`: the loss-based membership attack (:func:`loss_scores`,
+  :func:`membership_auc`; also importable from ``ncdp_fast.release``).
 
 An audit gives a lower bound: a bound above the claimed eps proves the claim
 false (at the stated confidence); a bound below it proves nothing.
 """
 from .bounds import GDPBound, gdp_rejects, one_run_bound, one_run_bound_gdp, one_run_p_value
-from .guess import AuditResult, bound_from_scores, guess_grid
+from .guess import AuditResult, bound_from_scores, guess_grid, subsampled_gaussian_score
+from .membership import loss_scores, membership_auc, membership_losses
 
 __all__ = ["one_run_bound", "one_run_bound_gdp", "GDPBound", "gdp_rejects", "one_run_p_value",
-           "AuditResult", "bound_from_scores", "guess_grid", "audit_dpsgd"]
+           "AuditResult", "bound_from_scores", "guess_grid", "subsampled_gaussian_score",
+           "loss_scores", "membership_auc", "membership_losses", "audit_dpsgd",
+           "audit_release"]
 
 
 def __getattr__(name):
@@ -23,4 +29,7 @@ def __getattr__(name):
     if name == "audit_dpsgd":
         from .dpsgd import audit_dpsgd
         return audit_dpsgd
+    if name == "audit_release":
+        from .release import audit_release
+        return audit_release
     raise AttributeError(f"module 'ncdp_fast.audit' has no attribute {name!r}")

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from .._validate import check_choice, check_int, check_positive, check_probability
-from .guess import AuditResult, bound_from_scores
+from .guess import AuditResult, bound_from_scores, subsampled_gaussian_score
 
 __all__ = ["audit_dpsgd", "DiracModel", "canary_inputs"]
 
@@ -78,16 +78,6 @@ def canary_inputs(kind: str, m: int, d_real: int, max_grad_norm: float, rng):
         U = rng.standard_normal((m, d))
         U /= np.linalg.norm(U, axis=1, keepdims=True)
     return _MAGNITUDE * max_grad_norm * U, U
-
-
-def _lr_score(g, sigma: float, q: float, c: float):
-    """Sum over steps of the log likelihood ratio of "included" for one step's
-    coordinate g ~ N(C b, (sigma C)^2), b ~ Bernoulli(q) if included, 0 if not:
-    the Neyman-Pearson statistic of a step for a Dirac canary."""
-    a = (g * c - 0.5 * c * c) / (sigma * c) ** 2
-    if q >= 1.0:
-        return a.sum(axis=0)
-    return np.logaddexp(math.log1p(-q), math.log(q) + a).sum(axis=0)
 
 
 def _seeds(seed):
@@ -207,7 +197,7 @@ def audit_dpsgd(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 1e
             raise ValueError(f"score: expected the callable to return ({m},) scores, got shape "
                              f"{scores.shape}")
     elif score == "lr" and observe == "steps":
-        scores = _lr_score(obs, sigma, q, c) if sigma > 0 else obs.sum(axis=0)
+        scores = subsampled_gaussian_score(obs / c, sigma, q)
     else:
         scores = obs.sum(axis=0)
     details = dict(audit="dpsgd", canary=canary, observe=observe,

@@ -15,7 +15,7 @@ import numpy as np
 from .._validate import check_int, check_probability
 from .bounds import one_run_bound, one_run_bound_gdp
 
-__all__ = ["AuditResult", "bound_from_scores", "guess_grid"]
+__all__ = ["AuditResult", "bound_from_scores", "guess_grid", "subsampled_gaussian_score"]
 
 _GRID_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
@@ -62,6 +62,23 @@ class AuditResult:
         out["k_grid"] = list(self.k_grid)
         out.update(self.details)
         return out
+
+
+def subsampled_gaussian_score(g, sigma: float, q: float) -> np.ndarray:
+    """Per-canary sum over steps of the log likelihood ratio "included" / "not":
+    ``g`` (T, m) holds each step's observation of each canary in units of its
+    signal, g ~ N(b, sigma^2) with b ~ Bernoulli(q) if included and b = 0 if not
+    (a Dirac canary of a Poisson-subsampled Gaussian mechanism: DP-SGD's noisy
+    gradient on its coordinate, a NeuroMixGDP row's).  The Neyman-Pearson
+    statistic of each step; (m,) float64.  sigma = 0 has no likelihood ratio:
+    the plain sum is returned."""
+    g = np.asarray(g, dtype=np.float64)
+    if sigma == 0:
+        return g.sum(axis=0)
+    a = (g - 0.5) / sigma ** 2
+    if q >= 1.0:
+        return a.sum(axis=0)
+    return np.logaddexp(np.log1p(-q), np.log(q) + a).sum(axis=0)
 
 
 def guess_grid(m: int) -> tuple:
