@@ -8,6 +8,8 @@
 * :mod:`.dpsgd`: :func:`audit_dpsgd`, the white-box audit of DP-SGD through
   :class:`ncdp_fast.torch.PrivacyEngine` (needs torch; imported on use).
 * :mod:`.release`: :func:`audit_release`, the audit of a NeuroMixGDP release.
+* :mod:`.canaries`: :class:`CanaryDataset` and :func:`model_loss_scores`, the
+  audit of a user's own training loop (black box: the trained model's losses).
 * :mod:`.membership`: the loss-based membership attack (:func:`loss_scores`,
   :func:`membership_auc`; also importable from ``ncdp_fast.release``).
 
@@ -16,11 +18,12 @@ false (at the stated confidence); a bound below it proves nothing.
 """
 from .bounds import GDPBound, gdp_rejects, one_run_bound, one_run_bound_gdp, one_run_p_value
 from .guess import AuditResult, bound_from_scores, guess_grid, subsampled_gaussian_score
+from .canaries import CanaryDataset, model_loss_scores
 from .membership import loss_scores, membership_auc, membership_losses
 
 __all__ = ["one_run_bound", "one_run_bound_gdp", "GDPBound", "gdp_rejects", "one_run_p_value",
            "AuditResult", "bound_from_scores", "guess_grid", "subsampled_gaussian_score",
-           "loss_scores", "membership_auc", "membership_losses", "audit_dpsgd",
+           "CanaryDataset", "model_loss_scores", "loss_scores", "membership_auc", "membership_losses", "audit_dpsgd",
            "audit_release"]
 
 
