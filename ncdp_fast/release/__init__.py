@@ -12,9 +12,7 @@ inference).  See ``docs/release.md``.
 * :mod:`.released` -- :class:`Released`, the publishable output, and its ``.npz``
   file (checksum, HMAC, refusal of files whose claim does not recompute).
 * :mod:`.classifier` -- :class:`SoftLabelClassifier`, trained on the release only.
-* :mod:`.audit` -- :func:`membership_auc`, the loss-based membership-inference attack
-  (implemented in :mod:`ncdp_fast.audit.membership`; one-run audits of a release:
-  :func:`ncdp_fast.audit.audit_release`).
+* :mod:`.audit` -- :func:`membership_auc`, the loss-based membership-inference audit.
 * Hierarchical-sampling accounting: :mod:`ncdp_fast.privacy.hierarchical`
   (:func:`hs_epsilon`, :func:`hs_noise_multiplier`, re-exported here).
 
