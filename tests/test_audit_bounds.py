@@ -202,3 +202,20 @@ def test_bound_from_scores_perfect_and_errors():
         bound_from_scores(np.full(m, np.nan), mem, delta=1e-5)
     with pytest.raises(ValueError, match="^scores, membership"):
         bound_from_scores(np.zeros(m), mem.astype(int), delta=1e-5)
+
+
+def test_planned_k_pair_is_used_at_full_confidence():
+    from ncdp_fast.audit import plan_k
+    m = 200
+    mem = np.arange(m) % 2 == 0
+    res = bound_from_scores(mem.astype(float), mem, delta=1e-5, k=(10, 50))
+    assert (res.k, res.k_gdp, res.k_grid) == (10, 50, (10, 50))
+    assert res.epsilon_lower_bound == pytest.approx(
+        one_run_bound(20, 20, delta=1e-5, canaries=m), rel=1e-12)
+    assert res.mu_lower_bound == pytest.approx(one_run_bound_gdp(100, 100, m).mu, rel=1e-12)
+    # the plan depends only on (m, mu, delta, confidence) and its own generator
+    a = plan_k(m, 1.0, delta=1e-5, rng=np.random.default_rng(1))
+    assert a == plan_k(m, 1.0, delta=1e-5, rng=np.random.default_rng(1))
+    assert all(x in guess_grid(m) for x in a)
+    with pytest.raises(ValueError, match="^k:"):
+        bound_from_scores(mem.astype(float), mem, delta=1e-5, k=(1, 2, 3))

@@ -153,7 +153,7 @@ def test_seeds_membership_and_noise_key_from_one_seed_or_the_os():
     # An int seed fixes the membership, data and noise key (a new process then
     # repeats the run; within one process the package's stream continues after
     # the ranges already drawn, so the noise is never reused); None: the OS.
-    (r1, k1), (r2, k2) = audit_dpsgd_module._seeds(7), audit_dpsgd_module._seeds(7)
+    (r1, k1, _), (r2, k2, _) = audit_dpsgd_module._seeds(7), audit_dpsgd_module._seeds(7)
     assert k1 == k2 and np.array_equal(r1.random(50) < 0.5, r2.random(50) < 0.5)
-    (_, k3), (_, k4) = audit_dpsgd_module._seeds(None), audit_dpsgd_module._seeds(None)
+    (_, k3, _), (_, k4, _) = audit_dpsgd_module._seeds(None), audit_dpsgd_module._seeds(None)
     assert len({k1, k3, k4}) == 3

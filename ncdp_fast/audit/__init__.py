@@ -17,12 +17,13 @@ An audit gives a lower bound: a bound above the claimed eps proves the claim
 false (at the stated confidence); a bound below it proves nothing.
 """
 from .bounds import GDPBound, gdp_rejects, one_run_bound, one_run_bound_gdp, one_run_p_value
-from .guess import AuditResult, bound_from_scores, guess_grid, subsampled_gaussian_score
+from .guess import (AuditResult, bound_from_scores, guess_grid, plan_k,
+                    subsampled_gaussian_score)
 from .canaries import CanaryDataset, model_loss_scores
 from .membership import loss_scores, membership_auc, membership_losses
 
 __all__ = ["one_run_bound", "one_run_bound_gdp", "GDPBound", "gdp_rejects", "one_run_p_value",
-           "AuditResult", "bound_from_scores", "guess_grid", "subsampled_gaussian_score",
+           "AuditResult", "bound_from_scores", "guess_grid", "plan_k", "subsampled_gaussian_score",
            "CanaryDataset", "model_loss_scores", "loss_scores", "membership_auc", "membership_losses", "audit_dpsgd",
            "audit_release"]
 

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from .._validate import check_choice, check_int, check_positive, check_probability
-from .guess import AuditResult, bound_from_scores, subsampled_gaussian_score
+from .guess import AuditResult, bound_from_scores, plan_k, subsampled_gaussian_score
 
 __all__ = ["audit_dpsgd", "DiracModel", "canary_inputs"]
 
@@ -81,18 +81,39 @@ def canary_inputs(kind: str, m: int, d_real: int, max_grad_norm: float, rng):
 
 
 def _seeds(seed):
-    """Membership rng and the engine's noise key: independent streams of one
-    SeedSequence (OS entropy when ``seed`` is None)."""
+    """Membership rng, the engine's noise key and the plan's rng: independent
+    streams of one SeedSequence (OS entropy when ``seed`` is None)."""
     ss = np.random.SeedSequence(seed)
-    member, noise = ss.spawn(2)
-    return np.random.default_rng(member), int(noise.generate_state(2, np.uint32).view(np.uint64)[0])
+    member, noise, plan = ss.spawn(3)
+    key = int(noise.generate_state(2, np.uint32).view(np.uint64)[0])
+    return np.random.default_rng(member), key, np.random.default_rng(plan)
+
+
+def claimed_mu(sigma: float, q: float, steps: int) -> float:
+    """The GDP parameter of ``steps`` Poisson-subsampled Gaussian steps as claimed:
+    sqrt(T) / sigma exactly at q = 1, the CLT's mu below (used only to plan k)."""
+    if sigma == 0:
+        return float("inf")
+    if q >= 1.0:
+        return math.sqrt(steps) / sigma
+    from ..privacy import poisson_gdp_mu
+    return float(poisson_gdp_mu(sigma, q, steps))
+
+
+def resolve_k(k, m, mu, delta, confidence, rng):
+    """``k="plan"``: :func:`plan_k` for the claimed mu (capped: beyond mu = 8 every
+    plan is the largest k); anything else is passed on."""
+    if isinstance(k, str):
+        check_choice(k, "k", ("plan",))
+        return plan_k(m, min(mu, 8.0), delta=delta, confidence=confidence, rng=rng)
+    return k
 
 
 def audit_dpsgd(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 1e-5,
                 epochs: int = 10, batches: int = 1, canary: str = "dirac",
                 observe: str = "steps", score="lr", max_grad_norm: float = 1.0,
                 real_samples: int = 256, real_features: int = 16, accountant: str = "prv",
-                confidence: float = 0.95, k=None, seed=None) -> AuditResult:
+                confidence: float = 0.95, k="plan", seed=None) -> AuditResult:
     r"""One-run audit of DP-SGD as :class:`~ncdp_fast.torch.PrivacyEngine` trains.
 
     Trains :func:`DiracModel` on ``real_samples`` real points plus each of
@@ -123,7 +144,9 @@ def audit_dpsgd(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 1e
         accountant: the engine's accountant (``"prv"``, ``"pld"``, ``"rdp"``, ``"gdp"``).
         confidence: of each bound; 1 - confidence is the chance that an honest
             run's bound exceeds its true eps.
-        k: guesses per side, or None (a grid, Bonferroni-corrected).
+        k: guesses per side: ``"plan"`` (one k per analysis, planned before the
+            run from the claimed sigma, q and steps: :func:`~ncdp_fast.audit.plan_k`),
+            an int or a pair, or None (a grid, Bonferroni-corrected).
         seed: None (OS entropy) or an int fixing membership, data and noise.
 
     Returns:
@@ -147,7 +170,7 @@ def audit_dpsgd(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 1e
     d_real = check_int(real_features, "real_features", 1)
     start = time.perf_counter()
 
-    rng, noise_key = _seeds(seed)
+    rng, noise_key, plan_rng = _seeds(seed)
     membership = rng.random(m) < 0.5
     Xc, U = canary_inputs(canary, m, d_real, c, rng)
     Xr = np.zeros((n_real, d_real + m))
@@ -166,8 +189,11 @@ def audit_dpsgd(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 1e
                          f"(got {batches}, the loader has {len(loader)}); use fewer batches "
                          "or more real_samples")
 
-    torch.manual_seed(int(rng.integers(2**31)))          # the model's initial weights
     model = DiracModel(d_real, m)
+    with torch.no_grad():       # from the audit's generator, not torch's global one
+        model.features.weight.copy_(torch.from_numpy(rng.standard_normal((1, d_real))
+                                                     / math.sqrt(d_real)))
+        model.features.bias.zero_()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     engine = PrivacyEngine(accountant=accountant)
     private, optimizer, loader = engine.make_private_with_epsilon(
@@ -205,6 +231,7 @@ def audit_dpsgd(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 1e
                    noise_multiplier=sigma, sample_rate=q, steps=epochs * batches,
                    max_grad_norm=c, real_samples=n_real, accountant=accountant,
                    epsilon_target=float(epsilon))
+    k = resolve_k(k, m, claimed_mu(sigma, q, epochs * batches), delta, confidence, plan_rng)
     result = bound_from_scores(scores, membership, delta=delta, confidence=confidence, k=k,
                                epsilon_claimed=claimed, details=details)
     result.details["wall_s"] = time.perf_counter() - start

@@ -1,10 +1,12 @@
 """From canary scores to guesses, counts and both bounds (:class:`AuditResult`).
 
 The auditor guesses IN for the k highest-scored canaries and OUT for the k
-lowest, abstaining on the rest.  Which k is best is not known before the run,
-so a fixed grid of k is tried and each bound is taken at confidence
-1 - (1 - confidence) / len(grid) (Bonferroni): the maximum over the grid is then
-valid at ``confidence``, which choosing k after seeing the scores would not be.
+lowest, abstaining on the rest.  k must not be chosen after seeing the scores.
+Two valid ways: a fixed grid of k, each bound taken at confidence
+1 - (1 - confidence) / len(grid) (Bonferroni), the maximum over the grid then
+valid at ``confidence``; or one k per analysis planned before the run
+(:func:`plan_k`: the k with the best mean bound in simulated games of the
+mechanism as claimed), used at ``confidence`` itself.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import numpy as np
 from .._validate import check_int, check_probability
 from .bounds import one_run_bound, one_run_bound_gdp
 
-__all__ = ["AuditResult", "bound_from_scores", "guess_grid", "subsampled_gaussian_score"]
+__all__ = ["AuditResult", "bound_from_scores", "guess_grid", "plan_k", "subsampled_gaussian_score"]
 
 _GRID_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
@@ -33,7 +35,9 @@ class AuditResult:
     with (``k``, ``guesses``, ``correct`` for the first, ``*_gdp`` for the
     second); ``guessed_in`` / ``guessed_out``: canary indices of the first
     analysis's guesses; ``confidence`` (of each bound, after the Bonferroni
-    correction over ``k_grid``).  ``details``: what was audited and how.
+    correction over ``k_grid`` when k was not fixed before the run; ``k_grid`` is
+    then the grid, else the pair of planned k).  ``details``: what was audited
+    and how.
     """
     epsilon_lower_bound: float
     epsilon_lower_bound_gdp: float | None
@@ -88,6 +92,32 @@ def guess_grid(m: int) -> tuple:
                         or {1}))
 
 
+def plan_k(m: int, mu: float, *, delta, confidence=0.95, games: int = 12, rng=None) -> tuple:
+    """(k for the (eps, delta) bound, k for the mu-GDP bound), planned before a run:
+    each maximises the mean bound over ``games`` simulated one-run games in which
+    canary i's score is mu S_i + N(0, 1) (a mu-GDP mechanism, the claim's;
+    S_i a fair bit), over :func:`guess_grid`.  Uses no data of the run, so the
+    k it returns may be used at the full ``confidence``.
+
+    Args:
+        m: canaries.  mu: the GDP parameter of the mechanism as claimed (>= 0).
+        delta, confidence: those of the audit.  games: simulated games.
+        rng: a numpy Generator (None: fresh OS entropy); the plan is not secret.
+    """
+    rng = np.random.default_rng() if rng is None else rng
+    grid = tuple(g for g in guess_grid(m) if g <= m // 2)
+    dp = np.zeros(len(grid))
+    gdp = np.zeros(len(grid))
+    for _ in range(check_int(games, "games", 1)):
+        s = rng.random(m) < 0.5
+        order = np.argsort(-(mu * s + rng.standard_normal(m)), kind="stable")
+        for j, kk in enumerate(grid):
+            v = int(s[order[:kk]].sum() + (~s[order[m - kk:]]).sum())
+            dp[j] += one_run_bound(v, 2 * kk, delta=delta, confidence=confidence, canaries=m)
+            gdp[j] += one_run_bound_gdp(v, 2 * kk, m, confidence=confidence).mu
+    return grid[int(np.argmax(dp))], grid[int(np.argmax(gdp))]
+
+
 def bound_from_scores(scores, membership, *, delta, confidence=0.95, k=None,
                       epsilon_claimed=None, details=None) -> AuditResult:
     """Guess from ``scores`` (m,) (higher says IN), count against ``membership``
@@ -98,8 +128,10 @@ def bound_from_scores(scores, membership, *, delta, confidence=0.95, k=None,
         membership: (m,) bool, True where the canary was included.
         delta: the delta of the hypothesis (the run's claimed delta), in (0, 1).
         confidence: of the returned bounds, in (0, 1).
-        k: one k (int, 1 <= k <= m // 2), or None for :func:`guess_grid` with
-            the Bonferroni correction.
+        k: one k (int, 1 <= k <= m // 2) for both analyses, a pair (k for the
+            (eps, delta) bound, k for the mu-GDP bound) fixed before the run
+            (:func:`plan_k`), or None for :func:`guess_grid` with the
+            Bonferroni correction.
     """
     s = np.asarray(scores, dtype=np.float64)
     mem = np.asarray(membership)
@@ -114,26 +146,32 @@ def bound_from_scores(scores, membership, *, delta, confidence=0.95, k=None,
     if m < 2:
         raise ValueError(f"scores: expected at least 2 canaries, got {m}")
     if k is None:
-        grid = guess_grid(m)
-        grid = tuple(g for g in grid if g <= m // 2)
+        grids = (tuple(g for g in guess_grid(m) if g <= m // 2),) * 2
     else:
-        k = check_int(k, "k", 1)
-        if k > m // 2:
-            raise ValueError(f"k: expected at most m // 2 = {m // 2} (k IN and k OUT guesses), "
-                             f"got {k}")
-        grid = (k,)
-    level = 1.0 - (1.0 - confidence) / len(grid)
+        pair = tuple(k) if isinstance(k, (tuple, list)) else (k, k)
+        if len(pair) != 2:
+            raise ValueError(f"k: expected an int, a pair of ints or None, got {k!r}")
+        for kk in pair:
+            check_int(kk, "k", 1)
+            if kk > m // 2:
+                raise ValueError(f"k: expected at most m // 2 = {m // 2} (k IN and k OUT "
+                                 f"guesses), got {kk}")
+        grids = ((int(pair[0]),), (int(pair[1]),))
+    grid = tuple(sorted(set(grids[0]) | set(grids[1])))
+    levels = [1.0 - (1.0 - confidence) / len(g) for g in grids]
     order = np.argsort(-s, kind="stable")       # highest first
     best = best_gdp = None
     for kk in grid:
         g_in, g_out = order[:kk], order[m - kk:]
         v = int(mem[g_in].sum() + (~mem[g_out]).sum())
-        eps = one_run_bound(v, 2 * kk, delta=delta, confidence=level, canaries=m)
-        gdp = one_run_bound_gdp(v, 2 * kk, m, delta=delta, confidence=level)
-        if best is None or eps > best[0]:
-            best = (eps, kk, v, g_in, g_out)
-        if best_gdp is None or gdp.mu > best_gdp[0].mu:
-            best_gdp = (gdp, kk, v)
+        if kk in grids[0]:
+            eps = one_run_bound(v, 2 * kk, delta=delta, confidence=levels[0], canaries=m)
+            if best is None or eps > best[0]:
+                best = (eps, kk, v, g_in, g_out)
+        if kk in grids[1]:
+            gdp = one_run_bound_gdp(v, 2 * kk, m, delta=delta, confidence=levels[1])
+            if best_gdp is None or gdp.mu > best_gdp[0].mu:
+                best_gdp = (gdp, kk, v)
     eps, kk, v, g_in, g_out = best
     gdp, kg, vg = best_gdp
     return AuditResult(
@@ -141,4 +179,5 @@ def bound_from_scores(scores, membership, *, delta, confidence=0.95, k=None,
         mu_lower_bound=gdp.mu, epsilon_claimed=epsilon_claimed, delta=float(delta),
         canaries=m, k=kk, guesses=2 * kk, correct=v, k_gdp=kg, guesses_gdp=2 * kg,
         correct_gdp=vg, guessed_in=np.sort(g_in), guessed_out=np.sort(g_out),
-        confidence=confidence, k_grid=grid, details=dict(details or {}))
+        confidence=confidence, k_grid=grids[0] if k is None else (kk, kg),
+        details=dict(details or {}))

@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from .._validate import check_choice, check_int, check_positive, check_probability
-from .dpsgd import _seeds
+from .dpsgd import _seeds, claimed_mu, resolve_k
 from .guess import AuditResult, bound_from_scores, subsampled_gaussian_score
 from .membership import loss_scores
 
@@ -39,7 +39,7 @@ __all__ = ["audit_release"]
 def audit_release(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 1e-5,
                   real_samples: int = 1000, real_features: int = 16, num_classes: int = 4,
                   mixup_degree="auto", num_samples=None, lam: float = 1.0,
-                  observe: str = "rows", confidence: float = 0.95, k=None,
+                  observe: str = "rows", confidence: float = 0.95, k="plan",
                   seed=None) -> AuditResult:
     r"""One-run audit of ``NeuroMixGDP(epsilon, delta, ...).release`` with Dirac
     canaries (module docstring).
@@ -53,7 +53,9 @@ def audit_release(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 
             real_features + m coordinates.
         mixup_degree, num_samples, lam: as :class:`~ncdp_fast.release.NeuroMixGDP`.
         observe: ``"rows"`` or ``"classifier"``.
-        confidence, k: as :func:`~ncdp_fast.audit.bound_from_scores`.
+        confidence: as :func:`~ncdp_fast.audit.bound_from_scores`.
+        k: ``"plan"`` (planned from the feature channel's sigma_x, q = m_mix / n
+            and T before the release is looked at), an int, a pair, or None (grid).
         seed: None (OS entropy) or an int fixing membership, data and noise key.
     """
     from ..release import NeuroMixGDP, SoftLabelClassifier
@@ -67,7 +69,7 @@ def audit_release(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 
     check_choice(observe, "observe", ("rows", "classifier"))
     start = time.perf_counter()
 
-    rng, noise_key = _seeds(seed)
+    rng, noise_key, plan_rng = _seeds(seed)
     membership = rng.random(m) < 0.5
     d = d_real + m
     canary_x = np.zeros((m, d))
@@ -92,6 +94,9 @@ def audit_release(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 
                    sigma_y=rel.sigma_y, sample_rate=q, steps=rel.num_samples,
                    mixup_degree=rel.mixup_degree, lam=lam, real_samples=n_real,
                    epsilon_target=float(epsilon))
+    # planned for the feature channel the rows show (sigma_x), before looking at them
+    k = resolve_k(k, m, claimed_mu(rel.sigma_x, q, rel.num_samples), delta, confidence,
+                  plan_rng)
     res = bound_from_scores(scores, membership, delta=delta, confidence=confidence, k=k,
                             epsilon_claimed=float(rel.report.epsilon), details=details)
     res.details["wall_s"] = time.perf_counter() - start
