@@ -80,11 +80,12 @@ def run(args) -> int:
             ("lower_bound_gdp", "eps lower bound mu-GDP median [min, max]", None),
             ("steps", "steps", None), ("sample_rate", "q", "{:.4g}"),
             ("wall_s", "wall s / run", "{:.1f}")]
-    notes = [f"claimed eps {args.epsilon} at delta {args.delta}; confidence {args.confidence} "
-             "per bound (Bonferroni over the k grid)",
+    notes = [f"claimed eps {args.epsilon} at delta {args.delta}; each bound at confidence "
+             f"{args.confidence}, with the k planned before each run (plan_k)",
              "(eps,delta): Steinke, Nasr & Jagielski 2023; mu-GDP: Mahloujifar, Melis & "
              "Chaudhuri (its eps assumes a Gaussian trade-off curve: exact at q = 1)",
-             "seeds: " + ("from the OS" if args.seed is None else f"{args.seed} + i")]
+             "seeds: " + ("from the OS" if args.seed is None else f"{args.seed} + i"),
+             "machine shared with other jobs while measured: wall times are noisy"]
     if args.out:
         import torch
         from .._report import machine, write_report
