@@ -29,7 +29,11 @@ __all__ = ["CanaryDataset", "model_loss_scores"]
 
 
 def _torch():
-    import torch
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - torch is an optional extra
+        raise ImportError("ncdp_fast.audit.model_loss_scores needs PyTorch: pip install "
+                          "'ncdp_fast[torch]'") from exc
     return torch
 
 

@@ -38,7 +38,11 @@ _MAGNITUDE = 10.0   # canary input norm / C: the gradient is clipped, never at t
 
 
 def _torch():
-    import torch
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - torch is an optional extra
+        raise ImportError("ncdp_fast.audit.audit_dpsgd needs PyTorch: pip install "
+                          "'ncdp_fast[torch]'") from exc
     return torch
 
 
@@ -144,8 +148,9 @@ def audit_dpsgd(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 1e
         accountant: the engine's accountant (``"prv"``, ``"pld"``, ``"rdp"``, ``"gdp"``).
         confidence: of each bound; 1 - confidence is the chance that an honest
             run's bound exceeds its true eps.
-        k: guesses per side: ``"plan"`` (one k per analysis, planned before the
-            run from the claimed sigma, q and steps: :func:`~ncdp_fast.audit.plan_k`),
+        k: guesses per side: ``"plan"`` (one k per analysis, planned from the
+            claimed sigma, q and steps alone, no observation of the run:
+            :func:`~ncdp_fast.audit.plan_k`),
             an int or a pair, or None (a grid, Bonferroni-corrected).
         seed: None (OS entropy) or an int fixing membership, data and noise.
 
@@ -215,6 +220,7 @@ def audit_dpsgd(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 1e
                 steps.append((Ut @ (now - prev)).numpy())  # -grad . u_i: C b + noise
             prev = now
     obs = np.stack(steps) if observe == "steps" else (Ut @ (prev - w0)).numpy()[None, :]
+    obs /= c                                            # in units of the canary's signal C
     claimed = float(engine.get_epsilon(delta))
 
     if callable(score):
@@ -223,7 +229,7 @@ def audit_dpsgd(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 1e
             raise ValueError(f"score: expected the callable to return ({m},) scores, got shape "
                              f"{scores.shape}")
     elif score == "lr" and observe == "steps":
-        scores = subsampled_gaussian_score(obs / c, sigma, q)
+        scores = subsampled_gaussian_score(obs, sigma, q)
     else:
         scores = obs.sum(axis=0)
     details = dict(audit="dpsgd", canary=canary, observe=observe,
