@@ -24,8 +24,8 @@ from .membership import loss_scores, membership_auc, membership_losses
 
 __all__ = ["one_run_bound", "one_run_bound_gdp", "GDPBound", "gdp_rejects", "one_run_p_value",
            "AuditResult", "bound_from_scores", "guess_grid", "plan_k", "subsampled_gaussian_score",
-           "CanaryDataset", "model_loss_scores", "loss_scores", "membership_auc", "membership_losses", "audit_dpsgd",
-           "audit_release"]
+           "CanaryDataset", "model_loss_scores", "loss_scores", "membership_auc",
+           "membership_losses", "audit_dpsgd", "audit_release"]
 
 
 def __getattr__(name):

@@ -90,7 +90,8 @@ def audit_release(*, canaries: int = 1000, epsilon: float = 4.0, delta: float = 
     else:
         clf = SoftLabelClassifier().fit(rel)
         scores = loss_scores(clf, canary_x, np.zeros(m, dtype=np.int64))
-    details = dict(audit="release", observe=observe, noise_multiplier=rel.report.noise_multiplier, sigma_x=rel.sigma_x,
+    details = dict(audit="release", observe=observe,
+                   noise_multiplier=rel.report.noise_multiplier, sigma_x=rel.sigma_x,
                    sigma_y=rel.sigma_y, sample_rate=q, steps=rel.num_samples,
                    mixup_degree=rel.mixup_degree, lam=lam, real_samples=n_real,
                    epsilon_target=float(epsilon))
