@@ -1,5 +1,5 @@
 """The ``ncdp-fast`` command: ``info``, ``demo``, ``bench``, ``gpu-check``, ``data``,
-``reproduce``, ``release``, ``audit``."""
+``reproduce``."""
 from __future__ import annotations
 
 import argparse
