@@ -107,6 +107,12 @@ def _add_release(sub) -> None:
     add_release_parser(sub)
 
 
+def _add_audit(sub) -> None:
+    """``ncdp-fast audit``: one-run epsilon lower bounds (ncdp_fast/audit/_cli.py)."""
+    from .audit._cli import add_audit_parser
+    add_audit_parser(sub)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ncdp-fast", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,6 +156,7 @@ def main(argv=None) -> int:
     rep.add_argument("args", nargs=argparse.REMAINDER, help="options of the reproduction (--help)")
     rep.set_defaults(fn=_cmd_reproduce)
     _add_release(sub)
+    _add_audit(sub)
     args, extra = parser.parse_known_args(argv)
     if args.command == "data":
         # The fetcher parses its own options (argparse's REMAINDER cannot start
