@@ -1,5 +1,6 @@
 """The ``ncdp-fast`` command: ``info``, ``demo``, ``bench``, ``gpu-check``, ``data``,
-``reproduce``, ``release`` (one process or under ``torchrun -m ncdp_fast.cli release``)."""
+``reproduce``, ``release`` (one process or under ``torchrun -m ncdp_fast.cli release``),
+``audit`` (one-run empirical epsilon lower bounds)."""
 from __future__ import annotations
 
 import argparse
