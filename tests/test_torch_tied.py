@@ -1,6 +1,9 @@
-"""Tied weights (issue 25): one Parameter used by several supported layers (the
-embedding of a language model tied to its output Linear; one Linear weight
-in two Linear layers) is one parameter of the private gradient.
+"""Tied weights (issues 25, 26): one Parameter used by several supported layers
+(the embedding of a language model tied to its output Linear; one Linear
+weight in two Linear layers) is one parameter of the private gradient, in the
+ghost form (ncdp_fast/torch/tied.py: no per-sample V*D tensor) or the dense one,
+whichever costs less; the ``form`` fixture forces each in turn, so that every
+exactness test runs through both.
 
 Oracle.  ``torch.func`` per-sample gradients of the model's parameters
 (``functional_call`` ties the shared weight, so its per-sample gradient is the
@@ -14,6 +17,8 @@ far more than the tolerance.
 import copy
 import math
 
+import numpy as np
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,13 +27,35 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from ncdp_fast.torch import GhostClipper, PrivacyEngine  # noqa: E402
+from ncdp_fast.torch import GhostClipper, PrivacyEngine, tied  # noqa: E402
 
 from test_torch_layers import (F64, RTOL, assert_factor_matters, assert_grads_close,  # noqa: E402
                                clipped_mean, flat_norms, low_bound, per_sample_grads,
                                private_grads)
+from conftest import gamma  # noqa: E402
 
 V, D, T, B = 11, 6, 5, 6
+
+
+@pytest.fixture(params=["ghost", "dense"])
+def form(request, monkeypatch):
+    """Force the ghost or the dense form of every tied weight (the cost rule
+    would pick dense at these tiny shapes); yields the calls each form got."""
+    used = {"ghost": 0, "dense": 0}
+    ghost, dense = tied._ghost, tied._dense
+
+    def count_ghost(*a, **kw):
+        used["ghost"] += 1
+        return ghost(*a, **kw)
+
+    def count_dense(*a, **kw):
+        used["dense"] += 1
+        return dense(*a, **kw)
+    monkeypatch.setattr(tied, "_ghost", count_ghost)
+    monkeypatch.setattr(tied, "_dense", count_dense)
+    monkeypatch.setattr(tied, "ghost_cheaper", lambda uses, shape: request.param == "ghost")
+    yield used
+    assert used[request.param] >= 1 and used["dense" if request.param == "ghost" else "ghost"] == 0
 
 
 class TinyLM(nn.Module):
@@ -77,7 +104,7 @@ def _check(model, loss_one, batch):
     return ps, clipper
 
 
-def test_language_model_with_tied_head_equals_per_sample_clipping():
+def test_language_model_with_tied_head_equals_per_sample_clipping(form):
     model = _lm()
     idx, y = _tokens()
     ps, clipper = _check(model, lm_loss, (idx, y))
@@ -126,7 +153,7 @@ def _ce(call, x, y, reduction="mean"):
     return nn.functional.cross_entropy(call(x), y, reduction=reduction)
 
 
-def test_two_linear_layers_sharing_a_weight_equal_per_sample_clipping():
+def test_two_linear_layers_sharing_a_weight_equal_per_sample_clipping(form):
     torch.manual_seed(3)
     model = TwoTied().double()
     g = torch.Generator().manual_seed(4)
@@ -153,7 +180,7 @@ def test_shared_linear_weight_on_sequences_in_the_instantiated_form():
     _check(model, loss, (x, y))
 
 
-def test_per_layer_clipping_gives_the_shared_weight_one_bound():
+def test_per_layer_clipping_gives_the_shared_weight_one_bound(form):
     model = _lm()
     idx, y = _tokens()
     ps = per_sample_grads(model, lm_loss, (idx, y))
@@ -180,7 +207,7 @@ def test_noise_is_drawn_once_for_the_shared_weight():
     assert model.head.weight.grad is model.emb.weight.grad
 
 
-def test_make_private_with_a_tied_language_model_equals_per_sample_clipping():
+def test_make_private_with_a_tied_language_model_equals_per_sample_clipping(form):
     model = _lm()
     idx, y = _tokens()
     loader = DataLoader(TensorDataset(idx, y), batch_size=3)
@@ -242,7 +269,7 @@ def test_every_clipped_contribution_of_the_tied_model_is_within_C(seed, C):
         assert norm <= C * (1 + 1e-12)
 
 
-def test_physical_batches_of_a_tied_model_accumulate_to_the_logical_step():
+def test_physical_batches_of_a_tied_model_accumulate_to_the_logical_step(form):
     """accumulate_ (BatchMemoryManager's skipped steps) on two physical batches,
     privatize_ on the third: the clipped sum of the whole logical batch."""
     model = _lm()
@@ -258,3 +285,173 @@ def test_physical_batches_of_a_tied_model_accumulate_to_the_logical_step():
     clipper.privatize_()
     got = {n: p.grad for n, p in model.named_parameters()}
     assert_grads_close(got, clipped_mean(ps, C, B), RTOL[F64])
+
+
+# ------------------------------------------------- the ghost form (issue 26)
+
+class FlexLM(nn.Module):
+    """Embedding(V, D) read at idx (B, T'), the tied head (no bias) reading T
+    positions made from them: ``shift`` T = T' - 1 (a causal LM's), ``last``
+    T = 1, ``twice`` T = 2 T'.  ``third``: a second Embedding sharing the
+    weight, read at idx2 (B, T''), added as its mean over positions."""
+
+    def __init__(self, v, d, mode, padding_idx=None, third=False):
+        super().__init__()
+        self.mode = mode
+        self.emb = nn.Embedding(v, d, padding_idx=padding_idx)
+        self.mid = nn.Linear(d, d)
+        self.head = nn.Linear(d, v, bias=False)
+        self.head.weight = self.emb.weight
+        if third:
+            self.emb2 = nn.Embedding(v, d)
+            self.emb2.weight = self.emb.weight
+
+    def forward(self, idx, idx2=None):
+        h = self.emb(idx)
+        if idx2 is not None:
+            h = h + self.emb2(idx2).mean(1, keepdim=True)
+        h = torch.tanh(self.mid(h))
+        if self.mode == "shift":
+            h = h[:, 1:]
+        elif self.mode == "last":
+            h = h[:, -1:]
+        elif self.mode == "twice":
+            h = torch.cat([h, h.flip(1)], 1)
+        return self.head(h)
+
+
+def _flex_loss(call, *xs, reduction="mean"):
+    *inputs, y = xs
+    logits = call(*inputs)
+    per_sample = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                             reduction="none").reshape(y.shape).mean(1)
+    return per_sample.mean() if reduction == "mean" else per_sample.sum()
+
+
+CASES = {
+    # name: (V, D, mode, T', padding_idx, third, index range)
+    "T=1": (9, 4, "last", 1, None, False, 9),
+    "T!=T', padding_idx": (10, 5, "shift", 6, 0, False, 10),
+    "T=2T', repeated rows": (12, 4, "twice", 4, None, False, 3),
+    "three uses": (8, 3, "shift", 5, None, True, 8),
+}
+
+
+def _flex(case, seed=0, dtype=F64):
+    v, d, mode, tp, pad, third, hi = CASES[case]
+    torch.manual_seed(seed)
+    model = FlexLM(v, d, mode, pad, third).to(dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    idx = torch.randint(0, hi, (B, tp), generator=g)
+    if pad is not None:
+        idx[::2, 0] = pad                   # padding in half of the samples
+    t = {"shift": tp - 1, "last": 1, "twice": 2 * tp}[mode]
+    y = torch.randint(0, v, (B, t), generator=g)
+    batch = (idx, torch.randint(0, v, (B, 3), generator=g), y) if third else (idx, y)
+    return model, batch
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_awkward_shapes_equal_per_sample_clipping(case, form):
+    """float64, relative 1e-10 against torch.func per-sample gradients, each
+    form: T = 1, T != T' with padding rows, repeated rows, three uses."""
+    model, batch = _flex(case)
+    _check(model, _flex_loss, batch)
+
+
+@pytest.mark.parametrize("case", ["T!=T', padding_idx", "three uses"])
+def test_float32_ghost_form_within_its_rounding(case, monkeypatch):
+    """float32 model, ghost form, against the float64 oracle of the same weights.
+    Tolerance: the longest float32 sum of the step has n = B T + V + D terms
+    (the clipped sum over the batch's positions after the head's dot
+    products); gamma_n(float32) times 4 for the forward, the backward, the
+    clipped sum and the factor: 1.4e-5 at the largest case (n = 42)."""
+    monkeypatch.setattr(tied, "ghost_cheaper", lambda uses, shape: True)
+    model, batch = _flex(case)
+    ps = per_sample_grads(model, _flex_loss, batch)
+    C = low_bound(ps)
+    v, d, _, tp, *_ = CASES[case]
+    rtol = 4 * gamma(B * 2 * tp + v + d, np.float32)
+    assert_factor_matters(ps, C, B, rtol)
+    work = copy.deepcopy(model).float()
+    got, res, _ = private_grads(work, lambda m: _flex_loss(m, *batch), C=C, E=B)
+    assert res.num_clipped >= 1 and res.num_clipped < B
+    assert_grads_close(got, clipped_mean(ps, C, B), rtol)
+
+
+def test_the_cost_rule_picks_ghost_for_a_large_vocabulary_and_dense_for_long_sequences():
+    """Ghost when T_L^2 (V + D) + T_L T_E D + T_E D <= T_L V D + V D + T_E D."""
+    def uses(t, v, d):
+        return [tied.PairUse(torch.zeros(1, t, d), torch.zeros(1, t, v)),
+                tied.IndexUse(torch.zeros(1, t, dtype=torch.long), torch.zeros(1, t, d))]
+    assert tied.ghost_cheaper(uses(128, 50257, 768), (50257, 768))      # GPT-2's head
+    assert not tied.ghost_cheaper(uses(64, 11, 6), (11, 6))
+    # Embeddings only (no pair): rows, always ghost; any dense use: dense.
+    assert tied.ghost_cheaper(uses(500, 4, 2)[1:], (4, 2))
+    assert not tied.ghost_cheaper([torch.zeros(1, 5, 4)] + uses(1, 5, 4), (5, 4))
+
+
+def _largest_allocation(run):
+    """The largest number of bytes one operator allocated while ``run`` ran."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    return max(e.self_cpu_memory_usage for e in prof.events())
+
+
+def test_the_ghost_form_allocates_no_per_sample_vocabulary_tensor():
+    """V = 20000, D = 64, B = 8, T = 4, float32: the cost rule picks ghost, and
+    no operator of backward and the step allocates B V D bytes or more, a
+    quarter of the dense form's per-sample gradient (B V D * 4 bytes: 41 MB;
+    its detection is checked by forcing the dense form).  The ghost form's
+    largest are the head's output gradient in float64 and the weight's
+    gradient, B T V * 8 and V D * 4 bytes: 5.1 MB each."""
+    v, d, b, t = 20000, 64, 8, 4
+
+    def step(force):
+        torch.manual_seed(0)
+        model = FlexLM(v, d, "shift")
+        idx = torch.randint(0, v, (b, t + 1), generator=torch.Generator().manual_seed(1))
+        y = torch.randint(0, v, (b, t), generator=torch.Generator().manual_seed(2))
+        clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                               expected_batch_size=b, seed=0)
+        loss = _flex_loss(model, idx, y)
+        real = tied.ghost_cheaper
+        try:
+            if force:
+                tied.ghost_cheaper = lambda uses, shape: False
+            else:
+                assert real([tied.PairUse(torch.zeros(1, t, d), torch.zeros(1, t, v)),
+                             tied.IndexUse(idx[:1], torch.zeros(1, t + 1, d))], (v, d))
+            return _largest_allocation(lambda: (loss.backward(), clipper.privatize_()))
+        finally:
+            tied.ghost_cheaper = real
+            clipper.remove()
+    dense_bytes = b * v * d * 4
+    assert step(force=True) >= dense_bytes
+    assert step(force=False) < dense_bytes // 4
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**31 - 1), C=st.floats(1e-3, 10.0), exponent=st.integers(-8, 8),
+       case=st.sampled_from(sorted(CASES)), dtype=st.sampled_from([torch.float32, F64]))
+def test_every_clipped_contribution_of_the_ghost_form_is_within_C(seed, C, exponent, case, dtype):
+    """One sample, sum reduction, no noise, ghost form: the private gradient is
+    the sample's clipped contribution, of norm <= C (1 + gamma_{n+2}) over all
+    n parameters (the norm's own float64 rounding), at loss scales 10^-8..10^8."""
+    model, batch = _flex(case, seed % 1000, dtype)
+    scale = 10.0 ** exponent
+    clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=1,
+                           loss_reduction="sum", seed=0)
+    real = tied.ghost_cheaper
+    tied.ghost_cheaper = lambda uses, shape: True
+    try:
+        for i in range(2):
+            model.zero_grad()
+            (_flex_loss(model, *[x[i:i + 1] for x in batch], reduction="sum") * scale).backward()
+            clipper.privatize_()
+            flat = torch.cat([p.grad.reshape(-1).to(F64) for p in model.parameters()])
+            assert float(flat.norm()) <= C * (1 + gamma(flat.numel() + 2, np.float64))
+    finally:
+        tied.ghost_cheaper = real
+        clipper.remove()
