@@ -709,8 +709,14 @@ class GhostClipper(ClippedGaussianStep):
                     "to discard a forward)")
             if tap.batch is not None:
                 batch = tap.batch        # each layer's was checked against the step's
+        if batch is None and self._batch.declared == 0:
+            # An empty Poisson batch of a model that cannot run on zero rows
+            # (transformers' attention reshapes): the step is pure noise.
+            return 0
         if batch is None:
-            raise RuntimeError("GhostClipper: no forward/backward was recorded since the last step")
+            raise RuntimeError("GhostClipper: no forward/backward was recorded since the last "
+                               "step (for an empty batch whose forward the model cannot run, "
+                               "call declare_batch_size(0) before the step: pure noise)")
         return batch
 
     def _entries(self, batch: int):
