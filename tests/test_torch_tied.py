@@ -455,3 +455,42 @@ def test_every_clipped_contribution_of_the_ghost_form_is_within_C(seed, C, expon
     finally:
         tied.ghost_cheaper = real
         clipper.remove()
+
+
+def test_transformers_gpt2_tied_embedding_and_head_equal_per_sample_clipping(form):
+    """transformers' GPT2LMHeadModel ties lm_head.weight to transformer.wte.weight;
+    with every other parameter frozen (their layers need no rule), the tied
+    weight's private gradient equals per-sample clipping of gradients computed
+    one sample at a time (float64, relative 1e-10), with padding."""
+    transformers = pytest.importorskip("transformers")
+    from ncdp_fast.torch import causal_lm_loss
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=8,
+                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg).double()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    for n, p in model.named_parameters():
+        p.requires_grad_(n == "transformer.wte.weight")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 32, (B, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, 4:] = 0
+    mask[1, :2] = 0
+
+    def loss(m, i, k, reduction="mean"):
+        return causal_lm_loss(m(input_ids=i, attention_mask=k).logits, i, attention_mask=k,
+                              reduction=reduction)
+    oracle = copy.deepcopy(model)
+    per = []
+    for i in range(B):
+        oracle.zero_grad()
+        loss(oracle, ids[i:i + 1], mask[i:i + 1], "sum").backward()
+        per.append(oracle.transformer.wte.weight.grad.clone())
+    per = torch.stack(per)
+    C = low_bound({"w": per})
+    assert_factor_matters({"w": per}, C, B, RTOL[F64])
+    got, res, clipper = private_grads(model, lambda m: loss(m, ids, mask), C=C, E=B)
+    assert clipper.param_names == ["transformer.wte.weight"]
+    assert_grads_close({"w": got["transformer.wte.weight"]}, clipped_mean({"w": per}, C, B),
+                       RTOL[F64])
