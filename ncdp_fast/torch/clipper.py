@@ -467,7 +467,9 @@ class GhostClipper(ClippedGaussianStep):
         """State the number of samples of the current step (until the next
         :meth:`privatize_` or :meth:`clear`), for a model whose first input
         tensor does not carry the batch; every layer's rows are checked
-        against it instead of the input's."""
+        against it instead of the input's.  ``n = 0`` with no forward: the
+        step of an empty Poisson batch that the model cannot run (transformers'
+        models reshape zero rows with -1) is pure noise, as with a forward."""
         self._batch.declared = check_int(n, "n", 0)
 
     def _pre_hook(self, tap: _Tap):
