@@ -17,9 +17,9 @@ from torch import nn
 
 from .._clip import GhostBlock, LayersClipResult, clip_and_noise_layers
 from .._validate import check_bool, check_choice, check_int, check_nonneg, check_positive
+from . import tied
 from .adaptive import AdaptiveClip
 from .attention import attention_forward, check_attention
-from . import tied
 from .coupling import batch_dim_hooks, refuse_batch_mixing
 from .layers import HALF, Call, accumulation_dtype, refuse_unsupported, rule_for
 from .layout import (StepBatch, batch_dim, enclosing_batch_first, layer_batch_first,
