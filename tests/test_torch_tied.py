@@ -495,3 +495,39 @@ def test_transformers_gpt2_tied_embedding_and_head_equal_per_sample_clipping(for
     assert clipper.param_names == ["transformer.wte.weight"]
     assert_grads_close({"w": got["transformer.wte.weight"]}, clipped_mean({"w": per}, C, B),
                        RTOL[F64])
+
+
+def _tied_ranks(rank, world):
+    """A tied LM whose shapes make the cost rule pick the ghost form, the batch
+    split into ``world`` shards; the clipped sum (noise 0, sum reduction)."""
+    import torch.distributed as dist
+
+    from ncdp_fast.distributed import shard_bounds
+    torch.manual_seed(0)
+    model = FlexLM(64, 4, "shift").double()
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 64, (B, 4), generator=g)
+    y = torch.randint(0, 64, (B, 3), generator=g)
+    lo, hi = shard_bounds(B, rank, world)
+    clipper = GhostClipper(model, max_grad_norm=0.05, noise_multiplier=0.0,
+                           expected_batch_size=B, loss_reduction="sum", seed=0,
+                           group=dist.group.WORLD if world > 1 else None)
+    _flex_loss(model, idx[lo:hi], y[lo:hi], reduction="sum").backward()
+    res = clipper.privatize_()
+    # NumPy: a torch tensor would cross the queue as shared memory of a child that exits.
+    return {n: p.grad.numpy().copy() for n, p in model.named_parameters()}, res.num_clipped
+
+
+def test_tied_ghost_form_across_two_gloo_ranks_equals_one_process():
+    """Each rank clips its own samples' tied gradients in ghost form; the union
+    is the one-process clipped sum (float64, relative 1e-12: two partial sums
+    added in another order)."""
+    from _distributed import spawn
+    assert tied.ghost_cheaper([tied.PairUse(torch.zeros(1, 3, 4), torch.zeros(1, 3, 64)),
+                               tied.IndexUse(torch.zeros(1, 4, dtype=torch.long),
+                                             torch.zeros(1, 4, 4))], (64, 4))
+    ref, clipped = _tied_ranks(0, 1)
+    assert 0 < clipped
+    ref = {n: torch.from_numpy(g) for n, g in ref.items()}
+    for got, _ in spawn(_tied_ranks, 2, timeout=90):
+        assert_grads_close({n: torch.from_numpy(g) for n, g in got.items()}, ref, 1e-12)
