@@ -71,8 +71,15 @@ def as_use(module: nn.Module, calls, block, shape: tuple, batch: int, dtype: tor
     if isinstance(block, torch.Tensor):
         return block.reshape(batch, *shape)
     if isinstance(module, nn.Embedding) and rule_for(module)[0] is embedding_rule:
-        idx = _cat([_lead(c.inputs[0], 1) for c in calls])
+        # Indices broadcast over the batch (position ids (1, T)): every sample
+        # read the same rows.
+        idx = _cat([_batch_rows(_lead(c.inputs[0], 1), c.grad.shape[0]) for c in calls])
         h = _cat([_flat_positions(c.grad, shape[1]) for c in calls]).to(dtype)
+        if idx.shape[:2] != h.shape[:2]:
+            raise ValueError(
+                f"GhostClipper: tied nn.Embedding got indices of shape {tuple(idx.shape)} for "
+                f"output gradients of {tuple(h.shape)}; expected one index per output row "
+                "(batch first, or broadcast over the batch from a leading 1)")
         if module.padding_idx is not None:       # the padding row never gets a gradient
             h = h.masked_fill((idx == module.padding_idx).unsqueeze(-1), 0)
         return IndexUse(idx, h)
@@ -82,6 +89,10 @@ def as_use(module: nn.Module, calls, block, shape: tuple, batch: int, dtype: tor
     one = torch.eye(batch, dtype=torch.float64, device=block.sq_norms.device)
     rows = [torch.as_tensor(block.clipped_sum(one[i])).reshape(shape) for i in range(batch)]
     return torch.stack(rows).to(dtype) if rows else torch.zeros((0, *shape), dtype=dtype)
+
+
+def _batch_rows(idx: torch.Tensor, batch: int) -> torch.Tensor:
+    return idx.expand(batch, -1) if idx.shape[0] == 1 else idx
 
 
 def _split(uses):
