@@ -531,3 +531,30 @@ def test_tied_ghost_form_across_two_gloo_ranks_equals_one_process():
     ref = {n: torch.from_numpy(g) for n, g in ref.items()}
     for got, _ in spawn(_tied_ranks, 2, timeout=90):
         assert_grads_close({n: torch.from_numpy(g) for n, g in got.items()}, ref, 1e-12)
+
+
+def test_embedding_use_with_indices_broadcast_over_the_batch():
+    """tied.as_use on an embedding call whose indices are (1, T) and output
+    gradients (B, T, D) (position ids): every sample's rows at the same
+    indices, its dense form the per-sample scatter; indices of another number
+    of rows refused, naming both shapes."""
+    from ncdp_fast import GhostBlock
+    from ncdp_fast.torch.layers import Call
+    emb = nn.Embedding(7, 3).double()
+    block = GhostBlock(None, None, (7, 3), 1)          # the rule's; the use reads the calls
+    g = torch.Generator().manual_seed(0)
+    pos = torch.tensor([[0, 2, 2, 5]])
+    h = torch.randn(B, 4, 3, generator=g, dtype=F64)
+    use = tied.as_use(emb, [Call((pos,), h)], block, (7, 3), B, F64)
+    assert use.idx.shape == (B, 4)
+    dense = tied.combine([use], (7, 3), F64, B)        # rows only: the ghost form
+    expected = torch.zeros(B, 7, 3, dtype=F64)
+    for i in range(B):
+        for t in range(4):
+            expected[i, pos[0, t]] += h[i, t]
+    assert torch.allclose(tied._dense(use, (7, 3), B), expected, rtol=0, atol=0)
+    assert torch.allclose(dense.sq_norms, expected.reshape(B, -1).square().sum(1), rtol=1e-14,
+                          atol=0)
+    with pytest.raises(ValueError, match=r"indices of shape \(2, 4\) for output gradients of "
+                                         r"\(6, 4, 3\)"):
+        tied.as_use(emb, [Call((pos.expand(2, -1),), h)], block, (7, 3), B, F64)
