@@ -26,7 +26,8 @@ true Poisson batches.
 
 Modules: ``engine`` (PrivacyEngine), ``clipper`` (GhostClipper and its hooks),
 ``layers`` (the per-layer rules and their registry), ``attention`` (multi-head
-attention's step-by-step forward and rule), ``optimizer`` (FusedDPOptimizer),
+attention's step-by-step forward and rule), ``hf_layers`` (rules of Hugging Face
+``transformers`` layers, registered by class name), ``optimizer`` (FusedDPOptimizer),
 ``fix`` (fix_batchnorm), ``validators`` (ModuleValidator), ``losses`` (per-sample token loss), ``coupling``
 (what mixes samples: refused modules, the checked ghost criterion),
 ``checkpoint`` (save/resume of a private run), ``memory``
@@ -43,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - torch is an optional extra
     raise ImportError("ncdp_fast.torch needs PyTorch: pip install 'ncdp_fast[torch]'") from exc
 
 from . import attention as _attention  # noqa: F401  (registers the attention rule)
+from . import hf_layers as _hf_layers  # noqa: F401  (rules of transformers' layers, by name)
 from .clipper import GhostClipper
 from .data import PoissonBatchSampler, collate_with_empty
 from .engine import DPOptimizer, PrivacyEngine, PrivateModule

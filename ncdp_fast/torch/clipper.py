@@ -22,8 +22,8 @@ from .adaptive import AdaptiveClip
 from .attention import attention_forward, check_attention
 from .coupling import batch_dim_hooks, refuse_batch_mixing
 from .layers import HALF, Call, accumulation_dtype, refuse_unsupported, rule_for
-from .layout import (StepBatch, batch_dim, enclosing_batch_first, layer_batch_first,
-                     module_batch_first, rows_error, to_batch_first)
+from .layout import (StepBatch, batch_dim, broadcast_rows, enclosing_batch_first,
+                     layer_batch_first, module_batch_first, rows_error, to_batch_first)
 from .mechanism import (ClippedGaussianStep, ReleasedGrads, foreign_grad_error,
                         optimizer_params)
 
@@ -132,9 +132,10 @@ class GhostClipper(ClippedGaussianStep):
 
     Layers: ``nn.Linear`` (inputs of any leading shape), ``nn.Conv1d/2d``
     (groups, stride, padding, dilation, padding modes), ``nn.Embedding``,
-    ``nn.LayerNorm``, ``nn.GroupNorm``, affine instance norms,
+    ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, affine instance norms,
     ``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` works
-    unmodified), and any type given a rule with
+    unmodified), the layers of Hugging Face models (:mod:`.hf_layers`: GPT-2,
+    BERT, RoBERTa, DistilBERT, ViT, LLaMA), and any type given a rule with
     :func:`ncdp_fast.torch.register_layer`.  Frozen parameters cost nothing;
     a trainable parameter of another type, a batch norm anywhere (use
     :func:`fix_batchnorm`), a bias or attention parameter shared by two
@@ -633,7 +634,11 @@ class GhostClipper(ClippedGaussianStep):
 
     def _forward_hook(self, tap: _Tap):
         def hook(module, inputs, output):
-            out = self._capture(tap, None, inputs, output)
+            got = output
+            if tap.recording:       # position ids (1, T): one row per sample
+                inputs, got = broadcast_rows(module, inputs, output, tap.batch_first,
+                                             self._batch.known())
+            out = self._capture(tap, None, inputs, got)
             return None if out is output else out
         return hook
 
