@@ -5,8 +5,8 @@ privatized as they are.
 peft's ``lora.Linear`` wraps the frozen base layer (an ``nn.Linear``, or
 GPT-2's ``Conv1D``) and calls its ``lora_A`` / ``lora_B`` ``nn.Linear``s on the
 (dropped-out) input, scaled: the adapters go through the Linear rule, and the
-frozen base -- attention, MLP, norms, rotary embeddings, GPT-2's Conv1D, which
-have no rule -- is neither refused nor recorded.
+frozen base -- attention, MLP, norms, rotary embeddings, GPT-2's Conv1D, with a
+rule or without one -- is neither refused nor recorded.
 
 Oracle: each sample's gradient from its own backward (one sample at a time,
 the same attention mask row), float64; the expected private gradient is

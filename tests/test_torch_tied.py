@@ -558,3 +558,12 @@ def test_embedding_use_with_indices_broadcast_over_the_batch():
     with pytest.raises(ValueError, match=r"indices of shape \(2, 4\) for output gradients of "
                                          r"\(6, 4, 3\)"):
         tied.as_use(emb, [Call((pos.expand(2, -1),), h)], block, (7, 3), B, F64)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_tied"])
+def test_whole_transformers_models_with_tied_heads_in_each_form(name, form):
+    """GPT-2 and a LLaMA with tie_word_embeddings, every parameter trainable
+    (tests/test_hf_models.py's models, oracle and 1e-10), in each form."""
+    pytest.importorskip("transformers")
+    from test_hf_models import test_float64_private_gradient_equals_per_sample_clipping as check
+    check(name, "mean")
