@@ -218,3 +218,18 @@ def test_load_sotu_names_make_data_when_missing(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="make data"):
         _sotu.load_sotu()
     assert not _sotu.sotu_ready(tmp_path)
+
+
+def test_data_command_fetches_the_corpus_once_and_builds_no_image_files(tmp_path, monkeypatch,
+                                                                       capsys):
+    """`ncdp-fast data --only sotu --extractors`: the text fetcher, nothing else; a
+    second run finds it verified (the download itself is replaced: no network)."""
+    from ncdp_fast.datasets import fetch_main
+    monkeypatch.setenv("NCDP_DATA_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(_sotu, "fetch_sotu", lambda root: calls.append(root))
+    monkeypatch.setattr(_sotu, "sotu_ready", lambda root: bool(calls))
+    assert fetch_main(["--only", "sotu", "--extractors"]) == 0
+    assert calls == [tmp_path] and sorted(p.name for p in tmp_path.iterdir()) == []
+    assert fetch_main(["--only", "sotu", "--extractors"]) == 0
+    assert len(calls) == 1 and "sotu: present and verified" in capsys.readouterr().out

@@ -182,7 +182,19 @@ def held_out_nll(model, chunks, batch: int = 256) -> float:
 # ---------------------------------------------------------------- one arm
 
 def train_arm(args, eps, train, evals, curve, seed, init_seed):
-    """One run: ``eps`` None is non-private.  Returns its record."""
+    """One arm; returns its record (a report row).
+
+    Args:
+        eps: the target epsilon at ``args.delta`` (None: non-private, no clipping,
+            no noise, nothing accounted).
+        train: int64 (n, T + 1) chunks, the private training set; the guarantee
+            is for adding or removing one row.
+        evals, curve: int64 (m, T + 1) held-out chunks (public to the run: never
+            trained on) for the final perplexity and the curve.
+        seed: the key of the engine's stream (Poisson batches and noise), or of
+            the non-private shuffle.
+        init_seed: the model's initialisation, the same for every arm.
+    """
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
