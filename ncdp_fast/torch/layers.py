@@ -345,9 +345,8 @@ def embedding_rule(module: nn.Embedding, calls, trainable):
     dtype = accumulation_dtype(module.weight.dtype)
 
     def clipped_sum(factors):
-        # Only the samples kept: a tied weight calls this once per sample with one
-        # factor nonzero (tied.as_use, a ghost block given dense), which must cost O(T D), not
-        # O(B T D); a dropped sample's rows are exact zeros either way.
+        # Only the samples kept: a factor of 0 (a dropped or padded sample) adds
+        # exact zeros, so skipping its rows changes nothing and saves their work.
         kept = (factors != 0).nonzero().flatten()
         f = factors.index_select(0, kept).view(-1, 1, 1)
         scaled = (g.index_select(0, kept).to(torch.float64) * f).to(dtype)
