@@ -27,6 +27,7 @@ from .layout import (StepBatch, batch_dim, broadcast_rows, enclosing_batch_first
 from .mechanism import (ClippedGaussianStep, ReleasedGrads, foreign_grad_error,
                         optimizer_params)
 from .recompute import in_backward, refuse_reentrant, refuse_unmatched
+from .rnn import replacement, torch_rnn_error
 
 __all__ = ["GhostClipper"]
 
@@ -445,6 +446,8 @@ class GhostClipper(ClippedGaussianStep):
                     f"of {base.__name__}, so {base.__name__}'s rule may not describe what it "
                     "computes; register a rule for its own type with "
                     "ncdp_fast.torch.register_layer")
+            if rule is None and replacement(module):
+                raise torch_rnn_error(name, module)
             if rule is None:
                 shown = ", ".join(repr(f"{name}.{n}" if name else n) for n in params)
                 raise ValueError(
