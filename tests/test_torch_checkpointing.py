@@ -117,6 +117,36 @@ def test_checkpointed_transformer_blocks_equal_per_sample_clipping(dtype, sequen
     check_exact(model, ce, batch, dtype=dtype, ps=ps)
 
 
+class SeqNet(nn.Module):
+    """On (B, 8, 3) sequences: the checkpointed block's small Linears take the
+    instantiated form (2 T^2 = 128 > K d), the others the factored (ghost) one."""
+
+    def __init__(self, mode="non_reentrant"):
+        super().__init__()
+        self.mode = mode
+        self.inp = nn.Linear(3, 16)
+        self.a = nn.Linear(16, 2)
+        self.b = nn.Linear(2, 16)
+        self.head = nn.Linear(16, 3)
+
+    def block(self, h):
+        return torch.tanh(self.b(torch.tanh(self.a(h))))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.head(_run(self.block, self.mode, h).mean(1))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_checkpointed_block_in_the_instantiated_form_equals_per_sample_clipping(dtype):
+    torch.manual_seed(3)
+    model = SeqNet().double()
+    g = torch.Generator().manual_seed(4)
+    batch = (torch.randn(5, 8, 3, generator=g, dtype=F64), torch.randint(0, 3, (5,), generator=g))
+    ps = per_sample_grads(_plain(model), ce, batch)
+    check_exact(model, ce, batch, dtype=dtype, ps=ps)
+
+
 def test_whole_model_checkpointed_equals_the_plain_model():
     torch.manual_seed(4)
     model = MLP(mode=None).double()

@@ -46,8 +46,9 @@ def refuse_reentrant(name: str, module) -> RuntimeError:
         "after running under torch.no_grad() in this step's training forward: a "
         "torch.utils.checkpoint with use_reentrant=True, whose recomputation gives the "
         "parameters ordinary, unclipped gradients. Expected use_reentrant=False (torch's "
-        "recommended form, the default of Hugging Face's gradient_checkpointing_enable), "
-        "which is exact here; call clear() to discard this step")
+        "recommended form; Hugging Face: gradient_checkpointing_enable("
+        "gradient_checkpointing_kwargs={'use_reentrant': False})), which is exact here; "
+        "call clear() to discard this step")
 
 
 def refuse_unmatched(name: str, module, recorded: int) -> RuntimeError:
