@@ -147,6 +147,42 @@ def test_checkpointed_block_in_the_instantiated_form_equals_per_sample_clipping(
     check_exact(model, ce, batch, dtype=dtype, ps=ps)
 
 
+class Attention(nn.Module):
+    """Self- and cross-attention, each called twice inside one checkpointed block
+    (an attention call records several projections)."""
+
+    def __init__(self, mode="non_reentrant"):
+        super().__init__()
+        self.mode = mode
+        self.emb = nn.Embedding(9, 4)
+        self.att = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.cross = nn.MultiheadAttention(4, 2, batch_first=True, kdim=3, vdim=3)
+        self.head = nn.Linear(4, 3)
+
+    def block(self, h, mem):
+        h = self.att(h, h, h, need_weights=False)[0]
+        h = self.att(torch.tanh(h), h, h)[0]
+        h = self.cross(h, mem, mem)[0]
+        return self.cross(torch.tanh(h), mem, mem, need_weights=False)[0]
+
+    def forward(self, idx, mem):
+        return self.head(_run(self.block, self.mode, self.emb(idx), mem).mean(1))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_attention_called_twice_in_a_checkpointed_block_equals_per_sample_clipping(dtype):
+    torch.manual_seed(8)
+    model = Attention().double()
+    g = torch.Generator().manual_seed(9)
+    batch = (torch.randint(0, 9, (4, 5), generator=g),
+             torch.randn(4, 3, 3, generator=g, dtype=F64), torch.tensor([0, 2, 1, 1]))
+
+    def loss(call, idx, mem, y, reduction="sum"):
+        return nn.functional.cross_entropy(call(idx, mem), y, reduction=reduction)
+    ps = per_sample_grads(_plain(model), loss, batch)
+    check_exact(model, loss, batch, dtype=dtype, ps=ps)
+
+
 def test_whole_model_checkpointed_equals_the_plain_model():
     torch.manual_seed(4)
     model = MLP(mode=None).double()

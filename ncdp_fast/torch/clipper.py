@@ -79,6 +79,7 @@ class _Tap:
     batch: int | None = None
     batch_first: bool = True        # the layout of its inputs and output (layout.py)
     layout: str = ""                # where that layout comes from, for errors
+    calls: int = 0                  # recorded forward calls (an attention call records several)
     replays: int = 0                # checkpoint recomputations of recorded calls (recompute.py)
     replaying: bool = False         # this call is one: let through, not recorded
     nograd: int = -1                # the model forward in which it last ran under no_grad
@@ -109,7 +110,7 @@ class _Tap:
     def clear(self):
         self.records.clear()
         self.blocks, self.batch, self.active = None, None, None
-        self.replays, self.replaying = 0, False
+        self.calls, self.replays, self.replaying = 0, 0, False
 
 
 def _per_parameter(entries, grads):
@@ -513,11 +514,13 @@ class GhostClipper(ClippedGaussianStep):
                 if tap.nograd == tap.recorded_in:
                     tap.recording = False
                     raise refuse_reentrant(tap.name, module)
-                if tap.replays >= len(tap.records):
+                if tap.replays >= tap.calls:
                     tap.recording = False
-                    raise refuse_unmatched(tap.name, module, len(tap.records))
+                    raise refuse_unmatched(tap.name, module, tap.calls)
                 tap.replays += 1
                 tap.replaying = True
+            else:
+                tap.calls += 1
             if tap.records and active != tap.active:
                 tap.recording = False
                 raise RuntimeError(
