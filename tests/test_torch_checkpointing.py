@@ -228,7 +228,7 @@ def test_reentrant_checkpoint_is_refused_in_backward():
     clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
                            expected_batch_size=6)
     with pytest.raises(RuntimeError, match=r"'mid'.*ran forward inside backward.*"
-                                           r"use_reentrant=True.*use use_reentrant=False"):
+                                           r"use_reentrant=True.*Expected use_reentrant=False"):
         ce(model, x, y, "mean").backward()
     clipper.clear()
     for p in model.parameters():
@@ -260,7 +260,30 @@ def test_reentrant_region_reusing_a_recorded_layer_is_refused():
     x = x[:, :5]
     y = y % 2
     GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=6)
-    with pytest.raises(RuntimeError, match=r"'lin'.*under torch.no_grad\(\).*use_reentrant=True"):
+    with pytest.raises(RuntimeError, match=r"'lin'.*inside backward.*use_reentrant=True"):
+        ce(model, x, y, "mean").backward()
+
+
+def test_reentrant_region_after_a_recorded_forward_of_the_step_is_refused():
+    """Two forwards in one step: the first records the layer, the second runs it
+    in a reentrant region; its recomputation is not a replay of the first."""
+    torch.manual_seed(0)
+    model = MLP(mode=None).double()
+    x, y = _mlp_batch()
+    GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=6)
+    first = ce(model, x, y, "mean")
+    model.mode = "reentrant"
+    with pytest.raises(RuntimeError, match=r"'mid'.*inside backward.*use_reentrant=True"):
+        (first + ce(model, x, y, "mean")).backward()
+
+
+def test_without_torchs_autograd_node_a_recomputation_is_refused(monkeypatch):
+    monkeypatch.setattr(recompute, "_autograd_node", None)
+    torch.manual_seed(0)
+    model = MLP().double()
+    x, y = _mlp_batch()
+    GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=6)
+    with pytest.raises(RuntimeError, match=r"'mid'.*no torch._C._current_autograd_node"):
         ce(model, x, y, "mean").backward()
 
 

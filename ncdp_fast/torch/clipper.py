@@ -26,7 +26,7 @@ from .layout import (StepBatch, batch_dim, broadcast_rows, enclosing_batch_first
                      layer_batch_first, module_batch_first, rows_error, to_batch_first)
 from .mechanism import (ClippedGaussianStep, ReleasedGrads, foreign_grad_error,
                         optimizer_params)
-from .recompute import in_backward, refuse_reentrant, refuse_unmatched
+from .recompute import in_backward, reentrant_recompute, refuse_reentrant, refuse_unmatched
 from .rnn import replacement, torch_rnn_error
 
 __all__ = ["GhostClipper"]
@@ -511,14 +511,13 @@ class GhostClipper(ClippedGaussianStep):
             if in_backward():
                 # A checkpoint's recomputation: switched off as the recorded
                 # call was, so that the tensors it saves are the same.
-                if tap.nograd == tap.recorded_in:
-                    tap.recording = False
+                tap.recording = False            # until it is known to be one
+                if tap.nograd == tap.recorded_in or reentrant_recompute(tap.name, module):
                     raise refuse_reentrant(tap.name, module)
                 if tap.replays >= tap.calls:
-                    tap.recording = False
                     raise refuse_unmatched(tap.name, module, tap.calls)
+                tap.recording = tap.replaying = True
                 tap.replays += 1
-                tap.replaying = True
             else:
                 tap.calls += 1
             if tap.records and active != tap.active:

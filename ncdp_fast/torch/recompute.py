@@ -21,15 +21,21 @@ gradient), never computed wrongly.
 Reentrant checkpointing (``use_reentrant=True``) runs the region's forward
 under ``torch.no_grad()`` and the recorded one inside backward, where a
 nested backward gives the parameters their ordinary gradients: refused, at
-the recomputation, naming the layer (:func:`refuse_reentrant`).
+the recomputation, naming the layer (:func:`refuse_reentrant`).  It is told
+apart by the autograd node being executed, its ``CheckpointFunction``'s
+backward (``torch._C._current_autograd_node()``, private too: where it is
+absent every recomputation is refused, see :func:`reentrant_recompute`); the
+clipper also refuses a layer run under no_grad and recorded in the same model
+forward, and more recomputations of a layer than recorded calls.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["in_backward", "refuse_reentrant", "refuse_unmatched"]
+__all__ = ["in_backward", "reentrant_recompute", "refuse_reentrant", "refuse_unmatched"]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_autograd_node = getattr(torch._C, "_current_autograd_node", None)
 
 
 def in_backward() -> bool:
@@ -38,14 +44,28 @@ def in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
+def reentrant_recompute(name: str, module) -> bool:
+    """Whether the forward now running inside backward is a reentrant
+    checkpoint's recomputation: autograd is executing ``CheckpointFunction``'s
+    backward.  Raises where torch does not say which node runs."""
+    if _autograd_node is None:
+        raise RuntimeError(
+            f"GhostClipper: layer {name!r} ({type(module).__name__}) ran forward inside "
+            "backward (a torch.utils.checkpoint recomputation), and this torch has no "
+            "torch._C._current_autograd_node to tell a use_reentrant=False checkpoint (exact "
+            "here) from a use_reentrant=True one (refused); expected a torch that has it, or "
+            "train without activation checkpointing; call clear() to discard this step")
+    node = _autograd_node()
+    return node is not None and node.name() == "CheckpointFunctionBackward"
+
+
 def refuse_reentrant(name: str, module) -> RuntimeError:
-    """A layer that ran under no_grad in a training forward and then forward
-    inside backward: a reentrant checkpoint's region."""
+    """A layer running forward inside a reentrant checkpoint's backward."""
     return RuntimeError(
         f"GhostClipper: layer {name!r} ({type(module).__name__}) ran forward inside backward "
-        "after running under torch.no_grad() in this step's training forward: a "
-        "torch.utils.checkpoint with use_reentrant=True, whose recomputation gives the "
-        "parameters ordinary, unclipped gradients. Expected use_reentrant=False (torch's "
+        "in a torch.utils.checkpoint with use_reentrant=True (the region ran under "
+        "torch.no_grad() in the forward), whose recomputation gives the parameters "
+        "ordinary, unclipped gradients. Expected use_reentrant=False (torch's "
         "recommended form; Hugging Face: gradient_checkpointing_enable("
         "gradient_checkpointing_kwargs={'use_reentrant': False})), which is exact here; "
         "call clear() to discard this step")
