@@ -330,3 +330,29 @@ def test_checkpointed_mlp_on_cuda_equals_the_plain_model(require_cuda):
     assert res.num_clipped >= 1
     for k in plain:
         torch.testing.assert_close(got[k], plain[k], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("name", ["llama"])
+def test_hugging_face_gradient_checkpointing_equals_per_sample_clipping(name):
+    """A tiny random-config model (tests/test_hf_models.py's) with
+    ``gradient_checkpointing_enable(use_reentrant=False)``: exact as without it
+    (float64, relative 1e-10, that file's bound); use_reentrant=True refused."""
+    pytest.importorskip("transformers")
+    import test_hf_models as hf
+    from test_torch_layers import low_bound
+    model, data = hf.build(name), hf.batch(name)
+    ps = hf.one_at_a_time(model, name, data)
+    C = low_bound(ps)
+    expected = hf.clipped(ps, C, hf.B)
+    for reentrant in (False, True):
+        work = copy.deepcopy(model)
+        work.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        work.train()
+        if reentrant:
+            with pytest.raises(RuntimeError, match=r"inside backward.*use_reentrant=True"):
+                hf.private_step(work, name, data, C, "mean")
+            continue
+        got, res, _ = hf.private_step(work, name, data, C, "mean")
+        assert 1 <= res.num_clipped < hf.B
+        assert hf.rel_err(got, expected) <= 1e-10
