@@ -13,10 +13,12 @@
 * :class:`BatchMemoryManager` trains each Poisson logical batch in physical
   batches of bounded size, one private step per logical batch (Opacus's).
 * :func:`fix_batchnorm` replaces batch norms (which mix samples) by group norms;
-  :class:`ModuleValidator` is Opacus's face over it (``fix``, ``validate``).
-* :class:`TokenCrossEntropyLoss` / :func:`per_sample_token_loss`: token
-  cross-entropy whose terms are per sample (each sample's mean over its own
-  valid tokens), as the loss contract requires.
+  :class:`ModuleValidator` is Opacus's face over it (``fix``, ``validate``),
+  which also replaces ``nn.LSTM/GRU/RNN`` by :class:`DPLSTM` / :class:`DPGRU` /
+  :class:`DPRNN` (the same function from ``nn.Linear`` cells).
+* :class:`TokenCrossEntropyLoss` / :func:`per_sample_token_loss` /
+  :func:`causal_lm_loss`: token cross-entropy whose terms are per sample (each
+  sample's mean over its own valid tokens), as the loss contract requires.
 
 All follow Opacus's conventions for ``loss_reduction`` ("mean": the loss is the
 batch mean, gradients are divided by the *expected* batch size) and keep the
@@ -26,8 +28,11 @@ true Poisson batches.
 
 Modules: ``engine`` (PrivacyEngine), ``clipper`` (GhostClipper and its hooks),
 ``layers`` (the per-layer rules and their registry), ``attention`` (multi-head
-attention's step-by-step forward and rule), ``optimizer`` (FusedDPOptimizer),
-``fix`` (fix_batchnorm), ``validators`` (ModuleValidator), ``losses`` (per-sample token loss), ``coupling``
+attention's step-by-step forward and rule), ``hf_layers`` (rules of Hugging Face
+``transformers`` layers, registered by class name), ``optimizer`` (FusedDPOptimizer),
+``fix`` (fix_batchnorm, fix_recurrent), ``rnn`` (DPLSTM, DPGRU, DPRNN),
+``recompute`` (activation checkpointing's recomputation), ``validators``
+(ModuleValidator), ``losses`` (per-sample token loss), ``coupling``
 (what mixes samples: refused modules, the checked ghost criterion),
 ``checkpoint`` (save/resume of a private run), ``memory``
 (BatchMemoryManager), ``data`` (the sampler and collate function),
@@ -43,11 +48,13 @@ except ImportError as exc:  # pragma: no cover - torch is an optional extra
     raise ImportError("ncdp_fast.torch needs PyTorch: pip install 'ncdp_fast[torch]'") from exc
 
 from . import attention as _attention  # noqa: F401  (registers the attention rule)
+from . import hf_layers as _hf_layers  # noqa: F401  (rules of transformers' layers, by name)
 from .clipper import GhostClipper
 from .data import PoissonBatchSampler, collate_with_empty
 from .engine import DPOptimizer, PrivacyEngine, PrivateModule
 from .fix import fix_batchnorm
-from .losses import TokenCrossEntropyLoss, per_sample_token_loss
+from .rnn import DPGRU, DPLSTM, DPRNN
+from .losses import TokenCrossEntropyLoss, causal_lm_loss, per_sample_token_loss
 from .memory import BatchMemoryManager
 from .layers import Call, factored_or_instantiated, register_layer
 from .optimizer import FusedDPOptimizer
@@ -58,4 +65,5 @@ __all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule", "BatchMemoryManager"
            "GhostClipper", "FusedDPOptimizer",
            "register_layer", "Call", "factored_or_instantiated", "fix_batchnorm",
            "PoissonBatchSampler", "DistributedPoissonBatchSampler", "collate_with_empty",
-           "TokenCrossEntropyLoss", "per_sample_token_loss", "ModuleValidator"]
+           "TokenCrossEntropyLoss", "per_sample_token_loss", "causal_lm_loss", "ModuleValidator",
+           "DPLSTM", "DPGRU", "DPRNN"]

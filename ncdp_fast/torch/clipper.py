@@ -17,14 +17,17 @@ from torch import nn
 
 from .._clip import GhostBlock, LayersClipResult, clip_and_noise_layers
 from .._validate import check_bool, check_choice, check_int, check_nonneg, check_positive
+from . import tied
 from .adaptive import AdaptiveClip
 from .attention import attention_forward, check_attention
 from .coupling import batch_dim_hooks, refuse_batch_mixing
 from .layers import HALF, Call, accumulation_dtype, refuse_unsupported, rule_for
-from .layout import (StepBatch, batch_dim, enclosing_batch_first, layer_batch_first,
-                     module_batch_first, rows_error, to_batch_first)
+from .layout import (StepBatch, batch_dim, broadcast_rows, enclosing_batch_first,
+                     layer_batch_first, module_batch_first, rows_error, to_batch_first)
 from .mechanism import (ClippedGaussianStep, ReleasedGrads, foreign_grad_error,
                         optimizer_params)
+from .recompute import in_backward, reentrant_recompute, refuse_reentrant, refuse_unmatched
+from .rnn import replacement, torch_rnn_error
 
 __all__ = ["GhostClipper"]
 
@@ -76,6 +79,11 @@ class _Tap:
     batch: int | None = None
     batch_first: bool = True        # the layout of its inputs and output (layout.py)
     layout: str = ""                # where that layout comes from, for errors
+    calls: int = 0                  # recorded forward calls (an attention call records several)
+    replays: int = 0                # checkpoint recomputations of recorded calls (recompute.py)
+    replaying: bool = False         # this call is one: let through, not recorded
+    nograd: int = -1                # the model forward in which it last ran under no_grad
+    recorded_in: int = -2           # the model forward in which it was last recorded
 
     def full(self, n: str) -> str:
         """The model-level name of its parameter ``n`` (as in ``param_names``)."""
@@ -102,6 +110,7 @@ class _Tap:
     def clear(self):
         self.records.clear()
         self.blocks, self.batch, self.active = None, None, None
+        self.calls, self.replays, self.replaying = 0, 0, False
 
 
 def _per_parameter(entries, grads):
@@ -111,6 +120,10 @@ def _per_parameter(entries, grads):
     for (tap, names, _), grad in zip(entries, grads):
         for n, g in zip(names, grad if isinstance(grad, tuple) else (grad,)):
             yield tap, n, g.view(tap.params[n].shape)
+
+
+def _ignore(grad):
+    pass
 
 
 def _upcast(x):
@@ -131,9 +144,10 @@ class GhostClipper(ClippedGaussianStep):
 
     Layers: ``nn.Linear`` (inputs of any leading shape), ``nn.Conv1d/2d``
     (groups, stride, padding, dilation, padding modes), ``nn.Embedding``,
-    ``nn.LayerNorm``, ``nn.GroupNorm``, affine instance norms,
+    ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, affine instance norms,
     ``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` works
-    unmodified), and any type given a rule with
+    unmodified), the layers of Hugging Face models (:mod:`.hf_layers`: GPT-2,
+    BERT, RoBERTa, DistilBERT, ViT, LLaMA), and any type given a rule with
     :func:`ncdp_fast.torch.register_layer`.  Frozen parameters cost nothing;
     a trainable parameter of another type, a batch norm anywhere (use
     :func:`fix_batchnorm`), a bias or attention parameter shared by two
@@ -143,11 +157,11 @@ class GhostClipper(ClippedGaussianStep):
     Tied weights: a ``weight`` shared by several supported layers (an
     embedding tied to the output ``nn.Linear`` of a language model) is one
     parameter: each sample's gradient of it is the sum over its uses, so its
-    norm includes the cross terms between them.  Each use's per-sample
-    gradient is instantiated, (B, *weight.shape) per layer (an embedding's
-    B*V*D: its ghost form cannot give the cross terms), summed into one block
-    of B*prod(shape) values; it is listed, bounded, noised and written once,
-    under the name of its first layer.
+    norm includes the cross terms between them.  Linear and embedding uses
+    give it in ghost form (:mod:`.tied`: Gram and cross terms, no per-sample
+    V*D tensor) when that costs fewer multiply-adds, else each use's per-sample
+    gradient is formed, (B, *weight.shape), and summed; it is listed, bounded,
+    noised and written once, under the name of its first layer.
 
     Precision: a float32/float64 parameter's private gradient is computed in
     its dtype; a float16/bfloat16 one's from its layer's tensors upcast to
@@ -228,7 +242,7 @@ class GhostClipper(ClippedGaussianStep):
         self.taps = self._find_layers(model)
         self._set_layouts(model)
         self.param_names = [t.full(n) for t in self.taps for n in t.owned]
-        # Parameters used by several layers: each use's blocks instantiated.
+        # Parameters used by several layers: their uses combined at the step (tied.py).
         self._tied = {id(t.params[n]) for t in self.taps for n in t.alias}
         self.layer_norms = self._layer_bounds(max_grad_norm, clipping)
         total = max_grad_norm if clipping != "per_layer" else math.sqrt(
@@ -256,6 +270,10 @@ class GhostClipper(ClippedGaussianStep):
         self._handles = [model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True)]
         self._handles += batch_dim_hooks(model, self.batch_first)
         self._forwards = []
+        # Counts the model's forwards outside backward: a layer recorded and run
+        # under no_grad in the same one, then forward inside backward, is in a
+        # reentrant checkpoint's region (recompute.py).
+        self._pass = 0
         self._released = ReleasedGrads()
         # Parameter name -> clipped sum of the logical batch's earlier physical
         # batches (accumulate_), noised once by the next privatize_.
@@ -429,6 +447,8 @@ class GhostClipper(ClippedGaussianStep):
                     f"of {base.__name__}, so {base.__name__}'s rule may not describe what it "
                     "computes; register a rule for its own type with "
                     "ncdp_fast.torch.register_layer")
+            if rule is None and replacement(module):
+                raise torch_rnn_error(name, module)
             if rule is None:
                 shown = ", ".join(repr(f"{name}.{n}" if name else n) for n in params)
                 raise ValueError(
@@ -456,6 +476,8 @@ class GhostClipper(ClippedGaussianStep):
         return torch.is_grad_enabled() and self.enabled and self.model.training
 
     def _model_pre_hook(self, module, args, kwargs):
+        if not in_backward():
+            self._pass += 1
         if self._capturing():
             return self._batch.pre_hook(module, args, kwargs)
         if torch.is_grad_enabled():
@@ -466,21 +488,38 @@ class GhostClipper(ClippedGaussianStep):
         """State the number of samples of the current step (until the next
         :meth:`privatize_` or :meth:`clear`), for a model whose first input
         tensor does not carry the batch; every layer's rows are checked
-        against it instead of the input's."""
+        against it instead of the input's.  ``n = 0`` with no forward: the
+        step of an empty Poisson batch that the model cannot run (transformers'
+        models reshape zero rows with -1) is pure noise, as with a forward."""
         self._batch.declared = check_int(n, "n", 0)
 
     def _pre_hook(self, tap: _Tap):
         conv = isinstance(tap.module, nn.modules.conv._ConvNd)
 
         def hook(module, inputs):
+            tap.replaying = False
             tap.recording = self._capturing()
             if not tap.recording:
+                if self.enabled and self.model.training:
+                    tap.nograd = self._pass
                 return
             active = frozenset(n for n, p in tap.params.items() if p.requires_grad)
             if not active and not tap.records:
                 # Every parameter frozen since attach: an ordinary frozen layer.
                 tap.recording = False
                 return
+            if in_backward():
+                # A checkpoint's recomputation: switched off as the recorded
+                # call was, so that the tensors it saves are the same.
+                tap.recording = False            # until it is known to be one
+                if tap.nograd == tap.recorded_in or reentrant_recompute(tap.name, module):
+                    raise refuse_reentrant(tap.name, module)
+                if tap.replays >= tap.calls:
+                    raise refuse_unmatched(tap.name, module, tap.calls)
+                tap.recording = tap.replaying = True
+                tap.replays += 1
+            else:
+                tap.calls += 1
             if tap.records and active != tap.active:
                 tap.recording = False
                 raise RuntimeError(
@@ -515,7 +554,7 @@ class GhostClipper(ClippedGaussianStep):
 
     def _restore_hook(self, tap: _Tap):
         def hook(module, inputs, output):
-            tap.recording = False
+            tap.recording = tap.replaying = False
             if tap.saved is not None:        # always_call=True: restored even on error
                 self._switch_back(tap, tap.saved)
                 tap.saved = None
@@ -536,6 +575,11 @@ class GhostClipper(ClippedGaussianStep):
             # None: the forward raised (always_call hooks still run), or nothing
             # depends on the layer, whose gradient is then exactly zero.
             return output
+        if tap.replaying:
+            # The recorded call's output entered the graph the same way.
+            if isinstance(output, torch.Tensor) and not output.requires_grad:
+                return _CaptureGrad.apply(output, self._anchor, _ignore)
+            return output
         if not isinstance(output, torch.Tensor):
             # Nothing to hook a gradient on: the layer would get pure noise.
             raise TypeError(
@@ -551,6 +595,7 @@ class GhostClipper(ClippedGaussianStep):
         inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
         rec = _Record(inputs, slot, tuple(getattr(x, "_version", 0) for x in inputs))
         tap.records.append(rec)
+        tap.recorded_in = self._pass
         def on_grad(grad):
             self._on_grad(tap, rec, grad)
         if output.requires_grad:
@@ -607,42 +652,34 @@ class GhostClipper(ClippedGaussianStep):
                                f"({tap.name!r}) returned blocks for {covered}, expected each "
                                f"of {sorted(trainable)} once")
         tap.blocks = self._instantiate_tied(
-            tap, [(names, self._cast(tap, names, block)) for names, block in got], batch)
+            tap, calls, [(names, self._cast(tap, names, block)) for names, block in got], batch)
         tap.batch = batch
         for rec in tap.records:
             rec.inputs = rec.grad = None
 
-    def _instantiate_tied(self, tap: _Tap, blocks: list, batch: int) -> list:
-        """A shared weight's block as its dense per-sample gradient (B, *shape):
-        the uses' blocks are summed sample by sample before any norm (a ghost
-        norm per use would leave out the cross terms between uses)."""
+    def _instantiate_tied(self, tap: _Tap, calls, blocks: list, batch: int) -> list:
+        """A shared weight's block as this layer's use of it (:mod:`.tied`),
+        kept to the step, where the uses are combined sample by sample before
+        any norm (a norm per use would leave out the cross terms)."""
         out = []
         for names, block in blocks:
             p = tap.params[names[0]]
             if id(p) not in self._tied:
                 out.append((names, block))
-            elif isinstance(block, tuple):
-                a, g, bias = block
-                out.append(((names[0],), torch.bmm(g.transpose(1, 2), a).reshape(batch, *p.shape)))
-                if bias:
-                    out.append(((names[1],), g.sum(1)))
-            elif isinstance(block, torch.Tensor):
-                out.append((names, block.reshape(batch, *p.shape)))
-            else:
-                # A ghost block only gives sums over samples: sample i's rows
-                # are its clipped sum with factor 1 for i and 0 for the rest,
-                # exact (each row is multiplied by 1.0 or dropped). B calls.
-                one = torch.eye(batch, dtype=torch.float64, device=block.sq_norms.device)
-                rows = [torch.as_tensor(block.clipped_sum(one[i])).reshape(p.shape)
-                        for i in range(batch)]
-                dtype = accumulation_dtype(p.dtype)
-                out.append((names, torch.stack(rows).to(dtype) if rows else
-                            p.new_zeros((0, *p.shape), dtype=dtype)))
+                continue
+            out.append(((names[0],), tied.as_use(tap.module, calls, block, tuple(p.shape), batch,
+                                                 accumulation_dtype(p.dtype))))
+            if isinstance(block, tuple) and block[2]:
+                out.append(((names[1],), block[1].sum(1)))
         return out
 
     def _forward_hook(self, tap: _Tap):
         def hook(module, inputs, output):
-            out = self._capture(tap, None, inputs, output)
+            got = output
+            if tap.recording:       # position ids (1, T): one row per sample
+                inputs, got = broadcast_rows(module, inputs, output, tap.batch_first,
+                                             self._batch.known())
+            out = self._capture(tap, None, inputs, got)
             return None if out is output else out
         return hook
 
@@ -717,11 +754,19 @@ class GhostClipper(ClippedGaussianStep):
                 raise RuntimeError(
                     f"GhostClipper: layer {tap.name!r} ran forward but backward did not reach "
                     "it; run exactly one loss.backward() per recorded forward (call clear() "
-                    "to discard a forward)")
+                    "to discard a forward). Under torch.utils.checkpoint on a torch that does "
+                    "not report a running backward (torch._C._current_graph_task_id), a "
+                    "recomputation cannot be told from a use (ncdp_fast.torch.recompute)")
             if tap.batch is not None:
                 batch = tap.batch        # each layer's was checked against the step's
+        if batch is None and self._batch.declared == 0:
+            # An empty Poisson batch of a model that cannot run on zero rows
+            # (transformers' attention reshapes): the step is pure noise.
+            return 0
         if batch is None:
-            raise RuntimeError("GhostClipper: no forward/backward was recorded since the last step")
+            raise RuntimeError("GhostClipper: no forward/backward was recorded since the last "
+                               "step (for an empty batch whose forward the model cannot run, "
+                               "call declare_batch_size(0) before the step: pure noise)")
         return batch
 
     def _entries(self, batch: int):
@@ -735,11 +780,7 @@ class GhostClipper(ClippedGaussianStep):
                     uses.setdefault(id(tap.params[names[0]]), []).append(block)
 
         def summed(p):
-            blocks = uses[id(p)]
-            total = blocks[0]
-            for b in blocks[1:]:
-                total = total + b        # no stacked copy of all uses
-            return total
+            return tied.combine(uses[id(p)], tuple(p.shape), accumulation_dtype(p.dtype), batch)
         entries = []
         for tap in self.taps:
             if tap.blocks is None:

@@ -15,7 +15,7 @@ from .._validate import check_bool, check_choice, check_pos_int, check_positive
 from .accounting import EngineAccountant, dp_accounting_name
 from .adaptive import AdaptiveClip
 from .clipper import GhostClipper
-from .fix import fix_batchnorm
+from .fix import fix_batchnorm, fix_recurrent
 from .coupling import CheckedCriterion
 from .mechanism import CheckpointsNoise
 from ..distributed._group import resolve_group
@@ -217,9 +217,11 @@ class PrivacyEngine:
     @classmethod
     def get_compatible_module(cls, module: nn.Module) -> nn.Module:
         """``module`` with its batch norms replaced by group norms
-        (:func:`fix_batchnorm`, in place), then :meth:`validate`-d; returns it.
-        The one fix there is: any other refusal raises here, naming the layer."""
-        module = fix_batchnorm(module)
+        (:func:`fix_batchnorm`) and its ``nn.LSTM/GRU/RNN`` by ``DPLSTM/DPGRU/DPRNN``
+        with their weights (:func:`~ncdp_fast.torch.fix.fix_recurrent`), in
+        place, then checked; returns it. The fixes there are: any other refusal
+        raises here, naming the layer."""
+        module = fix_recurrent(fix_batchnorm(module))
         GhostClipper.check_model(module)
         return module
 

@@ -19,7 +19,10 @@ Between a pair and an instantiated gradient the rule takes the cheaper
 (:func:`factored_or_instantiated`, the mixed rule of Bu et al. 2023): the ghost
 norm costs B*T^2*(d+K) and no memory of size K*d; the instantiated gradient
 costs B*T*K*d and B*K*d memory.  Register a rule for your own layer type with
-:func:`register_layer`; the built-ins below are its examples.
+:func:`register_layer`; the built-ins below are its examples.  A class of an
+optional package (``transformers``) is matched by its qualified name
+(:func:`register_layer_by_name`, used by :mod:`.hf_layers`), so that its rule
+needs no import of that package.
 """
 from __future__ import annotations
 
@@ -33,8 +36,9 @@ from torch import nn
 
 from .._clip import GhostBlock
 
-__all__ = ["Call", "register_layer", "rule_for", "factored_or_instantiated", "RULES",
-           "refuse_unsupported", "HALF", "accumulation_dtype"]
+__all__ = ["Call", "register_layer", "register_layer_by_name", "rule_for",
+           "factored_or_instantiated", "RULES", "RULES_BY_NAME", "refuse_unsupported", "HALF",
+           "accumulation_dtype"]
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -72,6 +76,11 @@ class Call:
 
 Rule = Callable[[nn.Module, "list[Call]", "frozenset[str]"], list]
 RULES: dict[type, Rule] = {}
+# Rules for classes of packages ncdp_fast does not import (transformers), keyed
+# by "module.QualName": matching by name needs no import of that package.
+RULES_BY_NAME: dict[str, Rule] = {}
+# Construction-time refusals of such classes: fn(module) -> problem or None.
+CHECKS_BY_NAME: dict[str, Callable[[nn.Module], "str | None"]] = {}
 
 
 def register_layer(*module_types: type):
@@ -93,12 +102,44 @@ def register_layer(*module_types: type):
     return deco
 
 
+def register_layer_by_name(*qualified_names: str, check=None):
+    """Decorator: as :func:`register_layer`, for classes named
+    ``"package.module.QualName"`` (``type.__module__`` and ``__qualname__``), so
+    that the rule of a class from an optional package (``transformers``) is
+    registered without importing it.  ``check(module) -> str | None``, if
+    given, names an option of the module its rule cannot handle exactly; the
+    clipper refuses such a layer at construction."""
+    for n in qualified_names:
+        if not isinstance(n, str) or "." not in n:
+            raise TypeError(f"register_layer_by_name: expected 'package.module.Class' strings, "
+                            f"got {n!r}")
+
+    def deco(fn: Rule) -> Rule:
+        if not callable(fn):
+            raise TypeError(f"register_layer_by_name: expected a function, got "
+                            f"{type(fn).__name__}")
+        for n in qualified_names:
+            RULES_BY_NAME[n] = fn
+            if check is not None:
+                CHECKS_BY_NAME[n] = check
+        return fn
+    return deco
+
+
+def _qualified(t: type) -> str:
+    return f"{t.__module__}.{t.__qualname__}"
+
+
 def rule_for(module: nn.Module) -> tuple[Rule | None, type | None]:
     """(rule, the class it is registered for): ``module``'s class, or its nearest
-    registered base class; (None, None) when there is none."""
+    registered base class (by type, or by qualified name for classes of
+    optional packages); (None, None) when there is none."""
     for t in type(module).__mro__:
         if t in RULES:
             return RULES[t], t
+        rule = RULES_BY_NAME.get(_qualified(t))
+        if rule is not None:
+            return rule, t
     return None, None
 
 
@@ -271,6 +312,11 @@ def refuse_unsupported(name: str, module: nn.Module) -> None:
         problem = _embedding_problem(module)
         if problem is not None:
             raise ValueError(f"GhostClipper: layer {name!r} (nn.Embedding): {problem}")
+    _, base = rule_for(module)
+    check = CHECKS_BY_NAME.get(_qualified(base)) if base is not None else None
+    problem = check(module) if check is not None else None
+    if problem is not None:
+        raise ValueError(f"GhostClipper: layer {name!r} ({type(module).__name__}): {problem}")
 
 
 @register_layer(nn.Embedding)
@@ -299,10 +345,13 @@ def embedding_rule(module: nn.Embedding, calls, trainable):
     dtype = accumulation_dtype(module.weight.dtype)
 
     def clipped_sum(factors):
-        scaled = (g.to(torch.float64) * factors.view(B, 1, 1)).to(dtype)
-        scaled = scaled.masked_fill((factors == 0).view(B, 1, 1), 0)   # dropped samples
+        # Only the samples kept: a factor of 0 (a dropped or padded sample) adds
+        # exact zeros, so skipping its rows changes nothing and saves their work.
+        kept = (factors != 0).nonzero().flatten()
+        f = factors.index_select(0, kept).view(-1, 1, 1)
+        scaled = (g.index_select(0, kept).to(torch.float64) * f).to(dtype)
         out = torch.zeros((V, D), dtype=dtype, device=g.device)
-        out.index_add_(0, idx.reshape(-1), scaled.reshape(-1, D))
+        out.index_add_(0, idx.index_select(0, kept).reshape(-1), scaled.reshape(-1, D))
         return out
     # clipped_sum adds up to T rows per sample in the data dtype: their norms
     # are the scale of its rounding (reference.clip_bound's E).
@@ -326,6 +375,23 @@ def layer_norm_rule(module: nn.LayerNorm, calls, trainable):
         gs.append(_flat_positions(c.grad, width, k))
     return [(n, b.reshape(b.shape[0], *module.normalized_shape))
             for n, b in _affine_rule(_cat(xs), _cat(gs), trainable, "btw,btw->bw", 1)]
+
+
+@register_layer(nn.RMSNorm)
+def rms_norm_rule(module: nn.RMSNorm, calls, trainable):
+    """y = w * xhat over the trailing ``normalized_shape``, xhat = x / rms(x) (no
+    bias): w's per-sample gradient is sum over positions of g * xhat."""
+    if "weight" not in trainable:
+        return []
+    width = math.prod(module.normalized_shape)
+    k = len(module.normalized_shape)
+    xs, gs = [], []
+    for c in calls:
+        xhat = F.rms_norm(c.inputs[0], module.normalized_shape, None, module.eps)
+        xs.append(_flat_positions(xhat, width, k))
+        gs.append(_flat_positions(c.grad, width, k))
+    w = torch.einsum("btw,btw->bw", _cat(gs), _cat(xs))
+    return [(("weight",), w.reshape(w.shape[0], *module.normalized_shape))]
 
 
 @register_layer(nn.GroupNorm)

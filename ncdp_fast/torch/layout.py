@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 __all__ = ["StepBatch", "module_batch_first", "enclosing_batch_first", "layer_batch_first",
-           "batch_dim", "to_batch_first", "rows_error"]
+           "batch_dim", "to_batch_first", "rows_error", "broadcast_rows"]
 
 ARGUMENT = "batch_first argument"    # a layer's layout when no module fixes it
 
@@ -101,7 +101,7 @@ def feature_dims(module: nn.Module) -> int | None:
     for torch's layers that take any leading shape; None when unknown."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         return 1
-    if isinstance(module, nn.LayerNorm):
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return len(module.normalized_shape)
     return None
 
@@ -126,6 +126,36 @@ def to_batch_first(inputs: tuple, grad: torch.Tensor, dim: int):
     moved = tuple(x.movedim(dim, 0) if isinstance(x, torch.Tensor) and x.dim() > dim else x
                   for x in inputs)
     return moved, grad.movedim(dim, 0)
+
+
+def broadcast_rows(module: nn.Module, inputs: tuple, output, batch_first: bool,
+                   batch: int | None):
+    """An ``nn.Embedding`` looked up with one index row for the whole batch
+    (position ids of shape (1, T), (T, 1) sequence-first) returns (1, T, D),
+    which the model broadcasts over the samples; autograd would then give its
+    output only the batch's summed gradient.  Returns the call with that row
+    expanded to ``batch`` rows, index (B, T) and output (B, T, D): the same
+    values wherever the model broadcasts the output, and each row's gradient
+    is its own sample's, so the embedding's rule gives each sample the
+    gradient of its own rows.  Any other call is returned as it is.
+
+    The model must use the output by broadcasting it against per-sample
+    tensors (adding it to the token embeddings, as Hugging Face models do);
+    reading one row of it (``out[0]``) would give that row every sample's
+    gradient."""
+    if not isinstance(module, nn.Embedding) or batch is None or batch <= 1 or \
+            not isinstance(output, torch.Tensor) or not inputs or \
+            not isinstance(inputs[0], torch.Tensor):
+        return inputs, output
+    idx = inputs[0]
+    dim = 0 if batch_first else 1
+    # A 2-D index only: a (1,) index of one position has no batch dimension to
+    # broadcast along (its output (1, D) would align with the features).
+    if idx.dim() != 2 or output.dim() != 3 or idx.shape[dim] != 1:
+        return inputs, output
+    ishape, oshape = list(idx.shape), list(output.shape)
+    ishape[dim] = oshape[dim] = batch
+    return (idx.expand(ishape),) + tuple(inputs[1:]), output.expand(oshape)
 
 
 class StepBatch:
@@ -153,6 +183,10 @@ class StepBatch:
                 "or clear() between batches)")
         self.model_ran = True
         self.size, self.shape = b, shape
+
+    def known(self) -> int | None:
+        """The step's samples if already read or declared, else None."""
+        return self.declared if self.declared is not None else self.size
 
     def get(self, layer: str):
         """(samples in this step, where that number comes from)."""

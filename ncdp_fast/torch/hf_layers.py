@@ -1,0 +1,164 @@
+"""Rules for the layers Hugging Face ``transformers`` models are built from that
+torch has no class for: GPT-2's ``Conv1D``, the RMS norms of LLaMA and T5, the
+LayerScale gains of DINOv2/v3, and ViT's embeddings (a class token and
+position embeddings that are bare Parameters).
+
+Registered by class name (:func:`~.layers.register_layer_by_name`): importing
+ncdp_fast never imports ``transformers``; a model built from it matches these
+rules at construction.  Everything else these models hold is torch's own
+(``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.Conv2d``) or has no
+parameter (rotary embeddings, activations such as SwiGLU's, attention
+functions with grouped-query heads), and goes through the rules of
+:mod:`.layers`.  Position ids of shape (1, T) broadcast over the batch are
+handled where the clipper records an embedding (:func:`.layout.broadcast_rows`).
+
+Each rule computes its layer's per-sample gradient from the recorded inputs
+and output gradients exactly (to rounding); options a rule cannot follow are
+refused by name, at construction where the module shows them.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .layers import (_cat, _flat_positions, accumulation_dtype, factored_or_instantiated,
+                     register_layer_by_name)
+
+__all__ = ["conv1d_rule", "scale_rule", "vit_embeddings_rule"]
+
+
+def _input(module: nn.Module, call) -> torch.Tensor:
+    """The call's first positional input: the rules below read the tensor the
+    layer transforms, which a keyword-only call leaves unrecorded."""
+    if not call.inputs or not isinstance(call.inputs[0], torch.Tensor):
+        raise ValueError(
+            f"GhostClipper: {type(module).__name__} was called without a positional tensor "
+            "input; its rule reads the input the layer transforms from the positional "
+            "arguments (forward hooks do not see keyword arguments). Call the layer with "
+            "its input as the first positional argument")
+    return call.inputs[0]
+
+
+@register_layer_by_name("transformers.pytorch_utils.Conv1D")
+def conv1d_rule(module: nn.Module, calls, trainable):
+    """GPT-2's ``Conv1D``: ``y = x W + b`` with ``W`` of shape (in, out), a linear
+    layer with its weight stored transposed.  Its weight gradient
+    ``sum_t a_t g_t^T`` is the linear pair with the roles of inputs ``a`` (B,
+    T, in) and output gradients ``g`` (B, T, out) swapped (same norm, the
+    (in, out) layout); the bias, ``sum_t g_t``, is its own block."""
+    nx, nf = module.weight.shape
+    a = _cat([_flat_positions(_input(module, c), nx) for c in calls])
+    g = _cat([_flat_positions(c.grad, nf) for c in calls])
+    out = []
+    if "weight" in trainable:
+        out += factored_or_instantiated(g, a, ("weight",), False)
+    if "bias" in trainable:
+        out.append((("bias",), g.sum(1)))
+    return out
+
+
+def _unit_scale(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """``z`` of a layer computing ``y = w * z(x)``: its own forward run with ``w``
+    replaced by ones (1 * z is z exactly), on a shallow copy, so neither the
+    parameter nor the hooks of the module are touched."""
+    w = module._parameters[name]
+    shadow = copy.copy(module)
+    params = dict(module._parameters)
+    params[name] = torch.ones(w.shape, dtype=accumulation_dtype(w.dtype), device=w.device)
+    object.__setattr__(shadow, "_parameters", params)
+    with torch.no_grad():
+        return type(module).forward(shadow, x)
+
+
+def scale_rule(name: str):
+    """The rule of a layer computing ``y = p * z(x)``, ``p`` its parameter
+    ``name`` broadcast over the trailing dimensions of ``z`` and ``z`` not
+    depending on ``p``: an RMS norm's weight-only scale, a LayerScale gain.
+    ``z`` is the module's own forward run with ``p`` set to ones (an RMS norm's
+    float32 variance included), so the per-sample gradient of ``p`` (shape
+    (D,)) is ``sum_t g_t * z_t``, (B, D).  Exact only for that form: a class
+    computing ``(1 + p) * z`` (Gemma's RMS norm) needs another rule."""
+    def rule(module: nn.Module, calls, trainable):
+        if name not in trainable:
+            return []
+        p = module._parameters[name]
+        zs, gs = [], []
+        for c in calls:
+            z = _unit_scale(module, name, _input(module, c))
+            zs.append(_flat_positions(z, p.numel(), p.dim()))
+            gs.append(_flat_positions(c.grad, p.numel(), p.dim()))
+        z, g = _cat(zs), _cat(gs)
+        per_sample = torch.einsum("btw,btw->bw", g, z.to(g.dtype))
+        return [((name,), per_sample.reshape(per_sample.shape[0], *p.shape))]
+    rule.__name__ = rule.__qualname__ = f"scale_rule_{name}"
+    return rule
+
+
+# Each registered class's forward is ``self.<name> * z(x)`` (read in
+# transformers 5.24.0).
+register_layer_by_name("transformers.models.llama.modeling_llama.LlamaRMSNorm",
+                       "transformers.models.t5.modeling_t5.T5LayerNorm")(scale_rule("weight"))
+register_layer_by_name(
+    "transformers.models.dinov2.modeling_dinov2.Dinov2LayerScale",
+    "transformers.models.dinov2_with_registers.modeling_dinov2_with_registers."
+    "Dinov2WithRegistersLayerScale",
+    "transformers.models.dinov3_vit.modeling_dinov3_vit.DINOv3ViTLayerScale")(scale_rule("lambda1"))
+
+
+def _vit_problem(module: nn.Module) -> str | None:
+    mask = getattr(module, "mask_token", None)
+    if mask is not None and mask.requires_grad:
+        return ("its mask_token is trainable (use_mask_token=True): the patches it replaces "
+                "(bool_masked_pos) are a keyword argument, which the clipper does not see. "
+                "Freeze it (embeddings.mask_token.requires_grad_(False))")
+    p = module.dropout.p
+    if p > 0:
+        return (f"its dropout has p={p} (hidden_dropout_prob), applied after the class token "
+                "and position embeddings are added: the recorded output gradient is the one "
+                "after dropout, so theirs is unknown. Build the model with "
+                "hidden_dropout_prob=0.0 (ViT's default)")
+    return None
+
+
+@register_layer_by_name("transformers.models.vit.modeling_vit.ViTEmbeddings",
+                        check=_vit_problem)
+def vit_embeddings_rule(module: nn.Module, calls, trainable):
+    """ViT's embeddings: ``out = cat(cls_token, patches) + position_embeddings``
+    (patches from its own ``Conv2d``, a layer of its own).  Both parameters
+    are used once per sample, broadcast over the batch: sample i's gradient
+    of ``cls_token`` (1, 1, D) is row 0 of its output gradient (B, N+1, D),
+    that of ``position_embeddings`` (1, N+1, D) the whole of it.  Exact only
+    without interpolated position embeddings (same number of positions, the
+    model's own square image size) and without dropout in training."""
+    problem = _vit_problem(module)
+    if problem is None and "mask_token" in trainable:
+        problem = "its mask_token was trainable in this step's forward; freeze it"
+    if problem is not None:
+        raise ValueError(f"ViTEmbeddings: {problem}")
+    positions = module.position_embeddings.shape[1]
+    size = tuple(module.image_size)
+    g = []
+    for c in calls:
+        shape = tuple(_input(module, c).shape[-2:])
+        if shape != size or size[0] != size[1] or c.grad.shape[1] != positions:
+            # interpolate_pos_encoding (a keyword the clipper does not see)
+            # resamples the position embeddings bicubically: their gradient is
+            # then not the output gradient.
+            raise ValueError(
+                f"ViTEmbeddings: got images of size {shape} and {c.grad.shape[1]} positions; "
+                f"expected the model's own square image size {size} and {positions} positions "
+                "(position embeddings used as they are). Interpolated position embeddings "
+                "(interpolate_pos_encoding=True at another size, or a non-square image_size) "
+                "are not supported: resize the images to the model's size")
+        g.append(c.grad)
+    out = []
+    B = g[0].shape[0]
+    if "cls_token" in trainable:
+        cls = sum(x[:, :1] for x in g)
+        out.append((("cls_token",), cls.reshape(B, *module.cls_token.shape)))
+    if "position_embeddings" in trainable:
+        pos = sum(g[1:], g[0])
+        out.append((("position_embeddings",), pos.reshape(B, *module.position_embeddings.shape)))
+    return out
