@@ -355,7 +355,6 @@ class PrivacyEngine:
                                loss_reduction=loss_reduction, clipping=clipping, seed=stream,
                                group=group, batch_first=batch_first, adaptive=adaptive)
         self.sample_rate = sample_rate
-        self.noise_multiplier = clipper.noise_multiplier
 
         def on_step():
             if clipper.noise_multiplier > 0:
@@ -453,6 +452,24 @@ class PrivacyEngine:
                                 grad_clip_scheduler=grad_clip_scheduler,
                                 module_load_dict_kwargs=module_load_dict_kwargs,
                                 torch_load_kwargs=torch_load_kwargs)
+
+    @property
+    def noise_multiplier(self) -> float | None:
+        """sigma of the next step of the run :meth:`make_private` built last, read
+        from its optimizer (so a noise scheduler's change shows here); None before
+        make_private.  Setting it sets the optimizer's (checked, and every later
+        step is noised and accounted at it)."""
+        run = getattr(self, "_run", None)
+        return None if run is None else run.clipper.noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value) -> None:
+        run = getattr(self, "_run", None)
+        if run is None:
+            raise RuntimeError("PrivacyEngine.noise_multiplier: expected an engine after "
+                               "make_private (it is the private optimizer's), got one before "
+                               "it; pass noise_multiplier= to make_private")
+        run.clipper.noise_multiplier = value
 
     # A step at noise_multiplier 0 is recorded on the accountant, so that
     # accountant.get_epsilon answers as the engine does (inf).
