@@ -153,7 +153,10 @@ class ClippedGaussianStep(UsesNoiseStream):
     batch: per-sample clipping at ``max_grad_norm``, noise std ``noise_multiplier
     * max_grad_norm``, division by the *expected* batch size for a mean-reduced
     loss.  Subclasses gather the per-sample blocks and hand them to
-    :meth:`_clip_and_noise`, which draws the noise from the drop-in's stream."""
+    :meth:`_clip_and_noise`, which draws the noise from the drop-in's stream.
+
+    With ``group``, every rank starts from rank 0's state: ``module``'s parameters
+    (frozen ones included) and buffers when given, else ``params``."""
 
     def __init__(self, *, max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction,
                  seed, offset, nan_policy, group=None, params=(), config=None, module=None):
