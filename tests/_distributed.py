@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
-__all__ = ["spawn", "spawn_outcomes", "free_port", "RankFailure", "Outcome"]
+__all__ = ["spawn", "spawn_outcomes", "free_port", "RankFailure", "Outcome", "torchrun"]
 
 
 @dataclass
@@ -147,3 +147,17 @@ def spawn(fn: Callable, world: int, *args, timeout: float = 60.0,
     if any(o.status != "ok" for o in outs):
         raise RankFailure(outs)
     return [o.value for o in outs]
+
+
+def torchrun(args, world: int, *, timeout: float = 120.0, env: dict | None = None):
+    """``python -m torch.distributed.run --standalone --nproc-per-node world *args``: the
+    real launcher (gloo on 127.0.0.1, one numba/OpenMP thread per rank); returns the
+    ``subprocess.CompletedProcess`` (its return code is 0 only when every rank exited
+    0; stdout and stderr as text).  ``timeout``: seconds before it is killed."""
+    import subprocess
+    import sys
+    full = dict(os.environ, GLOO_SOCKET_IFNAME="lo", NUMBA_NUM_THREADS="1",
+                OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={world}", *map(str, args)],
+                          env=full, capture_output=True, text=True, timeout=timeout)

@@ -26,6 +26,7 @@ from .layout import (StepBatch, batch_dim, broadcast_rows, enclosing_batch_first
                      layer_batch_first, module_batch_first, rows_error, to_batch_first)
 from .mechanism import (ClippedGaussianStep, ReleasedGrads, foreign_grad_error,
                         optimizer_params)
+from .ranks import check_not_ddp
 from .recompute import in_backward, reentrant_recompute, refuse_reentrant, refuse_unmatched
 from .rnn import replacement, torch_rnn_error
 
@@ -214,8 +215,11 @@ class GhostClipper(ClippedGaussianStep):
     also wrap the model in DDP), each rank feeds its own samples (a
     :class:`DistributedPoissonBatchSampler` shard) and :meth:`privatize_`
     gives every rank the one-process private gradient of the union batch, to
-    float rounding (:mod:`ncdp_fast.torch.ranks`); parameters are broadcast
-    from rank 0 at construction; ``seed=None`` is drawn on rank 0.
+    float rounding (:mod:`ncdp_fast.torch.ranks`); the model's whole state
+    (parameters, frozen ones included, and buffers) is broadcast from rank 0 at
+    construction, as DDP does; ``seed=None`` is drawn on rank 0; the group is
+    held weakly (freed by ``destroy_process_group``).  A DDP-wrapped model is
+    refused, with or without ``group``.
 
     Privacy meaning: each :meth:`privatize_` is one Gaussian mechanism
     (sensitivity ``max_grad_norm``, or sqrt(sum C_p^2) per layer; noise
@@ -231,6 +235,7 @@ class GhostClipper(ClippedGaussianStep):
                  nan_policy: str = "raise", group=None, batch_first: bool = True,
                  adaptive: AdaptiveClip | None = None):
         check_choice(clipping, "clipping", ("flat", "per_layer", "adaptive"))
+        check_not_ddp(model, "GhostClipper")
         self.adaptive = self._check_adaptive(clipping, adaptive, noise_multiplier,
                                              expected_batch_size, group)
         # sum_i (1[norm_i <= C] - 1/2) of the logical batch's accumulated
@@ -251,7 +256,7 @@ class GhostClipper(ClippedGaussianStep):
                          expected_batch_size=expected_batch_size,
                          loss_reduction=loss_reduction, seed=seed, offset=offset,
                          nan_policy=nan_policy, group=group,
-                         params=[p for t in self.taps for p in t.owned.values()],
+                         params=[p for t in self.taps for p in t.owned.values()], module=model,
                          config={"clipping": clipping, "parameters": self.param_names,
                                  "layer_norms": self.layer_norms})
         # A leaf that requires grad, so that a layer's output enters the graph

@@ -20,7 +20,7 @@ from .coupling import CheckedCriterion
 from .mechanism import CheckpointsNoise
 from ..distributed._group import resolve_group
 from .data import PoissonBatchSampler, collate_with_empty, loader_settings
-from .ranks import DistributedPoissonBatchSampler, agree_stream
+from .ranks import DistributedPoissonBatchSampler, agree_stream, check_not_ddp
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule"]
 
@@ -326,10 +326,7 @@ class PrivacyEngine:
                              "keyed by the OS (pass seed= to fix the key)")
         batch_first = check_bool(batch_first, "batch_first")
         check_choice(grad_sample_mode, "grad_sample_mode", _GRAD_SAMPLE_MODES)
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            raise ValueError("module: got a DistributedDataParallel model; pass the plain model "
-                             "and group=<process group> instead (DDP would all-reduce gradients "
-                             "that the private step computes, reduces and noises itself)")
+        check_not_ddp(module, "make_private")
         adaptive = None
         if clipping == "adaptive":
             missing = [k for k in _ADAPTIVE_ARGS if k not in kwargs]

@@ -9,8 +9,8 @@ from .. import _stream
 from .._clip import LayersClipResult, clip_and_noise_layers
 from .._stream import NoiseStream
 from .._validate import check_choice, check_nonneg, check_positive
-from ..distributed._group import check_same_config, resolve_group
-from .ranks import agree_stream, broadcast_parameters, reduce_clip_and_noise
+from ..distributed._group import GroupRef, check_same_config, resolve_group
+from .ranks import agree_stream, broadcast_state, reduce_clip_and_noise, state_tensors
 
 __all__ = ["UsesNoiseStream", "ClippedGaussianStep", "CheckpointsNoise", "check_dp_args",
            "ReleasedGrads", "optimizer_params", "foreign_grad_error"]
@@ -153,32 +153,45 @@ class ClippedGaussianStep(UsesNoiseStream):
     batch: per-sample clipping at ``max_grad_norm``, noise std ``noise_multiplier
     * max_grad_norm``, division by the *expected* batch size for a mean-reduced
     loss.  Subclasses gather the per-sample blocks and hand them to
-    :meth:`_clip_and_noise`, which draws the noise from the drop-in's stream."""
+    :meth:`_clip_and_noise`, which draws the noise from the drop-in's stream.
+
+    With ``group``, every rank starts from rank 0's state: ``module``'s parameters
+    (frozen ones included) and buffers when given, else ``params``."""
 
     def __init__(self, *, max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction,
-                 seed, offset, nan_policy, group=None, params=(), config=None):
+                 seed, offset, nan_policy, group=None, params=(), config=None, module=None):
         self._max_grad_norm, self._noise_multiplier, self.expected_batch_size = check_dp_args(
             max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction, nan_policy)
         self.loss_reduction = loss_reduction
         self.nan_policy = nan_policy
         # Sharded steps only when asked for: a process group of its own is how a
         # user says the ranks hold pieces of one batch (ncdp_fast.torch.ranks).
-        self.group = None if group is None else resolve_group(group)
-        if self.group is None:
+        group = None if group is None else resolve_group(group)
+        self._group = GroupRef(group, type(self).__name__)
+        if group is None:
             self._init_stream(seed, offset)
         else:
-            # The step's configuration and parameter shapes must agree (else the
-            # all-reduce would pair different tensors), and so must the stream.
+            # The step's configuration and the shapes of the state every rank
+            # starts from must agree (else the all-reduce and the broadcast would
+            # pair different tensors), and so must the stream.
             what = type(self).__name__
+            named = state_tensors(module, params)
             check_same_config(dict(config or {}, max_grad_norm=self.max_grad_norm,
                                    noise_multiplier=self.noise_multiplier,
                                    expected_batch_size=self.expected_batch_size,
                                    loss_reduction=loss_reduction, nan_policy=nan_policy,
-                                   shapes=[tuple(p.shape) for p in params]), self.group, what)
-            self._stream = agree_stream(seed, offset, self.group, what)
+                                   shapes=[(n, tuple(t.shape), str(t.dtype)) for n, t in named]),
+                              group, what)
+            self._stream = agree_stream(seed, offset, group, what)
             self._steps = 0
-            broadcast_parameters(params, self.group)
+            broadcast_state([t for _, t in named], group)
         self.last_result: LayersClipResult | None = None
+
+    @property
+    def group(self):
+        """The process group of the sharded steps (``None``: one process); held
+        weakly (:class:`ncdp_fast.distributed._group.GroupRef`)."""
+        return self._group.get()
 
     @property
     def noise_multiplier(self) -> float:

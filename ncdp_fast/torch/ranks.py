@@ -28,8 +28,8 @@ from .._validate import check_int
 from ..distributed._group import check_same_config, rank_world, resolve_group, shard_bounds
 from .checkpoint import ResumesPass
 
-__all__ = ["DistributedPoissonBatchSampler", "agree_stream", "broadcast_parameters",
-           "reduce_clip_and_noise"]
+__all__ = ["DistributedPoissonBatchSampler", "agree_stream", "broadcast_state", "state_tensors",
+           "check_not_ddp", "reduce_clip_and_noise"]
 
 
 def _dist():
@@ -57,8 +57,36 @@ def agree_stream(seed, offset, group, what: str):
     return stream
 
 
-def broadcast_parameters(tensors, group) -> None:
-    """Every rank starts from group rank 0's values (as DDP does at wrapping)."""
+def check_not_ddp(module, what: str) -> None:
+    """Refuse a ``DistributedDataParallel`` model: its backward all-reduces the
+    gradients that a private step clips, reduces and noises itself (with
+    ``group=``), or, without ``group=``, each rank would noise its own shard and
+    the replicas would step apart unseen.  ``what``: the refusing call."""
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            f"{what}: module: expected the plain model, got a DistributedDataParallel "
+            "wrapper (DDP all-reduces gradients that the private step clips, reduces and "
+            "noises itself; without group= each rank would noise only its own samples and "
+            "the replicas would diverge). Pass model.module and group=<process group> "
+            "(the step is then the one-process step of the union batch)")
+
+
+def state_tensors(module, params) -> list:
+    """``[(name, tensor)]`` that every rank must start from: with ``module``, all of
+    its parameters (frozen ones included) and buffers, as DDP broadcasts at
+    wrapping; without, ``params`` (a bare optimizer's parameters)."""
+    if module is None:
+        return [(f"params[{i}]", p) for i, p in enumerate(params)]
+    return list(module.named_parameters()) + list(module.named_buffers())
+
+
+def broadcast_state(tensors, group) -> None:
+    """Every rank starts from group rank 0's values, in place (as DDP does at
+    wrapping).  Broadcast rather than compared and refused: it is what DDP users
+    expect, costs one pass over the state at construction, and copies bits, so a
+    frozen layer or a buffer initialised differently per rank (an unseeded
+    ``torch.manual_seed``) can no longer make the ranks compute different steps.
+    Only rank 0's state crosses the group, which is private to the job."""
     dist = _dist()
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
@@ -81,14 +109,16 @@ class DistributedPoissonBatchSampler(ResumesPass):
 
     def __init__(self, n: int, *, sample_rate: float, steps: int, seed=None, offset=None,
                  group=None):
-        self.group = resolve_group(group)
+        # Not kept: the batches need no collective after construction, and a group
+        # held past destroy_process_group aborts the process at exit (GroupRef).
+        group = resolve_group(group)
         self.n = check_int(n, "n", 1)
         self.sample_rate, self.batches = sample_rate, check_int(steps, "steps", 0)
         poisson_batches(self.n, sample_rate=sample_rate, steps=0, seed=0, offset=0)  # validate
         check_same_config({"n": self.n, "sample_rate": float(sample_rate), "steps": self.batches},
-                          self.group, "DistributedPoissonBatchSampler")
-        self._stream = agree_stream(seed, offset, self.group, "DistributedPoissonBatchSampler")
-        self.rank, self.world = rank_world(self.group)
+                          group, "DistributedPoissonBatchSampler")
+        self._stream = agree_stream(seed, offset, group, "DistributedPoissonBatchSampler")
+        self.rank, self.world = rank_world(group)
         self.lo, self.hi = shard_bounds(self.n, self.rank, self.world)
         self.passes = 0
 

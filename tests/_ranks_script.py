@@ -1,0 +1,99 @@
+"""Run by the real torchrun launcher in tests/test_torch_ranks.py and
+tests/test_distributed_exit.py (gloo, 127.0.0.1).
+
+``exit``: GhostClipper(group=) built, destroy_process_group, exit (the path that
+aborted with SIGABRT at interpreter shutdown).  ``frozen OUT``: a model whose
+trainable and frozen parameters and buffer are initialised differently on each
+rank, trained by DP-SGD across the ranks; each rank writes its final state and
+the refusals of a DDP-wrapped model to OUT/rank<r>.npz.
+"""
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+
+N, Q, STEPS, C, SIGMA, SEED = 23, 0.2, 10, 0.5, 0.8, (0x5EED0011, 0x5EED0012)
+
+
+class Shift(nn.Module):
+    """x + b with b a buffer: state that is not a parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.randn(6, dtype=torch.float64))
+
+    def forward(self, x):
+        return x + self.b
+
+
+def model(init_seed):
+    torch.manual_seed(init_seed)
+    m = nn.Sequential(Shift(), nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    m[1].requires_grad_(False)                      # a frozen layer
+    return m
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(N, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (N,), generator=g)
+
+
+def train(m, sampler, group=None):
+    """STEPS DP-SGD steps; returns the final state as {name: float64 array}."""
+    from ncdp_fast.torch import GhostClipper
+    x, y = data()
+    clipper = GhostClipper(m, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=Q * N,
+                           seed=SEED[1], offset=0, group=group)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+    for idx in sampler:
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        nn.functional.cross_entropy(m(x[idx]), y[idx]).backward()
+        clipper.privatize_()
+        opt.step()
+        opt.zero_grad()
+    clipper.remove()
+    return {k: v.detach().numpy().copy() for k, v in m.state_dict().items()}
+
+
+def refusals(group):
+    """The messages of GhostClipper and make_private given a DDP-wrapped model."""
+    from ncdp_fast.torch import GhostClipper, PrivacyEngine
+    ddp = nn.parallel.DistributedDataParallel(model(0))
+    out = {}
+    for what, build in [
+            ("clipper", lambda g: GhostClipper(ddp, max_grad_norm=C, noise_multiplier=SIGMA,
+                                               expected_batch_size=4.0, group=g)),
+            ("engine", lambda g: PrivacyEngine().make_private(
+                module=ddp, optimizer=torch.optim.SGD(ddp.parameters(), lr=0.1),
+                data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+                    *data()), batch_size=4), noise_multiplier=SIGMA, max_grad_norm=C,
+                group=g))]:
+        for name, g in [("nogroup", None), ("group", group)]:
+            try:
+                build(g)
+                out[f"{what}_{name}"] = "accepted"
+            except ValueError as e:
+                out[f"{what}_{name}"] = str(e)
+    return out
+
+
+def main():
+    import torch.distributed as dist
+    from ncdp_fast.torch import DistributedPoissonBatchSampler, GhostClipper
+    dist.init_process_group("gloo")
+    rank, group = dist.get_rank(), dist.group.WORLD
+    if sys.argv[1] == "exit":
+        GhostClipper(model(rank), max_grad_norm=C, noise_multiplier=SIGMA,
+                     expected_batch_size=4.0, group=group)
+    else:
+        sampler = DistributedPoissonBatchSampler(N, sample_rate=Q, steps=STEPS, seed=SEED[0],
+                                                 offset=0, group=group)
+        state = train(model(100 + rank), sampler, group)
+        np.savez(f"{sys.argv[2]}/rank{rank}.npz", **state,
+                 **{f"refusal:{k}": np.array(v) for k, v in refusals(group).items()})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
