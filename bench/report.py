@@ -504,11 +504,43 @@ def distributed_release(family):
          "/proc/self/io wchar over the call, the gloo socket traffic of that rank"])
 
 
+def tied(family):
+    """One row per method of bench/test_bench_tied.py: a tied language model's
+    private step with the tied weight in ghost and in dense form."""
+    rows = []
+    for w, ms in family.items():
+        base, base_mem = _t(ms, "nonprivate"), _x(ms, "nonprivate", "peak_extra_mb")
+        for m in ("nonprivate", "ncdp_tied_ghost", "ncdp_tied_dense", "ncdp_untied"):
+            row = dict(workload=w, method=m)
+            if m not in ms:
+                row["error"] = NO_RESULT
+            else:
+                t, mem = _t(ms, m), _x(ms, m, "peak_extra_mb")
+                row.update(ms=1e3 * t, x_nonprivate=t / base if base else None,
+                           peak_extra_mb=mem,
+                           mem_x_nonprivate=mem / base_mem if mem is not None and base_mem
+                           else None)
+            rows.append(row)
+    return rows, (
+        [("workload", "workload", None), ("method", "method", None),
+         ("ms", "ms/step", "{:.1f}"), ("x_nonprivate", "× non-private time", "{:.2f}"),
+         ("peak_extra_mb", "peak extra MB", "{:.1f}"),
+         ("mem_x_nonprivate", "× non-private memory", "{:.2f}"), ("error", "error", None)],
+        ["Embedding(V, D) -> Linear(D, D) + tanh -> Linear(D, V) tied to the embedding, "
+         "causal_lm_loss (mean), SGD; noise multiplier 1, max_grad_norm 1, flat clipping "
+         "(bench/test_bench_tied.py)",
+         "ncdp_tied_ghost: GhostClipper, the cost rule's choice (ghost form of the tied "
+         "weight); ncdp_tied_dense: the dense form forced; ncdp_untied: the head with its own "
+         "weight",
+         "peak extra MB: resident-set growth during one step from a state with no gradients "
+         "(malloc_trim first), sampled every ms"])
+
+
 FAMILIES = {"bench_clip_dense": clip_dense, "bench_clip_step": clip_step, "bench_mix": mix,
             "bench_poisson_batches": poisson_batches, "bench_ntk": ntk,
             "bench_release": release, "bench_train": train, "privacy": privacy,
              "bench_finetune": finetune, "bench_distributed_ntk": distributed_ntk,
-             "bench_distributed_release": distributed_release}
+             "bench_distributed_release": distributed_release, "bench_tied": tied}
 
 
 def write_tables(doc: dict, out: str | Path, quiet: bool = False) -> list[Path]:

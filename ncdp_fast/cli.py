@@ -1,5 +1,6 @@
 """The ``ncdp-fast`` command: ``info``, ``demo``, ``bench``, ``gpu-check``, ``data``,
-``reproduce``."""
+``reproduce``, ``release`` (one process or under ``torchrun -m ncdp_fast.cli release``),
+``audit`` (one-run empirical epsilon lower bounds)."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ def _cmd_demo(args) -> int:
 
 # bench/test_bench_<name>.py, pytest-benchmark tests (bench/README.md).
 BENCHES = ["clip", "mix", "ntk", "privacy", "train", "release", "finetune", "distributed_ntk",
-           "distributed_dpsgd", "distributed_release", "hf"]
+           "distributed_dpsgd", "distributed_release", "tied", "hf"]
 # Accounting only, gloo ranks on the CPU, or CPU targets: no GPU part.
 CPU_ONLY_BENCHES = {"privacy", "distributed_ntk", "distributed_dpsgd", "distributed_release",
                     "hf"}
@@ -108,6 +109,12 @@ def _add_release(sub) -> None:
     add_release_parser(sub)
 
 
+def _add_audit(sub) -> None:
+    """``ncdp-fast audit``: one-run epsilon lower bounds (ncdp_fast/audit/_cli.py)."""
+    from .audit._cli import add_audit_parser
+    add_audit_parser(sub)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ncdp-fast", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +158,7 @@ def main(argv=None) -> int:
     rep.add_argument("args", nargs=argparse.REMAINDER, help="options of the reproduction (--help)")
     rep.set_defaults(fn=_cmd_reproduce)
     _add_release(sub)
+    _add_audit(sub)
     args, extra = parser.parse_known_args(argv)
     if args.command == "data":
         # The fetcher parses its own options (argparse's REMAINDER cannot start

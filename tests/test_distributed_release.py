@@ -18,6 +18,7 @@ What is compared, and why it may differ:
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -330,3 +331,152 @@ def test_key_ledger_under_real_torchrun(tmp_path):
     assert reused.returncode != 0
     assert reused.stderr.count("--offset") >= 2, reused.stderr[-3000:]  # said by each rank
     assert not (tmp_path / "c" / "x.npy").exists()
+
+
+# ------------------------------------------------- the command's output, its failures
+
+def _release_argv(tmp: Path, out: Path, extra=(), **change):
+    """The command's arguments; ``change``: options replaced (``chunk_mb="0"``)."""
+    opts = dict(features=tmp / "X.npy", labels=tmp / "y.npy", num_classes=3, epsilon=2,
+                delta=1e-5, mixup_degree=5, accountant="clt", pld_interval=1e-2, timeout=30,
+                chunk_mb=0.001, out=out)
+    opts.update(change)
+    return ["release", *(a for k, v in opts.items() for a in ("--" + k.replace("_", "-"),
+                                                              str(v))), *extra]
+
+
+def _launch(tmp: Path, argv, *, kill_rank=None, ledger="ledger", world=2, timeout=180):
+    """The real launcher, ``torchrun --standalone --nproc-per-node world``, on the
+    command (``-m ncdp_fast.cli``) or, with ``kill_rank``, on tests/_release_victim.py
+    (the same command, that rank killed by SIGKILL while the release is written)."""
+    target = ["-m", "ncdp_fast.cli"] if kill_rank is None else \
+        [str(Path(__file__).with_name("_release_victim.py"))]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", NUMBA_NUM_THREADS="1",
+               OMP_NUM_THREADS="1", NCDP_FAST_LEDGER_DIR=str(tmp / ledger),
+               NCDP_TEST_KILL_RANK=str(-1 if kill_rank is None else kill_rank))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={world}", *target, *argv],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_killed_ranks_leave_no_partial_output_and_the_output_loads_under_real_torchrun(
+        tmp_path):
+    """Through torchrun itself, into one --out: (1) rank 1 killed while rank 0 writes:
+    rank 0 removes its .part files, its lock and the directory it made; (2) rank 0
+    killed while writing: its .part files and lock stay (nothing can run in a
+    SIGKILLed process); (3) the next run removes them, says so in one line, and
+    writes a directory that ncdp_fast.release.load verifies (HMAC included) and that
+    holds the one-process release (y and the report bit for bit, x within the
+    rounding bound of _within_rounding)."""
+    from ncdp_fast.release import _directory, load
+    X, y = _data(80, 6, 3)
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    out = tmp_path / "rel"
+    first = _launch(tmp_path, _release_argv(tmp_path, out), kill_rank=1)
+    assert first.returncode != 0, first.stderr[-3000:]
+    assert "rank 0 of 2: error:" in first.stderr or "stopped by SIGTERM" in first.stderr, \
+        first.stderr[-3000:]
+    assert not out.exists(), sorted(os.listdir(out))      # no .part, no lock, no directory
+    second = _launch(tmp_path, _release_argv(tmp_path, out), kill_rank=0)
+    assert second.returncode != 0
+    assert sorted(os.listdir(out)) == [_directory.LOCK, "x.npy.part", "y.npy.part"]
+    pid = json.loads((out / _directory.LOCK).read_text())["pid"]
+    key_file = tmp_path / "hmac.key"
+    key_file.write_bytes(b"0123456789abcdef-publisher")
+    third = _launch(tmp_path, _release_argv(tmp_path, out, ["--seed", "11", "--hmac-key-file",
+                                                      str(key_file), "--quiet"]),
+                    ledger="ledger3")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert third.stderr.count(f"ncdp-fast release: removed x.npy.part, y.npy.part left in "
+                              f"{out} by an interrupted run (pid {pid} on this host, no longer "
+                              "running)") == 1, third.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["manifest.json", "report.json", "x.npy", "y.npy"]
+    rel = load(out, key=key_file.read_bytes())
+    _stream._LEDGER.clear()
+    mech = NeuroMixGDP(seed=11, offset=0, epsilon=2, delta=1e-5, mixup_degree=5.0,
+                       accountant="clt")
+    mech.value_discretization_interval = 1e-2
+    one, groups = mech._release(X, y, num_classes=3, return_groups=True)
+    np.testing.assert_array_equal(rel.y, one.y)
+    assert rel.report == one.report
+    _within_rounding(rel.x, X, one, groups, 2)
+
+
+def test_existing_out_refused_on_every_rank_before_any_work_under_real_torchrun(tmp_path):
+    """An --out holding a release, without --overwrite: every rank stops with one line
+    naming it, before the key ledger, the sampling or any collective of the release
+    (no gloo 'Connection reset' on the other rank); the release there is untouched."""
+    X, y = _data(40, 4, 3)
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    out = tmp_path / "rel"
+    mech = NeuroMixGDP(epsilon=2, delta=1e-5, mixup_degree=4, accountant="clt")
+    mech.value_discretization_interval = 1e-2
+    from ncdp_fast.distributed import release_sharded
+    release_sharded(mech, X, y, num_classes=3).save(out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    run = _launch(tmp_path, _release_argv(tmp_path, out, ["--seed", "5"]))
+    assert run.returncode != 0
+    lines = [s for s in run.stderr.splitlines() if s.startswith("ncdp-fast release:")]
+    assert sorted(lines) == [f"ncdp-fast release: rank {r} of 2: error: 1 of 2 ranks failed "
+                             f"before starting: rank 0: FileExistsError: --out: {out} already "
+                             "holds a release (x.npy, y.npy, report.json, manifest.json); pass "
+                             "--overwrite to replace it, or choose another directory"
+                             for r in range(2)], run.stderr[-3000:]
+    assert "Connection reset" not in run.stderr
+    assert not (tmp_path / "ledger").exists()            # no draw of --seed reserved
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize("change,expected", [
+    (dict(timeout="0"), "--timeout: expected a finite number > 0, got 0.0"),
+    (dict(timeout="-5"), "--timeout: expected a finite number > 0, got -5.0"),
+    (dict(timeout="nan"), "--timeout: expected a real number, got nan"),
+    (dict(chunk_mb="0"), "--chunk-mb: expected a finite number > 0, got 0.0"),
+    (dict(features="{tmp}/X.npz"), "--features: expected a .npy file holding one array, got "
+     "an .npz archive (X) in {tmp}/X.npz; write that array alone with numpy.save"),
+    (dict(labels="{tmp}/X.npz"), "--labels: expected a .npy file holding one array, got "
+     "an .npz archive (X) in {tmp}/X.npz; write that array alone with numpy.save"),
+    (dict(features="{tmp}/none.npy"), "--features: {tmp}/none.npy: no such file"),
+    (dict(hmac_key_file="{tmp}/short.key"), "--hmac-key-file: expected a secret of at least "
+     "16 bytes, got 5 bytes in {tmp}/short.key"),
+], ids=["timeout0", "timeout-5", "timeout-nan", "chunk0", "features-npz", "labels-npz",
+        "no-features", "short-key"])
+def test_bad_command_inputs_one_line_exit_2(tmp_path, capsys, change, expected):
+    """One process: each refusal is one stderr line and exit status 2, and nothing is
+    written (no --out directory).  Under torchrun each rank runs the same checks, the
+    argument checks before the group starts and the file checks in the pre-flight
+    exchange (test above), so every rank stops."""
+    from ncdp_fast.cli import main
+    X, y = _data(30, 4, 3)
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    np.savez(tmp_path / "X.npz", X=X)
+    (tmp_path / "short.key").write_bytes(b"short")
+    rc = main(_release_argv(tmp_path, tmp_path / "out",
+                            **{k: v.format(tmp=tmp_path) for k, v in change.items()}))
+    err = capsys.readouterr().err
+    assert rc == 2 and err == f"ncdp-fast release: rank 0 of 1: error: " \
+        f"{expected.format(tmp=tmp_path)}\n", err
+    assert not (tmp_path / "out").exists()
+
+
+def test_sigterm_while_writing_removes_partial_output(tmp_path):
+    """One process that receives SIGTERM (torchrun's signal to the surviving ranks)
+    right after the first rows reached its .part files: it removes them, its lock and
+    the directory it made, says so in one line and exits 143."""
+    X, y = _data(40, 4, 3)
+    np.save(tmp_path / "X.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    out = tmp_path / "rel"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("_release_victim.py")),
+                          *_release_argv(tmp_path, out, ["--quiet"])],
+                         env=dict(env, NCDP_TEST_KILL_RANK="0", NCDP_TEST_SIGNAL="TERM",
+                                  NCDP_FAST_LEDGER_DIR=str(tmp_path / "ledger")),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 143, run.stderr[-3000:]
+    assert run.stderr == ("ncdp-fast release: rank 0 of 1: stopped by SIGTERM (torchrun stops "
+                          "the other ranks when one fails); partial output removed\n")
+    assert not out.exists()

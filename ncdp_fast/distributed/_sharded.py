@@ -1,13 +1,13 @@
 r"""The output of the sharded release: :class:`ShardedRelease`, one rank's rows of it,
 and the two ways to assemble the whole: :meth:`~ShardedRelease.gather` (a
 :class:`~ncdp_fast.release.Released` on one rank) and :meth:`~ShardedRelease.save`
-(``x.npy``, ``y.npy`` in row order and ``report.json``, written by rank 0 from rows
-streamed to it in bounded chunks; no shared filesystem needed)."""
+(the release directory -- ``x.npy``, ``y.npy`` in row order, ``report.json`` and a
+checksum manifest -- written by rank 0 from rows streamed to it in bounded chunks;
+no shared filesystem needed)."""
 from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,23 +135,34 @@ class ShardedRelease:
         self._stream_rows(dst, sink, max(1, (1 << 24) // max(1, 4 * (d + K))))
         return self._released(*full) if full is not None else None
 
-    def save(self, out_dir, *, overwrite: bool = False, chunk_bytes: int = 1 << 24) -> Path:
-        """Write ``out_dir/x.npy`` (T, d), ``out_dir/y.npy`` (T, K) in row order and
-        ``out_dir/report.json`` (the release's metadata and privacy report; no noise
-        key).  Rank 0 writes, from rows the others stream to it in chunks of about
-        ``chunk_bytes`` (memory bounded; no shared filesystem needed); collective.
-        Files are written under temporary names and renamed when complete."""
+    def save(self, out_dir, *, overwrite: bool = False, key: bytes | None = None,
+             chunk_bytes: int = 1 << 24) -> Path:
+        """Write the release directory ``out_dir``: ``x.npy`` (T, d), ``y.npy`` (T, K)
+        in row order, ``report.json`` (the release's metadata and privacy report; no
+        noise key) and ``manifest.json`` (each file's size and SHA-256, and with
+        ``key`` -- the publisher's secret, bytes, at least 16 -- an HMAC-SHA256);
+        ``ncdp_fast.release.load(out_dir, key=...)`` reads and verifies it.  Rank 0
+        writes, from rows the others stream to it in chunks of about ``chunk_bytes``
+        (memory bounded; no shared filesystem needed); collective.
+
+        Before any row moves, rank 0 checks ``out_dir`` (a release there without
+        ``overwrite``, another run writing it, a file of that name: an error on every
+        rank) and takes its lock; files are written as ``*.part`` and renamed when all
+        are complete, and any failure (here or on another rank) removes the ``.part``
+        files (layout and leftovers of a killed process: ``release/_directory.py``)."""
+        from ..release._directory import DirectoryWriter
+        from ..release.released import _check_key
         rank, _ = rank_world(self.group)
-        out = Path(out_dir)
-        T, d, K = self.num_samples, self.x.shape[1], self.y.shape[1]
-        names = [out / "x.npy", out / "y.npy", out / "report.json"]
-        problem = None
+        writer, problem = None, None
         if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            clash = [str(p) for p in names if p.exists()]
-            if clash and not overwrite:
-                problem = (f"out_dir: {', '.join(clash)} exist; pass overwrite=True "
-                           "(ncdp-fast release: --overwrite) to replace them")
+            try:
+                if key is not None:
+                    _check_key(key)
+                writer = DirectoryWriter(out_dir, overwrite=overwrite).open()
+            except (OSError, TypeError, ValueError) as e:
+                if self.group is None:
+                    raise
+                problem = (type(e).__name__, str(e))
         if self.group is not None:          # every rank raises, none waits for rank 0
             box = [problem]
             _, dist = _p2p(self.group)
@@ -159,24 +170,40 @@ class ShardedRelease:
                                        group=self.group)
             problem = box[0]
         if problem:
-            raise FileExistsError(problem)
-        maps = None
-        if rank == 0:
-            maps = tuple(np.lib.format.open_memmap(str(p) + ".part", mode="w+",
-                                                   dtype=self.x.dtype, shape=s)
-                         for p, s in zip(names[:2], [(T, d), (T, K)]))
+            cls = {c.__name__: c for c in (FileExistsError, NotADirectoryError, TypeError,
+                                           ValueError)}.get(problem[0], OSError)
+            raise cls(problem[1] if rank == 0 else f"rank 0: {problem[1]}")
+        return self.write(out_dir, writer, key=key, chunk_bytes=chunk_bytes)
 
-        def sink(t0, bx, by):
-            maps[0][t0:t0 + len(bx)] = bx
-            maps[1][t0:t0 + len(by)] = by
-        self._stream_rows(0, sink, max(1, int(chunk_bytes) // (self.x.dtype.itemsize * (d + K))))
-        if rank != 0:
-            return out
-        for mm in maps:
-            mm.flush()
-        del maps
-        meta = self._released(None, None).metadata()
-        (out / "report.json.part").write_text(json.dumps(meta, indent=1, sort_keys=True))
-        for p in names:
-            os.replace(str(p) + ".part", p)
-        return out
+    def write(self, out_dir, writer, *, key: bytes | None = None,
+              chunk_bytes: int = 1 << 24) -> Path:
+        """:meth:`save` after its checks: ``writer`` is rank 0's opened
+        ``DirectoryWriter`` for ``out_dir`` (None on the other ranks).  On any
+        exception rank 0 aborts the writer (its ``.part`` files and lock go)."""
+        rank, _ = rank_world(self.group)
+        if rank == 0 and getattr(writer, "out", None) != Path(out_dir):
+            raise TypeError(f"writer: expected on rank 0 the opened DirectoryWriter of "
+                            f"{out_dir} (see save()), got {type(writer).__name__}")
+        T, d, K = self.num_samples, self.x.shape[1], self.y.shape[1]
+        try:
+            maps = None
+            if rank == 0:
+                maps = (writer.array("x.npy", self.x.dtype, (T, d)),
+                        writer.array("y.npy", self.y.dtype, (T, K)))
+
+            def sink(t0, bx, by):
+                maps[0][t0:t0 + len(bx)] = bx
+                maps[1][t0:t0 + len(by)] = by
+            self._stream_rows(0, sink,
+                              max(1, int(chunk_bytes) // (self.x.dtype.itemsize * (d + K))))
+            if rank != 0:
+                return Path(out_dir)
+            meta_s = json.dumps(self._released(None, None).metadata(), indent=1,
+                                sort_keys=True)
+            writer.text("report.json", meta_s)
+            del maps
+            return writer.commit(meta_s, key)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise

@@ -10,7 +10,9 @@ inference).  See ``docs/release.md``.
   how it is accounted for.
 * :mod:`.report` -- :class:`PrivacyReport`, what one release guarantees.
 * :mod:`.released` -- :class:`Released`, the publishable output, and its ``.npz``
-  file (checksum, HMAC, refusal of files whose claim does not recompute).
+  file (checksum, HMAC, refusal of files whose claim does not recompute);
+  :func:`load` reads that file or the directory ``ncdp-fast release`` writes
+  (:mod:`._directory`: per-file SHA-256 manifest, the same optional HMAC).
 * :mod:`.classifier` -- :class:`SoftLabelClassifier`, trained on the release only.
 * :mod:`.audit` -- :func:`membership_auc`, the loss-based membership-inference audit.
 * Hierarchical-sampling accounting: :mod:`ncdp_fast.privacy.hierarchical`
@@ -24,9 +26,9 @@ from ..privacy.hierarchical import hs_epsilon, hs_noise_multiplier
 from .audit import membership_auc, membership_losses
 from .classifier import SoftLabelClassifier
 from .mechanism import NeuroMixGDP
-from .released import FORMAT_VERSION, Released, ReleaseFileError
+from .released import FORMAT_VERSION, Released, ReleaseFileError, load
 from .report import PrivacyReport
 
 __all__ = ["NeuroMixGDP", "Released", "PrivacyReport", "SoftLabelClassifier",
            "membership_auc", "membership_losses", "hs_epsilon", "hs_noise_multiplier",
-           "FORMAT_VERSION", "ReleaseFileError"]
+           "FORMAT_VERSION", "ReleaseFileError", "load"]

@@ -1,55 +1,5 @@
-r"""Loss-based membership-inference audit of a classifier (paper Section 5):
-:func:`membership_auc`, :func:`membership_losses`."""
-from __future__ import annotations
-
-import numpy as np
-
-from .._arrays import to_numpy
+"""The membership-inference attack moved to :mod:`ncdp_fast.audit.membership`
+(issue 28: one implementation for every audit); this import path keeps working."""
+from ..audit.membership import membership_auc, membership_losses
 
 __all__ = ["membership_auc", "membership_losses"]
-
-
-def membership_losses(model, features, labels) -> np.ndarray:
-    """Per-example cross-entropy -log p_model(y | x) (n,), float64; probabilities are
-    floored at 1e-300 so a confident mistake gives a large finite loss."""
-    y = to_numpy(labels)
-    if y.ndim != 1 or y.dtype.kind not in "iu":
-        raise ValueError(f"labels: expected integer class ids of shape (n,), got dtype "
-                         f"{y.dtype} shape {y.shape}")
-    P = np.asarray(model.predict_proba(features), dtype=np.float64)
-    if P.shape[0] != y.shape[0]:
-        raise ValueError(f"labels: length {y.shape[0]} differs from features' {P.shape[0]} rows")
-    if y.size and (y.min() < 0 or y.max() >= P.shape[1]):
-        raise ValueError(f"labels: expected integers in [0, {P.shape[1]}), got min {y.min()} "
-                         f"and max {y.max()}")
-    return -np.log(np.maximum(P[np.arange(y.shape[0]), y], 1e-300))
-
-
-def membership_auc(model, members, nonmembers) -> float:
-    r"""Loss-based membership-inference AUC (Yeom et al. 2018; paper Section 5).
-
-    The attack scores each example by its loss under ``model`` (any object with
-    ``predict_proba``); a lower loss says "member".  The AUC is the probability that
-    a random member has a lower loss than a random non-member, ties counting 1/2 --
-    computed from average ranks (Mann-Whitney U): with :math:`R` the rank sum of the
-    members' losses in the pooled sample (ascending, ties averaged),
-    :math:`\mathrm{AUC} = 1 - (R - n_1(n_1+1)/2)/(n_1 n_0)`.  0.5 is no leakage.
-
-    Args:
-        model: fitted classifier with ``predict_proba(X) -> (n, K)``.
-        members, nonmembers: ``(features, labels)`` pairs (labels integer (n,)).
-    """
-    from scipy.stats import rankdata
-    for name, pair in (("members", members), ("nonmembers", nonmembers)):
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-            raise TypeError(f"{name}: expected a (features, labels) pair")
-    lm = membership_losses(model, *members)
-    ln = membership_losses(model, *nonmembers)
-    if lm.size == 0 or ln.size == 0:
-        raise ValueError(f"members, nonmembers: need at least one of each, got {lm.size} and "
-                         f"{ln.size}")
-    ranks = rankdata(np.concatenate([lm, ln]))        # ascending loss, ties averaged
-    n1, n0 = lm.size, ln.size
-    u_lower = ranks[:n1].sum() - n1 * (n1 + 1) / 2.0  # pairs with member loss > non-member
-    return float(1.0 - u_lower / (n1 * n0))
-

@@ -1,6 +1,7 @@
 r"""The published output of a NeuroMixGDP release and its file: :class:`Released`,
 ``save`` / ``load`` of the ``.npz`` layout (SHA-256 corruption check, optional
-HMAC-SHA256 authenticity), and :class:`ReleaseFileError` for every file that cannot
+HMAC-SHA256 authenticity), ``load`` of the directory that ``ncdp-fast release``
+writes (its layout: :mod:`._directory`; the same HMAC), and :class:`ReleaseFileError` for every file that cannot
 be trusted.  No noise key is ever written or pickled (docs/privacy.md)."""
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import numpy as np
 from .._arrays import to_numpy
 from .report import PrivacyReport, privacy_report
 
-__all__ = ["Released", "ReleaseFileError", "FORMAT_VERSION"]
+__all__ = ["Released", "ReleaseFileError", "FORMAT_VERSION", "load"]
 
 #: Version of the ``.npz`` layout written by :meth:`Released.save`.
 FORMAT_VERSION = 1
@@ -160,44 +161,68 @@ class Released:
 
     @classmethod
     def load(cls, path, *, key: bytes | None = None) -> "Released":
-        """Read a file written by :meth:`save`; NumPy arrays.
+        """Read a release written by :meth:`save` (an ``.npz``) or by ``ncdp-fast
+        release --out DIR`` / :meth:`ShardedRelease.save` (a directory: x.npy, y.npy,
+        report.json, manifest.json); NumPy arrays.
 
         Every problem is a :class:`ReleaseFileError` (a ValueError) naming it: a
         truncated or corrupt file, missing or extra entries or metadata fields, an
-        unknown format version, a checksum mismatch, arrays whose shapes disagree
-        with the metadata, a stated epsilon that the stored noise and sampling
-        parameters do not give (the report is recomputed), and -- with ``key`` --
-        a missing or wrong HMAC.
+        unknown format version, a checksum mismatch (in a directory: the file at
+        fault, from the manifest's per-file SHA-256), a directory without its
+        manifest (an interrupted write), arrays whose shapes disagree with the
+        metadata, a stated epsilon that the stored noise and sampling parameters do
+        not give (the report is recomputed), and -- with ``key`` (the publisher's
+        secret, bytes) -- a missing or wrong HMAC.
         """
         path = Path(path)
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                files = set(z.files)
-                missing = {"x", "y", "metadata", "sha256"} - files
-                extra = files - {"x", "y", "metadata", "sha256", "hmac"}
-                if missing or extra:
-                    raise ReleaseFileError(f"{path}: not a NeuroMixGDP release (missing "
-                                           f"{sorted(missing)}, unexpected {sorted(extra)})")
-                x, y = z["x"], z["y"]
-                meta_s = z["metadata"].tobytes().decode()
-                digest = z["sha256"].tobytes().decode()
-                mac = z["hmac"].tobytes().decode() if "hmac" in files else None
-        except (zipfile.BadZipFile, EOFError, OSError, KeyError, ValueError) as exc:
-            if isinstance(exc, (FileNotFoundError, ReleaseFileError)):
-                raise
-            raise ReleaseFileError(f"{path}: truncated or corrupt release file ({exc})") from exc
-        if _digest(meta_s, x, y) != digest:
-            raise ReleaseFileError(f"{path}: SHA-256 mismatch: the arrays or the metadata "
-                                   "were altered or corrupted")
+        if path.is_dir():
+            from ._directory import read_directory
+            x, y, meta_s, mac = read_directory(path)
+        else:
+            x, y, meta_s, mac = _read_npz(path)
         if key is not None:
             if mac is None:
-                raise ReleaseFileError(f"{path}: no HMAC in the file, but a key was given: "
+                raise ReleaseFileError(f"{path}: no HMAC in the release, but a key was given: "
                                        "it was not signed (or the signature was removed)")
             if not hmac.compare_digest(mac, _mac(_check_key(key), meta_s, x, y)):
                 raise ReleaseFileError(f"{path}: HMAC mismatch: not signed with this key, or "
                                        "altered after signing")
-        rel = _from_metadata(path, meta_s, x, y)
-        return rel
+        return _from_metadata(path, meta_s, x, y)
+
+
+def load(path, *, key: bytes | None = None) -> Released:
+    """:meth:`Released.load`: a release ``.npz`` or ``ncdp-fast release`` directory."""
+    return Released.load(path, key=key)
+
+
+def _read_npz(path: Path):
+    """``(x, y, metadata text, hmac or None)`` of an ``.npz`` release, its SHA-256
+    over the metadata and both arrays verified."""
+    try:
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):     # a lone .npy gives an array
+            raise ReleaseFileError(f"{path}: a single array, not a release (an .npz written "
+                                   "by Released.save, or a directory written by ncdp-fast "
+                                   "release)")
+        with z:
+            files = set(z.files)
+            missing = {"x", "y", "metadata", "sha256"} - files
+            extra = files - {"x", "y", "metadata", "sha256", "hmac"}
+            if missing or extra:
+                raise ReleaseFileError(f"{path}: not a NeuroMixGDP release (missing "
+                                       f"{sorted(missing)}, unexpected {sorted(extra)})")
+            x, y = z["x"], z["y"]
+            meta_s = z["metadata"].tobytes().decode()
+            digest = z["sha256"].tobytes().decode()
+            mac = z["hmac"].tobytes().decode() if "hmac" in files else None
+    except (zipfile.BadZipFile, EOFError, OSError, KeyError, ValueError) as exc:
+        if isinstance(exc, (FileNotFoundError, ReleaseFileError)):
+            raise
+        raise ReleaseFileError(f"{path}: truncated or corrupt release file ({exc})") from exc
+    if _digest(meta_s, x, y) != digest:
+        raise ReleaseFileError(f"{path}: SHA-256 mismatch: the arrays or the metadata "
+                               "were altered or corrupted")
+    return x, y, meta_s, mac
 
 
 class ReleaseFileError(ValueError):

@@ -14,9 +14,9 @@
   batches of bounded size, one private step per logical batch (Opacus's).
 * :func:`fix_batchnorm` replaces batch norms (which mix samples) by group norms;
   :class:`ModuleValidator` is Opacus's face over it (``fix``, ``validate``).
-* :class:`TokenCrossEntropyLoss` / :func:`per_sample_token_loss`: token
-  cross-entropy whose terms are per sample (each sample's mean over its own
-  valid tokens), as the loss contract requires.
+* :class:`TokenCrossEntropyLoss` / :func:`per_sample_token_loss` /
+  :func:`causal_lm_loss`: token cross-entropy whose terms are per sample (each
+  sample's mean over its own valid tokens), as the loss contract requires.
 
 All follow Opacus's conventions for ``loss_reduction`` ("mean": the loss is the
 batch mean, gradients are divided by the *expected* batch size) and keep the
@@ -49,7 +49,7 @@ from .clipper import GhostClipper
 from .data import PoissonBatchSampler, collate_with_empty
 from .engine import DPOptimizer, PrivacyEngine, PrivateModule
 from .fix import fix_batchnorm
-from .losses import TokenCrossEntropyLoss, per_sample_token_loss
+from .losses import TokenCrossEntropyLoss, causal_lm_loss, per_sample_token_loss
 from .memory import BatchMemoryManager
 from .layers import Call, factored_or_instantiated, register_layer
 from .optimizer import FusedDPOptimizer
@@ -60,4 +60,4 @@ __all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule", "BatchMemoryManager"
            "GhostClipper", "FusedDPOptimizer",
            "register_layer", "Call", "factored_or_instantiated", "fix_batchnorm",
            "PoissonBatchSampler", "DistributedPoissonBatchSampler", "collate_with_empty",
-           "TokenCrossEntropyLoss", "per_sample_token_loss", "ModuleValidator"]
+           "TokenCrossEntropyLoss", "per_sample_token_loss", "causal_lm_loss", "ModuleValidator"]

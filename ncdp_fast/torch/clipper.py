@@ -17,6 +17,7 @@ from torch import nn
 
 from .._clip import GhostBlock, LayersClipResult, clip_and_noise_layers
 from .._validate import check_bool, check_choice, check_int, check_nonneg, check_positive
+from . import tied
 from .adaptive import AdaptiveClip
 from .attention import attention_forward, check_attention
 from .coupling import batch_dim_hooks, refuse_batch_mixing
@@ -144,11 +145,11 @@ class GhostClipper(ClippedGaussianStep):
     Tied weights: a ``weight`` shared by several supported layers (an
     embedding tied to the output ``nn.Linear`` of a language model) is one
     parameter: each sample's gradient of it is the sum over its uses, so its
-    norm includes the cross terms between them.  Each use's per-sample
-    gradient is instantiated, (B, *weight.shape) per layer (an embedding's
-    B*V*D: its ghost form cannot give the cross terms), summed into one block
-    of B*prod(shape) values; it is listed, bounded, noised and written once,
-    under the name of its first layer.
+    norm includes the cross terms between them.  Linear and embedding uses
+    give it in ghost form (:mod:`.tied`: Gram and cross terms, no per-sample
+    V*D tensor) when that costs fewer multiply-adds, else each use's per-sample
+    gradient is formed, (B, *weight.shape), and summed; it is listed, bounded,
+    noised and written once, under the name of its first layer.
 
     Precision: a float32/float64 parameter's private gradient is computed in
     its dtype; a float16/bfloat16 one's from its layer's tensors upcast to
@@ -229,7 +230,7 @@ class GhostClipper(ClippedGaussianStep):
         self.taps = self._find_layers(model)
         self._set_layouts(model)
         self.param_names = [t.full(n) for t in self.taps for n in t.owned]
-        # Parameters used by several layers: each use's blocks instantiated.
+        # Parameters used by several layers: their uses combined at the step (tied.py).
         self._tied = {id(t.params[n]) for t in self.taps for n in t.alias}
         self.layer_norms = self._layer_bounds(max_grad_norm, clipping)
         total = max_grad_norm if clipping != "per_layer" else math.sqrt(
@@ -467,7 +468,9 @@ class GhostClipper(ClippedGaussianStep):
         """State the number of samples of the current step (until the next
         :meth:`privatize_` or :meth:`clear`), for a model whose first input
         tensor does not carry the batch; every layer's rows are checked
-        against it instead of the input's."""
+        against it instead of the input's.  ``n = 0`` with no forward: the
+        step of an empty Poisson batch that the model cannot run (transformers'
+        models reshape zero rows with -1) is pure noise, as with a forward."""
         self._batch.declared = check_int(n, "n", 0)
 
     def _pre_hook(self, tap: _Tap):
@@ -608,37 +611,25 @@ class GhostClipper(ClippedGaussianStep):
                                f"({tap.name!r}) returned blocks for {covered}, expected each "
                                f"of {sorted(trainable)} once")
         tap.blocks = self._instantiate_tied(
-            tap, [(names, self._cast(tap, names, block)) for names, block in got], batch)
+            tap, calls, [(names, self._cast(tap, names, block)) for names, block in got], batch)
         tap.batch = batch
         for rec in tap.records:
             rec.inputs = rec.grad = None
 
-    def _instantiate_tied(self, tap: _Tap, blocks: list, batch: int) -> list:
-        """A shared weight's block as its dense per-sample gradient (B, *shape):
-        the uses' blocks are summed sample by sample before any norm (a ghost
-        norm per use would leave out the cross terms between uses)."""
+    def _instantiate_tied(self, tap: _Tap, calls, blocks: list, batch: int) -> list:
+        """A shared weight's block as this layer's use of it (:mod:`.tied`),
+        kept to the step, where the uses are combined sample by sample before
+        any norm (a norm per use would leave out the cross terms)."""
         out = []
         for names, block in blocks:
             p = tap.params[names[0]]
             if id(p) not in self._tied:
                 out.append((names, block))
-            elif isinstance(block, tuple):
-                a, g, bias = block
-                out.append(((names[0],), torch.bmm(g.transpose(1, 2), a).reshape(batch, *p.shape)))
-                if bias:
-                    out.append(((names[1],), g.sum(1)))
-            elif isinstance(block, torch.Tensor):
-                out.append((names, block.reshape(batch, *p.shape)))
-            else:
-                # A ghost block only gives sums over samples: sample i's rows
-                # are its clipped sum with factor 1 for i and 0 for the rest,
-                # exact (each row is multiplied by 1.0 or dropped). B calls.
-                one = torch.eye(batch, dtype=torch.float64, device=block.sq_norms.device)
-                rows = [torch.as_tensor(block.clipped_sum(one[i])).reshape(p.shape)
-                        for i in range(batch)]
-                dtype = accumulation_dtype(p.dtype)
-                out.append((names, torch.stack(rows).to(dtype) if rows else
-                            p.new_zeros((0, *p.shape), dtype=dtype)))
+                continue
+            out.append(((names[0],), tied.as_use(tap.module, calls, block, tuple(p.shape), batch,
+                                                 accumulation_dtype(p.dtype))))
+            if isinstance(block, tuple) and block[2]:
+                out.append(((names[1],), block[1].sum(1)))
         return out
 
     def _forward_hook(self, tap: _Tap):
@@ -725,8 +716,14 @@ class GhostClipper(ClippedGaussianStep):
                     "to discard a forward)")
             if tap.batch is not None:
                 batch = tap.batch        # each layer's was checked against the step's
+        if batch is None and self._batch.declared == 0:
+            # An empty Poisson batch of a model that cannot run on zero rows
+            # (transformers' attention reshapes): the step is pure noise.
+            return 0
         if batch is None:
-            raise RuntimeError("GhostClipper: no forward/backward was recorded since the last step")
+            raise RuntimeError("GhostClipper: no forward/backward was recorded since the last "
+                               "step (for an empty batch whose forward the model cannot run, "
+                               "call declare_batch_size(0) before the step: pure noise)")
         return batch
 
     def _entries(self, batch: int):
@@ -740,11 +737,7 @@ class GhostClipper(ClippedGaussianStep):
                     uses.setdefault(id(tap.params[names[0]]), []).append(block)
 
         def summed(p):
-            blocks = uses[id(p)]
-            total = blocks[0]
-            for b in blocks[1:]:
-                total = total + b        # no stacked copy of all uses
-            return total
+            return tied.combine(uses[id(p)], tuple(p.shape), accumulation_dtype(p.dtype), batch)
         entries = []
         for tap in self.taps:
             if tap.blocks is None:

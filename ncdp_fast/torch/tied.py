@@ -1,0 +1,217 @@
+"""Tied weights: one Parameter used by several layers (a language model's
+``nn.Embedding`` tied to its output ``nn.Linear``) is one parameter of the
+private gradient, sample i's gradient the sum over the uses.
+
+Each layer's use of the weight, W of shape (V, D), is kept from its backward to
+the step in the form its rule gave:
+
+* :class:`PairUse` ``(a, g)``: a linear map's ``sum_t g_t a_t^T`` over its
+  positions, ``a`` (B, T, D), ``g`` (B, T, V);
+* :class:`IndexUse` ``(idx, h)``: an embedding's rows, ``h_s`` added at row
+  ``idx_s``, ``idx`` (B, T') int64, ``h`` (B, T', D) (padding rows zeroed);
+* a dense (B, V, D) per-sample gradient (any other rule's block).
+
+:func:`combine` turns a weight's uses into one block.  With pairs and index
+uses only it may give the ghost form: all pairs concatenated along positions
+(A (T, D), G (T, V)) and all index uses ((idx, H), S their scatter),
+
+    ||G^T A + S||^2 = ||G^T A||^2 + ||S||^2 + 2 sum_{t,s} G[t, idx_s] (A_t . H_s),
+
+with ``||G^T A||^2 = sum_{t,s} (A_t . A_s)(G_t . G_s)`` and ``||S||^2`` from the
+rows each sample touched: O(T^2 (V + D) + T T' D) per sample, nothing of size
+V*D per sample.  The clipped sum needs only the per-sample factors: one GEMM
+and one ``index_add``.  The dense form instead forms each sample's V*D
+gradient; :func:`combine` takes the cheaper by the same flop count as the
+linear rule's mixed choice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .._clip import GhostBlock
+from .layers import _cat, _flat_positions, _lead, embedding_rule, linear_rule, rule_for
+
+__all__ = ["PairUse", "IndexUse", "as_use", "combine", "ghost_cheaper"]
+
+# Bytes of float64 copies one chunk of samples may hold while the norms are formed.
+_CHUNK_BYTES = 1 << 28
+
+
+@dataclass
+class PairUse:
+    """``sum_t g[i, t] a[i, t]^T`` per sample: a (B, T, D), g (B, T, V)."""
+    a: torch.Tensor
+    g: torch.Tensor
+
+
+@dataclass
+class IndexUse:
+    """Row ``idx[i, s]`` of sample i's gradient gets ``h[i, s]``: idx (B, T'),
+    h (B, T', D)."""
+    idx: torch.Tensor
+    h: torch.Tensor
+
+
+def as_use(module: nn.Module, calls, block, shape: tuple, batch: int, dtype: torch.dtype):
+    """One layer's use of a tied weight of ``shape`` (V, D) from its rule's
+    ``block`` (already in ``dtype``): a pair stays a pair, an ``nn.Embedding``
+    with the built-in rule becomes its rows (from ``calls``, as the rule reads
+    them), any other block its dense (B, V, D) per-sample gradient."""
+    if isinstance(block, tuple):
+        a, g, _ = block
+        return PairUse(a, g)
+    if isinstance(module, nn.Linear) and rule_for(module)[0] is linear_rule:
+        # The rule formed the per-sample gradient (2 T^2 > V D); the tie is
+        # priced over all its uses, so keep the pair (the dense form rebuilds it).
+        return PairUse(_cat([_flat_positions(c.inputs[0], shape[1]) for c in calls]).to(dtype),
+                       _cat([_flat_positions(c.grad, shape[0]) for c in calls]).to(dtype))
+    if isinstance(block, torch.Tensor):
+        return block.reshape(batch, *shape)
+    if isinstance(module, nn.Embedding) and rule_for(module)[0] is embedding_rule:
+        # Indices broadcast over the batch (position ids (1, T)): every sample
+        # read the same rows.
+        idx = _cat([_batch_rows(_lead(c.inputs[0], 1), c.grad.shape[0]) for c in calls])
+        h = _cat([_flat_positions(c.grad, shape[1]) for c in calls]).to(dtype)
+        if idx.shape[:2] != h.shape[:2]:
+            raise ValueError(
+                f"GhostClipper: tied nn.Embedding got indices of shape {tuple(idx.shape)} for "
+                f"output gradients of {tuple(h.shape)}; expected one index per output row "
+                "(batch first, or broadcast over the batch from a leading 1)")
+        if module.padding_idx is not None:       # the padding row never gets a gradient
+            h = h.masked_fill((idx == module.padding_idx).unsqueeze(-1), 0)
+        return IndexUse(idx, h)
+    # Another rule's ghost block only gives sums over samples: sample i's rows
+    # are its clipped sum with factor 1 for i and 0 for the rest, exact (each
+    # row is multiplied by 1.0 or dropped).  B calls.
+    one = torch.eye(batch, dtype=torch.float64, device=block.sq_norms.device)
+    rows = [torch.as_tensor(block.clipped_sum(one[i])).reshape(shape) for i in range(batch)]
+    return torch.stack(rows).to(dtype) if rows else torch.zeros((0, *shape), dtype=dtype)
+
+
+def _batch_rows(idx: torch.Tensor, batch: int) -> torch.Tensor:
+    return idx.expand(batch, -1) if idx.shape[0] == 1 else idx
+
+
+def _split(uses):
+    pairs = [u for u in uses if isinstance(u, PairUse)]
+    index = [u for u in uses if isinstance(u, IndexUse)]
+    dense = [u for u in uses if isinstance(u, torch.Tensor)]
+    return pairs, index, dense
+
+
+def ghost_cheaper(uses, shape: tuple) -> bool:
+    """Whether the ghost form costs fewer multiply-adds per sample than the
+    dense one: T_L^2 (V + D) + T_L T_E D + T_E D (Gram matrices, cross terms,
+    rows) against T_L V D + V D + T_E D (forming each sample's gradient, its
+    rows added, and reading it),
+    T_L the pairs' positions and T_E the rows'.  A dense use forces the dense
+    form (its cross terms with the others cost as much as forming them)."""
+    pairs, index, dense = _split(uses)
+    if dense:
+        return False
+    V, D = shape
+    tl = sum(u.a.shape[1] for u in pairs)
+    te = sum(u.idx.shape[1] for u in index)
+    return tl * tl * (V + D) + tl * te * D + te * D <= tl * V * D + V * D + te * D
+
+
+def combine(uses, shape: tuple, dtype: torch.dtype, batch: int):
+    """The block of a tied weight of ``shape`` from its ``uses``: a
+    :class:`GhostBlock` (ghost form) when :func:`ghost_cheaper`, else the
+    dense (B, *shape) sum of the uses' per-sample gradients."""
+    if len(shape) == 2 and ghost_cheaper(uses, shape):
+        return _ghost(uses, shape, dtype, batch)
+    total = None
+    for u in uses:
+        dense = _dense(u, shape, batch)
+        total = dense if total is None else total + dense      # no stacked copy of all uses
+    return total
+
+
+def _dense(use, shape, batch):
+    if isinstance(use, PairUse):
+        return torch.bmm(use.g.transpose(1, 2), use.a)
+    if isinstance(use, IndexUse):
+        V, D = shape
+        sample = torch.arange(batch, device=use.idx.device).unsqueeze(1)
+        out = use.h.new_zeros((batch * V, D))
+        out.index_add_(0, (sample * V + use.idx).reshape(-1), use.h.reshape(-1, D))
+        return out.reshape(batch, V, D)
+    return use
+
+
+def _ghost(uses, shape, dtype, batch) -> GhostBlock:
+    pairs, index, dense = _split(uses)
+    if dense:
+        raise RuntimeError("tied: a dense use of a tied weight has no ghost form; "
+                           "expected pairs and embedding rows only")
+    V, D = shape
+    a = _cat([u.a for u in pairs]) if pairs else None          # (B, T_L, D)
+    g = _cat([u.g for u in pairs]) if pairs else None          # (B, T_L, V)
+    idx = _cat([u.idx for u in index]) if index else None      # (B, T_E)
+    h = _cat([u.h for u in index]) if index else None          # (B, T_E, D)
+    tl = 0 if a is None else a.shape[1]
+    te = 0 if idx is None else idx.shape[1]
+    device = (a if a is not None else h).device
+    sq = torch.zeros(batch, dtype=torch.float64, device=device)
+    # Rounding scale of the clip rule (reference.clip_bound): E bounds the
+    # square root of the sum of |terms| of the squared norm (cross terms
+    # included: |G[t, idx_s] (A_t . H_s)| <= |G_t| |A_t| |H_s|), and the
+    # clipped sum adds T_L + T_E terms per sample (plus the two parts' sum).
+    spread = torch.zeros(batch, dtype=torch.float64, device=device)
+    # float64 copies of one chunk of samples at a time: the norms accumulate in
+    # float64 as every layer's, without a float64 copy of the whole batch.
+    per_sample = 8 * (tl * (V + D) + te * D + (tl + te) * (tl + te))
+    chunk = max(1, _CHUNK_BYTES // max(per_sample, 1))
+    for lo in range(0, batch, chunk):
+        hi = min(batch, lo + chunk)
+        if a is not None:
+            A, G = a[lo:hi].double(), g[lo:hi].double()
+            sq[lo:hi] += (A @ A.transpose(1, 2)).mul_(G @ G.transpose(1, 2)).sum((1, 2))
+            spread[lo:hi] += (torch.linalg.vector_norm(A, dim=2)
+                              * torch.linalg.vector_norm(G, dim=2)).sum(1)
+        if idx is not None:
+            H = h[lo:hi].double()
+            sq[lo:hi] += _rows_sq(idx[lo:hi], H, V)
+            spread[lo:hi] += torch.linalg.vector_norm(H, dim=2).sum(1)
+            if a is not None:
+                # G[t, idx_s]: the head's output gradient at the rows the sample read.
+                at = G.gather(2, idx[lo:hi].unsqueeze(1).expand(-1, tl, -1))   # (b, T_L, T_E)
+                sq[lo:hi] += 2 * (A @ H.transpose(1, 2)).mul_(at).sum((1, 2))
+
+    def clipped_sum(factors):
+        keep = (factors != 0).view(-1, 1, 1)
+        dropped = not bool(keep.all())      # a dropped sample's data may be NaN
+        out = torch.zeros(shape, dtype=dtype, device=device)
+        if a is not None:
+            gs = g * factors.to(dtype).view(-1, 1, 1)
+            aa = a
+            if dropped:
+                gs, aa = gs.masked_fill(~keep, 0), a.masked_fill(~keep, 0)
+            out.addmm_(gs.reshape(-1, V).transpose(0, 1), aa.reshape(-1, D))
+        if idx is not None:
+            hs = (h.double() * factors.view(-1, 1, 1)).to(dtype)
+            if dropped:
+                hs = hs.masked_fill(~keep, 0)
+            out.index_add_(0, idx.reshape(-1), hs.reshape(-1, D))
+        return out
+
+    terms = V + D + (tl + te) ** 2 + te * D + 2 * (tl + te) + 4
+    return GhostBlock(sq, clipped_sum, tuple(shape), terms, dtype=dtype, spread=spread,
+                      seq_len=tl + te + 1)
+
+
+def _rows_sq(idx: torch.Tensor, h: torch.Tensor, V: int) -> torch.Tensor:
+    """||S_i||^2 per sample, S_i the scatter of h[i] (float64) at idx[i]: one
+    scatter into each sample's distinct rows (as the embedding rule)."""
+    b, t = idx.shape
+    sample = torch.arange(b, device=idx.device).unsqueeze(1).expand(b, t)
+    keys, inverse = torch.unique(sample * V + idx, return_inverse=True)
+    rows = torch.zeros((keys.numel(), h.shape[2]), dtype=torch.float64, device=h.device)
+    rows.index_add_(0, inverse.reshape(-1), h.reshape(-1, h.shape[2]))
+    sq = torch.zeros(b, dtype=torch.float64, device=h.device)
+    sq.index_add_(0, torch.div(keys, V, rounding_mode="floor"), rows.square().sum(1))
+    return sq
