@@ -86,6 +86,8 @@ reproduce: $(BUILT)
 	$(BIN)/ncdp-fast reproduce theory
 	$(BIN)/ncdp-fast reproduce neuromix-mnist
 	$(BIN)/ncdp-fast reproduce nc-real
+	$(BIN)/ncdp-fast reproduce dp-finetune
+	$(BIN)/ncdp-fast reproduce dp-lm
 
 clean:
 	rm -rf build $(VENV) ncdp_fast/_C*.so

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["kind", "is_torch", "is_cuda_array", "shape", "describe", "io_for", "to_numpy", "to_host", "all_finite",
+__all__ = ["kind", "is_torch", "require_torch", "is_cuda_array", "shape", "describe", "io_for", "to_numpy", "to_host", "all_finite",
            "numpy_dtype", "data_ptr", "current_stream", "float64_norms", "NumpyIO", "TorchCpuIO",
            "TorchCudaIO", "CupyIO"]
 
@@ -37,6 +37,16 @@ def kind(x: Any) -> str:
 
 def is_torch(x: Any) -> bool:
     return kind(x) == "torch"
+
+
+def require_torch(what: str):
+    """The torch module, imported on first use by ``what`` (a function of this
+    package that needs it), or an ImportError saying how to install it."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError(f"{what} needs PyTorch: pip install 'ncdp_fast[torch]'") from exc
+    return torch
 
 
 def is_cuda_array(x: Any) -> bool:

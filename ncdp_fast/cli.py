@@ -146,8 +146,9 @@ def main(argv=None) -> int:
                    help="on a machine with an NVIDIA GPU: rebuild the extension for it, run the "
                    "GPU tests and the GPU benchmarks (what `make gpu-check` runs)"
                    ).set_defaults(fn=_cmd_gpu_check, args=[])
-    data = sub.add_parser("data", help="fetch MNIST, Fashion-MNIST and the pretrained extractors, "
-                          "and cache their features (what `make data` runs)")
+    data = sub.add_parser("data", help="fetch MNIST, Fashion-MNIST, the pretrained extractors and "
+                          "the State of the Union text, and cache the images' features (what "
+                          "`make data` runs)")
     data.set_defaults(fn=_cmd_data, args=[])             # its options go to the fetcher
     data.add_argument("--fetcher-help", action="store_true",
                       help="the fetcher's own options (--only, --extractors, --resolution, --force)")

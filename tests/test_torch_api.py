@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import ncdp_fast as nf  # noqa: E402
 from ncdp_fast import privacy  # noqa: E402
-from ncdp_fast.torch import GhostClipper, PrivacyEngine  # noqa: E402
+from ncdp_fast.torch import DPLSTM, GhostClipper, PrivacyEngine  # noqa: E402
 
 warnings.filterwarnings("ignore", module="opacus")
 
@@ -223,9 +223,12 @@ def test_get_compatible_module_is_compatible_and_validate():
     # Validation attaches nothing to the model.
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in fixed.modules())
     lstm = nn.Sequential(nn.Linear(3, 3), nn.LSTM(3, 3))
-    with pytest.raises(ValueError, match="'1.weight_ih_l0'.*LSTM.*register_layer"):
-        PrivacyEngine.get_compatible_module(lstm)
     assert not engine.is_compatible(module=lstm, optimizer=None, data_loader=None)
+    # The fix replaces it by DPLSTM (issue 25; tests/test_torch_rnn.py); what no
+    # fix makes private is refused, naming the layer.
+    assert isinstance(PrivacyEngine.get_compatible_module(lstm)[1], DPLSTM)
+    with pytest.raises(ValueError, match="LSTM with proj_size=2"):
+        PrivacyEngine.get_compatible_module(nn.Sequential(nn.LSTM(3, 3, proj_size=2)))
     with pytest.raises(TypeError, match="optimizer: expected a torch.optim.Optimizer, got str"):
         engine.validate(module=fixed, optimizer="sgd", data_loader=loader)
     empty = DataLoader(TensorDataset(torch.randn(0, 4)), batch_size=2)

@@ -203,3 +203,75 @@ def test_a_resumed_pass_never_hands_out_a_batch_twice():
     resumed.resume_pass(state)
     assert list(resumed) == whole[3:]
     assert resumed.pass_state() is None            # the pass is over: the next is fresh
+
+
+# Adaptive clipping (issue 25): the five arguments are stored and must match;
+# the bound C_t is restored in place of make_private's C_0.
+ADA = dict(target_unclipped_quantile=0.3, clipbound_learning_rate=0.5, max_clipbound=10.0,
+           min_clipbound=0.01, unclipped_num_std=2.0)
+
+
+def _adaptive(seed, **changes):
+    """24 float64 samples in passes of 4 Poisson batches, a two-layer network,
+    SGD with momentum, clipping="adaptive" starting at C_0 = 5."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (24,), generator=g)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    engine = PrivacyEngine(accountant="rdp")
+    pm, popt, ploader = engine.make_private(
+        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=6),
+        noise_multiplier=1.0, max_grad_norm=5.0, clipping="adaptive", seed=seed,
+        **dict(ADA, **changes))
+    return engine, pm, popt, ploader
+
+
+def test_adaptive_resume_continues_the_uninterrupted_run_exactly(tmp_path):
+    """5 steps, checkpoint, a fresh engine (OS key, C_0 again) loads it and takes
+    4 more: the bound, parameters and epsilon equal 9 uninterrupted steps."""
+    k, n = 5, 9
+    engine, pm, popt, ploader = _adaptive(SEED)
+    _train(pm, popt, ploader, k)
+    bound = popt.max_grad_norm
+    assert bound != 5.0            # the bound moved: restoring it is what is tested
+    path = tmp_path / "ada.pt"
+    engine.save_checkpoint(path=path, module=pm, optimizer=popt)
+    _stream._LEDGER.clear()
+    engine_r, pm_r, popt_r, ploader_r = _adaptive(None)
+    engine_r.load_checkpoint(path=path, module=pm_r, optimizer=popt_r)
+    assert popt_r.max_grad_norm == bound
+    _train(pm_r, popt_r, ploader_r, n - k)
+    _stream._LEDGER.clear()
+    engine_u, pm_u, popt_u, ploader_u = _adaptive(SEED)
+    _train(pm_u, popt_u, ploader_u, n)
+    assert popt_r.max_grad_norm == popt_u.max_grad_norm
+    assert engine_r.get_epsilon(DELTA) == engine_u.get_epsilon(DELTA)
+    for a, b in zip(pm_r.parameters(), pm_u.parameters()):
+        assert torch.equal(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("name", sorted(ADA))
+def test_adaptive_resume_with_other_arguments_is_refused(tmp_path, name):
+    engine, pm, popt, ploader = _adaptive(SEED)
+    _train(pm, popt, ploader, 2)
+    path = tmp_path / "ada.pt"
+    engine.save_checkpoint(path=path, module=pm, optimizer=popt)
+    _stream._LEDGER.clear()
+    other = {name: ADA[name] * 0.5 if name != "max_clipbound" else 20.0}
+    _refused(*_adaptive(None, **other)[:3], path, ValueError,
+             rf"adaptive: the checkpoint was taken with adaptive=.*'{name}': {ADA[name]!r}")
+
+
+def test_adaptive_checkpoint_with_a_damaged_bound_is_refused(tmp_path):
+    engine, pm, popt, ploader = _adaptive(SEED)
+    _train(pm, popt, ploader, 1)
+    path = tmp_path / "ada.pt"
+    engine.save_checkpoint(path=path, module=pm, optimizer=popt)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["ncdp_engine"]["clip_bound"] = -1.0
+    torch.save(ckpt, path)
+    _stream._LEDGER.clear()
+    _refused(*_adaptive(None)[:3], path, ValueError,
+             r"expected the adaptive clip bound as a finite float > 0")

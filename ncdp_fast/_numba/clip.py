@@ -283,6 +283,38 @@ def _balance_exponents(a, g, factors, into_g, k):
             k[i] = np.floor(0.5 * (np.log2(v) - np.log2(u)))
 
 
+@sized_kernel(lambda x, *_: x.size)
+def _scale_rows(x, f, out):
+    """out[i] = x[i] * f[i], the product in float64 rounded once to out's dtype:
+    ``(x * f[:, None, None]).astype(x.dtype)`` without its float64 temporary
+    (the same values, bit for bit).  x, out: [B, T, n]; f: [B] float64."""
+    for i in prange(x.shape[0]):
+        fi = f[i]
+        for t in range(x.shape[1]):
+            for j in range(x.shape[2]):
+                out[i, t, j] = np.float64(x[i, t, j]) * fi
+
+
+@njit(cache=True)
+def _scaled_column_sums(x, f, out):
+    """out[k] = sum_{i,t} x[i, t, k] * f[i], each product rounded to x's dtype as
+    :func:`_scale_rows` does, summed in float64 row after row (numpy's
+    ``sum(axis=0, dtype=float64)`` of those rows, bit for bit), then rounded to
+    out's dtype.  Serial: the order of the sum is fixed."""
+    K = x.shape[2]
+    acc = np.zeros(K)
+    row = np.empty(K, x.dtype)
+    for i in range(x.shape[0]):
+        fi = f[i]
+        for t in range(x.shape[1]):
+            for k in range(K):
+                row[k] = np.float64(x[i, t, k]) * fi
+            for k in range(K):
+                acc[k] += np.float64(row[k])
+    for k in range(K):
+        out[k] = acc[k]
+
+
 def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb,
                        matmul=np.matmul):
     """gw [K, d] = inv_denom*(sum_{i,t} f_i g_it a_it^T + noise_std*xi_w), and
@@ -303,34 +335,36 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     g_in = g
     into_g = K <= d      # the factor goes to the narrower operand
     f = factors
-    rebalanced = False
     if B and f.min() < 1.0:
         k = np.empty(B)
         _balance_exponents(a, g, f, into_g, k)
         if k.any():
-            rebalanced = True
             k = k.astype(np.int64)
             f = np.ldexp(f, k)
             if into_g:
                 a = np.ldexp(a, -k[:, None, None]).astype(dt)
             else:
                 g = np.ldexp(g, -k[:, None, None]).astype(dt)
-    f = f[:, None, None]
-    a2 = a.reshape(B * T, d)
-    g2 = g.reshape(B * T, K)
+    # The scaled operand is written in the data dtype directly (no float64
+    # temporary of B*T*max(K, d) values: at the sizes of a transformer layer
+    # that temporary cost more than the GEMM's other operand).
     if into_g:
-        gs = (g * f).astype(dt).reshape(B * T, K)
-        matmul(gs.T, a2, out=gw)
+        scaled = np.empty((B, T, K), dt)
+        _scale_rows(g, np.ascontiguousarray(f), scaled)
+        matmul(scaled.reshape(B * T, K).T, a.reshape(B * T, d), out=gw)
     else:
-        matmul(g2.T, (a * f).astype(dt).reshape(B * T, d), out=gw)
-        gs = None
+        scaled = np.empty((B, T, d), dt)
+        _scale_rows(a, np.ascontiguousarray(f), scaled)
+        matmul(g.reshape(B * T, K).T, scaled.reshape(B * T, d), out=gw)
+    del scaled
     add_gaussian(gw.reshape(-1), np.uint64(seed), np.uint64(offset), float(noise_std), True,
                  float(inv_denom))
     if gb is not None:
-        if gs is None or rebalanced:
-            # The bias sums g_i times its true factor (no power of two moved).
-            gs = (g_in * factors[:, None, None]).astype(dt).reshape(B * T, K)
-        # Column sums in float64 (np.sum's pairwise float32 sum is good, float64 is better).
-        gb[:] = gs.sum(axis=0, dtype=np.float64)
+        # The bias sums g_i times its true factor (no power of two moved), in
+        # float64 (np.sum's pairwise float32 sum is good, float64 is better).
+        if B:
+            _scaled_column_sums(g_in, np.ascontiguousarray(factors, dtype=np.float64), gb)
+        else:
+            gb[:] = 0
         add_gaussian(gb, np.uint64(seed), np.uint64(offset) + np.uint64(K * d), float(noise_std),
                      True, float(inv_denom))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._arrays import require_torch
 from .._validate import check_int
 from .guess import AuditResult, bound_from_scores
 
@@ -29,12 +30,7 @@ __all__ = ["CanaryDataset", "model_loss_scores"]
 
 
 def _torch():
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - torch is an optional extra
-        raise ImportError("ncdp_fast.audit.model_loss_scores needs PyTorch: pip install "
-                          "'ncdp_fast[torch]'") from exc
-    return torch
+    return require_torch("ncdp_fast.audit.model_loss_scores")
 
 
 class CanaryDataset:

@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from .._arrays import require_torch
 from .._validate import check_choice, check_int, check_positive, check_probability
 from .guess import AuditResult, bound_from_scores, plan_k, subsampled_gaussian_score
 
@@ -38,12 +39,7 @@ _MAGNITUDE = 10.0   # canary input norm / C: the gradient is clipped, never at t
 
 
 def _torch():
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - torch is an optional extra
-        raise ImportError("ncdp_fast.audit.audit_dpsgd needs PyTorch: pip install "
-                          "'ncdp_fast[torch]'") from exc
-    return torch
+    return require_torch("ncdp_fast.audit.audit_dpsgd")
 
 
 def DiracModel(d_real: int, m: int):  # noqa: N802 - a class factory (torch is imported late)

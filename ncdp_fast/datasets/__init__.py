@@ -2,9 +2,9 @@
 scikit-learn's digits, with public feature extractors (ScatterNet,
 ImageNet-pretrained EfficientNet-Lite0) and an on-disk feature cache.
 
-``make data`` (``ncdp-fast data``) fetches and verifies MNIST and
-Fashion-MNIST and caches their features under :func:`data_dir`; see
-docs/datasets.md.  The extractors are fixed before any private data is seen
+``make data`` (``ncdp-fast data``) fetches and verifies MNIST, Fashion-MNIST
+and the State of the Union corpus (:func:`load_sotu`) and caches the images'
+features under :func:`data_dir`; see docs/datasets.md.  The extractors are fixed before any private data is seen
 (Morlet wavelets; weights pretrained on ImageNet), and each feature vector
 depends on its own image only, so extracting features spends no privacy budget.
 
@@ -29,6 +29,7 @@ from ._fetch import (EXTRACTORS, FETCHED, MD5, array_paths, compute_features, fe
                      feature_stem, features_ready, fetch_main)
 from ._idx import ChecksumError, IdxFormatError, parse_idx, read_idx, verify_md5, write_idx
 from ._scatter import group_normalize, scattering_features
+from ._sotu import load_sotu
 
 DATASETS = ("mnist", "fashion-mnist", "digits")
 FEATURE_EXTRACTORS = ("scatter", "efficientnet-lite0", "pixels")
@@ -44,8 +45,8 @@ _ROOT = Path(__file__).resolve().parent.parent.parent
 
 __all__ = ["data_dir", "load_mnist", "load_fashion_mnist", "load_digits", "load_features",
            "scattering_features", "efficientnet_features", "group_normalize", "feature_dim",
-           "fetch_main", "read_idx", "parse_idx", "write_idx", "verify_md5", "IdxFormatError",
-           "ChecksumError", "DATASETS", "FEATURE_EXTRACTORS", "SPLITS", "DEFAULT_RESOLUTION",
+           "fetch_main", "load_sotu", "read_idx", "parse_idx", "write_idx", "verify_md5",
+           "IdxFormatError", "ChecksumError", "DATASETS", "FEATURE_EXTRACTORS", "SPLITS", "DEFAULT_RESOLUTION",
            "MD5"]
 
 

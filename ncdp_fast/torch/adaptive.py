@@ -49,6 +49,14 @@ class AdaptiveClip:
                              f"got {max_clipbound!r}")
         self.unclipped_num_std = check_positive(unclipped_num_std, "unclipped_num_std")
 
+    ARGS = ("target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound",
+            "min_clipbound", "unclipped_num_std")
+
+    def arguments(self) -> dict:
+        """The five arguments by name (floats): what a checkpoint stores, and a
+        resumed run must have been built with."""
+        return {k: float(getattr(self, k)) for k in self.ARGS}
+
     def grad_multiplier(self, noise_multiplier: float) -> float:
         """z_grad for the user's z: the gradient's noise multiplier that leaves
         the count's share of the budget (Theorem 1 of Andrew et al. 2021).

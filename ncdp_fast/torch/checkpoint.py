@@ -8,6 +8,7 @@ from every released gradient. It is a private file, like the training data.
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -89,7 +90,13 @@ class Run:
     def config(self, engine) -> dict:
         """The noise configuration a checkpoint is valid for (all public)."""
         c = self.clipper
-        return {"noise_multiplier": c.noise_multiplier, "max_grad_norm": c.max_grad_norm,
+        adaptive = c.adaptive.arguments() if c.adaptive is not None else None
+        # Adaptive clipping: max_grad_norm is only where the bound started (the
+        # run's current one is stored on its own and restored); the arguments
+        # that move it must be the checkpoint's.
+        return {"noise_multiplier": c.noise_multiplier,
+                "max_grad_norm": c.max_grad_norm if adaptive is None else None,
+                "adaptive": adaptive,
                 "clipping": c.clipping, "layer_norms": c.layer_norms,
                 "loss_reduction": c.loss_reduction,
                 "expected_batch_size": c.expected_batch_size,
@@ -206,6 +213,7 @@ def save(engine, *, path, module, optimizer=None, noise_scheduler=None,
                       "unbounded": bool(engine._unbounded),
                       "config": run.config(engine),
                       "noise": run.clipper.noise_state(),
+                      "clip_bound": float(run.clipper.max_grad_norm),
                       "loader_pass": run.sampler.pass_state()}
     torch.save(state, path, **_kwargs(torch_save_kwargs, "torch_save_kwargs"))
 
@@ -223,6 +231,20 @@ def _engine_state(ckpt, path) -> dict:
     if eng.get("loader_pass") is not None:
         _check_counts(eng["loader_pass"], ("plan_offset", "done"), "the loader's pass", path)
     return eng
+
+
+def _clip_bound(run, eng, path) -> float | None:
+    """Adaptive clipping: the bound the next step clips at (the arguments that
+    move it were compared as config). Not checked against [min_clipbound,
+    max_clipbound]: before the first update it is make_private's, which may
+    lie outside."""
+    if run.clipper.adaptive is None:
+        return None
+    c = eng.get("clip_bound")
+    if not isinstance(c, float) or not math.isfinite(c) or c <= 0:
+        raise ValueError(f"path: expected the adaptive clip bound as a finite float > 0 in "
+                         f"{path!r}, got {c!r}")
+    return c
 
 
 def _check_counts(entry, keys, what, path) -> None:
@@ -267,6 +289,7 @@ def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
             raise ValueError(f"{key}: the checkpoint was taken with {key}={got!r}, this run "
                              f"has {value!r}; call make_private with the checkpoint's "
                              "configuration (and the same data loader) to resume it")
+    bound = _clip_bound(run, eng, path)
     accountant = privacy.Accountant.from_dict(ckpt.get(_ACCOUNTANT))   # validated before use
     if optimizer is not None and _OPTIMIZER not in ckpt:
         raise ValueError(f"optimizer: expected None, since {path!r} holds no optimizer state "
@@ -282,6 +305,8 @@ def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
         run.clipper._noise_multiplier = float(saved["noise_multiplier"])
     if "max_grad_norm" in scheduled:
         run.clipper._max_grad_norm = float(saved["max_grad_norm"])
+    if bound is not None:
+        run.clipper._max_grad_norm = bound
     for name, value in schedulers.items():
         if value is not None:
             value.load_state_dict(ckpt[_SCHEDULERS[name][0]])

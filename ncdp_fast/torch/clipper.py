@@ -26,6 +26,8 @@ from .layout import (StepBatch, batch_dim, broadcast_rows, enclosing_batch_first
                      layer_batch_first, module_batch_first, rows_error, to_batch_first)
 from .mechanism import (ClippedGaussianStep, ReleasedGrads, foreign_grad_error,
                         optimizer_params)
+from .recompute import in_backward, reentrant_recompute, refuse_reentrant, refuse_unmatched
+from .rnn import replacement, torch_rnn_error
 
 __all__ = ["GhostClipper"]
 
@@ -77,6 +79,11 @@ class _Tap:
     batch: int | None = None
     batch_first: bool = True        # the layout of its inputs and output (layout.py)
     layout: str = ""                # where that layout comes from, for errors
+    calls: int = 0                  # recorded forward calls (an attention call records several)
+    replays: int = 0                # checkpoint recomputations of recorded calls (recompute.py)
+    replaying: bool = False         # this call is one: let through, not recorded
+    nograd: int = -1                # the model forward in which it last ran under no_grad
+    recorded_in: int = -2           # the model forward in which it was last recorded
 
     def full(self, n: str) -> str:
         """The model-level name of its parameter ``n`` (as in ``param_names``)."""
@@ -103,6 +110,7 @@ class _Tap:
     def clear(self):
         self.records.clear()
         self.blocks, self.batch, self.active = None, None, None
+        self.calls, self.replays, self.replaying = 0, 0, False
 
 
 def _per_parameter(entries, grads):
@@ -112,6 +120,10 @@ def _per_parameter(entries, grads):
     for (tap, names, _), grad in zip(entries, grads):
         for n, g in zip(names, grad if isinstance(grad, tuple) else (grad,)):
             yield tap, n, g.view(tap.params[n].shape)
+
+
+def _ignore(grad):
+    pass
 
 
 def _upcast(x):
@@ -258,6 +270,10 @@ class GhostClipper(ClippedGaussianStep):
         self._handles = [model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True)]
         self._handles += batch_dim_hooks(model, self.batch_first)
         self._forwards = []
+        # Counts the model's forwards outside backward: a layer recorded and run
+        # under no_grad in the same one, then forward inside backward, is in a
+        # reentrant checkpoint's region (recompute.py).
+        self._pass = 0
         self._released = ReleasedGrads()
         # Parameter name -> clipped sum of the logical batch's earlier physical
         # batches (accumulate_), noised once by the next privatize_.
@@ -431,6 +447,8 @@ class GhostClipper(ClippedGaussianStep):
                     f"of {base.__name__}, so {base.__name__}'s rule may not describe what it "
                     "computes; register a rule for its own type with "
                     "ncdp_fast.torch.register_layer")
+            if rule is None and replacement(module):
+                raise torch_rnn_error(name, module)
             if rule is None:
                 shown = ", ".join(repr(f"{name}.{n}" if name else n) for n in params)
                 raise ValueError(
@@ -458,6 +476,8 @@ class GhostClipper(ClippedGaussianStep):
         return torch.is_grad_enabled() and self.enabled and self.model.training
 
     def _model_pre_hook(self, module, args, kwargs):
+        if not in_backward():
+            self._pass += 1
         if self._capturing():
             return self._batch.pre_hook(module, args, kwargs)
         if torch.is_grad_enabled():
@@ -477,14 +497,29 @@ class GhostClipper(ClippedGaussianStep):
         conv = isinstance(tap.module, nn.modules.conv._ConvNd)
 
         def hook(module, inputs):
+            tap.replaying = False
             tap.recording = self._capturing()
             if not tap.recording:
+                if self.enabled and self.model.training:
+                    tap.nograd = self._pass
                 return
             active = frozenset(n for n, p in tap.params.items() if p.requires_grad)
             if not active and not tap.records:
                 # Every parameter frozen since attach: an ordinary frozen layer.
                 tap.recording = False
                 return
+            if in_backward():
+                # A checkpoint's recomputation: switched off as the recorded
+                # call was, so that the tensors it saves are the same.
+                tap.recording = False            # until it is known to be one
+                if tap.nograd == tap.recorded_in or reentrant_recompute(tap.name, module):
+                    raise refuse_reentrant(tap.name, module)
+                if tap.replays >= tap.calls:
+                    raise refuse_unmatched(tap.name, module, tap.calls)
+                tap.recording = tap.replaying = True
+                tap.replays += 1
+            else:
+                tap.calls += 1
             if tap.records and active != tap.active:
                 tap.recording = False
                 raise RuntimeError(
@@ -519,7 +554,7 @@ class GhostClipper(ClippedGaussianStep):
 
     def _restore_hook(self, tap: _Tap):
         def hook(module, inputs, output):
-            tap.recording = False
+            tap.recording = tap.replaying = False
             if tap.saved is not None:        # always_call=True: restored even on error
                 self._switch_back(tap, tap.saved)
                 tap.saved = None
@@ -540,6 +575,11 @@ class GhostClipper(ClippedGaussianStep):
             # None: the forward raised (always_call hooks still run), or nothing
             # depends on the layer, whose gradient is then exactly zero.
             return output
+        if tap.replaying:
+            # The recorded call's output entered the graph the same way.
+            if isinstance(output, torch.Tensor) and not output.requires_grad:
+                return _CaptureGrad.apply(output, self._anchor, _ignore)
+            return output
         if not isinstance(output, torch.Tensor):
             # Nothing to hook a gradient on: the layer would get pure noise.
             raise TypeError(
@@ -555,6 +595,7 @@ class GhostClipper(ClippedGaussianStep):
         inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
         rec = _Record(inputs, slot, tuple(getattr(x, "_version", 0) for x in inputs))
         tap.records.append(rec)
+        tap.recorded_in = self._pass
         def on_grad(grad):
             self._on_grad(tap, rec, grad)
         if output.requires_grad:
@@ -713,7 +754,9 @@ class GhostClipper(ClippedGaussianStep):
                 raise RuntimeError(
                     f"GhostClipper: layer {tap.name!r} ran forward but backward did not reach "
                     "it; run exactly one loss.backward() per recorded forward (call clear() "
-                    "to discard a forward)")
+                    "to discard a forward). Under torch.utils.checkpoint on a torch that does "
+                    "not report a running backward (torch._C._current_graph_task_id), a "
+                    "recomputation cannot be told from a use (ncdp_fast.torch.recompute)")
             if tap.batch is not None:
                 batch = tap.batch        # each layer's was checked against the step's
         if batch is None and self._batch.declared == 0:

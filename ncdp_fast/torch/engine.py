@@ -15,7 +15,7 @@ from .._validate import check_bool, check_choice, check_pos_int, check_positive
 from .accounting import EngineAccountant, dp_accounting_name
 from .adaptive import AdaptiveClip
 from .clipper import GhostClipper
-from .fix import fix_batchnorm
+from .fix import fix_batchnorm, fix_recurrent
 from .coupling import CheckedCriterion
 from .mechanism import CheckpointsNoise
 from ..distributed._group import resolve_group
@@ -217,9 +217,11 @@ class PrivacyEngine:
     @classmethod
     def get_compatible_module(cls, module: nn.Module) -> nn.Module:
         """``module`` with its batch norms replaced by group norms
-        (:func:`fix_batchnorm`, in place), then :meth:`validate`-d; returns it.
-        The one fix there is: any other refusal raises here, naming the layer."""
-        module = fix_batchnorm(module)
+        (:func:`fix_batchnorm`) and its ``nn.LSTM/GRU/RNN`` by ``DPLSTM/DPGRU/DPRNN``
+        with their weights (:func:`~ncdp_fast.torch.fix.fix_recurrent`), in
+        place, then checked; returns it. The fixes there are: any other refusal
+        raises here, naming the layer."""
+        module = fix_recurrent(fix_batchnorm(module))
         GhostClipper.check_model(module)
         return module
 
@@ -353,7 +355,6 @@ class PrivacyEngine:
                                loss_reduction=loss_reduction, clipping=clipping, seed=stream,
                                group=group, batch_first=batch_first, adaptive=adaptive)
         self.sample_rate = sample_rate
-        self.noise_multiplier = clipper.noise_multiplier
 
         def on_step():
             if clipper.noise_multiplier > 0:
@@ -451,6 +452,24 @@ class PrivacyEngine:
                                 grad_clip_scheduler=grad_clip_scheduler,
                                 module_load_dict_kwargs=module_load_dict_kwargs,
                                 torch_load_kwargs=torch_load_kwargs)
+
+    @property
+    def noise_multiplier(self) -> float | None:
+        """sigma of the next step of the run :meth:`make_private` built last, read
+        from its optimizer (so a noise scheduler's change shows here); None before
+        make_private.  Setting it sets the optimizer's (checked, and every later
+        step is noised and accounted at it)."""
+        run = getattr(self, "_run", None)
+        return None if run is None else run.clipper.noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value) -> None:
+        run = getattr(self, "_run", None)
+        if run is None:
+            raise RuntimeError("PrivacyEngine.noise_multiplier: expected an engine after "
+                               "make_private (it is the private optimizer's), got one before "
+                               "it; pass noise_multiplier= to make_private")
+        run.clipper.noise_multiplier = value
 
     # A step at noise_multiplier 0 is recorded on the accountant, so that
     # accountant.get_epsilon answers as the engine does (inf).

@@ -1,11 +1,14 @@
-"""Replace what private training cannot use: batch normalisation."""
+"""Replace what private training cannot use: batch normalisation, and torch's
+fused recurrent layers."""
 from __future__ import annotations
 
 import math
 
 from torch import nn
 
-__all__ = ["fix_batchnorm"]
+from .rnn import from_torch, replacement
+
+__all__ = ["fix_batchnorm", "fix_recurrent"]
 
 
 def _group_norm(bn: nn.modules.batchnorm._BatchNorm) -> nn.GroupNorm:
@@ -35,4 +38,22 @@ def fix_batchnorm(model: nn.Module) -> nn.Module:
             setattr(model, name, _group_norm(child))
         else:
             fix_batchnorm(child)
+    return model
+
+
+def fix_recurrent(model: nn.Module) -> nn.Module:
+    """Replace every ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` of ``model`` by
+    :class:`~ncdp_fast.torch.DPLSTM` / ``DPGRU`` / ``DPRNN`` with the same
+    arguments and a copy of its weights (same function, same parameters,
+    frozen ones kept frozen), in place; returns ``model`` (a recurrent layer at
+    the top is returned replaced).  A ``proj_size`` LSTM is refused."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if replacement(model):
+        return from_torch(model)
+    for name, child in list(model.named_children()):
+        if replacement(child):
+            setattr(model, name, from_torch(child))
+        else:
+            fix_recurrent(child)
     return model

@@ -345,10 +345,13 @@ def embedding_rule(module: nn.Embedding, calls, trainable):
     dtype = accumulation_dtype(module.weight.dtype)
 
     def clipped_sum(factors):
-        scaled = (g.to(torch.float64) * factors.view(B, 1, 1)).to(dtype)
-        scaled = scaled.masked_fill((factors == 0).view(B, 1, 1), 0)   # dropped samples
+        # Only the samples kept: a factor of 0 (a dropped or padded sample) adds
+        # exact zeros, so skipping its rows changes nothing and saves their work.
+        kept = (factors != 0).nonzero().flatten()
+        f = factors.index_select(0, kept).view(-1, 1, 1)
+        scaled = (g.index_select(0, kept).to(torch.float64) * f).to(dtype)
         out = torch.zeros((V, D), dtype=dtype, device=g.device)
-        out.index_add_(0, idx.reshape(-1), scaled.reshape(-1, D))
+        out.index_add_(0, idx.index_select(0, kept).reshape(-1), scaled.reshape(-1, D))
         return out
     # clipped_sum adds up to T rows per sample in the data dtype: their norms
     # are the scale of its rounding (reference.clip_bound's E).

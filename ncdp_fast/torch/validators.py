@@ -2,7 +2,9 @@
 calls ``ModuleValidator.fix(model)`` migrates by changing its import alone.
 
 It is a thin face over :class:`~ncdp_fast.torch.PrivacyEngine`'s
-``get_compatible_module`` (the one fix: batch norm -> group norm) and the
+``get_compatible_module`` (the fixes: batch norm -> group norm, ``nn.LSTM`` /
+``nn.GRU`` / ``nn.RNN`` -> ``DPLSTM`` / ``DPGRU`` / ``DPRNN`` with their weights)
+and the
 clipper's construction-time check (:meth:`GhostClipper.check_model`), which
 is what ``make_private`` refuses; nothing here decides compatibility itself.
 """
@@ -40,14 +42,17 @@ class ModuleValidator:
     def fix(cls, module: nn.Module, **kwargs) -> nn.Module:
         """A copy of ``module`` (the argument is left as it was, as Opacus's
         ``fix`` clones) with every batch norm replaced by a group norm over the
-        same channels (:func:`~ncdp_fast.torch.fix_batchnorm`), then checked."""
+        same channels (:func:`~ncdp_fast.torch.fix_batchnorm`) and every torch
+        recurrent layer by its DP counterpart with the same weights
+        (:func:`~ncdp_fast.torch.fix.fix_recurrent`), then checked."""
         _check_module(module)
         if kwargs:
             # Opacus passes these to its per-layer fixers; ours takes none, and
             # a silently ignored option would be a fix the user did not get.
             raise TypeError(f"ModuleValidator.fix: expected no keyword arguments, got "
-                            f"{sorted(kwargs)}; the one fix here (batch norm -> group norm "
-                            f"with gcd(32, C) groups) has no options")
+                            f"{sorted(kwargs)}; the fixes here (batch norm -> group norm "
+                            f"with gcd(32, C) groups, recurrent -> DPLSTM/DPGRU/DPRNN) have "
+                            f"no options")
         return PrivacyEngine.get_compatible_module(copy.deepcopy(module))
 
     @classmethod

@@ -1,0 +1,223 @@
+"""DPLSTM / DPGRU / DPRNN (issue 25): torch's recurrent functions from nn.Linear
+cells, so that the clipper's Linear rule (a layer called at every time step)
+gives exact per-sample gradients; nn.LSTM/GRU/RNN stay refused, naming the
+replacement, and ModuleValidator.fix replaces them with their weights.
+
+Oracles: torch's own modules with the same weights (outputs and states,
+float64; the two compute the same sums in different orders, so they agree to
+a few units of float64 rounding: rtol 1e-12); per-sample clipping from
+``torch.func`` per-sample gradients with tests/test_torch_layers.py's
+``check_exact`` (relative 1e-10 in float64, 1e-5 in float32, derived there).
+"""
+import copy
+import math
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from ncdp_fast.torch import (DPGRU, DPLSTM, DPRNN, GhostClipper, ModuleValidator,  # noqa: E402
+                             PrivacyEngine)
+from ncdp_fast.torch.rnn import from_torch  # noqa: E402
+
+from test_torch_layers import F32, F64, ce, check_exact  # noqa: E402
+
+TORCH = {"lstm": (nn.LSTM, {}), "gru": (nn.GRU, {}), "rnn_tanh": (nn.RNN, {}),
+         "rnn_relu": (nn.RNN, {"nonlinearity": "relu"})}
+DP = {"lstm": (DPLSTM, {}), "gru": (DPGRU, {}), "rnn_tanh": (DPRNN, {}),
+      "rnn_relu": (DPRNN, {"nonlinearity": "relu"})}
+
+
+def _flat(out):
+    y, state = out
+    states = state if isinstance(state, tuple) else (state,)
+    return torch.cat([t.reshape(-1) for t in (y, *states)])
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("kind", sorted(TORCH))
+def test_outputs_and_states_equal_torchs_module_with_the_same_weights(kind, batch_first,
+                                                                        bidirectional):
+    cls, kw = TORCH[kind]
+    torch.manual_seed(0)
+    ref = cls(3, 4, num_layers=2, batch_first=batch_first, bidirectional=bidirectional,
+              **kw).double()
+    dp = from_torch(ref)
+    assert isinstance(dp, DP[kind][0])
+    g = torch.Generator().manual_seed(1)
+    B, T, L = 5, 7, 2 * (2 if bidirectional else 1)
+    x = torch.randn((B, T, 3) if batch_first else (T, B, 3), generator=g, dtype=F64)
+    h0 = torch.randn(L, B, 4, generator=g, dtype=F64)
+    state = (h0, torch.randn(L, B, 4, generator=g, dtype=F64)) if kind == "lstm" else h0
+    for args in ((x,), (x, state)):
+        got, want = _flat(dp(*args)), _flat(ref(*args))
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    # Parameter gradients of an ordinary backward agree too (the same function).
+    _flat(dp(x, state)).square().sum().backward()
+    _flat(ref(x, state)).square().sum().backward()
+    mine = dict(dp.named_parameters())
+    for n, p in ref.named_parameters():
+        layer = n.split("_")[2] + ("_reverse" if n.endswith("_reverse") else "")
+        q = mine[f"{layer}.{n.split('_')[1]}.{n.split('_')[0]}"]
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-11, atol=1e-13)
+
+
+def test_state_dict_uses_torchs_names_both_ways():
+    torch.manual_seed(0)
+    dp = DPLSTM(3, 4, num_layers=2, bidirectional=True)
+    ref = nn.LSTM(3, 4, num_layers=2, bidirectional=True)
+    assert list(dp.state_dict()) == list(ref.state_dict())
+    ref.load_state_dict(dp.state_dict())
+    dp2 = DPLSTM(3, 4, num_layers=2, bidirectional=True)
+    dp2.load_state_dict(ref.state_dict())
+    for a, b in zip(dp.parameters(), dp2.parameters()):
+        assert torch.equal(a, b)
+
+
+class Tagger(nn.Module):
+    """Embedding -> recurrent layer -> Linear on the last step's output."""
+
+    def __init__(self, kind, batch_first=True, bidirectional=True, num_layers=2):
+        super().__init__()
+        cls, kw = DP[kind]
+        self.batch_first = batch_first
+        self.emb = nn.Embedding(9, 4)
+        self.rnn = cls(4, 5, num_layers=num_layers, batch_first=batch_first,
+                       bidirectional=bidirectional, **kw)
+        self.head = nn.Linear(5 * (2 if bidirectional else 1), 3)
+
+    def forward(self, idx):                    # idx (B, T) whatever the rnn's layout
+        h = self.emb(idx)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        out, _ = self.rnn(h)
+        return self.head(out[:, -1] if self.batch_first else out[-1])
+
+
+def _tokens(B=6, T=5, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 9, (B, T), generator=g), torch.randint(0, 3, (B,), generator=g)
+
+
+@pytest.mark.parametrize("kind", sorted(DP))
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_per_sample_clipping_is_exact(kind, dtype):
+    torch.manual_seed(4)
+    check_exact(Tagger(kind).double(), ce, _tokens(), dtype=dtype)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_sequence_first_single_direction_lstm_is_exact(reduction):
+    torch.manual_seed(5)
+    model = Tagger("lstm", batch_first=False, bidirectional=False, num_layers=1).double()
+    check_exact(model, ce, _tokens(B=5, T=5), dtype=F64, reduction=reduction)
+
+
+def test_torch_recurrent_layers_are_refused_naming_the_replacement():
+    for cls, dp in ((nn.LSTM, "DPLSTM"), (nn.GRU, "DPGRU"), (nn.RNN, "DPRNN")):
+        with pytest.raises(ValueError, match=rf"'1\.weight_ih_l0'.*{cls.__name__}.*"
+                                             rf"ncdp_fast\.torch\.{dp}.*ModuleValidator\.fix"):
+            GhostClipper(nn.Sequential(nn.Linear(3, 3), cls(3, 3)), max_grad_norm=1.0,
+                         noise_multiplier=0.0, expected_batch_size=4)
+
+
+def test_module_validator_fix_replaces_them_with_their_weights():
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(3, 4), nn.GRU(4, 5, batch_first=True), )
+    frozen = nn.LSTM(3, 4, batch_first=True)
+    frozen.weight_hh_l0.requires_grad_(False)
+    net = nn.ModuleDict({"a": nn.LSTM(3, 4, num_layers=2, batch_first=True), "b": frozen,
+                         "c": nn.RNN(3, 2, nonlinearity="relu")})
+    fixed = ModuleValidator.fix(net)
+    assert isinstance(net["a"], nn.LSTM)                    # the argument is left as it was
+    assert [type(m) for m in fixed.values()] == [DPLSTM, DPLSTM, DPRNN]
+    assert fixed["c"].nonlinearity == "relu"
+    assert not fixed["b"].l0.hh.weight.requires_grad and fixed["b"].l0.ih.weight.requires_grad
+    x = torch.randn(2, 6, 3)
+    for k in net:
+        torch.testing.assert_close(_flat(fixed[k](x)), _flat(net[k](x)), rtol=1e-5, atol=1e-6)
+    assert ModuleValidator.is_valid(fixed)
+    fixed_seq = PrivacyEngine.get_compatible_module(copy.deepcopy(model))
+    assert isinstance(fixed_seq[1], DPGRU) and fixed_seq[1].batch_first
+
+
+def test_refusals():
+    with pytest.raises(TypeError, match=r"DPLSTM: expected a padded tensor, got a "
+                                        r"PackedSequence"):
+        packed = nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 3), [4, 2])
+        DPLSTM(3, 4)(packed)
+    with pytest.raises(ValueError, match=r"DPGRU: expected a batched 3-D input"):
+        DPGRU(3, 4)(torch.randn(4, 3))
+    with pytest.raises(ValueError, match=r"DPLSTM: expected proj_size=0"):
+        DPLSTM(3, 4, proj_size=2)
+    with pytest.raises(ValueError, match=r"DPLSTM: expected h0 of shape .*\(1, 2, 4\)"):
+        DPLSTM(3, 4)(torch.randn(5, 2, 3), (torch.zeros(1, 3, 4), torch.zeros(1, 2, 4)))
+    with pytest.raises(TypeError, match=r"DPLSTM: expected the state as a pair"):
+        DPLSTM(3, 4)(torch.randn(5, 2, 3), torch.zeros(1, 2, 4))
+    with pytest.raises(ValueError, match=r"nonlinearity"):
+        DPRNN(3, 4, nonlinearity="gelu")
+
+
+# ------------------------------------------------- Opacus's char-LSTM tutorial
+class CharNameClassifier(nn.Module):
+    """The tutorial's model (names -> language): characters embedded, a DPLSTM
+    over them, the last hidden state to the classes."""
+
+    def __init__(self, lib_lstm, vocab=20, embed=8, hidden=16, classes=5):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, embed)
+        self.lstm = lib_lstm(embed, hidden, batch_first=True)
+        self.out = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        x = self.embedding(x)
+        x, _ = self.lstm(x)
+        return self.out(x[:, -1, :])
+
+
+def _char_lstm_tutorial(lib):
+    if lib == "opacus":
+        from opacus import PrivacyEngine as Engine
+        from opacus.layers import DPLSTM as Lstm
+    else:
+        Engine, Lstm = PrivacyEngine, DPLSTM
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(1, 20, (32, 10), generator=g)
+    y = torch.randint(0, 5, (32,), generator=g)
+    torch.manual_seed(0)
+    model = CharNameClassifier(Lstm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine = Engine()
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(x, y),
+                                                                  batch_size=16),
+        noise_multiplier=1.1, max_grad_norm=1.0)
+    criterion = nn.CrossEntropyLoss()
+    for _ in range(3):
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            loss = criterion(model(xb), yb)
+            loss.backward()
+            optimizer.step()
+            assert math.isfinite(loss.item())
+    return engine.get_epsilon(1e-5), model
+
+
+def test_char_lstm_tutorial_runs_with_the_import_changed_and_reports_opacus_epsilon():
+    pytest.importorskip("opacus")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eps_opacus, _ = _char_lstm_tutorial("opacus")
+    eps, model = _char_lstm_tutorial("ncdp_fast")
+    assert abs(eps - eps_opacus) <= 0.01 * eps_opacus, (eps, eps_opacus)
+    # Opacus's DPLSTM checkpoint loads into ours (torch's parameter names).
+    from opacus.layers import DPLSTM as OpacusLSTM
+    theirs = OpacusLSTM(8, 16, batch_first=True)
+    mine = model._module.lstm
+    theirs.load_state_dict(mine.state_dict())
+    xs = torch.randn(3, 10, 8)
+    torch.testing.assert_close(_flat(theirs(xs)), _flat(mine(xs)), rtol=1e-5, atol=1e-6)
