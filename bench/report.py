@@ -58,8 +58,10 @@ def add_ratios(benchmarks) -> None:
     """``extra_info["x_<method>"]``: that method's time over this benchmark's, for
     every other method of the group (> 1: this one is faster; against a limit
     such as ``read_torch_sum`` it is the fraction of the limit achieved)."""
-    picked = _median_rounds(benchmarks)
-    for b in benchmarks:
+    # A method that did not run (its "error" recorded) has no time to compare.
+    ran = [b for b in benchmarks if "error" not in b["extra_info"]]
+    picked = _median_rounds(ran)
+    for b in ran:
         e = b["extra_info"]
         for m, other in picked[e["family"]][e["workload"]].items():
             if m != e["method"]:
@@ -642,11 +644,15 @@ def write_tables(doc: dict, out: str | Path, quiet: bool = False,
     for family, build in FAMILIES.items():
         if family not in picked:
             continue
-        # Every round of every method, as measured (the table shows the median round).
-        times = [dict(workload=b["extra_info"]["workload"], method=b["extra_info"]["method"],
-                      round=b["extra_info"]["round"], median_s=b["stats"]["median"],
-                      best_s=b["stats"].get("min"))
-                 for b in doc["benchmarks"] if b["extra_info"]["family"] == family]
+        # Every round of every method, as measured (the table shows the median round);
+        # a method that did not run (its "error" recorded) has no time.
+        ran = [b["extra_info"] | {"stats": b["stats"]} for b in doc["benchmarks"]
+               if b["extra_info"]["family"] == family and "error" not in b["extra_info"]]
+        times = [dict(workload=e["workload"], method=e["method"], round=e["round"],
+                      median_s=e["stats"]["median"], best_s=e["stats"].get("min"),
+                      **({} if e.get("peak_extra_mb") is None
+                         else {"peak_extra_mb": e["peak_extra_mb"]}))
+                 for e in ran]
         rows, (columns, notes) = build(picked[family], times) if family in ROUND_AWARE \
             else build(picked[family])
         notes = [f"pytest-benchmark, one process; the methods of a workload ran in "
@@ -729,6 +735,90 @@ def distributed_dpsgd(family):
 
 
 FAMILIES["bench_distributed_dpsgd"] = distributed_dpsgd
+
+# Issue 26's targets on the CPU for this package's step on the Hugging Face
+# models: time / non-private, peak memory / non-private.
+HF_METHODS = ("nonprivate", "ncdp_engine", "opacus_ghost", "opacus_hooks")
+HF_TARGETS = dict(time=1.25, memory=1.1)
+
+
+def _spread(values):
+    """'median (min to max)' of per-round ratios, with their count."""
+    v = sorted(values)
+    mid = v[(len(v) - 1) // 2]
+    return mid, f"{mid:.2f} ({v[0]:.2f} to {v[-1]:.2f}, {len(v)} round(s))"
+
+
+def hf(family, times):
+    """One row per (workload, method) of bench/test_bench_hf.py; ratios to the
+    non-private step of the same round (``times``: every round's median time and
+    peak memory, as write_tables lists them), their median and range over rounds."""
+    by_round = defaultdict(dict)
+    for t in times:
+        by_round[(t["workload"], t["round"])][t["method"]] = t
+    tg = HF_TARGETS
+    rows = []
+    for w, ms in family.items():
+        for m in HF_METHODS:
+            row = dict(workload=w, method=m)
+            if m not in ms:
+                row["error"] = NO_RESULT
+            elif "error" in ms[m]["extra_info"]:
+                row["error"] = ms[m]["extra_info"]["error"]
+            else:
+                row.update(ms=1e3 * _t(ms, m), peak_extra_mb=_x(ms, m, "peak_extra_mb"),
+                           weights_mb=_x(ms, m, "weights_mb"))
+                t_x, mem_x = [], []
+                for (rw, _), rm in sorted(by_round.items()):
+                    base, own = rm.get("nonprivate"), rm.get(m)
+                    if rw != w or base is None or own is None:
+                        continue
+                    t_x.append(own["median_s"] / base["median_s"])
+                    bm, om = base.get("peak_extra_mb"), own.get("peak_extra_mb")
+                    if bm and om is not None:
+                        mem_x.append(om / bm)
+                if t_x:
+                    row["x_nonprivate"], row["x_nonprivate_rounds"] = _spread(t_x)
+                if mem_x:
+                    row["mem_x_nonprivate"], row["mem_x_rounds"] = _spread(mem_x)
+                if m == "ncdp_engine":
+                    ok_t = row.get("x_nonprivate") is not None and row["x_nonprivate"] <= tg["time"]
+                    ok_m = (row.get("mem_x_nonprivate") is not None
+                            and row["mem_x_nonprivate"] <= tg["memory"])
+                    row["targets"] = (f"<= {tg['time']}x time: {'met' if ok_t else 'NOT met'}; "
+                                      f"<= {tg['memory']}x memory: {'met' if ok_m else 'NOT met'}")
+                    row["targets_met"] = ok_t and ok_m
+            rows.append(row)
+    return rows, (
+        [("workload", "workload", None), ("method", "method", None),
+         ("ms", "ms/step", "{:.0f}"),
+         ("x_nonprivate_rounds", "× non-private time: median (range, rounds)", None),
+         ("peak_extra_mb", "peak extra MB", "{:.0f}"),
+         ("mem_x_rounds", "× non-private memory: median (range, rounds)", None),
+         ("weights_mb", "trainable weights MB", "{:.0f}"),
+         ("targets", "targets (issue 26, CPU)", None), ("error", "error", None)],
+        ["one step = zero_grad, forward, loss, backward, privatize (private methods), SGD; "
+         "noise multiplier 1, max_grad_norm 1, flat clipping; random-config transformers "
+         "models, fixed synthetic token ids of the stated shapes (bench/test_bench_hf.py); "
+         "GPT-2: causal-LM loss, each sample's mean over its own tokens "
+         "(TokenCrossEntropyLoss), mean over samples; BERT: cross entropy, mean",
+         "ncdp_engine: ncdp_fast.torch.PrivacyEngine.make_private (GhostClipper); "
+         "opacus_ghost / opacus_hooks: Opacus PrivacyEngine grad_sample_mode 'ghost' / "
+         "'hooks', the model called with position_ids (B, T) (Opacus fails on the default "
+         "(1, T)); opacus_hooks in the first round only; an error: the exception Opacus "
+         "raised building or running its first step",
+         "× non-private: the method's time (or peak memory) over the non-private step's in "
+         "the same interleaved round; median and range over the rounds",
+         "peak extra MB: resident-set growth during one step from a state with no gradients "
+         "(gradients and per-sample gradients released, malloc_trim), sampled every ms; "
+         "torch's CPU allocator does not cache, so the resident set sees its allocations; "
+         "it excludes the weights, the optimizer and the batch, which every method holds",
+         f"targets (issue 26, CPU) for ncdp_engine: <= {tg['time']}x non-private time and "
+         f"<= {tg['memory']}x its peak memory (medians over rounds)"])
+
+
+FAMILIES["bench_hf"] = hf
+ROUND_AWARE.add("bench_hf")
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -1,0 +1,211 @@
+"""Benchmark of one private fine-tuning step of Hugging Face models against the
+non-private step and Opacus (report ``bench_hf``; issue 26).
+
+Workloads (``--bench-size full``; float32, random-config ``transformers``
+models built here, nothing downloaded; fixed synthetic token ids: a step's time
+does not depend on their values; dropout at the configs' default 0.1):
+
+1. ``GPT-2``: ``GPT2LMHeadModel`` with d = 768, 12 heads, vocabulary 50257,
+   ``lm_head`` tied to ``wte`` (the default), 2 layers (the CPU time of the
+   shared 2-core machine allows no more: the tied 50257 x 768 head is most of a
+   step), T = 128, B = 4.  Loss: causal-LM next-token cross entropy, each
+   sample's mean over its own tokens, mean over samples
+   (:class:`ncdp_fast.torch.TokenCrossEntropyLoss` on ``logits[:, :-1]`` against
+   ``ids[:, 1:]``; no padding, so it equals transformers' own loss).
+2. ``BERT``: ``BertForSequenceClassification``, BERT-base's shape (d = 768, 12
+   heads, feed-forward 3072, vocabulary 30522, 512 positions) with 2 layers,
+   2 classes, T = 128, B = 8; cross entropy, mean over samples.
+
+Methods, interleaved in one process (bench/README.md), the same model (same
+weights), the same batch, the same loss:
+
+* ``nonprivate``: zero_grad, forward, loss, backward, SGD step.
+* ``ncdp_engine``: ``ncdp_fast.torch.PrivacyEngine.make_private`` (GhostClipper
+  book-keeping clipping, one backward; its DPOptimizer adds the noise and
+  records the step with the accountant).
+* ``opacus_ghost``: Opacus 1.6 ``make_private(grad_sample_mode="ghost")`` with
+  the same criterion (Opacus calls it with ``reduction="none"`` and gets the
+  per-sample losses).
+* ``opacus_hooks``: Opacus ``make_private(grad_sample_mode="hooks")``
+  (per-sample gradients); timed in round 1 only.
+
+Opacus on the models as they are fails in the first backward: the position
+ids (1, T), broadcast over the batch, give the position embedding a per-sample
+gradient of batch size 1 (hooks: "stack expects each tensor to be equal size,
+but got [B] at entry 0 and [1] at entry 1"; ghost on BERT: "view size is not
+compatible with input tensor's size and stride").  So the Opacus methods get
+``position_ids`` as a (B, T) tensor (``torch.arange(T).repeat(B, 1)``, the same
+values; BERT's token-type ids are already (B, T)), as an Opacus user would pass
+them; the other methods run the models' default.  Where Opacus still refuses a
+model or fails in its first step, the exception is recorded as the method's
+``error`` (the table shows it; no time is recorded).
+
+Noise multiplier 1, max_grad_norm 1, expected batch size B, flat clipping.
+
+Peak memory (``peak_extra_mb``): the resident-set growth during one step,
+sampled every millisecond (bench/_common.py ``peak_extra_mb``) from a clean
+state: the previous step's gradients (and Opacus's ``grad_sample``) released
+and glibc's free memory returned to the system (``malloc_trim``), so it counts
+what one step allocates (activations, logits, gradients, per-sample gradients
+or norms, noise) beyond the model, the optimizer and the batch.  torch's CPU
+allocator does not cache (allocations are malloc/free), so the resident set
+sees them; tracemalloc would not.  ``weights_mb`` is recorded next to it.
+
+Targets (issue 26, CPU): ``ncdp_engine`` at most 1.25x the non-private time
+and 1.1x its peak memory.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+from _common import cases, measure, peak_extra_mb
+
+SHAPES = {
+    "full": dict(gpt2=dict(B=4, T=128, d=768, heads=12, layers=2, vocab=50257),
+                 bert=dict(B=8, T=128, d=768, heads=12, layers=2, ff=3072, vocab=30522, K=2)),
+    "quick": dict(gpt2=dict(B=4, T=64, d=256, heads=4, layers=1, vocab=8192),
+                  bert=dict(B=8, T=64, d=256, heads=4, layers=1, ff=1024, vocab=8192, K=2)),
+    "smallest": dict(gpt2=dict(B=3, T=8, d=16, heads=2, layers=1, vocab=50),
+                     bert=dict(B=3, T=8, d=16, heads=2, layers=1, ff=32, vocab=50, K=2)),
+}
+METHODS = ["nonprivate", "ncdp_engine", "opacus_ghost", "opacus_hooks"]
+ONCE = ("opacus_hooks",)
+OPACUS = ("opacus_ghost", "opacus_hooks")
+C, SIGMA, LR = 1.0, 1.0, 0.01
+REPEATS = 2                         # timed steps a round, after an untimed one and the memory one
+
+
+def workload_label(kind, s):
+    if kind == "gpt2":
+        return (f"GPT-2 LM {s['layers']}x(d={s['d']}, heads={s['heads']}), V={s['vocab']} "
+                f"tied, T={s['T']}, B={s['B']}")
+    return (f"BERT cls {s['layers']}x(d={s['d']}, heads={s['heads']}, ff={s['ff']}), "
+            f"V={s['vocab']}, K={s['K']}, T={s['T']}, B={s['B']}")
+
+
+def CASES(size, device):
+    work = [(workload_label(k, s), dict(s, kind=k)) for k, s in SHAPES[size].items()]
+    return {"test_hf_step": cases("bench_hf", work, METHODS, once=ONCE)}
+
+
+def _model(p, per_row_positions=False):
+    """(model, ids, target, criterion, loss(model, criterion) -> scalar), seeded:
+    every method gets the same weights and batch.  ``per_row_positions``: pass
+    ``position_ids`` as a (B, T) tensor (what Opacus needs, see the docstring)
+    instead of the models' default (1, T)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+
+    from ncdp_fast.torch import TokenCrossEntropyLoss
+    torch.manual_seed(0)
+    B, T = p["B"], p["T"]
+    ids = torch.randint(0, p["vocab"], (B, T))
+    kw = dict(input_ids=ids)
+    if per_row_positions:
+        kw["position_ids"] = torch.arange(T).repeat(B, 1)
+    if p["kind"] == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=p["layers"], n_embd=p["d"], n_head=p["heads"], vocab_size=p["vocab"],
+            n_positions=max(1024, T), tie_word_embeddings=True))
+        crit = TokenCrossEntropyLoss()
+        # target (B, T): token t+1 at position t; the last position, with no next
+        # token, ignored: same shape as the logits' first two dimensions.
+        target = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], dim=1)
+        return model, ids, target, crit, lambda m, c: c(m(**kw).logits, target)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=p["vocab"], hidden_size=p["d"], num_hidden_layers=p["layers"],
+        num_attention_heads=p["heads"], intermediate_size=p["ff"], num_labels=p["K"],
+        max_position_embeddings=max(512, T)))
+    target = torch.randint(0, p["K"], (B,))
+    crit = torch.nn.CrossEntropyLoss()
+    return model, ids, target, crit, lambda m, c: c(m(**kw).logits, target)
+
+
+def build_step(p, method):
+    """(step, release, weights_mb): one training step of ``method`` on workload
+    ``p``; ``release`` frees what a step leaves behind for the memory measurement."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    model, ids, target, crit, loss = _model(p, per_row_positions=method in OPACUS)
+    model.train()
+    weights_mb = sum(q.numel() * q.element_size() for q in model.parameters()
+                     if q.requires_grad) / 2**20
+    # make_private wants a loader: len() 1 gives sample rate 1 (expected batch B);
+    # the step itself runs on the fixed batch, so every method sees exactly B rows.
+    loader = DataLoader(TensorDataset(ids, target), batch_size=ids.shape[0])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    if method == "ncdp_engine":
+        from ncdp_fast.torch import PrivacyEngine
+        model, opt, _ = PrivacyEngine(accountant="prv").make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=SIGMA,
+            max_grad_norm=C, seed=1)
+    elif method in OPACUS:
+        from opacus import PrivacyEngine
+        from opacus.validators import ModuleValidator
+        errors = ModuleValidator.validate(model, strict=False)
+        if errors:
+            raise RuntimeError(f"ModuleValidator.validate: {errors}")
+        kw = dict(module=model, optimizer=opt, data_loader=loader, noise_multiplier=SIGMA,
+                  max_grad_norm=C)
+        if method == "opacus_hooks":
+            model, opt, _ = PrivacyEngine(accountant="prv").make_private(
+                **kw, grad_sample_mode="hooks")
+        else:
+            model, opt, crit, _ = PrivacyEngine(accountant="prv").make_private(
+                **kw, criterion=crit, grad_sample_mode="ghost")
+    elif method != "nonprivate":
+        raise ValueError(method)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss(model, crit).backward()
+        opt.step()
+
+    def release():
+        opt.zero_grad(set_to_none=True)
+    return step, release, weights_mb
+
+
+def _opacus_error(case):
+    """Build and run one step of an Opacus method; (step, release, weights_mb, None),
+    or (None, None, None, "ExceptionType: message") where Opacus does not run it."""
+    try:
+        step, release, weights_mb = build_step(case.params, case.method)
+        step()
+        return step, release, weights_mb, None
+    except Exception as exc:  # noqa: BLE001  -- the peer's failure is the result
+        text = " ".join(f"{type(exc).__name__}: {exc}".split())
+        return None, None, None, text[:400]
+
+
+def test_hf_step(benchmark, case, bench_device, bench_size):
+    import pytest
+    if bench_device != "cpu":
+        pytest.skip("bench_hf is a CPU benchmark (the GPU targets use make gpu-check)")
+    warnings.filterwarnings("ignore")
+    first_done = False
+    if case.method in OPACUS:
+        pytest.importorskip("opacus")
+        step, release, weights_mb, error = _opacus_error(case)
+        if error is not None:
+            benchmark.group = f"{case.family} {case.workload} {bench_device}"
+            benchmark.extra_info.update(family=case.family, workload=case.workload,
+                                        method=case.method, round=case.round,
+                                        device=bench_device, error=error)
+            # pytest-benchmark writes only benchmarks that ran: one empty call,
+            # its time ignored by bench/report.py wherever "error" is set.
+            benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+            return
+        first_done = True
+    else:
+        step, release, weights_mb = build_step(case.params, case.method)
+    if not benchmark.disabled:
+        if not first_done:
+            step()                      # first call: lazy initialisation outside the numbers
+        release()
+        benchmark.extra_info["peak_extra_mb"] = peak_extra_mb(step, bench_device)
+    measure(benchmark, case, step, device=bench_device, repeats=REPEATS, warmup=0,
+            memory=False, first_call=False, weights_mb=weights_mb, batch=case.params["B"],
+            kind=case.params["kind"])

@@ -1,0 +1,97 @@
+"""bench/test_bench_hf.py (report ``bench_hf``, issue 26) in CI: the benchmark
+file runs at its smallest shapes with the timing on and its table comes out of
+that run's JSON; the table's per-round ratios, targets and Opacus errors from a
+recorded document.  (tests/test_bench_suite.py also runs every bench file once
+with the timing off.)"""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import report  # noqa: E402  (bench/report.py)
+
+GPT2 = "GPT-2 LM 1x(d=16, heads=2), V=50 tied, T=8, B=3"
+
+
+def test_hf_bench_runs_and_tables_at_smallest(tmp_path):
+    pytest.importorskip("pytest_benchmark", reason="pytest-benchmark (make test installs it)")
+    pytest.importorskip("transformers")
+    pytest.importorskip("opacus")
+    run = tmp_path / "run.json"
+    # The GPT-2 workload only (the suite test runs BERT too): it has a method
+    # that runs and one Opacus refuses (a tied weight under ghost clipping).
+    proc = subprocess.run([sys.executable, "-m", "pytest", "bench/test_bench_hf.py", "-k", "GPT",
+                           "--bench-size", "smallest", "--bench-rounds", "1", "-q",
+                           "-p", "no:cacheprovider", f"--benchmark-json={run}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "4 passed" in out, out[-4000:]
+    (path,) = [p for p in report.write_tables(json.loads(run.read_text()), tmp_path / "out",
+                                              quiet=True) if p.name.startswith("bench_hf-")]
+    rows = {r["method"]: r for r in json.loads(path.read_text())["rows"]}
+    assert sorted(rows) == sorted(report.HF_METHODS)
+    assert {r["workload"] for r in rows.values()} == {GPT2}
+    for m in ("nonprivate", "ncdp_engine", "opacus_hooks"):
+        assert "error" not in rows[m], rows[m]
+        assert rows[m]["ms"] > 0 and rows[m]["peak_extra_mb"] is not None
+    assert rows["nonprivate"]["x_nonprivate"] == 1.0
+    assert re.fullmatch(r"<= 1\.25x time: (NOT )?met; <= 1\.1x memory: (NOT )?met",
+                        rows["ncdp_engine"]["targets"]), rows["ncdp_engine"]
+    assert "tying" in rows["opacus_ghost"]["error"] and "ms" not in rows["opacus_ghost"]
+
+
+def _b(workload, method, rnd, median, mem, error=None):
+    e = dict(family="bench_hf", workload=workload, method=method, round=rnd, device="cpu",
+             peak_extra_mb=mem, weights_mb=10.0)
+    if error:
+        e = dict(e, error=error)
+        e.pop("peak_extra_mb")
+    return {"group": f"bench_hf {workload} cpu", "name": f"test_hf_step[{workload}|{method}|r{rnd}]",
+            "stats": {"median": median, "min": median}, "extra_info": e}
+
+
+def test_hf_table_ratios_per_round_targets_and_errors(tmp_path):
+    w = "W"
+    # Round 2 runs 3x slower for every method (machine drift): the per-round
+    # ratio stays 1.2 while the median rounds' ratio would not.
+    benchmarks = [_b(w, "nonprivate", 1, 1.0, 100.0), _b(w, "ncdp_engine", 1, 1.2, 105.0),
+                  _b(w, "opacus_hooks", 1, 5.0, 400.0),
+                  _b(w, "opacus_ghost", 1, 1e-7, None, error="NotImplementedError: no"),
+                  _b(w, "nonprivate", 2, 3.0, 100.0), _b(w, "ncdp_engine", 2, 3.9, 130.0),
+                  _b(w, "opacus_ghost", 2, 1e-7, None, error="NotImplementedError: no"),
+                  _b(w, "nonprivate", 3, 2.0, 100.0), _b(w, "ncdp_engine", 3, 2.2, 108.0),
+                  _b(w, "opacus_ghost", 3, 1e-7, None, error="NotImplementedError: no")]
+    report.add_ratios(benchmarks)
+    assert not any(k.startswith("x_") for b in benchmarks for k in b["extra_info"]
+                   if "error" in b["extra_info"])
+    assert "x_opacus_ghost" not in benchmarks[0]["extra_info"]
+    doc = {"version": "5.3.1", "benchmarks": benchmarks,
+           "ncdp": {"device": "CPU: test", "device_tag": "cpu", "size": "full", "rounds": 3,
+                    "commit": "abc1234", "date": "2026-11-25 19:00 UTC"}}
+    (path,) = report.write_tables(doc, tmp_path, quiet=True)
+    table = json.loads(path.read_text())
+    rows = {r["method"]: r for r in table["rows"]}
+    ours = rows["ncdp_engine"]
+    # Per-round ratios 1.2, 1.3, 1.1: median 1.2, range 1.1 to 1.3.
+    assert ours["x_nonprivate"] == pytest.approx(1.2)
+    assert ours["x_nonprivate_rounds"] == "1.20 (1.10 to 1.30, 3 round(s))"
+    assert ours["mem_x_nonprivate"] == pytest.approx(1.08)
+    assert ours["targets"] == "<= 1.25x time: met; <= 1.1x memory: met"
+    assert ours["targets_met"] is True
+    assert rows["opacus_hooks"]["x_nonprivate_rounds"] == "5.00 (5.00 to 5.00, 1 round(s))"
+    assert rows["opacus_ghost"]["error"] == "NotImplementedError: no"
+    assert all(t["method"] != "opacus_ghost" for t in table["meta"]["times"])
+    # Past a target: NOT met.
+    doc["benchmarks"][7]["stats"]["median"] = 1.0       # round 3 ratio 2.2
+    doc["benchmarks"][4]["stats"]["median"] = 2.0       # round 2 ratio 1.95
+    (path,) = report.write_tables(doc, tmp_path / "again", quiet=True)
+    ours = {r["method"]: r for r in json.loads(path.read_text())["rows"]}["ncdp_engine"]
+    assert ours["x_nonprivate"] == pytest.approx(1.95)
+    assert ours["targets"].startswith("<= 1.25x time: NOT met") and not ours["targets_met"]
