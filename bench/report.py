@@ -742,11 +742,10 @@ HF_METHODS = ("nonprivate", "ncdp_engine", "opacus_ghost", "opacus_hooks")
 HF_TARGETS = dict(time=1.25, memory=1.1)
 
 
-def _spread(values):
-    """'median (min to max)' of per-round ratios, with their count."""
-    v = sorted(values)
-    mid = v[(len(v) - 1) // 2]
-    return mid, f"{mid:.2f} ({v[0]:.2f} to {v[-1]:.2f}, {len(v)} round(s))"
+def _spread_text(values):
+    """(median, 'median (min to max, count)') of per-round ratios."""
+    mid, lo, hi = _spread(values)
+    return mid, f"{mid:.2f} ({lo:.2f} to {hi:.2f}, {len(values)} round(s))"
 
 
 def hf(family, times):
@@ -778,9 +777,9 @@ def hf(family, times):
                     if bm and om is not None:
                         mem_x.append(om / bm)
                 if t_x:
-                    row["x_nonprivate"], row["x_nonprivate_rounds"] = _spread(t_x)
+                    row["x_nonprivate"], row["x_nonprivate_rounds"] = _spread_text(t_x)
                 if mem_x:
-                    row["mem_x_nonprivate"], row["mem_x_rounds"] = _spread(mem_x)
+                    row["mem_x_nonprivate"], row["mem_x_rounds"] = _spread_text(mem_x)
                 if m == "ncdp_engine":
                     ok_t = row.get("x_nonprivate") is not None and row["x_nonprivate"] <= tg["time"]
                     ok_m = (row.get("mem_x_nonprivate") is not None
