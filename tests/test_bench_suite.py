@@ -96,3 +96,33 @@ def test_report_marks_a_missing_method_as_an_error(tmp_path):
     (path,) = tmp_path.glob("*.json")
     (row,) = json.loads(path.read_text())["rows"]
     assert row["error"].startswith("no result for torch_eager")
+
+
+def test_finetune_table_same_round_ratios_of_issue_25(tmp_path):
+    """The transformer's issue-25 columns come from same-round ratios (a helper
+    of another table once shadowed the one they use and broke this table)."""
+    w = "transformer T"
+
+    def b(method, rnd, median):
+        e = dict(family="bench_finetune", workload=w, method=method, round=rnd, device="cpu",
+                 kind="transformer", peak_extra_mb=100.0, weights_mb=10.0)
+        return {"group": f"bench_finetune {w} cpu", "name": f"test_finetune_step[{method}|r{rnd}]",
+                "stats": {"median": median, "min": median}, "extra_info": e}
+    # Round 2 is twice as slow for every method: the same-round ratios stay put.
+    benchmarks = [b("nonprivate", 1, 1.0), b("ncdp_ghost", 1, 1.2), b("ncdp_engine", 1, 1.26),
+                  b("opacus_ghost", 1, 1.8),
+                  b("nonprivate", 2, 2.0), b("ncdp_ghost", 2, 2.4), b("ncdp_engine", 2, 2.4),
+                  b("opacus_ghost", 2, 3.6)]
+    report.add_ratios(benchmarks)
+    doc = {"version": "5.3.1", "benchmarks": benchmarks,
+           "ncdp": {"device": "CPU: test", "device_tag": "cpu", "size": "full", "rounds": 2,
+                    "commit": "abc1234", "date": "2026-11-25 20:00 UTC"}}
+    (path,) = [p for p in report.write_tables(doc, tmp_path, quiet=True)
+               if p.name.startswith("bench_finetune-") and p.suffix == ".json"]
+    rows = {r["method"]: r for r in json.loads(path.read_text())["rows"]}
+    eng = rows["ncdp_engine"]
+    assert eng["r_ghost"] == pytest.approx(1.0) and eng["r_ghost_range"] == "1.000-1.050"
+    assert eng["r_nonprivate"] == pytest.approx(1.2) and eng["r_nonprivate_range"] == "1.20-1.26"
+    assert eng["r_opacus_ghost"] == pytest.approx(1.8 / 1.26)      # rounds 1.43, 1.50
+    assert eng["targets25"].startswith("<= 1.03x ncdp_ghost time: met (rounds on both sides)")
+    assert rows["ncdp_ghost"]["r_nonprivate"] == pytest.approx(1.2)
