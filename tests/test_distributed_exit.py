@@ -53,3 +53,30 @@ def test_release_command_error_path_exits_with_its_code(tmp_path):
         assert proc.returncode != 0
         assert text.count("error: NeuroMixGDP.release") == 2, text[-3000:]
         assert "exitcode  : 2" in text, text[-3000:]
+
+
+def test_an_optimizer_built_after_init_does_not_pin_the_group(tmp_path):
+    """The group that torch itself kept alive: torch.distributed.nn.functional binds
+    group.WORLD as default arguments when first imported, and the first torch.optim
+    optimizer imports it.  With ncdp_fast.torch imported before init_process_group
+    (as scripts do), the group is freed by destroy_process_group even though an
+    optimizer is built after init.  One process, a file store: no launcher needed
+    to see the reference itself."""
+    import subprocess
+    import sys
+    script = tmp_path / "pin.py"
+    script.write_text(
+        "import gc, sys, weakref\n"
+        "import ncdp_fast.torch  # noqa: F401\n"
+        "import torch, torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', "
+        "rank=0, world_size=1)\n"
+        "ref = weakref.ref(dist.group.WORLD)\n"
+        "torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)\n"
+        "dist.destroy_process_group()\n"
+        "gc.collect()\n"
+        "print('alive' if ref() is not None else 'freed')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "freed", proc.stdout + proc.stderr[-2000:]

@@ -20,6 +20,16 @@ from __future__ import annotations
 
 import torch
 
+# torch.distributed.nn.functional binds group.WORLD as default arguments when it is
+# first imported, and the first torch.optim optimizer imports it (through
+# torch._dynamo).  Imported after init_process_group, those defaults keep the
+# default group alive past destroy_process_group; its gloo worker threads can then
+# still be freeing a collective's tensors while the interpreter shuts down, and the
+# rank dies by SIGABRT at exit (issue 27).  Imported here -- with ncdp_fast.torch,
+# before a script initialises its group -- the defaults are None.
+if torch.distributed.is_available():
+    import torch.distributed.nn.functional  # noqa: F401
+
 from .. import _stream
 from .._clip import LayersClipResult, clip_and_noise_layers
 from .._mix import poisson_batches
