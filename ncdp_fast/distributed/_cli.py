@@ -141,8 +141,8 @@ class _Progress:
         if self.enabled and (now - self.last >= 1.0 or done == total):
             self.last = now
             pct = 100.0 * done / total if total else 100.0
-            print(f"ncdp-fast release: rank 0 rows {done}/{total} ({pct:.0f}%), "
-                  f"{now - self.t0:.1f} s", file=sys.stderr, flush=True)
+            _say(f"ncdp-fast release: rank 0 rows {done}/{total} ({pct:.0f}%), "
+                 f"{now - self.t0:.1f} s")
 
 
 def _ledger_offset(args, kw, d, n, group, rank):
@@ -165,8 +165,8 @@ def _ledger_offset(args, kw, d, n, group, rank):
         except (ValueError, TypeError, OSError) as e:
             payload = ("error", str(e))
         if payload[0] == "ok" and not args.quiet:
-            print(f"ncdp-fast release: --seed's draws [{payload[1]}, {payload[1] + draws}) "
-                  "reserved in the key ledger", file=sys.stderr, flush=True)
+            _say(f"ncdp-fast release: --seed's draws [{payload[1]}, {payload[1] + draws}) "
+                 "reserved in the key ledger")
     if group is not None:
         import torch.distributed as dist
         box = [payload]
@@ -265,7 +265,7 @@ def _preflight(args, group, rank):
             writer = DirectoryWriter(args.out, overwrite=args.overwrite, name="--out",
                                      overwrite_hint="--overwrite").open()
             for line in writer.notes:       # not progress: said even with --quiet
-                print(f"ncdp-fast release: {line}", file=sys.stderr, flush=True)
+                _say(f"ncdp-fast release: {line}")
     except (ValueError, TypeError, OSError) as e:
         err = e
     try:
@@ -275,6 +275,14 @@ def _preflight(args, group, rank):
             writer.abort()
         raise
     return feats, labels, writer, key
+
+
+def _say(line: str) -> None:
+    """One line on stderr in one write: under torchrun the ranks share one pipe,
+    and print's separate write of the newline let another rank's line land in
+    the middle; a single write of at most PIPE_BUF bytes is never interleaved."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _rank_world_env():
@@ -295,8 +303,7 @@ def run_release(args) -> int:
     try:
         _check_args(args)
     except (ValueError, TypeError) as e:
-        print(f"ncdp-fast release: rank {rank} of {world}: error: {e}", file=sys.stderr,
-              flush=True)
+        _say(f"ncdp-fast release: rank {rank} of {world}: error: {e}")
         return 2
     group = _init_group(args.timeout)
     rank, world = rank_world(group)
@@ -315,28 +322,27 @@ def run_release(args) -> int:
         if args.pld_interval is not None:
             mech.value_discretization_interval = float(args.pld_interval)
         if rank == 0 and not args.quiet:
-            print(f"ncdp-fast release: {feats.shape[0]} rows x {feats.shape[1]} on {world} "
-                  f"process(es); this rank holds rows [{lo}, {hi})", file=sys.stderr, flush=True)
+            _say(f"ncdp-fast release: {feats.shape[0]} rows x {feats.shape[1]} on {world} "
+                 f"process(es); this rank holds rows [{lo}, {hi})")
         res = release_sharded(mech, feats[lo:hi], np.asarray(labels),
                               num_classes=args.num_classes, group=group,
                               chunk_bytes=int(args.chunk_mb * 2**20),
                               progress=_Progress(rank == 0 and not args.quiet))
         if rank == 0 and not args.quiet:
             st = res.stats
-            print(f"ncdp-fast release: config exchange {st['check_s']:.1f} s, accounting (rank 0) "
-                  f"{st['accounting_s']:.1f} s, {st['rounds']} round(s) {st['rounds_s']:.1f} s "
-                  f"(of which in reduce-scatter {st['reduce_scatter_s']:.1f} s); writing "
-                  f"{args.out}", file=sys.stderr, flush=True)
+            _say(f"ncdp-fast release: config exchange {st['check_s']:.1f} s, accounting (rank 0) "
+                 f"{st['accounting_s']:.1f} s, {st['rounds']} round(s) {st['rounds_s']:.1f} s "
+                 f"(of which in reduce-scatter {st['reduce_scatter_s']:.1f} s); writing "
+                 f"{args.out}")
         out = res.write(args.out, writer, key=key, chunk_bytes=int(args.chunk_mb * 2**20))
     except (ValueError, TypeError, OSError, RuntimeError) as e:   # gloo errors are RuntimeError
-        print(f"ncdp-fast release: rank {rank} of {world}: error: "
-              f"{str(e).removeprefix('ncdp-fast release: ')}", file=sys.stderr, flush=True)
+        _say(f"ncdp-fast release: rank {rank} of {world}: error: "
+             f"{str(e).removeprefix('ncdp-fast release: ')}")
         return 2
     except _Terminated:
-        print(f"ncdp-fast release: rank {rank} of {world}: stopped by SIGTERM (torchrun "
-              "stops the other ranks when one fails)" + ("; partial output removed"
-                                                          if rank == 0 else ""),
-              file=sys.stderr, flush=True)
+        _say(f"ncdp-fast release: rank {rank} of {world}: stopped by SIGTERM (torchrun "
+             "stops the other ranks when one fails)" + ("; partial output removed"
+                                                         if rank == 0 else ""))
         return 128 + 15
     finally:
         if writer is not None:
