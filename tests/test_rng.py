@@ -1,6 +1,9 @@
 """Philox4x32-10 stream: known answers, backends agree, statistics, offsets."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba import njit
 from scipy import stats
 
 import ncdp_fast as nf
@@ -35,8 +38,10 @@ def test_stream_layout_is_key_seed_counter_block():
                           np.array(nrng.philox_block(np.uint64(seed), np.uint64(block)), np.uint32))
 
 
+# The last four cross the kernel's tiles of 2048 pairs (4096 normals) with each
+# of the four positions of the first normal in its Philox block (offset % 4).
 CASES = [(0, 0, 1), (1, 3, 9), (7, 1, 2), (2**40 + 5, 2**33 + 1, 13), (2**64 - 1, 2**64 - 21, 21),
-         (12345, 0, 257)]
+         (12345, 0, 257), (5, 1, 8193), (5, 2, 4095), (6, 3, 4097), (2**63 + 1, 2**62 + 4, 4099)]
 
 
 @pytest.mark.parametrize("seed,offset,count", CASES)
@@ -63,6 +68,46 @@ def test_offsets_index_one_stream():
     for start, n in [(0, 1), (1, 7), (3, 100), (513, 487)]:
         part = nf.gaussian(n, seed=99, offset=start, dtype=np.float64)
         assert np.array_equal(part, whole[start:start + n])
+
+
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(0, 140_000), max_size=4), offset=st.integers(0, 2**20),
+       accumulate=st.booleans())
+def test_any_split_of_a_range_gives_the_same_bits(cuts, offset, accumulate):
+    """Ranks, chunks and the serial/parallel twins compute pieces of one range:
+    every normal depends on its index alone, so the pieces equal the whole bit
+    for bit (the whole, 140,001 normals, runs on the parallel twin; small pieces
+    on the serial one)."""
+    n = 140_001
+    start = np.full(n, 0.25)           # accumulated into, or overwritten (NaN below)
+    whole = start.copy()
+    nrng.add_gaussian(whole, np.uint64(11), np.uint64(offset), 0.5, accumulate, 3.0)
+    pieces = start.copy() if accumulate else np.full(n, np.nan)
+    bounds = [0, *sorted(cuts), n]
+    for a, b in zip(bounds, bounds[1:]):
+        nrng.add_gaussian(pieces[a:b], np.uint64(11), np.uint64(offset + a), 0.5, accumulate, 3.0)
+    assert np.array_equal(pieces, whole)
+
+
+def test_branch_free_log_is_within_one_ulp_of_libm():
+    """The kernel's log (fdlibm's algorithm without branches) on u1's whole
+    range [2^-129, 1]: uniform mantissas at every binade, powers of two, 1 and
+    the neighbours of sqrt(2)/2 and sqrt(2), where its reduction switches."""
+    rng = np.random.default_rng(0)
+    u = np.ldexp(rng.uniform(0.5, 1.0, 200_000), rng.integers(-128, 1, 200_000))
+    edges = np.array([2.0**-129, 2.0**-128, 0.5, 1.0, np.sqrt(0.5), np.sqrt(2) / 2])
+    u = np.concatenate([u, edges, np.nextafter(edges, 0), np.nextafter(edges[:-3], 2)])
+    got = _log_all(u)
+    want = np.log(u)
+    assert np.all(np.abs(got - want) <= np.spacing(np.abs(want)))
+
+
+@njit(cache=True)
+def _log_all(u):
+    out = np.empty_like(u)
+    for i in range(u.shape[0]):
+        out[i] = nrng.log_normal(u[i])
+    return out
 
 
 def test_disjoint_offsets_give_independent_draws():

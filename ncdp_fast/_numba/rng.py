@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange  # noqa: F401 (prange in sized kernels)
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from ._dispatch import sized_kernel
 
@@ -69,36 +71,60 @@ def uniforms_of_words(a, b, x0, x1, x2, x3):
     return u1 * _INV_2_128, u2 * _INV_2_64
 
 
-@sized_kernel(lambda seed, first_pair, u1, u2: 16 * u1.shape[0])
-def pair_uniforms(seed, first_pair, u1, u2):
-    """Uniforms of Box-Muller pairs ``first_pair .. first_pair + len(u1) - 1``.
+@intrinsic
+def _bits_of(typingctx, x):
+    """The IEEE bits of a float64 as uint64 (an LLVM bitcast: vectorizes)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+    return types.uint64(types.float64), codegen
 
-    Pair q's draws are stream words 2q and 2q+1; its 128-bit u1 and 64-bit u2
-    add the words of tail block 2^63 + q, summed in float64 in the reference's
-    order (ncdp_fast.reference.rng), so u1 is in [2^-129, 1] and log(u1) is
-    finite.  seed, first_pair: uint64; u1, u2: float64 [len].
-    """
-    n = u1.shape[0]
-    nblocks = (n + 1) // 2 + 1
-    first_block = first_pair >> np.uint64(1)
-    # Pairs of one Philox block (two pairs) are produced together.
-    for b in prange(nblocks):
-        blk = first_block + np.uint64(b)
-        w = philox_block(seed, blk)
-        for half in range(2):
-            q = np.int64(2 * b + half) - np.int64(first_pair & np.uint64(1))
-            if 0 <= q < n:
-                x = philox_block(seed, _TAIL_BLOCK + first_pair + np.uint64(q))
-                u1[q], u2[q] = uniforms_of_words(w[2 * half], w[2 * half + 1],
-                                                 x[0], x[1], x[2], x[3])
+
+@intrinsic
+def _float_of(typingctx, x):
+    """The float64 whose IEEE bits are the uint64 ``x``."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+    return types.float64(types.uint64), codegen
+
+
+# log(u) for normal positive float64 u, the algorithm and coefficients of
+# fdlibm's e_log.c (u = 2^k m with m in [sqrt(2)/2, sqrt(2)), log(1+f) from
+# s = f/(2+f)), written without branches so the loop over a tile vectorizes:
+# NumPy's log is a separate single-threaded pass, and numba's np.log a scalar
+# libm call.  u1 >= 2^-129 is never subnormal, zero or non-finite, the only
+# inputs that need e_log.c's branches.  Measured against np.log over 10^6
+# values spread over [2^-129, 1]: at most 1 float64 ulp apart.
+_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10
+_LG1, _LG2, _LG3 = 6.666666666666735130e-01, 3.999999999940941908e-01, 2.857142874366239149e-01
+_LG4, _LG5 = 2.222219843214978396e-01, 1.818357216161805012e-01
+_LG6, _LG7 = 1.531383769920937332e-01, 1.479819860511658591e-01
+_MANTISSA = np.uint64(0x000FFFFFFFFFFFFF)
+_EXP_ONE = np.uint64(0x3FF0000000000000)
+_S52 = np.uint64(52)
+_SQRT2 = 1.4142135623730951
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def log_normal(u):
+    """ln(u) for a normal (not subnormal) positive finite float64 ``u``."""
+    b = _bits_of(u)
+    m = _float_of((b & _MANTISSA) | _EXP_ONE)     # u = 2^k m, m in [1, 2)
+    big = np.int64(m > _SQRT2)
+    m = m * (1.0 - 0.5 * big)                      # exact: m in [sqrt(2)/2, sqrt(2))
+    dk = np.float64(np.int64(b >> _S52) - 1023 + big)
+    f = m - 1.0
+    hfsq = 0.5 * f * f
+    s = f / (2.0 + f)
+    z = s * s
+    w = z * z
+    r = z * (_LG1 + w * (_LG3 + w * (_LG5 + w * _LG7))) + w * (_LG2 + w * (_LG4 + w * _LG6))
+    return dk * _LN2_HI - ((hfsq - (s * (hfsq + r) + dk * _LN2_LO)) - f)
 
 
 # Cody-Waite reduction by pi/2 (two-part constant) and the sin/cos kernel
-# polynomials on [-pi/4, pi/4], as in fdlibm (k_sin.c, k_cos.c, e_rem_pio2.c).
-# Branch-free so LLVM vectorizes the loop: ~3 ns per pair against ~27 ns for
-# NumPy's scalar cos + sin; measured against np.cos/np.sin of the same
-# float64 argument over 10^7 stream uniforms: at most 1 float64 ulp apart, no
-# float32 result differs.
+# polynomials on [-pi/4, pi/4], as in fdlibm (k_sin.c, k_cos.c, e_rem_pio2.c),
+# branch-free for the same reason; measured against np.cos/np.sin of the same
+# float64 argument over 10^7 stream uniforms: at most 1 float64 ulp apart.
 _PIO2_1 = 1.57079632673412561417e+00
 _PIO2_1T = 6.07710050650619224932e-11
 _INVPIO2 = 6.36619772367581382433e-01
@@ -108,30 +134,106 @@ _C1, _C2, _C3 = 4.16666666666666019037e-02, -1.38888888888741095749e-03, 2.48015
 _C4, _C5, _C6 = -2.75573143513906633035e-07, 2.08757232129817482790e-09, -1.13596475577881948265e-11
 
 
-@sized_kernel(lambda r, u2, z: 16 * r.shape[0], fastmath={"contract"})
-def box_muller_pairs(r, u2, z):
-    """z[2i] = r[i] cos(2 pi u2[i]), z[2i+1] = r[i] sin(2 pi u2[i]) (float64)."""
-    for i in prange(r.shape[0]):
-        t = _TWO_PI * u2[i]                     # the same rounded angle as the reference
-        q = np.floor(t * _INVPIO2 + 0.5)
-        x = (t - q * _PIO2_1) - q * _PIO2_1T     # |x| <= pi/4, error << ulp(x)
-        zz = x * x
-        sn = x + (zz * x) * (_S1 + zz * (_S2 + zz * (_S3 + zz * (_S4 + zz * (_S5 + zz * _S6)))))
-        rc = zz * (_C1 + zz * (_C2 + zz * (_C3 + zz * (_C4 + zz * (_C5 + zz * _C6)))))
-        hz = 0.5 * zz
-        w = 1.0 - hz
-        cs = w + (((1.0 - w) - hz) + zz * rc)
-        k = np.int64(q)
-        odd = k & 1                              # quadrant: swap sin/cos and fix signs,
-        a = cs * (1 - odd) + sn * odd            # by exact 0/1 products, not branches
-        b = sn * (1 - odd) + cs * odd
-        z[2 * i] = r[i] * (a * (1 - 2 * (((k + 1) >> 1) & 1)))
-        z[2 * i + 1] = r[i] * (b * (1 - 2 * ((k >> 1) & 1)))
+@njit(cache=True, inline="always", error_model="numpy")
+def cos_sin_2pi(u2):
+    """``(cos(2 pi u2), sin(2 pi u2))`` of the reference's rounded angle 2 pi u2."""
+    t = _TWO_PI * u2
+    q = np.floor(t * _INVPIO2 + 0.5)
+    x = (t - q * _PIO2_1) - q * _PIO2_1T         # |x| <= pi/4, error << ulp(x)
+    zz = x * x
+    sn = x + (zz * x) * (_S1 + zz * (_S2 + zz * (_S3 + zz * (_S4 + zz * (_S5 + zz * _S6)))))
+    rc = zz * (_C1 + zz * (_C2 + zz * (_C3 + zz * (_C4 + zz * (_C5 + zz * _C6)))))
+    hz = 0.5 * zz
+    w = 1.0 - hz
+    cs = w + (((1.0 - w) - hz) + zz * rc)
+    k = np.int64(q)
+    odd = k & 1                                  # quadrant: swap sin/cos and fix signs,
+    a = cs * (1 - odd) + sn * odd                # by exact 0/1 products, not branches
+    b = sn * (1 - odd) + cs * odd
+    return a * (1 - 2 * (((k + 1) >> 1) & 1)), b * (1 - 2 * ((k >> 1) & 1))
 
 
-# Normals are produced in chunks of 2^20 (three float64 temporaries of 8 MB):
-# large enough that the Philox and sin/cos kernels go parallel.
-_CHUNK = 1 << 20
+# Pairs per tile: one task of the parallel loop.  Each tile runs three simple
+# loops over its pairs (uniforms, radius, angle and store), each of which LLVM
+# vectorizes; one fused loop per pair did not vectorize and was 2.2x slower.
+# Two float64 temporaries of 16 KB stay in the L1/L2 cache.
+_TILE = 2048
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _store(out, j, z, scale, accumulate, post):
+    if accumulate:
+        out[j] = post * (out[j] + scale * z)
+    else:
+        out[j] = post * (scale * z)
+
+
+def _gaussian_work(out, *_):
+    return 16 * out.shape[0]
+
+
+@sized_kernel(_gaussian_work, error_model="numpy")
+def _add_gaussian(out, seed, offset, scale, accumulate, post):
+    """The body of :func:`add_gaussian`; ``offset`` uint64, ``len(out) > 0``.
+
+    Positions are relative to the even pair ``base`` at or below the first
+    pair, so no index passes int64 even where the offset is near 2^64; only the
+    Philox counters are absolute (uint64).  Normal j is lane ``(j + lead) & 1``
+    of relative pair ``(j + lead) >> 1``, ``lead = offset - 2 base``.
+    """
+    n = out.shape[0]
+    base = (offset >> np.uint64(1)) & ~np.uint64(1)
+    lead = np.int64(offset - np.uint64(2) * base)          # 0 .. 3
+    npairs = (lead + n + 1) >> 1
+    npairs += npairs & 1                                    # whole Philox blocks
+    ntiles = (npairs + _TILE - 1) // _TILE
+    for t in prange(ntiles):
+        lo = t * _TILE
+        m = min(_TILE, npairs - lo)                         # even
+        u1 = np.empty(m)
+        u2 = np.empty(m)
+        # Uniforms: the block of draws serves two pairs; each pair has its tail block.
+        for h in range(m >> 1):
+            q = base + np.uint64(lo + 2 * h)
+            w = philox_block(seed, q >> np.uint64(1))
+            x = philox_block(seed, _TAIL_BLOCK + q)
+            y = philox_block(seed, _TAIL_BLOCK + q + np.uint64(1))
+            u1[2 * h], u2[2 * h] = uniforms_of_words(w[0], w[1], x[0], x[1], x[2], x[3])
+            u1[2 * h + 1], u2[2 * h + 1] = uniforms_of_words(w[2], w[3], y[0], y[1], y[2], y[3])
+        for i in range(m):
+            u1[i] = np.sqrt(-2.0 * log_normal(u1[i]))       # the radius r, in place
+        # Pairs whose two normals both land in out: j = 2 (lo + i) - lead >= 0
+        # and j + 1 <= n - 1.  The rest (at most one at each end of out, plus
+        # the padding to whole blocks) store the lanes that land.
+        i_lo = min(m, max(0, (lead + 1) // 2 - lo))
+        i_hi = max(i_lo, min(m, (n + lead - 2) // 2 - lo + 1))
+        # Views from the first whole pair, indexed from 0: numba adds a
+        # negative-index wraparound branch to any signed index it cannot prove
+        # non-negative, which kept this loop scalar (1.3x slower in this kernel,
+        # 2.3x with the accumulate test inside the loop).
+        j0 = 2 * (lo + i_lo) - lead
+        seg = out[j0:j0 + 2 * (i_hi - i_lo)]
+        r = u1[i_lo:i_hi]
+        v = u2[i_lo:i_hi]
+        if accumulate:
+            for i in range(i_hi - i_lo):
+                c, s = cos_sin_2pi(v[i])
+                seg[2 * i] = post * (seg[2 * i] + scale * (r[i] * c))
+                seg[2 * i + 1] = post * (seg[2 * i + 1] + scale * (r[i] * s))
+        else:
+            for i in range(i_hi - i_lo):
+                c, s = cos_sin_2pi(v[i])
+                seg[2 * i] = post * (scale * (r[i] * c))
+                seg[2 * i + 1] = post * (scale * (r[i] * s))
+        for i in range(m):
+            if i_lo <= i < i_hi:
+                continue
+            c, s = cos_sin_2pi(u2[i])
+            j = 2 * (lo + i) - lead
+            if 0 <= j < n:
+                _store(out, j, u1[i] * c, scale, accumulate, post)
+            if 0 <= j + 1 < n:
+                _store(out, j + 1, u1[i] * s, scale, accumulate, post)
 
 
 def add_gaussian(out, seed, offset, scale, accumulate, post):
@@ -143,28 +245,13 @@ def add_gaussian(out, seed, offset, scale, accumulate, post):
     which is what lets the finishing step of every noisy reduction (sum, add
     noise, divide by the expected batch size) share this loop.
 
-    Philox words and sin/cos come from numba, log/sqrt from NumPy's vectorized
-    loops; all within a float64 ulp or two of the reference's scalar libm
-    calls, hence within one float32 ulp.
+    Each normal is computed from its own index alone, with the same IEEE
+    operations whichever tile, lane or thread computes it (no fast-math), so
+    any split of a range (ranks, chunks, the serial and parallel twins) gives
+    the same bits.  log, sin and cos are the branch-free fdlibm forms above,
+    each within a float64 ulp of libm, hence within one float32 ulp of the
+    reference.
     """
-    n = out.shape[0]
-    seed = np.uint64(seed)
-    for start in range(0, n, _CHUNK):
-        m = min(_CHUNK, n - start)
-        k = int(offset) + start
-        skip = k & 1
-        npairs = (skip + m + 1) >> 1
-        u1 = np.empty(npairs)
-        u2 = np.empty(npairs)
-        pair_uniforms(seed, np.uint64(k >> 1), u1, u2)
-        r = np.sqrt(-2.0 * np.log(u1))
-        z = np.empty(2 * npairs)
-        box_muller_pairs(r, u2, z)
-        z = z[skip:skip + m]
-        z *= scale
-        seg = out[start:start + m]
-        if accumulate:
-            z += seg
-        if post != 1.0:
-            z *= post
-        seg[:] = z
+    if out.shape[0]:
+        _add_gaussian(out, np.uint64(seed), np.uint64(offset), float(scale), bool(accumulate),
+                      float(post))
