@@ -99,3 +99,41 @@ def test_parallel_scaling_equals_serial():
     kernels._scale_rows.parallel(x, f, parallel)
     assert np.array_equal(serial, parallel)
     assert np.array_equal(serial, (x * f[:, None, None]).astype(np.float32))
+
+
+def _exponents_by_max(a, g, factors, into_g):
+    """The rebalancing rule from the maxima themselves (no norm shortcut)."""
+    k = np.zeros(a.shape[0])
+    for i in range(a.shape[0]):
+        ma = float(np.abs(a[i].astype(np.float64)).max(initial=0.0))
+        mg = float(np.abs(g[i].astype(np.float64)).max(initial=0.0))
+        u, v = factors[i] * (mg if into_g else ma), (ma if into_g else mg)
+        if u > 0 and v > 0 and not (2.0**-40 <= u <= 2.0**40 and 2.0**-40 <= v <= 2.0**40):
+            k[i] = np.floor(0.5 * (np.log2(v) - np.log2(u)))
+    return k
+
+
+@settings(max_examples=60, deadline=None)
+@given(scales=st.lists(st.integers(-70, 70), min_size=6, max_size=6),
+       f_exp=st.lists(st.integers(-80, 0), min_size=3, max_size=3),
+       into_g=st.booleans(), dtype=st.sampled_from([np.float32, np.float64]),
+       zero_row=st.booleans(), seed=st.integers(0, 2**16))
+def test_rebalancing_exponents_equal_the_max_rule(scales, f_exp, into_g, dtype, zero_row, seed):
+    """The kernel decides from each sample's norms where those bound the maxima
+    inside [2^-40, 2^40] and forms the maxima otherwise: the exponents equal the
+    rule stated on the maxima, for samples at every scale around the thresholds
+    (2^+-40 of the data and the factors), zero samples and zero factors."""
+    rng = np.random.default_rng(seed)
+    B, T, d, K = 3, 4, 5, 6
+    a = rng.standard_normal((B, T, d)) * np.exp2(np.array(scales[:3]))[:, None, None]
+    g = rng.standard_normal((B, T, K)) * np.exp2(np.array(scales[3:]))[:, None, None]
+    if dtype == np.float32:      # float32 cannot hold 2^+-70: keep its range
+        a, g = np.clip(a, -1e37, 1e37), np.clip(g, -1e37, 1e37)
+    a, g = a.astype(dtype), g.astype(dtype)
+    if zero_row:
+        a[1] = 0
+    factors = np.exp2(np.array(f_exp, dtype=np.float64))
+    factors[2] = 0.0 if zero_row else factors[2]
+    k = np.empty(B)
+    kernels._balance_exponents(a, g, factors, into_g, k)
+    assert np.array_equal(k, _exponents_by_max(a, g, factors, into_g))
