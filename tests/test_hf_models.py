@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ncdp_fast.torch import GhostClipper, PrivacyEngine  # noqa: E402
 
-from test_torch_layers import clipped_mean, flat_norms, low_bound  # noqa: E402
+from test_torch_layers import Scale, clipped_mean, flat_norms, low_bound  # noqa: E402
 
 F32, F64 = torch.float32, torch.float64
 V, T, B, LABELS = 97, 8, 4, 3
@@ -460,23 +460,12 @@ def test_vit_interpolated_position_embeddings_are_refused():
     clipper.remove()
 
 
-class _Gain(nn.Module):
-    """A LayerScale-like gain: a bare Parameter multiplying the activations."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.gamma = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * self.gamma
-
-
 def test_a_bare_parameter_without_a_rule_is_refused_naming_it():
     model = build("bert")
     model.bert.encoder.layer[0].output.dense = nn.Sequential(
-        model.bert.encoder.layer[0].output.dense, _Gain(32).to(F64))
-    with pytest.raises(ValueError, match=r"'bert\.encoder\.layer\.0\.output\.dense\.1\.gamma' "
-                                         r"belong to _Gain, which has no per-sample gradient "
+        model.bert.encoder.layer[0].output.dense, Scale(32).to(F64))
+    with pytest.raises(ValueError, match=r"'bert\.encoder\.layer\.0\.output\.dense\.1\.w' "
+                                         r"belong to Scale, which has no per-sample gradient "
                                          r"rule.*register_layer"):
         _clip(model)
 

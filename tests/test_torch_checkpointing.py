@@ -34,24 +34,34 @@ def _run(fn, mode, *args):
     return checkpoint(fn, *args, use_reentrant=mode == "reentrant")
 
 
-class MLP(nn.Module):
+class _Checkpointed(nn.Module):
+    """``head(pool(block(tanh(inp(x)))))``, the block run through
+    :func:`_run` in ``mode``.  ``layers`` are registered in the order given,
+    which is the order they were built (and seeded) in."""
+
+    def __init__(self, mode, **layers):
+        super().__init__()
+        self.mode = mode
+        for name, layer in layers.items():
+            self.add_module(name, layer)
+
+    def pool(self, h):
+        return h
+
+    def forward(self, x):
+        return self.head(self.pool(_run(self.block, self.mode, torch.tanh(self.inp(x)))))
+
+
+class MLP(_Checkpointed):
     """Linear -> [checkpointed: Linear, Linear called twice] -> Linear."""
 
     def __init__(self, mode="non_reentrant"):
-        super().__init__()
-        self.mode = mode
-        self.inp = nn.Linear(5, 8)
-        self.mid = nn.Linear(8, 8)
-        self.twice = nn.Linear(8, 8)
-        self.out = nn.Linear(8, 3)
+        super().__init__(mode, inp=nn.Linear(5, 8), mid=nn.Linear(8, 8),
+                         twice=nn.Linear(8, 8), head=nn.Linear(8, 3))
 
     def block(self, h):
         h = torch.tanh(self.mid(h))
         return torch.tanh(self.twice(torch.tanh(self.twice(h))))
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        return self.out(_run(self.block, self.mode, h))
 
 
 class TinyTransformer(nn.Module):
@@ -117,24 +127,19 @@ def test_checkpointed_transformer_blocks_equal_per_sample_clipping(dtype, sequen
     check_exact(model, ce, batch, dtype=dtype, ps=ps)
 
 
-class SeqNet(nn.Module):
+class SeqNet(_Checkpointed):
     """On (B, 8, 3) sequences: the checkpointed block's small Linears take the
     instantiated form (2 T^2 = 128 > K d), the others the factored (ghost) one."""
 
     def __init__(self, mode="non_reentrant"):
-        super().__init__()
-        self.mode = mode
-        self.inp = nn.Linear(3, 16)
-        self.a = nn.Linear(16, 2)
-        self.b = nn.Linear(2, 16)
-        self.head = nn.Linear(16, 3)
+        super().__init__(mode, inp=nn.Linear(3, 16), a=nn.Linear(16, 2), b=nn.Linear(2, 16),
+                         head=nn.Linear(16, 3))
 
     def block(self, h):
         return torch.tanh(self.b(torch.tanh(self.a(h))))
 
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        return self.head(_run(self.block, self.mode, h).mean(1))
+    def pool(self, h):
+        return h.mean(1)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -239,18 +244,15 @@ def test_reentrant_checkpoint_is_refused_in_backward():
     clipper.privatize_()
 
 
-class Mixed(nn.Module):
-    """One layer used outside the checkpointed region and inside a reentrant one."""
+class Mixed(_Checkpointed):
+    """One layer, ``inp``, used outside the checkpointed region and inside a
+    reentrant one."""
 
     def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(5, 5)
-        self.out = nn.Linear(5, 2)
+        super().__init__("reentrant", inp=nn.Linear(5, 5), head=nn.Linear(5, 2))
 
-    def forward(self, x):
-        h = torch.tanh(self.lin(x))
-        h = checkpoint(lambda v: torch.tanh(self.lin(v)), h, use_reentrant=True)
-        return self.out(h)
+    def block(self, h):
+        return torch.tanh(self.inp(h))
 
 
 def test_reentrant_region_reusing_a_recorded_layer_is_refused():
@@ -260,7 +262,7 @@ def test_reentrant_region_reusing_a_recorded_layer_is_refused():
     x = x[:, :5]
     y = y % 2
     GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=6)
-    with pytest.raises(RuntimeError, match=r"'lin'.*inside backward.*use_reentrant=True"):
+    with pytest.raises(RuntimeError, match=r"'inp'.*inside backward.*use_reentrant=True"):
         ce(model, x, y, "mean").backward()
 
 

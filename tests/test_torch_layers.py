@@ -762,6 +762,18 @@ def test_clipped_contribution_never_exceeds_C(kinds, exponent, dtype, C, seed):
         assert float(flat.norm()) >= C * (1 - 1e-3)
 
 
+class Scale(nn.Module):
+    """y = x * w, w (d,) ones: a bare Parameter multiplying the activations
+    (LayerScale-like), no rule built in."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.w
+
+
 class Gain(nn.Module):
     """y = x * w + b on (B, T, K): directly registered parameters, no rule built in."""
 

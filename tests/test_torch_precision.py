@@ -31,6 +31,7 @@ from ncdp_fast.torch import GhostClipper, register_layer  # noqa: E402
 from ncdp_fast.torch.layers import RULES  # noqa: E402
 
 from test_attacks_batch import _check_exact  # noqa: E402
+from test_torch_layers import Scale  # noqa: E402
 
 F64 = torch.float64
 
@@ -198,20 +199,10 @@ def test_float16_gradient_overflowing_on_rounding_is_refused_and_nothing_written
     clipper.remove()
 
 
-class HalfRowSum(nn.Module):
-    """A user layer y = x * w (per feature) whose rule returns a GhostBlock."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * self.w
-
-
 @pytest.fixture
 def half_ghost_rule():
-    @register_layer(HalfRowSum)
+    """Scale (y = x * w per feature) given a rule that returns a GhostBlock."""
+    @register_layer(Scale)
     def rule(module, calls, trainable):
         x, g = calls[0].inputs[0], calls[0].grad
         per = (x * g).to(F64)
@@ -219,15 +210,15 @@ def half_ghost_rule():
                                     .to(module.w.dtype), tuple(module.w.shape), 2,
                                     dtype=module.w.dtype))]
     yield
-    RULES.pop(HalfRowSum)
+    RULES.pop(Scale)
 
 
 def test_user_ghost_block_in_half_dtype_is_refused_naming_the_layer(half_ghost_rule):
-    model = nn.Sequential(HalfRowSum(3)).to(torch.bfloat16)
+    model = nn.Sequential(Scale(3)).to(torch.bfloat16)
     clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
                            expected_batch_size=2, seed=30)
     x = torch.randn(2, 3).to(torch.bfloat16)
-    with pytest.raises(TypeError, match=r"rule of HalfRowSum \('0'\) returned a GhostBlock for "
+    with pytest.raises(TypeError, match=r"rule of Scale \('0'\) returned a GhostBlock for "
                                         r"\['w'\] of dtype torch\.bfloat16, expected "
                                         r"torch\.float32"):
         model(x).sum().backward()

@@ -319,6 +319,25 @@ def refuse_unsupported(name: str, module: nn.Module) -> None:
         raise ValueError(f"GhostClipper: layer {name!r} ({type(module).__name__}): {problem}")
 
 
+def _rows_sq(idx: torch.Tensor, h: torch.Tensor, V: int) -> torch.Tensor:
+    """Squared norm per sample of a row-scatter gradient: sample i's gradient has
+    rows ``sum_{t: idx[i, t] = v} h[i, t]`` at the rows v it used, of a (V, D)
+    weight.  ``idx`` (B, T) int64 row indices, ``h`` (B, T, D) any float dtype;
+    returns (B,) float64.  One scatter into each sample's distinct (sample, row)
+    keys, summed in float64: O(B T D), nothing of size V*D per sample.  Shared by
+    the Embedding rule and a tied weight's embedding uses (tied.py), so both
+    round alike."""
+    B, T = idx.shape
+    D = h.shape[2]
+    sample = torch.arange(B, device=idx.device).unsqueeze(1).expand(B, T)
+    keys, inverse = torch.unique(sample * V + idx, return_inverse=True)
+    rows = torch.zeros((keys.numel(), D), dtype=torch.float64, device=h.device)
+    rows.index_add_(0, inverse.reshape(-1), h.reshape(-1, D).to(torch.float64))
+    sq = torch.zeros(B, dtype=torch.float64, device=h.device)
+    sq.index_add_(0, torch.div(keys, V, rounding_mode="floor"), rows.square().sum(1))
+    return sq
+
+
 @register_layer(nn.Embedding)
 def embedding_rule(module: nn.Embedding, calls, trainable):
     """Row lookup: sample i's gradient has rows ``sum_{t: idx_t = v} g_t`` at the
@@ -335,13 +354,8 @@ def embedding_rule(module: nn.Embedding, calls, trainable):
     g = _cat([_flat_positions(c.grad, D) for c in calls])              # (B, T, D)
     if module.padding_idx is not None:       # the padding row never gets a gradient
         g = g.masked_fill((idx == module.padding_idx).unsqueeze(-1), 0)
-    B, T = idx.shape
-    sample = torch.arange(B, device=idx.device).unsqueeze(1).expand(B, T)
-    keys, inverse = torch.unique(sample * V + idx, return_inverse=True)
-    rows = torch.zeros((keys.numel(), D), dtype=torch.float64, device=g.device)
-    rows.index_add_(0, inverse.reshape(-1), g.reshape(-1, D).to(torch.float64))
-    sq = torch.zeros(B, dtype=torch.float64, device=g.device)
-    sq.index_add_(0, torch.div(keys, V, rounding_mode="floor"), rows.square().sum(1))
+    T = idx.shape[1]
+    sq = _rows_sq(idx, g, V)
     dtype = accumulation_dtype(module.weight.dtype)
 
     def clipped_sum(factors):

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from .._clip import GhostBlock
-from .layers import _cat, _flat_positions, _lead, embedding_rule, linear_rule, rule_for
+from .layers import (_cat, _flat_positions, _lead, _rows_sq, embedding_rule, linear_rule,
+                     rule_for)
 
 __all__ = ["PairUse", "IndexUse", "as_use", "combine", "ghost_cheaper"]
 
@@ -203,15 +204,3 @@ def _ghost(uses, shape, dtype, batch) -> GhostBlock:
     return GhostBlock(sq, clipped_sum, tuple(shape), terms, dtype=dtype, spread=spread,
                       seq_len=tl + te + 1)
 
-
-def _rows_sq(idx: torch.Tensor, h: torch.Tensor, V: int) -> torch.Tensor:
-    """||S_i||^2 per sample, S_i the scatter of h[i] (float64) at idx[i]: one
-    scatter into each sample's distinct rows (as the embedding rule)."""
-    b, t = idx.shape
-    sample = torch.arange(b, device=idx.device).unsqueeze(1).expand(b, t)
-    keys, inverse = torch.unique(sample * V + idx, return_inverse=True)
-    rows = torch.zeros((keys.numel(), h.shape[2]), dtype=torch.float64, device=h.device)
-    rows.index_add_(0, inverse.reshape(-1), h.reshape(-1, h.shape[2]))
-    sq = torch.zeros(b, dtype=torch.float64, device=h.device)
-    sq.index_add_(0, torch.div(keys, V, rounding_mode="floor"), rows.square().sum(1))
-    return sq
