@@ -265,3 +265,57 @@ def test_a_new_pass_ends_a_logical_batch_left_by_opacus_manager():
     nn.functional.cross_entropy(pm(x), y).backward()
     popt.step()
     assert not popt._is_last_step_skipped and engine.accountant.total_steps == 1
+
+
+def _exact_private(seed):
+    """A private MLP whose every per-sample gradient is a vector of small
+    integers (integer weights, inputs and targets, ReLU, squared error summed):
+    every sum of them is exact in float64, in any order.  The bound C is far
+    above every per-sample norm, so each clip factor is exactly 1."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(-3, 4, (40, 5), generator=g).double()
+    y = torch.randint(-3, 4, (40, 2), generator=g).double()
+    loader = DataLoader(TensorDataset(x, y), batch_size=10)
+    model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randint(-2, 3, p.shape, generator=g).double())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = PrivacyEngine(accountant="rdp")
+    pm, popt, ploader = engine.make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.5,
+        max_grad_norm=1e6, loss_reduction="sum", seed=nf.NoiseStream(seed, 0))
+    return pm, popt, ploader
+
+
+def _train_sum(pm, popt, loader):
+    grads, sizes = [], []
+    for x, y in loader:
+        sizes.append(len(y))
+        popt.zero_grad()
+        nn.functional.mse_loss(pm(x), y, reduction="sum").backward()
+        popt.step()
+        if not popt._is_last_step_skipped:
+            grads.append([p.grad.clone() for p in pm.parameters()])
+    return grads, sizes
+
+
+@pytest.mark.parametrize("max_size", [1, 3, 7])
+def test_physical_batches_equal_the_logical_batch_bit_for_bit_when_sums_are_exact(max_size):
+    """Where float64 addition is exact (integer per-sample gradients, factor 1),
+    summation order is the only difference the split may make, so k physical
+    batches must give the one-batch step's gradients bit for bit: the same
+    samples, each counted once, the same noise draws and scaling.  A dropped,
+    repeated or re-noised physical batch changes the bits (the integer sums are
+    of order 10-100, the noise's ulp ~1e-10)."""
+    pm, popt, ploader = _exact_private(41)
+    ref, ref_sizes = _train_sum(pm, popt, ploader)
+    pm, popt, ploader = _exact_private(41)
+    with BatchMemoryManager(data_loader=ploader, max_physical_batch_size=max_size,
+                            optimizer=popt) as physical:
+        grads, sizes = _train_sum(pm, popt, physical)
+    assert sum(sizes) == sum(ref_sizes) and max(sizes) <= max_size
+    assert len(grads) == len(ref) and len(sizes) > len(ref_sizes)
+    for g_ref, g in zip(ref, grads):
+        for a, b in zip(g_ref, g):
+            assert torch.equal(a, b)
