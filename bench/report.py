@@ -265,7 +265,8 @@ def finetune(family, times=()):
          "(the transformer after ModuleValidator.fix: DPMultiheadAttention); opacus_hooks ran "
          "in the first round only",
          "peak extra MB: resident-set growth during one step from a state with no gradients "
-         "(gradients and per-sample gradients released, malloc_trim), sampled every ms; it "
+         "(gradients and per-sample gradients released, malloc_trim), sampled every ms, the "
+         "median over three steps (runs recorded before 2026-11-25 22:00: one step); it "
          "excludes the weights, the optimizer and the batch, which every method holds alike",
          f"targets (issue 16, CPU) for ncdp_* on the transformer and the EfficientNet: "
          f"<= {tg['time']}x non-private time, <= {tg['memory']}x its peak memory, "
@@ -809,7 +810,8 @@ def hf(family, times):
          "× non-private: the method's time (or peak memory) over the non-private step's in "
          "the same interleaved round; median and range over the rounds",
          "peak extra MB: resident-set growth during one step from a state with no gradients "
-         "(gradients and per-sample gradients released, malloc_trim), sampled every ms; "
+         "(gradients and per-sample gradients released, malloc_trim), sampled every ms, the "
+         "median over three steps (runs recorded before 2026-11-25 22:00: one step); "
          "torch's CPU allocator does not cache, so the resident set sees its allocations; "
          "it excludes the weights, the optimizer and the batch, which every method holds",
          f"targets (issue 26, CPU) for ncdp_engine: <= {tg['time']}x non-private time and "

@@ -42,7 +42,7 @@ weights); methods, interleaved in one process (bench/README.md):
 
 Noise multiplier 1, max_grad_norm 1, expected batch size B, flat clipping.
 
-Peak memory (``peak_extra_mb``): the resident-set growth during one step,
+Peak memory (``peak_extra_mb``): the median over three steps of the resident-set growth during the step,
 sampled every millisecond (bench/_common.py ``peak_extra_mb``), measured from a
 clean state: before it every gradient, ``grad_sample`` and recorded activation
 of the previous step is released (``zero_grad(set_to_none=True)``; Opacus's
@@ -95,6 +95,7 @@ SHAPES = {
                      efficientnet=dict(B=2, res=32, K=3, pretrained=False, blocks=2)),
 }
 METHODS = ["nonprivate", "ncdp_ghost", "ncdp_engine", "opacus_hooks", "opacus_ghost"]
+MEMORY_CALLS = 3                    # peak memory: the median of three steps (_common.peak_extra_mb)
 ONCE = ("opacus_hooks",)
 OPACUS = ("opacus_hooks", "opacus_ghost")
 C, SIGMA, LR = 1.0, 1.0, 0.01
@@ -415,7 +416,7 @@ def _run_case(benchmark, case, bench_device, step, release, weights_mb):
         step()                          # first call: lazy initialisation outside the numbers
         release()
         _trim()
-        mem = peak_extra_mb(step, bench_device)
+        mem = peak_extra_mb(step, bench_device, reset=release, calls=MEMORY_CALLS)
         benchmark.extra_info["peak_extra_mb"] = mem
     # Seconds per step at the full shapes: a few timed calls (the first call above
     # already warmed up); the linear head repeats up to a second.

@@ -42,7 +42,7 @@ model or fails in its first step, the exception is recorded as the method's
 
 Noise multiplier 1, max_grad_norm 1, expected batch size B, flat clipping.
 
-Peak memory (``peak_extra_mb``): the resident-set growth during one step,
+Peak memory (``peak_extra_mb``): the median over three steps of the resident-set growth during the step,
 sampled every millisecond (bench/_common.py ``peak_extra_mb``) from a clean
 state: the previous step's gradients (and Opacus's ``grad_sample``) released
 and glibc's free memory returned to the system (``malloc_trim``), so it counts
@@ -205,7 +205,8 @@ def test_hf_step(benchmark, case, bench_device, bench_size):
         if not first_done:
             step()                      # first call: lazy initialisation outside the numbers
         release()
-        benchmark.extra_info["peak_extra_mb"] = peak_extra_mb(step, bench_device)
+        benchmark.extra_info["peak_extra_mb"] = peak_extra_mb(step, bench_device, reset=release,
+                                                              calls=3)
     measure(benchmark, case, step, device=bench_device, repeats=REPEATS, warmup=0,
             memory=False, first_call=False, weights_mb=weights_mb, batch=case.params["B"],
             kind=case.params["kind"])
