@@ -19,11 +19,13 @@ from .._validate import check_bool, check_choice, check_int, check_nonneg
 from . import tied
 from .adaptive import AdaptiveClip, check_adaptive
 from .attention import attention_forward, check_attention
+from .conv import conv_forward
 from .coupling import batch_dim_hooks, refuse_batch_mixing
 from .layers import Call, refuse_unsupported
 from .layout import StepBatch, batch_dim, broadcast_rows, rows_error, set_layouts, to_batch_first
 from .mechanism import ClippedGaussianStep, ReleasedGrads, optimizer_params
-from .memory import add_clipped, check_bound_kept, check_same_parameters, refuse_across_ranks
+from .memory import (add_clipped, check_bound_kept, check_same_parameters, fold_in,
+                     refuse_across_ranks)
 from .per_layer import check_fixed_bound, clip_per_layer, layer_bounds
 from .precision import cast_block, overflow_error, overflowing, upcast
 from .ranks import check_not_ddp
@@ -207,7 +209,7 @@ class GhostClipper(ClippedGaussianStep):
             elif isinstance(tap.module, nn.modules.conv._ConvNd):
                 # Marked at _conv_forward, where the input is what the convolution
                 # sees: a subclass may pad in its own forward first (TF "SAME").
-                self._patch(tap.module, "_conv_forward", self._conv_marker(tap))
+                self._patch(tap.module, "_conv_forward", conv_forward(tap, self._marker(tap)))
             else:
                 self._handles.append(tap.module.register_forward_hook(
                     self._forward_hook(tap), always_call=True))
@@ -448,29 +450,6 @@ class GhostClipper(ClippedGaussianStep):
     def _marker(self, tap: Tap):
         return lambda slot, x, output: self._capture(tap, slot, (x,), output)
 
-    def _conv_marker(self, tap: Tap):
-        module = tap.module
-        conv = type(module)._conv_forward.__get__(module)
-
-        def forward(x, weight, bias):
-            if not tap.recording:
-                return conv(x, weight, bias)
-            if weight is not module.weight or bias is not module.bias:
-                # The rule differentiates with respect to the parameters
-                # themselves, not a tensor computed from them.
-                raise ValueError(
-                    f"GhostClipper: layer {tap.name!r} ({type(module).__name__}) passes a "
-                    "weight or bias to _conv_forward that is not its own parameter (computed "
-                    "from it in its forward?); the convolution's rule would give the gradient "
-                    "of the wrong tensor. Register a rule for its own type with "
-                    "ncdp_fast.torch.register_layer")
-            saved = switch_off(tap)
-            try:
-                return self._capture(tap, None, (x,), conv(x, weight, bias))
-            finally:
-                switch_back(tap, saved)
-        return forward
-
     def _patch(self, module, attr, fn):
         """An instance attribute shadowing the class's method; remove() deletes it."""
         setattr(module, attr, fn)
@@ -599,12 +578,8 @@ class GhostClipper(ClippedGaussianStep):
         writes = []
         for tap, n, g in per_parameter(entries, result.grads):
             p = tap.params[n]
-            held = self._accumulated.get(tap.full(n))
-            if held is not None:
-                # The op returned inv * (S_last + noise); the earlier physical
-                # batches' clipped sums take the same division.
-                inv = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
-                g = g.add_(held, alpha=inv)
+            g = fold_in(self._accumulated, tap.full(n), g, self.loss_reduction,
+                        self.expected_batch_size)
             # A half parameter's gradient was summed and noised in float32:
             # rounded here, once.
             writes.append((tap, n, p, g.to(p.dtype)))

@@ -15,7 +15,7 @@ from .data import PoissonBatchSampler, loader_settings
 from .taps import per_parameter
 
 __all__ = ["BatchMemoryManager", "refuse_across_ranks", "check_bound_kept", "check_same_parameters",
-           "add_clipped"]
+           "add_clipped", "fold_in"]
 
 
 class _SplittingSampler:
@@ -157,3 +157,16 @@ def add_clipped(accumulated: dict, entries, grads) -> None:
         name = tap.full(n)
         held = accumulated.get(name)
         accumulated[name] = g if held is None else held.add_(g)
+
+
+def fold_in(accumulated: dict, name: str, g, loss_reduction: str, expected_batch_size):
+    """The logical step's private gradient of parameter ``name``: ``g``, the clip
+    op's for the last physical batch, plus the earlier ones' ``accumulated``
+    clipped sum (in place; ``g`` itself when nothing was accumulated)."""
+    held = accumulated.get(name)
+    if held is None:
+        return g
+    # The op returned inv * (S_last + noise); the earlier physical
+    # batches' clipped sums take the same division.
+    inv = 1.0 / expected_batch_size if loss_reduction == "mean" else 1.0
+    return g.add_(held, alpha=inv)
