@@ -223,6 +223,7 @@ class GhostClipper(ClippedGaussianStep):
         ClippedGaussianStep.max_grad_norm.fset(self, value)
 
     # ------------------------------------------------------------ construction
+    # Kept on the class, as the tests reach it (adaptive.py holds the check).
     _check_adaptive = staticmethod(check_adaptive)
 
     @ClippedGaussianStep.noise_multiplier.setter
@@ -483,6 +484,9 @@ class GhostClipper(ClippedGaussianStep):
         self.remove()
 
     # -------------------------------------------------------------------- step
+    # Delegating methods kept on the class: tests patch _refuse_foreign, and
+    # bench/test_bench_finetune.py times it and _refuse_outside_terms through
+    # GhostClipper.__dict__.
     def _per_layer(self, entries, grad_scale, noise=True):
         return clip_per_layer(self, entries, grad_scale, noise)
 
