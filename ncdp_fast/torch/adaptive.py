@@ -26,9 +26,9 @@ import math
 import numpy as np
 
 from .._rng import gaussian
-from .._validate import check_positive, check_probability
+from .._validate import check_nonneg, check_positive, check_probability
 
-__all__ = ["AdaptiveClip"]
+__all__ = ["AdaptiveClip", "check_adaptive"]
 
 
 class AdaptiveClip:
@@ -88,3 +88,28 @@ class AdaptiveClip:
         c = bound * math.exp(-self.clipbound_learning_rate *
                              (unclipped - self.target_unclipped_quantile))
         return min(max(c, self.min_clipbound), self.max_clipbound)
+
+
+def check_adaptive(clipping, adaptive, noise_multiplier, expected_batch_size, group):
+    """The clipper's ``adaptive`` argument checked against its others: an
+    :class:`AdaptiveClip` with ``clipping="adaptive"`` (one process, an expected
+    batch size, a ``noise_multiplier`` that leaves the count its share), None
+    otherwise.  Returns it."""
+    if clipping != "adaptive":
+        if adaptive is not None:
+            raise ValueError(f"adaptive: expected None with clipping={clipping!r}, got "
+                             f"{adaptive!r}; pass clipping='adaptive' to use it")
+        return None
+    if not isinstance(adaptive, AdaptiveClip):
+        raise TypeError("adaptive: expected an AdaptiveClip (its five arguments) with "
+                        f"clipping='adaptive', got {type(adaptive).__name__}")
+    if group is not None:
+        raise ValueError(
+            "clipping: expected 'flat' or 'per_layer' with group=, got 'adaptive': each "
+            "rank would count its own shard's unclipped samples; the count is not "
+            "reduced across ranks here. Train on one process, or use clipping='flat'")
+    if expected_batch_size is None:
+        raise ValueError("expected_batch_size: required with clipping='adaptive' (the "
+                         "unclipped count is divided by it), got None")
+    adaptive.grad_multiplier(check_nonneg(noise_multiplier, "noise_multiplier"))
+    return adaptive

@@ -10,125 +10,31 @@ noise in one call (DESIGN.md kernel 1).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .._clip import GhostBlock, LayersClipResult, clip_and_noise_layers
-from .._validate import check_bool, check_choice, check_int, check_nonneg, check_positive
+from .._clip import LayersClipResult
+from .._validate import check_bool, check_choice, check_int, check_nonneg
 from . import tied
-from .adaptive import AdaptiveClip
+from .adaptive import AdaptiveClip, check_adaptive
 from .attention import attention_forward, check_attention
+from .conv import conv_forward
 from .coupling import batch_dim_hooks, refuse_batch_mixing
-from .layers import HALF, Call, accumulation_dtype, refuse_unsupported, rule_for
-from .layout import (StepBatch, batch_dim, broadcast_rows, enclosing_batch_first,
-                     layer_batch_first, module_batch_first, rows_error, to_batch_first)
-from .mechanism import (ClippedGaussianStep, ReleasedGrads, foreign_grad_error,
-                        optimizer_params)
+from .layers import Call, refuse_unsupported
+from .layout import StepBatch, batch_dim, broadcast_rows, rows_error, set_layouts, to_batch_first
+from .mechanism import ClippedGaussianStep, ReleasedGrads, optimizer_params
+from .memory import (add_clipped, check_bound_kept, check_same_parameters, fold_in,
+                     refuse_across_ranks)
+from .per_layer import check_fixed_bound, clip_per_layer, layer_bounds
+from .precision import cast_block, overflow_error, overflowing, upcast
 from .ranks import check_not_ddp
-from .recompute import in_backward, reentrant_recompute, refuse_reentrant, refuse_unmatched
-from .rnn import replacement, torch_rnn_error
+from .recompute import count_call, in_backward
+from .taps import (CaptureGrad, Record, Tap, ignore, layer_rule, per_parameter, step_entries,
+                   switch_back, switch_off)
+from .unprivatized import foreign_error, refuse_outside_terms, refuse_uncaptured
 
 __all__ = ["GhostClipper"]
-
-
-class _CaptureGrad(torch.autograd.Function):
-    """Identity whose backward hands the output gradient to ``store``: used only
-    when a layer's output would not otherwise require grad (nothing trainable
-    below it), the ``anchor`` leaf putting it into the graph.  Returns a copy: a
-    view made in a custom Function may not be modified in place."""
-
-    @staticmethod
-    def forward(ctx, output, anchor, store):
-        ctx.store = store
-        return output.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.store(grad.detach())
-        return grad, None, None
-
-
-@dataclass
-class _Record:
-    """One recorded forward call (or marked point) of a layer; its tensors are
-    dropped once the layer's rule has run."""
-    inputs: tuple | None
-    slot: str | None
-    versions: tuple
-    grad: torch.Tensor | None = None
-    got: bool = False
-    twice: bool = False
-
-
-@dataclass
-class _Tap:
-    """A trainable layer: its rule, trainable parameters and this step's records."""
-    name: str
-    module: nn.Module
-    rule: object
-    params: dict                    # relative name -> Parameter (trainable only)
-    records: list = field(default_factory=list)
-    # A weight shared with an earlier layer: relative name -> the full name of
-    # the use that owns it (its one entry, bound, noise range and .grad).
-    alias: dict = field(default_factory=dict)
-    recording: bool = False
-    saved: tuple | None = None      # requires_grad as the user left it, during a forward
-    active: frozenset | None = None  # names trainable at this step's forwards
-    blocks: list | None = None      # the rule's [(names, block)] once backward is through
-    batch: int | None = None
-    batch_first: bool = True        # the layout of its inputs and output (layout.py)
-    layout: str = ""                # where that layout comes from, for errors
-    calls: int = 0                  # recorded forward calls (an attention call records several)
-    replays: int = 0                # checkpoint recomputations of recorded calls (recompute.py)
-    replaying: bool = False         # this call is one: let through, not recorded
-    nograd: int = -1                # the model forward in which it last ran under no_grad
-    recorded_in: int = -2           # the model forward in which it was last recorded
-
-    def full(self, n: str) -> str:
-        """The model-level name of its parameter ``n`` (as in ``param_names``)."""
-        return f"{self.name}.{n}" if self.name else n
-
-    @property
-    def owned(self) -> dict:
-        """Its parameters less the weights another layer owns."""
-        return {n: p for n, p in self.params.items() if n not in self.alias}
-
-    @property
-    def half(self) -> bool:
-        """A float16/bfloat16 parameter: the rule gets its tensors in float32."""
-        return any(p.dtype in HALF for p in self.params.values())
-
-    def trainable(self) -> frozenset:
-        """The parameters this step privatizes: those that required grad when the
-        layer ran forward (a parameter frozen after attach is left out, and the
-        optimizer skips it); for a layer unused this step, those that do now."""
-        if self.active is not None:
-            return self.active
-        return frozenset(n for n, p in self.params.items() if p.requires_grad)
-
-    def clear(self):
-        self.records.clear()
-        self.blocks, self.batch, self.active = None, None, None
-        self.calls, self.replays, self.replaying = 0, 0, False
-
-
-def _per_parameter(entries, grads):
-    """``(tap, name, grad)`` for each parameter of the step's ``entries`` and the
-    clip op's ``grads`` (a pair block's grad is a (weight, bias) tuple), each
-    grad in its parameter's shape."""
-    for (tap, names, _), grad in zip(entries, grads):
-        for n, g in zip(names, grad if isinstance(grad, tuple) else (grad,)):
-            yield tap, n, g.view(tap.params[n].shape)
-
-
-def _ignore(grad):
-    pass
-
-
-def _upcast(x):
-    return x.float() if isinstance(x, torch.Tensor) and x.dtype in HALF else x
 
 
 class GhostClipper(ClippedGaussianStep):
@@ -236,8 +142,8 @@ class GhostClipper(ClippedGaussianStep):
                  adaptive: AdaptiveClip | None = None):
         check_choice(clipping, "clipping", ("flat", "per_layer", "adaptive"))
         check_not_ddp(model, "GhostClipper")
-        self.adaptive = self._check_adaptive(clipping, adaptive, noise_multiplier,
-                                             expected_batch_size, group)
+        self.adaptive = check_adaptive(clipping, adaptive, noise_multiplier,
+                                       expected_batch_size, group)
         # sum_i (1[norm_i <= C] - 1/2) of the logical batch's accumulated
         # physical batches (adaptive clipping), released with the step's count.
         self._centered = 0.0
@@ -245,11 +151,11 @@ class GhostClipper(ClippedGaussianStep):
         self.model = model
         self.clipping = clipping
         self.taps = self._find_layers(model)
-        self._set_layouts(model)
+        set_layouts(model, self.taps, self.batch_first)
         self.param_names = [t.full(n) for t in self.taps for n in t.owned]
         # Parameters used by several layers: their uses combined at the step (tied.py).
         self._tied = {id(t.params[n]) for t in self.taps for n in t.alias}
-        self.layer_norms = self._layer_bounds(max_grad_norm, clipping)
+        self.layer_norms = layer_bounds(max_grad_norm, clipping, self.param_names)
         total = max_grad_norm if clipping != "per_layer" else math.sqrt(
             sum(c * c for c in self.layer_norms))
         super().__init__(max_grad_norm=total, noise_multiplier=noise_multiplier,
@@ -303,7 +209,7 @@ class GhostClipper(ClippedGaussianStep):
             elif isinstance(tap.module, nn.modules.conv._ConvNd):
                 # Marked at _conv_forward, where the input is what the convolution
                 # sees: a subclass may pad in its own forward first (TF "SAME").
-                self._patch(tap.module, "_conv_forward", self._conv_marker(tap))
+                self._patch(tap.module, "_conv_forward", conv_forward(tap, self._marker(tap)))
             else:
                 self._handles.append(tap.module.register_forward_hook(
                     self._forward_hook(tap), always_call=True))
@@ -312,48 +218,13 @@ class GhostClipper(ClippedGaussianStep):
 
     @ClippedGaussianStep.max_grad_norm.setter
     def max_grad_norm(self, value) -> None:
-        # Per-layer bounds are fixed: scaling them with a new total would be
-        # one choice among many (Opacus's per-layer optimizer keeps clipping at
-        # its old bounds while its noise follows the new total), so a change
-        # is refused rather than guessed.
-        if self.clipping == "per_layer" and check_positive(value, "max_grad_norm") != \
-                self.max_grad_norm:
-            raise ValueError(
-                f"max_grad_norm: expected {self.max_grad_norm!r} (fixed with "
-                f"clipping='per_layer', bounds {self.layer_norms}), got {value!r}; a "
-                "grad-clip scheduler needs clipping='flat', or build again (make_private) "
-                "with the new per-layer bounds")
-        if self._accumulated and check_positive(value, "max_grad_norm") != self.max_grad_norm:
-            # The logical batch's earlier physical batches were clipped at the old
-            # bound: noise at a smaller new one would not cover their samples.
-            raise ValueError(
-                f"max_grad_norm: expected {self.max_grad_norm!r} until the logical batch's "
-                f"step (physical batches accumulated at it: BatchMemoryManager), got "
-                f"{value!r}; change it between logical steps (a grad-clip scheduler steps "
-                "per epoch), or discard_accumulated() first")
+        check_fixed_bound(self.clipping, self.max_grad_norm, self.layer_norms, value)
+        check_bound_kept(self._accumulated, self.max_grad_norm, value)
         ClippedGaussianStep.max_grad_norm.fset(self, value)
 
     # ------------------------------------------------------------ construction
-    @staticmethod
-    def _check_adaptive(clipping, adaptive, noise_multiplier, expected_batch_size, group):
-        if clipping != "adaptive":
-            if adaptive is not None:
-                raise ValueError(f"adaptive: expected None with clipping={clipping!r}, got "
-                                 f"{adaptive!r}; pass clipping='adaptive' to use it")
-            return None
-        if not isinstance(adaptive, AdaptiveClip):
-            raise TypeError("adaptive: expected an AdaptiveClip (its five arguments) with "
-                            f"clipping='adaptive', got {type(adaptive).__name__}")
-        if group is not None:
-            raise ValueError(
-                "clipping: expected 'flat' or 'per_layer' with group=, got 'adaptive': each "
-                "rank would count its own shard's unclipped samples; the count is not "
-                "reduced across ranks here. Train on one process, or use clipping='flat'")
-        if expected_batch_size is None:
-            raise ValueError("expected_batch_size: required with clipping='adaptive' (the "
-                             "unclipped count is divided by it), got None")
-        adaptive.grad_multiplier(check_nonneg(noise_multiplier, "noise_multiplier"))
-        return adaptive
+    # Kept on the class, as the tests reach it (adaptive.py holds the check).
+    _check_adaptive = staticmethod(check_adaptive)
 
     @ClippedGaussianStep.noise_multiplier.setter
     def noise_multiplier(self, value) -> None:
@@ -368,33 +239,8 @@ class GhostClipper(ClippedGaussianStep):
             return self.noise_multiplier
         return self.adaptive.grad_multiplier(self.noise_multiplier)
 
-    def _layer_bounds(self, max_grad_norm, clipping):
-        if clipping != "per_layer":
-            check_positive(max_grad_norm, "max_grad_norm")
-            return None
-        P = len(self.param_names)
-        if isinstance(max_grad_norm, (list, tuple)):
-            if len(max_grad_norm) != P:
-                raise ValueError(f"max_grad_norm: expected {P} bounds for clipping='per_layer' "
-                                 f"(one per trainable parameter: {self.param_names}), got "
-                                 f"{len(max_grad_norm)}")
-            return [check_positive(c, f"max_grad_norm[{i}]") for i, c in enumerate(max_grad_norm)]
-        c = check_positive(max_grad_norm, "max_grad_norm")
-        return [c / math.sqrt(P)] * P
-
-    def _set_layouts(self, model: nn.Module) -> None:
-        own = module_batch_first(model)
-        if own is not None and own != self.batch_first:
-            raise ValueError(
-                f"batch_first: expected {own}, as the model ({type(model).__name__}) was built "
-                f"with batch_first={own} and its inputs are laid out so; got {self.batch_first}")
-        layouts = enclosing_batch_first(model)
-        for tap in self.taps:
-            tap.batch_first, tap.layout = layer_batch_first(tap.name, tap.module, layouts,
-                                                            self.batch_first)
-
     @staticmethod
-    def _find_layers(model: nn.Module) -> list[_Tap]:
+    def _find_layers(model: nn.Module) -> list[Tap]:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         owner: dict[int, tuple] = {}     # id -> (full name, a direct weight of a plain layer)
@@ -407,62 +253,16 @@ class GhostClipper(ClippedGaussianStep):
             if id(module) in seen:
                 raise ValueError(f"GhostClipper: layer {name!r} appears twice in the model "
                                  "(shared modules are not supported)")
-            params, alias = {}, {}
-            composite_layer = isinstance(module, nn.MultiheadAttention)
-            own = module.named_parameters(recurse=composite_layer)
-            for pname, p in own:
-                full = f"{name}.{pname}" if name else pname
-                if not p.requires_grad:
-                    continue
-                plain = pname == "weight" and not composite_layer
-                if id(p) in owner:
-                    first, first_plain = owner[id(p)]
-                    if not (plain and first_plain):
-                        raise ValueError(
-                            f"GhostClipper: parameter {full!r} is shared with {first!r}; "
-                            "expected only the `weight` of layers outside "
-                            "nn.MultiheadAttention to be shared (an embedding tied to the "
-                            "output Linear), got a shared bias or attention parameter. Tie "
-                            "the weights only, or give each layer its own parameter")
-                    alias[pname] = first
-                else:
-                    owner[id(p)] = (full, plain)
-                params[pname] = p
+            params, alias = tied.layer_params(name, module, owner)
             if isinstance(module, nn.MultiheadAttention):
                 composite.update(id(m) for m in module.modules() if m is not module)
                 check_attention(name, module)
             if not params:
                 continue
-            rule, base = rule_for(module)
-            conv = isinstance(module, nn.modules.conv._ConvNd)
-            if rule is not None and conv and \
-                    type(module)._conv_forward is not getattr(base, "_conv_forward", None):
-                # The hooks mark the convolution at _conv_forward: an override
-                # (weight standardisation, a reparametrisation) computes
-                # something the convolution's rule does not describe.
-                raise ValueError(
-                    f"GhostClipper: layer {name!r} ({type(module).__name__}) overrides "
-                    f"_conv_forward of {base.__name__}, so {base.__name__}'s rule may not "
-                    "describe what it computes (weight standardisation: its gradient is "
-                    "not the plain convolution's); register a rule for its own type with "
-                    "ncdp_fast.torch.register_layer")
-            if rule is not None and type(module).forward is not base.forward and not conv:
-                raise ValueError(
-                    f"GhostClipper: layer {name!r} ({type(module).__name__}) overrides the forward "
-                    f"of {base.__name__}, so {base.__name__}'s rule may not describe what it "
-                    "computes; register a rule for its own type with "
-                    "ncdp_fast.torch.register_layer")
-            if rule is None and replacement(module):
-                raise torch_rnn_error(name, module)
-            if rule is None:
-                shown = ", ".join(repr(f"{name}.{n}" if name else n) for n in params)
-                raise ValueError(
-                    f"GhostClipper: trainable parameter(s) {shown} belong to "
-                    f"{type(module).__name__}, which has no per-sample gradient rule; freeze "
-                    "them, or register one with ncdp_fast.torch.register_layer")
+            rule = layer_rule(name, module, params)
             refuse_unsupported(name, module)
             seen.add(id(module))
-            taps.append(_Tap(name, module, rule, params, alias=alias))
+            taps.append(Tap(name, module, rule, params, alias=alias))
         if not taps:
             raise ValueError("GhostClipper: the model has no trainable parameter")
         return taps
@@ -498,7 +298,7 @@ class GhostClipper(ClippedGaussianStep):
         models reshape zero rows with -1) is pure noise, as with a forward."""
         self._batch.declared = check_int(n, "n", 0)
 
-    def _pre_hook(self, tap: _Tap):
+    def _pre_hook(self, tap: Tap):
         conv = isinstance(tap.module, nn.modules.conv._ConvNd)
 
         def hook(module, inputs):
@@ -513,18 +313,7 @@ class GhostClipper(ClippedGaussianStep):
                 # Every parameter frozen since attach: an ordinary frozen layer.
                 tap.recording = False
                 return
-            if in_backward():
-                # A checkpoint's recomputation: switched off as the recorded
-                # call was, so that the tensors it saves are the same.
-                tap.recording = False            # until it is known to be one
-                if tap.nograd == tap.recorded_in or reentrant_recompute(tap.name, module):
-                    raise refuse_reentrant(tap.name, module)
-                if tap.replays >= tap.calls:
-                    raise refuse_unmatched(tap.name, module, tap.calls)
-                tap.recording = tap.replaying = True
-                tap.replays += 1
-            else:
-                tap.calls += 1
+            count_call(tap, module)
             if tap.records and active != tap.active:
                 tap.recording = False
                 raise RuntimeError(
@@ -540,32 +329,18 @@ class GhostClipper(ClippedGaussianStep):
                 # all (the weight-gradient GEMM of every layer saved).  A
                 # convolution does this around _conv_forward only, where its
                 # rule applies: a subclass's own forward keeps its gradients.
-                tap.saved = self._switch_off(tap)
+                tap.saved = switch_off(tap)
         return hook
 
-    @staticmethod
-    def _switch_off(tap: _Tap) -> tuple:
-        saved = tuple(p.requires_grad for p in tap.params.values())
-        for p in tap.params.values():
-            p.requires_grad_(False)
-        return saved
-
-    @staticmethod
-    def _switch_back(tap: _Tap, saved: tuple) -> None:
-        # The state the user left, not True: a parameter frozen after attach
-        # stays frozen.
-        for p, r in zip(tap.params.values(), saved):
-            p.requires_grad_(r)
-
-    def _restore_hook(self, tap: _Tap):
+    def _restore_hook(self, tap: Tap):
         def hook(module, inputs, output):
             tap.recording = tap.replaying = False
             if tap.saved is not None:        # always_call=True: restored even on error
-                self._switch_back(tap, tap.saved)
+                switch_back(tap, tap.saved)
                 tap.saved = None
         return hook
 
-    def _outside_hook(self, name: str, tap: _Tap):
+    def _outside_hook(self, name: str, tap: Tap):
         def hook(p):
             # After an unrecorded forward, a gradient may be that forward's
             # ordinary one: refused under that cause (if still there at the step).
@@ -573,7 +348,7 @@ class GhostClipper(ClippedGaussianStep):
             found.setdefault(name, type(tap.module).__name__)
         return hook
 
-    def _capture(self, tap: _Tap, slot, inputs: tuple, output):
+    def _capture(self, tap: Tap, slot, inputs: tuple, output):
         """Record ``inputs`` and arrange for the gradient of ``output``; returns the
         tensor the forward continues with."""
         if not tap.recording or output is None:
@@ -583,7 +358,7 @@ class GhostClipper(ClippedGaussianStep):
         if tap.replaying:
             # The recorded call's output entered the graph the same way.
             if isinstance(output, torch.Tensor) and not output.requires_grad:
-                return _CaptureGrad.apply(output, self._anchor, _ignore)
+                return CaptureGrad.apply(output, self._anchor, ignore)
             return output
         if not isinstance(output, torch.Tensor):
             # Nothing to hook a gradient on: the layer would get pure noise.
@@ -598,7 +373,7 @@ class GhostClipper(ClippedGaussianStep):
                 "reached it; call privatize_() (optimizer.step()) before the next forward "
                 "(batches are not accumulated: each step is one batch), or clear() to discard")
         inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
-        rec = _Record(inputs, slot, tuple(getattr(x, "_version", 0) for x in inputs))
+        rec = Record(inputs, slot, tuple(getattr(x, "_version", 0) for x in inputs))
         tap.records.append(rec)
         tap.recorded_in = self._pass
         def on_grad(grad):
@@ -608,9 +383,9 @@ class GhostClipper(ClippedGaussianStep):
             # in-place op (an inplace ReLU) modifies it: no copy needed.
             output.register_hook(on_grad)
             return output
-        return _CaptureGrad.apply(output, self._anchor, on_grad)
+        return CaptureGrad.apply(output, self._anchor, on_grad)
 
-    def _on_grad(self, tap: _Tap, rec: _Record, grad):
+    def _on_grad(self, tap: Tap, rec: Record, grad):
         if rec.got:
             rec.twice = True            # a second backward through the same forward
             return
@@ -621,7 +396,7 @@ class GhostClipper(ClippedGaussianStep):
             # size of the parameters; the rest is freed as backward goes on).
             self._evaluate(tap)
 
-    def _evaluate(self, tap: _Tap) -> None:
+    def _evaluate(self, tap: Tap) -> None:
         batch, source = self._batch.get(tap.name)
         for rec in tap.records:
             if any(getattr(x, "_version", 0) != v for x, v in zip(rec.inputs, rec.versions)):
@@ -646,8 +421,8 @@ class GhostClipper(ClippedGaussianStep):
                 # The rule computes in float32 from here on: the half values
                 # are exact in float32, so nothing but the final rounding of
                 # the private gradient to the parameter's dtype is in half.
-                rec.inputs = tuple(_upcast(x) for x in rec.inputs)
-                rec.grad = _upcast(rec.grad)
+                rec.inputs = tuple(upcast(x) for x in rec.inputs)
+                rec.grad = upcast(rec.grad)
         calls = [Call(r.inputs, r.grad, r.slot) for r in tap.records]
         trainable = tap.trainable()
         got = tap.rule(tap.module, calls, trainable)
@@ -656,29 +431,14 @@ class GhostClipper(ClippedGaussianStep):
             raise RuntimeError(f"GhostClipper: the rule of {type(tap.module).__name__} "
                                f"({tap.name!r}) returned blocks for {covered}, expected each "
                                f"of {sorted(trainable)} once")
-        tap.blocks = self._instantiate_tied(
-            tap, calls, [(names, self._cast(tap, names, block)) for names, block in got], batch)
+        tap.blocks = tied.layer_uses(
+            tap, calls, [(names, cast_block(tap, names, block)) for names, block in got], batch,
+            self._tied)
         tap.batch = batch
         for rec in tap.records:
             rec.inputs = rec.grad = None
 
-    def _instantiate_tied(self, tap: _Tap, calls, blocks: list, batch: int) -> list:
-        """A shared weight's block as this layer's use of it (:mod:`.tied`),
-        kept to the step, where the uses are combined sample by sample before
-        any norm (a norm per use would leave out the cross terms)."""
-        out = []
-        for names, block in blocks:
-            p = tap.params[names[0]]
-            if id(p) not in self._tied:
-                out.append((names, block))
-                continue
-            out.append(((names[0],), tied.as_use(tap.module, calls, block, tuple(p.shape), batch,
-                                                 accumulation_dtype(p.dtype))))
-            if isinstance(block, tuple) and block[2]:
-                out.append(((names[1],), block[1].sum(1)))
-        return out
-
-    def _forward_hook(self, tap: _Tap):
+    def _forward_hook(self, tap: Tap):
         def hook(module, inputs, output):
             got = output
             if tap.recording:       # position ids (1, T): one row per sample
@@ -688,31 +448,8 @@ class GhostClipper(ClippedGaussianStep):
             return None if out is output else out
         return hook
 
-    def _marker(self, tap: _Tap):
+    def _marker(self, tap: Tap):
         return lambda slot, x, output: self._capture(tap, slot, (x,), output)
-
-    def _conv_marker(self, tap: _Tap):
-        module = tap.module
-        conv = type(module)._conv_forward.__get__(module)
-
-        def forward(x, weight, bias):
-            if not tap.recording:
-                return conv(x, weight, bias)
-            if weight is not module.weight or bias is not module.bias:
-                # The rule differentiates with respect to the parameters
-                # themselves, not a tensor computed from them.
-                raise ValueError(
-                    f"GhostClipper: layer {tap.name!r} ({type(module).__name__}) passes a "
-                    "weight or bias to _conv_forward that is not its own parameter (computed "
-                    "from it in its forward?); the convolution's rule would give the gradient "
-                    "of the wrong tensor. Register a rule for its own type with "
-                    "ncdp_fast.torch.register_layer")
-            saved = self._switch_off(tap)
-            try:
-                return self._capture(tap, None, (x,), conv(x, weight, bias))
-            finally:
-                self._switch_back(tap, saved)
-        return forward
 
     def _patch(self, module, attr, fn):
         """An instance attribute shadowing the class's method; remove() deletes it."""
@@ -747,157 +484,14 @@ class GhostClipper(ClippedGaussianStep):
         self.remove()
 
     # -------------------------------------------------------------------- step
-    def _batch_size(self) -> int:
-        batch = None
-        for tap in self.taps:
-            if any(rec.twice for rec in tap.records):
-                raise RuntimeError(
-                    f"GhostClipper: backward reached layer {tap.name!r} twice through the "
-                    "same recorded forward; run exactly one loss.backward() per forward (sum "
-                    "the losses first), or call clear() to discard the step")
-            if tap.records and tap.blocks is None:
-                raise RuntimeError(
-                    f"GhostClipper: layer {tap.name!r} ran forward but backward did not reach "
-                    "it; run exactly one loss.backward() per recorded forward (call clear() "
-                    "to discard a forward). Under torch.utils.checkpoint on a torch that does "
-                    "not report a running backward (torch._C._current_graph_task_id), a "
-                    "recomputation cannot be told from a use (ncdp_fast.torch.recompute)")
-            if tap.batch is not None:
-                batch = tap.batch        # each layer's was checked against the step's
-        if batch is None and self._batch.declared == 0:
-            # An empty Poisson batch of a model that cannot run on zero rows
-            # (transformers' attention reshapes): the step is pure noise.
-            return 0
-        if batch is None:
-            raise RuntimeError("GhostClipper: no forward/backward was recorded since the last "
-                               "step (for an empty batch whose forward the model cannot run, "
-                               "call declare_batch_size(0) before the step: pure noise)")
-        return batch
-
-    def _entries(self, batch: int):
-        """[(tap, names, block)] in layer order; a layer unused this step adds pure
-        noise.  A shared weight has one entry, at its first layer: the sum of
-        its uses' per-sample gradients (B, *shape)."""
-        uses: dict[int, list] = {}
-        for tap in self.taps:
-            for names, block in tap.blocks or ():
-                if id(tap.params[names[0]]) in self._tied:
-                    uses.setdefault(id(tap.params[names[0]]), []).append(block)
-
-        def summed(p):
-            return tied.combine(uses[id(p)], tuple(p.shape), accumulation_dtype(p.dtype), batch)
-        entries = []
-        for tap in self.taps:
-            if tap.blocks is None:
-                trainable = tap.trainable()
-                for n, p in tap.params.items():
-                    if n in tap.alias or (n not in trainable and id(p) not in uses):
-                        continue
-                    if id(p) in uses:
-                        entries.append((tap, (n,), summed(p)))
-                        continue
-                    dtype = accumulation_dtype(p.dtype)
-                    zeros = p.new_zeros(p.shape, dtype=dtype)
-                    block = GhostBlock(torch.zeros(batch, dtype=torch.float64, device=p.device),
-                                       lambda f, z=zeros: z.clone(), tuple(p.shape), 1,
-                                       dtype=dtype)
-                    entries.append((tap, (n,), block))
-            else:
-                for names, block in tap.blocks:
-                    p = tap.params[names[0]]
-                    if id(p) not in self._tied:
-                        entries.append((tap, names, block))
-                    elif names[0] not in tap.alias:
-                        entries.append((tap, names, summed(p)))
-        return entries
-
-    @staticmethod
-    def _cast(tap, names, block):
-        """The block in its parameter's accumulation dtype (float32 for a half
-        parameter; autocast's half activations of a float32 layer, float32)."""
-        dtype = accumulation_dtype(tap.params[names[0]].dtype)
-        if isinstance(block, tuple):
-            a, g, bias = block
-            return (a.to(dtype), g.to(dtype), bias)
-        if isinstance(block, torch.Tensor):
-            return block.to(dtype)
-        if isinstance(block, GhostBlock) and block.dtype in HALF:
-            raise TypeError(
-                f"GhostClipper: the rule of {type(tap.module).__name__} ({tap.name!r}) returned "
-                f"a GhostBlock for {list(names)} of dtype {block.dtype}, expected "
-                f"{dtype}: the private gradient of a half-precision parameter is summed and "
-                f"noised in {dtype} and rounded to {block.dtype} once; give the block "
-                f"dtype={dtype} and a clipped_sum returning {dtype} (call clear() to discard "
-                "this step)")
-        return block
-
+    # Delegating methods kept on the class: tests patch _refuse_foreign, and
+    # bench/test_bench_finetune.py times it and _refuse_outside_terms through
+    # GhostClipper.__dict__.
     def _per_layer(self, entries, grad_scale, noise=True):
-        """Each parameter on its own bound; one clip call per parameter, each taking
-        the next range of the stream (``noise=False``: clipped sums only, no
-        draw, no step counted)."""
-        split = []
-        for tap, names, block in entries:
-            if isinstance(block, tuple) and len(names) == 2:
-                a, g, _ = block
-                split += [(tap, names[:1], (a, g, False)), (tap, names[1:], g.sum(1))]
-            else:
-                split.append((tap, names, block))
-        bounds = dict(zip(self.param_names, self.layer_norms))
-        clip = self._clip_and_noise if noise else self._clip_only
-        results = [clip([block], grad_scale, count=False,
-                        max_norm=bounds[t.full(n[0])])
-                   for t, n, block in split]
-        if not noise:
-            return results, split
-        self._steps += 1
-        first = results[0]
-        sq = sum(torch.as_tensor(r.norms, dtype=torch.float64) ** 2 for r in results)
-        result = LayersClipResult(
-            norms=sq.sqrt(), num_clipped=max(r.num_clipped for r in results),
-            num_nonfinite=max(r.num_nonfinite for r in results), seed=first.seed,
-            offset=first.offset, draws=sum(r.draws for r in results),
-            grads=[r.grads[0] for r in results])
-        self.last_result = result
-        return result, split
+        return clip_per_layer(self, entries, grad_scale, noise)
 
     def _refuse_outside_terms(self) -> None:
-        if self._outside:
-            # In the model's order (the hooks fired in backward's order).
-            shown = ", ".join(f"{n!r} ({self._outside[n]})" for n in self.param_names
-                              if n in self._outside)
-            raise RuntimeError(
-                f"GhostClipper: parameter(s) {shown} got a gradient from outside the layer's "
-                "forward in this backward: a term that uses the parameter directly "
-                "(a tied weight such as F.linear(h, emb.weight), a penalty on the weights "
-                "in the loss, a subclass forward that uses the weight itself). Its private "
-                "gradient comes from the layer's inputs and output gradients only, so that "
-                "term would be dropped. Put weight decay in the optimizer (weight_decay=), "
-                "tie weights by calling the layer itself, or register a rule for a layer "
-                "that computes the whole use; call clear() to discard this step")
-
-    def _refuse_uncaptured(self) -> None:
-        if not self._uncaptured_grads:
-            return
-        params = {t.full(n): p for t in self.taps
-                  for n, p in t.owned.items()}
-        # A gradient zeroed since (zero_grad) is gone: only one still held counts.
-        held = [n for n in self.param_names
-                if n in self._uncaptured_grads and params[n].grad is not None]
-        if not held:
-            return
-        causes = []
-        if "eval" in self._uncaptured:
-            causes.append("ran in eval mode (the model's training flag was False: model.eval())")
-        if "disabled" in self._uncaptured:
-            causes.append("ran while the hooks were disabled (disable_hooks())")
-        raise RuntimeError(
-            f"GhostClipper: parameter(s) {held} hold a gradient that was not privatized: a "
-            f"forward since the last step {' and one '.join(causes)}, when the clipper records "
-            "nothing (as Opacus), and a backward gave them its ordinary, unclipped and "
-            "unnoised gradient (or a term outside the layer's forward, such as a tied weight, "
-            "did). Evaluate under torch.no_grad(); call model.train() (and enable_hooks()) "
-            "before a training forward; discard these gradients with zero_grad() and "
-            "clipper.clear(). Nothing was written")
+        refuse_outside_terms(self._outside, self.param_names)
 
     def _refuse_foreign(self, privatized: set, optimizer) -> None:
         """Every parameter the model holds, and the optimizer updates, that has a
@@ -907,35 +501,8 @@ class GhostClipper(ClippedGaussianStep):
         if optimizer is not None:
             params = params + optimizer_params(optimizer)
         found = self._released.first_foreign(params, privatized)
-        if found is None:
-            return
-        p, where = found
-        names = {id(q): n for n, q in self.model.named_parameters()}
-        if id(p) in names:
-            name = repr(names[id(p)])
-            mine = {id(q) for t in self.taps for q in t.params.values()}
-            reason = ("it was frozen when this step's forward ran" if id(p) in mine else
-                      "it is not one of the clipper's parameters: it was frozen when the "
-                      "clipper was built (make_private) and unfrozen since, or added since")
-        else:
-            name = f"optimizer.param_groups[{where[0]}]['params'][{where[1]}]"
-            reason = ("it is not a parameter of the model the clipper wraps: an extra "
-                      "parameter given to the optimizer, or an add_param_group")
-        raise foreign_grad_error(
-            "GhostClipper", name, p, reason,
-            "Build the clipper (make_private) once the model and optimizer hold every "
-            "parameter to train, unfrozen; to leave one untrained, freeze it "
-            "(requires_grad_(False)) and set its .grad to None")
-
-    def _clip_only(self, blocks, grad_scale, max_norm=None, count=False) -> LayersClipResult:
-        """Clipped sum of ``blocks`` without noise and without the mean's division:
-        the share of one physical batch in a logical step.  Noise std 0 adds
-        exactly 0, so a throwaway key from the OS serves (seed=None: no ledger
-        entry); the clipper's own stream is left for the step's single noise."""
-        return clip_and_noise_layers(
-            blocks, max_norm=self.max_grad_norm if max_norm is None else max_norm,
-            noise_multiplier=0.0, seed=None, reduction="sum",
-            nan_policy=self.nan_policy, grad_scale=grad_scale)
+        if found is not None:
+            raise foreign_error(self.model, self.taps, *found)
 
     def _step_entries(self, optimizer):
         """The checks before a step or an accumulation (nothing written or drawn
@@ -945,20 +512,13 @@ class GhostClipper(ClippedGaussianStep):
                 "GhostClipper: every parameter it privatizes has been frozen since it was "
                 f"built ({self.param_names}); nothing would be trained. Unfreeze some, or "
                 "skip the step")
-        self._refuse_uncaptured()
-        batch = self._batch_size()
+        refuse_uncaptured(self.taps, self.param_names, self._uncaptured, self._uncaptured_grads)
+        batch = self._batch.of_step(self.taps)
         self._refuse_outside_terms()
-        entries = self._entries(batch)
+        entries = step_entries(self.taps, self._tied, batch)
         self._refuse_foreign({id(tap.params[n]) for tap, names, _ in entries for n in names},
                              optimizer)
-        if self._accumulated:
-            now = {tap.full(n) for tap, names, _ in entries
-                   for n in names}
-            if now != set(self._accumulated):
-                raise RuntimeError(
-                    "GhostClipper: the trainable parameters changed within one logical batch "
-                    f"(accumulated: {sorted(self._accumulated)}, now: {sorted(now)}); freeze "
-                    "or unfreeze parameters between logical steps, or discard_accumulated()")
+        check_same_parameters(self._accumulated, entries)
         # The output gradients of a batch-mean loss are each sample's own divided
         # by the batch size: the op multiplies back (on the (B,) norms and factors).
         scale = float(batch) if self.loss_reduction == "mean" and batch else 1.0
@@ -978,12 +538,7 @@ class GhostClipper(ClippedGaussianStep):
         mean-reduced loss the physical batch's mean is undone by its realized
         size, and the step divides by ``expected_batch_size`` (the logical
         one) once."""
-        if self.group is not None:
-            raise ValueError(
-                "GhostClipper: accumulate_ (a skipped step, BatchMemoryManager) with group=: "
-                "expected one process; the ranks' shards of a logical batch split into "
-                "different numbers of physical batches, so their steps would not pair. Train "
-                "across ranks without BatchMemoryManager, or with a smaller logical batch")
+        refuse_across_ranks(self.group)
         entries, scale = self._step_entries(optimizer)
         if self.clipping != "per_layer":
             only = self._clip_only([block for _, _, block in entries], scale)
@@ -993,10 +548,7 @@ class GhostClipper(ClippedGaussianStep):
         else:
             results, entries = self._per_layer(entries, scale, noise=False)
             grads = [r.grads[0] for r in results]
-        for tap, n, g in _per_parameter(entries, grads):
-            name = tap.full(n)
-            held = self._accumulated.get(name)
-            self._accumulated[name] = g if held is None else held.add_(g)
+        add_clipped(self._accumulated, entries, grads)
         self.clear()
 
     def discard_accumulated(self) -> None:
@@ -1028,14 +580,10 @@ class GhostClipper(ClippedGaussianStep):
         else:
             result, entries = self._per_layer(entries, scale)
         writes = []
-        for tap, n, g in _per_parameter(entries, result.grads):
+        for tap, n, g in per_parameter(entries, result.grads):
             p = tap.params[n]
-            held = self._accumulated.get(tap.full(n))
-            if held is not None:
-                # The op returned inv * (S_last + noise); the earlier physical
-                # batches' clipped sums take the same division.
-                inv = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
-                g = g.add_(held, alpha=inv)
+            g = fold_in(self._accumulated, tap.full(n), g, self.loss_reduction,
+                        self.expected_batch_size)
             # A half parameter's gradient was summed and noised in float32:
             # rounded here, once.
             writes.append((tap, n, p, g.to(p.dtype)))
@@ -1056,17 +604,7 @@ class GhostClipper(ClippedGaussianStep):
         return result
 
     def _refuse_overflow(self, writes) -> None:
-        """A finite float32 private gradient rounded to float16 (largest 65504) can
-        become inf: writing it would step every weight it touches to inf."""
-        for tap, n, p, g in writes:
-            if p.dtype in HALF and not bool(torch.isfinite(g).all()):
-                name = tap.full(n)
-                self.clear()
-                raise ValueError(
-                    f"GhostClipper: the private gradient of parameter {name!r} overflows "
-                    f"{p.dtype} (largest {torch.finfo(p.dtype).max:g}) when rounded from "
-                    "float32; expected a gradient within its range (noise std "
-                    f"{self._grad_noise_multiplier() * self.max_grad_norm:g} before the "
-                    "division by the batch). Keep the parameters in float32 and run the "
-                    "forward under torch.autocast, or use bfloat16. Nothing was written; this "
-                    "step's noise is spent")
+        found = overflowing(writes)
+        if found is not None:
+            self.clear()
+            raise overflow_error(*found, self._grad_noise_multiplier() * self.max_grad_norm)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 __all__ = ["StepBatch", "module_batch_first", "enclosing_batch_first", "layer_batch_first",
-           "batch_dim", "to_batch_first", "rows_error", "broadcast_rows"]
+           "set_layouts", "batch_dim", "to_batch_first", "rows_error", "broadcast_rows"]
 
 ARGUMENT = "batch_first argument"    # a layer's layout when no module fixes it
 
@@ -61,6 +61,20 @@ def layer_batch_first(name: str, module: nn.Module, layouts: dict, batch_first: 
         if prefix in layouts:
             return layouts[prefix], f"enclosing {prefix or 'model'!r}"
     return batch_first, ARGUMENT
+
+
+def set_layouts(model: nn.Module, taps, batch_first: bool) -> None:
+    """Set each tap's ``batch_first`` and its source (:func:`layer_batch_first`),
+    after checking the clipper's ``batch_first`` against the model's own."""
+    own = module_batch_first(model)
+    if own is not None and own != batch_first:
+        raise ValueError(
+            f"batch_first: expected {own}, as the model ({type(model).__name__}) was built "
+            f"with batch_first={own} and its inputs are laid out so; got {batch_first}")
+    layouts = enclosing_batch_first(model)
+    for tap in taps:
+        tap.batch_first, tap.layout = layer_batch_first(tap.name, tap.module, layouts,
+                                                        batch_first)
 
 
 def _first_tensor(obj):
@@ -183,6 +197,36 @@ class StepBatch:
                 "or clear() between batches)")
         self.model_ran = True
         self.size, self.shape = b, shape
+
+    def of_step(self, taps) -> int:
+        """The step's samples, from the layers the backward reached (each checked
+        against this batch), or 0 when declared so with no forward; refuses a
+        recorded forward that backward reached twice or not at all."""
+        batch = None
+        for tap in taps:
+            if any(rec.twice for rec in tap.records):
+                raise RuntimeError(
+                    f"GhostClipper: backward reached layer {tap.name!r} twice through the "
+                    "same recorded forward; run exactly one loss.backward() per forward (sum "
+                    "the losses first), or call clear() to discard the step")
+            if tap.records and tap.blocks is None:
+                raise RuntimeError(
+                    f"GhostClipper: layer {tap.name!r} ran forward but backward did not reach "
+                    "it; run exactly one loss.backward() per recorded forward (call clear() "
+                    "to discard a forward). Under torch.utils.checkpoint on a torch that does "
+                    "not report a running backward (torch._C._current_graph_task_id), a "
+                    "recomputation cannot be told from a use (ncdp_fast.torch.recompute)")
+            if tap.batch is not None:
+                batch = tap.batch        # each layer's was checked against the step's
+        if batch is None and self.declared == 0:
+            # An empty Poisson batch of a model that cannot run on zero rows
+            # (transformers' attention reshapes): the step is pure noise.
+            return 0
+        if batch is None:
+            raise RuntimeError("GhostClipper: no forward/backward was recorded since the last "
+                               "step (for an empty batch whose forward the model cannot run, "
+                               "call declare_batch_size(0) before the step: pure noise)")
+        return batch
 
     def known(self) -> int | None:
         """The step's samples if already read or declared, else None."""

@@ -1,6 +1,8 @@
 """BatchMemoryManager: large logical (Poisson) batches trained in physical
 batches of bounded size, one private step per logical batch (Opacus's
-``opacus.utils.batch_memory_manager`` on ncdp_fast's optimizer)."""
+``opacus.utils.batch_memory_manager`` on ncdp_fast's optimizer), and the
+checks of the clipper's accumulator of a logical batch's clipped sums
+(``GhostClipper.accumulate_``)."""
 from __future__ import annotations
 
 import math
@@ -8,10 +10,12 @@ import math
 import numpy as np
 from torch.utils.data import DataLoader
 
-from .._validate import check_pos_int
+from .._validate import check_pos_int, check_positive
 from .data import PoissonBatchSampler, loader_settings
+from .taps import per_parameter
 
-__all__ = ["BatchMemoryManager"]
+__all__ = ["BatchMemoryManager", "refuse_across_ranks", "check_bound_kept", "check_same_parameters",
+           "add_clipped", "fold_in"]
 
 
 class _SplittingSampler:
@@ -108,3 +112,61 @@ class BatchMemoryManager:
 
     def __exit__(self, *exc) -> None:
         self.optimizer._end_logical_batches()
+
+
+def refuse_across_ranks(group) -> None:
+    """Accumulation is one process only."""
+    if group is not None:
+        raise ValueError(
+            "GhostClipper: accumulate_ (a skipped step, BatchMemoryManager) with group=: "
+            "expected one process; the ranks' shards of a logical batch split into "
+            "different numbers of physical batches, so their steps would not pair. Train "
+            "across ranks without BatchMemoryManager, or with a smaller logical batch")
+
+
+def check_bound_kept(accumulated: dict, bound: float, value) -> None:
+    """Refuse a new ``max_grad_norm`` ``value`` (``bound`` now) while physical
+    batches are ``accumulated``."""
+    if accumulated and check_positive(value, "max_grad_norm") != bound:
+        # The logical batch's earlier physical batches were clipped at the old
+        # bound: noise at a smaller new one would not cover their samples.
+        raise ValueError(
+            f"max_grad_norm: expected {bound!r} until the logical batch's "
+            f"step (physical batches accumulated at it: BatchMemoryManager), got "
+            f"{value!r}; change it between logical steps (a grad-clip scheduler steps "
+            "per epoch), or discard_accumulated() first")
+
+
+def check_same_parameters(accumulated: dict, entries) -> None:
+    """The step's ``entries`` [(tap, names, block)] must privatize the
+    parameters ``accumulated`` holds (a sum over part of the logical batch)."""
+    if accumulated:
+        now = {tap.full(n) for tap, names, _ in entries
+               for n in names}
+        if now != set(accumulated):
+            raise RuntimeError(
+                "GhostClipper: the trainable parameters changed within one logical batch "
+                f"(accumulated: {sorted(accumulated)}, now: {sorted(now)}); freeze "
+                "or unfreeze parameters between logical steps, or discard_accumulated()")
+
+
+def add_clipped(accumulated: dict, entries, grads) -> None:
+    """Add a physical batch's clipped sums ``grads`` (of ``entries``) to
+    ``accumulated`` {parameter name: sum}, in place."""
+    for tap, n, g in per_parameter(entries, grads):
+        name = tap.full(n)
+        held = accumulated.get(name)
+        accumulated[name] = g if held is None else held.add_(g)
+
+
+def fold_in(accumulated: dict, name: str, g, loss_reduction: str, expected_batch_size):
+    """The logical step's private gradient of parameter ``name``: ``g``, the clip
+    op's for the last physical batch, plus the earlier ones' ``accumulated``
+    clipped sum (in place; ``g`` itself when nothing was accumulated)."""
+    held = accumulated.get(name)
+    if held is None:
+        return g
+    # The op returned inv * (S_last + noise); the earlier physical
+    # batches' clipped sums take the same division.
+    inv = 1.0 / expected_batch_size if loss_reduction == "mean" else 1.0
+    return g.add_(held, alpha=inv)

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["in_backward", "reentrant_recompute", "refuse_reentrant", "refuse_unmatched"]
+__all__ = ["in_backward", "reentrant_recompute", "refuse_reentrant", "refuse_unmatched",
+           "count_call"]
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _autograd_node = getattr(torch._C, "_current_autograd_node", None)
@@ -80,3 +81,23 @@ def refuse_unmatched(name: str, module, recorded: int) -> RuntimeError:
         "A use_reentrant=True checkpoint (use use_reentrant=False), a forward inside a "
         "backward hook, or a second backward through a checkpointed forward would give "
         "gradients the clipper does not see; call clear() to discard this step")
+
+
+def count_call(tap, module) -> None:
+    """Count a recorded forward call of ``tap``'s layer (a :class:`.taps.Tap`
+    whose ``recording`` is set): a use, or, inside backward, a
+    ``use_reentrant=False`` checkpoint's recomputation of one, which is let
+    through unrecorded (``tap.replaying``); any other forward inside backward
+    is refused."""
+    if in_backward():
+        # A checkpoint's recomputation: switched off as the recorded
+        # call was, so that the tensors it saves are the same.
+        tap.recording = False            # until it is known to be one
+        if tap.nograd == tap.recorded_in or reentrant_recompute(tap.name, module):
+            raise refuse_reentrant(tap.name, module)
+        if tap.replays >= tap.calls:
+            raise refuse_unmatched(tap.name, module, tap.calls)
+        tap.recording = tap.replaying = True
+        tap.replays += 1
+    else:
+        tap.calls += 1

@@ -32,10 +32,11 @@ import torch
 from torch import nn
 
 from .._clip import GhostBlock
-from .layers import (_cat, _flat_positions, _lead, _rows_sq, embedding_rule, linear_rule,
-                     rule_for)
+from .layers import (_cat, _flat_positions, _lead, _rows_sq, accumulation_dtype,
+                     embedding_rule, linear_rule, rule_for)
 
-__all__ = ["PairUse", "IndexUse", "as_use", "combine", "ghost_cheaper"]
+__all__ = ["PairUse", "IndexUse", "as_use", "combine", "ghost_cheaper", "layer_params",
+           "layer_uses", "uses_by_weight", "combined"]
 
 # Bytes of float64 copies one chunk of samples may hold while the norms are formed.
 _CHUNK_BYTES = 1 << 28
@@ -90,6 +91,70 @@ def as_use(module: nn.Module, calls, block, shape: tuple, batch: int, dtype: tor
     one = torch.eye(batch, dtype=torch.float64, device=block.sq_norms.device)
     rows = [torch.as_tensor(block.clipped_sum(one[i])).reshape(shape) for i in range(batch)]
     return torch.stack(rows).to(dtype) if rows else torch.zeros((0, *shape), dtype=dtype)
+
+
+def layer_params(name: str, module: nn.Module, owner: dict) -> tuple[dict, dict]:
+    """A layer's trainable parameters ``{relative name: Parameter}`` and, of
+    those an earlier layer already holds, ``{relative name: that use's full
+    name}``; ``owner`` (id -> (full name, a direct weight of a plain layer)) is
+    updated with the new ones.  Only a ``weight`` outside
+    ``nn.MultiheadAttention`` may be shared: the uses of anything else are not
+    combined."""
+    params, alias = {}, {}
+    composite_layer = isinstance(module, nn.MultiheadAttention)
+    own = module.named_parameters(recurse=composite_layer)
+    for pname, p in own:
+        full = f"{name}.{pname}" if name else pname
+        if not p.requires_grad:
+            continue
+        plain = pname == "weight" and not composite_layer
+        if id(p) in owner:
+            first, first_plain = owner[id(p)]
+            if not (plain and first_plain):
+                raise ValueError(
+                    f"GhostClipper: parameter {full!r} is shared with {first!r}; "
+                    "expected only the `weight` of layers outside "
+                    "nn.MultiheadAttention to be shared (an embedding tied to the "
+                    "output Linear), got a shared bias or attention parameter. Tie "
+                    "the weights only, or give each layer its own parameter")
+            alias[pname] = first
+        else:
+            owner[id(p)] = (full, plain)
+        params[pname] = p
+    return params, alias
+
+
+def layer_uses(tap, calls, blocks: list, batch: int, tied: set) -> list:
+    """A layer's ``blocks`` [(names, block)] with each weight whose id is in
+    ``tied`` as this layer's use of it (:func:`as_use`), kept to the step,
+    where the uses are combined sample by sample before any norm (a norm per
+    use would leave out the cross terms)."""
+    out = []
+    for names, block in blocks:
+        p = tap.params[names[0]]
+        if id(p) not in tied:
+            out.append((names, block))
+            continue
+        out.append(((names[0],), as_use(tap.module, calls, block, tuple(p.shape), batch,
+                                        accumulation_dtype(p.dtype))))
+        if isinstance(block, tuple) and block[2]:
+            out.append(((names[1],), block[1].sum(1)))
+    return out
+
+
+def uses_by_weight(taps, tied: set) -> dict:
+    """{id of a tied weight: its uses this step, in layer order}."""
+    uses: dict[int, list] = {}
+    for tap in taps:
+        for names, block in tap.blocks or ():
+            if id(tap.params[names[0]]) in tied:
+                uses.setdefault(id(tap.params[names[0]]), []).append(block)
+    return uses
+
+
+def combined(uses: dict, p, batch: int):
+    """The one block of tied weight ``p`` (:func:`combine` of its uses)."""
+    return combine(uses[id(p)], tuple(p.shape), accumulation_dtype(p.dtype), batch)
 
 
 def _batch_rows(idx: torch.Tensor, batch: int) -> torch.Tensor:

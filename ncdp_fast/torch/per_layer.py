@@ -1,0 +1,78 @@
+"""Per-layer clipping (``clipping="per_layer"``, as Opacus's per-layer
+optimizer): each trainable parameter's per-sample gradient is clipped at its
+own bound C_p, and each gets noise of std ``noise_multiplier * sqrt(sum C_p^2)``,
+so the step is one Gaussian mechanism of sensitivity sqrt(sum C_p^2)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._clip import LayersClipResult
+from .._validate import check_positive
+
+__all__ = ["layer_bounds", "check_fixed_bound", "clip_per_layer"]
+
+
+def layer_bounds(max_grad_norm, clipping: str, param_names: list) -> list | None:
+    """The bounds C_p, one per name of ``param_names`` (None unless per-layer):
+    ``max_grad_norm`` a list of them, or a float C split as C / sqrt(P)."""
+    if clipping != "per_layer":
+        check_positive(max_grad_norm, "max_grad_norm")
+        return None
+    P = len(param_names)
+    if isinstance(max_grad_norm, (list, tuple)):
+        if len(max_grad_norm) != P:
+            raise ValueError(f"max_grad_norm: expected {P} bounds for clipping='per_layer' "
+                             f"(one per trainable parameter: {param_names}), got "
+                             f"{len(max_grad_norm)}")
+        return [check_positive(c, f"max_grad_norm[{i}]") for i, c in enumerate(max_grad_norm)]
+    c = check_positive(max_grad_norm, "max_grad_norm")
+    return [c / math.sqrt(P)] * P
+
+
+def check_fixed_bound(clipping: str, bound: float, layer_norms, value) -> None:
+    """Refuse a new ``max_grad_norm`` ``value`` (the total ``bound`` now) under
+    per-layer clipping."""
+    # Per-layer bounds are fixed: scaling them with a new total would be
+    # one choice among many (Opacus's per-layer optimizer keeps clipping at
+    # its old bounds while its noise follows the new total), so a change
+    # is refused rather than guessed.
+    if clipping == "per_layer" and check_positive(value, "max_grad_norm") != bound:
+        raise ValueError(
+            f"max_grad_norm: expected {bound!r} (fixed with "
+            f"clipping='per_layer', bounds {layer_norms}), got {value!r}; a "
+            "grad-clip scheduler needs clipping='flat', or build again (make_private) "
+            "with the new per-layer bounds")
+
+
+def clip_per_layer(clipper, entries, grad_scale, noise=True):
+    """Each parameter of the step's ``entries`` on its own bound: one clip call
+    per parameter, each taking the next range of ``clipper``'s stream
+    (``noise=False``: clipped sums only, no draw, no step counted).  Returns
+    ``(result, entries)`` with one entry per parameter (a pair block's bias
+    split off); ``result`` is a list of the calls' results when not ``noise``."""
+    split = []
+    for tap, names, block in entries:
+        if isinstance(block, tuple) and len(names) == 2:
+            a, g, _ = block
+            split += [(tap, names[:1], (a, g, False)), (tap, names[1:], g.sum(1))]
+        else:
+            split.append((tap, names, block))
+    bounds = dict(zip(clipper.param_names, clipper.layer_norms))
+    clip = clipper._clip_and_noise if noise else clipper._clip_only
+    results = [clip([block], grad_scale, count=False,
+                    max_norm=bounds[t.full(n[0])])
+               for t, n, block in split]
+    if not noise:
+        return results, split
+    clipper._steps += 1
+    first = results[0]
+    sq = sum(torch.as_tensor(r.norms, dtype=torch.float64) ** 2 for r in results)
+    result = LayersClipResult(
+        norms=sq.sqrt(), num_clipped=max(r.num_clipped for r in results),
+        num_nonfinite=max(r.num_nonfinite for r in results), seed=first.seed,
+        offset=first.offset, draws=sum(r.draws for r in results),
+        grads=[r.grads[0] for r in results])
+    clipper.last_result = result
+    return result, split

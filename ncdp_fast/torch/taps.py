@@ -1,0 +1,195 @@
+"""A trainable layer as the clipper sees it: its rule (:func:`layer_rule`), its
+trainable parameters, the forward calls recorded since the last step, and
+the blocks the step hands to the clip op (:func:`step_entries`).
+
+:class:`Tap` and :class:`Record` hold only this step's tensors (dropped once
+the layer's rule has run); :class:`CaptureGrad` puts a layer's output into the
+graph when nothing trainable below it would."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .._clip import GhostBlock
+from . import tied
+from .layers import HALF, accumulation_dtype, rule_for
+from .rnn import replacement, torch_rnn_error
+
+__all__ = ["CaptureGrad", "Record", "Tap", "layer_rule", "step_entries", "ignore",
+           "per_parameter", "switch_off", "switch_back"]
+
+
+class CaptureGrad(torch.autograd.Function):
+    """Identity whose backward hands the output gradient to ``store``: used only
+    when a layer's output would not otherwise require grad (nothing trainable
+    below it), the ``anchor`` leaf putting it into the graph.  Returns a copy: a
+    view made in a custom Function may not be modified in place."""
+
+    @staticmethod
+    def forward(ctx, output, anchor, store):
+        ctx.store = store
+        return output.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.store(grad.detach())
+        return grad, None, None
+
+
+@dataclass
+class Record:
+    """One recorded forward call (or marked point) of a layer; its tensors are
+    dropped once the layer's rule has run."""
+    inputs: tuple | None
+    slot: str | None
+    versions: tuple
+    grad: torch.Tensor | None = None
+    got: bool = False
+    twice: bool = False
+
+
+@dataclass
+class Tap:
+    """A trainable layer: its rule, trainable parameters and this step's records."""
+    name: str
+    module: nn.Module
+    rule: object
+    params: dict                    # relative name -> Parameter (trainable only)
+    records: list = field(default_factory=list)
+    # A weight shared with an earlier layer: relative name -> the full name of
+    # the use that owns it (its one entry, bound, noise range and .grad).
+    alias: dict = field(default_factory=dict)
+    recording: bool = False
+    saved: tuple | None = None      # requires_grad as the user left it, during a forward
+    active: frozenset | None = None  # names trainable at this step's forwards
+    blocks: list | None = None      # the rule's [(names, block)] once backward is through
+    batch: int | None = None
+    batch_first: bool = True        # the layout of its inputs and output (layout.py)
+    layout: str = ""                # where that layout comes from, for errors
+    calls: int = 0                  # recorded forward calls (an attention call records several)
+    replays: int = 0                # checkpoint recomputations of recorded calls (recompute.py)
+    replaying: bool = False         # this call is one: let through, not recorded
+    nograd: int = -1                # the model forward in which it last ran under no_grad
+    recorded_in: int = -2           # the model forward in which it was last recorded
+
+    def full(self, n: str) -> str:
+        """The model-level name of its parameter ``n`` (as in ``param_names``)."""
+        return f"{self.name}.{n}" if self.name else n
+
+    @property
+    def owned(self) -> dict:
+        """Its parameters less the weights another layer owns."""
+        return {n: p for n, p in self.params.items() if n not in self.alias}
+
+    @property
+    def half(self) -> bool:
+        """A float16/bfloat16 parameter: the rule gets its tensors in float32."""
+        return any(p.dtype in HALF for p in self.params.values())
+
+    def trainable(self) -> frozenset:
+        """The parameters this step privatizes: those that required grad when the
+        layer ran forward (a parameter frozen after attach is left out, and the
+        optimizer skips it); for a layer unused this step, those that do now."""
+        if self.active is not None:
+            return self.active
+        return frozenset(n for n, p in self.params.items() if p.requires_grad)
+
+    def clear(self):
+        self.records.clear()
+        self.blocks, self.batch, self.active = None, None, None
+        self.calls, self.replays, self.replaying = 0, 0, False
+
+
+def layer_rule(name: str, module: nn.Module, params: dict):
+    """The per-sample gradient rule of layer ``name`` (``params``: its trainable
+    parameters), refusing a layer without one and a subclass whose forward
+    the rule of its base may not describe."""
+    rule, base = rule_for(module)
+    conv = isinstance(module, nn.modules.conv._ConvNd)
+    if rule is not None and conv and \
+            type(module)._conv_forward is not getattr(base, "_conv_forward", None):
+        # The hooks mark the convolution at _conv_forward: an override
+        # (weight standardisation, a reparametrisation) computes
+        # something the convolution's rule does not describe.
+        raise ValueError(
+            f"GhostClipper: layer {name!r} ({type(module).__name__}) overrides "
+            f"_conv_forward of {base.__name__}, so {base.__name__}'s rule may not "
+            "describe what it computes (weight standardisation: its gradient is "
+            "not the plain convolution's); register a rule for its own type with "
+            "ncdp_fast.torch.register_layer")
+    if rule is not None and type(module).forward is not base.forward and not conv:
+        raise ValueError(
+            f"GhostClipper: layer {name!r} ({type(module).__name__}) overrides the forward "
+            f"of {base.__name__}, so {base.__name__}'s rule may not describe what it "
+            "computes; register a rule for its own type with "
+            "ncdp_fast.torch.register_layer")
+    if rule is None and replacement(module):
+        raise torch_rnn_error(name, module)
+    if rule is None:
+        shown = ", ".join(repr(f"{name}.{n}" if name else n) for n in params)
+        raise ValueError(
+            f"GhostClipper: trainable parameter(s) {shown} belong to "
+            f"{type(module).__name__}, which has no per-sample gradient rule; freeze "
+            "them, or register one with ncdp_fast.torch.register_layer")
+    return rule
+
+
+def step_entries(taps, tied_ids: set, batch: int) -> list:
+    """[(tap, names, block)] in layer order; a layer unused this step adds pure
+    noise.  A shared weight (its id in ``tied_ids``) has one entry, at its first
+    layer: the sum of its uses' per-sample gradients (B, *shape)."""
+    uses = tied.uses_by_weight(taps, tied_ids)
+    entries = []
+    for tap in taps:
+        if tap.blocks is None:
+            trainable = tap.trainable()
+            for n, p in tap.params.items():
+                if n in tap.alias or (n not in trainable and id(p) not in uses):
+                    continue
+                if id(p) in uses:
+                    entries.append((tap, (n,), tied.combined(uses, p, batch)))
+                    continue
+                dtype = accumulation_dtype(p.dtype)
+                zeros = p.new_zeros(p.shape, dtype=dtype)
+                block = GhostBlock(torch.zeros(batch, dtype=torch.float64, device=p.device),
+                                   lambda f, z=zeros: z.clone(), tuple(p.shape), 1,
+                                   dtype=dtype)
+                entries.append((tap, (n,), block))
+        else:
+            for names, block in tap.blocks:
+                p = tap.params[names[0]]
+                if id(p) not in tied_ids:
+                    entries.append((tap, names, block))
+                elif names[0] not in tap.alias:
+                    entries.append((tap, names, tied.combined(uses, p, batch)))
+    return entries
+
+
+def per_parameter(entries, grads):
+    """``(tap, name, grad)`` for each parameter of the step's ``entries`` and the
+    clip op's ``grads`` (a pair block's grad is a (weight, bias) tuple), each
+    grad in its parameter's shape."""
+    for (tap, names, _), grad in zip(entries, grads):
+        for n, g in zip(names, grad if isinstance(grad, tuple) else (grad,)):
+            yield tap, n, g.view(tap.params[n].shape)
+
+
+def ignore(grad):
+    pass
+
+
+def switch_off(tap: Tap) -> tuple:
+    """Switch the layer's parameters' requires_grad off; returns the previous flags."""
+    saved = tuple(p.requires_grad for p in tap.params.values())
+    for p in tap.params.values():
+        p.requires_grad_(False)
+    return saved
+
+
+def switch_back(tap: Tap, saved: tuple) -> None:
+    # The state the user left, not True: a parameter frozen after attach
+    # stays frozen.
+    for p, r in zip(tap.params.values(), saved):
+        p.requires_grad_(r)
