@@ -276,6 +276,12 @@ class _Layer:
             self.terms, self.T = self.draws, 1
         self.B = B
 
+    def held(self) -> int:
+        """Values of the block's own arrays (0 for a ghost block: its closure's)."""
+        if self.kind == "ghost":
+            return 0
+        return int(self.g.size) + (0 if self.dense else int(self.a.size))
+
     def add_sq_norms(self, kernels, sq):
         if self.kind == "ghost":
             sq += self.sq
@@ -342,7 +348,7 @@ def _ghost_dtype(specs) -> np.dtype:
 
 
 def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, reduction,
-                 expected_batch_size, nan_policy, grad_scale=1.0):
+                 expected_batch_size, nan_policy, grad_scale=1.0, release=False):
     max_norm, noise_std, inv_denom = _check_common(
         max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy)
     be = _backend.select("clip", **arrays)
@@ -353,6 +359,9 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         dtype = _ghost_dtype(layer_specs)
     _check_noise_range(noise_std, inv_denom, dtype)
     layers = [_Layer(spec, i, be, dtype) for i, spec in enumerate(layer_specs)]
+    if release:
+        arrays.clear()
+        layer_specs[:] = [None] * len(layer_specs)
     B = layers[0].B
     for i, layer in enumerate(layers):
         if layer.B != B:
@@ -384,10 +393,19 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         for layer in layers:
             layer.drop_rows(be.io, bad)
     weights = factors * grad_scale if grad_scale != 1.0 else factors
-    grads, start = [], offset
-    for layer in layers:
-        grads.append(layer.reduce(be, dtype, weights, noise_std, inv_denom, seed, start))
-        start += layer.draws
+    starts = [offset]                       # Python ints: offsets reach 2^64
+    for layer in layers[:-1]:
+        starts.append(starts[-1] + layer.draws)
+    order = range(len(layers))
+    if release:
+        # Most memory freed first: a layer's sum allocates `draws` values and
+        # dropping it frees its (B, T, d) and (B, T, K) arrays.
+        order = sorted(order, key=lambda i: layers[i].draws - layers[i].held())
+    grads = [None] * len(layers)
+    for i in order:
+        grads[i] = layers[i].reduce(be, dtype, weights, noise_std, inv_denom, seed, starts[i])
+        if release:
+            layers[i] = None
     return grads, acc
 
 
@@ -427,7 +445,7 @@ def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier,
 
 def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=None, offset=None,
                           reduction="sum", expected_batch_size=None, nan_policy="raise",
-                          grad_scale=1.0) -> LayersClipResult:
+                          grad_scale=1.0, release_blocks=False) -> LayersClipResult:
     """Clip several parameter blocks jointly: one factor per sample from the total norm.
 
     Each element of ``layers`` is a dense per-sample gradient (B, ...)
@@ -443,6 +461,14 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
     own disjoint range of the noise stream, in order (dense: prod(shape[1:])
     draws; linear: K*d, then K for the bias).  Other arguments as
     :func:`clip_and_noise`.
+
+    ``release_blocks=True`` hands the list ``layers`` over to the op: it is
+    emptied (every entry set to None) as the blocks are taken, and the op drops
+    each block once its sum is formed, forming first the blocks that free more
+    than their sum allocates (each still takes its own noise range).  A caller
+    that keeps no other reference to the blocks' arrays (GhostClipper) then
+    frees a layer's activations and backprops before later sums are allocated,
+    instead of holding all of them until the last sum exists.
 
     Returns a :class:`LayersClipResult`; ``grads[l]`` is an array of shape
     ``shape[1:]`` for a dense block, ``(grad_weight, grad_bias)`` for a pair, an
@@ -460,9 +486,11 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
             arrays[f"layers[{i}][1]"] = spec[1] if len(spec) > 1 else None
         else:
             arrays[f"layers[{i}]"] = spec
+    del spec                    # with release_blocks, the op holds the only references
     grad_scale = check_positive(grad_scale, "grad_scale")
     if not np.isfinite(grad_scale):
         raise ValueError(f"grad_scale: expected a finite number > 0, got {grad_scale!r}")
     grads, acc = _clip_layers(layers, arrays, max_norm, noise_multiplier, seed, offset, reduction,
-                              expected_batch_size, nan_policy, grad_scale)
+                              expected_batch_size, nan_policy, grad_scale,
+                              release=bool(release_blocks))
     return LayersClipResult(grads=grads, **acc)

@@ -143,6 +143,49 @@ def test_layers_share_one_factor(dtype):
     assert res.draws == 12 + 3 * 6 + 3 + 2 * 7
 
 
+def test_released_blocks_give_the_same_step_and_are_freed():
+    """release_blocks=True forms the sums in another order (most memory freed
+    first) and drops each block: the same gradients, norms and stream range bit
+    for bit, the caller's list emptied, and a block's arrays freed once the
+    caller drops its own references (the op keeps none)."""
+    import gc
+    import weakref
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+
+    seen = []                 # during the ghost block's sum: was the big pair freed?
+
+    def blocks():
+        g = torch.from_numpy(rng.standard_normal((6, 40)))
+        sq = (g * g).sum(1)
+
+        def clipped_sum(f):
+            gc.collect()
+            seen.append(watch is not None and watch() is None)
+            return (g * f[:, None]).sum(0).reshape(8, 5)
+        ghost = nf.GhostBlock(sq, clipped_sum, (8, 5), 40, dtype=torch.float64)
+        big = (torch.from_numpy(rng.standard_normal((6, 9, 30))),
+               torch.from_numpy(rng.standard_normal((6, 9, 2))))   # frees more than it allocates
+        return [ghost, torch.from_numpy(rng.standard_normal((6, 3, 4))), big]
+    kw = dict(max_norm=1.0, noise_multiplier=0.6, reduction="mean", expected_batch_size=6.0)
+    watch = None
+    first = blocks()
+    ref = nf.clip_and_noise_layers(first, seed=nf.NoiseStream(9, 0), **kw)
+    rng = np.random.default_rng(5)
+    second = blocks()
+    watch = weakref.ref(second[2][0])
+    with pytest.warns(nf.NoiseReuseWarning):         # the replay is the point
+        res = nf.clip_and_noise_layers(second, seed=nf.NoiseStream(9, 0), release_blocks=True,
+                                       **kw)
+    assert second == [None, None, None]
+    # The big pair frees the most: formed first and dropped before the ghost
+    # block's sum is allocated.
+    assert seen == [False, True]
+    assert torch.equal(res.norms, ref.norms) and (res.offset, res.draws) == (ref.offset, ref.draws)
+    assert torch.equal(res.grads[0], ref.grads[0]) and torch.equal(res.grads[1], ref.grads[1])
+    assert all(torch.equal(x, y) for x, y in zip(res.grads[2], ref.grads[2]))
+
+
 def test_layers_noise_ranges_are_disjoint_and_in_order():
     zeros = [np.zeros((4, 5)), (np.zeros((4, 3)), np.zeros((4, 2))), np.zeros((4, 2, 2))]
     res = nf.clip_and_noise_layers(zeros, max_norm=1.0, noise_multiplier=1.0, seed=77, offset=10)

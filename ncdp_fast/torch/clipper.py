@@ -576,7 +576,14 @@ class GhostClipper(ClippedGaussianStep):
         ``last_result`` then describes this call's physical batch only."""
         entries, scale = self._step_entries(optimizer)
         if self.clipping != "per_layer":
-            result = self._clip_and_noise([block for _, _, block in entries], scale)
+            # The op gets the only references to the recorded tensors, so that
+            # it frees each layer's once its sum is formed: the step's peak is
+            # then not every layer's activations and output gradients plus
+            # every private gradient.
+            blocks = [block for _, _, block in entries]
+            entries = [(tap, names, None) for tap, names, _ in entries]
+            self.clear()
+            result = self._clip_and_noise(blocks, scale, release=True)
         else:
             result, entries = self._per_layer(entries, scale)
         writes = []

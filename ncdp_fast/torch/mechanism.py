@@ -248,10 +248,11 @@ class ClippedGaussianStep(UsesNoiseStream):
             nan_policy=self.nan_policy, grad_scale=grad_scale)
 
     def _clip_and_noise(self, blocks, grad_scale=1.0, max_norm=None,
-                        count=True) -> LayersClipResult:
+                        count=True, release=False) -> LayersClipResult:
         """One private step over ``blocks`` (:func:`ncdp_fast.clip_and_noise_layers`),
         optionally with its own bound ``max_norm`` (per-layer clipping: the noise
-        std stays ``noise_multiplier * max_grad_norm``)."""
+        std stays ``noise_multiplier * max_grad_norm``).  ``release``: the op
+        consumes the list ``blocks`` (its ``release_blocks``; one process)."""
         c = self.max_grad_norm if max_norm is None else max_norm
         if self.group is not None:
             result = reduce_clip_and_noise(
@@ -265,7 +266,7 @@ class ClippedGaussianStep(UsesNoiseStream):
                 noise_multiplier=self._grad_noise_multiplier() * self.max_grad_norm / c,
                 seed=self._stream, reduction=self.loss_reduction,
                 expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy,
-                grad_scale=grad_scale)
+                grad_scale=grad_scale, release_blocks=release)
         if not count:
             return result
         self._steps += 1
