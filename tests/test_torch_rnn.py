@@ -61,21 +61,70 @@ def test_outputs_and_states_equal_torchs_module_with_the_same_weights(kind, batc
     _flat(ref(x, state)).square().sum().backward()
     mine = dict(dp.named_parameters())
     for n, p in ref.named_parameters():
-        layer = n.split("_")[2] + ("_reverse" if n.endswith("_reverse") else "")
-        q = mine[f"{layer}.{n.split('_')[1]}.{n.split('_')[0]}"]
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-11, atol=1e-13)
+        torch.testing.assert_close(mine[n].grad, p.grad, rtol=1e-11, atol=1e-13)
 
 
-def test_state_dict_uses_torchs_names_both_ways():
+# Opacus's DPLSTM(3, 4, num_layers=2, bidirectional=True).named_parameters(),
+# read from opacus 1.6: torch's names, per layer and direction ih then hh.
+OPACUS_NAMES = [f"{a}_{m}_l{k}{r}" for k in range(2) for r in ("", "_reverse")
+                for m in ("ih", "hh") for a in ("weight", "bias")]
+
+
+def test_parameter_names_are_opacus_names_aliasing_the_cells():
     torch.manual_seed(0)
     dp = DPLSTM(3, 4, num_layers=2, bidirectional=True)
     ref = nn.LSTM(3, 4, num_layers=2, bidirectional=True)
-    assert list(dp.state_dict()) == list(ref.state_dict())
+    names = [n for n, _ in dp.named_parameters()]
+    assert names == OPACUS_NAMES and list(dp.state_dict()) == OPACUS_NAMES
+    assert {n: p.shape for n, p in dp.named_parameters()} == \
+        {n: p.shape for n, p in ref.named_parameters()}
+    assert dp.weight_hh_l1_reverse is dp.l1_reverse.hh.weight
+    assert [id(p) for p in dp.parameters()] == [id(dp.get_parameter(n)) for n in names]
+    both = [n for n, _ in dp.named_parameters(remove_duplicate=False)]
+    assert both[:16] == OPACUS_NAMES and "l1_reverse.hh.bias" in both
+    assert list(dp.named_parameters(recurse=False)) == []
+    model = nn.Sequential(nn.Embedding(5, 3), DPGRU(3, 2, bias=False))
+    assert [n for n, _ in model.named_parameters()] == ["0.weight", "1.weight_ih_l0",
+                                                          "1.weight_hh_l0"]
+    try:
+        from opacus.layers import DPLSTM as OpacusLSTM
+    except ImportError:
+        return
+    theirs = OpacusLSTM(3, 4, num_layers=2, bidirectional=True)
+    assert [n for n, _ in theirs.named_parameters()] == names
+    assert list(theirs.state_dict()) == list(dp.state_dict())
+
+
+def test_state_dict_loads_both_ways_and_the_names_stay_tied():
+    torch.manual_seed(0)
+    dp = DPLSTM(3, 4, num_layers=2, bidirectional=True)
+    ref = nn.LSTM(3, 4, num_layers=2, bidirectional=True)
     ref.load_state_dict(dp.state_dict())
-    dp2 = DPLSTM(3, 4, num_layers=2, bidirectional=True)
-    dp2.load_state_dict(ref.state_dict())
-    for a, b in zip(dp.parameters(), dp2.parameters()):
-        assert torch.equal(a, b)
+    for n, p in ref.named_parameters():
+        assert torch.equal(p, dp.get_parameter(n))
+    ref2 = nn.LSTM(3, 4, num_layers=2, bidirectional=True)
+    dp.load_state_dict(ref2.state_dict())
+    for n, p in ref2.named_parameters():
+        assert torch.equal(p, dp.get_parameter(n))
+    # The cells' names (what the cells' modules hold) load too.
+    cells = {c: p.detach() + 1 for c, p in dp.named_parameters(remove_duplicate=False)
+             if "." in c}
+    dp.load_state_dict(cells)
+    assert torch.equal(dp.bias_hh_l1_reverse, cells["l1_reverse.hh.bias"])
+    with pytest.raises(RuntimeError, match=r"'weight_ih_l0' and 'l0.ih.weight' name the same "
+                                           r"parameter but hold different values"):
+        dp.load_state_dict({**ref2.state_dict(), "l0.ih.weight": cells["l0.ih.weight"]})
+    # assign=True makes new Parameters: the torch names point at the cells' again.
+    outer = nn.Sequential(dp)
+    outer.load_state_dict(nn.Sequential(ref2).state_dict(), assign=True)
+    assert dp.weight_ih_l0 is dp.l0.ih.weight
+    assert torch.equal(dp.weight_ih_l0, ref2.weight_ih_l0)
+    assert len(list(outer.parameters())) == 16
+    # A name re-pointed at another Parameter would leave the forward on the old one.
+    dp.weight_ih_l0 = nn.Parameter(torch.zeros(16, 3))
+    with pytest.raises(RuntimeError, match=r"DPLSTM: parameter 'weight_ih_l0' is no longer the "
+                                           r"Parameter of 'l0.ih.weight'"):
+        dp(torch.randn(2, 1, 3))
 
 
 class Tagger(nn.Module):
@@ -146,10 +195,9 @@ def test_module_validator_fix_replaces_them_with_their_weights():
 
 
 def test_refusals():
-    with pytest.raises(TypeError, match=r"DPLSTM: expected a padded tensor, got a "
-                                        r"PackedSequence"):
-        packed = nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 3), [4, 2])
-        DPLSTM(3, 4)(packed)
+    with pytest.raises(ValueError, match=r"DPLSTM: expected a PackedSequence of \(sum of "
+                                         r"lengths, 3\) data, got data of shape \(6, 2\)"):
+        DPLSTM(3, 4)(nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 2), [4, 2]))
     with pytest.raises(ValueError, match=r"DPGRU: expected a batched 3-D input"):
         DPGRU(3, 4)(torch.randn(4, 3))
     with pytest.raises(ValueError, match=r"DPLSTM: expected proj_size=0"):
