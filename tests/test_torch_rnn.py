@@ -23,7 +23,8 @@ from ncdp_fast.torch import (DPGRU, DPLSTM, DPRNN, GhostClipper, ModuleValidator
                              PrivacyEngine)
 from ncdp_fast.torch.rnn import from_torch  # noqa: E402
 
-from test_torch_layers import F32, F64, ce, check_exact  # noqa: E402
+from test_torch_layers import (F32, F64, assert_grads_close, ce, check_exact,  # noqa: E402,E501
+                               clipped_mean, low_bound)
 
 TORCH = {"lstm": (nn.LSTM, {}), "gru": (nn.GRU, {}), "rnn_tanh": (nn.RNN, {}),
          "rnn_relu": (nn.RNN, {"nonlinearity": "relu"})}
@@ -208,6 +209,207 @@ def test_refusals():
         DPLSTM(3, 4)(torch.randn(5, 2, 3), torch.zeros(1, 2, 4))
     with pytest.raises(ValueError, match=r"nonlinearity"):
         DPRNN(3, 4, nonlinearity="gelu")
+
+
+# ------------------------------------------------------ PackedSequence input
+pack = nn.utils.rnn.pack_padded_sequence
+LENGTHS = [4, 1, 6, 4, 2]          # unequal, a tie, a length-1 sequence, unsorted
+
+
+def _packed_flat(out):
+    y, state = out
+    states = state if isinstance(state, tuple) else (state,)
+    return torch.cat([y.data.reshape(-1)] + [t.reshape(-1) for t in states])
+
+
+@pytest.mark.parametrize("enforce_sorted", [False, True])
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
+def test_packed_input_equals_torchs_module_with_the_same_weights(kind, enforce_sorted):
+    """Bidirectional, two layers, h0 in the caller's order: the packed output
+    (data, batch sizes, indices), each sequence's own last state, and the
+    gradients of the parameters and of the packed data equal torch's."""
+    cls, kw = TORCH[kind]
+    torch.manual_seed(7)
+    ref = cls(3, 4, num_layers=2, bidirectional=True, **kw).double()
+    dp = from_torch(ref)
+    lengths = sorted(LENGTHS, reverse=True) if enforce_sorted else LENGTHS
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(max(lengths), len(lengths), 3, generator=g, dtype=F64)
+    h0 = torch.randn(4, len(lengths), 4, generator=g, dtype=F64)
+    state = (h0, torch.randn(h0.shape, generator=g, dtype=F64)) if kind == "lstm" else h0
+    outs = {}
+    for name, module in (("dp", dp), ("torch", ref)):
+        xp = pack(x.clone().requires_grad_(True), lengths, enforce_sorted=enforce_sorted)
+        out = module(xp, state)
+        assert isinstance(out[0], nn.utils.rnn.PackedSequence)
+        _packed_flat(out).sin().sum().backward()
+        outs[name] = (out, xp)
+    (mine, _), (want, _) = outs["dp"], outs["torch"]
+    assert torch.equal(mine[0].batch_sizes, want[0].batch_sizes)
+    for a, b in ((mine[0].sorted_indices, want[0].sorted_indices),
+                 (mine[0].unsorted_indices, want[0].unsorted_indices)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    torch.testing.assert_close(_packed_flat(mine), _packed_flat(want), rtol=1e-12, atol=1e-14)
+    params = dict(dp.named_parameters())
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(params[n].grad, p.grad, rtol=1e-11, atol=1e-13)
+
+
+def test_packed_input_gradient_of_the_input_and_batch_first_module():
+    """A batch_first module takes the packed input as torch's does (packing fixes
+    the layout); the gradient reaching the padded input equals torch's, zero
+    at the padded positions."""
+    torch.manual_seed(9)
+    ref = nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True).double()
+    dp = from_torch(ref)
+    g = torch.Generator().manual_seed(10)
+    grads = []
+    for module in (dp, ref):
+        x = torch.randn(5, 6, 3, generator=g.manual_seed(10), dtype=F64, requires_grad=True)
+        out, (h, c) = module(pack(x, LENGTHS, batch_first=True, enforce_sorted=False))
+        (out.data.square().sum() + h.sum() + c.sum()).backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-11, atol=1e-13)
+    pad = torch.arange(6)[None, :] >= torch.tensor(LENGTHS)[:, None]
+    assert float(grads[0][pad].abs().max()) == 0.0
+
+
+class PackedTagger(nn.Module):
+    """Padded token ids (B, T) and lengths -> Embedding -> packed (unsorted)
+    -> recurrent layer -> Linear on the last layer's final states and on the
+    summed outputs.  The model's input is the padded batch, so the clipper
+    reads B from it."""
+
+    def __init__(self, kind, bidirectional=True):
+        super().__init__()
+        cls, kw = DP[kind]
+        D = 2 if bidirectional else 1
+        self.D = D
+        self.emb = nn.Embedding(9, 4)
+        self.rnn = cls(4, 5, num_layers=2, batch_first=True, bidirectional=bidirectional, **kw)
+        self.head = nn.Linear(2 * D * 5, 3)
+
+    def forward(self, idx, lengths):
+        out, state = self.rnn(pack(self.emb(idx), lengths.cpu(), batch_first=True,
+                                   enforce_sorted=False))
+        h = state[0] if isinstance(state, tuple) else state
+        last = torch.cat(list(h[-self.D:]), 1)                          # (B, D * H)
+        total = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0].sum(1)
+        return self.head(torch.cat([last, total], 1))
+
+
+def _packed_batch(B=6, T=5, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([3, 5, 1, 2, 5, 4][:B])
+    idx = torch.randint(0, 9, (B, T), generator=g)
+    return idx, lengths, torch.randint(0, 3, (B,), generator=g)
+
+
+def packed_ce(call, idx, lengths, y, reduction="sum"):
+    return nn.functional.cross_entropy(call(idx, lengths), y, reduction=reduction)
+
+
+def one_at_a_time(model, idx, lengths, y):
+    """{name: (B, *shape)}: each sample's gradient from a batch of that sample
+    alone, cut at its own length (no padding, one sequence)."""
+    rows = []
+    for i in range(len(y)):
+        model.zero_grad()
+        L = int(lengths[i])
+        packed_ce(model, idx[i:i + 1, :L], lengths[i:i + 1], y[i:i + 1]).backward()
+        rows.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    model.zero_grad()
+    return {n: torch.stack([r[n] for r in rows]) for n in rows[0]}
+
+
+@pytest.mark.parametrize("kind,dtype", [("lstm", F64), ("lstm", F32), ("gru", F64),
+                                        ("rnn_tanh", F64)])
+def test_per_sample_clipping_of_a_packed_batch_is_exact(kind, dtype):
+    torch.manual_seed(12)
+    model = PackedTagger(kind).double()
+    batch = _packed_batch()
+    check_exact(model, packed_ce, batch, dtype=dtype, ps=one_at_a_time(model, *batch))
+
+
+class PackedInputModel(nn.Module):
+    """A model whose own input is the PackedSequence (of embedded features)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = DPLSTM(4, 5, batch_first=True)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, packed):
+        return self.head(self.rnn(packed)[1][0][-1])
+
+
+def test_a_packed_model_input_needs_the_batch_declared():
+    """The clipper reads the batch from the model's first tensor, for a packed
+    input its data (sum of lengths rows): refused in backward, never clipped
+    by the wrong rows; with declare_batch_size(B), exact."""
+    torch.manual_seed(13)
+    model = PackedInputModel().double()
+    g = torch.Generator().manual_seed(14)
+    lengths = torch.tensor([2, 4, 1, 3])
+    x = torch.randn(4, 4, 4, generator=g, dtype=F64)
+    y = torch.randint(0, 3, (4,), generator=g)
+    ps = {}
+    for i in range(4):               # the oracle: each sample alone, unpadded
+        model.zero_grad()
+        xi = x[i:i + 1, :int(lengths[i])]
+        nn.functional.cross_entropy(model(pack(xi, lengths[i:i + 1], batch_first=True)),
+                                    y[i:i + 1], reduction="sum").backward()
+        for n, p in model.named_parameters():
+            ps.setdefault(n, []).append(p.grad.clone())
+    ps = {n: torch.stack(v) for n, v in ps.items()}
+    model.zero_grad()
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                           expected_batch_size=4, loss_reduction="sum")
+    packed = pack(x, lengths, batch_first=True, enforce_sorted=False)
+    with pytest.raises(ValueError, match=r"has 4 rows .* but the step has 10 samples"):
+        nn.functional.cross_entropy(model(packed), y, reduction="sum").backward()
+    clipper.clear()
+    C = low_bound(ps)
+    clipper.max_grad_norm = C
+    model.zero_grad()
+    clipper.declare_batch_size(4)
+    nn.functional.cross_entropy(model(packed), y, reduction="sum").backward()
+    clipper.privatize_()
+    clipper.remove()
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert_grads_close(got, clipped_mean(ps, C, 1.0), 1e-10)
+
+
+def test_privacy_engine_step_on_a_packed_batch_with_name_based_param_groups():
+    """Opacus users build parameter groups by name (no decay on biases): the
+    torch names work; one make_private step (noise 0) on a packed batch equals
+    the per-sample-clipped sum over the expected batch size."""
+    torch.manual_seed(15)
+    model = PackedTagger("lstm").double()
+    idx, lengths, y = _packed_batch(B=6)
+    named = list(model.named_parameters())
+    assert "rnn.weight_hh_l1_reverse" in dict(named)
+    decay = [p for n, p in named if not n.endswith(tuple(f"bias_{m}_l{k}{r}" for m in ("ih", "hh")
+                                                          for k in (0, 1)
+                                                          for r in ("", "_reverse")))]
+    rest = [p for n, p in named if all(p is not q for q in decay)]
+    assert len(rest) == 8
+    opt = torch.optim.SGD([{"params": decay}, {"params": rest, "lr": 0.5}], lr=1.0)
+    loader = DataLoader(TensorDataset(idx, lengths, y), batch_size=6)
+    oracle = copy.deepcopy(model)           # the same weights, no hooks
+    pm, popt, ploader = PrivacyEngine().make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
+        max_grad_norm=1.0, seed=16)
+    bi, bl, by = next(iter(ploader))
+    assert len(by) >= 2
+    ps = one_at_a_time(oracle, bi, bl, by)
+    C = low_bound(ps)
+    popt.max_grad_norm = C
+    popt.zero_grad()
+    packed_ce(pm, bi, bl, by, reduction="mean").backward()
+    popt.step()
+    expected = clipped_mean(ps, C, popt.expected_batch_size)
+    assert_grads_close({n: p.grad for n, p in model.named_parameters()}, expected, 1e-10)
 
 
 # ------------------------------------------------- Opacus's char-LSTM tutorial
