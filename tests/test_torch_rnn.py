@@ -14,6 +14,8 @@ import math
 import warnings
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -57,6 +59,10 @@ def test_outputs_and_states_equal_torchs_module_with_the_same_weights(kind, batc
     for args in ((x,), (x, state)):
         got, want = _flat(dp(*args)), _flat(ref(*args))
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    # torch's keyword hx and Opacus's state_init name the same argument.
+    want = _flat(ref(x, hx=state))
+    for kw in ({"hx": state}, {"state_init": state}):
+        torch.testing.assert_close(_flat(dp(x, **kw)), want, rtol=1e-12, atol=1e-14)
     # Parameter gradients of an ordinary backward agree too (the same function).
     _flat(dp(x, state)).square().sum().backward()
     _flat(ref(x, state)).square().sum().backward()
@@ -207,6 +213,9 @@ def test_refusals():
         DPLSTM(3, 4)(torch.randn(5, 2, 3), (torch.zeros(1, 3, 4), torch.zeros(1, 2, 4)))
     with pytest.raises(TypeError, match=r"DPLSTM: expected the state as a pair"):
         DPLSTM(3, 4)(torch.randn(5, 2, 3), torch.zeros(1, 2, 4))
+    with pytest.raises(TypeError, match=r"DPGRU: the initial state given twice, as state and "
+                                        r"state_init"):
+        DPGRU(3, 4)(torch.randn(5, 2, 3), torch.zeros(1, 2, 4), state_init=torch.zeros(1, 2, 4))
     with pytest.raises(ValueError, match=r"nonlinearity"):
         DPRNN(3, 4, nonlinearity="gelu")
 
@@ -272,6 +281,24 @@ def test_packed_input_gradient_of_the_input_and_batch_first_module():
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-11, atol=1e-13)
     pad = torch.arange(6)[None, :] >= torch.tensor(LENGTHS)[:, None]
     assert float(grads[0][pad].abs().max()) == 0.0
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+       kind=st.sampled_from(["lstm", "gru", "rnn_relu"]), bidirectional=st.booleans(),
+       num_layers=st.integers(1, 2), seed=st.integers(0, 2 ** 16))
+def test_packed_output_and_states_equal_torchs_for_any_lengths(lengths, kind, bidirectional,
+                                                               num_layers, seed):
+    """For any batch of lengths (any order, ties), the packed output and each
+    sequence's final states equal torch's module with the same weights."""
+    cls, kw = TORCH[kind]
+    torch.manual_seed(seed)
+    ref = cls(2, 3, num_layers=num_layers, bidirectional=bidirectional, **kw).double()
+    dp = from_torch(ref)
+    x = torch.randn(max(lengths), len(lengths), 2, dtype=F64)
+    xp = pack(x, lengths, enforce_sorted=False)
+    torch.testing.assert_close(_packed_flat(dp(xp)), _packed_flat(ref(xp)), rtol=1e-12,
+                               atol=1e-14)
 
 
 class PackedTagger(nn.Module):

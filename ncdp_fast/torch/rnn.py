@@ -205,16 +205,24 @@ class _DPRNNBase(nn.Module):
                                  f", B, hidden_size) = {(L, B, H)}, got {shape}")
         return h0, c0
 
-    def forward(self, x, state=None):
+    def forward(self, x, state=None, *, hx=None, state_init=None):
         """``x`` (T, B, input_size), or (B, T, input_size) with ``batch_first``,
         or a ``PackedSequence`` of (sum of lengths, input_size) data; ``state``
         None (zeros) or h0 (``DPLSTM``: (h0, c0)), each (num_layers *
         num_directions, B, hidden_size), B in the caller's order (the order
-        before packing).  Returns ``(output, state)`` as torch's module:
+        before packing); also taken by torch's keyword ``hx`` or Opacus's
+        ``state_init``.  Returns ``(output, state)`` as torch's module:
         output (T, B, D * hidden_size) (batch first if so built), or a
         ``PackedSequence`` packed as ``x``; the state at each sequence's own
         last step (the reverse direction's at its first), in the shape and
         order of the initial one."""
+        given = [(n, v) for n, v in (("state", state), ("hx", hx), ("state_init", state_init))
+                 if v is not None]
+        if len(given) > 1:
+            raise TypeError(f"{type(self).__name__}: the initial state given twice, as "
+                            f"{' and '.join(n for n, _ in given)}; expected one of state, hx "
+                            "(torch's name) or state_init (Opacus's name)")
+        state = given[0][1] if given else None
         self._check_aliases()
         packed = isinstance(x, PackedSequence)
         if packed:
