@@ -45,21 +45,21 @@ __all__ = ["DPLSTM", "DPGRU", "DPRNN", "from_torch", "replacement", "torch_rnn_e
 
 
 def _aliases(num_layers: int, num_directions: int, bias: bool) -> list:
-    """[(torch name, cell name, projection, attribute)] in Opacus's order: per
-    layer and direction weight_ih, bias_ih, weight_hh, bias_hh."""
+    """[(torch name, cell name)] in Opacus's order: per layer and direction
+    weight_ih, bias_ih, weight_hh, bias_hh (``weight_ih_l0``, ``l0.ih.weight``)."""
     table = []
     for layer in range(num_layers):
         for d in range(num_directions):
             cell = f"l{layer}" + ("_reverse" if d else "")
             for proj in ("ih", "hh"):
                 for attr in ("weight", "bias") if bias else ("weight",):
-                    table.append((f"{attr}_{proj}_{cell}", f"{cell}.{proj}.{attr}", proj, attr))
+                    table.append((f"{attr}_{proj}_{cell}", f"{cell}.{proj}.{attr}"))
     return table
 
 
 def _drop_cell_names(module, state_dict, prefix, local_metadata) -> None:
     # The cells' entries are the torch-named ones again (the same tensors).
-    for _, cell_name, _, _ in module._alias_table:
+    for _, cell_name in module._alias_table:
         state_dict.pop(prefix + cell_name, None)
 
 
@@ -67,7 +67,7 @@ def _fill_both_names(module, state_dict, prefix, *args) -> None:
     # torch's module loads its own names and each cell its own: a checkpoint
     # in either naming gives both the values (the same Parameter is written
     # twice).  Two different values under the two names are refused.
-    for torch_name, cell_name, _, _ in module._alias_table:
+    for torch_name, cell_name in module._alias_table:
         t, c = prefix + torch_name, prefix + cell_name
         if t in state_dict and c in state_dict:
             if state_dict[t] is not state_dict[c] and not torch.equal(state_dict[t],
@@ -84,7 +84,7 @@ def _fill_both_names(module, state_dict, prefix, *args) -> None:
 def _retie(module, incompatible_keys) -> None:
     # load_state_dict(assign=True) gives each name a new Parameter: point the
     # torch names back at the cells' (the ones the forward uses).
-    for torch_name, *_ in module._alias_table:
+    for torch_name, _ in module._alias_table:
         module._parameters[torch_name] = module._cell_param(torch_name)
 
 
@@ -121,7 +121,7 @@ class _DPRNNBase(nn.Module):
                 self.add_module(self._cell_name(layer, d),
                                 _Cell(size, hidden_size, self._gates, bias, factory))
         self._alias_table = _aliases(num_layers, self.num_directions, bias)
-        for torch_name, *_ in self._alias_table:
+        for torch_name, _ in self._alias_table:
             self.register_parameter(torch_name, self._cell_param(torch_name))
         self.reset_parameters()
         # Checkpoints use torch's names, both ways (as Opacus's DPLSTM): a
@@ -147,7 +147,7 @@ class _DPRNNBase(nn.Module):
         return super().named_parameters(prefix, recurse, remove_duplicate)
 
     def _check_aliases(self) -> None:
-        for torch_name, cell_name, _, _ in self._alias_table:
+        for torch_name, cell_name in self._alias_table:
             if self._parameters.get(torch_name) is not self._cell_param(torch_name):
                 raise RuntimeError(
                     f"{type(self).__name__}: parameter {torch_name!r} is no longer the "
