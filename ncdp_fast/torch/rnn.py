@@ -9,14 +9,24 @@ function from ``nn.Linear`` cells: per layer and direction an input projection
 once per time step on a (B, features) tensor.  The clipper's Linear rule sums
 a layer's calls sample by sample, so the per-sample gradient of each weight is
 the sum over the time steps, exactly; each call has one leading dimension, so
-its batch is dimension 0 whatever ``batch_first`` says.
+its batch is dimension 0 whatever ``batch_first`` says.  A ``PackedSequence``
+input runs padded, with each finished sequence's state held
+(:mod:`ncdp_fast.torch.rnn_packed`).
 
 Parameters are torch's (the same shapes, initialisation U(-1/sqrt(H),
-1/sqrt(H)), gate order i, f, g, o / r, z, n), named ``l{k}.ih.weight``,
-``l{k}.hh.bias``, ``l{k}_reverse...`` as modules (``named_parameters``, the
-clipper's names); ``state_dict`` and ``load_state_dict`` use torch's names
-(``weight_ih_l0``...), so ``DPLSTM.load_state_dict(lstm.state_dict())``
-copies an ``nn.LSTM`` and the reverse works too.  :func:`from_torch` builds the counterpart of a torch
+1/sqrt(H)), gate order i, f, g, o / r, z, n).  Names, as Opacus's DPLSTM
+gives them: ``named_parameters()`` / ``parameters()`` list torch's names,
+``weight_ih_l0``, ``bias_ih_l0``, ``weight_hh_l0``, ``bias_hh_l0``,
+``weight_ih_l0_reverse``... (per layer and direction in that order, Opacus's),
+registered on this module as aliases of the cells' parameters ``l0.ih.weight``
+... (the same Parameter objects), so name-based code written for Opacus or
+torch (weight-decay filters, per-parameter groups, ``model.get_parameter``)
+finds them.  The cells' own names are what the clipper reports
+(``param_names``, per-layer bounds, error messages): each cell's ``nn.Linear``
+is the layer it clips.  ``state_dict`` holds the torch names only and
+``load_state_dict`` takes them (or the cells' names), so
+``DPLSTM.load_state_dict(lstm.state_dict())`` copies an ``nn.LSTM`` and the
+reverse works too.  :func:`from_torch` builds the counterpart of a torch
 module with its weights.
 """
 from __future__ import annotations
@@ -26,53 +36,56 @@ import math
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils.rnn import PackedSequence
 
 from .._validate import check_bool, check_choice, check_int, check_pos_int, check_probability
+from .rnn_packed import repack, step_masks, unpack
 
 __all__ = ["DPLSTM", "DPGRU", "DPRNN", "from_torch", "replacement", "torch_rnn_error"]
 
 
-def _dp_name(torch_name: str) -> str | None:
-    """``weight_ih_l0_reverse`` -> ``l0_reverse.ih.weight``; None for another name."""
-    parts = torch_name.split("_")
-    if len(parts) in (3, 4) and parts[0] in ("weight", "bias") and parts[1] in ("ih", "hh") \
-            and parts[2][:1] == "l" and parts[2][1:].isdigit() \
-            and (len(parts) == 3 or parts[3] == "reverse"):
-        cell = parts[2] + ("_reverse" if len(parts) == 4 else "")
-        return f"{cell}.{parts[1]}.{parts[0]}"
-    return None
+def _aliases(num_layers: int, num_directions: int, bias: bool) -> list:
+    """[(torch name, cell name)] in Opacus's order: per layer and direction
+    weight_ih, bias_ih, weight_hh, bias_hh (``weight_ih_l0``, ``l0.ih.weight``)."""
+    table = []
+    for layer in range(num_layers):
+        for d in range(num_directions):
+            cell = f"l{layer}" + ("_reverse" if d else "")
+            for proj in ("ih", "hh"):
+                for attr in ("weight", "bias") if bias else ("weight",):
+                    table.append((f"{attr}_{proj}_{cell}", f"{cell}.{proj}.{attr}"))
+    return table
 
 
-def _torch_name(dp_name: str) -> str | None:
-    """``l0_reverse.ih.weight`` -> ``weight_ih_l0_reverse``; None for another name."""
-    parts = dp_name.split(".")
-    if len(parts) != 3:
-        return None
-    name = f"{parts[2]}_{parts[1]}_{parts[0]}"
-    return name if _dp_name(name) == dp_name else None
+def _drop_cell_names(module, state_dict, prefix, local_metadata) -> None:
+    # The cells' entries are the torch-named ones again (the same tensors).
+    for _, cell_name in module._alias_table:
+        state_dict.pop(prefix + cell_name, None)
 
 
-def _to_torch_names(module, state_dict, prefix, local_metadata) -> None:
-    # Re-inserted in torch's order (per layer and direction: weight_ih,
-    # weight_hh, bias_ih, bias_hh); this module's keys are the last ones
-    # written, so the order of the rest is kept.
-    renamed = {}
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        new = _torch_name(key[len(prefix):])
-        if new is not None:
-            renamed[new] = state_dict.pop(key)
-    for cell in dict.fromkeys(n.split("_", 2)[2] for n in renamed):
-        for n in (f"weight_ih_{cell}", f"weight_hh_{cell}", f"bias_ih_{cell}",
-                  f"bias_hh_{cell}"):
-            if n in renamed:
-                state_dict[prefix + n] = renamed[n]
+def _fill_both_names(module, state_dict, prefix, *args) -> None:
+    # torch's module loads its own names and each cell its own: a checkpoint
+    # in either naming gives both the values (the same Parameter is written
+    # twice).  Two different values under the two names are refused.
+    for torch_name, cell_name in module._alias_table:
+        t, c = prefix + torch_name, prefix + cell_name
+        if t in state_dict and c in state_dict:
+            if state_dict[t] is not state_dict[c] and not torch.equal(state_dict[t],
+                                                                        state_dict[c]):
+                raise RuntimeError(
+                    f"{type(module).__name__}.load_state_dict: {t!r} and {c!r} name the same "
+                    "parameter but hold different values; expected one of the two names")
+        elif t in state_dict:
+            state_dict[c] = state_dict[t]
+        elif c in state_dict:
+            state_dict[t] = state_dict[c]
 
 
-def _to_dp_names(module, state_dict, prefix, *args) -> None:
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        new = _dp_name(key[len(prefix):])
-        if new is not None:
-            state_dict[prefix + new] = state_dict.pop(key)
+def _retie(module, incompatible_keys) -> None:
+    # load_state_dict(assign=True) gives each name a new Parameter: point the
+    # torch names back at the cells' (the ones the forward uses).
+    for torch_name, _ in module._alias_table:
+        module._parameters[torch_name] = module._cell_param(torch_name)
 
 
 class _Cell(nn.Module):
@@ -107,12 +120,40 @@ class _DPRNNBase(nn.Module):
             for d in range(self.num_directions):
                 self.add_module(self._cell_name(layer, d),
                                 _Cell(size, hidden_size, self._gates, bias, factory))
+        self._alias_table = _aliases(num_layers, self.num_directions, bias)
+        for torch_name, _ in self._alias_table:
+            self.register_parameter(torch_name, self._cell_param(torch_name))
         self.reset_parameters()
         # Checkpoints use torch's names, both ways (as Opacus's DPLSTM): a
         # state_dict of nn.LSTM (or of Opacus's DPLSTM) loads, and this one's
         # loads into them.
-        self.register_state_dict_post_hook(_to_torch_names)
-        self.register_load_state_dict_pre_hook(_to_dp_names)
+        self.register_state_dict_post_hook(_drop_cell_names)
+        self.register_load_state_dict_pre_hook(_fill_both_names)
+        self.register_load_state_dict_post_hook(_retie)
+
+    def _cell_param(self, torch_name: str) -> nn.Parameter:
+        attr, proj, cell = torch_name.split("_", 2)
+        return getattr(getattr(getattr(self, cell), proj), attr)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        """torch's: the torch names (``weight_ih_l0``...) first, so the cells'
+        names of the same parameters are left out unless
+        ``remove_duplicate=False``.  With ``recurse=False``, none: the torch
+        names are aliases, this module owns no parameter of its own (its cells'
+        ``nn.Linear`` do, and are what the clipper finds as layers)."""
+        if not recurse:
+            return iter(())
+        return super().named_parameters(prefix, recurse, remove_duplicate)
+
+    def _check_aliases(self) -> None:
+        for torch_name, cell_name in self._alias_table:
+            if self._parameters.get(torch_name) is not self._cell_param(torch_name):
+                raise RuntimeError(
+                    f"{type(self).__name__}: parameter {torch_name!r} is no longer the "
+                    f"Parameter of {cell_name!r}, which the forward uses (one of the two was "
+                    "replaced by another Parameter); expected the same object: change "
+                    "values in place (p.data.copy_(...), nn.init) or with load_state_dict")
 
     @staticmethod
     def _cell_name(layer, direction):
@@ -131,17 +172,12 @@ class _DPRNNBase(nn.Module):
 
     def _check_input(self, x):
         name = type(self).__name__
-        if isinstance(x, nn.utils.rnn.PackedSequence):
-            raise TypeError(
-                f"{name}: expected a padded tensor, got a PackedSequence: packed sequences are "
-                "not supported here. Pass the padded batch (nn.utils.rnn.pad_packed_sequence) "
-                "and read each sample's output at its own last position")
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(
                 f"{name}: expected a batched 3-D input ({'B, T' if self.batch_first else 'T, B'}"
-                f", {self.input_size}), got {shape}; an unbatched sequence has no per-sample "
-                "gradient: add a batch dimension of 1")
+                f", {self.input_size}) or a PackedSequence, got {shape}; an unbatched sequence "
+                "has no per-sample gradient: add a batch dimension of 1")
         if x.shape[2] != self.input_size:
             raise ValueError(f"{name}: expected input features {self.input_size}, got "
                              f"{x.shape[2]} (input shape {tuple(x.shape)})")
@@ -169,16 +205,34 @@ class _DPRNNBase(nn.Module):
                                  f", B, hidden_size) = {(L, B, H)}, got {shape}")
         return h0, c0
 
-    def forward(self, x, state=None):
-        """``x`` (T, B, input_size), or (B, T, input_size) with ``batch_first``;
-        ``state`` None (zeros) or h0 (``DPLSTM``: (h0, c0)), each (num_layers *
-        num_directions, B, hidden_size).  Returns ``(output, state)`` as torch's
-        module: output (T, B, D * hidden_size) (batch first if so built), the
-        state at the last step in the shape of the initial one."""
-        self._check_input(x)
-        seq = x if self.batch_first else x.transpose(0, 1)        # (B, T, in)
+    def forward(self, x, state=None, *, hx=None, state_init=None):
+        """``x`` (T, B, input_size), or (B, T, input_size) with ``batch_first``,
+        or a ``PackedSequence`` of (sum of lengths, input_size) data; ``state``
+        None (zeros) or h0 (``DPLSTM``: (h0, c0)), each (num_layers *
+        num_directions, B, hidden_size), B in the caller's order (the order
+        before packing); also taken by torch's keyword ``hx`` or Opacus's
+        ``state_init``.  Returns ``(output, state)`` as torch's module:
+        output (T, B, D * hidden_size) (batch first if so built), or a
+        ``PackedSequence`` packed as ``x``; the state at each sequence's own
+        last step (the reverse direction's at its first), in the shape and
+        order of the initial one."""
+        given = [(n, v) for n, v in (("state", state), ("hx", hx), ("state_init", state_init))
+                 if v is not None]
+        if len(given) > 1:
+            raise TypeError(f"{type(self).__name__}: the initial state given twice, as "
+                            f"{' and '.join(n for n, _ in given)}; expected one of state, hx "
+                            "(torch's name) or state_init (Opacus's name)")
+        state = given[0][1] if given else None
+        self._check_aliases()
+        packed = isinstance(x, PackedSequence)
+        if packed:
+            seq, lengths = unpack(x, type(self).__name__, self.input_size)  # (B, T, in)
+        else:
+            self._check_input(x)
+            seq = x if self.batch_first else x.transpose(0, 1)        # (B, T, in)
         B, T = seq.shape[0], seq.shape[1]
         h0, c0 = self._initial(state, B, seq)
+        masks = step_masks(lengths, T) if packed else None
         steps = [seq[:, t] for t in range(T)]
         h_n, c_n = [], []
         for layer in range(self.num_layers):
@@ -190,7 +244,14 @@ class _DPRNNBase(nn.Module):
                 h, c = h0[k], (c0[k] if c0 is not None else None)
                 out = [None] * T
                 for t in order:
-                    h, c = self._step(cell, steps[t], h, c)
+                    h_t, c_t = self._step(cell, steps[t], h, c)
+                    if masks is None:
+                        h, c = h_t, c_t
+                    else:
+                        # A finished (or, in reverse, not yet started) sequence
+                        # keeps its state; the discarded rows get zero gradient.
+                        h = torch.where(masks[t], h_t, h)
+                        c = torch.where(masks[t], c_t, c) if c is not None else None
                     out[t] = h
                 outs.append(out)
                 h_n.append(h)
@@ -199,7 +260,10 @@ class _DPRNNBase(nn.Module):
                      for t in range(T)]
             if self.dropout and self.training and layer < self.num_layers - 1:
                 steps = [F.dropout(s, self.dropout, True) for s in steps]
-        output = torch.stack(steps, 1 if self.batch_first else 0)
+        if packed:
+            output = repack(torch.stack(steps, 1), x, lengths)
+        else:
+            output = torch.stack(steps, 1 if self.batch_first else 0)
         h_n = torch.stack(h_n)
         return output, ((h_n, torch.stack(c_n)) if self._has_cell else h_n)
 
@@ -312,6 +376,6 @@ def from_torch(module: nn.Module) -> _DPRNNBase:
     dp.load_state_dict(module.state_dict())
     mine = dict(dp.named_parameters())
     for n, q in module.named_parameters():
-        mine[_dp_name(n)].requires_grad_(q.requires_grad)      # a frozen one stays frozen
+        mine[n].requires_grad_(q.requires_grad)      # a frozen one stays frozen
     dp.train(module.training)
     return dp
