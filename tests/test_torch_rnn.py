@@ -370,10 +370,10 @@ class PackedInputModel(nn.Module):
         return self.head(self.rnn(packed)[1][0][-1])
 
 
-def test_a_packed_model_input_needs_the_batch_declared():
-    """The clipper reads the batch from the model's first tensor, for a packed
-    input its data (sum of lengths rows): refused in backward, never clipped
-    by the wrong rows; with declare_batch_size(B), exact."""
+def test_a_packed_model_input_is_read_as_its_sequences():
+    """A PackedSequence as the model's input is read as its sequences (the first
+    step's batch), not its data's rows (the sum of the lengths): exact without
+    a declaration, as with declare_batch_size(B)."""
     torch.manual_seed(13)
     model = PackedInputModel().double()
     g = torch.Generator().manual_seed(14)
@@ -393,18 +393,17 @@ def test_a_packed_model_input_needs_the_batch_declared():
     clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
                            expected_batch_size=4, loss_reduction="sum")
     packed = pack(x, lengths, batch_first=True, enforce_sorted=False)
-    with pytest.raises(ValueError, match=r"has 4 rows .* but the step has 10 samples"):
-        nn.functional.cross_entropy(model(packed), y, reduction="sum").backward()
-    clipper.clear()
     C = low_bound(ps)
     clipper.max_grad_norm = C
-    model.zero_grad()
-    clipper.declare_batch_size(4)
-    nn.functional.cross_entropy(model(packed), y, reduction="sum").backward()
-    clipper.privatize_()
+    for declare in (False, True):
+        model.zero_grad()
+        if declare:
+            clipper.declare_batch_size(4)
+        nn.functional.cross_entropy(model(packed), y, reduction="sum").backward()
+        clipper.privatize_()
+        got = {n: p.grad for n, p in model.named_parameters()}
+        assert_grads_close(got, clipped_mean(ps, C, 1.0), 1e-10)
     clipper.remove()
-    got = {n: p.grad for n, p in model.named_parameters()}
-    assert_grads_close(got, clipped_mean(ps, C, 1.0), 1e-10)
 
 
 def test_privacy_engine_step_on_a_packed_batch_with_name_based_param_groups():

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 __all__ = ["StepBatch", "module_batch_first", "enclosing_batch_first", "layer_batch_first",
            "set_layouts", "batch_dim", "to_batch_first", "rows_error", "broadcast_rows"]
@@ -78,8 +79,9 @@ def set_layouts(model: nn.Module, taps, batch_first: bool) -> None:
 
 
 def _first_tensor(obj):
-    """The first tensor of nested tuples/lists/mappings (in argument order), or None."""
-    if isinstance(obj, torch.Tensor):
+    """The first tensor of nested tuples/lists/mappings (in argument order), or
+    None; a PackedSequence (a tuple itself) is returned whole."""
+    if isinstance(obj, (torch.Tensor, PackedSequence)):
         return obj
     if isinstance(obj, Mapping):        # a dict, or HF's BatchEncoding
         obj = list(obj.values())
@@ -100,6 +102,10 @@ def input_batch(args: tuple, kwargs: dict, batch_first: bool):
     t = _first_tensor((args, kwargs))
     if t is None:
         return None, None
+    if isinstance(t, PackedSequence):
+        # Its data has one row per token; the samples are the sequences, as
+        # many as the first step's batch (batch_first does not apply).
+        return int(t.batch_sizes[0]), tuple(t.data.shape)
     dim = 0 if batch_first else 1
     if t.dim() <= dim:
         raise ValueError(
