@@ -168,6 +168,17 @@ def _store(out, j, z, scale, accumulate, post):
         out[j] = post * (scale * z)
 
 
+@njit(cache=True, inline="always", error_model="numpy")
+def _store_edge(out, j, r, u2, scale, accumulate, post):
+    """The lanes of a pair (normals j, j + 1) that land in out."""
+    c, s = cos_sin_2pi(u2)
+    n = out.shape[0]
+    if 0 <= j < n:
+        _store(out, j, r * c, scale, accumulate, post)
+    if 0 <= j + 1 < n:
+        _store(out, j + 1, r * s, scale, accumulate, post)
+
+
 def _gaussian_work(out, *_):
     return 16 * out.shape[0]
 
@@ -225,15 +236,13 @@ def _add_gaussian(out, seed, offset, scale, accumulate, post):
                 c, s = cos_sin_2pi(v[i])
                 seg[2 * i] = post * (scale * (r[i] * c))
                 seg[2 * i + 1] = post * (scale * (r[i] * s))
-        for i in range(m):
-            if i_lo <= i < i_hi:
-                continue
-            c, s = cos_sin_2pi(u2[i])
-            j = 2 * (lo + i) - lead
-            if 0 <= j < n:
-                _store(out, j, u1[i] * c, scale, accumulate, post)
-            if 0 <= j + 1 < n:
-                _store(out, j + 1, u1[i] * s, scale, accumulate, post)
+        # The pairs before and after those (none in a middle tile).  Two short
+        # loops, not one pass over the tile that skips the middle: that form
+        # kept the loops above from vectorizing (measured 1.7x slower).
+        for i in range(i_lo):
+            _store_edge(out, 2 * (lo + i) - lead, u1[i], u2[i], scale, accumulate, post)
+        for i in range(i_hi, m):
+            _store_edge(out, 2 * (lo + i) - lead, u1[i], u2[i], scale, accumulate, post)
 
 
 def add_gaussian(out, seed, offset, scale, accumulate, post):
