@@ -39,8 +39,9 @@ def _numpy_formulation(a, g, factors, gw, gb):
     else:
         np.matmul(g_s.reshape(B * T, K).T, (a_s * f3).astype(dt).reshape(B * T, d), out=gw)
     if gb is not None:
-        gb[:] = (g * factors[:, None, None]).astype(dt).reshape(B * T, K).sum(
-            axis=0, dtype=np.float64)
+        # Row after row (np.sum would add a contiguous axis pairwise: K = 1).
+        rows = (g * factors[:, None, None]).astype(dt).reshape(B * T, K).astype(np.float64)
+        gb[:] = np.cumsum(rows, axis=0)[-1] if B * T else 0.0
 
 
 def _case(B, T, d, K, dtype, bias, seed, extreme=False):
