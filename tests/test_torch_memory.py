@@ -319,3 +319,21 @@ def test_physical_batches_equal_the_logical_batch_bit_for_bit_when_sums_are_exac
     for g_ref, g in zip(ref, grads):
         for a, b in zip(g_ref, g):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_released_gradients_are_freed_by_zero_grad(clipping):
+    """After zero_grad(set_to_none=True) nothing of the drop-in holds the step's
+    gradients (last_result keeps norms and counts only): they are not carried
+    into the next step's memory."""
+    import gc
+    import weakref
+    engine, pm, popt, ploader = _private(40, 10, 43, clipping=clipping)
+    x, y = next(iter(ploader))
+    nn.functional.cross_entropy(pm(x), y).backward()
+    popt.step()
+    refs = [weakref.ref(p.grad) for p in pm.parameters()]
+    assert pm.clipper.last_result.grads is None and pm.clipper.last_result.norms.shape == (len(y),)
+    popt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -10,6 +10,7 @@ import torch
 
 from .._clip import LayersClipResult
 from .._validate import check_positive
+from .mechanism import keep_result
 
 __all__ = ["layer_bounds", "check_fixed_bound", "clip_per_layer"]
 
@@ -74,5 +75,5 @@ def clip_per_layer(clipper, entries, grad_scale, noise=True):
         num_nonfinite=max(r.num_nonfinite for r in results), seed=first.seed,
         offset=first.offset, draws=sum(r.draws for r in results),
         grads=[r.grads[0] for r in results])
-    clipper.last_result = result
+    clipper.last_result = keep_result(result)
     return result, split
