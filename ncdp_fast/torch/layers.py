@@ -183,13 +183,14 @@ def factored_or_instantiated(a: torch.Tensor, g: torch.Tensor, names: tuple, bia
     return out
 
 
-def _affine_rule(xhat: torch.Tensor, g: torch.Tensor, trainable, equation: str, dim: int):
+def _affine_rule(xhat: torch.Tensor, g: torch.Tensor, trainable, dim: int):
     """Elementwise affine ``y = w * xhat + b``: per-sample gradients of w and b are
-    sums of g * xhat and g over the positions (instantiated: they are small).
-    ``equation`` contracts the positions without forming g * xhat."""
+    sums of g * xhat and g over the positions ``dim`` (instantiated: they are
+    small).  The product is formed and summed: the einsum that avoided it ran
+    as a batched GEMM of width 1, 12x slower on a (8, 128, 768) float32 input."""
     out = []
     if "weight" in trainable:
-        out.append((("weight",), torch.einsum(equation, g, xhat)))
+        out.append((("weight",), torch.mul(g, xhat).sum(dim)))
     if "bias" in trainable:
         out.append((("bias",), g.sum(dim)))
     return out
@@ -388,7 +389,7 @@ def layer_norm_rule(module: nn.LayerNorm, calls, trainable):
         xs.append(_flat_positions(xhat, width, k))
         gs.append(_flat_positions(c.grad, width, k))
     return [(n, b.reshape(b.shape[0], *module.normalized_shape))
-            for n, b in _affine_rule(_cat(xs), _cat(gs), trainable, "btw,btw->bw", 1)]
+            for n, b in _affine_rule(_cat(xs), _cat(gs), trainable, 1)]
 
 
 @register_layer(nn.RMSNorm)
@@ -417,7 +418,7 @@ def group_norm_rule(module: nn.GroupNorm, calls, trainable):
         xhat = F.group_norm(x, module.num_groups, None, None, module.eps)
         xs.append(_lead(xhat, 2))
         gs.append(_lead(c.grad, 2))
-    return _affine_rule(_cat(xs, 2), _cat(gs, 2), trainable, "bcl,bcl->bc", 2)
+    return _affine_rule(_cat(xs, 2), _cat(gs, 2), trainable, 2)
 
 
 @register_layer(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
@@ -433,4 +434,4 @@ def instance_norm_rule(module, calls, trainable):
         xhat = F.instance_norm(x, eps=module.eps)
         xs.append(_lead(xhat, 2))
         gs.append(_lead(c.grad, 2))
-    return _affine_rule(_cat(xs, 2), _cat(gs, 2), trainable, "bcl,bcl->bc", 2)
+    return _affine_rule(_cat(xs, 2), _cat(gs, 2), trainable, 2)
