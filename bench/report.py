@@ -626,11 +626,55 @@ def tied(family):
          "(malloc_trim first), sampled every ms"])
 
 
+def noise(family):
+    """One row per size of bench/test_bench_noise.py: normals per second of the
+    package's generator and its peers, and the fraction of a read-write pass."""
+    methods = ("ncdp_add", "ncdp_gaussian", "torch_randn", "torch_normal_", "numpy_pcg64")
+    rows = []
+    for w, ms in family.items():
+        row = dict(workload=w, **_missing(ms, ["ncdp_add", "torch_randn", "write_limit"]))
+        if "error" not in row:
+            n = _x(ms, "ncdp_add", "normals")
+            for m in methods:
+                if m in ms:
+                    row[f"{m}_mps"] = n / _t(ms, m) / 1e6
+            row.update(x_torch_randn=_t(ms, "torch_randn") / _t(ms, "ncdp_add"),
+                       x_torch_normal_=(_t(ms, "torch_normal_") / _t(ms, "ncdp_add")
+                                        if "torch_normal_" in ms else None),
+                       ncdp_gbs=_x(ms, "ncdp_add", "gbs"), limit_gbs=_x(ms, "write_limit", "gbs"),
+                       frac_of_limit=_t(ms, "write_limit") / _t(ms, "ncdp_add"),
+                       ncdp_mem_mb=_x(ms, "ncdp_gaussian", "peak_extra_mb"),
+                       torch_mem_mb=_x(ms, "torch_randn", "peak_extra_mb"))
+        rows.append(row)
+    return rows, (
+        [("workload", "normals", None), ("ncdp_add_mps", "ncdp add M/s", "{:.0f}"),
+         ("ncdp_gaussian_mps", "ncdp gaussian M/s", "{:.0f}"),
+         ("torch_randn_mps", "torch.randn M/s", "{:.0f}"),
+         ("torch_normal__mps", "torch normal_ M/s", "{:.0f}"),
+         ("numpy_pcg64_mps", "numpy PCG64 M/s", "{:.0f}"),
+         ("x_torch_randn", "ncdp add × torch.randn", "{:.2f}"),
+         ("x_torch_normal_", "ncdp add × normal_", "{:.2f}"),
+         ("ncdp_gbs", "ncdp add GB/s", "{:.1f}"), ("limit_gbs", "read+write limit GB/s", "{:.1f}"),
+         ("frac_of_limit", "fraction of limit", "{:.2f}"),
+         ("ncdp_mem_mb", "ncdp gaussian peak extra MB", "{:.1f}"),
+         ("torch_mem_mb", "torch.randn peak extra MB", "{:.1f}"), ("error", "error", None)],
+        ["ncdp add: the drop-ins' noise step, n stream normals (Philox4x32-10, 128-bit radius "
+         "uniform, Box-Muller in float64, rounded once) added in place to a float32 array; "
+         "ncdp gaussian: ncdp_fast.gaussian into a new array",
+         "torch.randn: a new array (torch's CPU generator, mt19937); normal_: in place, "
+         "overwriting; numpy PCG64: Generator.standard_normal(out=, dtype=float32), ziggurat",
+         "read+write limit: x.add_(1.0) on the same float32 array (one read and one write of "
+         "each value, the traffic of ncdp add); fraction of limit: its time over ncdp add's",
+         "the peers' normals are not the package's stream: they are the speed a user gives "
+         "up or gains, not interchangeable noise"])
+
+
 FAMILIES = {"bench_clip_dense": clip_dense, "bench_clip_step": clip_step, "bench_mix": mix,
             "bench_poisson_batches": poisson_batches, "bench_ntk": ntk,
             "bench_release": release, "bench_train": train, "privacy": privacy,
              "bench_finetune": finetune, "bench_distributed_ntk": distributed_ntk,
-             "bench_distributed_release": distributed_release, "bench_tied": tied}
+             "bench_distributed_release": distributed_release, "bench_tied": tied,
+             "bench_noise": noise}
 # Families whose table also reads every round's times (same-round ratios).
 ROUND_AWARE = {"bench_finetune"}
 
