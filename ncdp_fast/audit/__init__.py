@@ -16,6 +16,7 @@
 An audit gives a lower bound: a bound above the claimed eps proves the claim
 false (at the stated confidence); a bound below it proves nothing.
 """
+from .._lazy import lazy_attributes
 from .bounds import GDPBound, gdp_rejects, one_run_bound, one_run_bound_gdp, one_run_p_value
 from .guess import (AuditResult, bound_from_scores, guess_grid, plan_k,
                     subsampled_gaussian_score)
@@ -28,12 +29,5 @@ __all__ = ["one_run_bound", "one_run_bound_gdp", "GDPBound", "gdp_rejects", "one
            "membership_losses", "audit_dpsgd", "audit_release"]
 
 
-def __getattr__(name):
-    # torch is an optional extra: the white-box audit is loaded on first use.
-    if name == "audit_dpsgd":
-        from .dpsgd import audit_dpsgd
-        return audit_dpsgd
-    if name == "audit_release":
-        from .release import audit_release
-        return audit_release
-    raise AttributeError(f"module 'ncdp_fast.audit' has no attribute {name!r}")
+# torch is an optional extra: the white-box audits are loaded on first use.
+__getattr__ = lazy_attributes(__name__, {"audit_dpsgd": ".dpsgd", "audit_release": ".release"})

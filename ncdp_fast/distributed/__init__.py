@@ -15,6 +15,7 @@ initialised default group a call is an ordinary one-process call.
 """
 from __future__ import annotations
 
+from .._lazy import lazy_attributes
 from ._group import check_same_config, rank_world, resolve_group, shard_bounds
 from .ntk import lambda_min as ntk_lambda_min, ntk_gram
 
@@ -22,13 +23,7 @@ __all__ = ["resolve_group", "rank_world", "check_same_config", "shard_bounds", "
            "ntk_lambda_min", "release_sharded", "ShardedRelease"]
 
 
-def __getattr__(name):
-    # The release imports the privacy stack; loaded on first use so that the
-    # command line and _group users stay light.
-    if name == "release_sharded":
-        from ._release import release_sharded
-        return release_sharded
-    if name == "ShardedRelease":
-        from ._sharded import ShardedRelease
-        return ShardedRelease
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The release imports the privacy stack; loaded on first use so that the
+# command line and _group users stay light.
+__getattr__ = lazy_attributes(__name__, {"release_sharded": "._release",
+                                         "ShardedRelease": "._sharded"})
