@@ -43,13 +43,13 @@ def _private(n, batch_size, seed, *, sigma=1.0, clipping="flat", loader_kw=None,
     return engine, pm, popt, ploader
 
 
-def _train(pm, popt, loader):
+def _train(pm, popt, loader, loss=nn.functional.cross_entropy):
     """Opacus's loop, unchanged; the gradient of every step that was taken."""
     grads, sizes = [], []
     for x, y in loader:
         sizes.append(len(y))
         popt.zero_grad()
-        nn.functional.cross_entropy(pm(x), y).backward()
+        loss(pm(x), y).backward()
         out = popt.step()
         if not popt._is_last_step_skipped:
             grads.append([p.grad.clone() for p in pm.parameters()])
@@ -288,16 +288,8 @@ def _exact_private(seed):
     return pm, popt, ploader
 
 
-def _train_sum(pm, popt, loader):
-    grads, sizes = [], []
-    for x, y in loader:
-        sizes.append(len(y))
-        popt.zero_grad()
-        nn.functional.mse_loss(pm(x), y, reduction="sum").backward()
-        popt.step()
-        if not popt._is_last_step_skipped:
-            grads.append([p.grad.clone() for p in pm.parameters()])
-    return grads, sizes
+def _sum_of_squares(out, y):
+    return nn.functional.mse_loss(out, y, reduction="sum")
 
 
 @pytest.mark.parametrize("max_size", [1, 3, 7])
@@ -309,11 +301,11 @@ def test_physical_batches_equal_the_logical_batch_bit_for_bit_when_sums_are_exac
     repeated or re-noised physical batch changes the bits (the integer sums are
     of order 10-100, the noise's ulp ~1e-10)."""
     pm, popt, ploader = _exact_private(41)
-    ref, ref_sizes = _train_sum(pm, popt, ploader)
+    ref, ref_sizes = _train(pm, popt, ploader, _sum_of_squares)
     pm, popt, ploader = _exact_private(41)
     with BatchMemoryManager(data_loader=ploader, max_physical_batch_size=max_size,
                             optimizer=popt) as physical:
-        grads, sizes = _train_sum(pm, popt, physical)
+        grads, sizes = _train(pm, popt, physical, _sum_of_squares)
     assert sum(sizes) == sum(ref_sizes) and max(sizes) <= max_size
     assert len(grads) == len(ref) and len(sizes) > len(ref_sizes)
     for g_ref, g in zip(ref, grads):
