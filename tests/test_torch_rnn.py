@@ -406,6 +406,34 @@ def test_a_packed_model_input_is_read_as_its_sequences():
     clipper.remove()
 
 
+class TokenRowsModel(nn.Module):
+    """A layer applied to a PackedSequence's data: one row per token, not per
+    sequence (embedding after packing instead of before)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, packed):
+        return self.proj(packed.data)
+
+
+def test_a_layer_on_packed_tokens_is_refused_not_clipped_per_token():
+    """The step's samples are the sequences (batch_sizes[0]); a layer whose rows
+    are the packed tokens would clip each token as a sample (a sequence of n
+    tokens counted n times): refused in backward, naming the layer and both
+    counts, and nothing is written."""
+    model = TokenRowsModel().double()
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0,
+                           expected_batch_size=3, loss_reduction="sum")
+    x = torch.randn(3, 4, 4, dtype=F64)
+    packed = pack(x, torch.tensor([4, 1, 2]), batch_first=True, enforce_sorted=False)
+    with pytest.raises(ValueError, match=r"proj.*7 rows.*3 samples"):
+        model(packed).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    clipper.remove()
+
+
 def test_privacy_engine_step_on_a_packed_batch_with_name_based_param_groups():
     """Opacus users build parameter groups by name (no decay on biases): the
     torch names work; one make_private step (noise 0) on a packed batch equals
