@@ -42,15 +42,16 @@ weights); methods, interleaved in one process (bench/README.md):
 
 Noise multiplier 1, max_grad_norm 1, expected batch size B, flat clipping.
 
-Peak memory (``peak_extra_mb``): the median over three steps of the resident-set growth during the step,
-sampled every millisecond (bench/_common.py ``peak_extra_mb``), measured from a
+Peak memory (``peak_extra_mb``, the resident set, and ``peak_alloc_mb``, the
+bytes malloc has handed out: bench/_common.py ``peak_memory``): the median over
+three steps of each one's growth during the step, sampled every millisecond, measured from a
 clean state: before it every gradient, ``grad_sample`` and recorded activation
 of the previous step is released (``zero_grad(set_to_none=True)``; Opacus's
 also clears ``grad_sample``) and glibc's free memory is returned to the system
 (``malloc_trim``), so the number is everything one step allocates --
 activations, gradients, per-sample gradients or norms, noise -- beyond the
 model, the optimizer and the batch, which every method holds alike.  torch's
-CPU allocator does not cache, so RSS sees its allocations (tracemalloc does
+CPU allocator does not cache, so both see its allocations (tracemalloc does
 not).  ``weights_mb`` (the trainable parameters) is recorded next to it.
 
 The per-step checks of issue 23 (the model's batch read at its forward, each
@@ -79,7 +80,7 @@ import os
 import time
 import warnings
 
-from _common import cases, measure, peak_extra_mb
+from _common import cases, measure, record_memory
 
 SHAPES = {
     "full": dict(linear=dict(B=1024, d=4096, K=100),
@@ -95,7 +96,7 @@ SHAPES = {
                      efficientnet=dict(B=2, res=32, K=3, pretrained=False, blocks=2)),
 }
 METHODS = ["nonprivate", "ncdp_ghost", "ncdp_engine", "opacus_hooks", "opacus_ghost"]
-MEMORY_CALLS = 3                    # peak memory: the median of three steps (_common.peak_extra_mb)
+MEMORY_CALLS = 3                    # peak memory: the median of three steps (_common.peak_memory)
 ONCE = ("opacus_hooks",)
 OPACUS = ("opacus_hooks", "opacus_ghost")
 C, SIGMA, LR = 1.0, 1.0, 0.01
@@ -416,8 +417,7 @@ def _run_case(benchmark, case, bench_device, step, release, weights_mb):
         step()                          # first call: lazy initialisation outside the numbers
         release()
         _trim()
-        mem = peak_extra_mb(step, bench_device, reset=release, calls=MEMORY_CALLS)
-        benchmark.extra_info["peak_extra_mb"] = mem
+        record_memory(benchmark, step, bench_device, reset=release, calls=MEMORY_CALLS)
     # Seconds per step at the full shapes: a few timed calls (the first call above
     # already warmed up); the linear head repeats up to a second.
     kind = case.params["kind"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 
-from _common import cases, measure, peak_extra_mb
+from _common import cases, measure, record_memory
 
 SHAPES = {"full": dict(V=16000, D=256, T=32, B=16),
           "quick": dict(V=4000, D=128, T=32, B=8),
@@ -106,6 +106,6 @@ def test_tied_step(benchmark, case, bench_device, bench_size):
             ctypes.CDLL(None).malloc_trim(0)
         except (AttributeError, OSError):
             pass
-        benchmark.extra_info["peak_extra_mb"] = peak_extra_mb(step, bench_device)
+        record_memory(benchmark, step, bench_device)
     measure(benchmark, case, step, device=bench_device, repeats=3, warmup=0, memory=False,
             first_call=False, **{k: case.params[k] for k in ("V", "D", "T", "B")})

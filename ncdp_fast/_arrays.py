@@ -74,6 +74,21 @@ def describe(x: Any) -> str:
 
 # ----------------------------------------------------------------- per-call I/O
 
+ALIGN = 64
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """np.empty on a 64-byte boundary (NumPy's own is 16): a GEMM writing its
+    result into a 16-byte-aligned array ran 10-20% slower (torch's CPU GEMM,
+    (3072 x 1024) @ (1024 x 768) on the 2-core AMD EPYC: 25.5-29.3 ms against
+    22.9-24.5 ms), and the clip op's results are such GEMMs' outputs."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    raw = np.empty(n * dtype.itemsize + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
+
+
 class NumpyIO:
     """NumPy arrays (and anything np.asarray takes) on the CPU."""
     lib = "numpy"
@@ -87,7 +102,7 @@ class NumpyIO:
         return np.asarray(x).dtype if not hasattr(x, "dtype") else np.dtype(x.dtype)
 
     def empty(self, shape, dtype):
-        return np.empty(shape, dtype=dtype)
+        return aligned_empty(shape, dtype)
 
     def zeros(self, shape, dtype):
         return np.zeros(shape, dtype=dtype)

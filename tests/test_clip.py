@@ -428,3 +428,22 @@ def test_ghost_block_equals_the_dense_block_and_needs_a_dtype_alone():
                                  noise_multiplier=0.0)
     with pytest.raises(ValueError, match="grad_scale"):
         nf.clip_and_noise_layers([g], max_norm=1.0, noise_multiplier=0.0, grad_scale=0.0)
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 5), (1,), (3, 7), (768, 3072), ()])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_clip_results_are_64_byte_aligned(shape, dtype):
+    """The CPU IOs' results (the clip op's GEMM outputs) start on a 64-byte
+    boundary: a GEMM writing a 16-byte-aligned output ran 10-20% slower."""
+    from ncdp_fast import _arrays
+    for io in (_arrays.NumpyIO(), _arrays.TorchCpuIO()):
+        out = io.empty(shape, dtype)
+        assert out.shape == shape and out.dtype == dtype and out.flags.c_contiguous
+        assert out.size == 0 or out.ctypes.data % 64 == 0
+        out[...] = 1
+        assert out.sum() == np.prod(shape)
+    # and through the op: a linear layer's gradient
+    import torch
+    a, g = torch.randn(2, 5, 3), torch.randn(2, 5, 4)
+    res = nf.clip_and_noise_linear(a, g, max_norm=1.0, noise_multiplier=0.0, seed=1)
+    assert res.grad_weight.data_ptr() % 64 == 0
