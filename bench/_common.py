@@ -119,8 +119,9 @@ class _RssPeak:
 
 def peak_memory(fn, device, reset=None, calls=1) -> tuple[float, float | None]:
     """(peak_extra_mb, peak_alloc_mb) of one call of ``fn``: memory it needs
-    beyond what was allocated before it.  On a GPU both are the CUDA allocator's
-    peak of allocated bytes.  On the CPU, ``peak_extra_mb`` is the sampled
+    beyond what was allocated before it.  On a GPU the first is the CUDA
+    allocator's peak of allocated bytes, the second None.  On the CPU,
+    ``peak_extra_mb`` is the sampled
     resident-set growth, after ``malloc_trim`` has handed the memory glibc kept
     from earlier calls back to the system (else the call reuses it unseen;
     without glibc the number is a lower bound), and ``peak_alloc_mb`` the
@@ -167,8 +168,7 @@ def _peak_once(fn, device) -> tuple[float, float | None]:
         base = torch.cuda.memory_allocated()
         fn()
         torch.cuda.synchronize()
-        mb = (torch.cuda.max_memory_allocated() - base) / 2**20
-        return mb, mb
+        return (torch.cuda.max_memory_allocated() - base) / 2**20, None
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (AttributeError, OSError):

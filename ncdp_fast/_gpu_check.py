@@ -275,23 +275,41 @@ def bench_errors(path) -> list[str]:
             f"{r.get('method', '')}: {r['error']}".strip() for r in rows if r.get("error")]
 
 
+# What a GPU benchmark cannot run without (its workloads are built from it); a
+# benchmark whose needs are not installed is listed as not run, with why.
+BENCH_NEEDS = {"hf": ("transformers",)}
+
+
+def missing_modules(python, names, env=None) -> list[str]:
+    """Those of ``names`` this interpreter cannot import."""
+    return _python_json(python, "import importlib.util, json; print(json.dumps([m for m in "
+                                f"{tuple(names)!r} if importlib.util.find_spec(m) is None]))",
+                        env=env)
+
+
 def missing_peers(python, env=None) -> list[str]:
     """The benchmarks' comparison peers this interpreter cannot import (their
     methods are skipped by the suite and missing from its tables)."""
-    return _python_json(python, "import importlib.util, json; print(json.dumps([m for m in "
-                                "('opacus', 'dp_accounting') if importlib.util.find_spec(m) is None]))",
-                        env=env)
+    return missing_modules(python, ("opacus", "dp_accounting"), env)
 
 
 def run_benches(python, out: Path, bench_args, deadline, env=None) -> list[dict]:
     from .cli import GPU_BENCHES
     results = []
     peers = missing_peers(python, env)
+    needs = sorted({m for ms in BENCH_NEEDS.values() for m in ms})
+    absent = set(missing_modules(python, needs, env)) if needs else set()
     for name in GPU_BENCHES:
         left = deadline - time.monotonic()
         row = dict(phase=name, status="ok")
         if peers:
             row["detail"] = f"{', '.join(peers)} not installed: its methods skipped"
+        lacking = [m for m in BENCH_NEEDS.get(name, ()) if m in absent]
+        if lacking:
+            row.update(status=NOT_RUN, detail=f"{', '.join(lacking)} not installed (its "
+                       "workloads are built from it; it can travel as wheels)")
+            results.append(row)
+            continue
         if left < MIN_BENCH_S:
             row.update(status=NOT_RUN, detail=f"time budget spent ({left:.0f} s left)")
             results.append(row)

@@ -50,15 +50,15 @@ def test_hf_bench_runs_and_tables_at_smallest(tmp_path):
     assert "tying" in rows["opacus_ghost"]["error"] and "ms" not in rows["opacus_ghost"]
 
 
-def _b(workload, method, rnd, median, mem, error=None, alloc=None):
-    e = dict(family="bench_hf", workload=workload, method=method, round=rnd, device="cpu",
+def _b(workload, method, rnd, median, mem, error=None, alloc=None, device="cpu"):
+    e = dict(family="bench_hf", workload=workload, method=method, round=rnd, device=device,
              peak_extra_mb=mem, weights_mb=10.0)
     if alloc is not None:
         e["peak_alloc_mb"] = alloc
     if error:
         e = dict(e, error=error)
         e.pop("peak_extra_mb")
-    return {"group": f"bench_hf {workload} cpu", "name": f"test_hf_step[{workload}|{method}|r{rnd}]",
+    return {"group": f"bench_hf {workload} {device}", "name": f"test_hf_step[{workload}|{method}|r{rnd}]",
             "stats": {"median": median, "min": median}, "extra_info": e}
 
 
@@ -123,3 +123,22 @@ def test_hf_table_judges_each_memory_number(tmp_path):
     assert ours["targets"] == ("<= 1.25x time: met; <= 1.1x memory (allocated): met; "
                                "<= 1.1x memory (resident): NOT met")
     assert ours["targets_met"] is False
+
+
+def test_hf_table_gpu_targets(tmp_path):
+    """On a GPU the time target is 1.15x (issue 26) and the memory number is
+    the CUDA allocator's peak: 1.2x time is met on the CPU, not on a GPU."""
+    w = "W"
+    for device, verdict in (("cpu", "met"), ("cuda", "NOT met")):
+        benchmarks = [_b(w, "nonprivate", 1, 1.0, 100.0, device=device),
+                      _b(w, "ncdp_engine", 1, 1.2, 105.0, device=device)]
+        doc = {"version": "5.3.1", "benchmarks": benchmarks,
+               "ncdp": {"device": "test", "device_tag": "gpu" if device == "cuda" else "cpu",
+                        "size": "full", "rounds": 1, "commit": "abc1234",
+                        "date": "2026-11-25 19:00 UTC"}}
+        (path,) = report.write_tables(doc, tmp_path / device, quiet=True)
+        ours = {r["method"]: r for r in json.loads(path.read_text())["rows"]}["ncdp_engine"]
+        bound = "1.25" if device == "cpu" else "1.15"
+        label = "resident" if device == "cpu" else "CUDA allocator"
+        assert ours["targets"] == (f"<= {bound}x time: {verdict}; "
+                                   f"<= 1.1x memory ({label}): met"), ours

@@ -172,6 +172,7 @@ def test_peer_skips_are_named_and_do_not_fail(tmp_path):
 def test_benchmarks_the_budget_leaves_out_are_listed_not_failed(tmp_path, monkeypatch):
     from ncdp_fast.cli import GPU_BENCHES
     monkeypatch.setattr(gc, "missing_peers", lambda python, env=None: ["opacus"])
+    monkeypatch.setattr(gc, "missing_modules", lambda python, names, env=None: [])
     # No time left: none starts.
     rows = gc.run_benches(sys.executable, tmp_path, [], deadline=0.0)
     assert [r["status"] for r in rows] == [gc.NOT_RUN] * len(GPU_BENCHES)
@@ -184,6 +185,27 @@ def test_benchmarks_the_budget_leaves_out_are_listed_not_failed(tmp_path, monkey
     failed = dict(phase="mix", status="failed", detail="exit status 1")
     assert gc.judge_benches(cut[:1] + [failed]) == (["mix: failed: exit status 1"],
                                                     [cut[0]["phase"]])
+
+
+def test_a_benchmark_without_what_it_is_built_from_is_not_run(tmp_path, monkeypatch):
+    """bench_hf on a GPU machine without transformers: listed as not run, with
+    why, and never started (the others run as before)."""
+    from ncdp_fast.cli import GPU_BENCHES
+    assert "hf" in GPU_BENCHES and gc.BENCH_NEEDS["hf"] == ("transformers",)
+    real = gc.missing_modules
+    monkeypatch.setattr(gc, "missing_peers", lambda python, env=None: [])
+    monkeypatch.setattr(gc, "missing_modules", lambda python, names, env=None: ["transformers"])
+    started = []
+    monkeypatch.setattr(gc, "_run_until",
+                        lambda cmd, deadline, env=None: started.append(cmd[cmd.index("--only") + 1]))
+    rows = {r["phase"]: r for r in gc.run_benches(sys.executable, tmp_path, [],
+                                                   deadline=float("inf"))}
+    assert rows["hf"]["status"] == gc.NOT_RUN
+    assert "transformers not installed" in rows["hf"]["detail"]
+    assert "hf" not in started and set(started) == set(GPU_BENCHES) - {"hf"}
+    # The real query: this interpreter has torch, and no module of that name.
+    assert real(sys.executable, ("torch", "no_such_module_xyz")) == [
+        "no_such_module_xyz"]
 
 
 def test_info_says_why_the_module_is_cpu_only(monkeypatch):
