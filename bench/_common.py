@@ -131,8 +131,9 @@ def peak_memory(fn, device, reset=None, calls=1) -> tuple[float, float | None]:
     it lies at the top of the heap, and a block of 32 MB or more always comes
     from a fresh mmap, so the resident set of a training step is up to about
     twice its peak of live data (measured on BERT-shaped steps: 336-340 MB
-    resident against 173 MB allocated), and two steps with the same torch
-    allocations op for op differed by 12 MB resident after the forward.
+    resident against 173 MB allocated), and the private and non-private
+    forwards, the same torch allocations op for op, ended 206-216 and 194-206
+    MB resident.
 
     ``calls`` > 1: the median of each over that many calls, each after
     ``reset()`` (which frees what a call leaves behind).  One sampled CPU call
