@@ -1,7 +1,8 @@
 """Hugging Face models privatized as they are (issue 26): tiny random-config
 GPT-2, BERT, RoBERTa, DistilBERT, ViT and LLaMA (rotary embeddings, SwiGLU,
-grouped-query attention: 4 query heads on 2 key/value heads), nothing
-downloaded.
+grouped-query attention: 4 query heads on 2 key/value heads), and the
+LLaMA-family models whose layers are copies of registered ones (Mistral,
+Qwen3, Phi-3, OLMo-2, Gemma), nothing downloaded.
 
 Oracle.  Each sample's gradient from its own loss on the model run on that
 sample alone (its row of input ids and attention mask, padding included;
@@ -93,10 +94,30 @@ def _llama(tie=False):
         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=tie))
 
 
+def _decoder(arch, **kw):
+    """A tiny LLaMA-family causal LM of transformers' ``arch`` (Mistral, Qwen3,
+    Phi-3, OLMo-2, Gemma): their RMS norms are copies of LLaMA's, T5's or
+    Gemma's, matched by their code (hf_layers.source_twin)."""
+    cfg = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+               bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg.update(kw)
+    return getattr(transformers, f"{arch}ForCausalLM")(
+        getattr(transformers, f"{arch}Config")(**cfg))
+
+
 # name -> (builder, kind): "lm" causal LM, "cls" text classification, "img" images
 MODELS = {"gpt2": (_gpt2, "lm"), "bert": (_bert, "cls"), "roberta": (_roberta, "cls"),
           "distilbert": (_distilbert, "cls"), "vit": (_vit, "img"), "llama": (_llama, "lm"),
-          "llama_tied": (lambda: _llama(tie=True), "lm")}
+          "llama_tied": (lambda: _llama(tie=True), "lm"),
+          "mistral": (lambda: _decoder("Mistral"), "lm"),
+          # per-head q/k norms: an RMS norm over (B, T, heads, head_dim)
+          "qwen3": (lambda: _decoder("Qwen3", head_dim=8), "lm"),
+          "phi3": (lambda: _decoder("Phi3", resid_pdrop=0.0, embd_pdrop=0.0), "lm"),
+          "olmo2": (lambda: _decoder("Olmo2"), "lm")}
+# Gemma computes its RMS norms in float32 whatever the model's dtype; its own
+# test (test_gemma_...) compares against an oracle that rounds alike.
+GEMMA = (lambda: _decoder("Gemma", head_dim=8), "lm")
 
 
 def build(name, dtype=F64, seed=0):
@@ -213,7 +234,8 @@ def test_float64_private_gradient_equals_per_sample_clipping(name, reduction):
     assert len(clipper.param_names) == len(expected)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "roberta", "distilbert", "vit", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "roberta", "distilbert", "vit", "llama",
+                                  "qwen3"])
 def test_float32_private_gradient_within_its_rounding(name):
     """In float32 the clip op tightens each clipped factor by its rounding
     margin (docs/privacy.md, "The clip bound in floating point"), so the
@@ -274,8 +296,10 @@ def test_the_llama_under_test_has_rotary_swiglu_and_grouped_query_attention():
     assert isinstance(layer.mlp.gate_proj, nn.Linear)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "roberta", "distilbert", "vit", "llama"])
-def test_privacy_engine_trains_each_model_one_poisson_epoch(name):
+@pytest.mark.parametrize("name", ["gpt2", "bert", "roberta", "distilbert", "vit", "llama",
+                                  "qwen3", "gemma"])
+def test_privacy_engine_trains_each_model_one_poisson_epoch(name, monkeypatch):
+    monkeypatch.setitem(MODELS, "gemma", GEMMA)
     n = 8
     model = build(name, dtype=F32)
     data = cast(batch(name, n=n, seed=3), F32)
@@ -414,6 +438,104 @@ def test_dinov2_layer_scale_is_exact():
     with torch.no_grad():
         gain.lambda1.uniform_(0.5, 1.5)
     _tagger_exact(nn.Sequential(nn.LayerNorm(16), gain))
+
+
+def _batched_oracle(model, name, data):
+    """{name: (n, *shape)}: each sample's gradient of its own loss on the graph of
+    the whole batch (``autograd.grad`` once per sample): the same forward
+    arithmetic as the private step, so float32 steps inside a float64 model
+    (Gemma's norms) round alike on both sides."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    losses = per_sample_loss(model, name, *data)
+    rows = [torch.autograd.grad(losses[i], list(params.values()), retain_graph=True)
+            for i in range(losses.shape[0])]
+    return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(params)}
+
+
+def test_gemma_norms_scaled_tied_embedding_are_exact(monkeypatch):
+    """Gemma: RMS norms of the form (1 + w) * z (GemmaRMSNorm's rule, unit 0),
+    a word embedding scaled by sqrt(d) and tied to the head (an index use of
+    the tied weight, never the dense per-sample form).  Its norms compute in
+    float32 even in a float64 model (``x.float()``), and autograd forms their
+    weights' per-sample gradients in float32 (the product g * z and its sum
+    over positions): those are compared within 10 * 2^-23 (measured 6.7e-8),
+    the rest within 1e-10 of the batched-graph oracle."""
+    monkeypatch.setitem(MODELS, "gemma", GEMMA)
+    from ncdp_fast.torch import tied
+    from ncdp_fast.torch.hf_layers import scale_rule, scaled_embedding_rule  # noqa: F401
+    model = build("gemma")
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert type(model.model.embed_tokens).__name__ == "GemmaTextScaledWordEmbedding"
+    data = batch("gemma")
+    ps = _batched_oracle(model, "gemma", data)
+    C = low_bound(ps)
+    expected = clipped(ps, C, B)
+    uses = []
+    real = tied.as_use
+
+    def spy(*a, **k):
+        uses.append(real(*a, **k))
+        return uses[-1]
+    monkeypatch.setattr(tied, "as_use", spy)
+    got, res, clipper = private_step(copy.deepcopy(model), "gemma", data, C, "mean")
+    assert 1 <= res.num_clipped < B
+    assert any(isinstance(u, tied.IndexUse) for u in uses)
+    assert not any(isinstance(u, torch.Tensor) for u in uses)
+    norms = [k for k in expected if k.endswith("norm.weight")]
+    rest = [k for k in expected if k not in norms]
+    assert norms and len(clipper.param_names) == len(expected)
+    assert rel_err(got, expected, rest) <= 1e-10
+    assert rel_err(got, expected, norms) <= 10 * 2.0 ** -23
+
+
+def _fake_transformers_module(tmp_path, monkeypatch, source):
+    """A module named under ``transformers.`` with ``source``, imported from a
+    file (so that inspect reads its classes' code), as a model file is."""
+    import importlib.util
+    name = "transformers.models.ncdp_test_copies.modeling_ncdp_test_copies"
+    path = tmp_path / "modeling_ncdp_test_copies.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_copy_of_a_registered_norm_takes_its_rule_and_a_changed_copy_is_refused(
+        tmp_path, monkeypatch):
+    """transformers copies LlamaRMSNorm into each model's file under the model's
+    name: a copy (renamed, other comments, docstring and annotations) takes
+    its rule and is exact; one whose forward changed (an offset on the
+    weight) has no rule and is refused by name."""
+    import inspect
+    import re
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from ncdp_fast.torch import hf_layers
+    original = inspect.getsource(LlamaRMSNorm)
+    copy_src = original.replace("LlamaRMSNorm", "CopyRMSNorm")
+    copy_src = re.sub(r'"""[^"]*"""', '"""Another docstring."""', copy_src, count=1)
+    copy_src = copy_src.replace("hidden_states: torch.Tensor) -> torch.Tensor:",
+                                "hidden_states):  # a comment")
+    assert copy_src.count("a comment") == 1 and "Another docstring" in copy_src
+    changed = original.replace("LlamaRMSNorm", "ShiftedRMSNorm").replace(
+        "return self.weight * hidden_states", "return (self.weight + 0.5) * hidden_states")
+    assert changed != original.replace("LlamaRMSNorm", "ShiftedRMSNorm")
+    header = ("import torch\nfrom torch import nn\n"
+              "from transformers.integrations import use_kernel_forward_from_hub\n\n")
+    mod = _fake_transformers_module(tmp_path, monkeypatch, header + copy_src + "\n\n" + changed)
+    assert hf_layers.source_twin(mod.CopyRMSNorm) == \
+        "transformers.models.llama.modeling_llama.LlamaRMSNorm"
+    assert hf_layers.source_twin(mod.ShiftedRMSNorm) is None
+    norm = mod.CopyRMSNorm(16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    _tagger_exact(norm)
+    with pytest.raises(ValueError, match=r"ShiftedRMSNorm, which has no per-sample gradient rule"):
+        GhostClipper(nn.Sequential(nn.Linear(16, 16), mod.ShiftedRMSNorm(16)).to(F64),
+                     max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=B)
 
 
 def test_a_conv1d_subclass_with_its_own_forward_is_refused():

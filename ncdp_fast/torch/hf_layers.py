@@ -1,7 +1,9 @@
 """Rules for the layers Hugging Face ``transformers`` models are built from that
-torch has no class for: GPT-2's ``Conv1D``, the RMS norms of LLaMA and T5, the
-LayerScale gains of DINOv2/v3, and ViT's embeddings (a class token and
-position embeddings that are bare Parameters).
+torch has no class for: GPT-2's ``Conv1D``, the RMS norms of LLaMA, T5, OLMo-2
+and Gemma, Gemma's scaled word embedding, the LayerScale gains of DINOv2/v3,
+and ViT's embeddings (a class token and position embeddings that are bare
+Parameters); and :func:`source_twin`, which gives a class that repeats one of
+these (transformers copies a layer into each model's file) its rule.
 
 Registered by class name (:func:`~.layers.register_layer_by_name`): importing
 ncdp_fast never imports ``transformers``; a model built from it matches these
@@ -18,15 +20,22 @@ refused by name, at construction where the module shows them.
 """
 from __future__ import annotations
 
+import ast
 import copy
+import dataclasses
+import functools
+import importlib
+import inspect
+import textwrap
 
 import torch
 from torch import nn
 
-from .layers import (_cat, _flat_positions, accumulation_dtype, factored_or_instantiated,
-                     register_layer_by_name)
+from .layers import (RULE_FINDERS, RULES_BY_NAME, _cat, _flat_positions, accumulation_dtype,
+                     embedding_rule, factored_or_instantiated, register_layer_by_name)
 
-__all__ = ["conv1d_rule", "scale_rule", "vit_embeddings_rule"]
+__all__ = ["conv1d_rule", "scale_rule", "scaled_embedding_rule", "source_twin",
+           "vit_embeddings_rule"]
 
 
 def _input(module: nn.Module, call) -> torch.Tensor:
@@ -59,34 +68,36 @@ def conv1d_rule(module: nn.Module, calls, trainable):
     return out
 
 
-def _unit_scale(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
-    """``z`` of a layer computing ``y = w * z(x)``: its own forward run with ``w``
-    replaced by ones (1 * z is z exactly), on a shallow copy, so neither the
-    parameter nor the hooks of the module are touched."""
+def _unit_scale(module: nn.Module, name: str, x: torch.Tensor, unit: float) -> torch.Tensor:
+    """``z`` of a layer computing ``y = (unit' + w) * z(x)``: its own forward run
+    with ``w`` replaced by ``unit`` (1 * z, (1 + 0) * z are z exactly), on a
+    shallow copy, so neither the parameter nor the hooks of the module are
+    touched."""
     w = module._parameters[name]
     shadow = copy.copy(module)
     params = dict(module._parameters)
-    params[name] = torch.ones(w.shape, dtype=accumulation_dtype(w.dtype), device=w.device)
+    params[name] = torch.full(w.shape, unit, dtype=accumulation_dtype(w.dtype), device=w.device)
     object.__setattr__(shadow, "_parameters", params)
     with torch.no_grad():
         return type(module).forward(shadow, x)
 
 
-def scale_rule(name: str):
-    """The rule of a layer computing ``y = p * z(x)``, ``p`` its parameter
+def scale_rule(name: str, unit: float = 1.0):
+    """The rule of a layer computing ``y = p * z(x)`` (``unit`` 1) or
+    ``y = (1 + p) * z(x)`` (``unit`` 0: Gemma's RMS norm), ``p`` its parameter
     ``name`` broadcast over the trailing dimensions of ``z`` and ``z`` not
-    depending on ``p``: an RMS norm's weight-only scale, a LayerScale gain.
-    ``z`` is the module's own forward run with ``p`` set to ones (an RMS norm's
-    float32 variance included), so the per-sample gradient of ``p`` (shape
-    (D,)) is ``sum_t g_t * z_t``, (B, D).  Exact only for that form: a class
-    computing ``(1 + p) * z`` (Gemma's RMS norm) needs another rule."""
+    depending on ``p``: an RMS norm's scale, a LayerScale gain.  ``z`` is the
+    module's own forward run with ``p`` set to ``unit`` (an RMS norm's float32
+    variance included), so the per-sample gradient of ``p`` (shape (D,)) is
+    ``sum_t g_t * z_t``, (B, D) -- the derivative of either form.  Exact only
+    for these forms."""
     def rule(module: nn.Module, calls, trainable):
         if name not in trainable:
             return []
         p = module._parameters[name]
         zs, gs = [], []
         for c in calls:
-            z = _unit_scale(module, name, _input(module, c))
+            z = _unit_scale(module, name, _input(module, c), unit)
             zs.append(_flat_positions(z, p.numel(), p.dim()))
             gs.append(_flat_positions(c.grad, p.numel(), p.dim()))
         z, g = _cat(zs), _cat(gs)
@@ -97,9 +108,13 @@ def scale_rule(name: str):
 
 
 # Each registered class's forward is ``self.<name> * z(x)`` (read in
-# transformers 5.24.0).
+# transformers 5.24.0); Gemma's is ``(1 + self.weight) * z(x)``.
 register_layer_by_name("transformers.models.llama.modeling_llama.LlamaRMSNorm",
-                       "transformers.models.t5.modeling_t5.T5LayerNorm")(scale_rule("weight"))
+                       "transformers.models.t5.modeling_t5.T5LayerNorm",
+                       "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm"
+                       )(scale_rule("weight"))
+register_layer_by_name("transformers.models.gemma.modeling_gemma.GemmaRMSNorm"
+                       )(scale_rule("weight", unit=0.0))
 register_layer_by_name(
     "transformers.models.dinov2.modeling_dinov2.Dinov2LayerScale",
     "transformers.models.dinov2_with_registers.modeling_dinov2_with_registers."
@@ -162,3 +177,89 @@ def vit_embeddings_rule(module: nn.Module, calls, trainable):
         pos = sum(g[1:], g[0])
         out.append((("position_embeddings",), pos.reshape(B, *module.position_embeddings.shape)))
     return out
+
+
+@register_layer_by_name("transformers.models.gemma.modeling_gemma.GemmaTextScaledWordEmbedding")
+def scaled_embedding_rule(module: nn.Module, calls, trainable):
+    """Gemma's word embedding: ``y = E[idx] * s``, ``s`` its ``embed_scale``
+    buffer in the weight's dtype: the Embedding rule on the output gradients
+    times ``s`` (the product autograd's own backward forms before its scatter)."""
+    s = _embed_scale(module)
+    return embedding_rule(module, [dataclasses.replace(c, grad=c.grad * s) for c in calls],
+                          trainable)
+
+
+def _embed_scale(module: nn.Module) -> torch.Tensor:
+    return module.embed_scale.to(module.weight.dtype)
+
+
+# A tied weight's use (tied.py) reads the rows and scales the output gradients.
+scaled_embedding_rule.output_scale = _embed_scale
+
+
+# ------------------------------------------------------------ copies of these
+
+@functools.lru_cache(maxsize=None)
+def _code_shape(cls: type) -> str | None:
+    """``cls``'s code as a syntax tree with what does not change what it
+    computes taken out: docstrings, comments, annotations and its own name
+    (a copy in another model's file renames the class and its comments).
+    None where the source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.ClassDef):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(
+                    getattr(body[0], "value", None), ast.Constant) and isinstance(
+                    body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+            if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
+                node.name = "_"
+            if not isinstance(node, ast.ClassDef):
+                node.returns = None
+        elif isinstance(node, ast.arg):
+            node.annotation = None
+        elif isinstance(node, ast.Name) and node.id == cls.__name__:
+            node.id = "_"
+    return ast.dump(tree)
+
+
+def _registered_class(qualified: str) -> type | None:
+    module, _, name = qualified.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def source_twin(cls: type) -> str | None:
+    """The name of the class registered here whose code ``cls`` repeats, or
+    None.  transformers copies a layer into each model's file under the
+    model's name ("Copied from LlamaRMSNorm with Llama->Mistral": 128 classes
+    repeat LlamaRMSNorm in 5.24.0); such a copy computes what its original
+    does, so it takes the original's rule -- checked on the code of the
+    transformers installed, never assumed from the name, so that a copy that
+    changed anything (an offset, a cast, a second parameter) finds no rule
+    and is refused."""
+    if not cls.__module__.startswith("transformers."):
+        return None
+    shape = _code_shape(cls)
+    if shape is None:
+        return None
+    own = f"{cls.__module__}.{cls.__qualname__}"
+    for qualified in _ORIGINALS:
+        original = _registered_class(qualified)
+        if qualified != own and original is not None and _code_shape(original) == shape:
+            return qualified
+    return None
+
+
+# The originals a copy may repeat: the classes registered above, read in
+# transformers 5.24.0 (their copies are never read, only compared with them).
+_ORIGINALS = tuple(q for q in RULES_BY_NAME if q.startswith("transformers."))
+RULE_FINDERS.append(source_twin)

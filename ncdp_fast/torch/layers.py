@@ -37,7 +37,8 @@ from torch import nn
 from .._clip import GhostBlock
 
 __all__ = ["Call", "register_layer", "register_layer_by_name", "rule_for",
-           "factored_or_instantiated", "RULES", "RULES_BY_NAME", "refuse_unsupported", "HALF",
+           "factored_or_instantiated", "RULES", "RULES_BY_NAME", "RULE_FINDERS",
+           "refuse_unsupported", "HALF",
            "accumulation_dtype"]
 
 HALF = (torch.float16, torch.bfloat16)
@@ -81,6 +82,10 @@ RULES: dict[type, Rule] = {}
 RULES_BY_NAME: dict[str, Rule] = {}
 # Construction-time refusals of such classes: fn(module) -> problem or None.
 CHECKS_BY_NAME: dict[str, Callable[[nn.Module], "str | None"]] = {}
+# fn(cls) -> the "module.QualName" of a class in RULES_BY_NAME whose code ``cls``
+# repeats, or None: how a copy of a registered class (transformers copies its
+# layers into each model's file) finds that class's rule (hf_layers.py).
+RULE_FINDERS: list[Callable[[type], "str | None"]] = []
 
 
 def register_layer(*module_types: type):
@@ -137,10 +142,24 @@ def rule_for(module: nn.Module) -> tuple[Rule | None, type | None]:
     for t in type(module).__mro__:
         if t in RULES:
             return RULES[t], t
-        rule = RULES_BY_NAME.get(_qualified(t))
+        rule = RULES_BY_NAME.get(_qualified(t)) or _twin_rule(t)
         if rule is not None:
             return rule, t
     return None, None
+
+
+def _twin_rule(t: type) -> Rule | None:
+    """The rule of the registered class whose code ``t`` repeats (RULE_FINDERS),
+    registered under ``t``'s own name from then on, with its check."""
+    for find in RULE_FINDERS:
+        template = find(t)
+        if template is not None and template in RULES_BY_NAME:
+            q = _qualified(t)
+            RULES_BY_NAME[q] = RULES_BY_NAME[template]
+            if template in CHECKS_BY_NAME:
+                CHECKS_BY_NAME[q] = CHECKS_BY_NAME[template]
+            return RULES_BY_NAME[q]
+    return None
 
 
 # ---------------------------------------------------------------- shared pieces

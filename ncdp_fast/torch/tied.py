@@ -72,11 +72,15 @@ def as_use(module: nn.Module, calls, block, shape: tuple, batch: int, dtype: tor
                        _cat([_flat_positions(c.grad, shape[0]) for c in calls]).to(dtype))
     if isinstance(block, torch.Tensor):
         return block.reshape(batch, *shape)
-    if isinstance(module, nn.Embedding) and rule_for(module)[0] is embedding_rule:
+    rule = rule_for(module)[0]
+    scale = getattr(rule, "output_scale", None)
+    if isinstance(module, nn.Embedding) and (rule is embedding_rule or scale is not None):
         # Indices broadcast over the batch (position ids (1, T)): every sample
-        # read the same rows.
+        # read the same rows.  A scaled embedding (y = E[idx] * s) adds its
+        # output gradients times s, as its own rule does.
         idx = _cat([_batch_rows(_lead(c.inputs[0], 1), c.grad.shape[0]) for c in calls])
-        h = _cat([_flat_positions(c.grad, shape[1]) for c in calls]).to(dtype)
+        h = _cat([_flat_positions(c.grad if scale is None else c.grad * scale(module), shape[1])
+                  for c in calls]).to(dtype)
         if idx.shape[:2] != h.shape[:2]:
             raise ValueError(
                 f"GhostClipper: tied nn.Embedding got indices of shape {tuple(idx.shape)} for "
