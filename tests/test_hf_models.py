@@ -614,3 +614,45 @@ def test_importing_ncdp_fast_torch_does_not_import_transformers():
     code = ("import sys, ncdp_fast.torch; "
             "sys.exit(1 if 'transformers' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_transformers_own_whole_batch_token_mean_is_refused_at_the_forward():
+    """``model(..., labels=...)`` with -100 among the labels: transformers' loss
+    divides by the valid tokens of the whole batch (one sample's padding
+    rescales the others' gradients), refused before the forward, as is
+    ``num_items_in_batch``; for a peft model too.  Labels without -100 give
+    every sample the same count: accepted, and the private gradient equals the
+    one from the per-sample token loss to float32 rounding (transformers'
+    loss casts the logits to float32: measured 3.7e-8)."""
+    model = build("gpt2")
+    ids, mask, _ = batch("gpt2")
+    padded = ids.masked_fill(mask == 0, -100)
+    assert (padded == -100).any()
+    with GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                      expected_batch_size=B) as clipper:
+        with pytest.raises(ValueError, match=r"labels containing -100.*whole batch.*"
+                                             r"causal_lm_loss"):
+            model(input_ids=ids, attention_mask=mask, labels=padded)
+        with pytest.raises(ValueError, match="num_items_in_batch"):
+            model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(28))
+        assert all(not t.records for t in clipper.taps)
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(build("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with GhostClipper(lora, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=B):
+        with pytest.raises(ValueError, match="labels containing -100"):
+            lora(input_ids=ids, labels=padded)
+
+    from ncdp_fast.torch import causal_lm_loss
+    C = 1e-3                                    # every sample clipped: the scale matters
+    grads = []
+    for own in (True, False):
+        work = copy.deepcopy(model)
+        with GhostClipper(work, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B,
+                          seed=0) as clipper:
+            if own:
+                work(input_ids=ids, labels=ids).loss.backward()
+            else:
+                causal_lm_loss(work(input_ids=ids).logits, ids).backward()
+            clipper.privatize_()
+        grads.append({k: p.grad for k, p in work.named_parameters()})
+    assert rel_err(grads[0], grads[1]) <= 10 * 2.0 ** -23

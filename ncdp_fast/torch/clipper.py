@@ -20,7 +20,7 @@ from . import tied
 from .adaptive import AdaptiveClip, check_adaptive
 from .attention import attention_forward, check_attention
 from .conv import conv_forward
-from .coupling import batch_dim_hooks, refuse_batch_mixing
+from .coupling import batch_dim_hooks, refuse_batch_mixing, refuse_whole_batch_loss_kwargs
 from .layers import Call, refuse_unsupported
 from .layout import StepBatch, batch_dim, broadcast_rows, rows_error, set_layouts, to_batch_first
 from .mechanism import ClippedGaussianStep, ReleasedGrads, optimizer_params
@@ -284,6 +284,7 @@ class GhostClipper(ClippedGaussianStep):
         if not in_backward():
             self._pass += 1
         if self._capturing():
+            refuse_whole_batch_loss_kwargs(module, kwargs)
             return self._batch.pre_hook(module, args, kwargs)
         if torch.is_grad_enabled():
             self._uncaptured.add("disabled" if not self.enabled else "eval")

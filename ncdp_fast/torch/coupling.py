@@ -19,7 +19,11 @@ from torch import nn
 from .._validate import check_choice
 from .layout import enclosing_batch_first, layer_batch_first
 
-__all__ = ["refuse_batch_mixing", "batch_dim_hooks", "CheckedCriterion"]
+__all__ = ["refuse_batch_mixing", "batch_dim_hooks", "CheckedCriterion",
+           "refuse_whole_batch_loss_kwargs"]
+
+# transformers' losses ignore this label (padding, prompt tokens).
+HF_IGNORE_INDEX = -100
 
 _SOFTMAXES = (nn.Softmax, nn.LogSoftmax, nn.Softmin)
 
@@ -136,3 +140,37 @@ class CheckedCriterion(nn.Module):
             raise ValueError(f"criterion: expected a scalar loss, got "
                              f"{tuple(getattr(loss, 'shape', ())) or type(loss).__name__}")
         return loss
+
+
+def _hf_model(model: nn.Module) -> bool:
+    return type(model).__module__.split(".")[0] in ("transformers", "peft")
+
+
+def refuse_whole_batch_loss_kwargs(model: nn.Module, kwargs: dict) -> None:
+    """Raise, before the forward, when a ``transformers`` (or ``peft``) model is
+    called so that its own loss (``outputs.loss``) divides by a count over the
+    whole batch: ``labels`` holding -100 (its losses average over the batch's
+    valid tokens, so one sample's padding rescales every other sample's term)
+    or ``num_items_in_batch`` (a token count over the batch or the accumulated
+    micro-batches).  Labels without -100 give each sample the same number of
+    valid positions: the batch's token mean is then the mean of per-sample
+    means, which the clipper's ``loss_reduction="mean"`` undoes exactly."""
+    if not kwargs or not _hf_model(model):
+        return
+    fix = ("call the model without labels and compute the loss from outputs.logits with "
+           "ncdp_fast.torch.causal_lm_loss(logits, labels) (language modelling) or "
+           "per_sample_token_loss(logits, labels) (token classification): each sample's mean "
+           "over its own valid tokens (docs/torch.md, 'The loss contract')")
+    if kwargs.get("num_items_in_batch") is not None:
+        raise ValueError(
+            f"GhostClipper: {type(model).__name__} was called with num_items_in_batch: "
+            "transformers divides its loss by that count of the batch's (or the accumulated "
+            f"micro-batches') tokens, so each sample's term depends on the others; {fix}")
+    labels = kwargs.get("labels")
+    if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and \
+            bool((labels == HF_IGNORE_INDEX).any()):
+        raise ValueError(
+            f"GhostClipper: {type(model).__name__} was called with labels containing "
+            f"{HF_IGNORE_INDEX} (ignored positions): its own loss (outputs.loss) is the mean "
+            "over the valid tokens of the whole batch, so one sample's padding rescales every "
+            "other sample's gradient, which per-sample clipping does not bound; " + fix)
