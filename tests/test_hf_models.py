@@ -2,7 +2,7 @@
 GPT-2, BERT, RoBERTa, DistilBERT, ViT and LLaMA (rotary embeddings, SwiGLU,
 grouped-query attention: 4 query heads on 2 key/value heads), and the
 LLaMA-family models whose layers are copies of registered ones (Mistral,
-Qwen3, Phi-3, OLMo-2, Gemma), nothing downloaded.
+Qwen3, Phi-3, OLMo-2, Gemma), and Falcon, nothing downloaded.
 
 Oracle.  Each sample's gradient from its own loss on the model run on that
 sample alone (its row of input ids and attention mask, padding included;
@@ -114,7 +114,12 @@ MODELS = {"gpt2": (_gpt2, "lm"), "bert": (_bert, "cls"), "roberta": (_roberta, "
           # per-head q/k norms: an RMS norm over (B, T, heads, head_dim)
           "qwen3": (lambda: _decoder("Qwen3", head_dim=8), "lm"),
           "phi3": (lambda: _decoder("Phi3", resid_pdrop=0.0, embd_pdrop=0.0), "lm"),
-          "olmo2": (lambda: _decoder("Olmo2"), "lm")}
+          "olmo2": (lambda: _decoder("Olmo2"), "lm"),
+          # FalconLinear (nn.Linear's forward, rewritten), multi-query attention
+          "falcon": (lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
+              vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)),
+              "lm")}
 # Gemma computes its RMS norms in float32 whatever the model's dtype; its own
 # test (test_gemma_...) compares against an oracle that rounds alike.
 GEMMA = (lambda: _decoder("Gemma", head_dim=8), "lm")

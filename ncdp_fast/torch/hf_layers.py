@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from .layers import (RULE_FINDERS, RULES_BY_NAME, _cat, _flat_positions, accumulation_dtype,
-                     embedding_rule, factored_or_instantiated, register_layer_by_name)
+                     embedding_rule, factored_or_instantiated, linear_rule,
+                     register_layer_by_name)
 
 __all__ = ["conv1d_rule", "scale_rule", "scaled_embedding_rule", "source_twin",
            "vit_embeddings_rule"]
@@ -70,7 +71,7 @@ def conv1d_rule(module: nn.Module, calls, trainable):
 
 def _unit_scale(module: nn.Module, name: str, x: torch.Tensor, unit: float) -> torch.Tensor:
     """``z`` of a layer computing ``y = (unit' + w) * z(x)``: its own forward run
-    with ``w`` replaced by ``unit`` (1 * z, (1 + 0) * z are z exactly), on a
+    with ``w`` set to ``unit`` (1 * z and (1 + 0) * z are z exactly), on a
     shallow copy, so neither the parameter nor the hooks of the module are
     touched."""
     w = module._parameters[name]
@@ -115,6 +116,10 @@ register_layer_by_name("transformers.models.llama.modeling_llama.LlamaRMSNorm",
                        )(scale_rule("weight"))
 register_layer_by_name("transformers.models.gemma.modeling_gemma.GemmaRMSNorm"
                        )(scale_rule("weight", unit=0.0))
+
+# FalconLinear's forward is ``input @ self.weight.T (+ self.bias)``: nn.Linear's.
+register_layer_by_name("transformers.models.falcon.modeling_falcon.FalconLinear")(linear_rule)
+
 register_layer_by_name(
     "transformers.models.dinov2.modeling_dinov2.Dinov2LayerScale",
     "transformers.models.dinov2_with_registers.modeling_dinov2_with_registers."
