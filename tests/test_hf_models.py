@@ -2,7 +2,7 @@
 GPT-2, BERT, RoBERTa, DistilBERT, ViT and LLaMA (rotary embeddings, SwiGLU,
 grouped-query attention: 4 query heads on 2 key/value heads), and the
 LLaMA-family models whose layers are copies of registered ones (Mistral,
-Qwen3, Phi-3, OLMo-2, Gemma), and Falcon, nothing downloaded.
+Qwen3, Phi-3, OLMo-2, Gemma), Falcon and DeiT, nothing downloaded.
 
 Oracle.  Each sample's gradient from its own loss on the model run on that
 sample alone (its row of input ids and attention mask, padding included;
@@ -115,6 +115,11 @@ MODELS = {"gpt2": (_gpt2, "lm"), "bert": (_bert, "cls"), "roberta": (_roberta, "
           "qwen3": (lambda: _decoder("Qwen3", head_dim=8), "lm"),
           "phi3": (lambda: _decoder("Phi3", resid_pdrop=0.0, embd_pdrop=0.0), "lm"),
           "olmo2": (lambda: _decoder("Olmo2"), "lm"),
+          # a distillation token after the class token
+          "deit": (lambda: transformers.DeiTForImageClassification(transformers.DeiTConfig(
+              image_size=IMG, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+              num_attention_heads=4, intermediate_size=64, num_labels=LABELS,
+              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), "img"),
           # FalconLinear (nn.Linear's forward, rewritten), multi-query attention
           "falcon": (lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
               vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -143,20 +143,23 @@ def _vit_problem(module: nn.Module) -> str | None:
 
 
 @register_layer_by_name("transformers.models.vit.modeling_vit.ViTEmbeddings",
+                        "transformers.models.deit.modeling_deit.DeiTEmbeddings",
                         check=_vit_problem)
 def vit_embeddings_rule(module: nn.Module, calls, trainable):
     """ViT's embeddings: ``out = cat(cls_token, patches) + position_embeddings``
-    (patches from its own ``Conv2d``, a layer of its own).  Both parameters
-    are used once per sample, broadcast over the batch: sample i's gradient
-    of ``cls_token`` (1, 1, D) is row 0 of its output gradient (B, N+1, D),
-    that of ``position_embeddings`` (1, N+1, D) the whole of it.  Exact only
-    without interpolated position embeddings (same number of positions, the
-    model's own square image size) and without dropout in training."""
+    (patches from its own ``Conv2d``, a layer of its own); DeiT's put a
+    ``distillation_token`` after the class token (read in transformers
+    5.24.0).  Each parameter is used once per sample, broadcast over the
+    batch: sample i's gradient of the k-th prepended token (1, 1, D) is row k
+    of its output gradient (B, N+k', D), that of ``position_embeddings``
+    (1, N+k', D) the whole of it.  Exact only without interpolated position
+    embeddings (same number of positions, the model's own square image size)
+    and without dropout in training."""
     problem = _vit_problem(module)
     if problem is None and "mask_token" in trainable:
         problem = "its mask_token was trainable in this step's forward; freeze it"
     if problem is not None:
-        raise ValueError(f"ViTEmbeddings: {problem}")
+        raise ValueError(f"{type(module).__name__}: {problem}")
     positions = module.position_embeddings.shape[1]
     size = tuple(module.image_size)
     g = []
@@ -167,7 +170,8 @@ def vit_embeddings_rule(module: nn.Module, calls, trainable):
             # resamples the position embeddings bicubically: their gradient is
             # then not the output gradient.
             raise ValueError(
-                f"ViTEmbeddings: got images of size {shape} and {c.grad.shape[1]} positions; "
+                f"{type(module).__name__}: got images of size {shape} and {c.grad.shape[1]} "
+                "positions; "
                 f"expected the model's own square image size {size} and {positions} positions "
                 "(position embeddings used as they are). Interpolated position embeddings "
                 "(interpolate_pos_encoding=True at another size, or a non-square image_size) "
@@ -175,9 +179,11 @@ def vit_embeddings_rule(module: nn.Module, calls, trainable):
         g.append(c.grad)
     out = []
     B = g[0].shape[0]
-    if "cls_token" in trainable:
-        cls = sum(x[:, :1] for x in g)
-        out.append((("cls_token",), cls.reshape(B, *module.cls_token.shape)))
+    prefix = [n for n in ("cls_token", "distillation_token") if getattr(module, n, None) is not None]
+    for k, n in enumerate(prefix):
+        if n in trainable:
+            row = sum(x[:, k:k + 1] for x in g)
+            out.append(((n,), row.reshape(B, *getattr(module, n).shape)))
     if "position_embeddings" in trainable:
         pos = sum(g[1:], g[0])
         out.append((("position_embeddings",), pos.reshape(B, *module.position_embeddings.shape)))
