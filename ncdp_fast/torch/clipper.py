@@ -542,7 +542,12 @@ class GhostClipper(ClippedGaussianStep):
         refuse_across_ranks(self.group)
         entries, scale = self._step_entries(optimizer)
         if self.clipping != "per_layer":
-            only = self._clip_only([block for _, _, block in entries], scale)
+            # As in privatize_: the op gets the only references and frees each
+            # layer's recorded tensors once its sum is formed.
+            blocks = [block for _, _, block in entries]
+            entries = [(tap, names, None) for tap, names, _ in entries]
+            self.clear()
+            only = self._clip_only(blocks, scale, release=True)
             grads = only.grads
             if self.adaptive is not None:
                 self._centered += self.adaptive.centered_count(only.norms, self.max_grad_norm)

@@ -249,15 +249,17 @@ class ClippedGaussianStep(UsesNoiseStream):
                 "adds its share of one noise draw, and a rank left at another value would "
                 "diverge unseen. Build the clipper (make_private) again with the new value")
 
-    def _clip_only(self, blocks, grad_scale, max_norm=None, count=False) -> LayersClipResult:
+    def _clip_only(self, blocks, grad_scale, max_norm=None, count=False,
+                   release=False) -> LayersClipResult:
         """Clipped sum of ``blocks`` without noise and without the mean's division:
         the share of one physical batch in a logical step.  Noise std 0 adds
         exactly 0, so a throwaway key from the OS serves (seed=None: no ledger
-        entry); the clipper's own stream is left for the step's single noise."""
+        entry); the clipper's own stream is left for the step's single noise.
+        ``release``: the op consumes the list ``blocks`` (its ``release_blocks``)."""
         return clip_and_noise_layers(
             blocks, max_norm=self.max_grad_norm if max_norm is None else max_norm,
             noise_multiplier=0.0, seed=None, reduction="sum",
-            nan_policy=self.nan_policy, grad_scale=grad_scale)
+            nan_policy=self.nan_policy, grad_scale=grad_scale, release_blocks=release)
 
     def _clip_and_noise(self, blocks, grad_scale=1.0, max_norm=None,
                         count=True, release=False) -> LayersClipResult:
