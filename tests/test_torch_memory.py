@@ -331,27 +331,33 @@ def test_released_gradients_are_freed_by_zero_grad(clipping):
     assert all(r() is None for r in refs)
 
 
-def test_a_physical_batch_hands_the_clip_op_the_only_references(monkeypatch):
-    """accumulate_ (each physical batch but a logical batch's last) gives the
-    clip op the only references to the recorded tensors, as privatize_ does:
-    the layers' records are cleared before the op, which consumes the list
-    (release_blocks) and so frees each layer's inputs and output gradients
-    once its sum is formed (the op's own test: tests/test_clip.py)."""
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_every_clip_call_gets_the_only_references(clipping, monkeypatch):
+    """Every clip call of a step -- privatize_ and accumulate_ (the physical
+    batches of BatchMemoryManager), flat and per-layer clipping -- gets the
+    only references to the recorded tensors: the layers' records are cleared
+    before it, and it consumes its list (release_blocks), so that it frees
+    each layer's inputs and output gradients once its sum is formed (the
+    op's own test: tests/test_clip.py)."""
     from ncdp_fast.torch.mechanism import ClippedGaussianStep
     seen = []
-    real = ClippedGaussianStep._clip_only
 
-    def spy(self, blocks, grad_scale, **kw):
-        held = [len(t.records) for t in self.taps]
-        out = real(self, blocks, grad_scale, **kw)
-        seen.append((held, kw.get("release"), list(blocks)))
-        return out
-    monkeypatch.setattr(ClippedGaussianStep, "_clip_only", spy)
-    _, pm, popt, ploader = _private(40, 10, 44)
+    def spy(real):
+        def call(self, blocks, grad_scale, **kw):
+            held = [len(t.records) for t in self.taps]
+            out = real(self, blocks, grad_scale, **kw)
+            seen.append((real.__name__, held, kw.get("release"), list(blocks)))
+            return out
+        return call
+    for name in ("_clip_only", "_clip_and_noise"):
+        monkeypatch.setattr(ClippedGaussianStep, name, spy(getattr(ClippedGaussianStep, name)))
+    _, pm, popt, ploader = _private(40, 10, 44, clipping=clipping)
     with BatchMemoryManager(data_loader=ploader, max_physical_batch_size=4,
                             optimizer=popt) as physical:
         _train(pm, popt, physical)
-    assert seen
-    for held, release, left in seen:
-        assert release is True and set(held) == {0}
-        assert left and all(b is None for b in left)
+    assert {name for name, *_ in seen} == {"_clip_only", "_clip_and_noise"}
+    for name, held, release, left in seen:
+        assert release is True and set(held) == {0}, name
+        assert left and all(b is None for b in left), name
+        if clipping == "per_layer":
+            assert len(left) == 1           # one parameter a call

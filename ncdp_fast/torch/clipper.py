@@ -488,8 +488,19 @@ class GhostClipper(ClippedGaussianStep):
     # Delegating methods kept on the class: tests patch _refuse_foreign, and
     # bench/test_bench_finetune.py times it and _refuse_outside_terms through
     # GhostClipper.__dict__.
-    def _per_layer(self, entries, grad_scale, noise=True):
-        return clip_per_layer(self, entries, grad_scale, noise)
+    def _per_layer(self, entries, blocks, grad_scale, noise=True):
+        return clip_per_layer(self, entries, blocks, grad_scale, noise)
+
+    def _hand_over(self, entries) -> tuple[list, list]:
+        """(the step's blocks, its entries without them), the layers' records
+        cleared: the clip op then holds the only references to the recorded
+        tensors and frees each layer's once its sum is formed, so the step's
+        peak is not every layer's activations and output gradients plus every
+        private gradient."""
+        blocks = [block for _, _, block in entries]
+        entries = [(tap, names, None) for tap, names, _ in entries]
+        self.clear()
+        return blocks, entries
 
     def _refuse_outside_terms(self) -> None:
         refuse_outside_terms(self._outside, self.param_names)
@@ -541,18 +552,14 @@ class GhostClipper(ClippedGaussianStep):
         one) once."""
         refuse_across_ranks(self.group)
         entries, scale = self._step_entries(optimizer)
+        blocks, entries = self._hand_over(entries)
         if self.clipping != "per_layer":
-            # As in privatize_: the op gets the only references and frees each
-            # layer's recorded tensors once its sum is formed.
-            blocks = [block for _, _, block in entries]
-            entries = [(tap, names, None) for tap, names, _ in entries]
-            self.clear()
             only = self._clip_only(blocks, scale, release=True)
             grads = only.grads
             if self.adaptive is not None:
                 self._centered += self.adaptive.centered_count(only.norms, self.max_grad_norm)
         else:
-            results, entries = self._per_layer(entries, scale, noise=False)
+            results, entries = self._per_layer(entries, blocks, scale, noise=False)
             grads = [r.grads[0] for r in results]
         add_clipped(self._accumulated, entries, grads)
         self.clear()
@@ -581,17 +588,11 @@ class GhostClipper(ClippedGaussianStep):
         before the noise's division (one noise for the logical batch);
         ``last_result`` then describes this call's physical batch only."""
         entries, scale = self._step_entries(optimizer)
+        blocks, entries = self._hand_over(entries)
         if self.clipping != "per_layer":
-            # The op gets the only references to the recorded tensors, so that
-            # it frees each layer's once its sum is formed: the step's peak is
-            # then not every layer's activations and output gradients plus
-            # every private gradient.
-            blocks = [block for _, _, block in entries]
-            entries = [(tap, names, None) for tap, names, _ in entries]
-            self.clear()
             result = self._clip_and_noise(blocks, scale, release=True)
         else:
-            result, entries = self._per_layer(entries, scale)
+            result, entries = self._per_layer(entries, blocks, scale)
         writes = []
         for tap, n, g in per_parameter(entries, result.grads):
             p = tap.params[n]

@@ -47,24 +47,39 @@ def check_fixed_bound(clipping: str, bound: float, layer_norms, value) -> None:
             "with the new per-layer bounds")
 
 
-def clip_per_layer(clipper, entries, grad_scale, noise=True):
-    """Each parameter of the step's ``entries`` on its own bound: one clip call
-    per parameter, each taking the next range of ``clipper``'s stream
-    (``noise=False``: clipped sums only, no draw, no step counted).  Returns
-    ``(result, entries)`` with one entry per parameter (a pair block's bias
-    split off); ``result`` is a list of the calls' results when not ``noise``."""
-    split = []
-    for tap, names, block in entries:
+def _split(entries, blocks) -> tuple[list, list]:
+    """One (tap, (name,), None) entry and one block per parameter (a pair
+    block's bias split off), taking each block out of ``blocks``."""
+    split, parts = [], []
+    for i, (tap, names, _) in enumerate(entries):
+        block, blocks[i] = blocks[i], None
         if isinstance(block, tuple) and len(names) == 2:
             a, g, _ = block
-            split += [(tap, names[:1], (a, g, False)), (tap, names[1:], g.sum(1))]
+            split += [(tap, names[:1], None), (tap, names[1:], None)]
+            parts += [(a, g, False), g.sum(1)]
         else:
-            split.append((tap, names, block))
+            split.append((tap, names, None))
+            parts.append(block)
+    return split, parts
+
+
+def clip_per_layer(clipper, entries, blocks, grad_scale, noise=True):
+    """Each parameter of the step's ``entries`` [(tap, names, _)] on its own
+    bound: one clip call per parameter, each taking the next range of
+    ``clipper``'s stream (``noise=False``: clipped sums only, no draw, no step
+    counted).  ``blocks``, the entries' blocks, is consumed: each call gets
+    the only reference to its block and frees it once its sum is formed
+    (on one process; across ranks the reduction holds them).  Returns
+    ``(result, entries)`` with one entry per parameter; ``result`` is a list
+    of the calls' results when not ``noise``."""
+    split, parts = _split(entries, blocks)
     bounds = dict(zip(clipper.param_names, clipper.layer_norms))
     clip = clipper._clip_and_noise if noise else clipper._clip_only
-    results = [clip([block], grad_scale, count=False,
-                    max_norm=bounds[t.full(n[0])])
-               for t, n, block in split]
+    results = []
+    for i, (t, n, _) in enumerate(split):
+        one, parts[i] = [parts[i]], None
+        results.append(clip(one, grad_scale, count=False, max_norm=bounds[t.full(n[0])],
+                            release=True))
     if not noise:
         return results, split
     clipper._steps += 1
