@@ -839,7 +839,8 @@ def hf(family, times):
                          tg["memory"])
                         for col, what in HF_MEMORY.values() if row.get(col) is not None]
                     row["targets"] = "; ".join(
-                        f"<= {bound}x {label}: {'met' if v is not None and v <= bound else 'NOT met'}"
+                        f"<= {bound}x {label}: "
+                        f"{'met' if v is not None and v <= bound else 'NOT met'}"
                         for label, v, bound in verdicts)
                     row["targets_met"] = all(v is not None and v <= b for _, v, b in verdicts)
             rows.append(row)

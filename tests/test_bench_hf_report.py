@@ -58,7 +58,8 @@ def _b(workload, method, rnd, median, mem, error=None, alloc=None, device="cpu")
     if error:
         e = dict(e, error=error)
         e.pop("peak_extra_mb")
-    return {"group": f"bench_hf {workload} {device}", "name": f"test_hf_step[{workload}|{method}|r{rnd}]",
+    return {"group": f"bench_hf {workload} {device}",
+            "name": f"test_hf_step[{workload}|{method}|r{rnd}]",
             "stats": {"median": median, "min": median}, "extra_info": e}
 
 

@@ -196,8 +196,8 @@ def test_a_benchmark_without_what_it_is_built_from_is_not_run(tmp_path, monkeypa
     monkeypatch.setattr(gc, "missing_peers", lambda python, env=None: [])
     monkeypatch.setattr(gc, "missing_modules", lambda python, names, env=None: ["transformers"])
     started = []
-    monkeypatch.setattr(gc, "_run_until",
-                        lambda cmd, deadline, env=None: started.append(cmd[cmd.index("--only") + 1]))
+    monkeypatch.setattr(gc, "_run_until", lambda cmd, deadline, env=None:
+                        started.append(cmd[cmd.index("--only") + 1]))
     rows = {r["phase"]: r for r in gc.run_benches(sys.executable, tmp_path, [],
                                                    deadline=float("inf"))}
     assert rows["hf"]["status"] == gc.NOT_RUN

@@ -179,7 +179,8 @@ def vit_embeddings_rule(module: nn.Module, calls, trainable):
         g.append(c.grad)
     out = []
     B = g[0].shape[0]
-    prefix = [n for n in ("cls_token", "distillation_token") if getattr(module, n, None) is not None]
+    prefix = [n for n in ("cls_token", "distillation_token")
+              if getattr(module, n, None) is not None]
     for k, n in enumerate(prefix):
         if n in trainable:
             row = sum(x[:, k:k + 1] for x in g)
