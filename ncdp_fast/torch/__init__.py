@@ -16,6 +16,9 @@
   :class:`ModuleValidator` is Opacus's face over it (``fix``, ``validate``),
   which also replaces ``nn.LSTM/GRU/RNN`` by :class:`DPLSTM` / :class:`DPGRU` /
   :class:`DPRNN` (the same function from ``nn.Linear`` cells).
+* :func:`check_exact` compares the clipper's step on a batch with per-sample
+  clipping computed one sample at a time: what mixes samples unseen (inside a
+  ``forward``, in a loss) shows as an error of the gradient's order.
 * :class:`TokenCrossEntropyLoss` / :func:`per_sample_token_loss` /
   :func:`causal_lm_loss`: token cross-entropy whose terms are per sample (each
   sample's mean over its own valid tokens), as the loss contract requires.
@@ -34,7 +37,7 @@ attention's step-by-step forward and rule), ``hf_layers`` (rules of Hugging Face
 ``recompute`` (activation checkpointing's recomputation), ``validators``
 (ModuleValidator), ``losses`` (per-sample token loss), ``coupling``
 (what mixes samples: refused modules, the checked ghost criterion),
-``checkpoint`` (save/resume of a private run), ``memory``
+``checkpoint`` (save/resume of a private run), ``selfcheck`` (check_exact), ``memory``
 (BatchMemoryManager), ``data`` (the sampler and collate function),
 ``ranks`` (DP-SGD across torch.distributed ranks: the sharded Poisson
 sampler and the reduce-then-noise step), ``mechanism`` (the noise stream,
@@ -60,10 +63,11 @@ from .layers import Call, factored_or_instantiated, register_layer
 from .optimizer import FusedDPOptimizer
 from .validators import ModuleValidator
 from .ranks import DistributedPoissonBatchSampler
+from .selfcheck import ExactnessReport, check_exact
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule", "BatchMemoryManager",
            "GhostClipper", "FusedDPOptimizer",
            "register_layer", "Call", "factored_or_instantiated", "fix_batchnorm",
            "PoissonBatchSampler", "DistributedPoissonBatchSampler", "collate_with_empty",
            "TokenCrossEntropyLoss", "per_sample_token_loss", "causal_lm_loss", "ModuleValidator",
-           "DPLSTM", "DPGRU", "DPRNN"]
+           "DPLSTM", "DPGRU", "DPRNN", "check_exact", "ExactnessReport"]
