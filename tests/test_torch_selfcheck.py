@@ -50,6 +50,20 @@ def test_an_exact_model_passes_and_is_left_unchanged(n):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_shared_arguments_go_to_every_call():
+    """A 0-d tensor and a non-tensor are passed whole to the batch's and each
+    sample's call."""
+    seen = []
+
+    def loss(m, x, y, temperature, tag):
+        seen.append((temperature.dim(), tag, x.shape[0]))
+        return nn.functional.cross_entropy(m(x) / temperature, y, reduction="sum")
+    x, y = _batch(3)
+    report = check_exact(_mlp(), (x, y, torch.tensor(2.0), "t"), loss)
+    assert report.passed and report.samples == 3
+    assert {(d, t) for d, t, _ in seen} == {(0, "t")} and {n for *_, n in seen} == {1, 3}
+
+
 def test_samples_mixed_inside_a_forward_fail():
     """x - x.mean(0) in a forward: the clipper cannot see it (docs/torch.md,
     'The loss contract'); the check does, at the gradient's own order."""

@@ -47,7 +47,7 @@ class ExactnessReport:
 
 
 def _sample(x, i: int, batch_first: bool):
-    if not isinstance(x, torch.Tensor):
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
         return x
     return x[i:i + 1] if batch_first or x.dim() < 2 else x[:, i:i + 1]
 
@@ -68,8 +68,8 @@ def check_exact(model: nn.Module, inputs: tuple, loss_fn, *, dtype=torch.float64
             refuses a forward whose loss changes).
         inputs: a tuple of the batch's tensors, the samples along dimension 0
             (dimension 1 with ``batch_first=False``, for tensors of two or
-            more dimensions); at least one sample.  Other objects are passed
-            as they are.
+            more dimensions); at least one sample.  Other objects, and 0-d
+            tensors, are passed as they are to every call.
         loss_fn: ``loss_fn(model, *inputs) -> scalar``, the **sum** over the
             given samples of each sample's loss, as training computes it
             (``reduction="sum"``): called on the batch and on each sample.
@@ -99,7 +99,8 @@ def check_exact(model: nn.Module, inputs: tuple, loss_fn, *, dtype=torch.float64
     rtol = check_positive(rtol, "rtol")
     batch_first = check_bool(batch_first, "batch_first")
     dim = 0 if batch_first else 1
-    sizes = {x.shape[dim if x.dim() > 1 else 0] for x in inputs if isinstance(x, torch.Tensor)}
+    sizes = {x.shape[dim if x.dim() > 1 else 0] for x in inputs
+             if isinstance(x, torch.Tensor) and x.dim()}
     if len(sizes) != 1 or min(sizes) < 1:
         raise ValueError(f"inputs: expected tensors sharing one number of samples >= 1 along "
                          f"dimension {dim}, got {sorted(sizes)}")
