@@ -806,7 +806,8 @@ def hf(family, times):
         by_round[(t["workload"], t["round"])][t["method"]] = t
     rows = []
     for w, ms in family.items():
-        tg = HF_TARGETS[next(iter(ms.values()))["extra_info"].get("device", "cpu")]
+        device = next(iter(ms.values()))["extra_info"].get("device", "cpu")
+        tg = HF_TARGETS[device]
         for m in HF_METHODS:
             row = dict(workload=w, method=m)
             if m not in ms:
@@ -833,9 +834,8 @@ def hf(family, times):
                     if mem_x[k]:
                         row[col], row[col + "_rounds"] = _spread_text(mem_x[k])
                 if m == "ncdp_engine":
-                    gpu = ms[m]["extra_info"].get("device") == "cuda"
                     verdicts = [("time", row.get("x_nonprivate"), tg["time"])] + [
-                        (f"memory ({'CUDA allocator' if gpu else what})", row.get(col),
+                        (f"memory ({'CUDA allocator' if device == 'cuda' else what})", row.get(col),
                          tg["memory"])
                         for col, what in HF_MEMORY.values() if row.get(col) is not None]
                     row["targets"] = "; ".join(

@@ -85,6 +85,29 @@ def test_whole_batch_token_mean_exceeds_C():
     assert _worst_removal(x, t, per_sample_token_loss, 0.5) <= _bound(4)
 
 
+def test_transformers_own_token_loss_is_that_attack_and_is_refused():
+    """transformers' token loss -- what ``outputs.loss`` is when a model is
+    called with ``labels=`` -- is the whole-batch mean above: through it the
+    same batch moves the clipped sum by more than 1.3 C.  A transformers model
+    called with labels holding -100 is refused before its forward, so this
+    loss never reaches a step."""
+    import os
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    from transformers.loss.loss_utils import ForMaskedLMLoss
+    x, t = _batch(37, 4, 8)
+    assert _worst_removal(x, t, lambda logits, t: ForMaskedLMLoss(logits, t, vocab_size=V),
+                          0.5) > 1.3
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=11, n_embd=8, n_layer=1, n_head=2, n_positions=16))
+    ids = torch.randint(0, 11, (4, 8), generator=torch.Generator().manual_seed(1))
+    with GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                      expected_batch_size=4) as clipper:
+        with pytest.raises(ValueError, match="labels containing -100"):
+            model(input_ids=ids, labels=ids.masked_fill(ids > 7, -100))
+        assert all(not tap.records for tap in clipper.taps)
+
+
 def test_per_sample_token_loss_is_each_samples_own_mean():
     x, t = _batch(3, 3, 4)
     t[0] = -100                                   # a sample without any valid token

@@ -16,7 +16,7 @@ from torch import nn  # noqa: E402
 
 from ncdp_fast.torch import causal_lm_loss, check_exact  # noqa: E402
 
-V, T, B, LABELS = 97, 8, 4, 3
+from test_hf_models import B, LABELS, V, batch  # noqa: E402  (text: ids, padded mask, labels)
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 NO_DROP = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
@@ -86,15 +86,6 @@ REFUSED = {
 }
 
 
-def _text_batch(seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, V, (B, T), generator=g)
-    mask = torch.ones(B, T, dtype=torch.long)
-    for i in range(1, B, 2):              # every other sample padded on the right
-        mask[i, T - 1 - i % (T - 2):] = 0
-    return ids, mask, torch.randint(0, LABELS, (B,), generator=g)
-
-
 def _lm_loss(m, ids, mask, y):
     return causal_lm_loss(m(input_ids=ids, attention_mask=mask).logits, ids,
                           attention_mask=mask, reduction="sum")
@@ -110,7 +101,7 @@ def test_more_models_are_exact(name):
     build, kind = EXACT[name]
     torch.manual_seed(0)
     model = build()
-    report = check_exact(model, _text_batch(), _lm_loss if kind == "lm" else _cls_loss,
+    report = check_exact(model, batch("bert"), _lm_loss if kind == "lm" else _cls_loss,
                          rtol=RTOL.get(name, 1e-9))
     assert report.passed, report
 
@@ -128,7 +119,7 @@ def test_architectures_without_a_rule_are_refused_by_name(name):
         def run(m):
             return nn.functional.cross_entropy(m(pixel_values=x).logits, y)
     else:
-        ids, mask, y = _text_batch()
+        ids, mask, y = batch("bert")
 
         def run(m):
             out = m(input_ids=ids, attention_mask=mask).logits

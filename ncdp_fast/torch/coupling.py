@@ -18,12 +18,10 @@ from torch import nn
 
 from .._validate import check_choice
 from .layout import enclosing_batch_first, layer_batch_first
+from .losses import IGNORE_INDEX
 
 __all__ = ["refuse_batch_mixing", "batch_dim_hooks", "CheckedCriterion",
            "refuse_whole_batch_loss_kwargs"]
-
-# transformers' losses ignore this label (padding, prompt tokens).
-HF_IGNORE_INDEX = -100
 
 _SOFTMAXES = (nn.Softmax, nn.LogSoftmax, nn.Softmin)
 
@@ -168,9 +166,9 @@ def refuse_whole_batch_loss_kwargs(model: nn.Module, kwargs: dict) -> None:
             f"micro-batches') tokens, so each sample's term depends on the others; {fix}")
     labels = kwargs.get("labels")
     if isinstance(labels, torch.Tensor) and not labels.is_floating_point() and \
-            bool((labels == HF_IGNORE_INDEX).any()):
+            bool((labels == IGNORE_INDEX).any()):
         raise ValueError(
             f"GhostClipper: {type(model).__name__} was called with labels containing "
-            f"{HF_IGNORE_INDEX} (ignored positions): its own loss (outputs.loss) is the mean "
+            f"{IGNORE_INDEX} (ignored positions): its own loss (outputs.loss) is the mean "
             "over the valid tokens of the whole batch, so one sample's padding rescales every "
             "other sample's gradient, which per-sample clipping does not bound; " + fix)

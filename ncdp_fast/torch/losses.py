@@ -18,7 +18,10 @@ from torch.nn import functional as F
 
 from .._validate import check_bool, check_choice, check_int, check_nonneg
 
-__all__ = ["per_sample_token_loss", "causal_lm_loss", "TokenCrossEntropyLoss"]
+__all__ = ["per_sample_token_loss", "causal_lm_loss", "TokenCrossEntropyLoss", "IGNORE_INDEX"]
+
+# The label a token loss skips: transformers' (and torch's cross entropy's) default.
+IGNORE_INDEX = -100
 
 
 def _shape(x) -> str:
@@ -57,7 +60,7 @@ def _valid_targets(logits, target, attention_mask, ignore_index: int, shift: boo
 
 
 def per_sample_token_loss(logits, target, *, attention_mask=None, shift: bool = False,
-                          ignore_index: int = -100, reduction: str = "mean",
+                          ignore_index: int = IGNORE_INDEX, reduction: str = "mean",
                           label_smoothing: float = 0.0):
     """Token cross-entropy with one term per sample.
 
@@ -109,7 +112,7 @@ def per_sample_token_loss(logits, target, *, attention_mask=None, shift: bool = 
     return total / max(n, 1) if reduction == "mean" else total
 
 
-def causal_lm_loss(logits, labels, *, attention_mask=None, ignore_index: int = -100,
+def causal_lm_loss(logits, labels, *, attention_mask=None, ignore_index: int = IGNORE_INDEX,
                    reduction: str = "mean", label_smoothing: float = 0.0):
     """A causal language model's loss, per sample: :func:`per_sample_token_loss`
     with ``shift=True``.  ``logits`` (N, L, V) as the model returns them
@@ -128,7 +131,7 @@ class TokenCrossEntropyLoss(nn.Module):
     ``shift=True`` for a causal language model; usable as the ghost-mode
     criterion of :meth:`PrivacyEngine.make_private`."""
 
-    def __init__(self, *, shift: bool = False, ignore_index: int = -100,
+    def __init__(self, *, shift: bool = False, ignore_index: int = IGNORE_INDEX,
                  reduction: str = "mean", label_smoothing: float = 0.0):
         super().__init__()
         self.shift = check_bool(shift, "shift")
