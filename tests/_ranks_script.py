@@ -5,7 +5,8 @@ tests/test_distributed_exit.py (gloo, 127.0.0.1).
 aborted with SIGABRT at interpreter shutdown).  ``frozen OUT``: a model whose
 trainable and frozen parameters and buffer are initialised differently on each
 rank, trained by DP-SGD across the ranks; each rank writes its final state and
-the refusals of a DDP-wrapped model to OUT/rank<r>.npz.
+the refusals of a DDP-wrapped model to OUT/rank<r>.npz.  ``per_layer OUT``:
+the same training with per-layer clipping (its state only).
 """
 import sys
 
@@ -39,12 +40,12 @@ def data():
     return torch.randn(N, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (N,), generator=g)
 
 
-def train(m, sampler, group=None):
+def train(m, sampler, group=None, clipping="flat"):
     """STEPS DP-SGD steps; returns the final state as {name: float64 array}."""
     from ncdp_fast.torch import GhostClipper
     x, y = data()
     clipper = GhostClipper(m, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=Q * N,
-                           seed=SEED[1], offset=0, group=group)
+                           seed=SEED[1], offset=0, group=group, clipping=clipping)
     opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
     for idx in sampler:
         idx = torch.as_tensor(idx, dtype=torch.long)
@@ -89,9 +90,13 @@ def main():
     else:
         sampler = DistributedPoissonBatchSampler(N, sample_rate=Q, steps=STEPS, seed=SEED[0],
                                                  offset=0, group=group)
-        state = train(model(100 + rank), sampler, group)
-        np.savez(f"{sys.argv[2]}/rank{rank}.npz", **state,
-                 **{f"refusal:{k}": np.array(v) for k, v in refusals(group).items()})
+        if sys.argv[1] == "per_layer":
+            state = train(model(100 + rank), sampler, group, clipping="per_layer")
+            np.savez(f"{sys.argv[2]}/rank{rank}.npz", **state)
+        else:
+            state = train(model(100 + rank), sampler, group)
+            np.savez(f"{sys.argv[2]}/rank{rank}.npz", **state,
+                     **{f"refusal:{k}": np.array(v) for k, v in refusals(group).items()})
     dist.destroy_process_group()
 
 

@@ -281,3 +281,23 @@ def test_frozen_state_is_broadcast_under_torchrun(tmp_path):
             assert msg.startswith(f"{who}: module: expected the plain model, got a "
                                   "DistributedDataParallel wrapper"), (key, msg)
             assert "model.module" in msg, msg
+
+
+def test_per_layer_clipping_across_ranks_under_torchrun(tmp_path):
+    """The real launcher, 2 ranks, clipping="per_layer" (each parameter on its
+    own bound, one clip call per parameter, each freeing its recorded tensors
+    on one process): every rank exits 0 and ends where one process does,
+    within the same rounding bound as the flat step."""
+    import _ranks_script as S
+    from _distributed import torchrun
+    proc = torchrun([S.__file__, "per_layer", tmp_path], 2, timeout=120)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    ref = S.train(S.model(100), PoissonBatchSampler(S.N, sample_rate=S.Q, steps=S.STEPS,
+                                                    seed=S.SEED[0], offset=0),
+                  clipping="per_layer")
+    tol = _rounding_bound(S.STEPS, S.N, S.C, 0.5, S.Q * S.N)
+    for rank in range(2):
+        got = np.load(tmp_path / f"rank{rank}.npz")
+        assert sorted(got.files) == sorted(ref)
+        for k, v in ref.items():
+            np.testing.assert_allclose(got[k], v, rtol=0, atol=tol, err_msg=f"rank {rank} {k}")
