@@ -10,7 +10,8 @@ WHEELS  := $(wildcard /opt/wheels)
 PIPFLAGS := -q --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
 DEPS    := $(VENV)/.deps-stamp
 BUILT   := $(VENV)/.build-stamp
-CSRC    := $(shell find csrc -type f) CMakeLists.txt pyproject.toml Makefile
+CSRC    := $(shell find csrc -type f) $(wildcard tests/cuda_emu/*.h tests/cuda_emu/include/*.h) \
+           CMakeLists.txt pyproject.toml Makefile
 # The editable install maps each module to its file when it is installed, so a
 # module added, moved or removed needs a reinstall: this list changes only then.
 MODULES := $(VENV)/.modules
@@ -36,7 +37,8 @@ $(MODULES): FORCE
 	@find ncdp_fast -name '*.py' | sort | cmp -s - $@ || find ncdp_fast -name '*.py' | sort > $@
 
 $(BUILT): $(DEPS) $(CSRC) $(MODULES)
-	$(PIP) install $(PIPFLAGS) --no-build-isolation --no-deps -e .
+	$(PIP) install $(PIPFLAGS) --no-build-isolation --no-deps -e . \
+	    -C cmake.define.NCDP_EMULATED_DEVICE=ON
 	touch $@
 
 build: $(BUILT)
@@ -44,11 +46,13 @@ build: $(BUILT)
 demo: $(BUILT)
 	$(BIN)/ncdp-fast demo
 
+# NCDP_CUDA_EMULATION=1: the tests marked gpu run on the emulated CUDA device
+# where torch sees no GPU (tests/conftest.py, docs/architecture.md).
 test: $(BUILT)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	NCDP_CUDA_EMULATION=1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-gpu: $(BUILT)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu
+	NCDP_CUDA_EMULATION=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m gpu
 
 # bench/README.md: the pytest-benchmark suite at its stated shapes, then its
 # tables in bench/results/ (BENCH_FLAGS: see `ncdp-fast bench --help`).

@@ -7,6 +7,7 @@
 #include "common/capabilities.h"
 #ifdef NCDP_WITH_CUDA
 #include "clip/clip_noise.h"
+#include "common/device_info.h"
 #include "common/launcher_probe.h"
 #include "mix/mix.h"
 #include "ntk/hadamard_gram.h"
@@ -15,7 +16,12 @@
 
 namespace py = pybind11;
 
-PYBIND11_MODULE(_C, m) {
+// _C; the emulated device's build (CMakeLists.txt) names it _C_emu.
+#ifndef NCDP_MODULE_NAME
+#define NCDP_MODULE_NAME _C
+#endif
+
+PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
   m.doc() = "ncdp_fast native kernels";
   m.def("cuda_compiled", &ncdp::cuda_compiled, "Whether the CUDA kernels were compiled in.");
   m.def("cuda_archs", &ncdp::cuda_archs, "CMAKE_CUDA_ARCHITECTURES of this build ('' without CUDA).");
@@ -24,10 +30,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_device_count", &ncdp::cuda_device_count, "Visible CUDA devices (0 without driver).");
   m.def("cuda_device_name", &ncdp::cuda_device_name, py::arg("device"));
   m.def("cuda_versions", &ncdp::cuda_versions, "(runtime, driver) versions.");
+  m.def("cuda_l2_cache_bytes", &ncdp::l2_cache_bytes, "L2 bytes of a device (0 if unknown).",
+        py::arg("device"));
   m.def("launch_fill_gaussian", &ncdp::launch_fill_gaussian,
-        "out[j] (=, or += when accumulate) scale * normal(seed, offset + j), j < count.",
+        "out[j] = post * ([out[j] +] scale * normal(seed, offset + j)), j < count.",
         py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("seed"), py::arg("offset"),
-        py::arg("scale"), py::arg("accumulate"), py::arg("stream"));
+        py::arg("scale"), py::arg("accumulate"), py::arg("post"), py::arg("stream"));
   m.def("launch_row_sq_norms", &ncdp::launch_row_sq_norms,
         "sq[i] (=, or +=) sum_j g[i, j]^2 in float64; g [B, p], sq [B] float64.", py::arg("g"),
         py::arg("B"), py::arg("p"), py::arg("dtype"), py::arg("sq"), py::arg("accumulate"),

@@ -17,7 +17,7 @@ import numpy as np
 
 __all__ = ["kind", "is_torch", "require_torch", "is_cuda_array", "shape", "describe", "io_for", "to_numpy", "to_host", "all_finite",
            "numpy_dtype", "data_ptr", "current_stream", "float64_norms", "NumpyIO", "TorchCpuIO",
-           "TorchCudaIO", "CupyIO"]
+           "TorchCudaIO", "TorchEmulatedIO", "CupyIO", "set_emulation", "is_emulated"]
 
 
 def _type_module(x: Any) -> str:
@@ -49,10 +49,28 @@ def require_torch(what: str):
     return torch
 
 
+# Whether CPU torch tensors are the emulated CUDA device's (NCDP_CUDA_EMULATION,
+# read by _backend at import; _backend.emulated_cuda switches it for tests).
+_EMULATION = False
+
+
+def set_emulation(enabled: bool) -> bool:
+    """Switch the emulated device on or off; returns the previous setting."""
+    global _EMULATION
+    before, _EMULATION = _EMULATION, bool(enabled)
+    return before
+
+
+def is_emulated(x: Any) -> bool:
+    """Whether x is an array of the emulated CUDA device (a CPU torch tensor
+    while the emulation is on)."""
+    return _EMULATION and kind(x) == "torch" and x.device.type == "cpu"
+
+
 def is_cuda_array(x: Any) -> bool:
     k = kind(x)
     if k == "torch":
-        return x.device.type == "cuda"
+        return x.device.type == "cuda" or is_emulated(x)
     return k in ("cupy", "cuda")
 
 
@@ -68,7 +86,7 @@ def shape(x: Any, name: str) -> tuple[int, ...]:
 def describe(x: Any) -> str:
     """The array's library and, for torch, its device (for error messages)."""
     if is_torch(x):
-        return f"torch.Tensor on {x.device}"
+        return f"torch.Tensor on {'the emulated CUDA device' if is_emulated(x) else x.device}"
     return f"{type(x).__module__}.{type(x).__name__}"
 
 
@@ -193,6 +211,26 @@ class TorchCudaIO:
         return bool(torch.isfinite(k).all())
 
 
+class TorchEmulatedIO(TorchCudaIO):
+    """CPU torch tensors as the emulated CUDA device's arrays: everything a CUDA
+    tensor gets (torch tensors to the adaptors, pointers, workspaces from torch,
+    results left on the device), with the host's memory as the device's."""
+
+    def __init__(self):
+        import torch
+        super().__init__(torch.device("cpu"))
+        self.place = ("torch", "emulated")
+
+    def from_host(self, host):
+        import torch
+        return torch.from_numpy(np.array(host, copy=True, order="C"))
+
+    def to_numpy(self, k):
+        # A copy, as a device-to-host transfer is: the caller may keep it while
+        # the device array is reused.
+        return k.detach().numpy().copy()
+
+
 class CupyIO:
     lib = "cupy"
     backend = "cuda"
@@ -246,7 +284,7 @@ def io_for(x: Any):
             return TorchCudaIO(x.device)
         if x.device.type != "cpu":
             raise TypeError(f"torch tensors on {x.device} are not supported (CPU or CUDA only)")
-        return TorchCpuIO()
+        return TorchEmulatedIO() if _EMULATION else TorchCpuIO()
     if k == "cupy":
         return CupyIO(int(x.device.id))
     if k == "cuda":
@@ -318,6 +356,8 @@ def data_ptr(x) -> int:
 def current_stream(x) -> int:
     """The caller's current stream on x's device (torch tensor or CuPy array)."""
     if is_torch(x):
+        if x.device.type == "cpu":
+            return 0        # the emulated device: one queue, each launch synchronous
         import torch
         return int(torch.cuda.current_stream(x.device).cuda_stream)
     import cupy

@@ -14,60 +14,49 @@ CUDA in a process that may fork.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import secrets
-import warnings
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from . import _arrays, _validate
+from . import _arrays, _native, _validate
 from ._arrays import is_torch
 from ._numba import clip as _numba_clip
 from ._numba import mix as _numba_mix
 from ._numba import ntk as _numba_ntk
 from ._numba import rng as _numba_rng
+from ._cuda import clip as _cuda_clip
+from ._cuda import mix as _cuda_mix
+from ._cuda import ntk as _cuda_ntk
+from ._cuda import rng as _cuda_rng
 
-# NATIVE_ENV names a built ncdp_fast._C file to load instead of the installed
-# one: `make gpu-check PYTHON=...` builds the CUDA module under the checkout and
-# must run it without installing anything into that interpreter. A path that
-# does not load is an error, never a quiet fall-back to another build.
-NATIVE_ENV = "NCDP_NATIVE_MODULE"
+NATIVE_ENV = _native.NATIVE_ENV
+EMULATION_ENV = _native.EMULATION_ENV
 
-
-def _load_native() -> ModuleType:
-    path = os.environ.get(NATIVE_ENV)
-    if not path:
-        from . import _C as native  # type: ignore[attr-defined]
-        return native
-    import importlib.util
-    import sys
-    spec = importlib.util.spec_from_file_location(f"{__package__}._C", path)
-    if spec is None or spec.loader is None or not os.path.isfile(path):
-        raise RuntimeError(f"{NATIVE_ENV}: expected the path of a built ncdp_fast._C "
-                           f"extension module, got {path!r}; unset it to use the installed one")
-    native = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(native)
-    sys.modules[spec.name] = native
-    return native
-
-
-try:  # The native module is optional for the CPU path.
-    _C = _load_native()
+# The native module is optional for the CPU path. Its absence is said where
+# it matters, not at import: select() refuses a CUDA array naming the import
+# error and how to rebuild, and info() reports it. A warning here misled the
+# one process that imports the package before building it (`make gpu-check`).
+try:
+    _C = _native.load()
     _C_ERROR: str | None = None
-except ImportError as exc:  # pragma: no cover - exercised only on broken installs
+except ImportError as exc:
     _C = None
     _C_ERROR = str(exc)
-    warnings.warn(
-        f"ncdp_fast: the native module could not be imported ({exc}); the CPU (numba) "
-        "path works, CUDA arrays will be refused. Rebuild with `pip install -e .`.",
-        RuntimeWarning, stacklevel=2)
 
 CUDA_COMPILED: bool = bool(_C is not None and _C.cuda_compiled())
 CUDA_ARCHS: str = _C.cuda_archs() if _C is not None else ""
+# NCDP_CUDA_EMULATION=1: the process's CPU torch tensors are the emulated
+# device's (docs/architecture.md, "The emulated CUDA device").
+EMULATION: bool = os.environ.get(EMULATION_ENV) == "1"
+if EMULATION:
+    _native.emulated()
+    _arrays.set_emulation(True)
 
 # (backend, kernel family) -> the module whose functions the ops call.  The
 # CUDA adaptors share the numba kernels' signatures, so an op is written once.
@@ -77,17 +66,15 @@ KERNELS: dict[tuple[str, str], ModuleType] = {
     ("cpu", "ntk"): _numba_ntk,
     ("cpu", "rng"): _numba_rng,
 }
-if CUDA_COMPILED:
-    from ._cuda import clip as _cuda_clip
-    from ._cuda import mix as _cuda_mix
-    from ._cuda import ntk as _cuda_ntk
-    from ._cuda import rng as _cuda_rng
-    KERNELS.update({
-        ("cuda", "clip"): _cuda_clip,
-        ("cuda", "mix"): _cuda_mix,
-        ("cuda", "ntk"): _cuda_ntk,
-        ("cuda", "rng"): _cuda_rng,
-    })
+# The adaptors import no native code: they are the CUDA kernels' entry for a
+# CUDA build and for the emulated device alike (select() refuses CUDA arrays
+# that no build can take).
+KERNELS.update({
+    ("cuda", "clip"): _cuda_clip,
+    ("cuda", "mix"): _cuda_mix,
+    ("cuda", "ntk"): _cuda_ntk,
+    ("cuda", "rng"): _cuda_rng,
+})
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -149,20 +136,38 @@ def select(family: str, **arrays) -> Backend:
         elif io.place != first[1].place and not (io.backend == "cpu" == first[1].backend
                                                  and name == "labels"):
             # Integer labels may come as a NumPy array next to torch CPU features;
-            # any other mix of libraries would fail later with an unrelated error.
-            raise TypeError(f"{name} and {first[0]} must be on the same device and of the same "
-                            f"array library: got {_arrays.describe(x)} and "
-                            f"{_arrays.describe(arrays[first[0]])}")
+            # any other mix would fail later with an unrelated error. Another
+            # library is the wrong type; the same library on another device is a
+            # wrong value of the right type (torch's own check says "device").
+            error = TypeError if io.lib != first[1].lib else ValueError
+            raise error(f"{name} and {first[0]} must be on the same device and of the same "
+                        f"array library: got {_arrays.describe(x)} and "
+                        f"{_arrays.describe(arrays[first[0]])}")
     if first is None:
         raise ValueError("no array argument given")
     name, io = first
-    if io.backend == "cuda" and not CUDA_COMPILED:
+    if io.backend == "cuda" and not CUDA_COMPILED and not _arrays.is_emulated(arrays[name]):
         raise RuntimeError(
             f"{name}: got a CUDA array, but ncdp_fast._C was built without CUDA "
             f"({'not importable: ' + _C_ERROR if _C is None else 'no CUDA compiler at build time'}). "
             "Rebuild on a machine with nvcc: `pip install --no-build-isolation -e .` "
             "(NCDP_CUDA_ARCH selects architectures), or pass CPU arrays.")
     return Backend(io.backend, io, KERNELS[io.backend, family])
+
+
+@contextlib.contextmanager
+def emulated_cuda(enabled: bool = True):
+    """Within the block, CPU torch tensors are the emulated CUDA device's
+    (``enabled``), or plain CPU tensors (``enabled=False``), whatever
+    NCDP_CUDA_EMULATION said at import; for tests, which run the CPU and the
+    emulated device in one process.  Not thread-safe: the switch is the process's."""
+    if enabled:
+        _native.emulated()
+    before = _arrays.set_emulation(enabled)
+    try:
+        yield
+    finally:
+        _arrays.set_emulation(before)
 
 
 def host(family: str) -> Backend:

@@ -5,6 +5,7 @@ allocates outputs and calls the kernels of the chosen backend.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import InitVar, dataclass
 from typing import Any, Sequence
 
@@ -280,7 +281,10 @@ class _Layer:
         """Values of the block's own arrays (0 for a ghost block: its closure's)."""
         if self.kind == "ghost":
             return 0
-        return int(self.g.size) + (0 if self.dense else int(self.a.size))
+        # Kernel views are NumPy arrays on the CPU and torch/CuPy arrays on a
+        # GPU, whose .size is a method in torch: count through the shape.
+        return math.prod(_arrays.shape(self.g, "g")) + (
+            0 if self.dense else math.prod(_arrays.shape(self.a, "a")))
 
     def add_sq_norms(self, kernels, sq):
         if self.kind == "ghost":

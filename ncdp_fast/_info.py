@@ -23,6 +23,8 @@ def info(print_it: bool = True) -> dict:
         "cuda_runtime": None,
         "cuda_driver": None,
         "cuda_devices": list(devices),
+        # NCDP_CUDA_EMULATION=1: CPU torch tensors run the CUDA path on ncdp_fast._C_emu.
+        "cuda_emulation": _backend.EMULATION,
         "numba_version": numba.__version__,
         "numba_threads": numba.get_num_threads(),
     }

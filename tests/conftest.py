@@ -7,8 +7,18 @@ gamma_n = n u / (1 - n u).  Each comparison names the n it uses and why.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import numpy as np
 import pytest
+
+# NCDP_CUDA_EMULATION=1 (make test, make test-gpu): the tests marked gpu run on
+# the emulated CUDA device where no GPU is visible, each inside require_cuda,
+# while every other test keeps plain CPU tensors. Taken out of the environment
+# before ncdp_fast is imported, so that neither this process nor the processes
+# the tests start (torchrun, gloo ranks) turn the emulation on for everything.
+EMULATION = os.environ.pop("NCDP_CUDA_EMULATION", "") == "1"
 
 
 def unit_roundoff(dtype) -> float:
@@ -63,16 +73,36 @@ def cuda_available() -> bool:
 
 @pytest.fixture
 def require_cuda():
-    """For tests marked gpu: skip unless torch sees a GPU and _C has CUDA kernels."""
+    """For tests marked gpu: the GPU where torch sees one and _C has CUDA kernels;
+    else, under NCDP_CUDA_EMULATION=1, the emulated device (torch.device("cpu"),
+    whose tensors go through the CUDA adaptors and ncdp_fast._C_emu for the
+    test's duration); else a skip saying how to run the test without a GPU."""
     try:
         import torch
     except ImportError:
         pytest.skip("torch is not installed")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible")
     import ncdp_fast._backend as be
-    if not be.CUDA_COMPILED:
-        pytest.skip("ncdp_fast._C was built without CUDA")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return torch.device("cuda")
+    if torch.cuda.is_available() and be.CUDA_COMPILED:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        yield torch.device("cuda")
+        return
+    if not EMULATION:
+        pytest.skip("no CUDA device visible (NCDP_CUDA_EMULATION=1 runs the gpu tests on the "
+                    "emulated device)")
+    with be.emulated_cuda():
+        yield torch.device("cpu")
+
+
+def emulated(device) -> bool:
+    """Whether require_cuda's device is the emulated one."""
+    return device.type == "cpu"
+
+
+def on_host(device):
+    """A block whose CPU tensors are plain CPU tensors (the CPU path), also
+    while the test runs on the emulated device."""
+    if emulated(device):
+        import ncdp_fast._backend as be
+        return be.emulated_cuda(False)
+    return contextlib.nullcontext()

@@ -27,7 +27,8 @@ class _Recorder:
 
 def _recorded_gram_call(monkeypatch, f, b, f2, b2, out, symmetric):
     launch = _Recorder()
-    monkeypatch.setattr(cuda_ntk, "_C", types.SimpleNamespace(launch_hadamard_gram=launch))
+    monkeypatch.setattr(cuda_ntk, "native", lambda x: types.SimpleNamespace(
+        launch_hadamard_gram=launch))
     monkeypatch.setattr(cuda_ntk, "stream", lambda x: 0)
     cuda_ntk.hadamard_gram(f, b, f2, b2, out, symmetric)
     assert len(launch.calls) == 1
@@ -111,8 +112,10 @@ def test_native_clip_factors_validates_the_rule(native):
     args = dict(sq=0, spread=0, B=0, max_norm=1.0, terms=3, seq_len=1, unit=2.0 ** -24,
                 factors=0, norms=0, stream=0)
     native.launch_clip_factors(**args)  # B = 0: nothing to do
-    with pytest.raises(ValueError, match="seq_len must be >= 1, got 0"):
-        native.launch_clip_factors(**dict(args, seq_len=0))
+    # seq_len 0 (a sequence block with no positions) is valid, as on the CPU path.
+    native.launch_clip_factors(**dict(args, seq_len=0))
+    with pytest.raises(ValueError, match="seq_len must be non-negative, got -1"):
+        native.launch_clip_factors(**dict(args, seq_len=-1))
     with pytest.raises(ValueError, match="unit must be a unit roundoff in"):
         native.launch_clip_factors(**dict(args, unit=1.0))
     with pytest.raises(ValueError, match="terms must be non-negative, got -1"):
@@ -186,7 +189,8 @@ def test_stream_of_a_cupy_array_is_its_devices(fake_cupy):
 
 def test_cupy_launch_gets_the_stream_of_the_arrays_device(fake_cupy, monkeypatch):
     launch = _Recorder()
-    monkeypatch.setattr(cuda_clip, "_C", types.SimpleNamespace(launch_row_sq_norms=launch))
+    monkeypatch.setattr(cuda_clip, "native", lambda x: types.SimpleNamespace(
+        launch_row_sq_norms=launch))
     g = _FakeCupyArray(fake_cupy, 2, (4, 5), np.float64)
     sq = _FakeCupyArray(fake_cupy, 2, (4,), np.float64)
     cuda_clip.row_sq_norms(g, sq, False)
@@ -201,3 +205,26 @@ def test_cupy_stream_is_its_devices_whatever_device_is_current(fake_cupy):
     x = _FakeCupyArray(fake_cupy, 3, (1,), np.float32)
     assert _arrays.current_stream(x) == 1003, f"read the stream of device(s) {fake_cupy.reads}, not 3"
     assert fake_cupy.current == 2
+
+
+# ----------------------------------------------------------- which device an op runs on
+
+def test_backend_select_tells_a_device_from_a_library(monkeypatch):
+    """Two arrays of one library on two devices: ValueError (a wrong value of the
+    right type, as torch's own device check); of two libraries: TypeError. The
+    places are forced, so this runs without two devices."""
+    torch = pytest.importorskip("torch")
+    a, b = torch.ones(3, 4), torch.ones(3, 2)
+    forced = {id(a): ("torch", 0), id(b): ("torch", 1)}
+    real = _arrays.io_for
+
+    def io_for(x):
+        io = real(x)
+        io.place = forced.get(id(x), io.place)
+        return io
+    monkeypatch.setattr(_arrays, "io_for", io_for)
+    with pytest.raises(ValueError, match="backprops and activations must be on the same device"):
+        _backend.select("clip", activations=a, backprops=b)
+    with pytest.raises(TypeError, match="backprops and activations must be on the same device "
+                       "and of the same array library: got numpy.ndarray"):
+        _backend.select("clip", activations=a, backprops=np.ones((3, 2)))

@@ -77,12 +77,14 @@ def _misalign(dtype, shift):
 def test_fill_gaussian(emu, dtype, count, offset):
     # 3100 normals need 776 Philox blocks: more than 3 blocks of 256 threads.
     base = np.linspace(-1, 1, count).astype(dtype)
-    for accumulate in (False, True):
+    # post = 1/8: the finishing step's division by the expected batch size.
+    for accumulate, post in ((False, 1.0), (True, 1.0), (True, 0.125)):
         out = emu.run("fill_gaussian", dict(dtype=_dt(dtype), count=count, seed=12345,
-                                            offset=offset, scale=0.5, accumulate=accumulate),
+                                            offset=offset, scale=0.5, post=post,
+                                            accumulate=accumulate),
                       {"out": base.copy()})["out"]
         z = R.gaussian(count, seed=12345, offset=offset, dtype=np.float64)
-        expected = 0.5 * z + (base.astype(np.float64) if accumulate else 0.0)
+        expected = post * (0.5 * z + (base.astype(np.float64) if accumulate else 0.0))
         tol = unit_roundoff(dtype) * np.abs(expected) + NORMAL_ATOL
         assert np.all(np.abs(out - expected) <= tol), (count, offset, accumulate)
 

@@ -211,3 +211,22 @@ def test_probe_covers_every_launcher_the_objects_define():
     probed = set(ncdp_fast._backend._C.typed_launcher_names())
     assert defined <= probed, f"launchers the probe does not cover: {sorted(defined - probed)}"
     assert probed <= defined, f"probe names that no object defines: {sorted(probed - defined)}"
+
+
+def test_a_missing_native_module_is_no_import_warning_and_is_named_where_it_matters():
+    """`make gpu-check` imports the package before it builds _C: the import must
+    not warn (the first GPU run printed a misleading circular-import warning);
+    a CUDA array is then refused naming the import error and the rebuild."""
+    script = (
+        "import sys, warnings\n"
+        "sys.modules['ncdp_fast._C'] = None\n"      # as if it were not built
+        "warnings.simplefilter('error')\n"
+        "import ncdp_fast, ncdp_fast._backend as be\n"
+        "assert be._C is None and not be.CUDA_COMPILED\n"
+        "print(be._C_ERROR)\n"
+        "print(ncdp_fast.info(print_it=False)['cpu_only'])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", done.stderr
+    assert "ncdp_fast._C" in done.stdout and "did not import" in done.stdout

@@ -322,11 +322,9 @@ def test_without_torchs_backward_signal_the_step_is_refused(monkeypatch):
 def test_checkpointed_mlp_on_cuda_equals_the_plain_model(require_cuda):
     """On CUDA, autograd runs backward on the device's own thread: the
     recomputation must be recognised there too."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible")
     torch.manual_seed(0)
-    model = MLP().double().cuda()
-    x, y = (t.cuda() for t in _mlp_batch())
+    model = MLP().double().to(require_cuda)
+    x, y = (t.to(require_cuda) for t in _mlp_batch())
     plain, _, _ = private_grads(_plain(model), lambda m: ce(m, x, y, "mean"), C=0.3, E=6)
     got, res, _ = private_grads(copy.deepcopy(model), lambda m: ce(m, x, y, "mean"), C=0.3, E=6)
     assert res.num_clipped >= 1

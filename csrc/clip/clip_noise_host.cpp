@@ -48,9 +48,9 @@ void launch_clip_factors(std::uintptr_t sq, std::uintptr_t spread, std::int64_t 
                          std::uintptr_t factors, std::uintptr_t norms, std::uintptr_t stream) {
   require_non_negative(B, "B");
   require_non_negative(terms, "terms");
-  if (seq_len < 1) {
-    throw std::invalid_argument("ncdp_fast: seq_len must be >= 1, got " + std::to_string(seq_len));
-  }
+  // 0 is a sequence block with no positions (every gradient zero), as the CPU
+  // path and reference.clip_factors take it; the rule reads seq_len + 2.
+  require_non_negative(seq_len, "seq_len");
   if (!(unit > 0.0 && unit < 1.0)) {
     throw std::invalid_argument("ncdp_fast: unit must be a unit roundoff in (0, 1), got " +
                                 std::to_string(unit));

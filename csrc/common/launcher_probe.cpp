@@ -205,7 +205,7 @@ void probe_fill_gaussian(Probe& probe) {
   const std::int64_t count = 7;
   for (const bool accumulate : {false, true}) {
     kernels::launch_fill_gaussian<Real>(probe.buffer<Real>(count), count, kSeed, kOffset, 2.0,
-                                        accumulate, kLegacyStream);
+                                        0.5, accumulate, kLegacyStream);
     probe.check(sizes({{"count", count}, {"accumulate", accumulate}}));
   }
 }

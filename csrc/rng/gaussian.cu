@@ -58,10 +58,11 @@ void launch_slab_sum_plus_gaussian(const Partial* partials, std::int64_t slabs, 
 
 template <typename Real>
 void launch_fill_gaussian(Real* out, std::int64_t count, std::uint64_t seed, std::uint64_t offset,
-                          double scale, bool accumulate, cudaStream_t stream) {
-  // Accumulating is an in-place finish with `out` as the single slab.
+                          double scale, double post, bool accumulate, cudaStream_t stream) {
+  // Accumulating is an in-place finish with `out` as the single slab; `post`
+  // is the finish's inv_denom, applied in double before the one rounding.
   launch_slab_sum_plus_gaussian<Real, Real>(accumulate ? out : nullptr, accumulate ? 1 : 0,
-                                            count, scale, 1.0, seed, offset, out, stream);
+                                            count, scale, post, seed, offset, out, stream);
 }
 
 #define NCDP_INSTANTIATE_SLAB_SUM(Partial, Real)                                            \
@@ -73,9 +74,9 @@ NCDP_INSTANTIATE_SLAB_SUM(double, double)
 NCDP_INSTANTIATE_SLAB_SUM(double, float)
 #undef NCDP_INSTANTIATE_SLAB_SUM
 template void launch_fill_gaussian<float>(float*, std::int64_t, std::uint64_t, std::uint64_t,
-                                          double, bool, cudaStream_t);
+                                          double, double, bool, cudaStream_t);
 template void launch_fill_gaussian<double>(double*, std::int64_t, std::uint64_t, std::uint64_t,
-                                           double, bool, cudaStream_t);
+                                           double, double, bool, cudaStream_t);
 
 }  // namespace kernels
 }  // namespace ncdp

@@ -9,20 +9,22 @@
 namespace ncdp {
 
 // Python-facing (pointers as integers, dtype 0 = float32, 1 = float64):
-// out[j] = scale * normal(seed, offset + j), or out[j] += that when accumulate,
-// for j < count. Consumes `count` draws.
+// out[j] = post * ([out[j] +] scale * normal(seed, offset + j)) for j < count,
+// in double and rounded once (post: 1 / expected batch size on a ghost block's
+// finishing step, else 1). Consumes `count` draws.
 void launch_fill_gaussian(std::uintptr_t out,  // [count], dtype
                           std::int64_t count, int dtype, std::uint64_t seed,
-                          std::uint64_t offset, double scale, bool accumulate,
+                          std::uint64_t offset, double scale, bool accumulate, double post,
                           std::uintptr_t stream);
 
 namespace kernels {
 
-// out[j] = scale * normal(seed, offset + j) (+ out[j] when accumulate), j < count.
+// out[j] = post * (scale * normal(seed, offset + j) (+ out[j] when accumulate)),
+// j < count.
 template <typename Real>
 void launch_fill_gaussian(Real* out,  // [count]
                           std::int64_t count, std::uint64_t seed, std::uint64_t offset,
-                          double scale, bool accumulate, cudaStream_t stream);
+                          double scale, double post, bool accumulate, cudaStream_t stream);
 
 // The last step of every noisy sum (fill_gaussian, weighted row sums, the
 // clipped linear GEMM): for j < p,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _arrays
+from .._native import for_array as native  # noqa: F401  (_C, or _C_emu for the emulated device)
 from .._arrays import current_stream as stream  # noqa: F401  (the families launch on it)
 from .._arrays import data_ptr as ptr
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _C, _arrays
-from ._common import dtype_code, opt_ptr, ptr, stream
+from .. import _arrays
+from ._common import dtype_code, native, opt_ptr, ptr, stream
 
 
 def mix_rows(features, labels, soft, group_ptr, members, select_rate, walk_rate, seed, offset,
@@ -14,7 +14,7 @@ def mix_rows(features, labels, soft, group_ptr, members, select_rate, walk_rate,
     n, d = features.shape
     K = out_y.shape[1]
     T = out_x.shape[0]
-    _C.launch_mix_rows(ptr(features), dtype_code(features), n, d, ptr(labels), opt_ptr(soft),
+    native(features).launch_mix_rows(ptr(features), dtype_code(features), n, d, ptr(labels), opt_ptr(soft),
                        K, ptr(group_ptr), opt_ptr(members), group_ptr.shape[0] - 1,
                        opt_ptr(select_rate), ptr(walk_rate), T, int(seed), int(offset),
                        float(inv_m), float(clip_x), float(noise_std_x), float(noise_std_y),
@@ -29,11 +29,12 @@ def sample_plan(group_ptr, members, select_rate, walk_rate, seed, offset, row_st
     counts = io.zeros((rows,), np.int64)
     args = (ptr(group_ptr), opt_ptr(members), group_ptr.shape[0] - 1, opt_ptr(select_rate),
             ptr(walk_rate), rows, int(row_stride), int(seed), int(offset))
-    _C.launch_sample_counts(*args, ptr(counts), on)
+    C = native(walk_rate)
+    C.launch_sample_counts(*args, ptr(counts), on)
     indptr = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(io.to_numpy(counts), out=indptr[1:])
     total = int(indptr[-1])
     indptr_d = io.from_host(indptr)
     indices = io.empty((max(1, total),), np.int64)
-    _C.launch_sample_fill(*args, ptr(indptr_d), ptr(indices), on)
+    C.launch_sample_fill(*args, ptr(indptr_d), ptr(indices), on)
     return indptr, io.to_numpy(indices)[:total].copy()

@@ -1,8 +1,7 @@
 """Hadamard-product NTK Gram on CUDA: the signature of ``_numba.ntk.hadamard_gram``."""
 from __future__ import annotations
 
-from .. import _C
-from ._common import dtype_code, opt_ptr, ptr, stream
+from ._common import dtype_code, native, opt_ptr, ptr, stream
 
 
 def gram_term_args(f, b, f2, b2) -> dict:
@@ -33,7 +32,7 @@ def gram_term_args(f, b, f2, b2) -> dict:
 def hadamard_gram(f, b, f2, b2, out, symmetric, matmul=None, accumulate_f64=False):
     # ``matmul`` is the CPU path's BLAS hook; the CUDA kernel tiles its own products.
     n, n2 = out.shape
-    _C.launch_hadamard_gram(**gram_term_args(f, b, f2, b2), n=n, n2=n2,
+    native(out).launch_hadamard_gram(**gram_term_args(f, b, f2, b2), n=n, n2=n2,
                             dtype=dtype_code(b[0]), symmetric=bool(symmetric),
                             accumulate_f64=bool(accumulate_f64), out=ptr(out),
                             out_dtype=dtype_code(out), stream=stream(out))

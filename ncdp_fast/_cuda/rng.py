@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import math
 
-from .. import _C
-from ._common import dtype_code, ptr, stream
+from ._common import dtype_code, native, ptr, stream
 
 
 def add_gaussian(out, seed, offset, scale, accumulate, post):
-    if post != 1.0:
-        raise NotImplementedError("post-scaling is applied by the fused CUDA kernels")
-    _C.launch_fill_gaussian(ptr(out), math.prod(out.shape), dtype_code(out), int(seed),
-                            int(offset), float(scale), bool(accumulate), stream(out))
+    # post = 1 / expected batch size on a ghost block's finishing step: applied
+    # in the kernel's float64 before the one rounding, as the numba kernel does.
+    native(out).launch_fill_gaussian(ptr(out), math.prod(out.shape), dtype_code(out), int(seed),
+                                     int(offset), float(scale), bool(accumulate), float(post),
+                                     stream(out))

@@ -44,6 +44,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -58,7 +59,11 @@
 #include <link.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
+#include <ucontext.h>
 #include <unistd.h>
+
+// The runtime API of the host code (cudaStream_t, errors, the emulated device).
+#include "cuda_emu_runtime.h"
 
 // ---------------------------------------------------------------------------
 // Keywords and built-in types.
@@ -86,8 +91,6 @@ struct alignas(16) float4 {
 struct alignas(16) double2 {
   double x, y;
 };
-struct CUstream_st;
-using cudaStream_t = CUstream_st*;
 
 #if defined(__SANITIZE_THREAD__)
 // The barrier's own bookkeeping is invisible to the race detector (its mutex
@@ -262,6 +265,161 @@ inline void check_deadlock(Block& block, int inactive, const char* where) {
   }
 }
 
+// A barrier's thread count must fit the block.
+inline void check_thread_count(const Block& block, int expected, const char* what, int id) {
+  if (expected <= 0 || expected > block.threads) {
+    fatal("%s %d: thread count %d outside 1..%d (the block's size)", what, id, expected,
+          block.threads);
+  }
+}
+
+// The first arrival of a phase sets its count; every later one must agree.
+inline void join_phase(Barrier& b, const Block& block, int expected, const char* what, int id) {
+  if (b.arrived == 0) {
+    b.expected = expected;
+  } else if (b.expected != expected) {
+    fatal("%s %d in block (%u, %u, %u): thread %d arrives expecting %d threads, but this phase "
+          "expects %d",
+          what, id, block.block_idx.x, block.block_idx.y, block.block_idx.z, t_state->linear,
+          expected, b.expected);
+  }
+}
+
+#if defined(NCDP_EMU_COOPERATIVE)
+// Cooperative mode (the emulated device of the Python module): the threads of
+// a block are coroutines on the launching thread, switched only where a thread
+// waits at a barrier (__syncthreads, a named barrier, a warp exchange). One OS
+// thread per CUDA thread, meeting through condition variables, cost about a
+// millisecond per barrier on two cores; a switch here costs about a
+// microsecond. What the sanitizer tier checks (races, orderings) needs the
+// threaded model; this mode keeps its exact barrier semantics, its deadlock
+// detection (a whole pass in which no thread arrives, completes a phase or
+// returns), the block order and the shared-memory poisoning.
+// Switches stacks: saves the callee-saved registers on the current stack and
+// the stack pointer in *from, then resumes the stack `to` (x86-64 System V;
+// elsewhere ucontext, whose switches also swap the signal mask, a system call).
+#if defined(__x86_64__)
+__attribute__((naked, noinline)) static void switch_stacks(void** /*from*/, void* /*to*/) {
+  asm volatile(
+      "pushq %rbp\n pushq %rbx\n pushq %r12\n pushq %r13\n pushq %r14\n pushq %r15\n"
+      "movq %rsp, (%rdi)\n movq %rsi, %rsp\n"
+      "popq %r15\n popq %r14\n popq %r13\n popq %r12\n popq %rbx\n popq %rbp\n ret\n");
+}
+#endif
+
+class Coroutines {
+ public:
+  static constexpr std::size_t kStackBytes = 256 * 1024;
+
+  static Coroutines& instance() {
+    static Coroutines coroutines;
+    return coroutines;
+  }
+
+  // Runs job(t) for every t < threads to its end.
+  void run(int threads, const std::function<void(int)>& job, Block& block) {
+    while (static_cast<int>(stacks_.size()) < threads) {
+      stacks_.emplace_back(new char[kStackBytes]);
+      saved_.push_back(nullptr);
+#if !defined(__x86_64__)
+      contexts_.emplace_back();
+#endif
+    }
+    job_ = &job;
+    done_.assign(static_cast<std::size_t>(threads), false);
+    for (int t = 0; t < threads; ++t) start(t);
+    int finished = 0;
+    while (finished < threads) {
+      progress_ = false;
+      for (int t = 0; t < threads; ++t) {
+        if (done_[static_cast<std::size_t>(t)]) continue;
+        current_ = t;
+        t_state = &block.states[static_cast<std::size_t>(t)];
+        resume(t);
+        if (done_[static_cast<std::size_t>(t)]) ++finished;
+      }
+      if (!progress_ && finished < threads) {
+        fatal("deadlock in block (%u, %u, %u): every live thread waits at a barrier that "
+              "cannot complete (a barrier not reached by all of its threads?)",
+              block.block_idx.x, block.block_idx.y, block.block_idx.z);
+      }
+    }
+    t_state = nullptr;
+  }
+
+  // Back to the scheduler; the calling thread is resumed in the next pass.
+  void yield() { suspend(current_); }
+  void progressed() { progress_ = true; }
+
+ private:
+  static void entry() {
+    Coroutines& self = instance();
+    const int t = self.current_;
+    (*self.job_)(t);
+    self.done_[static_cast<std::size_t>(t)] = true;
+    self.progress_ = true;
+#if defined(__x86_64__)
+    self.suspend(t);  // never resumed
+    __builtin_unreachable();
+#endif
+  }  // ucontext: uc_link returns to the scheduler
+
+#if defined(__x86_64__)
+  // A fresh stack as switch_stacks leaves a suspended one: six saved
+  // registers, then entry() as the return address, with the stack pointer at
+  // entry() 8 bytes off a 16-byte boundary, as after a call.
+  void start(int t) {
+    char* top = stacks_[static_cast<std::size_t>(t)].get() + kStackBytes;
+    auto* slot = reinterpret_cast<void**>(reinterpret_cast<std::uintptr_t>(top) & ~std::uintptr_t{15});
+    *--slot = nullptr;                                   // entry()'s return address: none
+    *--slot = reinterpret_cast<void*>(&Coroutines::entry);
+    for (int r = 0; r < 6; ++r) *--slot = nullptr;       // rbp rbx r12 r13 r14 r15
+    saved_[static_cast<std::size_t>(t)] = slot;
+  }
+  void resume(int t) { switch_stacks(&scheduler_, saved_[static_cast<std::size_t>(t)]); }
+  void suspend(int t) { switch_stacks(&saved_[static_cast<std::size_t>(t)], scheduler_); }
+  void* scheduler_ = nullptr;
+#else
+  void start(int t) {
+    ucontext_t& context = contexts_[static_cast<std::size_t>(t)];
+    getcontext(&context);
+    context.uc_stack.ss_sp = stacks_[static_cast<std::size_t>(t)].get();
+    context.uc_stack.ss_size = kStackBytes;
+    context.uc_link = &scheduler_;
+    makecontext(&context, &Coroutines::entry, 0);
+  }
+  void resume(int t) { swapcontext(&scheduler_, &contexts_[static_cast<std::size_t>(t)]); }
+  void suspend(int t) { swapcontext(&contexts_[static_cast<std::size_t>(t)], &scheduler_); }
+  std::vector<ucontext_t> contexts_;
+  ucontext_t scheduler_{};
+#endif
+
+  std::vector<std::unique_ptr<char[]>> stacks_;
+  std::vector<void*> saved_;
+  std::vector<bool> done_;
+  const std::function<void(int)>* job_ = nullptr;
+  int current_ = 0;
+  bool progress_ = false;
+};
+
+inline void barrier_arrive(Barrier& b, int expected, bool wait, bool /*orders_memory*/,
+                           const char* what, int id) {
+  Block& block = *t_state->block;
+  check_thread_count(block, expected, what, id);
+  join_phase(b, block, expected, what, id);
+  Coroutines& coroutines = Coroutines::instance();
+  coroutines.progressed();
+  const std::uint64_t generation = b.generation;
+  if (++b.arrived == b.expected) {
+    b.arrived = 0;
+    ++b.generation;
+  } else if (wait) {
+    ThreadState* const self = t_state;
+    while (b.generation == generation) coroutines.yield();
+    t_state = self;
+  }
+}
+#else
 // Counts this thread at barrier `b` for a phase of `expected` threads; with
 // `wait`, returns once the phase is complete. With `orders_memory`, the
 // thread's writes before it happen before every waiter's code after it (a
@@ -269,10 +427,7 @@ inline void check_deadlock(Block& block, int inactive, const char* where) {
 inline void barrier_arrive(Barrier& b, int expected, bool wait, bool orders_memory,
                            const char* what, int id) {
   Block& block = *t_state->block;
-  if (expected <= 0 || expected > block.threads) {
-    fatal("%s %d: thread count %d outside 1..%d (the block's size)", what, id, expected,
-          block.threads);
-  }
+  check_thread_count(block, expected, what, id);
   // A shuffle's caller has hidden the whole exchange already.
   if (orders_memory) NCDP_EMU_HIDDEN_BEGIN();
   std::unique_lock<std::mutex> lock(b.mutex);
@@ -282,14 +437,7 @@ inline void barrier_arrive(Barrier& b, int expected, bool wait, bool orders_memo
     NCDP_EMU_RELEASE(&b.tokens[generation & 3]);
     NCDP_EMU_HIDDEN_BEGIN();
   }
-  if (b.arrived == 0) {
-    b.expected = expected;
-  } else if (b.expected != expected) {
-    fatal("%s %d in block (%u, %u, %u): thread %d arrives expecting %d threads, but this phase "
-          "expects %d",
-          what, id, block.block_idx.x, block.block_idx.y, block.block_idx.z, t_state->linear,
-          expected, b.expected);
-  }
+  join_phase(b, block, expected, what, id);
   if (++b.arrived == b.expected) {
     b.arrived = 0;
     ++b.generation;
@@ -319,6 +467,7 @@ inline void barrier_arrive(Barrier& b, int expected, bool wait, bool orders_memo
     if (wait) NCDP_EMU_ACQUIRE(&b.tokens[generation & 3]);
   }
 }
+#endif  // NCDP_EMU_COOPERATIVE
 
 inline void syncthreads() {
   barrier_arrive(t_state->block->named[0], t_state->block->threads, true, true, "__syncthreads",
@@ -461,26 +610,62 @@ struct SharedVariable {
 };
 
 // Whether a symbol is a __shared__ variable: a function-local static (_ZZ) of
-// a function in csrc's namespace ncdp or in an anonymous namespace of a
-// file of its own (the tier's probe). Device code has no other function-local
-// statics; the emulator's own live in ncdp_emu (_ZZN8ncdp_emu...).
+// a function in csrc's namespace ncdp::kernels or in an anonymous namespace of
+// a file of its own (the tier's probe). Device code has no other function-local
+// statics; host code's (ncdp::l2_cache_bytes's cache, the launcher registry)
+// live outside ncdp::kernels, and the emulator's own in ncdp_emu.
 inline bool is_shared_symbol(const char* name) {
-  return std::strncmp(name, "_ZZN4ncdp", 9) == 0 || std::strncmp(name, "_ZZN12_GLOBAL__N_1", 18) == 0;
+  return std::strncmp(name, "_ZZN4ncdp7kernels", 17) == 0 ||
+         std::strncmp(name, "_ZZN12_GLOBAL__N_1", 18) == 0;
 }
 
-// Every __shared__ variable of the program, read once from the executable's
-// symbol table (the build keeps it: -g, not stripped).
+// The loaded object (executable or shared library) that holds this code, and
+// so the kernels: its load address and the file to read its symbols from.
+struct LoadedObject {
+  std::uintptr_t bias = 0;
+  std::string path;
+};
+
+inline LoadedObject object_of_this_code() {
+  struct Search {
+    std::uintptr_t address;
+    LoadedObject found;
+    bool hit;
+  } search{reinterpret_cast<std::uintptr_t>(&object_of_this_code), {}, false};
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, std::size_t, void* data) {
+        auto* s = static_cast<Search*>(data);
+        for (int i = 0; i < info->dlpi_phnum; ++i) {
+          const ElfW(Phdr)& segment = info->dlpi_phdr[i];
+          const std::uintptr_t start = info->dlpi_addr + segment.p_vaddr;
+          if (segment.p_type == PT_LOAD && s->address >= start &&
+              s->address < start + segment.p_memsz) {
+            s->found.bias = info->dlpi_addr;
+            // The executable has an empty name here (Python's extension
+            // modules have their path).
+            s->found.path = (info->dlpi_name != nullptr && info->dlpi_name[0] != '\0')
+                                ? info->dlpi_name
+                                : "/proc/self/exe";
+            s->hit = true;
+            return 1;
+          }
+        }
+        return 0;
+      },
+      &search);
+  if (!search.hit) fatal("cannot find the loaded object that holds the emulated kernels");
+  return search.found;
+}
+
+// Every __shared__ variable of the object holding the kernels (the tier's
+// driver, or the Python module of the emulated device), read once from its
+// symbol table (the build keeps it: not stripped).
 inline const std::vector<SharedVariable>& shared_variables() {
   static const std::vector<SharedVariable> variables = [] {
-    std::uintptr_t bias = 0;  // the executable's load address (PIE)
-    dl_iterate_phdr(
-        [](dl_phdr_info* info, std::size_t, void* data) {
-          *static_cast<std::uintptr_t*>(data) = info->dlpi_addr;
-          return 1;  // the first object is the executable
-        },
-        &bias);
-    std::FILE* file = std::fopen("/proc/self/exe", "rb");
-    if (file == nullptr) fatal("cannot read /proc/self/exe to find the __shared__ variables");
+    const LoadedObject object = object_of_this_code();
+    const std::uintptr_t bias = object.bias;
+    std::FILE* file = std::fopen(object.path.c_str(), "rb");
+    if (file == nullptr) fatal("cannot read %s to find the __shared__ variables", object.path.c_str());
     std::vector<char> image;
     char chunk[1 << 16];
     for (std::size_t n; (n = std::fread(chunk, 1, sizeof(chunk), file)) > 0;) {
@@ -508,8 +693,8 @@ inline const std::vector<SharedVariable>& shared_variables() {
       }
     }
     if (!has_symtab) {
-      fatal("the executable has no symbol table: __shared__ variables cannot be found to poison "
-            "them (build the emulation tier without stripping)");
+      fatal("%s has no symbol table: __shared__ variables cannot be found to poison them "
+            "(build the emulation without stripping)", object.path.c_str());
     }
     return found;
   }();
@@ -521,27 +706,41 @@ inline const std::vector<SharedVariable>& shared_variables() {
 // block's memory is new, not shared with the blocks before it.
 NCDP_EMU_UNSANITIZED inline void poison_shared_memory() {
   for (const SharedVariable& variable : shared_variables()) {
+#if defined(NCDP_EMU_COOPERATIVE)
+    // No sanitizer in this mode: memset, at a fraction of the byte loop's cost
+    // (that loop was half the module's time on many-block launches).
+    std::memset(variable.address, kSharedPoison, variable.bytes);
+#else
     forget_accesses(variable.address, variable.bytes);
     // Volatile: a plain loop may become a call to memset, which the sanitizers
     // intercept and check.
     volatile unsigned char* byte = reinterpret_cast<volatile unsigned char*>(variable.address);
     for (std::size_t i = 0; i < variable.bytes; ++i) byte[i] = kSharedPoison;
+#endif
   }
 }
 
 // ---- Launches.
 
-inline void check_launch_shape(const dim3& grid, const dim3& block, std::size_t shared_bytes) {
+inline bool check_launch_shape(const dim3& grid, const dim3& block, std::size_t shared_bytes) {
   const std::uint64_t threads = static_cast<std::uint64_t>(block.x) * block.y * block.z;
   const bool ok = grid.x >= 1 && grid.y >= 1 && grid.z >= 1 && grid.x <= 2147483647u &&
                   grid.y <= 65535u && grid.z <= 65535u && block.x >= 1 && block.y >= 1 &&
                   block.z >= 1 && block.x <= 1024u && block.y <= 1024u && block.z <= 64u &&
                   threads <= 1024u && shared_bytes <= 48u * 1024u;
   if (!ok) {
+#if defined(NCDP_EMU_MODULE)
+    // The emulated device of the Python module reports it as the hardware
+    // does: the launch does not run and cudaGetLastError returns the error.
+    record(cudaErrorInvalidConfiguration);
+    return false;
+#else
     fatal("invalid launch: grid (%u, %u, %u), block (%u, %u, %u), %zu bytes of dynamic shared "
           "memory",
           grid.x, grid.y, grid.z, block.x, block.y, block.z, shared_bytes);
+#endif
   }
+  return true;
 }
 
 NCDP_EMU_UNSANITIZED inline void futex_wait(std::uint32_t* word, std::uint32_t expected) {
@@ -703,7 +902,11 @@ class Fibers {
 template <typename Body>
 void run_grid(const dim3& grid, const dim3& block_dim, std::size_t shared_bytes,
               const Body& body) {
-  check_launch_shape(grid, block_dim, shared_bytes);
+  if (!check_launch_shape(grid, block_dim, shared_bytes)) return;
+  // One launch at a time: the pool and the __shared__ variables serve one
+  // block, and a process may launch from several host threads.
+  static std::mutex launch_mutex;
+  std::lock_guard<std::mutex> one_launch(launch_mutex);
   const int threads = static_cast<int>(block_dim.x * block_dim.y * block_dim.z);
   const int warps = (threads + kWarpSize - 1) / kWarpSize;
   const std::uint64_t count = static_cast<std::uint64_t>(grid.x) * grid.y * grid.z;
@@ -768,7 +971,12 @@ void run_grid(const dim3& grid, const dim3& block_dim, std::size_t shared_bytes,
     // The block's start: everything this thread did so far happens before it,
     // and nothing of the blocks before it in this launch.
     NCDP_EMU_RELEASE(&block.start);
+#if defined(NCDP_EMU_COOPERATIVE)
+    (void)fibers;
+    Coroutines::instance().run(threads, block.job, block);
+#else
     Pool::instance().run(threads, block.job, fibers, &block.start);
+#endif
     NCDP_EMU_HIDDEN_BEGIN();
     for (int id = 0; id < kNamedBarriers; ++id) {
       if (block.named[id].arrived != 0) {

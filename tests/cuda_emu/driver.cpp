@@ -133,8 +133,8 @@ void run_typed(const Case& c) {
   const cudaStream_t stream = nullptr;
   if (c.op == "fill_gaussian") {
     kernels::launch_fill_gaussian<Real>(c.ptr<Real>("out"), c.i("count"), c.u("seed"),
-                                        c.u("offset"), c.f("scale"), c.i("accumulate") != 0,
-                                        stream);
+                                        c.u("offset"), c.f("scale"), c.f("post"),
+                                        c.i("accumulate") != 0, stream);
   } else if (c.op == "row_sq_norms") {
     kernels::launch_row_sq_norms<Real>(c.ptr<Real>("grads"), c.i("B"), c.i("p"),
                                        c.ptr<double>("sq"), c.i("accumulate") != 0, stream);
