@@ -87,17 +87,17 @@ SCENARIOS = {
 }
 
 
-def _train(name, epochs=2, checkpoint_at=None, tmp_path=None):
-    """Parameters and epsilon after `epochs` of private SGD in scenario `name`
-    (seed fixed); with checkpoint_at, the run is saved after that epoch and
-    resumed into fresh objects from the file."""
+def _train(device, name, epochs=2, checkpoint_at=None, tmp_path=None):
+    """Parameters (on the CPU) and epsilon after `epochs` of private SGD in
+    scenario `name` on `device` (seed fixed); with checkpoint_at, the run is
+    saved after that epoch and resumed into fresh objects from the file."""
     from ncdp_fast.torch import BatchMemoryManager, PrivacyEngine
     build, data_kw, kw, physical = SCENARIOS[name]
-    x, y = _data(**data_kw)
+    x, y = (t.to(device) for t in _data(**data_kw))
 
     def fresh():
         torch.manual_seed(0)
-        model = build().double()
+        model = build().double().to(device)
         engine = PrivacyEngine(accountant="rdp")
         args = dict(dict(max_grad_norm=0.5), **kw)
         pm, popt, loader = engine.make_private(
@@ -121,20 +121,20 @@ def _train(name, epochs=2, checkpoint_at=None, tmp_path=None):
             engine, pm, popt, loader = fresh()
             engine.load_checkpoint(path=path, module=pm, optimizer=popt)
     params = torch.cat([p.detach().reshape(-1) for p in pm.parameters()])
-    return params, engine.get_epsilon(1e-5)
+    return params.cpu(), engine.get_epsilon(1e-5)
 
 
 def _both(require_cuda, run):
-    """run() on the CPU path, then on the device, each from the stream's start:
-    the process-wide record of drawn ranges would otherwise start the second
-    run (its batches and its noise) where the first one stopped."""
+    """run(device) on the CPU path, then on require_cuda's device, each from the
+    stream's start: the process-wide record of drawn ranges would otherwise
+    start the second run (its batches and its noise) where the first stopped."""
     from ncdp_fast import _stream
     with on_host(require_cuda), _launches() as launched:
-        host = run()
+        host = run(torch.device("cpu"))
     assert launched == [], f"the CPU path launched {launched[:3]}"
     _stream._LEDGER.clear()
     with _launches() as launched:
-        device = run()
+        device = run(require_cuda)
     assert launched, "the device run launched no kernel: it did not take the CUDA path"
     return host, device
 
@@ -169,9 +169,9 @@ def _launches():
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_private_training_on_the_device_equals_the_cpu_path(require_cuda, name):
-    (p_host, eps_host), (p_dev, eps_dev) = _both(require_cuda, lambda: _train(name))
+    (p_host, eps_host), (p_dev, eps_dev) = _both(require_cuda, lambda dev: _train(dev, name))
     assert eps_dev == eps_host
-    torch.testing.assert_close(p_dev.cpu(), p_host, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(p_dev, p_host, rtol=1e-9, atol=1e-12)
     assert not torch.equal(p_host, _train_plain(name)), "the run did not train privately"
 
 
@@ -183,34 +183,34 @@ def _train_plain(name):
 
 def test_checkpoint_resume_on_the_device_equals_the_cpu_path(require_cuda, tmp_path):
     (p_host, eps_host), (p_dev, eps_dev) = _both(
-        require_cuda, lambda: _train("flat", epochs=2, checkpoint_at=1, tmp_path=tmp_path))
+        require_cuda, lambda dev: _train(dev, "flat", epochs=2, checkpoint_at=1,
+                                         tmp_path=tmp_path))
     assert eps_dev == eps_host
-    torch.testing.assert_close(p_dev.cpu(), p_host, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(p_dev, p_host, rtol=1e-9, atol=1e-12)
     # Resuming continues the one run: the same as never stopping.
     from ncdp_fast import _stream
     _stream._LEDGER.clear()
     with on_host(require_cuda):
-        p_through, eps_through = _train("flat", epochs=2)
+        p_through, eps_through = _train(torch.device("cpu"), "flat", epochs=2)
     torch.testing.assert_close(p_host, p_through, rtol=1e-12, atol=1e-15)
     assert eps_host == pytest.approx(eps_through, rel=1e-12)
 
 
 def test_ghost_clipper_per_layer_on_the_device_equals_the_cpu_path(require_cuda):
     from ncdp_fast.torch import GhostClipper
-    x, y = _data()
-
-    def run():
+    def run(device):
+        x, y = (t.to(device) for t in _data())
         torch.manual_seed(0)
-        model = _mlp().double()
+        model = _mlp().double().to(device)
         bounds = [0.1 * (i + 1) for i, _ in enumerate(model.parameters())]
         clipper = GhostClipper(model, max_grad_norm=bounds, noise_multiplier=0.5,
                                expected_batch_size=24, clipping="per_layer", seed=5, offset=0)
         F.cross_entropy(model(x), y).backward()
         res = clipper.privatize_()
-        return torch.cat([p.grad.reshape(-1) for p in model.parameters()]), res.num_clipped
+        return torch.cat([p.grad.reshape(-1).cpu() for p in model.parameters()]), res.num_clipped
     (g_host, clipped_host), (g_dev, clipped_dev) = _both(require_cuda, run)
     assert clipped_dev == clipped_host > 0
-    torch.testing.assert_close(g_dev.cpu(), g_host, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(g_dev, g_host, rtol=1e-9, atol=1e-12)
 
 
 # ------------------------------------------------------------ host synchronisation
@@ -238,7 +238,7 @@ def _sync_sites(events):
 def _engine_step(require_cuda):
     """One PrivacyEngine step of the MLP (flat clipping), ready to run."""
     from ncdp_fast.torch import PrivacyEngine
-    x, y = _data()
+    x, y = (t.to(require_cuda) for t in _data())
     torch.manual_seed(0)
     model = _mlp().double().to(require_cuda)
     engine = PrivacyEngine(accountant="rdp")

@@ -361,3 +361,80 @@ def test_every_clip_call_gets_the_only_references(clipping, monkeypatch):
         assert left and all(b is None for b in left), name
         if clipping == "per_layer":
             assert len(left) == 1           # one parameter a call
+
+
+def _guarded_loop(pm, popt, physical):
+    """The common guard of an everyday loop: an empty batch is skipped."""
+    steps = 0
+    for x, y in physical:
+        if len(x) == 0:
+            continue
+        popt.zero_grad()
+        nn.functional.cross_entropy(pm(x), y).backward()
+        popt.step()
+        steps += 1
+    return steps
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loop_that_skips_an_empty_batch_is_refused_before_anything_is_released(workers):
+    """Issue 35, item 3 (attack): `if len(x) == 0: continue` in a
+    BatchMemoryManager loop left the skip decisions one step out of order, so
+    steps released part of a logical batch, or two, one sample counted twice
+    (2 C, charged C). Now the batch that reached the loop without its step is
+    named at the next batch, before that one is trained: the accountant holds
+    only the logical batches released whole. With loader workers sampling
+    ahead of the loop as well."""
+    engine, pm, popt, ploader = _private(12, 1, 7, sigma=2.0)        # seed 7: an empty batch
+    ploader = DataLoader(ploader.dataset, batch_sampler=ploader.batch_sampler,
+                         num_workers=workers, collate_fn=ploader.collate_fn)
+    sizes, released = [], 0
+    with pytest.raises(RuntimeError, match=r"left without its optimizer.step\(\).*len\(x\) == 0"):
+        with BatchMemoryManager(data_loader=ploader, max_physical_batch_size=1,
+                                optimizer=popt) as physical:
+            for x, y in physical:
+                sizes.append(len(y))
+                if len(x) == 0:
+                    continue
+                popt.zero_grad()
+                nn.functional.cross_entropy(pm(x), y).backward()
+                popt.step()
+                released += not popt._is_last_step_skipped
+    # Refused as the batch after the skipped (empty) one reached the loop.
+    assert sizes[-1] == 0 and 0 not in sizes[:-1]
+    # Only steps that ended a logical batch were released and accounted.
+    assert engine.accountant.total_steps == released < len(sizes) - 1
+    assert not pm.clipper._accumulated
+
+
+def test_a_final_empty_batch_left_without_its_step_is_refused_at_exit():
+    """The skipped batch is the pass's last: the manager's exit names it."""
+    engine, pm, popt, ploader = _private(12, 1, 7, sigma=2.0)
+    plan = [b for b in ploader.batch_sampler][:-1] + [[]]      # the last logical batch empty
+
+    class Replay:
+        sample_rate, n = ploader.batch_sampler.sample_rate, ploader.batch_sampler.n
+
+        def __len__(self):
+            return len(plan)
+
+        def __iter__(self):
+            yield from plan
+    with pytest.raises(RuntimeError, match="left without its optimizer.step"):
+        with BatchMemoryManager(data_loader=ploader, max_physical_batch_size=1,
+                                optimizer=popt) as physical:
+            physical.batch_sampler.sampler = Replay()
+            _guarded_loop(pm, popt, physical)
+
+
+def test_one_step_per_physical_batch_and_no_skip_signals_inside_the_manager():
+    engine, pm, popt, ploader = _private(40, 10, 31)
+    with BatchMemoryManager(data_loader=ploader, max_physical_batch_size=3,
+                            optimizer=popt) as physical:
+        with pytest.raises(RuntimeError, match="signal_skip_step: inside"):
+            popt.signal_skip_step(True)
+        x, y = next(iter(physical))
+        nn.functional.cross_entropy(pm(x), y).backward()
+        popt.step()
+        with pytest.raises(RuntimeError, match="no physical batch awaiting its step"):
+            popt.step()

@@ -86,6 +86,11 @@ class DPOptimizer(CheckpointsNoise):
         # of the loop, signalling for batches not yet trained on.
         self._step_skip_queue: list[bool] = []
         self._is_last_step_skipped = False
+        # Under ncdp_fast's BatchMemoryManager: whether the physical batch the
+        # loop received last ends its logical batch (None: no batch awaits its
+        # step); the manager's tags replace the queue there.
+        self._managed = False
+        self._awaiting: bool | None = None
         for sampler in self._samplers:
             hooks = getattr(sampler, "_pass_hooks", None)
             if hooks is not None:
@@ -94,7 +99,33 @@ class DPOptimizer(CheckpointsNoise):
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Queue whether the next unqueued ``step()`` only accumulates (Opacus's
         protocol: True for every physical batch of a logical batch but its last)."""
-        self._step_skip_queue.append(check_bool(do_skip, "do_skip"))
+        do_skip = check_bool(do_skip, "do_skip")
+        if self._managed:
+            raise RuntimeError("signal_skip_step: inside ncdp_fast's BatchMemoryManager, which "
+                               "decides each step from the physical batch the loop received; "
+                               "expected no skip signals there")
+        self._step_skip_queue.append(do_skip)
+
+    def _manage_physical(self, on: bool) -> bool:
+        """BatchMemoryManager's context starts (on) or ends; returns whether a
+        received physical batch was left without its step."""
+        unstepped = self._awaiting is not None
+        self._managed, self._awaiting = on, None
+        return unstepped
+
+    def _receive_physical(self, last: bool) -> None:
+        """A physical batch reaches the loop; ``last``: it ends its logical batch."""
+        if self._awaiting is not None:
+            self._end_logical_batches()
+            from .memory import _UNSTEPPED
+            raise RuntimeError(_UNSTEPPED)
+        self._awaiting = last
+
+    def _consume_decision(self) -> None:
+        if self._managed:
+            self._awaiting = None
+        else:
+            self._check_skip_next_step()
 
     def _check_skip_next_step(self, pop_next: bool = True) -> bool:
         """Whether the next ``step()`` is skipped (False when nothing is queued);
@@ -120,6 +151,7 @@ class DPOptimizer(CheckpointsNoise):
         """Forget queued decisions and any unfinished logical batch (a loop left
         early): nothing of it was released, so nothing is accounted."""
         self._step_skip_queue.clear()
+        self._awaiting = None
         self._is_last_step_skipped = False
         self.clipper.discard_accumulated()
 
@@ -144,17 +176,23 @@ class DPOptimizer(CheckpointsNoise):
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        if self._managed and self._awaiting is None:
+            raise RuntimeError(
+                "step(): inside BatchMemoryManager with no physical batch awaiting its step "
+                "(a second step() for one batch?); expected one step() per physical batch")
         # The decision is consumed only once the step went through: a refused
-        # step leaves the queue as it was.
-        if self._check_skip_next_step(pop_next=False):
+        # step leaves it as it was.
+        skip = (not self._awaiting) if self._managed else \
+            self._check_skip_next_step(pop_next=False)
+        if skip:
             self.clipper.accumulate_(self.original_optimizer)
-            self._check_skip_next_step()
+            self._consume_decision()
             self._is_last_step_skipped = True
             return None
         # The wrapped optimizer's parameters are checked too: one added by
         # add_param_group, or never in the model, would otherwise step raw.
         self.clipper.privatize_(self.original_optimizer)
-        self._check_skip_next_step()
+        self._consume_decision()
         self._is_last_step_skipped = False
         self._on_step()
         return self.original_optimizer.step()

@@ -6,6 +6,7 @@ checks of the clipper's accumulator of a logical batch's clipped sums
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import numpy as np
 from torch.utils.data import DataLoader
@@ -21,11 +22,17 @@ __all__ = ["BatchMemoryManager", "refuse_across_ranks", "check_bound_kept", "che
 class _SplittingSampler:
     """Each logical batch of ``sampler`` as ``ceil(len / max_size)`` chunks of
     near-equal size (Opacus's ``np.array_split``, so both managers train the same
-    chunks), signalling ``optimizer`` to skip the step of every chunk but the
-    last.  An empty logical batch is one empty chunk and one step (its noise)."""
+    chunks), tagging each chunk in ``tags`` with whether it ends its logical
+    batch.  An empty logical batch is one empty chunk and one step (its noise).
 
-    def __init__(self, sampler, max_size: int, optimizer):
-        self.sampler, self.max_size, self.optimizer = sampler, max_size, optimizer
+    The tags are read when a chunk reaches the loop (:class:`_PhysicalLoader`),
+    not when it is sampled: a loader with workers samples ahead of the loop, and
+    the loop may leave a chunk without its step, which a queue of decisions
+    consumed by ``step()`` (Opacus's protocol) would silently take for the next
+    chunk's."""
+
+    def __init__(self, sampler, max_size: int, tags: deque):
+        self.sampler, self.max_size, self.tags = sampler, max_size, tags
 
     def __len__(self) -> int:
         # Opacus's estimate (the count is random): chunks of the expected batch.
@@ -35,15 +42,26 @@ class _SplittingSampler:
     def __iter__(self):
         for batch in self.sampler:
             if not batch:
-                self.optimizer.signal_skip_step(do_skip=False)
+                self.tags.append(True)
                 yield []
                 continue
             chunks = np.array_split(batch, math.ceil(len(batch) / self.max_size))
-            for chunk in chunks[:-1]:
-                self.optimizer.signal_skip_step(do_skip=True)
+            for k, chunk in enumerate(chunks):
+                self.tags.append(k == len(chunks) - 1)
                 yield chunk.tolist()
-            self.optimizer.signal_skip_step(do_skip=False)
-            yield chunks[-1].tolist()
+
+
+class _PhysicalLoader(DataLoader):
+    """The manager's loader: hands each physical batch's tag to the optimizer as
+    the batch reaches the loop, so that the optimizer steps exactly the batch it
+    was given and refuses a batch the loop left without its step."""
+
+    def __iter__(self):
+        manager = self._manager
+        for batch in super().__iter__():
+            manager.optimizer._receive_physical(manager.tags.popleft())
+            yield batch
+        manager.exhausted = True
 
 
 class BatchMemoryManager:
@@ -102,16 +120,37 @@ class BatchMemoryManager:
 
     def __enter__(self) -> DataLoader:
         loader = self.data_loader
+        self.tags: deque = deque()
+        self.exhausted = False
+        self.optimizer._manage_physical(True)
         # Not in_order=False: a logical batch's last chunk must be stepped after
-        # its others, else they would be noised with the next logical batch.
-        return DataLoader(loader.dataset,
-                          batch_sampler=_SplittingSampler(loader.batch_sampler,
-                                                          self.max_physical_batch_size,
-                                                          self.optimizer),
-                          collate_fn=loader.collate_fn, **loader_settings(loader))
+        # its others, and the tags are read in the sampler's order.
+        physical = _PhysicalLoader(loader.dataset,
+                                   batch_sampler=_SplittingSampler(loader.batch_sampler,
+                                                                   self.max_physical_batch_size,
+                                                                   self.tags),
+                                   collate_fn=loader.collate_fn, **loader_settings(loader))
+        physical._manager = self
+        return physical
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        # A batch the loop received and left without its step, at the end of a
+        # pass that ran to its end: an empty logical batch skipped by a guard
+        # (`if len(x) == 0: continue`) is the common case. Nothing of it was
+        # released; refused all the same, since whether a step happens must not
+        # depend on the batch (an empty batch's noise-only step is its release).
+        unstepped = self.optimizer._manage_physical(False)
         self.optimizer._end_logical_batches()
+        if unstepped and self.exhausted and exc_type is None:
+            raise RuntimeError(_UNSTEPPED)
+
+
+_UNSTEPPED = (
+    "BatchMemoryManager: a physical batch reached the loop and was left without its "
+    "optimizer.step() (a guard such as `if len(x) == 0: continue`?). Every physical batch "
+    "must be stepped, the empty one of an empty logical batch included: its step is the "
+    "logical batch's noise-only release, and skipping it would make the released steps "
+    "depend on the batch. The logical batch was discarded, nothing of it released")
 
 
 def refuse_across_ranks(group) -> None:
