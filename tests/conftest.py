@@ -19,6 +19,12 @@ import pytest
 # before ncdp_fast is imported, so that neither this process nor the processes
 # the tests start (torchrun, gloo ranks) turn the emulation on for everything.
 EMULATION = os.environ.pop("NCDP_CUDA_EMULATION", "") == "1"
+if EMULATION:
+    # pytest imported ncdp_fast before this file, with the variable set, to read
+    # pyproject's filterwarnings (ncdp_fast.NoiseReuseWarning): the emulation is
+    # on for the whole process there. Off, then: require_cuda turns it on.
+    from ncdp_fast import _arrays
+    _arrays.set_emulation(False)
 
 
 def unit_roundoff(dtype) -> float:

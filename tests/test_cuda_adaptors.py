@@ -228,3 +228,14 @@ def test_backend_select_tells_a_device_from_a_library(monkeypatch):
     with pytest.raises(TypeError, match="backprops and activations must be on the same device "
                        "and of the same array library: got numpy.ndarray"):
         _backend.select("clip", activations=a, backprops=np.ones((3, 2)))
+
+
+def test_cpu_tensors_take_the_cpu_path_outside_the_gpu_tests():
+    """make test sets NCDP_CUDA_EMULATION=1 for the gpu tests alone: every other
+    test, and every process a test starts, sees plain CPU tensors (pytest
+    imports ncdp_fast before conftest runs, to read pyproject's warning filter)."""
+    torch = pytest.importorskip("torch")
+    import os
+    assert "NCDP_CUDA_EMULATION" not in os.environ
+    assert _arrays.io_for(torch.ones(2)).backend == "cpu"
+    assert not _arrays.is_emulated(torch.ones(2))

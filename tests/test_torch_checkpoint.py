@@ -275,3 +275,58 @@ def test_adaptive_checkpoint_with_a_damaged_bound_is_refused(tmp_path):
     _stream._LEDGER.clear()
     _refused(*_adaptive(None)[:3], path, ValueError,
              r"expected the adaptive clip bound as a finite float > 0")
+
+
+def _tampered(tmp_path, edit):
+    """A checkpoint of 6 steps whose file is edited by ``edit(state)``."""
+    engine, pm, popt, ploader = _training(SEED)
+    _train(pm, popt, ploader, 6)
+    path = tmp_path / "ckpt.pt"
+    engine.save_checkpoint(path=path, module=pm, optimizer=popt)
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    torch.save(state, path)
+    _stream._LEDGER.clear()
+    return path
+
+
+def _emptied_history(state):
+    state["privacy_accountant_state_dict"] = privacy.Accountant().state_dict()
+
+
+def _rewound_stream(state):
+    state["ncdp_engine"]["noise"]["offset"] = 0
+
+
+def _both_rewound(state):
+    # History emptied and the stream's step count with it: the counts agree,
+    # and only the integrity tag tells.
+    _emptied_history(state)
+    state["ncdp_engine"]["noise"]["steps"] = 0
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_emptied_history, "the noise stream has released 6 private step.s., the accountant's "
+                       "history records 0"),
+    (_rewound_stream, "does not match the integrity tag"),
+    (_both_rewound, "does not match the integrity tag")])
+def test_a_checkpoint_whose_privacy_state_was_edited_is_refused(tmp_path, edit, match):
+    """Issue 35, item 4 (attack): a checkpoint whose accountant history was
+    emptied (epsilon 1.92 reported for 2.35) or whose stream position was
+    rewound to 0 (noise reused) was accepted. Now refused before anything is
+    written: the stream's step count is checked against the history, and an
+    HMAC keyed by the run's seed covers the whole privacy state."""
+    path = _tampered(tmp_path, edit)
+    engine, pm, popt, ploader = _training(seed=None)
+    weights = [p.detach().clone() for p in pm.parameters()]
+    with pytest.raises(ValueError, match=match):
+        engine.load_checkpoint(path=path, module=pm, optimizer=popt)
+    assert len(engine.accountant) == 0 and pm.clipper.steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(weights, pm.parameters()))
+
+
+def test_an_unedited_checkpoint_passes_its_integrity_check(tmp_path):
+    path = _tampered(tmp_path, lambda state: None)
+    engine, pm, popt, ploader = _training(seed=None)
+    engine.load_checkpoint(path=path, module=pm, optimizer=popt)
+    assert engine.accountant.total_steps == pm.clipper.steps == 6

@@ -264,43 +264,79 @@ def test_fix_batchnorm_replaces_every_batch_norm():
         fix_batchnorm("resnet")
 
 
+def _state_dict_run(seed=51):
+    model, opt, loader = _setup(n=12, batch_size=4, seed=3)
+    engine = PrivacyEngine()
+    pm, popt, ploader = engine.make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+        max_grad_norm=1.0, seed=seed)
+    return engine, model, pm, popt, ploader
+
+
+def _state_dict_step(pm, popt, x, y):
+    popt.zero_grad()
+    nn.functional.cross_entropy(pm(x), y).backward()
+    popt.step()
+    return pm.clipper.last_result
+
+
 def test_state_dict_round_trip_continues_the_noise_stream():
     """Two steps, a checkpoint, a fresh engine (as in a new process: the
-    process-wide record of drawn ranges emptied) loading it: the next step's
-    noise is the next range of the same key, and so is the loader's next plan
-    (one stream for both, as before the checkpoint)."""
+    process-wide record of drawn ranges emptied) given the accountant's history
+    and then the optimizer's state: the next step's noise is the next range of
+    the same key, and so is the loader's next plan (one stream for both, as
+    before the checkpoint), and epsilon is the run's."""
     from ncdp_fast import _stream
-
-    def engine(seed):
-        model, opt, loader = _setup(n=12, batch_size=4, seed=3)
-        pm, popt, ploader = PrivacyEngine().make_private(
-            module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
-            max_grad_norm=1.0, seed=seed)
-        return model, pm, popt, ploader
-
-    def step(pm, popt, x, y):
-        popt.zero_grad()
-        nn.functional.cross_entropy(pm(x), y).backward()
-        popt.step()
-        return pm.clipper.last_result
-    model, pm, popt, ploader = engine(seed=51)
+    engine, model, pm, popt, ploader = _state_dict_run()
     x, y = next(iter(ploader))
-    first = [step(pm, popt, x, y) for _ in range(2)]
-    state = popt.state_dict()
+    first = [_state_dict_step(pm, popt, x, y) for _ in range(2)]
+    state, history = popt.state_dict(), engine.accountant.state_dict()
     assert set(state["ncdp_noise"]) == {"seed", "offset", "steps"}
     assert state["ncdp_noise"]["offset"] == first[-1].next_offset == pm.clipper.offset
     _stream._LEDGER.clear()                       # a new process
-    model2, pm2, popt2, ploader2 = engine(seed=51)
+    engine2, model2, pm2, popt2, ploader2 = _state_dict_run()
     model2.load_state_dict(model.state_dict())
+    engine2.accountant.load_state_dict(history)
     popt2.load_state_dict(state)
+    assert engine2.get_epsilon(1e-5) == engine.get_epsilon(1e-5)
     assert pm2.clipper.steps == 2 and pm2.clipper.offset == first[-1].next_offset
     start = pm2.clipper.offset
     batches = list(ploader2)                      # the resumed run's next epoch
     plan = _replay(12, sample_rate=1 / 3, steps=3, seed=51, offset=start)
     assert [len(b[1]) for b in batches] == [len(r) for r in plan]
-    res = step(pm2, popt2, *batches[0])
+    res = _state_dict_step(pm2, popt2, *batches[0])
     assert (res.seed, res.offset) == (first[0].seed, start + 3)
     assert pm2.clipper.steps == 3
+
+
+def test_optimizer_state_without_the_accountant_is_refused_before_anything_is_loaded():
+    """Issue 35, item 4 (attack): the optimizer's state_dict carries the noise
+    stream, not the accountant's history. Loaded into a fresh engine, the stream
+    continued at step 10 while the accountant restarted at 0: epsilon 2.85
+    reported for 3.59 spent. Now refused, naming both counts, with the engine,
+    the optimizer and the stream untouched."""
+    from ncdp_fast import _stream
+    engine, model, pm, popt, ploader = _state_dict_run()
+    x, y = next(iter(ploader))
+    for _ in range(3):
+        _state_dict_step(pm, popt, x, y)
+    state = popt.state_dict()
+    _stream._LEDGER.clear()
+    engine2, model2, pm2, popt2, ploader2 = _state_dict_run()
+    before = (pm2.clipper.steps, pm2.clipper.offset, popt2.original_optimizer.state_dict())
+    with pytest.raises(ValueError, match=r"optimizer.load_state_dict: the noise stream has "
+                       r"released 3 private step\(s\), the accountant's history records 0; "
+                       r"resuming would report less epsilon than was spent"):
+        popt2.load_state_dict(state)
+    assert (pm2.clipper.steps, pm2.clipper.offset) == before[:2]
+    assert popt2.original_optimizer.state_dict() == before[2]
+    assert engine2.get_epsilon(1e-5) == 0.0 or len(engine2.accountant) == 0
+    # A history ahead of the stream (a rewound stream) is refused too: noise reused.
+    engine3, _, _, popt3, _ = _state_dict_run()
+    engine3.accountant.load_state_dict(engine.accountant.state_dict())
+    engine3.accountant.step(noise_multiplier=1.0, sample_rate=1 / 3)
+    with pytest.raises(ValueError, match="records 4; resuming would reuse noise"):
+        popt3.load_state_dict(state)
 
 
 def test_collate_with_empty_pickles_for_spawned_workers():

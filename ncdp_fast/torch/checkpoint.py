@@ -8,6 +8,9 @@ from every released gradient. It is a private file, like the training data.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import math
 import warnings
 
@@ -22,7 +25,8 @@ from . import mechanism as _mechanism    # imports this module: used at call tim
 __all__ = ["ResumesPass", "save", "load"]
 
 _FORMAT = "ncdp_fast.torch.PrivacyEngine checkpoint"
-_VERSION = 1
+# 2: the engine entry carries an integrity tag over the privacy state (issue 35).
+_VERSION = 2
 _ENGINE = "ncdp_engine"
 # Opacus's keys, so that a loop reading checkpoint["module_state_dict"] works.
 _MODULE, _OPTIMIZER, _ACCOUNTANT = ("module_state_dict", "optimizer_state_dict",
@@ -102,6 +106,34 @@ class Run:
                 "expected_batch_size": c.expected_batch_size,
                 "sample_rate": engine.sample_rate, "batches_per_pass": self.sampler.batches,
                 "parameters": list(c.param_names)}
+
+
+def _privacy_tag(eng: dict, accountant_state) -> str:
+    """HMAC-SHA256, keyed by the run's secret seed, of the engine entry (less the
+    tag) and the accountant's history. A file whose history was emptied, whose
+    stream position was rewound or whose configuration was edited after
+    save_checkpoint wrote it no longer matches. Not a defence against whoever
+    holds the file and this code (the key is in the file): against tools and
+    hands that change a checkpoint's privacy state without recomputing it."""
+    body = json.dumps({"engine": {k: v for k, v in eng.items() if k != "tag"},
+                       "accountant": accountant_state}, sort_keys=True, allow_nan=True)
+    key = int(eng["noise"]["seed"]).to_bytes(8, "little")
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+
+
+def check_steps_accounted(stream_steps: int, accountant, unbounded: bool, what: str) -> None:
+    """The noise stream's count of released steps must be the accountant's
+    (a step at noise multiplier 0 makes the run unbounded and is not recorded):
+    a stream ahead of the history would report less epsilon than was spent, one
+    behind it would draw the same noise again."""
+    recorded = accountant.total_steps
+    if stream_steps == recorded or (unbounded and stream_steps > recorded):
+        return
+    raise ValueError(
+        f"{what}: the noise stream has released {stream_steps} private step(s), the accountant's "
+        f"history records {recorded}; resuming would "
+        f"{'report less epsilon than was spent' if stream_steps > recorded else 'reuse noise'}. "
+        "Resume a run with PrivacyEngine.save_checkpoint / load_checkpoint, which carry both")
 
 
 def _run(engine, what) -> Run:
@@ -208,13 +240,15 @@ def save(engine, *, path, module, optimizer=None, noise_scheduler=None,
         if value is not None:
             state[_SCHEDULERS[name][0]] = _scheduler_state(value)
     state[_ACCOUNTANT] = engine.accountant.state_dict()
-    state[_ENGINE] = {"format": _FORMAT, "version": _VERSION,
-                      "accountant": engine.accountant_name,
-                      "unbounded": bool(engine._unbounded),
-                      "config": run.config(engine),
-                      "noise": run.clipper.noise_state(),
-                      "clip_bound": float(run.clipper.max_grad_norm),
-                      "loader_pass": run.sampler.pass_state()}
+    eng = {"format": _FORMAT, "version": _VERSION,
+           "accountant": engine.accountant_name,
+           "unbounded": bool(engine._unbounded),
+           "config": run.config(engine),
+           "noise": run.clipper.noise_state(),
+           "clip_bound": float(run.clipper.max_grad_norm),
+           "loader_pass": run.sampler.pass_state()}
+    eng["tag"] = _privacy_tag(eng, state[_ACCOUNTANT])
+    state[_ENGINE] = eng
     torch.save(state, path, **_kwargs(torch_save_kwargs, "torch_save_kwargs"))
 
 
@@ -291,6 +325,14 @@ def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
                              "configuration (and the same data loader) to resume it")
     bound = _clip_bound(run, eng, path)
     accountant = privacy.Accountant.from_dict(ckpt.get(_ACCOUNTANT))   # validated before use
+    check_steps_accounted(eng["noise"]["steps"], accountant, bool(eng.get("unbounded")), "path")
+    tag = eng.get("tag")
+    if not isinstance(tag, str) or not hmac.compare_digest(
+            tag, _privacy_tag(eng, ckpt.get(_ACCOUNTANT))):
+        raise ValueError(f"path: the privacy state of {path!r} (accountant history, noise stream "
+                         "position, configuration) does not match the integrity tag "
+                         "save_checkpoint wrote: it was changed since; resuming it could report "
+                         "less epsilon than was spent or draw the same noise again")
     if optimizer is not None and _OPTIMIZER not in ckpt:
         raise ValueError(f"optimizer: expected None, since {path!r} holds no optimizer state "
                          "(save_checkpoint was given none)")

@@ -76,10 +76,12 @@ class DPOptimizer(CheckpointsNoise):
     the one step the accountant records."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, clipper: GhostClipper, on_step,
-                 samplers=()):
+                 samplers=(), engine=None):
         self.original_optimizer = optimizer
         self.clipper = clipper
         self._on_step = on_step
+        # The engine whose accountant records this optimizer's steps.
+        self._engine = engine
         # Samplers that share the clipper's stream (make_private's Poisson loader).
         self._samplers = list(samplers)
         # A queue, not a flag: a loader with workers runs its batch sampler ahead
@@ -199,6 +201,18 @@ class DPOptimizer(CheckpointsNoise):
 
     def _noise_source(self):
         return self.clipper
+
+    def _check_noise_state(self, noise) -> None:
+        # optimizer.state_dict() carries the noise stream, not the accountant's
+        # history: loaded into a new engine, the stream would continue while the
+        # accountant restarted at zero (the issue-35 audit: epsilon 2.85 reported
+        # for 3.59 spent).
+        if self._engine is not None and isinstance(noise, dict):
+            from .checkpoint import check_steps_accounted
+            steps = noise.get("steps")
+            check_steps_accounted(steps if isinstance(steps, int) else -1,
+                                  self._engine.accountant, bool(self._engine._unbounded),
+                                  "optimizer.load_state_dict")
 
     def _noise_restored(self) -> None:
         # The loader drew its batches from the same stream: it continues from the
@@ -398,7 +412,8 @@ class PrivacyEngine:
             else:
                 self._unbounded = True
         private = PrivateModule(module, clipper) if wrap_model else module
-        dp_opt = DPOptimizer(optimizer, clipper, on_step, samplers=[loader.batch_sampler])
+        dp_opt = DPOptimizer(optimizer, clipper, on_step, samplers=[loader.batch_sampler],
+                             engine=self)
         self._run = _checkpoint.Run(private, dp_opt, clipper, loader.batch_sampler)
         if grad_sample_mode == "ghost":
             return private, dp_opt, criterion, loader

@@ -64,6 +64,9 @@ class CheckpointsNoise:
     def _noise_restored(self) -> None:
         """Called after a checkpoint's stream was loaded."""
 
+    def _check_noise_state(self, noise) -> None:
+        """Called before anything of a state with a noise stream is loaded."""
+
     def state_dict(self):
         state = self.original_optimizer.state_dict()
         state["ncdp_noise"] = self._noise_source().noise_state()
@@ -72,6 +75,8 @@ class CheckpointsNoise:
     def load_state_dict(self, state_dict) -> None:
         state_dict = dict(state_dict)
         noise = state_dict.pop("ncdp_noise", None)
+        if noise is not None:
+            self._check_noise_state(noise)
         self.original_optimizer.load_state_dict(state_dict)
         if noise is not None:
             self._noise_source().load_noise_state(noise)
