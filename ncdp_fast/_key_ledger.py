@@ -9,8 +9,12 @@ else ``~/.cache/ncdp_fast/key-ledger``) and holds, per key, only the used
 ``[start, end)`` ranges:
 
 * ``salt``: 32 random bytes, made once per directory (mode 0600);
-* ``ranges.json``: ``{"version": 1, "keys": {tag: [[start, end], ...]}}`` where
-  ``tag = scrypt(seed, salt)`` -- the seed is never stored.  The salt makes
+* ``ranges.json``: ``{"version": 1, "salt": id, "keys": {tag: [[start, end], ...]}}``
+  where ``tag = scrypt(seed, salt)`` -- the seed is never stored -- and ``id``
+  the SHA-256 of the salt, so that a salt replaced (deleted, then made anew)
+  is noticed instead of making every recorded tag unreachable.  Written,
+  empty, before the salt is made: a salt without it, or recorded ranges
+  without their salt, is a ledger that lost a file, and is refused.  The salt makes
   tags of one directory useless elsewhere (no precomputed table); scrypt
   (2**14 x 8 x 128 bytes = 16 MiB; 0.04-0.07 s a tag, docs/privacy.md) makes
   each guess of a seed costly for whoever reads the directory.  A low-entropy
@@ -81,13 +85,17 @@ def _tag(seed: int, salt: bytes) -> str:
                           dklen=32).hex()
 
 
-def _load(path: Path) -> dict:
-    if not path.exists():
-        return {}
+def _salt_id(salt: bytes) -> str:
+    return hashlib.sha256(salt).hexdigest()
+
+
+def _load(path: Path) -> tuple[dict, str | None]:
+    """The recorded ranges by tag, and the id of the salt they were made with."""
     try:
         data = json.loads(path.read_text())
-        keys = data["keys"]
-        ok = data["version"] == _VERSION and isinstance(keys, dict) and all(
+        keys, salt_id = data["keys"], data.get("salt")
+        ok = data["version"] == _VERSION and isinstance(keys, dict) and \
+            (salt_id is None or isinstance(salt_id, str)) and all(
             isinstance(r, list) and all(isinstance(iv, list) and len(iv) == 2 and
                                         all(type(v) is int for v in iv) for iv in r)
             and all(0 <= a < b <= 2 ** 64 for a, b in r)
@@ -100,7 +108,43 @@ def _load(path: Path) -> dict:
         raise ValueError(f"key ledger: expected a version-{_VERSION} ledger in {path}, got an "
                          "unreadable file; refusing rather than forgetting the used ranges "
                          "(repair or remove it only if no earlier run's key will be used again)")
-    return keys
+    return keys, salt_id
+
+
+def _write(path: Path, keys: dict, salt_id: str | None) -> None:
+    tmp = path.with_name(f"ranges.json.tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"version": _VERSION, "salt": salt_id, "keys": keys}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _open_ledger(directory: Path) -> tuple[bytes, dict]:
+    """The salt and the recorded ranges of ``directory`` (made empty when it is
+    new); a ValueError for a ledger that lost one of its files. Deleting
+    ``ranges.json`` or ``salt`` restarted every key at draw 0 before (the
+    issue-35 audit then recovered a changed record to 1.4e-15)."""
+    path, salt_path = directory / "ranges.json", directory / "salt"
+    damaged = ("key ledger: {what} in {directory}; the record of the ranges earlier runs "
+               "used is lost, and starting afresh would let this run reuse their noise. "
+               "Refused: restore the file, or remove the directory only if no earlier run's "
+               "key will ever be used again")
+    if not path.exists():
+        if salt_path.exists():
+            raise ValueError(damaged.format(what="a salt without its ranges.json",
+                                            directory=directory))
+        _write(path, {}, None)          # before the salt: see the module
+    keys, salt_id = _load(path)
+    if not salt_path.exists() and keys:
+        raise ValueError(damaged.format(what="recorded ranges without their salt",
+                                        directory=directory))
+    salt = _salt(directory)
+    if salt_id is not None and salt_id != _salt_id(salt):
+        raise ValueError(damaged.format(what="a salt other than the one its ranges were "
+                                        "recorded with", directory=directory))
+    return salt, keys
 
 
 def claim_range(seed: int, draws: int, offset: int | None = None, *,
@@ -118,9 +162,9 @@ def claim_range(seed: int, draws: int, offset: int | None = None, *,
         offset = _validate.check_uint64(offset, "--offset")
     directory = ledger_dir() if directory is None else Path(directory)
     with _locked(directory):
-        tag = _tag(seed, _salt(directory))
+        salt, keys = _open_ledger(directory)
+        tag = _tag(seed, salt)
         path = directory / "ranges.json"
-        keys = _load(path)
         # The in-process interval arithmetic of _stream serves here too.
         used = _stream._Ledger({tag: keys.get(tag, [])})
         if offset is None:
@@ -137,11 +181,5 @@ def claim_range(seed: int, draws: int, offset: int | None = None, *,
         _validate.check_draw_range(start, draws, "--offset")
         used.record(tag, start, draws)
         keys[tag] = used.ranges(tag)
-        tmp = path.with_name(f"ranges.json.tmp{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": _VERSION, "keys": keys}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _write(path, keys, _salt_id(salt))
     return start

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fcntl
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -115,7 +116,6 @@ def test_cli_key_is_never_reused_across_runs(tmp_path, capsys):
     blob = b"".join(p.read_bytes() for p in _key_ledger.ledger_dir().iterdir())
     assert not any(k in blob for k in _key_bytes(SEED))
     draws = 60 * (5 + 3)
-    import json
     ranges = json.loads((_key_ledger.ledger_dir() / "ranges.json").read_text())["keys"]
     assert list(ranges.values()) == [[[0, 4 * draws]]]
 
@@ -132,7 +132,6 @@ def test_ledger_tag_is_salted_per_directory(tmp_path):
     a = _key_ledger.claim_range(SEED, 10, directory=tmp_path / "a")
     b = _key_ledger.claim_range(SEED, 10, directory=tmp_path / "b")
     assert a == b == 0           # a ledger knows only its own directory's runs
-    import json
     tags = [next(iter(json.loads((tmp_path / d / "ranges.json").read_text())["keys"]))
             for d in "ab"]
     assert tags[0] != tags[1]
@@ -331,3 +330,37 @@ def test_ledger_directory_follows_xdg(monkeypatch, tmp_path):
     assert _key_ledger.ledger_dir() == tmp_path / "ncdp_fast" / "key-ledger"
     monkeypatch.setenv(_key_ledger.ENV, str(tmp_path / "x"))
     assert _key_ledger.ledger_dir() == tmp_path / "x"
+
+
+@pytest.mark.parametrize("lost", ["ranges.json", "salt", "both-replaced"])
+def test_a_ledger_that_lost_a_file_is_refused_not_restarted(tmp_path, lost):
+    """Issue 35, item 6 (attack): deleting the ledger's salt or its ranges.json
+    restarted every key at draw 0, silently (the audit then recovered a changed
+    record to 1.4e-15). Now each loss is refused, naming it, and nothing is
+    recorded; a salt made anew over old ranges is told by its id."""
+    directory = tmp_path / "ledger"
+    assert _key_ledger.claim_range(SEED, 10, directory=directory) == 0
+    if lost == "both-replaced":
+        salt = (directory / "salt").read_bytes()
+        (directory / "salt").unlink()
+        (directory / "salt").write_bytes(bytes(b ^ 1 for b in salt))
+        match = "a salt other than the one its ranges were recorded with"
+    else:
+        (directory / lost).unlink()
+        match = ("a salt without its ranges.json" if lost == "ranges.json"
+                 else "recorded ranges without their salt")
+    before = sorted(p.name for p in directory.iterdir())
+    with pytest.raises(ValueError, match=f"key ledger: {match}.*reuse their noise"):
+        _key_ledger.claim_range(SEED, 5, directory=directory)
+    assert sorted(p.name for p in directory.iterdir()) == before
+
+
+def test_a_ledger_without_a_salt_id_is_read_and_gets_one(tmp_path):
+    """Ledgers written before the salt id keep working; the next claim adds it."""
+    directory = tmp_path / "ledger"
+    _key_ledger.claim_range(SEED, 10, directory=directory)
+    path = directory / "ranges.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({"version": 1, "keys": data["keys"]}))
+    assert _key_ledger.claim_range(SEED, 5, directory=directory) == 10
+    assert json.loads(path.read_text())["salt"] == data["salt"]
