@@ -36,11 +36,9 @@ class _Accounting:
     seed: InitVar[Any] = None
 
     def __post_init__(self, seed):
-        object.__setattr__(self, "_seed", seed)
-
-    def __getstate__(self):
-        # A pickled or copied result may be shared: never with the key.
-        return {k: v for k, v in self.__dict__.items() if k != "_seed"}
+        # Not in __dict__: a pickled, copied or logged result may be shared,
+        # never with the key.
+        _SEED.put(self, seed)
 
     @property
     def next_offset(self) -> int:
@@ -48,7 +46,8 @@ class _Accounting:
 
 
 # Added after the class is made: a property named like the InitVar would be its default.
-_Accounting.seed = property(lambda self: self.__dict__.get("_seed"),
+_SEED = _stream.SecretSlot()
+_Accounting.seed = property(lambda self: _SEED.get(self),
                             doc="The secret Philox key of this call (None on a copy).")
 
 

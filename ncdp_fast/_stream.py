@@ -26,13 +26,34 @@ import bisect
 import secrets
 import threading
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
 
 from . import _validate
 
-__all__ = ["NoiseStream", "NoiseReuseWarning", "claim", "resolve"]
+__all__ = ["NoiseStream", "NoiseReuseWarning", "claim", "resolve", "SecretSlot"]
+
+
+class SecretSlot:
+    """A secret (a noise key) attached to an object but kept out of its
+    ``__dict__``: ``vars(result)``, a logger or JSON dump of ``__dict__``, pickle
+    and copy never see it (the issue-35 audit found a result's key in
+    ``vars()``). Held while the owner lives, dropped when it is collected."""
+
+    def __init__(self):
+        self._held: dict[int, Any] = {}
+
+    def put(self, owner, value) -> None:
+        if value is None:
+            return
+        key = id(owner)
+        self._held[key] = value
+        weakref.finalize(owner, self._held.pop, key, None)
+
+    def get(self, owner):
+        return self._held.get(id(owner))
 
 _END = 2 ** 64
 

@@ -383,3 +383,24 @@ def test_tiny_sampling_rates_stay_in_bounds():
                               seed=5 + (m > 1e-100),
                               offset=0, num_classes=2)
         assert all(len(g) == 0 for g in ref)
+
+
+def test_no_noise_key_in_the_dict_of_a_result_or_a_release():
+    """Issue 35, item 6 (attack): vars() of ClipResult and Released held the key
+    (_seed, _noise_key), so a logger of __dict__ wrote it. Now the key is kept
+    off the instance: vars(), a JSON dump of it and pickles carry no key, while
+    .seed and the audit copy still work."""
+    import json
+    import pickle
+    rng = np.random.default_rng(5)
+    res = nf.clip_and_noise(rng.standard_normal((4, 3)), max_norm=1.0, noise_multiplier=1.0)
+    key = res.seed
+    assert isinstance(key, int)
+    assert not any(isinstance(v, int) and v == key for v in vars(res).values())
+    assert str(key) not in json.dumps({k: str(v) for k, v in vars(res).items()})
+    assert pickle.loads(pickle.dumps(res)).seed is None
+    X, y, rel = _small_release(seed=987654321987)
+    assert rel._noise_key is not None
+    assert not any(isinstance(v, dict) and "seed" in v for v in vars(rel).values())
+    assert str(rel._noise_key["seed"]) not in repr(vars(rel))
+    assert pickle.loads(pickle.dumps(rel))._noise_key is None

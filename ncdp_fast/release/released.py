@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .._arrays import to_numpy
+from .._stream import SecretSlot
 from .report import PrivacyReport, privacy_report
 
 __all__ = ["Released", "ReleaseFileError", "FORMAT_VERSION", "load"]
@@ -60,17 +61,13 @@ class Released:
     clip_y: float
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc)
                          .strftime("%Y-%m-%dT%H:%M:%SZ"))
-    # Init-only, kept in the instance's __dict__ alone: not a field, so never in repr,
-    # ==, dataclasses.asdict/astuple; __getstate__ drops it from pickles and copies.
+    # Init-only and kept off the instance's __dict__ (_stream.SecretSlot): not a
+    # field, so never in repr, ==, dataclasses.asdict/astuple, vars(), pickles
+    # (a pickled release is a published release) or copies.
     _noise_key: InitVar[Any] = None
 
     def __post_init__(self, _noise_key):
-        object.__setattr__(self, "_noise_key", _noise_key)
-
-    def __getstate__(self):
-        # A pickled release is a published release: never with its noise key.
-        state = {k: v for k, v in self.__dict__.items() if k != "_noise_key"}
-        return state
+        _NOISE_KEY.put(self, _noise_key)
 
     def __setstate__(self, state):
         for k, v in state.items():
@@ -228,6 +225,11 @@ def _read_npz(path: Path):
 class ReleaseFileError(ValueError):
     """A release file that cannot be trusted or read (see :meth:`Released.load`)."""
 
+
+# Added after the class is made: a property named like the InitVar would be its default.
+_NOISE_KEY = SecretSlot()
+Released._noise_key = property(lambda self: _NOISE_KEY.get(self),
+                               doc="The secret noise key of this release (None when loaded).")
 
 _META_FIELDS = {"format_version", "sigma_x", "sigma_y", "report", "mixup_degree",
                 "num_samples", "num_classes", "clip_x", "clip_y", "created"}
