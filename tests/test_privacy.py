@@ -762,3 +762,18 @@ def test_other_bad_arguments_name_argument_range_and_value():
     assert epsilon_poisson_gaussian(
         np.float64(1.0), np.float32(0.5), np.int64(3), np.float64(1e-5), "gdp"
     ) == epsilon_poisson_gaussian(1.0, 0.5, 3, 1e-5, "gdp")
+
+
+def test_calibrating_with_the_clt_warns_where_it_understates_epsilon():
+    """Issue 35, item 6: accountant="gdp" calibrates by the central limit theorem,
+    which is a limit, not a bound, for q < 1. Measured here: at (q, T) = (0.01,
+    1000) and a target of 8 (delta 1e-5) its sigma has a PLD epsilon above 10.
+    It now warns and names the accountant to use; q = 1 (exact GDP) does not."""
+    import warnings
+    from ncdp_fast.privacy import subsampled
+    with pytest.warns(UserWarning, match="central limit theorem.*accountant='pld'"):
+        sigma = subsampled.calibrate_noise_multiplier(8.0, 1e-5, 0.01, 1000, accountant="gdp")
+    assert subsampled.epsilon_poisson_gaussian(sigma, 0.01, 1000, 1e-5, accountant="pld") > 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        subsampled.calibrate_noise_multiplier(8.0, 1e-5, 1.0, 10, accountant="gdp")
