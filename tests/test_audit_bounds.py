@@ -219,3 +219,25 @@ def test_planned_k_pair_is_used_at_full_confidence():
     assert all(x in guess_grid(m) for x in a)
     with pytest.raises(ValueError, match="^k:"):
         bound_from_scores(mem.astype(float), mem, delta=1e-5, k=(1, 2, 3))
+
+
+def test_each_result_says_which_analysis_can_detect_a_break_of_the_claim():
+    """Issue 35, item 6: the (eps, delta) bound of r = 100 guesses (k = 50) cannot
+    exceed 3.47 at delta 1e-5, confidence 0.95, so against a claim of 4 it could
+    never detect a break, while the mu-GDP bound of the same guesses reaches 5.5.
+    The result reports each analysis's reachable bound (its bound with every
+    guess right) and whether it can exceed the claim."""
+    rng = np.random.default_rng(0)
+    m = 1000
+    mem = rng.random(m) < 0.5
+    res = bound_from_scores(mem * 3.0 + rng.standard_normal(m), mem, delta=1e-5, k=(50, 50),
+                            epsilon_claimed=4.0)
+    assert res.epsilon_reachable == pytest.approx(3.465, abs=1e-3)
+    assert res.epsilon_lower_bound <= res.epsilon_reachable < 4.0 < res.epsilon_reachable_gdp
+    assert res.can_detect() == {"eps_delta": False, "gdp": True}
+    assert res.summary()["can_detect"] == {"eps_delta": False, "gdp": True}
+    # With every guess right, the bound is the reachable one (so it is reachable).
+    perfect = bound_from_scores(mem * 100.0, mem, delta=1e-5, k=(50, 50), epsilon_claimed=4.0)
+    assert perfect.epsilon_lower_bound == pytest.approx(perfect.epsilon_reachable)
+    assert bound_from_scores(mem * 3.0, mem, delta=1e-5, k=(50, 50)).can_detect() == \
+        {"eps_delta": None, "gdp": None}

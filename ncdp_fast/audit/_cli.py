@@ -68,6 +68,10 @@ def run(args) -> int:
             epsilon_claimed=float(np.max(claimed)), lower_bound=_span(lb),
             lower_bound_gdp=_span(gdp), lower_bound_runs=lb, lower_bound_gdp_runs=gdp,
             mu_lower_bound_runs=[r.mu_lower_bound for r, _ in runs],
+            # The largest bound each analysis could reach: below the claim, it
+            # cannot detect a violation of it, whatever the run.
+            reachable=f"{min(r.epsilon_reachable for r, _ in runs):.2f} / "
+                      f"{min(r.epsilon_reachable_gdp for r, _ in runs):.2f}",
             correct_of_guesses=[f"{r.correct}/{r.guesses}" for r, _ in runs],
             steps=runs[0][0].details["steps"], sample_rate=runs[0][0].details["sample_rate"],
             noise_multiplier=runs[0][0].details["noise_multiplier"],
@@ -78,12 +82,15 @@ def run(args) -> int:
             ("seeds", "seeds", None), ("epsilon_claimed", "eps claimed", "{:.3f}"),
             ("lower_bound", "eps lower bound (eps,delta) median [min, max]", None),
             ("lower_bound_gdp", "eps lower bound mu-GDP median [min, max]", None),
+            ("reachable", "largest reachable (eps,delta) / mu-GDP", None),
             ("steps", "steps", None), ("sample_rate", "q", "{:.4g}"),
             ("wall_s", "wall s / run", "{:.1f}")]
     notes = [f"claimed eps {args.epsilon} at delta {args.delta}; each bound at confidence "
              f"{args.confidence}, with the k planned before each run (plan_k)",
              "(eps,delta): Steinke, Nasr & Jagielski 2023; mu-GDP: Mahloujifar, Melis & "
              "Chaudhuri (its eps assumes a Gaussian trade-off curve: exact at q = 1)",
+             "largest reachable: each analysis's bound with all its guesses right; an "
+             "analysis whose reachable bound is below the claim cannot detect a violation",
              "seeds: " + ("from the OS" if args.seed is None else f"{args.seed} + i"),
              "machine shared with other jobs while measured: wall times are noisy"]
     if args.out:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 import numpy as np
 
 from .._validate import check_int, check_probability
@@ -38,6 +40,13 @@ class AuditResult:
     correction over ``k_grid`` when k was not fixed before the run; ``k_grid`` is
     then the grid, else the pair of planned k).  ``details``: what was audited
     and how.
+
+    ``epsilon_reachable`` / ``epsilon_reachable_gdp``: the largest bound each
+    analysis could have given with its guesses, all of them right. An analysis
+    whose reachable bound is below the claim cannot detect a violation of it,
+    whatever the run (the issue-35 audit: the (eps, delta) bound of 100
+    guesses stops at 3.47, so it missed breaks of a claim of 4 that the mu-GDP
+    bound caught); :meth:`can_detect` says which can.
     """
     epsilon_lower_bound: float
     epsilon_lower_bound_gdp: float | None
@@ -56,14 +65,27 @@ class AuditResult:
     confidence: float
     k_grid: tuple
     details: dict = field(default_factory=dict)
+    epsilon_reachable: float = math.inf
+    epsilon_reachable_gdp: float | None = None
+
+    def can_detect(self) -> dict:
+        """{"eps_delta": bool, "gdp": bool}: whether each analysis's bound can
+        exceed the claim at all (None where nothing was claimed)."""
+        if self.epsilon_claimed is None:
+            return {"eps_delta": None, "gdp": None}
+        gdp = self.epsilon_reachable_gdp
+        return {"eps_delta": bool(self.epsilon_reachable > self.epsilon_claimed),
+                "gdp": None if gdp is None else bool(gdp > self.epsilon_claimed)}
 
     def summary(self) -> dict:
         """Plain JSON types: the numbers of a results table."""
         keys = ("epsilon_claimed", "epsilon_lower_bound", "epsilon_lower_bound_gdp",
                 "mu_lower_bound", "delta", "canaries", "k", "guesses", "correct", "k_gdp",
-                "guesses_gdp", "correct_gdp", "confidence")
+                "guesses_gdp", "correct_gdp", "confidence", "epsilon_reachable",
+                "epsilon_reachable_gdp")
         out = {k: getattr(self, k) for k in keys}
         out["k_grid"] = list(self.k_grid)
+        out["can_detect"] = self.can_detect()
         out.update(self.details)
         return out
 
@@ -174,10 +196,14 @@ def bound_from_scores(scores, membership, *, delta, confidence=0.95, k=None,
                 best_gdp = (gdp, kk, v)
     eps, kk, v, g_in, g_out = best
     gdp, kg, vg = best_gdp
+    # What each analysis could certify with its guesses all right.
+    reach = one_run_bound(2 * kk, 2 * kk, delta=delta, confidence=levels[0], canaries=m)
+    reach_gdp = one_run_bound_gdp(2 * kg, 2 * kg, m, delta=delta, confidence=levels[1]).epsilon
     return AuditResult(
         epsilon_lower_bound=float(eps), epsilon_lower_bound_gdp=gdp.epsilon,
         mu_lower_bound=gdp.mu, epsilon_claimed=epsilon_claimed, delta=float(delta),
         canaries=m, k=kk, guesses=2 * kk, correct=v, k_gdp=kg, guesses_gdp=2 * kg,
         correct_gdp=vg, guessed_in=np.sort(g_in), guessed_out=np.sort(g_out),
         confidence=confidence, k_grid=grids[0] if k is None else (kk, kg),
-        details=dict(details or {}))
+        details=dict(details or {}), epsilon_reachable=float(reach),
+        epsilon_reachable_gdp=reach_gdp)
