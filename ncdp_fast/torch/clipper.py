@@ -32,6 +32,7 @@ from .ranks import check_not_ddp
 from .recompute import count_call, in_backward
 from .taps import (CaptureGrad, Record, Tap, ignore, layer_rule, per_parameter, step_entries,
                    switch_back, switch_off)
+from .tree import ModelSnapshot
 from .unprivatized import foreign_error, refuse_outside_terms, refuse_uncaptured
 
 __all__ = ["GhostClipper"]
@@ -215,6 +216,11 @@ class GhostClipper(ClippedGaussianStep):
                     self._forward_hook(tap), always_call=True))
             self._handles.append(tap.module.register_forward_hook(
                 self._restore_hook(tap), always_call=True))
+        # The model as checked; every recorded forward is checked against it
+        # first (tree.py), and so is the model now (an instance-level forward).
+        self._snapshot = ModelSnapshot(model, self.taps,
+                                       {(id(m), attr) for m, attr in self._forwards})
+        self._snapshot.check(model, self.taps)
 
     @ClippedGaussianStep.max_grad_norm.setter
     def max_grad_norm(self, value) -> None:
@@ -284,6 +290,7 @@ class GhostClipper(ClippedGaussianStep):
         if not in_backward():
             self._pass += 1
         if self._capturing():
+            self._snapshot.check(self.model, self.taps)
             refuse_whole_batch_loss_kwargs(module, kwargs)
             return self._batch.pre_hook(module, args, kwargs)
         if torch.is_grad_enabled():

@@ -144,8 +144,34 @@ def rule_for(module: nn.Module) -> tuple[Rule | None, type | None]:
             return RULES[t], t
         rule = RULES_BY_NAME.get(_qualified(t)) or _twin_rule(t)
         if rule is not None:
+            _refuse_redefined(t)
             return rule, t
     return None, None
+
+
+# The first class seen under each qualified name that took a rule by name.
+_FIRST_BY_NAME: dict[str, type] = {}
+
+
+def _same_code(a: type, b: type) -> bool:
+    """Whether two classes define the same functions with the same code
+    (code objects compare their bytecode, constants, names and lines)."""
+    fa = {k: v.__code__ for k, v in vars(a).items() if hasattr(v, "__code__")}
+    fb = {k: v.__code__ for k, v in vars(b).items() if hasattr(v, "__code__")}
+    return fa == fb
+
+
+def _refuse_redefined(t: type) -> None:
+    """A rule found by name is the rule of the code first seen under that name:
+    a class defined again under it (a module reloaded, a notebook cell run
+    again) with other code is refused, not given the cached rule (issue 35)."""
+    q = _qualified(t)
+    first = _FIRST_BY_NAME.setdefault(q, t)
+    if first is not t and not _same_code(first, t):
+        raise ValueError(
+            f"GhostClipper: {q} was defined again (a module reloaded?) with other code than the "
+            f"{q} whose rule this process chose; the rule's gradient would be the old code's. "
+            "Restart the process after changing the layer, or register a rule for the new class")
 
 
 def _twin_rule(t: type) -> Rule | None:

@@ -102,29 +102,47 @@ class Tap:
         self.calls, self.replays, self.replaying = 0, 0, False
 
 
+def overridden(module: nn.Module, base: type) -> list[str]:
+    """The methods of ``base`` (the class whose rule ``module`` takes) that a
+    class between them replaces; a convolution's forward may be (it is recorded
+    at _conv_forward)."""
+    safe = {"forward"} if isinstance(module, nn.modules.conv._ConvNd) else set()
+    replaced = set()
+    for cls in type(module).__mro__:
+        if cls is base:
+            break
+        replaced.update(k for k, v in vars(cls).items()
+                        if callable(v) and not k.startswith("__") and k not in safe
+                        and not _inert(k) and callable(getattr(base, k, None)))
+    return sorted(replaced)
+
+
+def _inert(name: str) -> bool:
+    """Methods whose override does not change what a layer computes: nn.Module's
+    own machinery (state dicts, hooks, train/eval, ...) and initialisation."""
+    return (name != "forward" and hasattr(nn.Module, name)) or name in (
+        "reset_parameters", "_reset_parameters", "extra_repr")
+
+
 def layer_rule(name: str, module: nn.Module, params: dict):
     """The per-sample gradient rule of layer ``name`` (``params``: its trainable
     parameters), refusing a layer without one and a subclass whose forward
     the rule of its base may not describe."""
     rule, base = rule_for(module)
-    conv = isinstance(module, nn.modules.conv._ConvNd)
-    if rule is not None and conv and \
-            type(module)._conv_forward is not getattr(base, "_conv_forward", None):
-        # The hooks mark the convolution at _conv_forward: an override
-        # (weight standardisation, a reparametrisation) computes
-        # something the convolution's rule does not describe.
-        raise ValueError(
-            f"GhostClipper: layer {name!r} ({type(module).__name__}) overrides "
-            f"_conv_forward of {base.__name__}, so {base.__name__}'s rule may not "
-            "describe what it computes (weight standardisation: its gradient is "
-            "not the plain convolution's); register a rule for its own type with "
-            "ncdp_fast.torch.register_layer")
-    if rule is not None and type(module).forward is not base.forward and not conv:
-        raise ValueError(
-            f"GhostClipper: layer {name!r} ({type(module).__name__}) overrides the forward "
-            f"of {base.__name__}, so {base.__name__}'s rule may not describe what it "
-            "computes; register a rule for its own type with "
-            "ncdp_fast.torch.register_layer")
+    if rule is not None:
+        replaced = overridden(module, base)
+        if replaced:
+            # The hooks mark a convolution at _conv_forward (so a subclass that
+            # pads in its own forward first is exact); any other method of the
+            # base replaced (weight standardisation at _conv_forward, a helper
+            # such as GemmaRMSNorm's _norm, a forward that scales its output)
+            # computes something the base's rule does not describe.
+            what = "the forward" if replaced == ["forward"] else ", ".join(replaced)
+            raise ValueError(
+                f"GhostClipper: layer {name!r} ({type(module).__name__}) overrides {what} "
+                f"of {base.__name__}, so {base.__name__}'s rule may not describe what it "
+                "computes; register a rule for its own type with "
+                "ncdp_fast.torch.register_layer")
     if rule is None and replacement(module):
         raise torch_rnn_error(name, module)
     if rule is None:

@@ -1,0 +1,73 @@
+"""The model as the clipper checked it, checked again before every recorded
+forward (issue 35, items 5 and 6): the module tree, the options the refusals
+read, and the code each layer's rule was chosen for.
+
+A module swapped in after the clipper was built (a batch norm, whose running
+statistics would keep the private batches' means unnoised), an option set on a
+layer (``Embedding.max_norm``, which renormalises the batch's rows in place
+during the forward) or a layer whose ``forward`` was replaced would otherwise
+run unchecked: the refusals ran once, at construction. Refused here, in the
+model's forward pre-hook, before any module runs and before anything private
+is written.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from .coupling import refuse_batch_mixing
+from .layers import refuse_unsupported
+
+__all__ = ["ModelSnapshot"]
+
+
+def _tree(model: nn.Module) -> tuple:
+    return tuple((name, id(m), type(m)) for name, m in model.named_modules(remove_duplicate=False))
+
+
+def _forward_of(module: nn.Module):
+    """The forward the module runs: an instance attribute, else its class's."""
+    own = module.__dict__.get("forward")
+    return own if own is not None else type(module).forward
+
+
+class ModelSnapshot:
+    """What the clipper checked: the module tree (names, identities, classes)
+    and each layer's forward; :meth:`check` refuses any difference and re-runs
+    the refusals that read options (which are mutable)."""
+
+    def __init__(self, model: nn.Module, taps, patched):
+        self.tree = _tree(model)
+        # (module id, attribute) of the clipper's own instance patches.
+        self.patched = patched
+        self.forwards = {id(t.module): _forward_of(t.module) for t in taps}
+
+    def check(self, model: nn.Module, taps) -> None:
+        tree = _tree(model)
+        if tree != self.tree:
+            before = {(n, i) for n, i, _ in self.tree}
+            now = {(n, i) for n, i, _ in tree}
+            kinds = {(n, i): t.__name__ for n, i, t in self.tree + tree}
+            added = sorted(f"{n or '<model>'} ({kinds[n, i]})" for n, i in now - before)
+            removed = sorted(f"{n or '<model>'} ({kinds[n, i]})" for n, i in before - now)
+            raise ValueError(
+                "GhostClipper: the model's modules changed after the clipper was built "
+                f"(added: {added or 'none'}; removed: {removed or 'none'}); it checked only "
+                "those it was built with, so this forward is refused before any module runs. "
+                "Change the model first, then build the clipper (make_private)")
+        for name, module in model.named_modules():
+            refuse_batch_mixing(name, module)
+        for tap in taps:
+            refuse_unsupported(tap.name, tap.module)
+            if _forward_of(tap.module) is not self.forwards[id(tap.module)]:
+                raise ValueError(
+                    f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) runs another "
+                    "forward than the one its rule was chosen for (its forward was replaced "
+                    "after the clipper was built); the rule's gradient would not be this "
+                    "forward's. Build the clipper after changing the layer")
+            own = tap.module.__dict__.get("forward")
+            if own is not None and (id(tap.module), "forward") not in self.patched:
+                raise ValueError(
+                    f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) has an "
+                    "instance-level forward: the rule computes the class's per-sample gradient, "
+                    "not this function's. Register a rule for a subclass instead "
+                    "(ncdp_fast.torch.register_layer)")
