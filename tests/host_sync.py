@@ -39,8 +39,19 @@ def _to_host(args, kwargs) -> bool:
     return False
 
 
+def _on_device(x) -> bool:
+    """A tensor of the device: a CUDA tensor, or a CPU tensor while the emulated
+    device is on (ncdp_fast._arrays.is_emulated)."""
+    from ncdp_fast import _arrays
+    return isinstance(x, torch.Tensor) and (x.is_cuda or _arrays.is_emulated(x))
+
+
 def sync_kind(name: str, args, kwargs) -> str | None:
-    """Why calling ``name`` with these arguments would wait for the device, or None."""
+    """Why calling ``name`` with these arguments would wait for the device, or None.
+    Only calls on a device tensor count: a CPU tensor's .numpy() (after .cpu())
+    or .item() waits for nothing."""
+    if not args or not _on_device(args[0]):
+        return None
     if name in _SCALAR:
         return "scalar read"
     if name in _TO_HOST:
