@@ -131,3 +131,36 @@ def test_architectures_without_a_rule_are_refused_by_name(name):
                           expected_batch_size=B) as clipper:
             run(model).backward()
             clipper.privatize_()
+
+
+@pytest.mark.parametrize("family", ["t5", "mpnet"])
+def test_relative_position_bias_tables_are_refused_at_construction_whatever_the_sizes(family):
+    """Issue 35, item 1 (attack): T5's and MPNet's relative-attention-bias
+    embedding is looked up with a (T, T) index shared by the batch. At B == T
+    its rows passed the "rows are the samples" check and were clipped as
+    samples (the audit: 2.40 C, 7.58 C with only the tables trainable); at
+    B != T the step was refused. Now refused by name when the clipper is
+    built, whatever B and T; frozen, the model trains (B == T == 8 here)."""
+    from ncdp_fast.torch import GhostClipper
+    torch.manual_seed(0)
+    if family == "t5":
+        model = transformers.T5EncoderModel(transformers.T5Config(
+            vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
+            dropout_rate=0.0)).double()
+    else:
+        model = transformers.MPNetModel(transformers.MPNetConfig(
+            vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=32, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0), add_pooling_layer=False).double()
+    tables = [n for n, _ in model.named_modules() if n.endswith("relative_attention_bias")]
+    assert tables
+    with pytest.raises(ValueError, match=r"relative-position bias table.*requires_grad_\(False\)"):
+        GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=8)
+    for n in tables:
+        model.get_submodule(n).requires_grad_(False)
+    ids = torch.randint(1, 50, (8, 8))
+
+    def loss(m, ids, mask, y):
+        return m(input_ids=ids).last_hidden_state.square().sum()
+    report = check_exact(model, (ids, None, None), loss, rtol=1e-9)
+    assert report.passed, report

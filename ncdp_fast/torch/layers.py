@@ -350,6 +350,12 @@ def _embedding_problem(module: nn.Embedding) -> str | None:
     return None
 
 
+# Embeddings that transformers looks up with an index shared by the batch (a
+# relative-position bucket table of shape (T, T)), not one row per sample:
+# refused by their attribute name until a rule sums each sample's positions.
+_SHARED_INDEX_TABLES = ("relative_attention_bias",)
+
+
 def refuse_unsupported(name: str, module: nn.Module) -> None:
     """Raise ValueError naming the layer when a trainable layer's options leave no
     exact per-sample gradient for its rule (checked at construction; the rule
@@ -358,6 +364,15 @@ def refuse_unsupported(name: str, module: nn.Module) -> None:
         problem = _embedding_problem(module)
         if problem is not None:
             raise ValueError(f"GhostClipper: layer {name!r} (nn.Embedding): {problem}")
+        if name.rpartition(".")[2] in _SHARED_INDEX_TABLES:
+            raise ValueError(
+                f"GhostClipper: layer {name!r} (nn.Embedding) is a relative-position bias "
+                "table (T5, UMT5, LongT5, MPNet): it is looked up with a (T, T) table of "
+                "relative positions shared by every sample, not one row per sample, so its "
+                "rows would be clipped as samples where the batch size equals the sequence "
+                "length (the issue-35 audit: one sample moved the clipped sum by 2.40 C, 7.58 C "
+                "with only the tables trainable). Freeze it: "
+                f"model.get_submodule({name!r}).requires_grad_(False)")
     _, base = rule_for(module)
     check = CHECKS_BY_NAME.get(_qualified(base)) if base is not None else None
     problem = check(module) if check is not None else None
