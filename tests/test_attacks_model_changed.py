@@ -125,7 +125,7 @@ def test_a_subclass_replacing_a_helper_of_its_rules_class_is_refused(monkeypatch
 def test_a_layer_class_redefined_under_a_cached_name_is_refused(tmp_path, monkeypatch):
     """A module reloaded with other code keeps its classes' qualified names: the
     rule the first definition took by name must not go to the second."""
-    from ncdp_fast.torch import layers, register_layer
+    from ncdp_fast.torch import layers
     source = textwrap.dedent('''
         import torch
         from torch import nn
@@ -150,7 +150,6 @@ def test_a_layer_class_redefined_under_a_cached_name_is_refused(tmp_path, monkey
         GhostClipper(nn.Sequential(mod.Norm()), max_grad_norm=1.0, noise_multiplier=1.0,
                      expected_batch_size=6)
     sys.modules.pop("reloaded_layer", None)
-    del register_layer
 
 
 def test_the_checks_cost_little_per_forward():
