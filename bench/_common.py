@@ -6,6 +6,7 @@ in bench/conftest.py; the tables in bench/report.py."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 import time
@@ -217,3 +218,105 @@ def measure(benchmark, case, fn, *, device, repeats, warmup=1, min_time=0.0, mem
         if extra.get(key):
             benchmark.extra_info[rate] = extra[key] / median / 1e9
     return out
+
+
+class StepTimer:
+    """Wall time accumulated by wrappers installed on a method's code, per step:
+    ``counted(step)`` counts the steps; ``_timed(fn, attr)`` adds each call's
+    time to ``self.<attr>``; ``_patch`` / ``remove`` install and undo the
+    wrappers (an attribute that was not there before is deleted again).  The
+    wrappers' own ``perf_counter`` calls are counted too, so figures err high."""
+
+    def __init__(self):
+        self.steps = 0
+        self._saved = []
+
+    def _timed(self, fn, attr="seconds"):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, attr, getattr(self, attr) + time.perf_counter() - t0)
+        return timed
+
+    def _patch(self, owner, name, wrapper):
+        self._saved.append((owner, name, vars(owner).get(name)))
+        setattr(owner, name, wrapper)
+
+    def remove(self) -> None:
+        for owner, name, fn in reversed(self._saved):
+            if fn is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, fn)
+        self._saved = []
+
+    def counted(self, step):
+        def call():
+            self.steps += 1
+            return step()
+        return call
+
+
+class Issue35Timer(StepTimer):
+    """The wall time of the per-step checks of issue 35 in the torch drop-in,
+    where they run: the model-tree check before each recorded forward
+    (``tree.ModelSnapshot.check``) and the loss check (``loss_watch.LossWatch``:
+    noting each layer's output, arming the torch-function mode after the
+    forward, reading the graph at backward, the value checks at the step,
+    taking the mode off).  The mode also passes every torch call between the
+    forward and the backward through Python: those calls are counted, and
+    each is charged the pass-through cost measured here on a tiny tensor (the
+    mode's time, not the call's), so the figure is measured, not modelled."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = 0.0
+        self.calls = 0
+        self.per_call = 0.0
+
+    def install(self) -> "Issue35Timer":
+        from ncdp_fast.torch import loss_watch, tree
+        W = loss_watch.LossWatch
+        for owner, name in ((tree.ModelSnapshot, "check"), (W, "source"), (W, "arm"),
+                            (W, "on_backward"), (W, "require"), (W, "settle"),
+                            (W, "unstack"), (W, "clear")):
+            self._patch(owner, name, self._timed(owner.__dict__[name]))
+        mode = loss_watch._Catch
+        passing = mode.__dict__["__torch_function__"]
+
+        def counted(catch, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return passing(catch, func, types, args, kwargs)
+        self._patch(mode, "__torch_function__", counted)
+        self.per_call = self._pass_through_seconds(loss_watch, passing)
+        return self
+
+    @staticmethod
+    def _pass_through_seconds(loss_watch, passing, n=20000):
+        """The mode's own time per torch call: ``torch.neg`` of a 1-element
+        tensor n times with an inactive mode on the stack and without, the
+        better of three tries each."""
+        import torch
+        x = torch.zeros(1)
+
+        def run():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                torch.neg(x)
+            return time.perf_counter() - t0
+        bare = min(run() for _ in range(3))
+        catch = loss_watch._Catch(None)
+        torch._C._push_on_torch_function_stack(catch)
+        try:
+            mode = min(run() for _ in range(3))
+        finally:
+            torch._C._pop_torch_function_stack()
+        return max(mode - bare, 0.0) / n
+
+    def ms_per_step(self) -> float | None:
+        if not self.steps:
+            return None
+        return 1e3 * (self.seconds + self.calls * self.per_call) / self.steps

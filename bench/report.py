@@ -234,6 +234,7 @@ def finetune(family, times=()):
             engine = _x(ms, m, "engine_ms")
             if engine is not None:
                 row.update(engine_ms=engine, engine_pct=100 * engine / (1e3 * t))
+            _checks35(row, ms, m, 1e3 * t)
             if m.startswith("ncdp") and _x(ms, m, "kind") == "transformer":
                 _issue25(row, m, times, w)
             rows.append(row)
@@ -255,7 +256,7 @@ def finetune(family, times=()):
          ("r_opacus_ghost_range", "speed-up vs opacus_ghost, rounds min-max", None),
          ("engine_ms", "engine's own ms/step", "{:.3f}"),
          ("engine_pct", "engine's own % of step", "{:.3f}"),
-         ("targets25", "targets (issue 25)", None),
+         ("targets25", "targets (issue 25)", None)] + CHECKS35_COLUMNS + [
          ("error", "error", None)],
         ["one step = zero_grad, forward, cross-entropy (mean), backward, privatize (the "
          "private methods), SGD; noise multiplier 1, max_grad_norm 1, flat clipping; fixed "
@@ -289,7 +290,7 @@ def finetune(family, times=()):
          f"{ISSUE25_TARGETS['time']}x non-private and >= {ISSUE25_TARGETS['vs_opacus_ghost']}x "
          "faster than opacus_ghost; judged on the same-round medians; '(rounds on both "
          "sides)': some rounds' ratios meet the target and some do not, so the mark is within "
-         "the run's noise"] + _load_note(family))
+         "the run's noise", CHECKS35_NOTE] + _load_note(family))
 
 
 def _load_note(family) -> list:
@@ -797,6 +798,27 @@ def _spread_text(values):
     return mid, f"{mid:.2f} ({lo:.2f} to {hi:.2f}, {len(values)} round(s))"
 
 
+CHECKS35_PCT = 2.0
+CHECKS35_COLUMNS = [("checks35_ms", "issue-35 checks ms/step", "{:.3f}"),
+                    ("checks35_pct", "issue-35 checks % of step", "{:.2f}"),
+                    ("checks35_target", f"<= {CHECKS35_PCT:g}% (issue 35)", None)]
+CHECKS35_NOTE = (
+    "issue-35 checks: the model-tree check before each recorded forward and the loss "
+    "check (layer outputs noted, the torch-function mode armed and taken off, the autograd "
+    "graph read at backward, its value conditions read at the step, and each torch call "
+    "between forward and backward charged the mode's measured pass-through time), timed "
+    f"where they run (Issue35Timer, bench/_common.py); target <= {CHECKS35_PCT:g}% of the "
+    "step")
+
+
+def _checks35(row, ms, m, step_ms):
+    value = _x(ms, m, "checks35_ms")
+    if value is not None and step_ms:
+        pct = 100 * value / step_ms
+        row.update(checks35_ms=value, checks35_pct=pct,
+                   checks35_target="met" if pct <= CHECKS35_PCT else "NOT met")
+
+
 def hf(family, times):
     """One row per (workload, method) of bench/test_bench_hf.py; ratios to the
     non-private step of the same round (``times``: every round's median time and
@@ -833,6 +855,7 @@ def hf(family, times):
                 for k, (col, _) in HF_MEMORY.items():
                     if mem_x[k]:
                         row[col], row[col + "_rounds"] = _spread_text(mem_x[k])
+                _checks35(row, ms, m, row["ms"])
                 if m == "ncdp_engine":
                     verdicts = [("time", row.get("x_nonprivate"), tg["time"])] + [
                         (f"memory ({'CUDA allocator' if device == 'cuda' else what})", row.get(col),
@@ -853,7 +876,8 @@ def hf(family, times):
          ("peak_extra_mb", "peak extra MB (resident; GPU: CUDA allocator)", "{:.0f}"),
          ("mem_x_nonprivate_rounds", "× non-private peak extra: median (range, rounds)", None),
          ("weights_mb", "trainable weights MB", "{:.0f}"),
-         ("targets", "targets (issue 26)", None), ("error", "error", None)],
+         ("targets", "targets (issue 26)", None)] + CHECKS35_COLUMNS + [
+         ("error", "error", None)],
         ["one step = zero_grad, forward, loss, backward, privatize (private methods), SGD; "
          "noise multiplier 1, max_grad_norm 1, flat clipping; random-config transformers "
          "models, fixed synthetic token ids of the stated shapes (bench/test_bench_hf.py); "
@@ -877,7 +901,7 @@ def hf(family, times):
          "targets (issue 26) for ncdp_engine: on the CPU <= "
          f"{HF_TARGETS['cpu']['time']}x non-private time, on a GPU <= "
          f"{HF_TARGETS['cuda']['time']}x; <= {HF_TARGETS['cpu']['memory']}x its peak memory, "
-         "judged on each memory number (medians over rounds)"])
+         "judged on each memory number (medians over rounds)", CHECKS35_NOTE])
 
 
 FAMILIES["bench_hf"] = hf

@@ -75,12 +75,11 @@ ratios within each interleaved round (bench/report.py ``ISSUE25_TARGETS``).
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import time
 import warnings
 
-from _common import cases, measure, record_memory
+from _common import Issue35Timer, StepTimer, cases, measure, record_memory
 
 SHAPES = {
     "full": dict(linear=dict(B=1024, d=4096, K=100),
@@ -178,47 +177,7 @@ def _loader(x, y, torch):
     return DataLoader(TensorDataset(x, y), batch_size=x.shape[0])
 
 
-class _StepTimer:
-    """Wall time accumulated by wrappers installed on a method's code, per step:
-    ``counted(step)`` counts the steps; ``_timed(fn, attr)`` adds each call's
-    time to ``self.<attr>``; ``_patch`` / ``remove`` install and undo the
-    wrappers (an attribute that was not there before is deleted again).  The
-    wrappers' own ``perf_counter`` calls are counted too, so figures err high."""
-
-    def __init__(self):
-        self.steps = 0
-        self._saved = []
-
-    def _timed(self, fn, attr="seconds"):
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                setattr(self, attr, getattr(self, attr) + time.perf_counter() - t0)
-        return timed
-
-    def _patch(self, owner, name, wrapper):
-        self._saved.append((owner, name, vars(owner).get(name)))
-        setattr(owner, name, wrapper)
-
-    def remove(self) -> None:
-        for owner, name, fn in reversed(self._saved):
-            if fn is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, fn)
-        self._saved = []
-
-    def counted(self, step):
-        def call():
-            self.steps += 1
-            return step()
-        return call
-
-
-class CheckTimer(_StepTimer):
+class CheckTimer(StepTimer):
     """Accumulates the wall time of the torch drop-in's per-step checks (issue
     23) by wrapping them where GhostClipper calls them; installed before the
     clipper is built (it binds some of them at construction)."""
@@ -242,7 +201,7 @@ class CheckTimer(_StepTimer):
         return 1e3 * self.seconds / self.steps if self.steps else None
 
 
-class EngineTimer(_StepTimer):
+class EngineTimer(StepTimer):
     """The wall time of what ``PrivacyEngine`` adds to a GhostClipper step
     (issue 25), measured where it runs rather than as the difference of two
     noisy step times: the time in ``DPOptimizer.step`` / ``zero_grad`` and in
@@ -393,21 +352,23 @@ def test_finetune_step(benchmark, case, bench_device, bench_size):
     load = [os.getloadavg()[0]]          # how busy the machine was (the report says)
     timer = CheckTimer().install() if case.method.startswith("ncdp") else None
     engine = EngineTimer().install() if case.method == "ncdp_engine" else None
+    new = Issue35Timer().install() if case.method.startswith("ncdp") else None
     try:
         step, release, weights_mb = build_step(case.params, case.method, bench_device, engine)
-        for t in (timer, engine):
+        for t in (timer, engine, new):
             if t is not None:
                 step = t.counted(step)
         _run_case(benchmark, case, bench_device, step, release, weights_mb)
         if not benchmark.disabled:
             if timer is not None:
                 benchmark.extra_info["checks_ms"] = timer.ms_per_step()
+                benchmark.extra_info["checks35_ms"] = new.ms_per_step()
             if engine is not None:
                 benchmark.extra_info["engine_ms"] = engine.ms_per_step()
             benchmark.extra_info.update(loadavg=load + [os.getloadavg()[0]],
                                         cores=os.cpu_count())
     finally:
-        for t in (engine, timer):
+        for t in (new, engine, timer):
             if t is not None:
                 t.remove()
 

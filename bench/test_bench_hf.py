@@ -70,7 +70,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from _common import cases, measure, record_memory
+from _common import Issue35Timer, cases, measure, record_memory
 
 SHAPES = {
     "full": dict(gpt2=dict(B=4, T=128, d=768, heads=12, layers=2, vocab=50257),
@@ -227,11 +227,21 @@ def test_hf_step(benchmark, case, bench_device, bench_size):
         first_done = True
     else:
         step, release, weights_mb = build_step(case.params, case.method, bench_device)
-    if not benchmark.disabled:
-        if not first_done:
-            step()                      # first call: lazy initialisation outside the numbers
-        release()
-        record_memory(benchmark, step, bench_device, reset=release, calls=3)
-    measure(benchmark, case, step, device=bench_device, repeats=REPEATS, warmup=0,
-            memory=False, first_call=False, weights_mb=weights_mb, batch=case.params["B"],
-            kind=case.params["kind"])
+    # The per-step checks of issue 35, timed where they run (bench/_common.py).
+    timer = Issue35Timer().install() if case.method == "ncdp_engine" else None
+    try:
+        if timer is not None:
+            step = timer.counted(step)
+        if not benchmark.disabled:
+            if not first_done:
+                step()                  # first call: lazy initialisation outside the numbers
+            release()
+            record_memory(benchmark, step, bench_device, reset=release, calls=3)
+        measure(benchmark, case, step, device=bench_device, repeats=REPEATS, warmup=0,
+                memory=False, first_call=False, weights_mb=weights_mb,
+                batch=case.params["B"], kind=case.params["kind"])
+        if timer is not None and not benchmark.disabled:
+            benchmark.extra_info["checks35_ms"] = timer.ms_per_step()
+    finally:
+        if timer is not None:
+            timer.remove()

@@ -36,11 +36,13 @@ def _batch(seed, n, length):
 
 def _clipped_sum(x, t, loss_fn, C, keep):
     """sum_i clip_C(g_i) over the samples ``keep``, as the clipper computes it
-    with no noise (loss_reduction "mean", expected batch size 1)."""
+    with no noise (loss_reduction "mean", expected batch size 1), the loss
+    check off: the attacks are measured, not refused."""
     lin = nn.Linear(D, V, bias=False)
     with torch.no_grad():
         lin.weight.copy_(torch.tensor([[0.5, -1.0, 0.25], [-0.75, 0.5, 1.0]]))
-    clipper = GhostClipper(lin, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=1.0)
+    clipper = GhostClipper(lin, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=1.0,
+                           check_loss=False)
     loss_fn(lin(x[keep]), t[keep]).backward()
     clipper.privatize_()
     clipper.remove()
@@ -83,6 +85,14 @@ def test_whole_batch_token_mean_exceeds_C():
     x, t = _batch(37, 4, 8)
     assert _worst_removal(x, t, _whole_batch_mean, 0.5) > 1.3
     assert _worst_removal(x, t, per_sample_token_loss, 0.5) <= _bound(4)
+    # With the loss check on (the default), that batch's step is refused.
+    lin = nn.Linear(D, V, bias=False)
+    with GhostClipper(lin, max_grad_norm=0.5, noise_multiplier=0.0,
+                      expected_batch_size=1.0) as clipper:
+        _whole_batch_mean(lin(x), t).backward()
+        with pytest.raises(ValueError, match="valid targets of the whole batch"):
+            clipper.privatize_()
+        assert lin.weight.grad is None
 
 
 def test_transformers_own_token_loss_is_that_attack_and_is_refused():

@@ -22,6 +22,7 @@ from .attention import attention_forward, check_attention
 from .conv import conv_forward
 from .coupling import batch_dim_hooks, refuse_batch_mixing, refuse_whole_batch_loss_kwargs
 from .layers import Call, refuse_unsupported
+from .loss_watch import LossWatch
 from .layout import StepBatch, batch_dim, broadcast_rows, rows_error, set_layouts, to_batch_first
 from .mechanism import ClippedGaussianStep, ReleasedGrads, optimizer_params
 from .memory import (add_clipped, check_bound_kept, check_same_parameters, fold_in,
@@ -118,6 +119,17 @@ class GhostClipper(ClippedGaussianStep):
     False, a layer's dimension 1 is the batch, (T, B, d)).  The layout is
     never inferred from sizes.
 
+    The loss: at the first backward after a recorded forward, the autograd
+    graph from the loss down to the recorded layers' outputs is read
+    (:mod:`.loss_graph`): only sums and means of per-sample terms are
+    accepted (a token mean within each sample; a batch-wide mean only when
+    every sample has as many valid targets); a whole-batch count, a value
+    reduced over the batch combined with per-sample values, a nonlinear
+    function of a batch sum, an operation along the batch or one the check
+    does not know are refused, naming the graph node, at the backward or
+    (conditions on values, read once) at the step, before anything is
+    written.  ``check_loss=False`` is the opt-out for a loss you vouch for.
+
     Across ranks: with ``group`` (a torch.distributed process group; do not
     also wrap the model in DDP), each rank feeds its own samples (a
     :class:`DistributedPoissonBatchSampler` shard) and :meth:`privatize_`
@@ -140,7 +152,7 @@ class GhostClipper(ClippedGaussianStep):
                  expected_batch_size: float | None, loss_reduction: str = "mean",
                  clipping: str = "flat", seed=None, offset: int | None = None,
                  nan_policy: str = "raise", group=None, batch_first: bool = True,
-                 adaptive: AdaptiveClip | None = None):
+                 adaptive: AdaptiveClip | None = None, check_loss: bool = True):
         check_choice(clipping, "clipping", ("flat", "per_layer", "adaptive"))
         check_not_ddp(model, "GhostClipper")
         self.adaptive = check_adaptive(clipping, adaptive, noise_multiplier,
@@ -169,6 +181,9 @@ class GhostClipper(ClippedGaussianStep):
         # A leaf that requires grad, so that a layer's output enters the graph
         # (and its gradient reaches us) even when nothing below it is trainable.
         self._anchor = torch.zeros((), requires_grad=True)
+        # The loss, checked at its backward to be a sum of per-sample terms
+        # (loss_graph.py); check_loss=False is the user's documented opt-out.
+        self._loss = LossWatch(self._anchor, check_bool(check_loss, "check_loss"), self.clear)
         self._batch = StepBatch(self.batch_first)
         # False while PrivateModule.disable_hooks() holds: nothing is recorded.
         self.enabled = True
@@ -218,6 +233,9 @@ class GhostClipper(ClippedGaussianStep):
                 self._restore_hook(tap), always_call=True))
         # The model as checked; every recorded forward is checked against it
         # first (tree.py), and so is the model now (an instance-level forward).
+        # Last, so that it sees the output the layers' hooks left (the model
+        # may itself be a layer).
+        self._handles.append(model.register_forward_hook(self._model_hook))
         self._snapshot = ModelSnapshot(model, self.taps,
                                        {(id(m), attr) for m, attr in self._forwards})
         self._snapshot.check(model, self.taps)
@@ -290,12 +308,18 @@ class GhostClipper(ClippedGaussianStep):
         if not in_backward():
             self._pass += 1
         if self._capturing():
+            if not in_backward():
+                self._loss.unstack()
             self._snapshot.check(self.model, self.taps)
             refuse_whole_batch_loss_kwargs(module, kwargs)
             return self._batch.pre_hook(module, args, kwargs)
         if torch.is_grad_enabled():
             self._uncaptured.add("disabled" if not self.enabled else "eval")
         return None
+
+    def _model_hook(self, module, args, output):
+        if self._capturing() and not in_backward():
+            self._loss.arm(self._batch.known())
 
     def declare_batch_size(self, n: int) -> None:
         """State the number of samples of the current step (until the next
@@ -390,10 +414,15 @@ class GhostClipper(ClippedGaussianStep):
             # A tensor hook fires with the gradient of this value even if a later
             # in-place op (an inplace ReLU) modifies it: no copy needed.
             output.register_hook(on_grad)
-            return output
-        return CaptureGrad.apply(output, self._anchor, on_grad)
+        else:
+            output = CaptureGrad.apply(output, self._anchor, on_grad)
+        # Where the loss check's reading of the graph stops (loss_watch.py).
+        self._loss.source(output, batch_dim(tap.module, tap.batch_first, output),
+                          self._batch.known())
+        return output
 
     def _on_grad(self, tap: Tap, rec: Record, grad):
+        self._loss.require(self._batch.model_ran)
         if rec.got:
             rec.twice = True            # a second backward through the same forward
             return
@@ -474,6 +503,7 @@ class GhostClipper(ClippedGaussianStep):
         self._uncaptured.clear()
         self._uncaptured_grads.clear()
         self._batch.clear()
+        self._loss.clear()
 
     def remove(self) -> None:
         """Detach the hooks and restore the modules' own forwards."""
@@ -526,6 +556,7 @@ class GhostClipper(ClippedGaussianStep):
     def _step_entries(self, optimizer):
         """The checks before a step or an accumulation (nothing written or drawn
         if one fails): ``(entries, grad_scale)``."""
+        self._loss.settle()
         if not any(p.requires_grad for t in self.taps for p in t.params.values()):
             raise RuntimeError(
                 "GhostClipper: every parameter it privatizes has been frozen since it was "

@@ -324,7 +324,8 @@ class PrivacyEngine:
                      criterion=None, batch_first: bool = True, loss_reduction: str = "mean",
                      poisson_sampling: bool = True, clipping: str = "flat",
                      noise_generator=None, grad_sample_mode: str = "hooks",
-                     wrap_model: bool = True, seed=None, group=None, **kwargs):
+                     wrap_model: bool = True, seed=None, group=None,
+                     check_loss: bool = True, **kwargs):
         """Make a model, optimizer and loader private (Opacus's signature).
 
         Args:
@@ -366,6 +367,12 @@ class PrivacyEngine:
                 and keeps its shard of it (DistributedPoissonBatchSampler);
                 the step equals the one-process step (GhostClipper(group=)).
                 The sample rate, and so the accountant, is the global one.
+            check_loss: True (default): every backward through the model is
+                checked, on its autograd graph, to be a sum or mean of
+                per-sample terms (a token mean only within each sample);
+                others are refused before anything is written
+                (docs/torch.md, "The loss, checked on the graph").  False is
+                the documented opt-out for a loss you vouch for.
 
         Returns ``(module, optimizer, data_loader)`` (``(module, optimizer,
         criterion, data_loader)`` with ``grad_sample_mode="ghost"``).
@@ -402,7 +409,8 @@ class PrivacyEngine:
                                noise_multiplier=noise_multiplier,
                                expected_batch_size=sample_rate * n,
                                loss_reduction=loss_reduction, clipping=clipping, seed=stream,
-                               group=group, batch_first=batch_first, adaptive=adaptive)
+                               group=group, batch_first=batch_first, adaptive=adaptive,
+                               check_loss=check_loss)
         self.sample_rate = sample_rate
 
         def on_step():

@@ -1,0 +1,489 @@
+"""Is the loss a sum of per-sample terms?  Decided on the autograd graph.
+
+Per-sample clipping bounds one sample's contribution by C only when the loss
+is ``c * sum_i f_i``, each ``f_i`` computed from sample i alone and ``c`` not
+computed from the batch.  A reduction that divides by a count over the whole
+batch (the valid tokens of every sample, ``num_items_in_batch``) couples the
+samples however the loss was called, so the check reads what the graph
+computes between the model's outputs and the scalar handed to backward.
+
+Every graph node on that path is interpreted abstractly: a tensor whose
+dimension ``dim`` runs over the samples (``Out``; a dimension merging each
+sample's rows, (B, T, V) -> (B*T, V), is ``Out`` with a block ``k = T``, and a
+sequence-first merge repeats the samples), a value summed over the batch
+(``Summed``), one that does not depend on the outputs (``None``), or one that
+reaches the model's interior other than through an output (``Interior``).
+Node types not listed here, on that path, are refused: the check fails
+closed.  Checks that need tensor values (ignored targets per sample, a
+scalar divisor) are returned as device booleans, read once at the step, so
+backward adds no host synchronisation.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["LossRefused", "analyse"]
+
+FIX = ("compute the loss as a sum or mean of per-sample terms: for tokens, "
+        "ncdp_fast.torch.causal_lm_loss / per_sample_token_loss / TokenCrossEntropyLoss "
+        "(each sample's mean over its own valid tokens); or, taking responsibility that "
+        "the loss is one, pass check_loss=False (docs/torch.md, 'The loss contract')")
+
+
+class LossRefused(ValueError):
+    """The loss is not (provably) a sum of per-sample terms."""
+
+
+class Out(NamedTuple):
+    dim: int        # the dimension running over samples
+    k: int = 1      # index j of that dimension belongs to sample (j // k) % B
+
+
+class Summed(NamedTuple):
+    terms: int | None = None    # the number of summed terms, for a plain sum
+
+
+class Interior(NamedTuple):
+    node: str
+
+
+# Depends on a layer output whose rows are not the step's samples (or that is
+# 0-d): the layer's own check refuses the step in backward, with its own
+# message, so the loss check leaves it to that.
+DEFERRED = "deferred"
+
+
+def _refuse(node, why: str):
+    raise LossRefused(f"GhostClipper: the loss is not a sum of per-sample terms: "
+                      f"{node.name()}: {why}; {FIX}")
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+def _dims(node, ndim: int) -> tuple:
+    d = node._saved_dim
+    if d is None:
+        return tuple(range(ndim))
+    d = d if isinstance(d, tuple) else (d,)
+    return tuple(_signed(x) % max(ndim, 1) for x in d)
+
+
+def _shape(node, nr: int = 0) -> tuple:
+    return tuple(node._input_metadata[nr].shape)
+
+
+_LINEAR = {"NegBackward0", "CloneBackward0", "ToCopyBackward0", "AliasBackward0",
+           "MulBackward1", "DivBackward1", "AddBackward1", "SubBackward1", "RsubBackward1",
+           "ContiguousBackward0", "ConjBackward0"}
+_ELEMENTWISE = {"AbsBackward0", "ExpBackward0", "Exp2Backward0", "Expm1Backward0",
+                "LogBackward0", "Log2Backward0", "Log10Backward0", "Log1pBackward0",
+                "SigmoidBackward0", "TanhBackward0", "ReluBackward0", "ThresholdBackward0",
+                "LeakyReluBackward0", "EluBackward0", "GeluBackward0", "SiluBackward0",
+                "MishBackward0", "HardtanhBackward0", "SoftplusBackward0",
+                "LogSigmoidBackward0", "PowBackward0", "SqrtBackward0", "RsqrtBackward0",
+                "ReciprocalBackward0", "ClampBackward1", "ClampMinBackward0",
+                "ClampMaxBackward0", "ErfBackward0", "SinBackward0", "CosBackward0",
+                "SgnBackward0", "SignBackward0", "FloorBackward0", "RoundBackward0",
+                "MaskedFillBackward0", "NanToNumBackward0", "SquareBackward0",
+                "XlogyBackward1", "NativeDropoutBackward0", "HardswishBackward0",
+                "HardsigmoidBackward0", "LeakyReluBackward1", "EluBackward1", "CeluBackward0",
+                "SeluBackward0", "Atan2Backward0"}
+_BINARY = {"AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0", "WhereBackward0",
+           "MaximumBackward0", "MinimumBackward0", "PowBackward1", "XlogyBackward0",
+           "RsubBackward0"}
+_VIEWS = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+          "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
+          "SqueezeBackward3", "SqueezeBackward4"}
+_ALONG = {"SoftmaxBackward0", "LogSoftmaxBackward0", "SafeSoftmaxBackward0",
+          "FlipBackward0", "RollBackward0", "CumsumBackward0", "LogcumsumexpBackward0",
+          "LinalgVectorNormBackward0", "NormBackward1", "LogsumexpBackward0", "AmaxBackward0",
+          "AminBackward0", "MaxBackward0", "MinBackward0", "ProdBackward1", "StdBackward0",
+          "VarBackward0", "MaxBackward1", "MinBackward1"}
+# Operations on (N, C, *spatial) inputs that keep each of the N rows its own:
+# the batch must be dimension 0.
+_PER_ROW = {"ConvolutionBackward0", "NativeGroupNormBackward0", "AvgPool1DBackward0",
+            "AvgPool2DBackward0", "AvgPool3DBackward0", "MaxPool2DWithIndicesBackward0",
+            "MaxPool3DWithIndicesBackward0", "AdaptiveAvgPool2DBackward0",
+            "AdaptiveAvgPool3DBackward0", "AdaptiveMaxPool2DBackward0",
+            "UpsampleNearest2DBackward0", "UpsampleBilinear2DBackward0",
+            "ReflectionPad1DBackward0", "ReflectionPad2DBackward0",
+            "ReplicationPad1DBackward0", "ReplicationPad2DBackward0"}
+# Attention over the last two dimensions of (..., L, E) inputs, per leading index.
+_ATTENTION = {"ScaledDotProductFlashAttentionForCpuBackward0",
+              "ScaledDotProductFlashAttentionBackward0",
+              "ScaledDotProductEfficientAttentionBackward0",
+              "ScaledDotProductCudnnAttentionBackward0",
+              "ScaledDotProductFusedAttentionOverrideableBackward0"}
+# Batched matrix products (b, n, m) x (b, m, p): per index of dimension 0.
+_BATCHED = {"BmmBackward0", "BaddbmmBackward0"} | _ATTENTION
+_SPLITS = {"SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0",
+           "UnsafeSplitWithSizesBackward0", "UnbindBackward0"}
+_ELEMENT_LOSSES = {"MseLossBackward0", "SmoothL1LossBackward0", "HuberLossBackward0",
+                   "BinaryCrossEntropyWithLogitsBackward0", "BinaryCrossEntropyBackward0",
+                   "SoftMarginLossBackward0", "L1LossBackward0", "KlDivBackward0"}
+
+
+class _Walk:
+    def __init__(self, outputs: dict, batch: int, anchor, constants):
+        self.outputs = outputs          # layer output node -> {output_nr: batch dim}
+        self.constants = constants      # Mul/Div nodes whose other operand is a number
+        self.batch = batch
+        self.anchor = anchor
+        self.memo: dict = {}
+        self.pending: list = []         # (device bool, message), read at the step
+
+    # ------------------------------------------------------------- traversal
+    def value(self, node, nr: int = 0):
+        if node is None:
+            return None
+        if node in self.outputs:
+            dim = self.outputs[node].get(nr, -1)
+            if dim is None:
+                return DEFERRED
+            return Out(dim) if dim >= 0 else Interior(node.name())
+        if node not in self.memo:
+            self._fill(node)
+        got = self.memo[node]
+        return got(nr) if callable(got) else got
+
+    def _fill(self, root) -> None:
+        # Iterative post-order: an interior walk may be as deep as the model.
+        stack = [(root, False)]
+        while stack:
+            node, ready = stack.pop()
+            if node in self.memo:
+                continue
+            if ready:
+                self.memo[node] = self._node_value(node)
+                continue
+            stack.append((node, True))
+            for nf, _ in node.next_functions:
+                if nf is not None and nf not in self.memo and nf not in self.outputs:
+                    stack.append((nf, False))
+
+    # ----------------------------------------------------------------- rules
+    def _node_value(self, node):
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return Interior(name) if node.variable is self.anchor else None
+        edges = node.next_functions
+        ins = [self.value(nf, nr) for nf, nr in edges]
+        inner = next((v for v in ins if isinstance(v, Interior)), None)
+        if inner is not None:
+            return inner
+        if DEFERRED in ins:
+            return DEFERRED
+        if all(v is None for v in ins):
+            return None
+        live = [(i, v) for i, v in enumerate(ins) if v is not None]
+        i0, v0 = live[0]
+        in_shape = _shape(*edges[i0]) if isinstance(v0, Out) else None
+        if name in _LINEAR or (name in _ELEMENTWISE and isinstance(v0, Out)):
+            return v0 if len(live) == 1 else self._binary(node, name, ins, edges)
+        if name in _ELEMENTWISE:
+            _refuse(node, "a nonlinear function is applied to a value summed over the batch")
+        if name in _BINARY:
+            return self._binary(node, name, ins, edges)
+        if isinstance(v0, Summed):
+            if name in ("SumBackward0", "SumBackward1", "MeanBackward0", "MeanBackward1",
+                        "ExpandBackward0") or name in _VIEWS:
+                return Summed()
+            _refuse(node, "a value summed over the batch goes through an operation that is not "
+                          "linear")
+        if len(live) > 1 and name not in ("CatBackward0", "StackBackward0", "MmBackward0",
+                                          "AddmmBackward0") and \
+                name not in _ELEMENT_LOSSES and name not in _BATCHED:
+            _refuse(node, "an operation of several per-sample tensors that the check does not "
+                          "know")
+        return self._on_samples(node, name, v0, in_shape, ins, edges)
+
+    def _on_samples(self, node, name, v, in_shape, ins, edges):
+        b, out_shape = v.dim, _shape(node)
+        if name in ("SumBackward0", "MeanBackward0"):
+            return Summed(math.prod(in_shape) if name == "SumBackward0" else None)
+        if name in ("SumBackward1", "MeanBackward1"):
+            dims = _dims(node, len(in_shape)) or tuple(range(len(in_shape)))
+            if b in dims:
+                return Summed(math.prod(in_shape) if name == "SumBackward1" else None)
+            return Out(b if node._saved_keepdim else b - sum(d < b for d in dims), v.k)
+        if name in _VIEWS:
+            return self._reshape(node, v, in_shape, out_shape)
+        if name == "ExpandBackward0":
+            return self._broadcast(node, v, in_shape, out_shape)
+        if name == "PermuteBackward0":
+            return Out([_signed(d) % len(in_shape) for d in node._saved_dims].index(b), v.k)
+        if name in ("TransposeBackward0", "TransposeBackward1", "TBackward0"):
+            d0, d1 = ((_signed(node._saved_dim0) % len(in_shape),
+                       _signed(node._saved_dim1) % len(in_shape))
+                      if name != "TBackward0" else (0, 1))
+            return Out(d1 if b == d0 else d0 if b == d1 else b, v.k)
+        if name == "SelectBackward0":
+            d = _signed(node._saved_dim) % len(in_shape)
+            if d == b:
+                _refuse(node, "one index of the batch dimension is selected")
+            return Out(b - (d < b), v.k)
+        if name == "SliceBackward0":
+            d = _signed(node._saved_dim) % len(in_shape)
+            whole = (_signed(node._saved_start) in (0, -(1 << 63)) and node._saved_step == 1
+                     and (_signed(node._saved_end) >= in_shape[d]
+                          or _signed(node._saved_end) == (1 << 63) - 1))
+            if d == b and not whole:
+                _refuse(node, "the batch dimension is sliced")
+            return v
+        if name == "ConstantPadNdBackward0":
+            pad = node._saved_pad
+            at = len(in_shape) - 1 - b
+            if 2 * at + 1 < len(pad) and (pad[2 * at] or pad[2 * at + 1]):
+                _refuse(node, "the batch dimension is padded")
+            return v
+        if name == "GatherBackward0":
+            d = _signed(node._saved_dim) % len(in_shape)
+            if d == b or out_shape[b] != in_shape[b]:
+                _refuse(node, "gathers along the batch dimension")
+            return v
+        if name == "IndexBackward0":
+            return self._index(node, v, in_shape, out_shape)
+        if name in _PER_ROW:
+            if b != 0 or v.k != 1:
+                _refuse(node, "an operation that keeps rows of dimension 0 apart gets the "
+                              "samples elsewhere")
+            return v
+        if name == "NativeLayerNormBackward0":
+            if b >= len(in_shape) - len(node._saved_normalized_shape):
+                _refuse(node, "a layer norm normalises over the batch dimension")
+            return v
+        if name in _BATCHED:
+            lives = {(x.dim, x.k) for x in ins if isinstance(x, Out)}
+            last = 2 if name in _ATTENTION else 1
+            if len(lives) != 1 or any(isinstance(x, Summed) for x in ins) or \
+                    b >= len(in_shape) - last or (name not in _ATTENTION and b != 0):
+                _refuse(node, "a batched matrix product or attention mixes the samples")
+            return v
+        if name in _SPLITS:
+            d = _signed(node._saved_dim) % len(in_shape)
+            if d == b:
+                _refuse(node, "the batch dimension is split")
+            return Out(b - (d < b), v.k) if name == "UnbindBackward0" else v
+        if name == "IndexSelectBackward0":
+            if _signed(node._saved_dim) % len(in_shape) == b:
+                _refuse(node, "an index selects along the batch dimension")
+            return v
+        if name == "RepeatBackward0":
+            reps = tuple(node._saved_repeats)
+            lead = len(reps) - len(in_shape)
+            if reps[lead + b] != 1:
+                _refuse(node, "the batch dimension is repeated")
+            return Out(b + lead, v.k)
+        if name in _ALONG:
+            if name == "RollBackward0" or name == "FlipBackward0":
+                dims = tuple(_signed(d) % len(in_shape) for d in node._saved_dims)
+            else:
+                dims = _dims(node, len(in_shape)) if hasattr(node, "_saved_dim") else \
+                    tuple(range(len(in_shape)))
+            if b in dims:
+                _refuse(node, "a nonlinear function runs along the batch dimension, mixing "
+                              "samples")
+            keep = len(out_shape) == len(in_shape)
+            return Out(b if keep else b - sum(d < b for d in dims), v.k)
+        if name in ("CatBackward0", "StackBackward0"):
+            return self._join(node, name, ins, edges)
+        if name in ("MmBackward0", "AddmmBackward0"):
+            return self._matmul(node, ins, edges)
+        if name in ("NllLossBackward0", "NllLoss2DBackward0"):
+            return self._nll(node, v, in_shape)
+        if name in _ELEMENT_LOSSES:
+            if len([x for x in ins if x is not None]) > 1:
+                self._aligned(node, ins, edges)
+            return self._reduced(node, v, in_shape)
+        _refuse(node, f"a {name} node, which the check does not know, acts on the model's "
+                      "outputs")
+
+    def _reduced(self, node, v, in_shape):
+        red = node._saved_reduction
+        if red == 0:
+            return v
+        return Summed(math.prod(in_shape) if red == 2 else None)
+
+    def _nll(self, node, v, in_shape):
+        if v.dim != 0 or len(in_shape) < 2:
+            _refuse(node, "the class scores do not have the samples' rows first")
+        red = node._saved_reduction
+        if red != 1:
+            return v if red == 0 else Summed()
+        if node._saved_weight is not None:
+            _refuse(node, "a class-weighted mean divides by the summed weights of the whole "
+                          "batch's targets")
+        target = node._saved_target
+        valid = (target != _signed(node._saved_ignore_index))
+        valid = valid.reshape(valid.shape[0], -1).sum(1)
+        rows = torch.arange(valid.shape[0], device=valid.device)
+        owner = (rows // v.k) % max(self.batch, 1)
+        counts = torch.zeros(max(self.batch, 1), dtype=valid.dtype, device=valid.device)
+        counts.index_add_(0, owner, valid)
+        self.pending.append((
+            (counts == counts[0]).all(),
+            f"{node.name()}: the mean over targets (reduction='mean') divides by the valid "
+            "targets of the whole batch, and the samples have different numbers of them "
+            f"(ignore_index={_signed(node._saved_ignore_index)}): one sample's padding "
+            "rescales every other sample's gradient"))
+        return Summed()
+
+    # ------------------------------------------------------------- structure
+    def _reshape(self, node, v, in_shape, out_shape):
+        if not math.prod(in_shape):         # no element: nothing to mix
+            return Out(0) if out_shape else Summed()
+        unit = v.k * math.prod(in_shape[v.dim + 1:])
+        period = max(self.batch, 1) * unit
+        for d in range(len(out_shape)):
+            inner = math.prod(out_shape[d + 1:])
+            if unit % inner == 0 and math.prod(out_shape[d:]) % period == 0:
+                return Out(d, unit // inner)
+        _refuse(node, f"a reshape {in_shape} -> {out_shape} mixes the samples' elements")
+
+    def _broadcast(self, node, v, in_shape, out_shape):
+        d = v.dim + len(out_shape) - len(in_shape)
+        if out_shape[d] != in_shape[v.dim]:
+            _refuse(node, "the batch dimension is broadcast")
+        return Out(d, v.k)
+
+    def _index(self, node, v, in_shape, out_shape):
+        idx = list(node._saved_indices)
+        at = [i for i, x in enumerate(idx) if x is not None]
+        if at and (at[0] <= v.dim or at != list(range(at[0], at[-1] + 1))):
+            _refuse(node, "an index (a mask or index tensor) selects along the batch "
+                          "dimension: which rows remain depends on every sample")
+        return v
+
+    def _aligned(self, node, ins, edges):
+        out_shape = _shape(node)
+        seen = set()
+        for (nf, nr), x in zip(edges, ins):
+            if isinstance(x, Out):
+                seen.add(self._broadcast(node, x, _shape(nf, nr), out_shape))
+            elif isinstance(x, Summed):
+                _refuse(node, "combines per-sample values with a value reduced over the "
+                              "batch (as x - x.mean()): each sample's term depends on the "
+                              "others")
+        if len(seen) > 1:
+            _refuse(node, "combines tensors whose samples lie along different dimensions")
+        return seen.pop() if seen else None
+
+    def _join(self, node, name, ins, edges):
+        d = _signed(node._saved_dim)
+        lives = {(x.dim, x.k) for x in ins if isinstance(x, Out)}
+        if len(lives) != 1 or any(isinstance(x, Summed) for x in ins):
+            _refuse(node, "joins tensors whose samples lie along different dimensions")
+        b, k = lives.pop()
+        ndim = len(_shape(node))
+        d %= ndim
+        if name == "CatBackward0":
+            if d == b:
+                _refuse(node, "concatenates along the batch dimension")
+            return Out(b, k)
+        return Out(b + (d <= b), k)
+
+    def _matmul(self, node, ins, edges):
+        a, w = ins[-2], ins[-1]
+        if isinstance(a, Out) and a.dim == 0 and w is None and (len(ins) == 2 or ins[0] is None):
+            return a
+        _refuse(node, "a matrix product contracts over the batch dimension or multiplies "
+                      "per-sample tensors together")
+
+    # ---------------------------------------------------------------- binary
+    def _binary(self, node, name, ins, edges):
+        live = [x for x in ins if x is not None]
+        summed = [x for x in live if isinstance(x, Summed)]
+        data_side = [i for i, (nf, _) in enumerate(edges) if nf is None]
+        if len(live) == 2:
+            if summed and len(summed) == 1:
+                _refuse(node, "combines per-sample values with a value reduced over the batch "
+                              "(as x - x.mean()): each sample's term depends on the others")
+            if summed:
+                if name in ("AddBackward0", "SubBackward0"):
+                    return Summed()
+                _refuse(node, "multiplies two values summed over the batch")
+            return self._aligned(node, ins, edges)
+        v = live[0]
+        scalar = name in ("MulBackward0", "DivBackward0") and data_side and \
+            node not in self.constants
+        if scalar:
+            data = self._data_operand(node, name, ins)
+            if name == "DivBackward0" and ins[0] is None:
+                if isinstance(v, Summed):
+                    _refuse(node, "divides by a value summed over the batch")
+                return self._aligned(node, ins, edges) if isinstance(v, Out) else v
+            # A per-sample value scaled by a shared scalar is taken as scaled by
+            # a constant: Python numbers inside the model's forward (logit
+            # soft-capping, Granite's logits_scaling) reach autograd as 0-d
+            # tensors too.  A count over the batch bites at the reduction's
+            # divisor, checked below on the summed value.
+            if isinstance(data, torch.Tensor) and data.numel() == 1 and isinstance(v, Summed):
+                self._scalar_factor(node, name, data, v)
+            elif isinstance(v, Summed) and data is None:
+                _refuse(node, "scales a value summed over the batch by a tensor the check "
+                              "cannot read")
+        if isinstance(v, Summed):
+            return Summed(v.terms if name in ("MulBackward0", "DivBackward0") else None)
+        return self._aligned(node, ins, edges)
+
+    @staticmethod
+    def _data_operand(node, name, ins):
+        attr = "_saved_other" if ins[0] is not None else "_saved_self"
+        return getattr(node, attr, None)
+
+    def _scalar_factor(self, node, name, data, v):
+        x = data.detach().reshape(()).to(torch.float64)
+        if name == "MulBackward0":
+            # GradScaler's scale: a power of two >= 1 (init 2^16, halved or
+            # doubled); a count from the batch would divide, not multiply.
+            mant, _ = torch.frexp(x)
+            ok = (mant == 0.5) & (x >= 1)
+            why = ("scales by a scalar tensor that is not a power of two >= 1 (a "
+                   "GradScaler's scale is): it may be computed from the batch")
+        else:
+            allowed = [float(self.batch)] + ([float(v.terms)] if isinstance(v, Summed) and
+                                             v.terms else [])
+            ok = (x == torch.tensor(allowed, dtype=torch.float64, device=x.device)).any()
+            why = ("divides by a scalar tensor that is neither the batch size nor the number "
+                   "of terms summed (a count over the whole batch, as num_items_in_batch or "
+                   "the valid tokens of every sample, couples the samples)")
+        self.pending.append((ok, f"{node.name()}: {why}"))
+
+
+def analyse(roots, outputs: dict, batch: int, anchor, constants=frozenset()):
+    """Check the graph from each ``(tensor, gradient or None)`` root down to
+    the recorded layers' outputs (``outputs``: grad_fn node -> {output_nr:
+    batch dim}, None where the layer's own check refuses the step);
+    ``anchor`` the clipper's leaf inside recorded forwards (a path to it
+    bypasses the outputs).  Returns ``(reached, pending)``: whether some root
+    depends on an output, and the value checks to read at the step
+    ((device bool, message) pairs); ``constants`` the Mul/Div nodes known to
+    scale by a Python number.  Raises :class:`LossRefused`."""
+    walk = _Walk(outputs, batch, anchor, constants)
+    reached = False
+    for t, grad in roots:
+        node = getattr(t, "grad_fn", None)
+        if node is None:
+            continue
+        v = walk.value(node, t.output_nr)
+        if isinstance(v, Interior):
+            raise LossRefused(
+                f"GhostClipper: the loss depends on the model other than through its recorded "
+                f"layers (through {v.node}: a module without a rule between a layer and the "
+                f"loss?); its per-sample terms cannot be checked; {FIX}")
+        if v is None:
+            continue
+        reached = True
+        if v is DEFERRED:
+            continue
+        if isinstance(v, Out) and grad is None:
+            _refuse(node, "backward starts from a tensor with a batch dimension and no "
+                          "gradient")
+        if isinstance(grad, torch.Tensor) and grad.numel() == 1 and isinstance(v, Summed):
+            walk._scalar_factor(node, "MulBackward0", grad, v)
+    return reached, walk.pending

@@ -1,0 +1,175 @@
+"""Where the loss check runs: every recorded layer's output is noted with its
+batch dimension, and after each recorded forward of the model the first
+backward that reaches them is caught by
+a torch-function mode (``loss.backward()``, ``torch.autograd.backward``,
+``torch.autograd.grad``, whoever calls them: a GradScaler, accelerate, the
+Trainer) and checked (:mod:`.loss_graph`) before autograd runs.  A layer's
+gradient arriving through a backward the check did not see is refused, so a
+loss is never trusted by default.
+
+The mode sits at the bottom of the thread's torch-function-mode stack from
+the end of the forward to the backward (modes a user enters and leaves in
+between stay in their own order) and only passes calls through; it is
+removed at the next forward or step.
+"""
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .loss_graph import FIX, LossRefused, analyse
+
+__all__ = ["LossWatch"]
+
+_BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+# A Python number multiplying or dividing a tensor reaches autograd as a 0-d
+# tensor, as a count computed from the batch does; these calls, seen with
+# the number, mark their node as scaling by a constant.
+_SCALINGS = (torch.Tensor.mul, torch.Tensor.div, torch.Tensor.mul_, torch.Tensor.div_,
+             torch.mul, torch.div, torch.true_divide, torch.Tensor.true_divide,
+             torch.Tensor.true_divide_)
+
+
+def _as_list(x):
+    if x is None:
+        return []
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def _roots(func, args, kwargs):
+    """(tensor, gradient or None) pairs a backward call starts from."""
+    if func is torch.Tensor.backward:
+        grad = args[1] if len(args) > 1 else kwargs.get("gradient")
+        return [(args[0], grad)]
+    if func is torch.autograd.backward:
+        tensors = _as_list(args[0] if args else kwargs.get("tensors"))
+        grads = _as_list(args[1] if len(args) > 1 else kwargs.get("grad_tensors"))
+    else:
+        tensors = _as_list(args[0] if args else kwargs.get("outputs"))
+        grads = _as_list(args[2] if len(args) > 2 else kwargs.get("grad_outputs"))
+    return list(zip(tensors, grads + [None] * (len(tensors) - len(grads))))
+
+
+class _Catch(TorchFunctionMode):
+    def __init__(self, watch):
+        super().__init__()
+        self.watch = watch
+        self.active = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.active and func in _BACKWARDS:
+            self.watch.on_backward(_roots(func, args, kwargs))
+        out = func(*args, **kwargs)
+        if self.active and func in _SCALINGS and len(args) == 2 and \
+                isinstance(args[1], (int, float)) and isinstance(out, torch.Tensor) and \
+                out.grad_fn is not None:
+            self.watch.constants.add(out.grad_fn)
+        return out
+
+
+def _restack(keep):
+    """Pop the thread's torch-function modes, drop ours, push the others back in
+    their order, with ours at the bottom when ``keep``."""
+    above = []
+    while torch._C._len_torch_function_stack():
+        m = torch._C._pop_torch_function_stack()
+        if not isinstance(m, _Catch):
+            above.append(m)
+    if keep is not None:
+        torch._C._push_on_torch_function_stack(keep)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+
+
+class LossWatch:
+    """The clipper's loss check.  ``enabled`` False (``check_loss=False``) is
+    the documented opt-out: nothing is recorded or checked."""
+
+    def __init__(self, anchor: torch.Tensor, enabled: bool, on_refuse):
+        self.enabled = enabled
+        self.anchor = anchor
+        self.on_refuse = on_refuse
+        self.sources: dict = {}         # grad_fn node -> {output_nr: batch dim}
+        self.batch = 0
+        self.checked = False
+        self.pending: list = []
+        self.constants: set = set()     # nodes scaling by a Python number
+        self._catch = _Catch(self)
+
+    def source(self, t: torch.Tensor, dim: int, batch: int | None) -> None:
+        """A recorded layer's output, whose batch dimension ``dim`` its layout
+        gives (layout.batch_dim): the graph is read from the loss down to
+        these.  An output that is 0-d or whose rows are not the ``batch``
+        samples is left to the layer's own refusal in backward."""
+        if self.enabled and t.grad_fn is not None:
+            rows = t.ndim and (batch is None or t.shape[dim] == batch)
+            self.sources.setdefault(t.grad_fn, {})[t.output_nr] = dim if rows else None
+
+    def arm(self, batch: int) -> None:
+        """At the end of a recorded forward of the model: the next backward is
+        checked."""
+        if not self.enabled:
+            return
+        self.batch, self.checked = batch, False
+        self._catch.active = True
+        _restack(self._catch)
+
+    def on_backward(self, roots) -> None:
+        try:
+            if self.batch == 0:
+                reached, pending = True, []
+            else:
+                reached, pending = analyse(roots, self.sources, self.batch, self.anchor,
+                                           self.constants)
+        except LossRefused:
+            self.on_refuse()
+            raise
+        if reached:
+            self.checked = True
+            self.pending += pending
+            self._catch.active = False
+
+    def require(self, model_ran: bool) -> None:
+        """Inside backward, at a layer's gradient: refuse a backward the check
+        did not see (a layer run outside the model's forward is refused by
+        its own check)."""
+        if self.enabled and model_ran and not self.checked:
+            raise RuntimeError(
+                "GhostClipper: a gradient reached the model through a backward the loss check "
+                "did not see (the model's forward ran without gradients, as in a reentrant "
+                "checkpoint of the whole model, or backward ran on another thread, or a "
+                "torch-function mode was removed): the loss could not be checked to be a sum "
+                "of per-sample terms. Call loss.backward() (or torch.autograd.backward/grad) "
+                "on the thread that ran the model, checkpoint blocks inside the model, or pass "
+                "check_loss=False taking responsibility for the loss (docs/torch.md, 'The loss "
+                "contract')")
+
+    def settle(self) -> None:
+        """At the step, before anything is written: read the value checks (one
+        transfer for all of them) and refuse the first that failed."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        device = pending[0][0].device
+        flags = torch.stack([ok.reshape(()) if ok.device == device else ok.to(device)
+                             for ok, _ in pending]).tolist()
+        for ok, (_, why) in zip(flags, pending):
+            if not ok:
+                self.on_refuse()
+                raise LossRefused(f"GhostClipper: the loss is not a sum of per-sample terms: "
+                                  f"{why}; {FIX}")
+
+    def unstack(self) -> None:
+        """Take the mode off the stack (before a forward: the model never runs
+        under it)."""
+        self._catch.active = False
+        if torch._C._len_torch_function_stack():
+            _restack(None)
+
+    def clear(self) -> None:
+        self.sources.clear()
+        self.constants.clear()
+        self.pending = []
+        self.checked = False
+        self.unstack()
