@@ -4,6 +4,7 @@ ncdp_fast.torch import PrivacyEngine`` is the whole migration of a training loop
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -60,7 +61,15 @@ class PrivateModule(nn.Module):
         self.clipper.enabled = True
 
 
-class DPOptimizer(CheckpointsNoise):
+# The registries torch.optim.Optimizer.__init__ creates, which its hook
+# methods (register_step_pre_hook, ...) and profile_hook_step read.
+_OPTIMIZER_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                    "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                    "_optimizer_load_state_dict_pre_hooks",
+                    "_optimizer_load_state_dict_post_hooks")
+
+
+class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
     """The optimizer as ``make_private`` returns it: ``step()`` replaces every
     gradient by the clipper's private one (one Gaussian mechanism over the
     batch), records the step with the engine's accountant, then steps the
@@ -77,6 +86,12 @@ class DPOptimizer(CheckpointsNoise):
 
     def __init__(self, optimizer: torch.optim.Optimizer, clipper: GhostClipper, on_step,
                  samplers=(), engine=None):
+        # A torch Optimizer to whatever checks (LR schedulers, isinstance), as
+        # Opacus's: Optimizer.__init__ is not run -- the parameter groups, state
+        # and defaults are the wrapped optimizer's (properties below); only the
+        # hook registries Optimizer's own methods read are set up.
+        for name in _OPTIMIZER_HOOKS:
+            setattr(self, name, OrderedDict())
         self.original_optimizer = optimizer
         self.clipper = clipper
         self._on_step = on_step
@@ -174,6 +189,20 @@ class DPOptimizer(CheckpointsNoise):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """Added to the wrapped optimizer.  A parameter outside the model gets
+        no private gradient: a step over a ``.grad`` it holds is refused
+        (GhostClipper.privatize_); one of the model's is privatized as any."""
+        self.original_optimizer.add_param_group(param_group)
+
+    # Optimizer pickles only its groups and state; this wrapper is all of itself.
+    def __getstate__(self):
+        return dict(self.__dict__)
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+
+    @torch.optim.Optimizer.profile_hook_step
     def step(self, closure=None):
         if closure is not None:
             with torch.enable_grad():
