@@ -263,7 +263,8 @@ class StepTimer:
 class Issue35Timer(StepTimer):
     """The wall time of the per-step checks of issue 35 in the torch drop-in,
     where they run: the model-tree check before each recorded forward
-    (``tree.ModelSnapshot.check``) and the loss check (``loss_watch.LossWatch``:
+    (``tree.ModelSnapshot.check``), each layer's layout read from the graph
+    (``GhostClipper._check_layout``) and the loss check (``loss_watch.LossWatch``:
     noting each layer's output, arming the torch-function mode after the
     forward, reading the graph at backward, the value checks at the step,
     taking the mode off).  The mode also passes every torch call between the
@@ -278,9 +279,10 @@ class Issue35Timer(StepTimer):
         self.per_call = 0.0
 
     def install(self) -> "Issue35Timer":
-        from ncdp_fast.torch import loss_watch, tree
+        from ncdp_fast.torch import clipper, loss_watch, tree
         W = loss_watch.LossWatch
-        for owner, name in ((tree.ModelSnapshot, "check"), (W, "source"), (W, "arm"),
+        for owner, name in ((tree.ModelSnapshot, "check"),
+                            (clipper.GhostClipper, "_check_layout"), (W, "source"), (W, "arm"),
                             (W, "on_backward"), (W, "require"), (W, "settle"),
                             (W, "unstack"), (W, "clear")):
             self._patch(owner, name, self._timed(owner.__dict__[name]))
@@ -315,6 +317,22 @@ class Issue35Timer(StepTimer):
         finally:
             torch._C._pop_torch_function_stack()
         return max(mode - bare, 0.0) / n
+
+    def counted(self, step):
+        """As StepTimer's, but the first call (lazy initialisation: torch's
+        first use of an op, the first graph walk of each layer call and input
+        shape, kept for later steps) is left out of the figure."""
+        first = [True]
+
+        def call():
+            out = step()
+            if first[0]:
+                first[0] = False
+                self.seconds, self.calls = 0.0, 0
+            else:
+                self.steps += 1
+            return out
+        return call
 
     def ms_per_step(self) -> float | None:
         if not self.steps:

@@ -803,8 +803,8 @@ CHECKS35_COLUMNS = [("checks35_ms", "issue-35 checks ms/step", "{:.3f}"),
                     ("checks35_pct", "issue-35 checks % of step", "{:.2f}"),
                     ("checks35_target", f"<= {CHECKS35_PCT:g}% (issue 35)", None)]
 CHECKS35_NOTE = (
-    "issue-35 checks: the model-tree check before each recorded forward and the loss "
-    "check (layer outputs noted, the torch-function mode armed and taken off, the autograd "
+    "issue-35 checks: the model-tree check before each recorded forward, each layer's "
+    "layout read from the graph, and the loss check (layer outputs noted, the torch-function mode armed and taken off, the autograd "
     "graph read at backward, its value conditions read at the step, and each torch call "
     "between forward and backward charged the mode's measured pass-through time), timed "
     f"where they run (Issue35Timer, bench/_common.py); target <= {CHECKS35_PCT:g}% of the "

@@ -415,3 +415,52 @@ def test_broadcast_position_table_with_T_not_B_is_refused():
     with pytest.raises(ValueError, match=r"layer 'pos' \(Embedding\) has 5 rows .* step has 3"):
         model(torch.randn(3, 5, D, dtype=F64)).sum().backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+# ------------------------------------ issue 35, item 1: layouts by structure
+class TransposedInside(nn.Module):
+    """A batch-first model whose own code turns its tokens sequence-first
+    before a plain nn.Linear (the audit's case: relative error 0.16 at T == B),
+    or turns them back first (``back``)."""
+
+    def __init__(self, back=False):
+        super().__init__()
+        self.back = back
+        self.emb = nn.Embedding(V, D)
+        self.lin = nn.Linear(D, D)
+        self.head = nn.Linear(D, K)
+
+    def forward(self, tokens):
+        h = self.emb(tokens).transpose(0, 1)        # (T, B, D)
+        if self.back:
+            h = h.transpose(0, 1)                   # (B, T, D)
+        h = torch.tanh(self.lin(h))
+        return self.head(h.mean(1 if self.back else 0))
+
+
+@pytest.mark.parametrize("t,b", [(T, B), (3, 5)])
+def test_a_sequence_first_layer_inside_a_batch_first_model_is_refused_by_structure(t, b):
+    """Where the samples are is followed through the graph from the layer
+    before (the embedding's rows are the samples): at T == B no size can
+    tell, and the step was silently wrong; now refused at the forward,
+    before the layer runs, naming the dimension found and the one read."""
+    torch.manual_seed(7)
+    model = TransposedInside().double()
+    clipper = _clipper(model)
+    tokens = torch.randint(0, V, (b, t))
+    with pytest.raises(ValueError, match=r"layer 'lin' \(Linear\) gets its input .* samples "
+                                         r"along dimension 1.*reads dimension 0"):
+        model(tokens)
+    assert all(not tap.records for tap in clipper.taps if tap.name == "lin")
+    assert all(p.grad is None for p in model.parameters())
+    clipper.remove()
+
+
+@pytest.mark.parametrize("t,b", [(T, B), (3, 5)])
+def test_a_layout_turned_back_before_the_layer_is_exact(t, b):
+    torch.manual_seed(8)
+    model = TransposedInside(back=True).double()
+    g = torch.Generator().manual_seed(9)
+    x = torch.randint(0, V, (b, t), generator=g)
+    y = torch.randint(0, K, (b,), generator=g)
+    _check_exact(model, x, y, 0)

@@ -254,3 +254,25 @@ def test_the_mode_keeps_other_modes_in_order_and_leaves_nothing_behind():
         out.pow(2).sum().backward()
         clipper.privatize_()
         assert torch._C._len_torch_function_stack() == 0
+
+
+@pytest.mark.parametrize("rows, accepted", [("arange", True), ("flip", False)])
+def test_one_entry_of_each_sample_is_accepted_only_in_order(rows, accepted):
+    """``logits[arange(B), j]`` (the pooled logits of a decoder's sequence
+    classifier) keeps each sample's term its own; a permuted index along the
+    batch pairs a sample's output with another's label."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5)
+    x, y = torch.randn(B, 3, 4), torch.randint(0, 5, (B,))
+    last = torch.randint(0, 3, (B,))
+    index = torch.arange(B) if rows == "arange" else torch.arange(B).flip(0)
+    with GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                      expected_batch_size=B) as clipper:
+        F.cross_entropy(model(x)[index, last], y).backward()
+        if accepted:
+            clipper.privatize_()
+            assert model.weight.grad is not None
+        else:
+            with pytest.raises(LossRefused, match="not 0, 1, ..., B-1"):
+                clipper.privatize_()
+            assert model.weight.grad is None

@@ -44,6 +44,28 @@ def _dist():
     return dist if dist.is_available() else None
 
 
+def unpin_world_defaults() -> None:
+    """Replace the default group that ``torch.distributed.nn.functional``
+    bound into its functions' default arguments by None (the same group to
+    every call: the default one).  Imported after ``init_process_group`` (the
+    first torch optimizer imports it, and so does ``ncdp_fast.torch`` imported
+    late, inside a ``main()``), those defaults keep the group alive past
+    ``destroy_process_group``; its gloo worker threads then run into the
+    interpreter's shutdown and the rank dies by SIGABRT (issue 37)."""
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    dist = _dist()
+    if functional is None or dist is None:
+        return
+    pg = dist.ProcessGroup
+    for fn in list(vars(functional).values()):
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(isinstance(d, pg) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, pg) else d for d in defaults)
+        kw = getattr(fn, "__kwdefaults__", None)
+        if kw and any(isinstance(d, pg) for d in kw.values()):
+            fn.__kwdefaults__ = {k: None if isinstance(d, pg) else d for k, d in kw.items()}
+
+
 def resolve_group(group: Any = None) -> Any:
     """The process group a sharded call runs on, or ``None`` for one process.
 
@@ -53,6 +75,7 @@ def resolve_group(group: Any = None) -> Any:
     if group is None and "torch.distributed" not in sys.modules:
         return None         # nothing initialised a group; no torch import (seconds) for that
     dist = _dist()
+    unpin_world_defaults()
     if group is None:
         if dist is None or not dist.is_initialized():
             return None

@@ -23,6 +23,7 @@ from .conv import conv_forward
 from .coupling import batch_dim_hooks, refuse_batch_mixing, refuse_whole_batch_loss_kwargs
 from .layers import Call, refuse_unsupported
 from .loss_watch import LossWatch
+from .structure import LayoutByGraph
 from .layout import StepBatch, batch_dim, broadcast_rows, rows_error, set_layouts, to_batch_first
 from .mechanism import ClippedGaussianStep, ReleasedGrads, optimizer_params
 from .memory import (add_clipped, check_bound_kept, check_same_parameters, fold_in,
@@ -117,7 +118,10 @@ class GhostClipper(ClippedGaussianStep):
     one leading dimension ((B, d)) has its batch there; every other layer
     follows ``batch_first`` (Opacus's argument: with
     False, a layer's dimension 1 is the batch, (T, B, d)).  The layout is
-    never inferred from sizes.
+    never inferred from sizes; where a layer's input descends from a layer
+    recorded earlier in the forward, the dimension holding the samples is
+    followed through the graph, and a layout that reads another one is
+    refused at the forward (:mod:`.structure`).
 
     The loss: at the first backward after a recorded forward, the autograd
     graph from the loss down to the recorded layers' outputs is read
@@ -184,6 +188,8 @@ class GhostClipper(ClippedGaussianStep):
         # The loss, checked at its backward to be a sum of per-sample terms
         # (loss_graph.py); check_loss=False is the user's documented opt-out.
         self._loss = LossWatch(self._anchor, check_bool(check_loss, "check_loss"), self.clear)
+        # Each layer's batch dimension, where the graph from earlier layers shows it.
+        self._layouts = LayoutByGraph()
         self._batch = StepBatch(self.batch_first)
         # False while PrivateModule.disable_hooks() holds: nothing is recorded.
         self.enabled = True
@@ -310,6 +316,7 @@ class GhostClipper(ClippedGaussianStep):
         if self._capturing():
             if not in_backward():
                 self._loss.unstack()
+                self._layouts.new_forward()
             self._snapshot.check(self.model, self.taps)
             refuse_whole_batch_loss_kwargs(module, kwargs)
             return self._batch.pre_hook(module, args, kwargs)
@@ -404,6 +411,8 @@ class GhostClipper(ClippedGaussianStep):
                 f"GhostClipper: layer {tap.name!r} runs forward again after a backward pass "
                 "reached it; call privatize_() (optimizer.step()) before the next forward "
                 "(batches are not accumulated: each step is one batch), or clear() to discard")
+        dim = batch_dim(tap.module, tap.batch_first, output)
+        self._check_layout(tap, inputs, output, dim)
         inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
         rec = Record(inputs, slot, tuple(getattr(x, "_version", 0) for x in inputs))
         tap.records.append(rec)
@@ -417,9 +426,21 @@ class GhostClipper(ClippedGaussianStep):
         else:
             output = CaptureGrad.apply(output, self._anchor, on_grad)
         # Where the loss check's reading of the graph stops (loss_watch.py).
-        self._loss.source(output, batch_dim(tap.module, tap.batch_first, output),
-                          self._batch.known())
+        self._loss.source(output, dim, self._batch.known())
         return output
+
+    def _check_layout(self, tap: Tap, inputs: tuple, output, rule: int) -> None:
+        """Refuse a layer whose input carries the samples, by the graph from
+        the layers before it, in another dimension than its layout reads
+        (structure.py); a layer that changes the rank is left to its rule."""
+        x = inputs[0] if inputs else None
+        if not isinstance(x, torch.Tensor) or x.ndim != output.ndim:
+            return
+        found = self._layouts.sample_dim(tap.name, x, self._loss.sources, self._batch.known(),
+                                         self._anchor)
+        if found is not None and found != rule:
+            tap.recording = False
+            raise self._layouts.error(tap.name, tap.module, x, found, rule, tap.batch_first)
 
     def _on_grad(self, tap: Tap, rec: Record, grad):
         self._loss.require(self._batch.model_ran)

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["LossRefused", "analyse"]
+__all__ = ["LossRefused", "analyse", "walker"]
 
 FIX = ("compute the loss as a sum or mean of per-sample terms: for tokens, "
         "ncdp_fast.torch.causal_lm_loss / per_sample_token_loss / TokenCrossEntropyLoss "
@@ -319,12 +319,11 @@ class _Walk:
             _refuse(node, "a class-weighted mean divides by the summed weights of the whole "
                           "batch's targets")
         target = node._saved_target
-        valid = (target != _signed(node._saved_ignore_index))
-        valid = valid.reshape(valid.shape[0], -1).sum(1)
-        rows = torch.arange(valid.shape[0], device=valid.device)
-        owner = (rows // v.k) % max(self.batch, 1)
-        counts = torch.zeros(max(self.batch, 1), dtype=valid.dtype, device=valid.device)
-        counts.index_add_(0, owner, valid)
+        valid = target != _signed(node._saved_ignore_index)
+        # Row j is sample (j // k) % B's: rows = (repeats, B, k), sample-major inside.
+        b = max(self.batch, 1)
+        counts = valid.reshape(-1, b, v.k, *valid.shape[1:]).sum(
+            tuple(d for d in range(valid.ndim + 2) if d != 1))
         self.pending.append((
             (counts == counts[0]).all(),
             f"{node.name()}: the mean over targets (reduction='mean') divides by the valid "
@@ -352,12 +351,28 @@ class _Walk:
         return Out(d, v.k)
 
     def _index(self, node, v, in_shape, out_shape):
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            # Inside a checkpointed region (the layout's walk at a forward):
+            # reading the indices would recompute it.
+            _refuse(node, "an index inside a checkpointed region is not read")
         idx = list(node._saved_indices)
         at = [i for i, x in enumerate(idx) if x is not None]
-        if at and (at[0] <= v.dim or at != list(range(at[0], at[-1] + 1))):
-            _refuse(node, "an index (a mask or index tensor) selects along the batch "
-                          "dimension: which rows remain depends on every sample")
-        return v
+        if not at or (at[0] > v.dim and at == list(range(at[0], at[-1] + 1))):
+            return v
+        rows = idx[v.dim] if v.dim < len(idx) else None
+        if at[0] == v.dim and at == list(range(at[0], at[-1] + 1)) and \
+                isinstance(rows, torch.Tensor) and rows.ndim == 1 and \
+                not rows.is_floating_point() and rows.dtype != torch.bool and \
+                rows.shape[0] == in_shape[v.dim] and out_shape[v.dim] == rows.shape[0]:
+            # x[arange(B), j]: one entry of each sample, in order (the pooled
+            # logits of a decoder's sequence classifier), if the rows are arange.
+            self.pending.append((
+                (rows == torch.arange(rows.shape[0], device=rows.device)).all(),
+                f"{node.name()}: the index along the batch dimension is not 0, 1, ..., B-1: "
+                "it moves or repeats samples, so a term would meet another sample's labels"))
+            return Out(v.dim, v.k)
+        _refuse(node, "an index (a mask or index tensor) selects along the batch "
+                      "dimension: which rows remain depends on every sample")
 
     def _aligned(self, node, ins, edges):
         out_shape = _shape(node)
@@ -409,22 +424,20 @@ class _Walk:
                 _refuse(node, "multiplies two values summed over the batch")
             return self._aligned(node, ins, edges)
         v = live[0]
-        scalar = name in ("MulBackward0", "DivBackward0") and data_side and \
-            node not in self.constants
-        if scalar:
+        if name == "DivBackward0" and ins[0] is None and isinstance(v, Summed):
+            _refuse(node, "divides by a value summed over the batch")
+        # A per-sample value scaled by a shared scalar is taken as scaled by a
+        # constant: Python numbers inside the model's forward (logit
+        # soft-capping, Granite's logits_scaling) reach autograd as 0-d tensors
+        # too.  A count over the batch bites at the reduction's divisor, checked
+        # on the summed value -- the only place a saved operand is read (inside
+        # a checkpointed region, reading one would recompute it).
+        if isinstance(v, Summed) and name in ("MulBackward0", "DivBackward0") and \
+                data_side and node not in self.constants:
             data = self._data_operand(node, name, ins)
-            if name == "DivBackward0" and ins[0] is None:
-                if isinstance(v, Summed):
-                    _refuse(node, "divides by a value summed over the batch")
-                return self._aligned(node, ins, edges) if isinstance(v, Out) else v
-            # A per-sample value scaled by a shared scalar is taken as scaled by
-            # a constant: Python numbers inside the model's forward (logit
-            # soft-capping, Granite's logits_scaling) reach autograd as 0-d
-            # tensors too.  A count over the batch bites at the reduction's
-            # divisor, checked below on the summed value.
-            if isinstance(data, torch.Tensor) and data.numel() == 1 and isinstance(v, Summed):
+            if isinstance(data, torch.Tensor) and data.numel() == 1:
                 self._scalar_factor(node, name, data, v)
-            elif isinstance(v, Summed) and data is None:
+            elif data is None:
                 _refuse(node, "scales a value summed over the batch by a tensor the check "
                               "cannot read")
         if isinstance(v, Summed):
@@ -453,6 +466,13 @@ class _Walk:
                    "of terms summed (a count over the whole batch, as num_items_in_batch or "
                    "the valid tokens of every sample, couples the samples)")
         self.pending.append((ok, f"{node.name()}: {why}"))
+
+
+def walker(outputs: dict, batch: int, anchor) -> _Walk:
+    """A reader of the graph down to ``outputs`` (as :func:`analyse`), whose
+    ``value(node, output_nr)`` says where a tensor holds the samples (an
+    ``Out``) or raises :class:`LossRefused`; its memo serves one forward."""
+    return _Walk(outputs, batch, anchor, frozenset())
 
 
 def analyse(roots, outputs: dict, batch: int, anchor, constants=frozenset()):

@@ -26,9 +26,14 @@ import torch
 # default group alive past destroy_process_group; its gloo worker threads can then
 # still be freeing a collective's tensors while the interpreter shuts down, and the
 # rank dies by SIGABRT at exit (issue 27).  Imported here -- with ncdp_fast.torch,
-# before a script initialises its group -- the defaults are None.
+# before a script initialises its group -- the defaults are None; imported late
+# (issue 37), they are set back to None here and wherever a group is resolved.
 if torch.distributed.is_available():
     import torch.distributed.nn.functional  # noqa: F401
+
+from ..distributed._group import unpin_world_defaults  # noqa: E402
+
+unpin_world_defaults()
 
 from .. import _stream
 from .._clip import LayersClipResult, clip_and_noise_layers
