@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+from .._arrays import is_emulated
+
 __all__ = ["LossRefused", "analyse", "walker"]
 
 FIX = ("compute the loss as a sum or mean of per-sample terms: for tokens, "
@@ -59,6 +61,12 @@ DEFERRED = "deferred"
 def _refuse(node, why: str):
     raise LossRefused(f"GhostClipper: the loss is not a sum of per-sample terms: "
                       f"{node.name()}: {why}; {FIX}")
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """A tensor whose value Python reads without waiting for a device (the
+    emulated CUDA device's CPU tensors count as a device's)."""
+    return t.device.type == "cpu" and not is_emulated(t)
 
 
 def _signed(v: int) -> int:
@@ -318,14 +326,22 @@ class _Walk:
         if node._saved_weight is not None:
             _refuse(node, "a class-weighted mean divides by the summed weights of the whole "
                           "batch's targets")
-        target = node._saved_target
-        valid = target != _signed(node._saved_ignore_index)
-        # Row j is sample (j // k) % B's: rows = (repeats, B, k), sample-major inside.
         b = max(self.batch, 1)
-        counts = valid.reshape(-1, b, v.k, *valid.shape[1:]).sum(
-            tuple(d for d in range(valid.ndim + 2) if d != 1))
+        if v.k == 1 and in_shape[0] == b and len(in_shape) == 2:
+            # One row per sample: equal counts are all valid or none.
+            total = node._saved_total_weight
+            # On the host a number is read at once (no torch op); on a device
+            # the flag waits for the step's one transfer.
+            equal = float(total) in (b, 0) if on_host(total) else \
+                (total == b) | (total == 0)
+        else:
+            valid = node._saved_target != _signed(node._saved_ignore_index)
+            # Row j is sample (j // k) % B's: rows = (repeats, B, k), sample-major inside.
+            counts = valid.reshape(-1, b, v.k, *valid.shape[1:]).sum(
+                tuple(d for d in range(valid.ndim + 2) if d != 1))
+            equal = (counts == counts[0]).all()
         self.pending.append((
-            (counts == counts[0]).all(),
+            equal,
             f"{node.name()}: the mean over targets (reduction='mean') divides by the valid "
             "targets of the whole batch, and the samples have different numbers of them "
             f"(ignore_index={_signed(node._saved_ignore_index)}): one sample's padding "

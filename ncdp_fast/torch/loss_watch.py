@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .loss_graph import FIX, LossRefused, analyse
+from .loss_graph import FIX, LossRefused, analyse, on_host
 
 __all__ = ["LossWatch"]
 
@@ -152,9 +152,13 @@ class LossWatch:
         pending, self.pending = self.pending, []
         if not pending:
             return
-        device = pending[0][0].device
-        flags = torch.stack([ok.reshape(()) if ok.device == device else ok.to(device)
-                             for ok, _ in pending]).tolist()
+        # Host flags are read as they are; those on a device in one transfer.
+        on_device = [ok for ok, _ in pending if isinstance(ok, torch.Tensor) and not on_host(ok)]
+        dev = on_device[0].device if on_device else None
+        read = iter(torch.stack([ok.reshape(()) if ok.device == dev else ok.to(dev)
+                                 for ok in on_device]).tolist() if on_device else ())
+        flags = [next(read) if isinstance(ok, torch.Tensor) and not on_host(ok) else bool(ok)
+                 for ok, _ in pending]
         for ok, (_, why) in zip(flags, pending):
             if not ok:
                 self.on_refuse()
