@@ -299,9 +299,9 @@ class _Walk:
             keep = len(out_shape) == len(in_shape)
             return Out(b if keep else b - sum(d < b for d in dims), v.k)
         if name in ("CatBackward0", "StackBackward0"):
-            return self._join(node, name, ins, edges)
+            return self._join(node, name, ins)
         if name in ("MmBackward0", "AddmmBackward0"):
-            return self._matmul(node, ins, edges)
+            return self._matmul(node, ins)
         if name in ("NllLossBackward0", "NllLoss2DBackward0"):
             return self._nll(node, v, in_shape)
         if name in _ELEMENT_LOSSES:
@@ -404,7 +404,7 @@ class _Walk:
             _refuse(node, "combines tensors whose samples lie along different dimensions")
         return seen.pop() if seen else None
 
-    def _join(self, node, name, ins, edges):
+    def _join(self, node, name, ins):
         d = _signed(node._saved_dim)
         lives = {(x.dim, x.k) for x in ins if isinstance(x, Out)}
         if len(lives) != 1 or any(isinstance(x, Summed) for x in ins):
@@ -418,7 +418,7 @@ class _Walk:
             return Out(b, k)
         return Out(b + (d <= b), k)
 
-    def _matmul(self, node, ins, edges):
+    def _matmul(self, node, ins):
         a, w = ins[-2], ins[-1]
         if isinstance(a, Out) and a.dim == 0 and w is None and (len(ins) == 2 or ins[0] is None):
             return a
@@ -431,7 +431,7 @@ class _Walk:
         summed = [x for x in live if isinstance(x, Summed)]
         data_side = [i for i, (nf, _) in enumerate(edges) if nf is None]
         if len(live) == 2:
-            if summed and len(summed) == 1:
+            if len(summed) == 1:
                 _refuse(node, "combines per-sample values with a value reduced over the batch "
                               "(as x - x.mean()): each sample's term depends on the others")
             if summed:
@@ -450,7 +450,7 @@ class _Walk:
         # a checkpointed region, reading one would recompute it).
         if isinstance(v, Summed) and name in ("MulBackward0", "DivBackward0") and \
                 data_side and node not in self.constants:
-            data = self._data_operand(node, name, ins)
+            data = self._data_operand(node, ins)
             if isinstance(data, torch.Tensor) and data.numel() == 1:
                 self._scalar_factor(node, name, data, v)
             elif data is None:
@@ -461,7 +461,7 @@ class _Walk:
         return self._aligned(node, ins, edges)
 
     @staticmethod
-    def _data_operand(node, name, ins):
+    def _data_operand(node, ins):
         attr = "_saved_other" if ins[0] is not None else "_saved_self"
         return getattr(node, attr, None)
 
