@@ -26,7 +26,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ncdp_fast._gpu_check import nvcc_path as find_nvcc
+from ncdp_fast._gpu_check_env import nvcc_path as find_nvcc
 from ncdp_fast._report import write_report
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ncdp_fast import _gpu_check as gc
+from ncdp_fast import _gpu_check_bench as gpu_bench
+from ncdp_fast import _gpu_check_env as gpu_env
+from ncdp_fast import _gpu_check_tests as gpu_tests
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,22 +34,23 @@ NO_DRIVER = ('echo "NVIDIA-SMI has failed because it couldn\'t communicate with 
 def test_query_gpus_reads_names_and_capabilities(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", _fake_nvidia_smi(
         tmp_path, 'printf "NVIDIA H100 80GB HBM3, 9.0\\nNVIDIA A100-SXM4-40GB, 8.0\\n"'))
-    gpus = gc.query_gpus()
+    gpus = gpu_env.query_gpus()
     assert gpus == [("NVIDIA H100 80GB HBM3", "9.0"), ("NVIDIA A100-SXM4-40GB", "8.0")]
-    assert [gc.cuda_arch(c) for _, c in gpus] == ["90-real", "80-real"]
-    assert gc.cuda_arch("12.0") == "120-real"
-    with pytest.raises(gc.CheckFailed, match="MAJOR.MINOR"):
-        gc.cuda_arch("[N/A]")
+    assert [gpu_env.cuda_arch(c) for _, c in gpus] == ["90-real", "80-real"]
+    assert gpu_env.cuda_arch("12.0") == "120-real"
+    with pytest.raises(gpu_env.CheckFailed, match="MAJOR.MINOR"):
+        gpu_env.cuda_arch("[N/A]")
 
 
 @pytest.mark.parametrize("script", [NO_DRIVER, "exit 0"])
 def test_query_gpus_without_a_gpu(tmp_path, monkeypatch, script):
     monkeypatch.setenv("PATH", _fake_nvidia_smi(tmp_path, script))
-    with pytest.raises(gc.CheckFailed, match="no NVIDIA GPU found"):
-        gc.query_gpus()
-    monkeypatch.setattr(gc.shutil, "which", lambda name: None)
-    with pytest.raises(gc.CheckFailed, match="no NVIDIA GPU found: nvidia-smi is not installed"):
-        gc.query_gpus()
+    with pytest.raises(gpu_env.CheckFailed, match="no NVIDIA GPU found"):
+        gpu_env.query_gpus()
+    monkeypatch.setattr(gpu_env.shutil, "which", lambda name: None)
+    with pytest.raises(gpu_env.CheckFailed,
+                       match="no NVIDIA GPU found: nvidia-smi is not installed"):
+        gpu_env.query_gpus()
 
 
 def test_cli_gpu_check_fails_without_a_gpu(tmp_path):
@@ -95,23 +98,25 @@ def _junit(tmp_path, cases):
 
 
 def test_judge_tests(tmp_path):
-    ok = gc.summarize_junit(_junit(tmp_path, [
+    ok = gpu_tests.summarize_junit(_junit(tmp_path, [
         ("a", "passed", ""), ("b", "skipped", "hierarchical sampling needs integer labels")]))
-    assert ok["passed"] == 1 and ok["skipped"] == 1 and gc.judge_tests(0, ok) is None
+    assert ok["passed"] == 1 and ok["skipped"] == 1 and gpu_tests.judge_tests(0, ok) is None
 
-    only_skips = gc.summarize_junit(_junit(tmp_path, [
+    only_skips = gpu_tests.summarize_junit(_junit(tmp_path, [
         ("a", "skipped", "no CUDA device visible"), ("b", "skipped", "no CUDA device visible")]))
-    assert "skipped for want of a device" in gc.judge_tests(0, only_skips)
+    assert "skipped for want of a device" in gpu_tests.judge_tests(0, only_skips)
 
-    cpu_build = gc.summarize_junit(_junit(tmp_path, [
+    cpu_build = gpu_tests.summarize_junit(_junit(tmp_path, [
         ("a", "passed", ""), ("b", "skipped", "ncdp_fast._C was built without CUDA")]))
-    assert "1 GPU tests were skipped" in gc.judge_tests(0, cpu_build)
+    assert "1 GPU tests were skipped" in gpu_tests.judge_tests(0, cpu_build)
 
-    failed = gc.summarize_junit(_junit(tmp_path, [("a", "passed", ""), ("b", "failure", "x"),
-                                                  ("c", "error", "y")]))
-    assert "1 GPU tests failed and 1 errored" in gc.judge_tests(1, failed)
+    failed = gpu_tests.summarize_junit(_junit(tmp_path, [("a", "passed", ""),
+                                                         ("b", "failure", "x"),
+                                                         ("c", "error", "y")]))
+    assert "1 GPU tests failed and 1 errored" in gpu_tests.judge_tests(1, failed)
 
-    assert "no GPU test ran" in gc.judge_tests(5, gc.summarize_junit(_junit(tmp_path, [])))
+    assert "no GPU test ran" in gpu_tests.judge_tests(
+        5, gpu_tests.summarize_junit(_junit(tmp_path, [])))
 
 
 def test_bench_errors(tmp_path):
@@ -119,7 +124,7 @@ def test_bench_errors(tmp_path):
     path.write_text(json.dumps({"meta": {}, "rows": [
         {"config": "n=T=4000", "ncdp_s": 0.1},
         {"config": "n=T=8000", "error": "CUDA error: an illegal memory access"}]}))
-    assert gc.bench_errors(path) == [
+    assert gpu_bench.bench_errors(path) == [
         "bench_mix-gpu-20260101.json: n=T=8000 : CUDA error: an illegal memory access"]
 
 
@@ -160,47 +165,48 @@ def test_make_gpu_check_with_python_uses_that_interpreter_as_it_is(tmp_path):
 
 
 def test_peer_skips_are_named_and_do_not_fail(tmp_path):
-    s = gc.summarize_junit(_junit(tmp_path, [
+    s = gpu_tests.summarize_junit(_junit(tmp_path, [
         ("a", "passed", ""),
         ("test_cuda_fused_optimizer_matches_opacus", "skipped",
          "opacus is not installed (the peer of this comparison)")]))
-    assert gc.judge_tests(0, s) is None
+    assert gpu_tests.judge_tests(0, s) is None
     assert s["peer_skips"] == ["test_cuda_fused_optimizer_matches_opacus: opacus is not "
                                "installed (the peer of this comparison)"]
 
 
 def test_benchmarks_the_budget_leaves_out_are_listed_not_failed(tmp_path, monkeypatch):
     from ncdp_fast.cli import GPU_BENCHES
-    monkeypatch.setattr(gc, "missing_peers", lambda python, env=None: ["opacus"])
-    monkeypatch.setattr(gc, "missing_modules", lambda python, names, env=None: [])
+    monkeypatch.setattr(gpu_bench, "missing_peers", lambda python, env=None: ["opacus"])
+    monkeypatch.setattr(gpu_bench, "missing_modules", lambda python, names, env=None: [])
     # No time left: none starts.
-    rows = gc.run_benches(sys.executable, tmp_path, [], deadline=0.0)
-    assert [r["status"] for r in rows] == [gc.NOT_RUN] * len(GPU_BENCHES)
-    assert gc.judge_benches(rows) == ([], list(GPU_BENCHES))
+    rows = gpu_bench.run_benches(sys.executable, tmp_path, [], deadline=0.0)
+    assert [r["status"] for r in rows] == [gpu_bench.NOT_RUN] * len(GPU_BENCHES)
+    assert gpu_bench.judge_benches(rows) == ([], list(GPU_BENCHES))
     # Cut short at the deadline: not run; a failing one still fails the check.
-    monkeypatch.setattr(gc, "_run_until", lambda cmd, deadline, env=None: None)
-    cut = gc.run_benches(sys.executable, tmp_path, [], deadline=float("inf"))
-    assert {r["status"] for r in cut} == {gc.NOT_RUN}
+    monkeypatch.setattr(gpu_bench, "_run_until", lambda cmd, deadline, env=None: None)
+    cut = gpu_bench.run_benches(sys.executable, tmp_path, [], deadline=float("inf"))
+    assert {r["status"] for r in cut} == {gpu_bench.NOT_RUN}
     assert "cut short" in cut[0]["detail"]
     failed = dict(phase="mix", status="failed", detail="exit status 1")
-    assert gc.judge_benches(cut[:1] + [failed]) == (["mix: failed: exit status 1"],
-                                                    [cut[0]["phase"]])
+    assert gpu_bench.judge_benches(cut[:1] + [failed]) == (["mix: failed: exit status 1"],
+                                                           [cut[0]["phase"]])
 
 
 def test_a_benchmark_without_what_it_is_built_from_is_not_run(tmp_path, monkeypatch):
     """bench_hf on a GPU machine without transformers: listed as not run, with
     why, and never started (the others run as before)."""
     from ncdp_fast.cli import GPU_BENCHES
-    assert "hf" in GPU_BENCHES and gc.BENCH_NEEDS["hf"] == ("transformers",)
-    real = gc.missing_modules
-    monkeypatch.setattr(gc, "missing_peers", lambda python, env=None: [])
-    monkeypatch.setattr(gc, "missing_modules", lambda python, names, env=None: ["transformers"])
+    assert "hf" in GPU_BENCHES and gpu_bench.BENCH_NEEDS["hf"] == ("transformers",)
+    real = gpu_bench.missing_modules
+    monkeypatch.setattr(gpu_bench, "missing_peers", lambda python, env=None: [])
+    monkeypatch.setattr(gpu_bench, "missing_modules",
+                        lambda python, names, env=None: ["transformers"])
     started = []
-    monkeypatch.setattr(gc, "_run_until", lambda cmd, deadline, env=None:
+    monkeypatch.setattr(gpu_bench, "_run_until", lambda cmd, deadline, env=None:
                         started.append(cmd[cmd.index("--only") + 1]))
-    rows = {r["phase"]: r for r in gc.run_benches(sys.executable, tmp_path, [],
-                                                   deadline=float("inf"))}
-    assert rows["hf"]["status"] == gc.NOT_RUN
+    rows = {r["phase"]: r for r in gpu_bench.run_benches(sys.executable, tmp_path, [],
+                                                          deadline=float("inf"))}
+    assert rows["hf"]["status"] == gpu_bench.NOT_RUN
     assert "transformers not installed" in rows["hf"]["detail"]
     assert "hf" not in started and set(started) == set(GPU_BENCHES) - {"hf"}
     # The real query: this interpreter has torch, and no module of that name.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ncdp_fast._gpu_check import nvcc_path
+from ncdp_fast._gpu_check_env import nvcc_path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ROOT / "tests" / "ptx_probe" / "fma_probe.cu"

@@ -19,8 +19,10 @@ from .._validate import check_bool, check_choice, check_int, check_nonneg
 from . import tied
 from .adaptive import AdaptiveClip, check_adaptive
 from .attention import attention_forward, check_attention
+from .compiled import check_not_compiled, compiled_error, compiling
 from .conv import conv_forward
 from .coupling import batch_dim_hooks, refuse_batch_mixing, refuse_whole_batch_loss_kwargs
+from .grad_norm import watch as watch_grad_norm
 from .layers import Call, refuse_unsupported
 from .loss_watch import LossWatch
 from .structure import LayoutByGraph
@@ -159,6 +161,10 @@ class GhostClipper(ClippedGaussianStep):
                  adaptive: AdaptiveClip | None = None, check_loss: bool = True):
         check_choice(clipping, "clipping", ("flat", "per_layer", "adaptive"))
         check_not_ddp(model, "GhostClipper")
+        check_not_compiled(model, "GhostClipper")
+        # Set while dynamo traces a hook (compiled.py): every later gradient
+        # and step of this clipper is refused.
+        self._compiled = False
         self.adaptive = check_adaptive(clipping, adaptive, noise_multiplier,
                                        expected_batch_size, group)
         # sum_i (1[norm_i <= C] - 1/2) of the logical batch's accumulated
@@ -245,6 +251,8 @@ class GhostClipper(ClippedGaussianStep):
         self._snapshot = ModelSnapshot(model, self.taps,
                                        {(id(m), attr) for m, attr in self._forwards})
         self._snapshot.check(model, self.taps)
+        # A script's clip_grad_norm_ after backward sees no gradient: warned (grad_norm.py).
+        watch_grad_norm(self, [p for t in self.taps for p in t.owned.values()])
 
     @ClippedGaussianStep.max_grad_norm.setter
     def max_grad_norm(self, value) -> None:
@@ -311,6 +319,9 @@ class GhostClipper(ClippedGaussianStep):
         return torch.is_grad_enabled() and self.enabled and self.model.training
 
     def _model_pre_hook(self, module, args, kwargs):
+        if compiling():
+            self._compiled = True
+            return None
         if not in_backward():
             self._pass += 1
         if self._capturing():
@@ -325,6 +336,8 @@ class GhostClipper(ClippedGaussianStep):
         return None
 
     def _model_hook(self, module, args, output):
+        if compiling():
+            return
         if self._capturing() and not in_backward():
             self._loss.arm(self._batch.known())
 
@@ -341,6 +354,9 @@ class GhostClipper(ClippedGaussianStep):
         conv = isinstance(tap.module, nn.modules.conv._ConvNd)
 
         def hook(module, inputs):
+            if compiling():
+                self._compiled = True
+                return
             tap.replaying = False
             tap.recording = self._capturing()
             if not tap.recording:
@@ -373,6 +389,8 @@ class GhostClipper(ClippedGaussianStep):
 
     def _restore_hook(self, tap: Tap):
         def hook(module, inputs, output):
+            if compiling():
+                return
             tap.recording = tap.replaying = False
             if tap.saved is not None:        # always_call=True: restored even on error
                 switch_back(tap, tap.saved)
@@ -412,7 +430,9 @@ class GhostClipper(ClippedGaussianStep):
                 "reached it; call privatize_() (optimizer.step()) before the next forward "
                 "(batches are not accumulated: each step is one batch), or clear() to discard")
         dim = batch_dim(tap.module, tap.batch_first, output)
+        # The layout first: where the graph shows the samples, it names the cause.
         self._check_layout(tap, inputs, output, dim)
+        self._check_rows(tap, output, dim)
         inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
         rec = Record(inputs, slot, tuple(getattr(x, "_version", 0) for x in inputs))
         tap.records.append(rec)
@@ -429,6 +449,20 @@ class GhostClipper(ClippedGaussianStep):
         self._loss.source(output, dim, self._batch.known())
         return output
 
+    def _check_rows(self, tap: Tap, output, dim: int) -> None:
+        """Refuse, at the forward, a layer whose rows are not the step's samples
+        (the backward's check, earlier): a model that folds each sample's rows
+        into the batch (HF's *ForMultipleChoice) would otherwise fail inside
+        its own forward, where a one-row position table was given the
+        samples' rows (layout.broadcast_rows)."""
+        batch = self._batch.known()
+        if batch is None or output.dim() == 0 or output.shape[dim] == batch:
+            return
+        tap.recording = False
+        _, source = self._batch.get(tap.name)
+        raise rows_error(tap.name, tap.module, tuple(output.shape), dim, tap.batch_first,
+                         tap.layout, batch, source)
+
     def _check_layout(self, tap: Tap, inputs: tuple, output, rule: int) -> None:
         """Refuse a layer whose input carries the samples, by the graph from
         the layers before it, in another dimension than its layout reads
@@ -443,6 +477,8 @@ class GhostClipper(ClippedGaussianStep):
             raise self._layouts.error(tap.name, tap.module, x, found, rule, tap.batch_first)
 
     def _on_grad(self, tap: Tap, rec: Record, grad):
+        if self._compiled:
+            raise compiled_error()
         self._loss.require(self._batch.model_ran)
         if rec.got:
             rec.twice = True            # a second backward through the same forward
@@ -498,6 +534,8 @@ class GhostClipper(ClippedGaussianStep):
 
     def _forward_hook(self, tap: Tap):
         def hook(module, inputs, output):
+            if compiling():
+                return None
             got = output
             if tap.recording:       # position ids (1, T): one row per sample
                 inputs, got = broadcast_rows(module, inputs, output, tap.batch_first,
@@ -577,6 +615,8 @@ class GhostClipper(ClippedGaussianStep):
     def _step_entries(self, optimizer):
         """The checks before a step or an accumulation (nothing written or drawn
         if one fails): ``(entries, grad_scale)``."""
+        if self._compiled:
+            raise compiled_error()
         self._loss.settle()
         if not any(p.requires_grad for t in self.taps for p in t.params.values()):
             raise RuntimeError(

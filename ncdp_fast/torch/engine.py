@@ -17,6 +17,8 @@ from .accounting import EngineAccountant, dp_accounting_name
 from .adaptive import AdaptiveClip
 from .clipper import GhostClipper
 from .fix import fix_batchnorm, fix_recurrent
+from .amp import refuse_grad_scaler
+from .compiled import check_not_compiled
 from .coupling import CheckedCriterion
 from .mechanism import CheckpointsNoise
 from ..distributed._group import resolve_group
@@ -92,6 +94,9 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
         # hook registries Optimizer's own methods read are set up.
         for name in _OPTIMIZER_HOOKS:
             setattr(self, name, OrderedDict())
+        # GradScaler then hands the step its scale as attributes instead of
+        # unscaling gradients that do not exist yet: refused by name (amp.py).
+        self._step_supports_amp_scaling = True
         self.original_optimizer = optimizer
         self.clipper = clipper
         self._on_step = on_step
@@ -204,6 +209,7 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
 
     @torch.optim.Optimizer.profile_hook_step
     def step(self, closure=None):
+        refuse_grad_scaler(self)
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -415,6 +421,7 @@ class PrivacyEngine:
         batch_first = check_bool(batch_first, "batch_first")
         check_choice(grad_sample_mode, "grad_sample_mode", _GRAD_SAMPLE_MODES)
         check_not_ddp(module, "make_private")
+        check_not_compiled(module, "make_private")
         adaptive = None
         if clipping == "adaptive":
             missing = [k for k in _ADAPTIVE_ARGS if k not in kwargs]

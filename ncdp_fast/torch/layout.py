@@ -263,7 +263,9 @@ def rows_error(name: str, module: nn.Module, shape, dim: int, batch_first: bool,
     rows = shape[dim]
     fold = ""
     if batch and rows % batch == 0 and rows != batch:
-        fold = f" ({rows // batch} rows per sample: samples folded into the batch dimension)"
+        fold = (f" ({rows // batch} rows per sample: samples folded into the batch dimension)"
+                "; Hugging Face's *ForMultipleChoice models fold each sample's choices so "
+                "and are refused")
     hint = "keep each sample's rows in a dimension of their own (a layer takes (B, k, d) as it is)"
     if layout == ARGUMENT and batch_first:
         hint += (", or, if the model's inputs and layers are sequence-first (T, B, ...), pass "

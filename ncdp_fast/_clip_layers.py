@@ -1,0 +1,322 @@
+"""Op 1 of DESIGN.md, factored: the clip of a linear layer and the joint clip of
+several parameter blocks (dense, linear pairs, ghost blocks), one factor per
+sample from the total norm.
+
+Layer 2 code, like the dense op in ``_clip.py`` (which re-exports this
+module's names): validates, converts arrays, picks the backend once per call,
+allocates outputs and calls the kernels of the chosen backend.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from . import _arrays, _backend, _stream
+from ._clip_checks import _check_common, _check_noise_range
+from ._clip_results import GhostBlock, LayersClipResult, LinearClipResult, _accounting
+from ._validate import check_positive
+
+__all__ = ["clip_and_noise_linear", "clip_and_noise_layers"]
+
+_F64 = np.dtype(np.float64)
+
+
+def _as_pair(activations, backprops, where=""):
+    sa = _arrays.shape(activations, f"activations{where}")
+    sg = _arrays.shape(backprops, f"backprops{where}")
+    if len(sa) not in (2, 3) or len(sg) != len(sa):
+        raise ValueError(f"activations{where}, backprops{where}: expected shapes (B, d) and (B, K), "
+                         f"or (B, T, d) and (B, T, K); got {sa} and {sg}")
+    if sa[0] != sg[0]:
+        raise ValueError(f"backprops{where}: batch size {sg[0]} does not match activations{where} "
+                         f"batch size {sa[0]}")
+    if len(sa) == 3 and sa[1] != sg[1]:
+        raise ValueError(f"backprops{where}: sequence length {sg[1]} does not match "
+                         f"activations{where} sequence length {sa[1]}")
+    return sa, sg
+
+
+class _Layer:
+    """One parameter block of a layered clip: a dense (B, ...) per-sample gradient,
+    or a linear layer given by (activations, backprops[, bias])."""
+
+    def __init__(self, spec, index, be, dtype):
+        where = f"[{index}]"
+        self.kind = "dense"
+        if isinstance(spec, GhostBlock):
+            s = _arrays.shape(spec.sq_norms, f"layers{where}.sq_norms")
+            if len(s) != 1:
+                raise ValueError(f"layers{where}.sq_norms: expected shape (B,), got {s}")
+            if be.io.dtype_of(spec.sq_norms) != _F64:
+                raise TypeError(f"layers{where}.sq_norms: expected float64, got "
+                                f"{be.io.dtype_of(spec.sq_norms)}")
+            if not callable(spec.clipped_sum):
+                raise TypeError(f"layers{where}.clipped_sum: expected a callable, got "
+                                f"{type(spec.clipped_sum).__name__}")
+            self.kind, self.dense, self.spec = "ghost", False, spec
+            self.sq = be.io.to_kernel(spec.sq_norms)
+            self.param_shape = tuple(int(n) for n in spec.shape)
+            self.B, self.T = s[0], int(spec.seq_len)
+            self.spread = None if spec.spread is None else be.io.to_kernel(spec.spread)
+            self.draws = int(np.prod(self.param_shape))
+            self.terms = int(spec.terms)
+            return
+        if isinstance(spec, (tuple, list)):
+            self.kind = "pair"
+            if len(spec) not in (2, 3):
+                raise ValueError(f"layers{where}: expected a (B, ...) array or a tuple "
+                                 f"(activations, backprops[, bias]), got a tuple of {len(spec)}")
+            a, g = spec[0], spec[1]
+            self.bias = bool(spec[2]) if len(spec) == 3 else True
+            sa, sg = _as_pair(a, g, where)
+            for name, x in (("activations", a), ("backprops", g)):
+                if be.check_float(x, f"{name}{where}") != dtype:
+                    raise TypeError(f"{name}{where}: dtype {be.io.dtype_of(x)} differs from {dtype} "
+                                    "of the other inputs")
+            B, T = sa[0], (sa[1] if len(sa) == 3 else 1)
+            self.a = be.io.to_kernel(a).reshape(B, T, sa[-1])
+            self.g = be.io.to_kernel(g).reshape(B, T, sg[-1])
+            self.dense = False
+            self.K, self.d, self.T = sg[-1], sa[-1], T
+            # float64 multiply-adds in the sample's norm (reference.linear_terms)
+            self.terms = self.d + self.K + T * T + T + (self.K if self.bias else 0)
+            self.draws = self.K * self.d + (self.K if self.bias else 0)
+        else:
+            s = _arrays.shape(spec, f"layers{where}")
+            if len(s) < 2:
+                raise ValueError(f"layers{where}: expected a per-sample gradient of shape (B, ...), "
+                                 f"got {s}")
+            if be.check_float(spec, f"layers{where}") != dtype:
+                raise TypeError(f"layers{where}: dtype {be.io.dtype_of(spec)} differs from {dtype}")
+            B = s[0]
+            self.param_shape = s[1:]
+            self.g = be.io.to_kernel(spec).reshape(B, -1) if B else be.io.to_kernel(spec).reshape(
+                0, int(np.prod(s[1:])))
+            self.dense = True
+            self.draws = int(np.prod(s[1:]))
+            self.terms, self.T = self.draws, 1
+        self.B = B
+
+    def held(self) -> int:
+        """Values of the block's own arrays (0 for a ghost block: its closure's)."""
+        if self.kind == "ghost":
+            return 0
+        # Kernel views are NumPy arrays on the CPU and torch/CuPy arrays on a
+        # GPU, whose .size is a method in torch: count through the shape.
+        return math.prod(_arrays.shape(self.g, "g")) + (
+            0 if self.dense else math.prod(_arrays.shape(self.a, "a")))
+
+    def add_sq_norms(self, kernels, sq):
+        if self.kind == "ghost":
+            sq += self.sq
+        elif self.dense:
+            kernels.row_sq_norms(self.g, sq, True)
+        else:
+            kernels.linear_sq_norms(self.a, self.g, self.bias, sq, True)
+
+    def add_spread(self, kernels, spread):
+        """The rounding scale of a sum over positions (sequence blocks only)."""
+        if self.kind == "ghost":
+            if self.spread is not None:
+                spread += self.spread
+        elif not self.dense and self.T > 1:
+            kernels.linear_spread(self.a, self.g, self.bias, spread, True)
+
+    def drop_rows(self, io, rows):
+        """Zero the given samples (a copy, never the caller's data): 0 * NaN would
+        still be NaN inside the GEMM.  A ghost block drops them itself (factor 0)."""
+        rows = list(int(r) for r in rows)
+        if self.kind == "ghost":
+            return
+        if self.dense:
+            self.g = io.copy(self.g)
+            self.g[rows] = 0
+        else:
+            self.a, self.g = io.copy(self.a), io.copy(self.g)
+            self.a[rows] = 0
+            self.g[rows] = 0
+
+    def reduce(self, be, dtype, factors, noise_std, inv_denom, seed, offset):
+        if self.kind == "ghost":
+            out = self.spec.clipped_sum(be.io.to_user(factors))
+            if tuple(_arrays.shape(out, "clipped_sum()")) != self.param_shape:
+                raise ValueError(f"clipped_sum(): expected shape {self.param_shape}, got "
+                                 f"{tuple(_arrays.shape(out, 'clipped_sum()'))}")
+            if be.io.dtype_of(out) != dtype:
+                raise TypeError(f"clipped_sum(): expected dtype {dtype}, got {be.io.dtype_of(out)}")
+            flat = be.io.to_kernel(out).reshape(-1)
+            be.kernels.add_gaussian(flat, np.uint64(seed), np.uint64(offset), float(noise_std),
+                                    True, float(inv_denom))
+            return be.io.to_user(flat.reshape(self.param_shape))
+        if self.dense:
+            out = be.io.empty((self.draws,), dtype)
+            be.kernels.weighted_row_sum_noise(self.g, factors, noise_std, inv_denom, seed, offset,
+                                              out)
+            return be.io.to_user(out.reshape(self.param_shape))
+        gw = be.io.empty((self.K, self.d), dtype)
+        gb = be.io.empty((self.K,), dtype) if self.bias else None
+        be.kernels.clipped_linear_sum(self.a, self.g, factors, noise_std, inv_denom, seed, offset,
+                                      gw, gb, matmul=be.io.matmul)
+        return be.io.to_user(gw), (None if gb is None else be.io.to_user(gb))
+
+
+def _ghost_dtype(specs) -> np.dtype:
+    dt = specs[0].dtype
+    if dt is None:
+        raise ValueError("layers[0].dtype: expected the parameter's dtype when every block is a "
+                         "GhostBlock, got None")
+    dt = _arrays.as_numpy_dtype(dt)
+    if dt not in _backend.FLOAT_DTYPES:
+        raise TypeError(f"layers[0].dtype: expected float32 or float64, got {dt}")
+    return dt
+
+
+def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, reduction,
+                 expected_batch_size, nan_policy, grad_scale=1.0, release=False):
+    max_norm, noise_std, inv_denom = _check_common(
+        max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy)
+    be = _backend.select("clip", **arrays)
+    plain = [k for k in arrays if not k.endswith(".sq_norms")]
+    if plain:
+        dtype = be.check_float(arrays[plain[0]], plain[0])
+    else:           # ghost blocks only: their sq_norms are float64 whatever the data
+        dtype = _ghost_dtype(layer_specs)
+    _check_noise_range(noise_std, inv_denom, dtype)
+    layers = [_Layer(spec, i, be, dtype) for i, spec in enumerate(layer_specs)]
+    if release:
+        arrays.clear()
+        layer_specs[:] = [None] * len(layer_specs)
+    B = layers[0].B
+    for i, layer in enumerate(layers):
+        if layer.B != B:
+            raise ValueError(f"layers[{i}]: batch size {layer.B} differs from layers[0] batch size {B}")
+    draws = sum(layer.draws for layer in layers)
+    seed, offset = _stream.claim(seed, offset, draws)
+    sq = be.io.zeros((B,), _F64)
+    for layer in layers:
+        layer.add_sq_norms(be.kernels, sq)
+    t_max = max(layer.T for layer in layers)
+    spread = be.io.zeros((B,), _F64) if t_max > 1 else None
+    for layer in layers:
+        if spread is not None:
+            layer.add_spread(be.kernels, spread)
+    terms = sum(layer.terms for layer in layers)
+    if grad_scale != 1.0:
+        # The blocks hold gradients / s: the sample's norm is s times theirs (two
+        # more float64 roundings: s^2 * sq here, f * s below).
+        sq *= grad_scale * grad_scale
+        if spread is not None:
+            spread *= grad_scale
+        terms += 2
+    factors, norms = be.io.empty((B,), _F64), be.io.empty((B,), _F64)
+    be.kernels.clip_factors(sq, spread, max_norm, terms, t_max,
+                            float(np.finfo(dtype).eps) / 2, factors, norms)
+    acc = _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors)
+    if acc["num_nonfinite"]:
+        bad = np.flatnonzero(be.io.to_numpy(factors) == 0)
+        for layer in layers:
+            layer.drop_rows(be.io, bad)
+    weights = factors * grad_scale if grad_scale != 1.0 else factors
+    starts = [offset]                       # Python ints: offsets reach 2^64
+    for layer in layers[:-1]:
+        starts.append(starts[-1] + layer.draws)
+    order = range(len(layers))
+    if release:
+        # Most memory freed first: a layer's sum allocates `draws` values and
+        # dropping it frees its (B, T, d) and (B, T, K) arrays.
+        order = sorted(order, key=lambda i: layers[i].draws - layers[i].held())
+    grads = [None] * len(layers)
+    for i in order:
+        grads[i] = layers[i].reduce(be, dtype, weights, noise_std, inv_denom, seed, starts[i])
+        if release:
+            layers[i] = None
+    return grads, acc
+
+
+def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier, bias=True,
+                          seed=None, offset=None, reduction="sum", expected_batch_size=None,
+                          nan_policy="raise") -> LinearClipResult:
+    """Clipped, noised gradient of a linear layer without per-sample gradients.
+
+    The per-sample weight gradient of ``y = x W^T + b`` is ``G_i = sum_t g_it a_it^T``;
+    its norm comes from the factored identities of DESIGN.md kernel 1
+    (``||g_i|| ||a_i||`` for 2-D inputs; the Gram form
+    ``sum_ts (a_it.a_is)(g_it.g_is)`` or the formed K x d matrix for sequences,
+    whichever 2T^2 <= K d picks), plus ``||sum_t g_it||^2`` for the bias; the
+    clipped sum is one GEMM ``(c * g)^T a``.
+
+    Args:
+        activations: (B, d) or (B, T, d) layer inputs.
+        backprops: (B, K) or (B, T, K) gradients of each sample's *own* loss with
+            respect to the layer output (with a mean-reduced loss, multiply by the
+            realized batch size first, as Opacus does).
+        bias: whether the layer has a (trainable) bias; its gradient shares the
+            sample's clip factor.
+        Other arguments as :func:`clip_and_noise`.  Noise: weight entry (k, j) is
+        draw ``offset + k*d + j``, bias entry k is draw ``offset + K*d + k``.
+
+    Returns a :class:`LinearClipResult` with ``grad_weight`` (K, d) and
+    ``grad_bias`` (K,) or None.
+    """
+    _as_pair(activations, backprops)
+    grads, acc = _clip_layers([(activations, backprops, bias)],
+                              dict(activations=activations, backprops=backprops), max_norm,
+                              noise_multiplier, seed, offset, reduction, expected_batch_size,
+                              nan_policy)
+    gw, gb = grads[0]
+    return LinearClipResult(grad_weight=gw, grad_bias=gb, **acc)
+
+
+def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=None, offset=None,
+                          reduction="sum", expected_batch_size=None, nan_policy="raise",
+                          grad_scale=1.0, release_blocks=False) -> LayersClipResult:
+    """Clip several parameter blocks jointly: one factor per sample from the total norm.
+
+    Each element of ``layers`` is a dense per-sample gradient (B, ...)
+    (e.g. Opacus's ``p.grad_sample``), a linear layer ``(activations,
+    backprops)`` / ``(activations, backprops, bias)`` as in
+    :func:`clip_and_noise_linear`, or a :class:`GhostBlock` (per-sample squared
+    norms and a clipped-sum function; prod(shape) draws).  ``grad_scale`` s > 0:
+    the blocks hold the per-sample gradients divided by s (the output gradients
+    of a batch-mean loss, s = the realized batch size): norms, factors and sums
+    are those of s times the blocks, the multiplication folded into the (B,)
+    norms and factors instead of a pass over every block.  The sample's norm is
+    ``sqrt(sum over blocks of its squared block norms)``; every block gets its
+    own disjoint range of the noise stream, in order (dense: prod(shape[1:])
+    draws; linear: K*d, then K for the bias).  Other arguments as
+    :func:`clip_and_noise`.
+
+    ``release_blocks=True`` hands the list ``layers`` over to the op: it is
+    emptied (every entry set to None) as the blocks are taken, and the op drops
+    each block once its sum is formed, forming first the blocks that free more
+    than their sum allocates (each still takes its own noise range).  A caller
+    that keeps no other reference to the blocks' arrays (GhostClipper) then
+    frees a layer's activations and backprops before later sums are allocated,
+    instead of holding all of them until the last sum exists.
+
+    Returns a :class:`LayersClipResult`; ``grads[l]`` is an array of shape
+    ``shape[1:]`` for a dense block, ``(grad_weight, grad_bias)`` for a pair, an
+    array of ``shape`` for a ghost block.
+    """
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
+        raise TypeError(f"layers: expected a non-empty list of arrays or (activations, backprops) "
+                        f"tuples, got {type(layers).__name__}")
+    arrays = {}
+    for i, spec in enumerate(layers):
+        if isinstance(spec, GhostBlock):
+            arrays[f"layers[{i}].sq_norms"] = spec.sq_norms
+        elif isinstance(spec, (tuple, list)):
+            arrays[f"layers[{i}][0]"] = spec[0] if len(spec) else None
+            arrays[f"layers[{i}][1]"] = spec[1] if len(spec) > 1 else None
+        else:
+            arrays[f"layers[{i}]"] = spec
+    del spec                    # with release_blocks, the op holds the only references
+    grad_scale = check_positive(grad_scale, "grad_scale")
+    if not np.isfinite(grad_scale):
+        raise ValueError(f"grad_scale: expected a finite number > 0, got {grad_scale!r}")
+    grads, acc = _clip_layers(layers, arrays, max_norm, noise_multiplier, seed, offset, reduction,
+                              expected_batch_size, nan_policy, grad_scale,
+                              release=bool(release_blocks))
+    return LayersClipResult(grads=grads, **acc)

@@ -1,0 +1,105 @@
+"""Step 5 of ``ncdp-fast gpu-check`` (``_gpu_check.py``): the GPU benchmarks, one
+``ncdp-fast bench --device cuda --only NAME`` each within the time budget, and
+their judgement -- a benchmark the budget leaves out is listed, not failed."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from ._gpu_check_env import ROOT, _python_json, _say
+
+# A benchmark is not started with less time than this left.
+MIN_BENCH_S = 20
+NOT_RUN = "not run"
+
+
+def _run_until(cmd, deadline, env=None) -> int | None:
+    """Exit status of ``cmd``, or None if it was still running at ``deadline``
+    (then it and every process it started are killed)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, env=env)
+    try:
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
+
+
+def bench_errors(path) -> list[str]:
+    rows = json.loads(Path(path).read_text()).get("rows", [])
+    return [f"{Path(path).name}: {r.get('shape') or r.get('config') or ''} "
+            f"{r.get('method', '')}: {r['error']}".strip() for r in rows if r.get("error")]
+
+
+# What a GPU benchmark cannot run without (its workloads are built from it); a
+# benchmark whose needs are not installed is listed as not run, with why.
+BENCH_NEEDS = {"hf": ("transformers",)}
+
+
+def missing_modules(python, names, env=None) -> list[str]:
+    """Those of ``names`` this interpreter cannot import."""
+    return _python_json(python, "import importlib.util, json; print(json.dumps([m for m in "
+                                f"{tuple(names)!r} if importlib.util.find_spec(m) is None]))",
+                        env=env)
+
+
+def missing_peers(python, env=None) -> list[str]:
+    """The benchmarks' comparison peers this interpreter cannot import (their
+    methods are skipped by the suite and missing from its tables)."""
+    return missing_modules(python, ("opacus", "dp_accounting"), env)
+
+
+def run_benches(python, out: Path, bench_args, deadline, env=None) -> list[dict]:
+    from .cli import GPU_BENCHES
+    results = []
+    peers = missing_peers(python, env)
+    needs = sorted({m for ms in BENCH_NEEDS.values() for m in ms})
+    absent = set(missing_modules(python, needs, env)) if needs else set()
+    for name in GPU_BENCHES:
+        left = deadline - time.monotonic()
+        row = dict(phase=name, status="ok")
+        if peers:
+            row["detail"] = f"{', '.join(peers)} not installed: its methods skipped"
+        lacking = [m for m in BENCH_NEEDS.get(name, ()) if m in absent]
+        if lacking:
+            row.update(status=NOT_RUN, detail=f"{', '.join(lacking)} not installed (its "
+                       "workloads are built from it; it can travel as wheels)")
+            results.append(row)
+            continue
+        if left < MIN_BENCH_S:
+            row.update(status=NOT_RUN, detail=f"time budget spent ({left:.0f} s left)")
+            results.append(row)
+            continue
+        started = time.time()
+        t0 = time.monotonic()
+        _say(f"{name} ({left:.0f} s of the budget left)")
+        rc = _run_until([python, "-m", "ncdp_fast.cli", "bench", "--device", "cuda", "--out",
+                         str(out), "--only", name, *bench_args], deadline, env)
+        row["seconds"] = time.monotonic() - t0
+        written = sorted(p for p in out.glob("*-gpu-*.json") if p.stat().st_mtime >= started)
+        row["reports"] = ", ".join(p.stem for p in written)
+        errors = [e for p in written for e in bench_errors(p)]
+        if rc is None:
+            row.update(status=NOT_RUN, detail="cut short at the end of the time budget "
+                       f"after {row['seconds']:.0f} s (--budget gives it more)")
+        elif rc != 0:
+            row.update(status="failed", detail=f"exit status {rc}")
+        elif not written:
+            row.update(status="failed", detail=f"no *-gpu-*.json written to {out}")
+        elif errors:
+            row.update(status="failed", detail="; ".join(errors)[:1000])
+        results.append(row)
+    return results
+
+
+def judge_benches(rows) -> tuple[list[str], list[str]]:
+    """(problems, benchmarks not run): a benchmark the budget left out or cut
+    short is listed, not failed -- a slow machine is not a broken one."""
+    problems = [f"{r['phase']}: {r['status']}: {r.get('detail', '')}" for r in rows
+                if r["status"] not in ("ok", NOT_RUN)]
+    return problems, [r["phase"] for r in rows if r["status"] == NOT_RUN]
+

@@ -1,0 +1,231 @@
+"""Everyday training code the private step cannot take exactly is refused by
+name, or warned about where torch's own call would mislead (issue 37):
+torch.compile, AMP's GradScaler, clip_grad_norm_ before the step, models that
+fold each sample into several rows (HF's *ForMultipleChoice); and the shapes
+that crashed inside the model (T5 / MPNet at T = 1) are exact."""
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from ncdp_fast.torch import GhostClipper, PrivacyEngine, check_exact  # noqa: E402
+from ncdp_fast.torch.grad_norm import GradientNotFormedWarning  # noqa: E402
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _private(model, **kw):
+    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    engine = PrivacyEngine()
+    pm, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=16), noise_multiplier=1.0, max_grad_norm=1.0,
+        seed=1, **kw)
+    return engine, pm, opt, loader
+
+
+def _batch(loader):
+    for x, y in loader:
+        if len(y):
+            return x, y
+    raise AssertionError("every Poisson batch was empty")
+
+
+def _snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _unchanged(model, before):
+    return all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# ------------------------------------------------------------------- compile
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile", "sub-module"])
+def test_a_compiled_model_is_refused_at_make_private(how):
+    """Before: torch's internal AssertionError ("... is already tracked for
+    mutation") at the first forward, or a silent run with Module.compile()."""
+    model = _model()
+    if how == "torch.compile":
+        model = torch.compile(model, backend="eager")
+    elif how == "Module.compile":
+        model.compile(backend="eager")
+    else:
+        model[3].compile(backend="eager")
+    with pytest.raises(ValueError, match=r"make_private: module: expected an eager model.*"
+                                         r"torch\.compile"):
+        _private(model)
+    with pytest.raises(ValueError, match=r"GhostClipper: module: expected an eager model"):
+        GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
+def test_compiling_after_make_private_is_refused_before_anything_is_written(how, backend):
+    """Before: a step went through under "eager"/"aot_eager" with hooks traced
+    by dynamo (exactness unchecked), and inductor was refused with "input of
+    layer 'ln' was modified in place" (inductor's own op, not the user's)."""
+    torch._dynamo.reset()
+    model = _model()
+    engine, pm, opt, loader = _private(model)
+    run = torch.compile(pm, backend=backend) if how == "torch.compile" else pm
+    if how == "Module.compile":
+        pm.compile(backend=backend)
+    before = _snapshot(model)
+    x, y = _batch(loader)
+    with pytest.raises(RuntimeError, match=r"ran forward under torch\.compile.*nothing was "
+                                           r"written"):
+        nn.functional.cross_entropy(run(x), y).backward()
+        opt.step()
+    assert _unchanged(model, before)
+    assert engine.accountant.history == []
+    # The compiled graph is cached now: still refused at the next call.
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match=r"torch\.compile"):
+        nn.functional.cross_entropy(run(x), y).backward()
+        opt.step()
+    assert _unchanged(model, before)
+
+
+def test_an_eager_model_is_not_marked_compiled():
+    """The guard itself: an uncompiled model steps, and its weights change."""
+    model = _model()
+    _, pm, opt, loader = _private(model)
+    before = _snapshot(model)
+    x, y = _batch(loader)
+    nn.functional.cross_entropy(pm(x), y).backward()
+    opt.step()
+    assert not _unchanged(model, before)
+
+
+# ---------------------------------------------------------------- GradScaler
+def test_grad_scaler_is_refused_by_name_and_a_plain_step_then_works():
+    """Before: torch's "No inf checks were recorded for this optimizer" from
+    scaler.step (the private gradient does not exist before the step).  Now
+    the step refuses naming the GradScaler, nothing written, and the scaler's
+    attributes are gone, so the same batch then steps without it."""
+    model = _model()
+    engine, pm, opt, loader = _private(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = _snapshot(model)
+    x, y = _batch(loader)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = nn.functional.cross_entropy(pm(x), y)
+    scaler.scale(loss).backward()
+    with pytest.raises(TypeError, match=r"GradScaler.*bfloat16.*no GradScaler"):
+        scaler.step(opt)
+    assert _unchanged(model, before)
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    opt.step()
+    assert not _unchanged(model, before)
+
+
+def test_grad_scaler_after_unscale_is_refused_too():
+    """The AMP recipe that unscales first (to clip) reaches the step with
+    found_inf set and no scale: refused as well, not stepped at the scale."""
+    model = _model()
+    _, pm, opt, loader = _private(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = _snapshot(model)
+    x, y = _batch(loader)
+    scaler.scale(nn.functional.cross_entropy(pm(x), y)).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(TypeError, match=r"GradScaler"):
+        scaler.step(opt)
+    assert _unchanged(model, before)
+
+
+# ----------------------------------------------------------- clip_grad_norm_
+def test_clip_grad_norm_before_the_step_warns_and_after_it_reads_the_private_gradient():
+    """Before: clip_grad_norm_ after backward silently returned 0.0 (p.grad is
+    None until the step).  Now it warns saying why; after the step it sees the
+    private gradient, whose norm it returns."""
+    model = _model()
+    _, pm, opt, loader = _private(model)
+    x, y = _batch(loader)
+    nn.functional.cross_entropy(pm(x), y).backward()
+    with pytest.warns(GradientNotFormedWarning, match=r"formed at optimizer\.step\(\).*"
+                                                      r"max_grad_norm=1"):
+        got = torch.nn.utils.clip_grad_norm_(pm.parameters(), 1e9)
+    assert float(got) == 0.0
+    opt.step()
+    expected = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientNotFormedWarning)
+        got = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    assert float(got) == pytest.approx(float(expected), rel=1e-6)
+    assert float(got) > 0
+
+
+def test_clip_grad_norm_of_other_parameters_does_not_warn():
+    model = _model()
+    _private(model)
+    other = nn.Linear(2, 2)
+    other(torch.randn(3, 2)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientNotFormedWarning)
+        assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1e9)) > 0
+
+
+# ------------------------------------------------------- shapes of HF models
+transformers = pytest.importorskip("transformers")
+
+
+def test_multiple_choice_is_refused_at_the_forward_by_name():
+    """Before: a shape error inside BERT's embeddings (the one-row position
+    table expanded to B rows where the model had folded B * C).  Now the first
+    layer that sees the folded rows refuses, naming the fold."""
+    torch.manual_seed(0)
+    model = transformers.BertForMultipleChoice(transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32))
+    B, C, T = 4, 3, 6
+    before = _snapshot(model)
+    with GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0,
+                      expected_batch_size=B) as clipper:
+        with pytest.raises(ValueError, match=r"has 12 rows.*step has 4 samples.*"
+                                             r"ForMultipleChoice"):
+            model(input_ids=torch.randint(0, 50, (B, C, T)),
+                  labels=torch.randint(0, C, (B,)))
+        clipper.clear()
+    assert _unchanged(model, before)
+
+
+@pytest.mark.parametrize("family", ["t5", "mpnet"])
+def test_one_token_sequences_are_exact(family):
+    """Before: T5 / MPNet crashed inside the model at T = 1.  With their
+    relative-position tables frozen (trainable ones are refused by name,
+    test_hf_more_models), a one-token batch is exact against per-sample
+    gradients computed one sample at a time."""
+    torch.manual_seed(0)
+    B = 5
+    if family == "t5":
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0)).double()
+
+        def loss(m, ids, dec, y):
+            logits = m(input_ids=ids, decoder_input_ids=dec).logits
+            return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(),
+                                               reduction="sum")
+        inputs = (torch.randint(1, 50, (B, 1)), torch.randint(1, 50, (B, 1)),
+                  torch.randint(1, 50, (B, 1)))
+    else:
+        model = transformers.MPNetForSequenceClassification(transformers.MPNetConfig(
+            vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+            intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            num_labels=3)).double()
+
+        def loss(m, ids, y):
+            return nn.functional.cross_entropy(m(input_ids=ids).logits, y, reduction="sum")
+        inputs = (torch.randint(3, 50, (B, 1)), torch.randint(0, 3, (B,)))
+    for n, m in model.named_modules():
+        if n.endswith("relative_attention_bias"):
+            m.requires_grad_(False)
+    report = check_exact(model, inputs, loss, rtol=1e-9)
+    assert report.passed, report
