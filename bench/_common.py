@@ -279,10 +279,10 @@ class Issue35Timer(StepTimer):
         self.per_call = 0.0
 
     def install(self) -> "Issue35Timer":
-        from ncdp_fast.torch import clipper, loss_watch, tree
+        from ncdp_fast.torch import loss_watch, recorder, tree
         W = loss_watch.LossWatch
         for owner, name in ((tree.ModelSnapshot, "check"),
-                            (clipper.GhostClipper, "_check_layout"), (W, "source"), (W, "arm"),
+                            (recorder.LayerRecorder, "_check_layout"), (W, "source"), (W, "arm"),
                             (W, "on_backward"), (W, "require"), (W, "settle"),
                             (W, "unstack"), (W, "clear")):
             self._patch(owner, name, self._timed(owner.__dict__[name]))

@@ -116,6 +116,64 @@ def clip_dense(family):
          "GPU >= 0.80 of the read limit"])
 
 
+# The GPU model of the GEMM route's time (issue 36), written beside each row so
+# that a GPU run checks a prediction: an H200's FP64 tensor-core peak is 67
+# TFLOP/s (datasheet) and its HBM3e 4.8 TB/s; assumed sustained: 40 TFLOP/s on
+# these batched DGEMMs, 3.5 TB/s, 5 us per kernel launch (7 launches: two
+# upcasts, two GEMMs, the bias add, the product, the sum).
+GPU_MODEL = dict(fp64_flops=40e12, bytes_per_s=3.5e12, launch_s=5e-6, launches=7)
+
+
+def predicted_norm_ms(B, T, d, K) -> float:
+    """The GEMM route's predicted ms on an H200 (:data:`GPU_MODEL`): its FLOPs,
+    plus its traffic (a, g read in float32, written and read again in float64,
+    the Gram or per-sample matrices written and read), plus launches."""
+    gram = 2 * T * T <= K * d
+    n = B * T * (d + K)
+    mats = B * (2 * T * T if gram else K * d)
+    flops = 2.0 * B * T * T * (d + K) if gram else 2.0 * B * T * d * K
+    traffic = 4 * n + 8 * n + 8 * n + 8 * 2 * mats
+    m = GPU_MODEL
+    return 1e3 * (flops / m["fp64_flops"] + traffic / m["bytes_per_s"]
+                  + m["launches"] * m["launch_s"])
+
+
+def linear_norms(family):
+    """One row per layer shape of bench/test_bench_clip.py::test_linear_norms."""
+    rows = []
+    for w, ms in family.items():
+        row = dict(shape=w, **_missing(ms, ["ncdp", "torch_einsum_f32"]))
+        B, T, d, K = (int(v) for v in w.strip("()").split(","))
+        row["predicted_gpu_ms"] = predicted_norm_ms(B, T, d, K)
+        if "error" not in row:
+            t = _t(ms, "ncdp")
+            other = "native_kernel" if "native_kernel" in ms else "gemm_f64"
+            row.update(ncdp_ms=1e3 * t, ncdp_gflops=_x(ms, "ncdp", "gflops"),
+                       einsum_ms=1e3 * _t(ms, "torch_einsum_f32"),
+                       x_einsum=_t(ms, "torch_einsum_f32") / t,
+                       other=other, other_ms=1e3 * _t(ms, other) if other in ms else None,
+                       x_other=_t(ms, other) / t if other in ms else None,
+                       ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"))
+        rows.append(row)
+    return rows, (
+        [("shape", "(B, T, d, K)", None), ("ncdp_ms", "ncdp ms", "{:.3f}"),
+         ("ncdp_gflops", "ncdp GFLOP/s", "{:.1f}"),
+         ("einsum_ms", "Opacus-style f32 einsum ms", "{:.3f}"),
+         ("x_einsum", "× einsum", "{:.2f}"), ("other", "also timed", None),
+         ("other_ms", "its ms", "{:.3f}"), ("x_other", "× it", "{:.2f}"),
+         ("predicted_gpu_ms", "predicted H200 ms (GEMM route)", "{:.3f}"),
+         ("ncdp_mem_mb", "ncdp peak extra MB", "{:.1f}"), ("error", "error", None)],
+        ["per-sample squared gradient norms of a linear layer with bias, float64 result; "
+         "ncdp: numba's kernel on the CPU, the vendor's batched FP64 GEMMs on a GPU "
+         "(ncdp_fast/_cuda/clip.py); also timed: on a GPU the hand-written CUDA kernel it "
+         "replaced, on the CPU the GEMM route run by torch on the CPU",
+         "Opacus-style einsum: float32 Grams (not the clip rule's float64), the speed a user "
+         "of Opacus's ghost clipping gets",
+         "predicted H200 ms: a model, not a measurement (bench/report.py GPU_MODEL: 40 "
+         "TFLOP/s FP64 sustained, 3.5 TB/s, 7 launches of 5 us); the first GPU profile "
+         "measured the replaced kernel at 4.4 ms a call averaged over BERT-base's 72"])
+
+
 def clip_step(family):
     rows = []
     for w, ms in family.items():
@@ -670,7 +728,8 @@ def noise(family):
          "up or gains, not interchangeable noise"])
 
 
-FAMILIES = {"bench_clip_dense": clip_dense, "bench_clip_step": clip_step, "bench_mix": mix,
+FAMILIES = {"bench_clip_dense": clip_dense, "bench_clip_step": clip_step,
+            "bench_linear_norms": linear_norms, "bench_mix": mix,
             "bench_poisson_batches": poisson_batches, "bench_ntk": ntk,
             "bench_release": release, "bench_train": train, "privacy": privacy,
              "bench_finetune": finetune, "bench_distributed_ntk": distributed_ntk,

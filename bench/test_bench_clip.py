@@ -5,6 +5,12 @@
    computation in eager torch (norms, factors, einsum, torch.normal; float64 and
    float32 norms) and vs a measured read-bandwidth limit (summing the same array:
    numba's parallel sum on the CPU and torch.sum, whichever is faster).
+3. ``test_linear_norms`` (report ``bench_linear_norms``): the per-sample
+   squared norms of a linear layer's gradients (the Gram form of ghost
+   clipping), float64, at the layer shapes of BERT-base and GPT-2's head: the
+   package's route for the device (numba on the CPU; on a GPU the vendor's
+   batched FP64 GEMM, issue 36) vs the hand-written CUDA kernel it replaced
+   (GPU only), the same GEMMs on the CPU, and Opacus's float32 einsum Gram.
 2. ``test_clip_step`` (report ``bench_clip_step``): one DP training step of a
    linear layer (forward, backward, privatize, SGD) with ``GhostClipper`` vs the
    non-private step, Opacus hooks mode (GradSampleModule + DPOptimizer), Opacus
@@ -22,6 +28,11 @@ DENSE_SHAPES = {"full": [(512, 7680), (1024, 409600)], "quick": [(512, 7680), (2
 STEP_SHAPES = {"full": [(512, None, 768, 10), (1024, None, 4096, 100), (256, 64, 768, 768)],
                "quick": [(512, None, 768, 10), (64, 16, 256, 256)],
                "smallest": [(8, None, 16, 3), (4, 2, 8, 8)]}
+# (B, T, d, K): BERT-base's attention/output, intermediate and output-dense
+# layers (B 32, T 128), GPT-2's tied head (B 16, V 50257).
+NORM_SHAPES = {"full": [(32, 128, 768, 768), (32, 128, 768, 3072), (32, 128, 3072, 768),
+                        (16, 128, 768, 50257)],
+               "quick": [(8, 32, 64, 64), (8, 64, 256, 1024)], "smallest": [(2, 3, 4, 5)]}
 STEP_METHODS = ["nonprivate", "ncdp_ghost", "ncdp_fused", "opacus_hooks", "opacus_ghost"]
 STEP_ONCE = ("ncdp_fused", "opacus_hooks", "opacus_ghost")
 
@@ -34,7 +45,69 @@ def CASES(size, device):
                 "bench_clip_dense", dense, ["ncdp", "torch_eager", "torch_eager_f32norm",
                                             "read_torch_sum"]
                 + (["read_numba_sum"] if device == "cpu" else [])),
-            "test_clip_step": cases("bench_clip_step", steps, STEP_METHODS, once=STEP_ONCE)}
+            "test_clip_step": cases("bench_clip_step", steps, STEP_METHODS, once=STEP_ONCE),
+            "test_linear_norms": cases(
+                "bench_linear_norms",
+                [(f"({B}, {T}, {d}, {K})", dict(B=B, T=T, d=d, K=K))
+                 for B, T, d, K in NORM_SHAPES[size]],
+                ["ncdp", "torch_einsum_f32"]
+                + (["native_kernel"] if device == "cuda" else ["gemm_f64"]))}
+
+
+def norm_flops(B, T, d, K) -> float:
+    """Multiply-adds x 2 of the Gram route (A A^T, G G^T, their product) or of
+    the direct one (G^T A and its squares), as the route rule picks."""
+    if 2 * T * T <= K * d:
+        return 2.0 * B * T * T * (d + K) + 2.0 * B * T * T
+    return 2.0 * B * T * d * K + 2.0 * B * d * K
+
+
+def test_linear_norms(benchmark, case, bench_device):
+    import numpy as np
+    import torch
+
+    from ncdp_fast import _native
+    from ncdp_fast._cuda import clip as device_clip
+    from ncdp_fast._cuda._common import dtype_code, ptr, stream
+    from ncdp_fast._numba import clip as numba_clip
+    B, T, d, K = (case.params[k] for k in ("B", "T", "d", "K"))
+    method, device = case.method, bench_device
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(B, T, d, generator=gen)
+    g = torch.randn(B, T, K, generator=gen) * 1e-3
+    if device == "cuda":
+        a, g = a.cuda(), g.cuda()
+    sq = torch.zeros(B, dtype=torch.float64, device=a.device)
+    if method == "ncdp" and device == "cpu":
+        an, gn, sqn = a.numpy(), g.numpy(), sq.numpy()
+
+        def fn():
+            numba_clip.linear_sq_norms(an, gn, True, sqn, False)
+            return sqn
+    elif method in ("ncdp", "gemm_f64"):
+        def fn():
+            device_clip.linear_sq_norms(a, g, True, sq, False)
+            return sq
+    elif method == "native_kernel":
+        native = _native.for_array(a)
+
+        def fn():
+            native.launch_linear_sq_norms(ptr(a), ptr(g), B, T, d, K, dtype_code(a), True,
+                                          ptr(sq), False, stream(a))
+            return sq
+    else:           # Opacus's ghost norm: float32 Grams by einsum (TF32 as torch is set)
+        def fn():
+            ga = torch.einsum("bti,bsi->bts", a, a) + 1.0
+            gg = torch.einsum("bti,bsi->bts", g, g)
+            return (ga * gg).sum(dim=(1, 2))
+    out = measure(benchmark, case, fn, device=device, repeats=5, min_time=0.2,
+                  flops=norm_flops(B, T, d, K), bytes=4 * B * T * (d + K))
+    if not benchmark.disabled and method != "torch_einsum_f32":
+        ref = (torch.einsum("bti,bsi->bts", a.double(), a.double()) + 1.0) * \
+            torch.einsum("bti,bsi->bts", g.double(), g.double())
+        expected = ref.sum(dim=(1, 2)).cpu().numpy()
+        got = out.cpu().numpy() if hasattr(out, "cpu") else np.asarray(out)
+        assert np.allclose(got, expected, rtol=1e-9, atol=0), method
 
 
 def test_clip_dense(benchmark, case, bench_device):

@@ -187,14 +187,14 @@ class CheckTimer(StepTimer):
         self.seconds = 0.0
 
     def install(self) -> "CheckTimer":
-        from ncdp_fast.torch import clipper, layout
-        G = clipper.GhostClipper
+        from ncdp_fast.torch import clipper, layout, recorder
+        G, R = clipper.GhostClipper, recorder.LayerRecorder
         for owner, name in ((layout.StepBatch, "pre_hook"), (layout.StepBatch, "get"),
-                            (clipper, "batch_dim"), (clipper, "to_batch_first"),
+                            (recorder, "batch_dim"), (recorder, "to_batch_first"),
                             (G, "_refuse_outside_terms"), (G, "_refuse_foreign")):
             self._patch(owner, name, self._timed(owner.__dict__[name]))
-        make_hook = G.__dict__["_outside_hook"]   # one post-accumulate-grad hook a parameter
-        self._patch(G, "_outside_hook", lambda clip, *a: self._timed(make_hook(clip, *a)))
+        make_hook = R.__dict__["_outside_hook"]   # one post-accumulate-grad hook a parameter
+        self._patch(R, "_outside_hook", lambda clip, *a: self._timed(make_hook(clip, *a)))
         return self
 
     def ms_per_step(self) -> float | None:
@@ -221,12 +221,11 @@ class EngineTimer(StepTimer):
     def install(self) -> "EngineTimer":
         from torch import nn
 
-        from ncdp_fast.torch import clipper, engine
-        for owner, name, attr in ((engine.DPOptimizer, "step", "outer"),
-                                  (engine.DPOptimizer, "zero_grad", "outer"),
-                                  (engine.PrivateModule, "__call__", "outer"),
-                                  (clipper.GhostClipper, "privatize_", "inner"),
-                                  (clipper.GhostClipper, "accumulate_", "inner")):
+        from ncdp_fast.torch import dp_optimizer, private_step
+        D, S = dp_optimizer.DPOptimizer, private_step.PrivateStep
+        for owner, name, attr in ((D, "step", "outer"), (D, "zero_grad", "outer"),
+                                  (dp_optimizer.PrivateModule, "__call__", "outer"),
+                                  (S, "privatize_", "inner"), (S, "accumulate_", "inner")):
             fn = owner.__dict__.get(name, nn.Module.__call__ if name == "__call__" else None)
             self._patch(owner, name, self._timed(fn, attr))
         return self

@@ -15,9 +15,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["kind", "is_torch", "require_torch", "is_cuda_array", "shape", "describe", "io_for", "to_numpy", "to_host", "all_finite",
-           "numpy_dtype", "data_ptr", "current_stream", "float64_norms", "NumpyIO", "TorchCpuIO",
-           "TorchCudaIO", "TorchEmulatedIO", "CupyIO", "set_emulation", "is_emulated"]
+__all__ = ["kind", "is_torch", "require_torch", "is_cuda_array", "shape", "describe", "io_for",
+           "to_numpy", "to_host", "all_finite", "numpy_dtype", "data_ptr", "current_stream",
+           "as_float64", "module_of", "float64_norms", "NumpyIO",
+           "TorchCpuIO", "TorchCudaIO", "TorchEmulatedIO", "CupyIO", "set_emulation",
+           "is_emulated"]
 
 
 def _type_module(x: Any) -> str:
@@ -367,10 +369,31 @@ def current_stream(x) -> int:
         return int(cupy.cuda.get_current_stream().ptr)
 
 
+def module_of(x):
+    """The NumPy-like namespace of x's library: numpy, torch or cupy (for the few
+    element-wise ops and reductions the ops run on the caller's device)."""
+    k = kind(x)
+    if k == "torch":
+        import torch
+        return torch
+    if k == "cupy":
+        import cupy
+        return cupy
+    return np
+
+
+def as_float64(x):
+    """``x`` in float64 (exact from float32), by x's library (torch or CuPy)."""
+    if is_torch(x):
+        return x.double()
+    import cupy
+    return x.astype(cupy.float64, copy=False)
+
+
 def float64_norms(x):
     """L2 norms over the last axis, computed in float64 by x's library (torch or CuPy)."""
     if is_torch(x):
         import torch
-        return torch.linalg.norm(x.double(), dim=-1)
+        return torch.linalg.norm(as_float64(x), dim=-1)
     import cupy
-    return cupy.linalg.norm(x.astype(cupy.float64), axis=-1)
+    return cupy.linalg.norm(as_float64(x), axis=-1)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _stream
+from . import _arrays, _stream
 
 __all__ = ["ClipResult", "LinearClipResult", "LayersClipResult", "GhostBlock"]
 
@@ -99,17 +99,22 @@ class GhostBlock:
 # ------------------------------------------------------------------ accounting
 
 def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=None):
-    host = be.io.to_numpy(norms)
+    # Counted where the norms are: one transfer of two counts per step (on a
+    # GPU each transfer makes the host wait for the device, issue 36); the
+    # rows are read only to name them in the error.
+    xp = _arrays.module_of(norms)
     # A zero factor also marks a finite norm whose rounding bound overflowed.
-    dropped = ~np.isfinite(host)
+    dropped = ~xp.isfinite(norms)
     if factors is not None:
-        dropped |= be.io.to_numpy(factors) == 0
-    bad = np.flatnonzero(dropped)
-    if bad.size and nan_policy == "raise":
+        dropped |= factors == 0
+    counts = be.io.to_numpy(xp.stack([dropped.sum(), (~dropped & (norms > max_norm)).sum()]))
+    num_bad, clipped = int(counts[0]), int(counts[1])
+    if num_bad and nan_policy == "raise":
+        bad = np.flatnonzero(be.io.to_numpy(dropped))
         shown = ", ".join(str(i) for i in bad[:10]) + (", ..." if bad.size > 10 else "")
-        raise ValueError(f"per-sample gradients of rows [{shown}] ({bad.size} of {host.size}) are not "
+        raise ValueError(f"per-sample gradients of rows [{shown}] ({bad.size} of "
+                         f"{_arrays.shape(norms, 'norms')[0]}) are not "
                          "finite (NaN/Inf, or a norm overflowing float64); fix the model or pass "
                          "nan_policy='zero' to drop those samples")
-    clipped = np.count_nonzero(~dropped & (host > max_norm))
-    return dict(norms=be.io.to_user(norms), num_clipped=int(clipped),
-                num_nonfinite=int(bad.size), seed=seed, offset=offset, draws=draws)
+    return dict(norms=be.io.to_user(norms), num_clipped=clipped,
+                num_nonfinite=num_bad, seed=seed, offset=offset, draws=draws)

@@ -240,5 +240,8 @@ def test_softmax_over_the_batch_of_a_sequence_first_input_is_refused():
                                          r".*batch_first=False.* on which that dim is the batch"):
         seq(torch.randn(6, 5, 4))                      # (T, B, d), T != B
     clipper.clear()
+    # A 2-D input under batch_first=False has its batch read at dim 1: the
+    # (B, d) step declares its batch (rows are now checked at the forward).
+    clipper.declare_batch_size(5)
     assert seq(torch.randn(5, 4)).shape == (5, 3)      # (B, d): the class dimension
     clipper.remove()

@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ncdp_fast.torch import (FusedDPOptimizer, GhostClipper, PrivacyEngine,  # noqa: E402
                              register_layer)
-from ncdp_fast.torch.layers import RULES, linear_rule  # noqa: E402
+from ncdp_fast.torch.layer_rules import linear_rule  # noqa: E402
+from ncdp_fast.torch.layers import RULES  # noqa: E402
 
 warnings.filterwarnings("ignore", module="opacus")
 

@@ -181,7 +181,9 @@ def test_benchmarks_the_budget_leaves_out_are_listed_not_failed(tmp_path, monkey
     # No time left: none starts.
     rows = gpu_bench.run_benches(sys.executable, tmp_path, [], deadline=0.0)
     assert [r["status"] for r in rows] == [gpu_bench.NOT_RUN] * len(GPU_BENCHES)
-    assert gpu_bench.judge_benches(rows) == ([], list(GPU_BENCHES))
+    order = gpu_bench.check_order()
+    assert sorted(order) == sorted(GPU_BENCHES) and order[:3] == ["hf", "finetune", "clip"]
+    assert gpu_bench.judge_benches(rows) == ([], order)
     # Cut short at the deadline: not run; a failing one still fails the check.
     monkeypatch.setattr(gpu_bench, "_run_until", lambda cmd, deadline, env=None: None)
     cut = gpu_bench.run_benches(sys.executable, tmp_path, [], deadline=float("inf"))

@@ -29,8 +29,13 @@ Philox stream position (``seed``, ``offset``) so that no noise is ever reused.
 :class:`PoissonBatchSampler` and :func:`collate_with_empty` give a DataLoader
 true Poisson batches.
 
-Modules: ``engine`` (PrivacyEngine), ``clipper`` (GhostClipper and its hooks),
-``layers`` (the per-layer rules and their registry), ``attention`` (multi-head
+Modules: ``engine`` (PrivacyEngine), ``dp_optimizer`` (the DPOptimizer and
+PrivateModule it returns), ``clipper`` (GhostClipper: which layers, their
+hooks), ``recorder`` (what the hooks record and check as the model runs),
+``private_step`` (the clipper's step), ``compiled`` / ``amp`` / ``grad_norm``
+(torch.compile and GradScaler refused, clip_grad_norm_ before the step warned),
+``layers`` (the per-layer rules' registry), ``layer_rules`` (the rules of torch's
+own layers), ``attention`` (multi-head
 attention's step-by-step forward and rule), ``hf_layers`` (rules of Hugging Face
 ``transformers`` layers, registered by class name), ``optimizer`` (FusedDPOptimizer),
 ``fix`` (fix_batchnorm, fix_recurrent), ``rnn`` (DPLSTM, DPGRU, DPRNN),
@@ -59,7 +64,8 @@ from .fix import fix_batchnorm
 from .rnn import DPGRU, DPLSTM, DPRNN
 from .losses import TokenCrossEntropyLoss, causal_lm_loss, per_sample_token_loss
 from .memory import BatchMemoryManager
-from .layers import Call, factored_or_instantiated, register_layer
+from .layer_rules import factored_or_instantiated  # (and registers the rules of torch's layers)
+from .layers import Call, register_layer
 from .optimizer import FusedDPOptimizer
 from .validators import ModuleValidator
 from .ranks import DistributedPoissonBatchSampler

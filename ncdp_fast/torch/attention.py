@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import _cat, _flat_positions, factored_or_instantiated, register_layer
+from .layer_rules import _cat, _flat_positions, factored_or_instantiated
+from .layers import register_layer
 
 __all__ = ["attention_forward", "check_attention"]
 

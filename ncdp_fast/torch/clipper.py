@@ -2,10 +2,12 @@
 pass (book-keeping clipping, Bu et al. ICML 2023), no per-sample gradient formed
 where the ghost norm is cheaper.
 
-Hooks keep each trainable layer's inputs and output gradients; each layer's rule
-(:mod:`.layers`) turns them into blocks of the fused clip op, which computes
-every sample's norm over all layers, its clip factor, the clipped sums and the
-noise in one call (DESIGN.md kernel 1).
+Hooks keep each trainable layer's inputs and output gradients
+(:mod:`.recorder`); each layer's rule (:mod:`.layers`) turns them into blocks
+of the fused clip op, which computes every sample's norm over all layers, its
+clip factor, the clipped sums and the noise in one call (DESIGN.md kernel 1;
+the step: :mod:`.private_step`).  This module builds the clipper: which layers
+it taps, their hooks, and their removal.
 """
 from __future__ import annotations
 
@@ -14,35 +16,32 @@ import math
 import torch
 from torch import nn
 
-from .._clip import LayersClipResult
 from .._validate import check_bool, check_choice, check_int, check_nonneg
 from . import tied
 from .adaptive import AdaptiveClip, check_adaptive
 from .attention import attention_forward, check_attention
-from .compiled import check_not_compiled, compiled_error, compiling
+from .compiled import check_not_compiled
 from .conv import conv_forward
-from .coupling import batch_dim_hooks, refuse_batch_mixing, refuse_whole_batch_loss_kwargs
+from .coupling import batch_dim_hooks, refuse_batch_mixing
 from .grad_norm import watch as watch_grad_norm
-from .layers import Call, refuse_unsupported
+from .layers import refuse_unsupported
 from .loss_watch import LossWatch
 from .structure import LayoutByGraph
-from .layout import StepBatch, batch_dim, broadcast_rows, rows_error, set_layouts, to_batch_first
+from .layout import StepBatch, set_layouts
 from .mechanism import ClippedGaussianStep, ReleasedGrads, optimizer_params
-from .memory import (add_clipped, check_bound_kept, check_same_parameters, fold_in,
-                     refuse_across_ranks)
-from .per_layer import check_fixed_bound, clip_per_layer, layer_bounds
-from .precision import cast_block, overflow_error, overflowing, upcast
+from .private_step import PrivateStep
+from .recorder import LayerRecorder
+from .memory import check_bound_kept
+from .per_layer import check_fixed_bound, layer_bounds
 from .ranks import check_not_ddp
-from .recompute import count_call, in_backward
-from .taps import (CaptureGrad, Record, Tap, ignore, layer_rule, per_parameter, step_entries,
-                   switch_back, switch_off)
+from .taps import Tap, layer_rule
 from .tree import ModelSnapshot
-from .unprivatized import foreign_error, refuse_outside_terms, refuse_uncaptured
+from .unprivatized import foreign_error, refuse_outside_terms
 
 __all__ = ["GhostClipper"]
 
 
-class GhostClipper(ClippedGaussianStep):
+class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
     """Private gradients for a network from one ordinary ``loss.backward()``.
 
     Usage::
@@ -112,8 +111,9 @@ class GhostClipper(ClippedGaussianStep):
     of the model's input -- dimension 0 of the first tensor the model is called
     with (positional, then keyword), dimension 1 with ``batch_first=False`` --
     or of a size declared with :meth:`declare_batch_size`.  A layer whose rows
-    are not (samples folded into the batch dimension, (B, k, d) -> (B*k, d))
-    raises in backward, before anything is written.  Layout: layers inside
+    are not (samples folded into the batch dimension, (B, k, d) -> (B*k, d),
+    as Hugging Face's ``*ForMultipleChoice`` models do) raises at its forward,
+    before anything is written.  Layout: layers inside
     ``nn.MultiheadAttention`` / ``nn.Transformer*`` take that module's own
     ``batch_first``; convolutions and group/instance norms are always
     batch-first; an ``nn.Linear``, ``nn.Embedding`` or ``nn.LayerNorm`` with
@@ -145,6 +145,12 @@ class GhostClipper(ClippedGaussianStep):
     construction, as DDP does; ``seed=None`` is drawn on rank 0; the group is
     held weakly (freed by ``destroy_process_group``).  A DDP-wrapped model is
     refused, with or without ``group``.
+
+    Refused by name as well: a model compiled with ``torch.compile`` (at
+    construction, or at the first gradient or step after compiling it), and
+    a ``GradScaler`` stepping the optimizer (:mod:`.compiled`, :mod:`.amp`).
+    ``torch.nn.utils.clip_grad_norm_`` called between backward and the step
+    warns: the gradients do not exist yet (:mod:`.grad_norm`).
 
     Privacy meaning: each :meth:`privatize_` is one Gaussian mechanism
     (sensitivity ``max_grad_norm``, or sqrt(sum C_p^2) per layer; noise
@@ -311,36 +317,6 @@ class GhostClipper(ClippedGaussianStep):
         first refusal, naming the layer), attaching nothing."""
         GhostClipper._find_layers(model)
 
-    # ------------------------------------------------------------------- hooks
-    def _capturing(self) -> bool:
-        # As Opacus: nothing is recorded outside training mode (an evaluation
-        # forward with grad on), or while hooks are disabled; such a forward
-        # computes ordinary gradients, which a step refuses.
-        return torch.is_grad_enabled() and self.enabled and self.model.training
-
-    def _model_pre_hook(self, module, args, kwargs):
-        if compiling():
-            self._compiled = True
-            return None
-        if not in_backward():
-            self._pass += 1
-        if self._capturing():
-            if not in_backward():
-                self._loss.unstack()
-                self._layouts.new_forward()
-            self._snapshot.check(self.model, self.taps)
-            refuse_whole_batch_loss_kwargs(module, kwargs)
-            return self._batch.pre_hook(module, args, kwargs)
-        if torch.is_grad_enabled():
-            self._uncaptured.add("disabled" if not self.enabled else "eval")
-        return None
-
-    def _model_hook(self, module, args, output):
-        if compiling():
-            return
-        if self._capturing() and not in_backward():
-            self._loss.arm(self._batch.known())
-
     def declare_batch_size(self, n: int) -> None:
         """State the number of samples of the current step (until the next
         :meth:`privatize_` or :meth:`clear`), for a model whose first input
@@ -349,203 +325,6 @@ class GhostClipper(ClippedGaussianStep):
         step of an empty Poisson batch that the model cannot run (transformers'
         models reshape zero rows with -1) is pure noise, as with a forward."""
         self._batch.declared = check_int(n, "n", 0)
-
-    def _pre_hook(self, tap: Tap):
-        conv = isinstance(tap.module, nn.modules.conv._ConvNd)
-
-        def hook(module, inputs):
-            if compiling():
-                self._compiled = True
-                return
-            tap.replaying = False
-            tap.recording = self._capturing()
-            if not tap.recording:
-                if self.enabled and self.model.training:
-                    tap.nograd = self._pass
-                return
-            active = frozenset(n for n, p in tap.params.items() if p.requires_grad)
-            if not active and not tap.records:
-                # Every parameter frozen since attach: an ordinary frozen layer.
-                tap.recording = False
-                return
-            count_call(tap, module)
-            if tap.records and active != tap.active:
-                tap.recording = False
-                raise RuntimeError(
-                    f"GhostClipper: layer {tap.name!r} ran forward with trainable parameters "
-                    f"{sorted(active)}, earlier in this step with {sorted(tap.active)}; "
-                    "freeze or unfreeze parameters between steps, not within one (call clear() "
-                    "to discard this step)")
-            tap.active = active
-            if not conv:
-                # The parameter gradients of the ordinary backward would be
-                # replaced by privatize_(); switching requires_grad off for the
-                # duration of this forward keeps autograd from computing them at
-                # all (the weight-gradient GEMM of every layer saved).  A
-                # convolution does this around _conv_forward only, where its
-                # rule applies: a subclass's own forward keeps its gradients.
-                tap.saved = switch_off(tap)
-        return hook
-
-    def _restore_hook(self, tap: Tap):
-        def hook(module, inputs, output):
-            if compiling():
-                return
-            tap.recording = tap.replaying = False
-            if tap.saved is not None:        # always_call=True: restored even on error
-                switch_back(tap, tap.saved)
-                tap.saved = None
-        return hook
-
-    def _outside_hook(self, name: str, tap: Tap):
-        def hook(p):
-            # After an unrecorded forward, a gradient may be that forward's
-            # ordinary one: refused under that cause (if still there at the step).
-            found = self._uncaptured_grads if self._uncaptured else self._outside
-            found.setdefault(name, type(tap.module).__name__)
-        return hook
-
-    def _capture(self, tap: Tap, slot, inputs: tuple, output):
-        """Record ``inputs`` and arrange for the gradient of ``output``; returns the
-        tensor the forward continues with."""
-        if not tap.recording or output is None:
-            # None: the forward raised (always_call hooks still run), or nothing
-            # depends on the layer, whose gradient is then exactly zero.
-            return output
-        if tap.replaying:
-            # The recorded call's output entered the graph the same way.
-            if isinstance(output, torch.Tensor) and not output.requires_grad:
-                return CaptureGrad.apply(output, self._anchor, ignore)
-            return output
-        if not isinstance(output, torch.Tensor):
-            # Nothing to hook a gradient on: the layer would get pure noise.
-            raise TypeError(
-                f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) returned "
-                f"{type(output).__name__}, expected one tensor (its rule is given the "
-                "gradient of that output); return one tensor from the layer, or put the "
-                "trainable parameters in a sub-module that does")
-        if any(r.got for r in tap.records):
-            raise RuntimeError(
-                f"GhostClipper: layer {tap.name!r} runs forward again after a backward pass "
-                "reached it; call privatize_() (optimizer.step()) before the next forward "
-                "(batches are not accumulated: each step is one batch), or clear() to discard")
-        dim = batch_dim(tap.module, tap.batch_first, output)
-        # The layout first: where the graph shows the samples, it names the cause.
-        self._check_layout(tap, inputs, output, dim)
-        self._check_rows(tap, output, dim)
-        inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
-        rec = Record(inputs, slot, tuple(getattr(x, "_version", 0) for x in inputs))
-        tap.records.append(rec)
-        tap.recorded_in = self._pass
-        def on_grad(grad):
-            self._on_grad(tap, rec, grad)
-        if output.requires_grad:
-            # A tensor hook fires with the gradient of this value even if a later
-            # in-place op (an inplace ReLU) modifies it: no copy needed.
-            output.register_hook(on_grad)
-        else:
-            output = CaptureGrad.apply(output, self._anchor, on_grad)
-        # Where the loss check's reading of the graph stops (loss_watch.py).
-        self._loss.source(output, dim, self._batch.known())
-        return output
-
-    def _check_rows(self, tap: Tap, output, dim: int) -> None:
-        """Refuse, at the forward, a layer whose rows are not the step's samples
-        (the backward's check, earlier): a model that folds each sample's rows
-        into the batch (HF's *ForMultipleChoice) would otherwise fail inside
-        its own forward, where a one-row position table was given the
-        samples' rows (layout.broadcast_rows)."""
-        batch = self._batch.known()
-        if batch is None or output.dim() == 0 or output.shape[dim] == batch:
-            return
-        tap.recording = False
-        _, source = self._batch.get(tap.name)
-        raise rows_error(tap.name, tap.module, tuple(output.shape), dim, tap.batch_first,
-                         tap.layout, batch, source)
-
-    def _check_layout(self, tap: Tap, inputs: tuple, output, rule: int) -> None:
-        """Refuse a layer whose input carries the samples, by the graph from
-        the layers before it, in another dimension than its layout reads
-        (structure.py); a layer that changes the rank is left to its rule."""
-        x = inputs[0] if inputs else None
-        if not isinstance(x, torch.Tensor) or x.ndim != output.ndim:
-            return
-        found = self._layouts.sample_dim(tap.name, x, self._loss.sources, self._batch.known(),
-                                         self._anchor)
-        if found is not None and found != rule:
-            tap.recording = False
-            raise self._layouts.error(tap.name, tap.module, x, found, rule, tap.batch_first)
-
-    def _on_grad(self, tap: Tap, rec: Record, grad):
-        if self._compiled:
-            raise compiled_error()
-        self._loss.require(self._batch.model_ran)
-        if rec.got:
-            rec.twice = True            # a second backward through the same forward
-            return
-        rec.grad, rec.got = grad.detach(), True
-        if all(r.got for r in tap.records):
-            # The layer's last output gradient: run its rule now, inside backward,
-            # and let go of its inputs and gradients (instantiated blocks are the
-            # size of the parameters; the rest is freed as backward goes on).
-            self._evaluate(tap)
-
-    def _evaluate(self, tap: Tap) -> None:
-        batch, source = self._batch.get(tap.name)
-        for rec in tap.records:
-            if any(getattr(x, "_version", 0) != v for x, v in zip(rec.inputs, rec.versions)):
-                raise RuntimeError(
-                    f"GhostClipper: the input of layer {tap.name!r} was modified in place "
-                    "after the layer ran (an inplace op on a tensor the layer read); its "
-                    "per-sample gradient would be wrong. Make that op out of place")
-            shape = rec.grad.shape
-            if not shape:
-                raise ValueError(f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) "
-                                 "returned a 0-d output: it has no batch dimension, so no "
-                                 "per-sample gradient; expected an output whose rows are the "
-                                 f"step's {batch} samples")
-            dim = batch_dim(tap.module, tap.batch_first, rec.grad)
-            if shape[dim] != batch:
-                raise rows_error(tap.name, tap.module, shape, dim, tap.batch_first, tap.layout,
-                                 batch, source)
-            # The rules read dimension 0 as the batch: a sequence-first call is
-            # handed to them with its batch moved there.
-            rec.inputs, rec.grad = to_batch_first(rec.inputs, rec.grad, dim)
-            if tap.half:
-                # The rule computes in float32 from here on: the half values
-                # are exact in float32, so nothing but the final rounding of
-                # the private gradient to the parameter's dtype is in half.
-                rec.inputs = tuple(upcast(x) for x in rec.inputs)
-                rec.grad = upcast(rec.grad)
-        calls = [Call(r.inputs, r.grad, r.slot) for r in tap.records]
-        trainable = tap.trainable()
-        got = tap.rule(tap.module, calls, trainable)
-        covered = [n for names, _ in got for n in names]
-        if sorted(covered) != sorted(trainable):
-            raise RuntimeError(f"GhostClipper: the rule of {type(tap.module).__name__} "
-                               f"({tap.name!r}) returned blocks for {covered}, expected each "
-                               f"of {sorted(trainable)} once")
-        tap.blocks = tied.layer_uses(
-            tap, calls, [(names, cast_block(tap, names, block)) for names, block in got], batch,
-            self._tied)
-        tap.batch = batch
-        for rec in tap.records:
-            rec.inputs = rec.grad = None
-
-    def _forward_hook(self, tap: Tap):
-        def hook(module, inputs, output):
-            if compiling():
-                return None
-            got = output
-            if tap.recording:       # position ids (1, T): one row per sample
-                inputs, got = broadcast_rows(module, inputs, output, tap.batch_first,
-                                             self._batch.known())
-            out = self._capture(tap, None, inputs, got)
-            return None if out is output else out
-        return hook
-
-    def _marker(self, tap: Tap):
-        return lambda slot, x, output: self._capture(tap, slot, (x,), output)
 
     def _patch(self, module, attr, fn):
         """An instance attribute shadowing the class's method; remove() deletes it."""
@@ -581,23 +360,9 @@ class GhostClipper(ClippedGaussianStep):
         self.remove()
 
     # -------------------------------------------------------------------- step
-    # Delegating methods kept on the class: tests patch _refuse_foreign, and
+    # Kept on the class: tests patch _refuse_foreign, and
     # bench/test_bench_finetune.py times it and _refuse_outside_terms through
     # GhostClipper.__dict__.
-    def _per_layer(self, entries, blocks, grad_scale, noise=True):
-        return clip_per_layer(self, entries, blocks, grad_scale, noise)
-
-    def _hand_over(self, entries) -> tuple[list, list]:
-        """(the step's blocks, its entries without them), the layers' records
-        cleared: the clip op then holds the only references to the recorded
-        tensors and frees each layer's once its sum is formed, so the step's
-        peak is not every layer's activations and output gradients plus every
-        private gradient."""
-        blocks = [block for _, _, block in entries]
-        entries = [(tap, names, None) for tap, names, _ in entries]
-        self.clear()
-        return blocks, entries
-
     def _refuse_outside_terms(self) -> None:
         refuse_outside_terms(self._outside, self.param_names)
 
@@ -611,113 +376,3 @@ class GhostClipper(ClippedGaussianStep):
         found = self._released.first_foreign(params, privatized)
         if found is not None:
             raise foreign_error(self.model, self.taps, *found)
-
-    def _step_entries(self, optimizer):
-        """The checks before a step or an accumulation (nothing written or drawn
-        if one fails): ``(entries, grad_scale)``."""
-        if self._compiled:
-            raise compiled_error()
-        self._loss.settle()
-        if not any(p.requires_grad for t in self.taps for p in t.params.values()):
-            raise RuntimeError(
-                "GhostClipper: every parameter it privatizes has been frozen since it was "
-                f"built ({self.param_names}); nothing would be trained. Unfreeze some, or "
-                "skip the step")
-        refuse_uncaptured(self.taps, self.param_names, self._uncaptured, self._uncaptured_grads)
-        batch = self._batch.of_step(self.taps)
-        self._refuse_outside_terms()
-        entries = step_entries(self.taps, self._tied, batch)
-        self._refuse_foreign({id(tap.params[n]) for tap, names, _ in entries for n in names},
-                             optimizer)
-        check_same_parameters(self._accumulated, entries)
-        # The output gradients of a batch-mean loss are each sample's own divided
-        # by the batch size: the op multiplies back (on the (B,) norms and factors).
-        scale = float(batch) if self.loss_reduction == "mean" and batch else 1.0
-        return entries, scale
-
-    def accumulate_(self, optimizer=None) -> None:
-        """Clip this physical batch's samples and add their clipped sum to the
-        logical batch's accumulator, without noise: the next :meth:`privatize_`
-        adds it to its own batch's sum before noising once.  Same refusals as
-        :meth:`privatize_` (nothing accumulated if one fails); no ``.grad`` is
-        written, nothing drawn from the stream, no step counted.
-
-        Privacy meaning: the physical batches of one logical (Poisson) batch
-        hold disjoint samples, so each sample's whole gradient is clipped at
-        ``max_grad_norm`` in exactly one of them and the logical step stays one
-        Gaussian mechanism of sensitivity ``max_grad_norm``.  With a
-        mean-reduced loss the physical batch's mean is undone by its realized
-        size, and the step divides by ``expected_batch_size`` (the logical
-        one) once."""
-        refuse_across_ranks(self.group)
-        entries, scale = self._step_entries(optimizer)
-        blocks, entries = self._hand_over(entries)
-        if self.clipping != "per_layer":
-            only = self._clip_only(blocks, scale, release=True)
-            grads = only.grads
-            if self.adaptive is not None:
-                self._centered += self.adaptive.centered_count(only.norms, self.max_grad_norm)
-        else:
-            results, entries = self._per_layer(entries, blocks, scale, noise=False)
-            grads = [r.grads[0] for r in results]
-        add_clipped(self._accumulated, entries, grads)
-        self.clear()
-
-    def discard_accumulated(self) -> None:
-        """Drop the clipped sums accumulated since the last :meth:`privatize_`
-        (a logical batch left unfinished: nothing of it is released)."""
-        self._accumulated.clear()
-        self._centered = 0.0
-
-    def privatize_(self, optimizer=None) -> LayersClipResult:
-        """Overwrite every trainable ``p.grad`` with its private gradient and forget
-        the recorded tensors.  Returns the clip result (per-sample norms over
-        all layers, clipped count, stream position; with per-layer clipping
-        ``num_clipped`` is the largest count of any parameter).
-
-        Refuses (RuntimeError / ValueError, nothing written, no noise drawn) a
-        gradient the step would not privatize: autograd's gradient of a
-        privatized parameter from a use outside its layer, or any ``.grad`` on
-        another parameter of the model (as it was at construction) or of
-        ``optimizer`` (the torch optimizer about to step: pass it, so that a
-        parameter it holds outside the model is checked too; ``DPOptimizer``
-        does) other than one this clipper released.
-
-        After :meth:`accumulate_` calls, the accumulated clipped sums are added
-        before the noise's division (one noise for the logical batch);
-        ``last_result`` then describes this call's physical batch only."""
-        entries, scale = self._step_entries(optimizer)
-        blocks, entries = self._hand_over(entries)
-        if self.clipping != "per_layer":
-            result = self._clip_and_noise(blocks, scale, release=True)
-        else:
-            result, entries = self._per_layer(entries, blocks, scale)
-        writes = []
-        for tap, n, g in per_parameter(entries, result.grads):
-            p = tap.params[n]
-            g = fold_in(self._accumulated, tap.full(n), g, self.loss_reduction,
-                        self.expected_batch_size)
-            # A half parameter's gradient was summed and noised in float32:
-            # rounded here, once.
-            writes.append((tap, n, p, g.to(p.dtype)))
-        # Spent with this step's noise, whether it is written or refused.
-        self._accumulated.clear()
-        centered, self._centered = self._centered, 0.0
-        self._refuse_overflow(writes)
-        for _, _, p, g in writes:
-            p.grad = g
-            self._released.wrote(p, p.grad)
-        self.clear()
-        if self.adaptive is not None:
-            # After the step's noise, at the logical step: the next logical
-            # batch is clipped (and noised) at the new bound throughout.
-            centered += self.adaptive.centered_count(result.norms, self.max_grad_norm)
-            self.max_grad_norm = self.adaptive.next_bound(
-                centered, self.max_grad_norm, self.expected_batch_size, self._stream)
-        return result
-
-    def _refuse_overflow(self, writes) -> None:
-        found = overflowing(writes)
-        if found is not None:
-            self.clear()
-            raise overflow_error(*found, self._grad_noise_multiplier() * self.max_grad_norm)

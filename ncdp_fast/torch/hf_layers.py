@@ -31,9 +31,9 @@ import textwrap
 import torch
 from torch import nn
 
-from .layers import (RULE_FINDERS, RULES_BY_NAME, _cat, _flat_positions, accumulation_dtype,
-                     embedding_rule, factored_or_instantiated, linear_rule,
-                     register_layer_by_name)
+from .layer_rules import (_cat, _flat_positions, embedding_rule, factored_or_instantiated,
+                          linear_rule)
+from .layers import RULE_FINDERS, RULES_BY_NAME, accumulation_dtype, register_layer_by_name
 
 __all__ = ["conv1d_rule", "scale_rule", "scaled_embedding_rule", "source_twin",
            "vit_embeddings_rule"]

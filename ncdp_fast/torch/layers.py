@@ -1,5 +1,6 @@
-"""Book-keeping rules: each trainable layer's private-gradient blocks from what one
-ordinary backward pass leaves behind (its inputs and its output gradient).
+"""The registry of book-keeping rules: each trainable layer's private-gradient
+blocks from what one ordinary backward pass leaves behind (its inputs and its
+output gradient).  The rules of torch's own layers are in :mod:`.layer_rules`.
 
 A rule is one function per layer type, ``rule(module, calls, trainable) ->
 [(names, block), ...]``: ``calls`` holds every forward call of the module in the
@@ -15,29 +16,23 @@ the parameters ``names`` is given:
 * a dense (B, *shape) per-sample gradient (instantiated); ``names`` = (name,);
 * a :class:`ncdp_fast.GhostBlock` (squared norms + clipped-sum function).
 
-Between a pair and an instantiated gradient the rule takes the cheaper
-(:func:`factored_or_instantiated`, the mixed rule of Bu et al. 2023): the ghost
-norm costs B*T^2*(d+K) and no memory of size K*d; the instantiated gradient
-costs B*T*K*d and B*K*d memory.  Register a rule for your own layer type with
-:func:`register_layer`; the built-ins below are its examples.  A class of an
+Register a rule for your own layer type with :func:`register_layer`; the
+built-ins of :mod:`.layer_rules` are its examples.  A class of an
 optional package (``transformers``) is matched by its qualified name
 (:func:`register_layer_by_name`, used by :mod:`.hf_layers`), so that its rule
-needs no import of that package.
+needs no import of that package.  :func:`refuse_unsupported` refuses, at
+construction, a layer whose options leave no exact per-sample gradient.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .._clip import GhostBlock
-
 __all__ = ["Call", "register_layer", "register_layer_by_name", "rule_for",
-           "factored_or_instantiated", "RULES", "RULES_BY_NAME", "RULE_FINDERS",
+           "RULES", "RULES_BY_NAME", "RULE_FINDERS",
            "refuse_unsupported", "HALF",
            "accumulation_dtype"]
 
@@ -188,152 +183,6 @@ def _twin_rule(t: type) -> Rule | None:
     return None
 
 
-# ---------------------------------------------------------------- shared pieces
-
-def _flat_positions(x: torch.Tensor, width: int, features: int = 1) -> torch.Tensor:
-    """(B, ..., f_1, ..., f_k) -> (B, T, width), the last ``features`` = k dimensions
-    (``width`` = their product) the features and the rest positions; explicit T
-    so that B = 0 reshapes too."""
-    T = 1
-    for s in x.shape[1:x.dim() - features]:
-        T *= s
-    return x.reshape(x.shape[0], T, width)
-
-
-def _lead(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x with its dimensions after the first k flattened into one (B = 0 safe)."""
-    n = 1
-    for s in x.shape[k:]:
-        n *= s
-    return x.reshape(*x.shape[:k], n)
-
-
-def _cat(parts: list, dim: int = 1):
-    """Several calls of a layer are one longer sequence (a single call: no copy)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-
-
-def factored_or_instantiated(a: torch.Tensor, g: torch.Tensor, names: tuple, bias: bool):
-    """The weight (and bias) of ``y_t = W a_t (+ b)`` summed over T positions:
-    ``a`` (B, T, d), ``g`` (B, T, K).  Returns the cheaper block(s) (mixed rule):
-    the pair when the ghost norm is cheaper (2 T^2 <= K d), else the per-sample
-    weight gradient (B, K, d) formed by one batched GEMM (and the bias's (B, K))."""
-    B, T, d = a.shape
-    K = g.shape[2]
-    if 2 * T * T <= K * d or T == 1:
-        return [(names, (a, g, bias))]
-    out = [((names[0],), torch.bmm(g.transpose(1, 2), a))]
-    if bias:
-        out.append(((names[1],), g.sum(1)))
-    return out
-
-
-def _affine_rule(xhat: torch.Tensor, g: torch.Tensor, trainable, dim: int):
-    """Elementwise affine ``y = w * xhat + b``: per-sample gradients of w and b are
-    sums of g * xhat and g over the positions ``dim`` (instantiated: they are
-    small).  The product is formed and summed: the einsum that avoided it ran
-    as a batched GEMM of width 1, 12x slower on a (8, 128, 768) float32 input."""
-    out = []
-    if "weight" in trainable:
-        out.append((("weight",), torch.mul(g, xhat).sum(dim)))
-    if "bias" in trainable:
-        out.append((("bias",), g.sum(dim)))
-    return out
-
-
-# ---------------------------------------------------------------- built-in rules
-
-@register_layer(nn.Linear)
-def linear_rule(module: nn.Linear, calls, trainable):
-    """y = x W^T + b on inputs (B, ..., d): every position adds to the sample's gradient."""
-    d, K = module.in_features, module.out_features
-    a = _cat([_flat_positions(c.inputs[0], d) for c in calls])
-    g = _cat([_flat_positions(c.grad, K) for c in calls])
-    if "weight" in trainable:
-        names = ("weight", "bias") if "bias" in trainable else ("weight",)
-        return factored_or_instantiated(a, g, names, "bias" in trainable)
-    return [(("bias",), g.sum(1))] if "bias" in trainable else []
-
-
-def _conv_input(module, x: torch.Tensor):
-    """(input as the convolution reads it, 2-D form, padding still to apply): a
-    Conv1d becomes a Conv2d of height 1; non-zero padding modes and string
-    paddings are applied here, as the module's own _conv_forward does."""
-    nd = len(module.kernel_size)
-    two = (lambda v: (1,) + tuple(v)) if nd == 1 else tuple
-    if module.padding_mode != "zeros" or isinstance(module.padding, str):
-        # Pad before adding Conv1d's dummy height: F.pad's non-constant modes
-        # take a 3-D input with 2 pads, not a 4-D one.
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-        padding = (0, 0)
-    else:
-        padding = (0,) + tuple(module.padding) if nd == 1 else tuple(module.padding)
-    if nd == 1:
-        x = x.unsqueeze(-2)
-    return x, padding, two
-
-
-def _conv_columns(module, x: torch.Tensor) -> torch.Tensor:
-    """The im2col matrix of a convolution's input: (B, C_in*k, L), L output positions;
-    a plain 1x1 convolution needs no copy (its columns are the input's pixels)."""
-    x, padding, two = _conv_input(module, x)
-    k, stride, dil = two(module.kernel_size), two(module.stride), two(module.dilation)
-    if k == (1, 1) and padding == (0, 0):
-        x = x[:, :, ::stride[0], ::stride[1]]
-        return _lead(x, 2)
-    return F.unfold(x, k, dilation=dil, padding=padding, stride=stride)
-
-
-def _conv_per_sample(module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Per-sample weight gradients (B, *weight.shape) by the convolution's own
-    weight-gradient kernel, the batch folded into the groups: no im2col."""
-    x, padding, two = _conv_input(module, x)
-    B = x.shape[0]
-    w = module.weight
-    if B == 0:
-        return w.new_zeros((0, *w.shape))
-    shape = (B * w.shape[0], *w.shape[1:])
-    if len(module.kernel_size) == 1:
-        shape = (shape[0], shape[1], 1, shape[2])
-        g = g.unsqueeze(-2)
-    gw = torch.nn.grad.conv2d_weight(
-        x.reshape(1, B * x.shape[1], *x.shape[2:]), shape,
-        g.reshape(1, B * g.shape[1], *g.shape[2:]), stride=two(module.stride), padding=padding,
-        dilation=two(module.dilation), groups=B * module.groups)
-    return gw.reshape(B, *w.shape)
-
-
-@register_layer(nn.Conv1d, nn.Conv2d)
-def conv_rule(module, calls, trainable):
-    """Convolution as a linear layer on its im2col columns: weight (C_out, C_in*k)
-    against columns (B, L, C_in*k).  Mixed rule over all calls' L positions:
-    one group and 2 L^2 <= C_out C_in k: the pair (ghost norm; the columns
-    formed, free for a plain 1x1 convolution); otherwise (depthwise and other
-    grouped convolutions, large L) the per-sample gradient (B, *weight.shape)
-    from the convolution's own weight-gradient kernel, whose size is that of
-    the kernel, small."""
-    C_out = module.out_channels
-    gs = [_lead(c.grad, 2) for c in calls]                         # (B, C_out, L) per call
-    L = sum(g.shape[2] for g in gs)
-    B = gs[0].shape[0]
-    out = []
-    if "weight" in trainable:
-        bias = "bias" in trainable
-        names = ("weight", "bias") if bias else ("weight",)
-        if module.groups == 1 and 2 * L * L <= module.weight[0].numel() * C_out:
-            cols = _cat([_conv_columns(module, c.inputs[0]) for c in calls], dim=2)
-            return [(names, (cols.transpose(1, 2), _cat(gs, 2).transpose(1, 2), bias))]
-        gw = None
-        for c in calls:
-            part = _conv_per_sample(module, c.inputs[0], c.grad)
-            gw = part if gw is None else gw + part
-        out.append((("weight",), gw))
-    if "bias" in trainable:
-        out.append((("bias",), _cat(gs, 2).sum(2) if B else gs[0].new_zeros((0, C_out))))
-    return out
-
-
 def _embedding_problem(module: nn.Embedding) -> str | None:
     """Why an embedding's options leave no exact per-sample gradient, or None."""
     if module.max_norm is not None:
@@ -380,118 +229,18 @@ def refuse_unsupported(name: str, module: nn.Module) -> None:
         raise ValueError(f"GhostClipper: layer {name!r} ({type(module).__name__}): {problem}")
 
 
-def _rows_sq(idx: torch.Tensor, h: torch.Tensor, V: int) -> torch.Tensor:
-    """Squared norm per sample of a row-scatter gradient: sample i's gradient has
-    rows ``sum_{t: idx[i, t] = v} h[i, t]`` at the rows v it used, of a (V, D)
-    weight.  ``idx`` (B, T) int64 row indices, ``h`` (B, T, D) any float dtype;
-    returns (B,) float64.  One scatter into each sample's distinct (sample, row)
-    keys, summed in float64: O(B T D), nothing of size V*D per sample.  Shared by
-    the Embedding rule and a tied weight's embedding uses (tied.py), so both
-    round alike."""
-    B, T = idx.shape
-    D = h.shape[2]
-    sample = torch.arange(B, device=idx.device).unsqueeze(1).expand(B, T)
-    keys, inverse = torch.unique(sample * V + idx, return_inverse=True)
-    rows = torch.zeros((keys.numel(), D), dtype=torch.float64, device=h.device)
-    rows.index_add_(0, inverse.reshape(-1), h.reshape(-1, D).to(torch.float64))
-    sq = torch.zeros(B, dtype=torch.float64, device=h.device)
-    sq.index_add_(0, torch.div(keys, V, rounding_mode="floor"), rows.square().sum(1))
-    return sq
+# Names that moved to layer_rules.py (issue 37), still readable from here for
+# code that imported them from here.  Looked up lazily: layer_rules imports
+# this module, so importing it here would be a cycle.
+_MOVED = frozenset({
+    "factored_or_instantiated", "_flat_positions", "_lead", "_cat", "_affine_rule",
+    "linear_rule", "_conv_input", "_conv_columns", "_conv_per_sample", "conv_rule",
+    "_rows_sq", "embedding_rule", "layer_norm_rule", "rms_norm_rule", "group_norm_rule",
+    "instance_norm_rule"})
 
 
-@register_layer(nn.Embedding)
-def embedding_rule(module: nn.Embedding, calls, trainable):
-    """Row lookup: sample i's gradient has rows ``sum_{t: idx_t = v} g_t`` at the
-    rows v it used.  Norms from the rows each sample touched (one scatter into
-    its distinct (sample, row) keys, float64), clipped sum one index_add: O(B T D),
-    nothing of size V*D per sample."""
-    if "weight" not in trainable:
-        return []
-    problem = _embedding_problem(module)
-    if problem is not None:
-        raise ValueError(f"nn.Embedding: {problem}")
-    V, D = module.weight.shape
-    idx = _cat([_lead(c.inputs[0], 1) for c in calls])                 # (B, T)
-    g = _cat([_flat_positions(c.grad, D) for c in calls])              # (B, T, D)
-    if module.padding_idx is not None:       # the padding row never gets a gradient
-        g = g.masked_fill((idx == module.padding_idx).unsqueeze(-1), 0)
-    T = idx.shape[1]
-    sq = _rows_sq(idx, g, V)
-    dtype = accumulation_dtype(module.weight.dtype)
-
-    def clipped_sum(factors):
-        # Only the samples kept: a factor of 0 (a dropped or padded sample) adds
-        # exact zeros, so skipping its rows changes nothing and saves their work.
-        kept = (factors != 0).nonzero().flatten()
-        f = factors.index_select(0, kept).view(-1, 1, 1)
-        scaled = (g.index_select(0, kept).to(torch.float64) * f).to(dtype)
-        out = torch.zeros((V, D), dtype=dtype, device=g.device)
-        out.index_add_(0, idx.index_select(0, kept).reshape(-1), scaled.reshape(-1, D))
-        return out
-    # clipped_sum adds up to T rows per sample in the data dtype: their norms
-    # are the scale of its rounding (reference.clip_bound's E).
-    spread = torch.linalg.vector_norm(g.to(torch.float64), dim=2).sum(1)
-    return [(("weight",), GhostBlock(sq, clipped_sum, (V, D), T * D + D, dtype=dtype,
-                                     spread=spread, seq_len=T))]
-
-
-@register_layer(nn.LayerNorm)
-def layer_norm_rule(module: nn.LayerNorm, calls, trainable):
-    """y = w * xhat + b over the trailing ``normalized_shape`` (k >= 1 dimensions,
-    flattened into one feature axis: every other dimension is a position);
-    xhat recomputed with the forward's own normalisation (F.layer_norm
-    without affine)."""
-    width = math.prod(module.normalized_shape)
-    k = len(module.normalized_shape)
-    xs, gs = [], []
-    for c in calls:
-        xhat = F.layer_norm(c.inputs[0], module.normalized_shape, None, None, module.eps)
-        xs.append(_flat_positions(xhat, width, k))
-        gs.append(_flat_positions(c.grad, width, k))
-    return [(n, b.reshape(b.shape[0], *module.normalized_shape))
-            for n, b in _affine_rule(_cat(xs), _cat(gs), trainable, 1)]
-
-
-@register_layer(nn.RMSNorm)
-def rms_norm_rule(module: nn.RMSNorm, calls, trainable):
-    """y = w * xhat over the trailing ``normalized_shape``, xhat = x / rms(x) (no
-    bias): w's per-sample gradient is sum over positions of g * xhat."""
-    if "weight" not in trainable:
-        return []
-    width = math.prod(module.normalized_shape)
-    k = len(module.normalized_shape)
-    xs, gs = [], []
-    for c in calls:
-        xhat = F.rms_norm(c.inputs[0], module.normalized_shape, None, module.eps)
-        xs.append(_flat_positions(xhat, width, k))
-        gs.append(_flat_positions(c.grad, width, k))
-    w = torch.einsum("btw,btw->bw", _cat(gs), _cat(xs))
-    return [(("weight",), w.reshape(w.shape[0], *module.normalized_shape))]
-
-
-@register_layer(nn.GroupNorm)
-def group_norm_rule(module: nn.GroupNorm, calls, trainable):
-    """y = w_c * xhat + b_c per channel c, xhat normalised over (group, positions)."""
-    xs, gs = [], []
-    for c in calls:
-        x = c.inputs[0]
-        xhat = F.group_norm(x, module.num_groups, None, None, module.eps)
-        xs.append(_lead(xhat, 2))
-        gs.append(_lead(c.grad, 2))
-    return _affine_rule(_cat(xs, 2), _cat(gs, 2), trainable, 2)
-
-
-@register_layer(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
-def instance_norm_rule(module, calls, trainable):
-    """Affine instance norm (no running statistics): a group norm with one channel
-    per group, per sample."""
-    if module.track_running_stats and module.training:
-        raise ValueError(f"{type(module).__name__} with track_running_stats=True mixes samples "
-                         "through its running statistics; use track_running_stats=False")
-    xs, gs = [], []
-    for c in calls:
-        x = c.inputs[0]
-        xhat = F.instance_norm(x, eps=module.eps)
-        xs.append(_lead(xhat, 2))
-        gs.append(_lead(c.grad, 2))
-    return _affine_rule(_cat(xs, 2), _cat(gs, 2), trainable, 2)
+def __getattr__(name: str):
+    if name in _MOVED:
+        from . import layer_rules
+        return getattr(layer_rules, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

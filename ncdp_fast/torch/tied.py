@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from .._clip import GhostBlock
-from .layers import (_cat, _flat_positions, _lead, _rows_sq, accumulation_dtype,
-                     embedding_rule, linear_rule, rule_for)
+from .layer_rules import _cat, _flat_positions, _lead, _rows_sq, embedding_rule, linear_rule
+from .layers import accumulation_dtype, rule_for
 
 __all__ = ["PairUse", "IndexUse", "as_use", "combine", "ghost_cheaper", "layer_params",
            "layer_uses", "uses_by_weight", "combined"]
@@ -253,19 +253,16 @@ def _ghost(uses, shape, dtype, batch) -> GhostBlock:
                 sq[lo:hi] += 2 * (A @ H.transpose(1, 2)).mul_(at).sum((1, 2))
 
     def clipped_sum(factors):
-        keep = (factors != 0).view(-1, 1, 1)
-        dropped = not bool(keep.all())      # a dropped sample's data may be NaN
+        # A dropped sample's data may be NaN (0 * NaN is NaN): its rows are
+        # masked whether or not one was dropped, so the host never asks (a
+        # device would wait for it, issue 36).
+        drop = (factors == 0).view(-1, 1, 1)
         out = torch.zeros(shape, dtype=dtype, device=device)
         if a is not None:
-            gs = g * factors.to(dtype).view(-1, 1, 1)
-            aa = a
-            if dropped:
-                gs, aa = gs.masked_fill(~keep, 0), a.masked_fill(~keep, 0)
-            out.addmm_(gs.reshape(-1, V).transpose(0, 1), aa.reshape(-1, D))
+            gs = (g * factors.to(dtype).view(-1, 1, 1)).masked_fill_(drop, 0)
+            out.addmm_(gs.reshape(-1, V).transpose(0, 1), a.masked_fill(drop, 0).reshape(-1, D))
         if idx is not None:
-            hs = (h.double() * factors.view(-1, 1, 1)).to(dtype)
-            if dropped:
-                hs = hs.masked_fill(~keep, 0)
+            hs = (h.double() * factors.view(-1, 1, 1)).masked_fill_(drop, 0).to(dtype)
             out.index_add_(0, idx.reshape(-1), hs.reshape(-1, D))
         return out
 

@@ -1,0 +1,257 @@
+"""What the clipper's hooks record as the model runs: each trainable layer's
+inputs at its forward and its output gradient in backward, with the checks
+made as they run (the model's batch, rows and layout of each layer, a model
+changed since construction, torch.compile), and each layer's rule evaluated
+inside backward once its last output gradient has arrived.
+
+:class:`LayerRecorder` is a part of :class:`~ncdp_fast.torch.GhostClipper`
+(its state is set up by the clipper's constructor); it holds no state of its
+own.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import tied
+from .compiled import compiled_error, compiling
+from .coupling import refuse_whole_batch_loss_kwargs
+from .layers import Call
+from .layout import batch_dim, broadcast_rows, rows_error, to_batch_first
+from .precision import cast_block, upcast
+from .recompute import count_call, in_backward
+from .taps import CaptureGrad, Record, Tap, ignore, switch_back, switch_off
+
+__all__ = ["LayerRecorder"]
+
+
+class LayerRecorder:
+    """The forward and backward hooks of :class:`~ncdp_fast.torch.GhostClipper`."""
+
+    def _capturing(self) -> bool:
+        # As Opacus: nothing is recorded outside training mode (an evaluation
+        # forward with grad on), or while hooks are disabled; such a forward
+        # computes ordinary gradients, which a step refuses.
+        return torch.is_grad_enabled() and self.enabled and self.model.training
+
+    def _model_pre_hook(self, module, args, kwargs):
+        if compiling():
+            self._compiled = True
+            return None
+        if not in_backward():
+            self._pass += 1
+        if self._capturing():
+            if not in_backward():
+                self._loss.unstack()
+                self._layouts.new_forward()
+            self._snapshot.check(self.model, self.taps)
+            refuse_whole_batch_loss_kwargs(module, kwargs)
+            return self._batch.pre_hook(module, args, kwargs)
+        if torch.is_grad_enabled():
+            self._uncaptured.add("disabled" if not self.enabled else "eval")
+        return None
+
+    def _model_hook(self, module, args, output):
+        if compiling():
+            return
+        if self._capturing() and not in_backward():
+            self._loss.arm(self._batch.known())
+
+    def _pre_hook(self, tap: Tap):
+        conv = isinstance(tap.module, nn.modules.conv._ConvNd)
+
+        def hook(module, inputs):
+            if compiling():
+                self._compiled = True
+                return
+            tap.replaying = False
+            tap.recording = self._capturing()
+            if not tap.recording:
+                if self.enabled and self.model.training:
+                    tap.nograd = self._pass
+                return
+            active = frozenset(n for n, p in tap.params.items() if p.requires_grad)
+            if not active and not tap.records:
+                # Every parameter frozen since attach: an ordinary frozen layer.
+                tap.recording = False
+                return
+            count_call(tap, module)
+            if tap.records and active != tap.active:
+                tap.recording = False
+                raise RuntimeError(
+                    f"GhostClipper: layer {tap.name!r} ran forward with trainable parameters "
+                    f"{sorted(active)}, earlier in this step with {sorted(tap.active)}; "
+                    "freeze or unfreeze parameters between steps, not within one (call clear() "
+                    "to discard this step)")
+            tap.active = active
+            if not conv:
+                # The parameter gradients of the ordinary backward would be
+                # replaced by privatize_(); switching requires_grad off for the
+                # duration of this forward keeps autograd from computing them at
+                # all (the weight-gradient GEMM of every layer saved).  A
+                # convolution does this around _conv_forward only, where its
+                # rule applies: a subclass's own forward keeps its gradients.
+                tap.saved = switch_off(tap)
+        return hook
+
+    def _restore_hook(self, tap: Tap):
+        def hook(module, inputs, output):
+            if compiling():
+                return
+            tap.recording = tap.replaying = False
+            if tap.saved is not None:        # always_call=True: restored even on error
+                switch_back(tap, tap.saved)
+                tap.saved = None
+        return hook
+
+    def _outside_hook(self, name: str, tap: Tap):
+        def hook(p):
+            # After an unrecorded forward, a gradient may be that forward's
+            # ordinary one: refused under that cause (if still there at the step).
+            found = self._uncaptured_grads if self._uncaptured else self._outside
+            found.setdefault(name, type(tap.module).__name__)
+        return hook
+
+    def _capture(self, tap: Tap, slot, inputs: tuple, output):
+        """Record ``inputs`` and arrange for the gradient of ``output``; returns the
+        tensor the forward continues with."""
+        if not tap.recording or output is None:
+            # None: the forward raised (always_call hooks still run), or nothing
+            # depends on the layer, whose gradient is then exactly zero.
+            return output
+        if tap.replaying:
+            # The recorded call's output entered the graph the same way.
+            if isinstance(output, torch.Tensor) and not output.requires_grad:
+                return CaptureGrad.apply(output, self._anchor, ignore)
+            return output
+        if not isinstance(output, torch.Tensor):
+            # Nothing to hook a gradient on: the layer would get pure noise.
+            raise TypeError(
+                f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) returned "
+                f"{type(output).__name__}, expected one tensor (its rule is given the "
+                "gradient of that output); return one tensor from the layer, or put the "
+                "trainable parameters in a sub-module that does")
+        if any(r.got for r in tap.records):
+            raise RuntimeError(
+                f"GhostClipper: layer {tap.name!r} runs forward again after a backward pass "
+                "reached it; call privatize_() (optimizer.step()) before the next forward "
+                "(batches are not accumulated: each step is one batch), or clear() to discard")
+        dim = batch_dim(tap.module, tap.batch_first, output)
+        # The layout first: where the graph shows the samples, it names the cause.
+        self._check_layout(tap, inputs, output, dim)
+        self._check_rows(tap, output, dim)
+        inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
+        rec = Record(inputs, slot, tuple(getattr(x, "_version", 0) for x in inputs))
+        tap.records.append(rec)
+        tap.recorded_in = self._pass
+        def on_grad(grad):
+            self._on_grad(tap, rec, grad)
+        if output.requires_grad:
+            # A tensor hook fires with the gradient of this value even if a later
+            # in-place op (an inplace ReLU) modifies it: no copy needed.
+            output.register_hook(on_grad)
+        else:
+            output = CaptureGrad.apply(output, self._anchor, on_grad)
+        # Where the loss check's reading of the graph stops (loss_watch.py).
+        self._loss.source(output, dim, self._batch.known())
+        return output
+
+    def _check_rows(self, tap: Tap, output, dim: int) -> None:
+        """Refuse, at the forward, a layer whose rows are not the step's samples
+        (the backward's check, earlier): a model that folds each sample's rows
+        into the batch (HF's *ForMultipleChoice) would otherwise fail inside
+        its own forward, where a one-row position table was given the
+        samples' rows (layout.broadcast_rows)."""
+        if self._batch.known() is None or output.dim() == 0:
+            return
+        # The same reading of the step's batch as the backward's check.
+        batch, source = self._batch.get(tap.name)
+        if output.shape[dim] == batch:
+            return
+        tap.recording = False
+        raise rows_error(tap.name, tap.module, tuple(output.shape), dim, tap.batch_first,
+                         tap.layout, batch, source)
+
+    def _check_layout(self, tap: Tap, inputs: tuple, output, rule: int) -> None:
+        """Refuse a layer whose input carries the samples, by the graph from
+        the layers before it, in another dimension than its layout reads
+        (structure.py); a layer that changes the rank is left to its rule."""
+        x = inputs[0] if inputs else None
+        if not isinstance(x, torch.Tensor) or x.ndim != output.ndim:
+            return
+        found = self._layouts.sample_dim(tap.name, x, self._loss.sources, self._batch.known(),
+                                         self._anchor)
+        if found is not None and found != rule:
+            tap.recording = False
+            raise self._layouts.error(tap.name, tap.module, x, found, rule, tap.batch_first)
+
+    def _on_grad(self, tap: Tap, rec: Record, grad):
+        if self._compiled:
+            raise compiled_error()
+        self._loss.require(self._batch.model_ran)
+        if rec.got:
+            rec.twice = True            # a second backward through the same forward
+            return
+        rec.grad, rec.got = grad.detach(), True
+        if all(r.got for r in tap.records):
+            # The layer's last output gradient: run its rule now, inside backward,
+            # and let go of its inputs and gradients (instantiated blocks are the
+            # size of the parameters; the rest is freed as backward goes on).
+            self._evaluate(tap)
+
+    def _evaluate(self, tap: Tap) -> None:
+        batch, source = self._batch.get(tap.name)
+        for rec in tap.records:
+            if any(getattr(x, "_version", 0) != v for x, v in zip(rec.inputs, rec.versions)):
+                raise RuntimeError(
+                    f"GhostClipper: the input of layer {tap.name!r} was modified in place "
+                    "after the layer ran (an inplace op on a tensor the layer read); its "
+                    "per-sample gradient would be wrong. Make that op out of place")
+            shape = rec.grad.shape
+            if not shape:
+                raise ValueError(f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) "
+                                 "returned a 0-d output: it has no batch dimension, so no "
+                                 "per-sample gradient; expected an output whose rows are the "
+                                 f"step's {batch} samples")
+            dim = batch_dim(tap.module, tap.batch_first, rec.grad)
+            if shape[dim] != batch:
+                raise rows_error(tap.name, tap.module, shape, dim, tap.batch_first, tap.layout,
+                                 batch, source)
+            # The rules read dimension 0 as the batch: a sequence-first call is
+            # handed to them with its batch moved there.
+            rec.inputs, rec.grad = to_batch_first(rec.inputs, rec.grad, dim)
+            if tap.half:
+                # The rule computes in float32 from here on: the half values
+                # are exact in float32, so nothing but the final rounding of
+                # the private gradient to the parameter's dtype is in half.
+                rec.inputs = tuple(upcast(x) for x in rec.inputs)
+                rec.grad = upcast(rec.grad)
+        calls = [Call(r.inputs, r.grad, r.slot) for r in tap.records]
+        trainable = tap.trainable()
+        got = tap.rule(tap.module, calls, trainable)
+        covered = [n for names, _ in got for n in names]
+        if sorted(covered) != sorted(trainable):
+            raise RuntimeError(f"GhostClipper: the rule of {type(tap.module).__name__} "
+                               f"({tap.name!r}) returned blocks for {covered}, expected each "
+                               f"of {sorted(trainable)} once")
+        tap.blocks = tied.layer_uses(
+            tap, calls, [(names, cast_block(tap, names, block)) for names, block in got], batch,
+            self._tied)
+        tap.batch = batch
+        for rec in tap.records:
+            rec.inputs = rec.grad = None
+
+    def _forward_hook(self, tap: Tap):
+        def hook(module, inputs, output):
+            if compiling():
+                return None
+            got = output
+            if tap.recording:       # position ids (1, T): one row per sample
+                inputs, got = broadcast_rows(module, inputs, output, tap.batch_first,
+                                             self._batch.known())
+            out = self._capture(tap, None, inputs, got)
+            return None if out is output else out
+        return hook
+
+    def _marker(self, tap: Tap):
+        return lambda slot, x, output: self._capture(tap, slot, (x,), output)

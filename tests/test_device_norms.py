@@ -1,0 +1,112 @@
+"""The device routes of the per-sample norms (issue 36), run by CI on CPU
+tensors: ``_cuda.clip.linear_sq_norms`` (a linear layer's norms on the
+vendor GEMM; library-generic array code, the very function a GPU runs)
+against the float64 reference over awkward shapes, both routes (Gram and
+direct), chunked and whole, float32 and float64; and the embedding's
+sync-free route of ``_rows_sq`` (a masked Gram instead of ``unique``) against
+its CPU route."""
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ncdp_fast._cuda import clip as device_clip  # noqa: E402
+from ncdp_fast.reference.clip import linear_terms, per_sample_linear_grads  # noqa: E402
+
+U64 = 2.0 ** -53
+
+SHAPES = [  # (B, T, d, K): empty, one row, T = 1, each route, not tile multiples
+    (0, 3, 4, 5), (1, 1, 4, 5), (3, 1, 7, 2), (2, 4, 9, 11), (5, 17, 9, 11),
+    (4, 40, 3, 2), (2, 64, 5, 700), (7, 13, 33, 65), (3, 0, 4, 5)]
+
+
+def _reference(a, g, bias):
+    w = per_sample_linear_grads(a, g, bias)
+    return (np.asarray(w, np.float64) ** 2).sum(axis=1)
+
+
+def _bound(a, g, bias):
+    """The float64 rounding allowed to either route and to the reference,
+    each: terms * u * (sum_t ||g_t|| (||a_t|| + [bias]))^2 (reference.clip_bound's
+    model of a sum of `terms` products, any order)."""
+    a64, g64 = a.astype(np.float64), g.astype(np.float64)
+    spread = (np.linalg.norm(g64, axis=2) * (np.linalg.norm(a64, axis=2) + float(bias))).sum(1)
+    B, T, d = a.shape
+    return 2 * linear_terms(d, g.shape[2], T, bias) * U64 * spread ** 2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("chunked", [False, True])
+def test_gemm_norms_match_the_reference(shape, bias, dtype, chunked, monkeypatch):
+    B, T, d, K = shape
+    if chunked:
+        # Chunks of 2 samples (the last one short where B is odd).
+        gram = 2 * T * T <= K * d
+        per_sample = 8 * (T * (d + K) + (2 * T * T if gram else K * d))
+        monkeypatch.setattr(device_clip, "GEMM_CHUNK_BYTES", 2 * per_sample + 1)
+    rng = np.random.default_rng(B * 1000 + T * 10 + d)
+    a = rng.standard_normal((B, T, d)).astype(dtype)
+    g = (rng.standard_normal((B, T, K)) * 1e-3).astype(dtype)
+    ref = _reference(a, g, bias)
+    prior = rng.random(B)
+    for accumulate in (False, True):
+        sq = torch.tensor(prior)
+        device_clip.linear_sq_norms(torch.from_numpy(a), torch.from_numpy(g), bias, sq,
+                                    accumulate)
+        got = sq.numpy() - (prior if accumulate else 0.0)
+        tol = _bound(a, g, bias) + (4 * U64 * prior if accumulate else 0.0)
+        assert got.shape == (B,)
+        assert np.all(np.abs(got - ref) <= tol), (np.abs(got - ref) / np.maximum(tol, 1e-300))
+
+
+def test_both_routes_are_reached():
+    """The shapes above reach each route (the numba twin's rule, 2 T^2 <= K d)."""
+    routes = {2 * T * T <= K * d for B, T, d, K in SHAPES if B and T > 1}
+    assert routes == {True, False}
+
+
+def test_large_values_keep_float64_range():
+    """float32 inputs whose squares overflow float32 (2^66 squared is past its
+    2^128): products formed in float64 stay finite and exact (powers of two)."""
+    a = torch.full((2, 3, 4), 2.0 ** 66, dtype=torch.float32)
+    g = torch.full((2, 3, 5), 2.0 ** 33, dtype=torch.float32)
+    sq = torch.zeros(2, dtype=torch.float64)
+    device_clip.linear_sq_norms(a, g, False, sq, False)
+    expected = (3 * 2.0 ** 99) ** 2 * 4 * 5
+    assert math.isfinite(expected)
+    assert sq.tolist() == [expected] * 2
+
+
+# ------------------------------------------------------------- embedding rows
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("B, T, V, D", [(0, 3, 5, 4), (1, 1, 5, 4), (3, 7, 4, 5),
+                                        (6, 9, 50, 3), (2, 33, 3, 17)])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_embedding_rows_device_route_matches_the_scatter(B, T, V, D, dtype, chunked, monkeypatch):
+    """Repeated rows within a sample (V small against T) are where the two
+    routes differ most: the scatter adds a row's positions first, the masked
+    Gram forms every cross term.  Both are float64 sums of the same terms;
+    their difference is held to the clip rule's model of that rounding, for
+    the device route's terms (T^2 + D) and the scatter's (T D), each."""
+    from ncdp_fast import _arrays
+    from ncdp_fast.torch import layer_rules
+    gen = torch.Generator().manual_seed(B * 100 + T)
+    idx = torch.randint(0, V, (B, T), generator=gen)
+    h = torch.randn(B, T, D, generator=gen, dtype=dtype)
+    scatter = layer_rules._rows_sq(idx, h, V)
+    if chunked:
+        monkeypatch.setattr(layer_rules, "_ROWS_CHUNK_BYTES", 2 * 8 * (T * D + 2 * T * T))
+    monkeypatch.setattr(_arrays, "is_emulated", lambda x: True)
+    device = layer_rules._rows_sq(idx, h, V)
+    spread = torch.linalg.vector_norm(h.double(), dim=2).sum(1)
+    tol = (T * T + D + T * D) * U64 * spread ** 2
+    assert device.shape == (B,) and device.dtype == torch.float64
+    assert bool(((device - scatter).abs() <= tol).all()), (device - scatter).abs() / tol
+    # The exact value, formed one sample at a time from its rows.
+    for i in range(B):
+        rows = torch.zeros(V, D, dtype=torch.float64).index_add_(0, idx[i], h[i].double())
+        assert abs(float(device[i]) - float(rows.square().sum())) <= float(tol[i])
