@@ -138,13 +138,14 @@ def predicted_norm_ms(B, T, d, K) -> float:
                   + m["launches"] * m["launch_s"])
 
 
-def linear_norms(family):
+def linear_norms(family, predict=None):
     """One row per layer shape of bench/test_bench_clip.py::test_linear_norms."""
+    predict = predict or predicted_norm_ms
     rows = []
     for w, ms in family.items():
         row = dict(shape=w, **_missing(ms, ["ncdp", "torch_einsum_f32"]))
         B, T, d, K = (int(v) for v in w.strip("()").split(","))
-        row["predicted_gpu_ms"] = predicted_norm_ms(B, T, d, K)
+        row["predicted_gpu_ms"] = predict(B, T, d, K)
         if "error" not in row:
             t = _t(ms, "ncdp")
             other = "native_kernel" if "native_kernel" in ms else "gemm_f64"
@@ -172,6 +173,32 @@ def linear_norms(family):
          "predicted H200 ms: a model, not a measurement (bench/report.py GPU_MODEL: 40 "
          "TFLOP/s FP64 sustained, 3.5 TB/s, 7 launches of 5 us); the first GPU profile "
          "measured the replaced kernel at 4.4 ms a call averaged over BERT-base's 72"])
+
+
+def predicted_sum_ms(B, T, d, K) -> float:
+    """The float64 GEMM route's predicted ms on an H200 (:data:`GPU_MODEL`):
+    2 B T d K FLOPs, a and g read in float32 and written and read in float64
+    (g once more for the factor), the output and the noise pass."""
+    n = B * T * (d + K)
+    traffic = 4 * n + 8 * n + 8 * n + 16 * B * T * K + 24 * d * K
+    m = GPU_MODEL
+    return 1e3 * (2.0 * B * T * d * K / m["fp64_flops"] + traffic / m["bytes_per_s"]
+                  + 6 * m["launch_s"])
+
+
+def linear_sum(family):
+    """One row per layer shape of bench/test_bench_clip.py::test_linear_sum."""
+    rows, (cols, _) = linear_norms(family, predict=predicted_sum_ms)
+    return rows, (cols, [
+        "the clipped sum plus noise of a linear layer with bias (sum_i f_i g_i^T a_i + "
+        "sigma xi, divided by B), float32 result; ncdp: numba and BLAS on the CPU, one "
+        "float64 GEMM through torch/CuPy on a GPU (ncdp_fast/_cuda/clip.py); also timed: on a "
+        "GPU the hand-written CUDA kernel it replaced, on the CPU the device route run by "
+        "torch on the CPU",
+        "Opacus-style einsum: float32 (TF32 as torch is set) plus torch.normal",
+        "predicted H200 ms: a model, not a measurement (bench/report.py GPU_MODEL: 40 "
+        "TFLOP/s FP64 sustained, 3.5 TB/s, 6 launches of 5 us); the first GPU profile "
+        "measured the replaced kernel at 55 ms a BERT-base step (72 calls)"])
 
 
 def clip_step(family):
@@ -729,7 +756,8 @@ def noise(family):
 
 
 FAMILIES = {"bench_clip_dense": clip_dense, "bench_clip_step": clip_step,
-            "bench_linear_norms": linear_norms, "bench_mix": mix,
+            "bench_linear_norms": linear_norms, "bench_linear_sum": linear_sum,
+            "bench_mix": mix,
             "bench_poisson_batches": poisson_batches, "bench_ntk": ntk,
             "bench_release": release, "bench_train": train, "privacy": privacy,
              "bench_finetune": finetune, "bench_distributed_ntk": distributed_ntk,

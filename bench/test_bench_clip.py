@@ -11,6 +11,11 @@
    package's route for the device (numba on the CPU; on a GPU the vendor's
    batched FP64 GEMM, issue 36) vs the hand-written CUDA kernel it replaced
    (GPU only), the same GEMMs on the CPU, and Opacus's float32 einsum Gram.
+4. ``test_linear_sum`` (report ``bench_linear_sum``): the clipped sum plus noise
+   of the same layers (sum_i f_i g_i^T a_i, noise, / B): the package's route
+   (numba and BLAS on the CPU; one float64 GEMM on a GPU, issue 36) vs the
+   hand-written CUDA kernel (GPU only), the device route on the CPU, and
+   Opacus's float32 einsum plus torch.normal.
 2. ``test_clip_step`` (report ``bench_clip_step``): one DP training step of a
    linear layer (forward, backward, privatize, SGD) with ``GhostClipper`` vs the
    non-private step, Opacus hooks mode (GradSampleModule + DPOptimizer), Opacus
@@ -51,7 +56,70 @@ def CASES(size, device):
                 [(f"({B}, {T}, {d}, {K})", dict(B=B, T=T, d=d, K=K))
                  for B, T, d, K in NORM_SHAPES[size]],
                 ["ncdp", "torch_einsum_f32"]
+                + (["native_kernel"] if device == "cuda" else ["gemm_f64"])),
+            "test_linear_sum": cases(
+                "bench_linear_sum",
+                [(f"({B}, {T}, {d}, {K})", dict(B=B, T=T, d=d, K=K))
+                 for B, T, d, K in NORM_SHAPES[size]],
+                ["ncdp", "torch_einsum_f32"]
                 + (["native_kernel"] if device == "cuda" else ["gemm_f64"]))}
+
+
+def test_linear_sum(benchmark, case, bench_device):
+    import numpy as np
+    import torch
+
+    import ncdp_fast._backend as be
+    from ncdp_fast import _native
+    from ncdp_fast._cuda import clip as device_clip
+    from ncdp_fast._cuda._common import dtype_code, opt_ptr, ptr, stream, workspace
+    from ncdp_fast._numba import clip as numba_clip
+    B, T, d, K = (case.params[k] for k in ("B", "T", "d", "K"))
+    method, device = case.method, bench_device
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(B, T, d, generator=gen)
+    g = torch.randn(B, T, K, generator=gen) * 1e-3
+    f = torch.rand(B, generator=gen, dtype=torch.float64)
+    if device == "cuda":
+        a, g, f = a.cuda(), g.cuda(), f.cuda()
+    gw = torch.empty(K, d, device=a.device)
+    gb = torch.empty(K, device=a.device)
+    sigma, inv = 1.0, 1.0 / max(B, 1)
+    if method == "ncdp" and device == "cpu":
+        an, gn, fn_, gwn, gbn = a.numpy(), g.numpy(), f.numpy(), gw.numpy(), gb.numpy()
+        io = be.select("clip", a=an).io
+
+        def fn():
+            numba_clip.clipped_linear_sum(an, gn, fn_, sigma, inv, np.uint64(1), np.uint64(0),
+                                          gwn, gbn, matmul=io.matmul)
+            return gwn
+    elif method in ("ncdp", "gemm_f64"):
+        ctx = be.emulated_cuda() if device == "cpu" else None
+
+        def fn():
+            if ctx is None:
+                device_clip.clipped_linear_sum(a, g, f, sigma, inv, 1, 0, gw, gb)
+            else:
+                with be.emulated_cuda():
+                    device_clip.clipped_linear_sum(a, g, f, sigma, inv, 1, 0, gw, gb)
+            return gw
+    elif method == "native_kernel":
+        native = _native.for_array(a)
+        nbytes = native.clipped_linear_sum_workspace_bytes(B, T, d, K, dtype_code(a))
+        ws, ws_ptr = workspace(a, nbytes)
+
+        def fn():
+            native.launch_clipped_linear_sum(ptr(a), ptr(g), ptr(f), B, T, d, K, dtype_code(a),
+                                             sigma, inv, 1, 0, ptr(gw), opt_ptr(gb), stream(a),
+                                             ws_ptr, nbytes)
+            return gw
+    else:           # Opacus's clipped sum: float32 einsum of the scaled output gradients
+        def fn():
+            gs = g * f.to(g.dtype).view(-1, 1, 1)
+            w = torch.einsum("btk,btd->kd", gs, a)
+            return (w + torch.normal(0.0, sigma, w.shape, device=w.device)) * inv
+    measure(benchmark, case, fn, device=device, repeats=5, min_time=0.2,
+            flops=2.0 * B * T * d * K, bytes=4 * B * T * (d + K))
 
 
 def norm_flops(B, T, d, K) -> float:

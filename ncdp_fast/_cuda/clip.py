@@ -1,9 +1,11 @@
 """Fused per-sample clipping with noise on CUDA: the signatures of ``_numba.clip``."""
 from __future__ import annotations
 
+import numpy as np
+
 from .. import _arrays
 from ._common import dtype_code, native, opt_ptr, ptr, stream, workspace
-from .rng import add_gaussian  # noqa: F401  (the finishing step of a ghost block, as _numba.clip)
+from .rng import add_gaussian  # also the finishing step of a ghost block, as _numba.clip
 
 
 def row_sq_norms(g, sq, accumulate):
@@ -97,15 +99,36 @@ def linear_sq_norms(a, g, bias, sq, accumulate):
 
 
 def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb, matmul=None):
-    # ``matmul`` is the CPU path's BLAS hook; the CUDA launcher has its own GEMM.
+    """gw [K, d] = inv_denom (sum_{i,t} f_i g_it a_it^T + noise_std xi_w), and
+    gb [K] likewise from sum_{i,t} f_i g_it (skipped when gb is None).
+
+    a: (B, T, d), g: (B, T, K) device arrays (torch or CuPy), float32 or
+    float64; factors: (B,) float64 clip factors (each sample's clipped
+    contribution); gw (K, d), gb (K,): outputs in the data dtype.  One vendor
+    GEMM over the B*T rows (issue 36: the hand-written kernel was 13% of a
+    BERT step on the H200), in float64: a and g upcast exactly, the factor
+    folded into g in float64, so no product leaves float64's range whatever
+    the float32 inputs (the numba twin, in float32 BLAS, moves powers of two
+    between a sample's operands for that) and no TF32 ever applies.  The
+    float64 sum takes the noise -- the stream's draws offset + k*d + j, then
+    the bias -- and the division by the expected batch in ``add_gaussian``,
+    then is rounded once to the data dtype.  Chunks of samples bound the
+    float64 temporaries; ``matmul`` is the CPU path's BLAS hook, unused.
+    """
     B, T, d = a.shape
     K = g.shape[2]
-    dt = dtype_code(a)
-    # The workspace lets the GEMM split the B*T reduction over many blocks
-    # (slab partials, no atomics): a K x d output alone would fill few SMs.
-    C = native(a)
-    nbytes = C.clipped_linear_sum_workspace_bytes(B, T, d, K, dt)
-    ws, ws_ptr = workspace(a, nbytes)
-    C.launch_clipped_linear_sum(ptr(a), ptr(g), ptr(factors), B, T, d, K, dt,
-                                 float(noise_std), float(inv_denom), int(seed), int(offset),
-                                 ptr(gw), opt_ptr(gb), stream(a), ws_ptr, nbytes)
+    io = _arrays.io_for(a)
+    acc = io.zeros((K, d), np.float64)
+    accb = io.zeros((K,), np.float64) if gb is not None else None
+    step = max(1, min(B, GEMM_CHUNK_BYTES // max(8 * T * (2 * K + d), 1)))
+    for lo in range(0, B, step):
+        hi = min(B, lo + step)
+        gf = _arrays.as_float64(g[lo:hi]) * factors[lo:hi, None, None]
+        acc += gf.reshape(-1, K).T @ _arrays.as_float64(a[lo:hi]).reshape(-1, d)
+        if accb is not None:
+            accb += gf.sum(axis=(0, 1))
+    add_gaussian(acc.reshape(-1), seed, offset, noise_std, True, inv_denom)
+    gw[...] = acc
+    if accb is not None:
+        add_gaussian(accb, seed, offset + K * d, noise_std, True, inv_denom)
+        gb[...] = accb

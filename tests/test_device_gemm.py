@@ -1,10 +1,11 @@
-"""The device routes of the per-sample norms (issue 36), run by CI on CPU
-tensors: ``_cuda.clip.linear_sq_norms`` (a linear layer's norms on the
-vendor GEMM; library-generic array code, the very function a GPU runs)
-against the float64 reference over awkward shapes, both routes (Gram and
-direct), chunked and whole, float32 and float64; and the embedding's
-sync-free route of ``_rows_sq`` (a masked Gram instead of ``unique``) against
-its CPU route."""
+"""The device routes on the vendor GEMM (issue 36), run by CI on CPU tensors
+(library-generic array code: the very functions a GPU runs):
+``_cuda.clip.linear_sq_norms`` (a linear layer's per-sample norms) against
+the float64 reference over awkward shapes, both routes (Gram and direct),
+chunked and whole, float32 and float64; ``_cuda.clip.clipped_linear_sum``
+(the clipped sum plus noise, one float64 GEMM) against the exact sum and the
+numba twin's noise; and the embedding's sync-free route of ``_rows_sq`` (a
+masked Gram instead of ``unique``) against its CPU route."""
 import math
 
 import numpy as np
@@ -110,3 +111,83 @@ def test_embedding_rows_device_route_matches_the_scatter(B, T, V, D, dtype, chun
     for i in range(B):
         rows = torch.zeros(V, D, dtype=torch.float64).index_add_(0, idx[i], h[i].double())
         assert abs(float(device[i]) - float(rows.square().sum())) <= float(tol[i])
+
+
+# ---------------------------------------------------------------- clipped sum
+def _device_sum(a, g, f, noise_std, inv_denom, seed, offset, bias):
+    """The device adaptor on the emulated device (its noise kernel is _C_emu's)."""
+    import ncdp_fast._backend as be
+    K, d = g.shape[2], a.shape[2]
+    with be.emulated_cuda():
+        gw = torch.empty((K, d), dtype=torch.from_numpy(a).dtype)
+        gb = torch.empty((K,), dtype=gw.dtype) if bias else None
+        device_clip.clipped_linear_sum(torch.from_numpy(a), torch.from_numpy(g),
+                                       torch.from_numpy(f), noise_std, inv_denom, seed, offset,
+                                       gw, gb)
+    return gw.numpy(), (gb.numpy() if bias else None)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("chunked", [False, True])
+def test_gemm_clipped_sum_is_the_exact_sum_rounded_once(shape, bias, dtype, chunked,
+                                                        monkeypatch):
+    """Noise off: each entry is the exact float64 sum of f_i g_it a_it^T divided
+    by the expected batch, rounded once to the data dtype, to within the
+    float64 sum's own rounding (B T + 2 terms of the absolute products)."""
+    B, T, d, K = shape
+    if chunked:
+        monkeypatch.setattr(device_clip, "GEMM_CHUNK_BYTES", 2 * 8 * T * (2 * K + d) + 1)
+    rng = np.random.default_rng(7 + B + T + d)
+    a = rng.standard_normal((B, T, d)).astype(dtype)
+    g = rng.standard_normal((B, T, K)).astype(dtype)
+    f = rng.uniform(0.0, 1.0, B)
+    inv = 1 / 3
+    gw, gb = _device_sum(a, g, f, 0.0, inv, 1, 0, bias)
+    flat = per_sample_linear_grads(a, g, bias) * f[:, None]
+    exact = flat.sum(axis=0) * inv
+    scale = np.abs(per_sample_linear_grads(np.abs(a), np.abs(g), bias) * f[:, None]).sum(0) * inv
+    u = np.finfo(dtype).eps / 2
+    tol = u * np.abs(exact) + (B * T + 2) * U64 * scale * (1 + u)
+    got = np.concatenate([gw.ravel()] + ([gb] if bias else []))
+    assert got.dtype == dtype
+    assert np.all(np.abs(got - exact) <= tol + np.finfo(dtype).tiny)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gemm_clipped_sum_noise_is_the_numba_twins(dtype):
+    """Zero data: the output is the noise alone, the stream's draws offset ..
+    offset + K d - 1 for the weight, then K for the bias, scaled and divided
+    by the expected batch in float64 and rounded once: in float32 bit for bit
+    the numba twin's (the same (seed, offset), the same values, every
+    backend); in float64 within the noise kernels' documented float64 ulp of
+    each other (their log, sin, cos: _numba/rng.py add_gaussian)."""
+    from ncdp_fast._numba import clip as numba_clip
+    B, T, d, K = 3, 4, 5, 6
+    a = np.zeros((B, T, d), dtype)
+    g = np.zeros((B, T, K), dtype)
+    f = np.ones(B)
+    gw, gb = _device_sum(a, g, f, 1.7, 0.25, 99, 12345, True)
+    nw, nb = np.empty((K, d), dtype), np.empty((K,), dtype)
+    numba_clip.clipped_linear_sum(a, g, f, 1.7, 0.25, np.uint64(99), np.uint64(12345), nw, nb)
+    if dtype == np.float32:
+        assert np.array_equal(gw, nw) and np.array_equal(gb, nb)
+    else:
+        ulp = np.spacing(np.abs(np.concatenate([nw.ravel(), nb])))
+        assert np.all(np.abs(np.concatenate([gw.ravel(), gb]) -
+                             np.concatenate([nw.ravel(), nb])) <= 2 * ulp)
+    assert np.all(gw != 0)
+
+
+def test_gemm_clipped_sum_keeps_extreme_float32_inputs_exact():
+    """Products of float32 inputs far outside each other's range (the numba
+    twin moves powers of two between a sample's operands for them): formed in
+    float64 they neither overflow nor underflow, and the result is the exact
+    value rounded once."""
+    a = np.full((2, 3, 4), 2.0 ** 100, np.float32)
+    g = np.full((2, 3, 5), 2.0 ** -120, np.float32)
+    f = np.array([2.0 ** -30, 1.0])
+    gw, gb = _device_sum(a, g, f, 0.0, 1.0, 1, 0, True)
+    assert np.all(gw == np.float32(3 * (2.0 ** -30 + 1.0) * 2.0 ** -20))
+    assert np.all(gb == np.float32(3 * (2.0 ** -30 + 1.0) * 2.0 ** -120))
