@@ -44,6 +44,10 @@ STEP_ONCE = ("ncdp_fused", "opacus_hooks", "opacus_ghost")
 
 def CASES(size, device):
     dense = [(f"({B}, {p}) float32", dict(B=B, p=p)) for B, p in DENSE_SHAPES[size]]
+    layers = [(f"({B}, {T}, {d}, {K})", dict(B=B, T=T, d=d, K=K))
+              for B, T, d, K in NORM_SHAPES[size]]
+    layer_methods = ["ncdp", "torch_einsum_f32"] + (["native_kernel"] if device == "cuda"
+                                                    else ["gemm_f64"])
     steps = [(f"({B}, {d}, {K})" if T is None else f"({B}, {T}, {d}, {K})",
               dict(B=B, T=T, d=d, K=K)) for B, T, d, K in STEP_SHAPES[size]]
     return {"test_clip_dense": cases(
@@ -51,18 +55,21 @@ def CASES(size, device):
                                             "read_torch_sum"]
                 + (["read_numba_sum"] if device == "cpu" else [])),
             "test_clip_step": cases("bench_clip_step", steps, STEP_METHODS, once=STEP_ONCE),
-            "test_linear_norms": cases(
-                "bench_linear_norms",
-                [(f"({B}, {T}, {d}, {K})", dict(B=B, T=T, d=d, K=K))
-                 for B, T, d, K in NORM_SHAPES[size]],
-                ["ncdp", "torch_einsum_f32"]
-                + (["native_kernel"] if device == "cuda" else ["gemm_f64"])),
-            "test_linear_sum": cases(
-                "bench_linear_sum",
-                [(f"({B}, {T}, {d}, {K})", dict(B=B, T=T, d=d, K=K))
-                 for B, T, d, K in NORM_SHAPES[size]],
-                ["ncdp", "torch_einsum_f32"]
-                + (["native_kernel"] if device == "cuda" else ["gemm_f64"]))}
+            "test_linear_norms": cases("bench_linear_norms", layers, layer_methods),
+            "test_linear_sum": cases("bench_linear_sum", layers, layer_methods)}
+
+
+def _layer_data(case, device):
+    """((B, T, d, K), activations (B, T, d), output gradients (B, T, K), the
+    generator) of a linear-layer workload, float32 on the bench device."""
+    import torch
+    B, T, d, K = (case.params[k] for k in ("B", "T", "d", "K"))
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(B, T, d, generator=gen)
+    g = torch.randn(B, T, K, generator=gen) * 1e-3
+    if device == "cuda":
+        a, g = a.cuda(), g.cuda()
+    return (B, T, d, K), a, g, gen
 
 
 def test_linear_sum(benchmark, case, bench_device):
@@ -74,14 +81,9 @@ def test_linear_sum(benchmark, case, bench_device):
     from ncdp_fast._cuda import clip as device_clip
     from ncdp_fast._cuda._common import dtype_code, opt_ptr, ptr, stream, workspace
     from ncdp_fast._numba import clip as numba_clip
-    B, T, d, K = (case.params[k] for k in ("B", "T", "d", "K"))
+    (B, T, d, K), a, g, gen = _layer_data(case, bench_device)
     method, device = case.method, bench_device
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(B, T, d, generator=gen)
-    g = torch.randn(B, T, K, generator=gen) * 1e-3
-    f = torch.rand(B, generator=gen, dtype=torch.float64)
-    if device == "cuda":
-        a, g, f = a.cuda(), g.cuda(), f.cuda()
+    f = torch.rand(B, generator=gen, dtype=torch.float64).to(a.device)
     gw = torch.empty(K, d, device=a.device)
     gb = torch.empty(K, device=a.device)
     sigma, inv = 1.0, 1.0 / max(B, 1)
@@ -138,13 +140,8 @@ def test_linear_norms(benchmark, case, bench_device):
     from ncdp_fast._cuda import clip as device_clip
     from ncdp_fast._cuda._common import dtype_code, ptr, stream
     from ncdp_fast._numba import clip as numba_clip
-    B, T, d, K = (case.params[k] for k in ("B", "T", "d", "K"))
+    (B, T, d, K), a, g, _ = _layer_data(case, bench_device)
     method, device = case.method, bench_device
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(B, T, d, generator=gen)
-    g = torch.randn(B, T, K, generator=gen) * 1e-3
-    if device == "cuda":
-        a, g = a.cuda(), g.cuda()
     sq = torch.zeros(B, dtype=torch.float64, device=a.device)
     if method == "ncdp" and device == "cpu":
         an, gn, sqn = a.numpy(), g.numpy(), sq.numpy()
