@@ -17,7 +17,7 @@ import numpy as np
 
 __all__ = ["kind", "is_torch", "require_torch", "is_cuda_array", "shape", "describe", "io_for",
            "to_numpy", "to_host", "all_finite", "numpy_dtype", "data_ptr", "current_stream",
-           "as_float64", "module_of", "float64_norms", "NumpyIO",
+           "as_float64", "module_of", "sample_chunks", "CHUNK_BYTES", "float64_norms", "NumpyIO",
            "TorchCpuIO", "TorchCudaIO", "TorchEmulatedIO", "CupyIO", "set_emulation",
            "is_emulated"]
 
@@ -380,6 +380,17 @@ def module_of(x):
         import cupy
         return cupy
     return np
+
+
+# The float64 temporaries a chunked device computation may hold at once.
+CHUNK_BYTES = 256 << 20
+
+
+def sample_chunks(n: int, per_sample_bytes: int, budget: int = CHUNK_BYTES):
+    """``(lo, hi)`` ranges covering ``range(n)`` whose temporaries, at
+    ``per_sample_bytes`` a sample, stay within ``budget`` (one sample at least)."""
+    step = max(1, budget // max(per_sample_bytes, 1))
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
 def as_float64(x):

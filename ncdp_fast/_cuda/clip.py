@@ -54,7 +54,7 @@ def weighted_row_sum_noise(g, factors, noise_std, inv_denom, seed, offset, out):
 # Float64 temporaries of one GEMM chunk, in bytes: bounds the extra memory of
 # the norms whatever the batch (a GPT-2 head's (B, T, 50257) gradient would
 # otherwise be copied to float64 whole).
-GEMM_CHUNK_BYTES = 256 << 20
+GEMM_CHUNK_BYTES = _arrays.CHUNK_BYTES
 
 
 def linear_sq_norms(a, g, bias, sq, accumulate):
@@ -75,9 +75,7 @@ def linear_sq_norms(a, g, bias, sq, accumulate):
     K = g.shape[2]
     gram = 2 * T * T <= K * d
     per_sample = 8 * (T * (d + K) + (2 * T * T if gram else K * d))
-    step = max(1, min(B, GEMM_CHUNK_BYTES // max(per_sample, 1)))
-    for lo in range(0, B, step):
-        hi = min(B, lo + step)
+    for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
         a64, g64 = _arrays.as_float64(a[lo:hi]), _arrays.as_float64(g[lo:hi])
         if gram:
             w = a64 @ a64.swapaxes(1, 2)
@@ -120,9 +118,7 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     io = _arrays.io_for(a)
     acc = io.zeros((K, d), np.float64)
     accb = io.zeros((K,), np.float64) if gb is not None else None
-    step = max(1, min(B, GEMM_CHUNK_BYTES // max(8 * T * (2 * K + d), 1)))
-    for lo in range(0, B, step):
-        hi = min(B, lo + step)
+    for lo, hi in _arrays.sample_chunks(B, 8 * T * (2 * K + d), GEMM_CHUNK_BYTES):
         gf = _arrays.as_float64(g[lo:hi]) * factors[lo:hi, None, None]
         acc += gf.reshape(-1, K).T @ _arrays.as_float64(a[lo:hi]).reshape(-1, d)
         if accb is not None:

@@ -30,12 +30,15 @@ _FIX = ("train the model eagerly: drop torch.compile(...) / model.compile() (the
         "reach anyway)")
 
 
+# torch >= 2.3 has torch.compiler.is_compiling; earlier, dynamo's own.  Looked
+# up once: every hook of every recorded layer asks.
+_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None) or \
+    torch._dynamo.is_compiling
+
+
 def compiling() -> bool:
-    """True while dynamo traces the calling code (torch >= 2.3; earlier, dynamo's own)."""
-    probe = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    if probe is None:                                   # pragma: no cover - torch < 2.3
-        probe = torch._dynamo.is_compiling
-    return bool(probe())
+    """True while dynamo traces the calling code."""
+    return bool(_IS_COMPILING())
 
 
 def _compiled_part(model: nn.Module) -> str | None:

@@ -172,13 +172,7 @@ def conv_rule(module, calls, trainable):
 
 
 # float64 temporaries of one chunk of the device route of _rows_sq, in bytes.
-_ROWS_CHUNK_BYTES = 256 << 20
-
-
-def on_device(x: torch.Tensor) -> bool:
-    """Whether ``x`` lives on a GPU (or the emulated one): there a value-shaped
-    result (``unique``, ``nonzero``) makes the host wait for the device."""
-    return x.device.type == "cuda" or _arrays.is_emulated(x)
+_ROWS_CHUNK_BYTES = _arrays.CHUNK_BYTES
 
 
 def rows_sq_terms(T: int, D: int, device_route: bool) -> int:
@@ -200,11 +194,11 @@ def _rows_sq(idx: torch.Tensor, h: torch.Tensor, V: int) -> torch.Tensor:
     alike."""
     B, T = idx.shape
     D = h.shape[2]
-    if on_device(idx):
+    # On a device (or the emulated one) a value-shaped result (unique) would
+    # make the host wait.
+    if _arrays.is_cuda_array(idx):
         sq = torch.zeros(B, dtype=torch.float64, device=h.device)
-        step = max(1, _ROWS_CHUNK_BYTES // max(8 * (T * D + 2 * T * T), 1))
-        for lo in range(0, B, step):
-            hi = min(B, lo + step)
+        for lo, hi in _arrays.sample_chunks(B, 8 * (T * D + 2 * T * T), _ROWS_CHUNK_BYTES):
             h64 = h[lo:hi].to(torch.float64)
             same = idx[lo:hi].unsqueeze(2) == idx[lo:hi].unsqueeze(1)           # (b, T, T)
             sq[lo:hi] = (h64 @ h64.transpose(1, 2)).mul_(same).sum((1, 2))
@@ -250,7 +244,7 @@ def embedding_rule(module: nn.Embedding, calls, trainable):
     # clipped_sum adds up to T rows per sample in the data dtype: their norms
     # are the scale of its rounding (reference.clip_bound's E).
     spread = torch.linalg.vector_norm(g.to(torch.float64), dim=2).sum(1)
-    terms = rows_sq_terms(T, D, on_device(idx))
+    terms = rows_sq_terms(T, D, _arrays.is_cuda_array(idx))
     return [(("weight",), GhostBlock(sq, clipped_sum, (V, D), terms, dtype=dtype,
                                      spread=spread, seq_len=T))]
 

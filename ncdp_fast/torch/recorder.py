@@ -162,9 +162,11 @@ class LayerRecorder:
         into the batch (HF's *ForMultipleChoice) would otherwise fail inside
         its own forward, where a one-row position table was given the
         samples' rows (layout.broadcast_rows)."""
-        if self._batch.known() is None or output.dim() == 0:
+        known = self._batch.known()
+        if known is None or output.dim() == 0 or output.shape[dim] == known:
             return
-        # The same reading of the step's batch as the backward's check.
+        # The same reading of the step's batch as the backward's check (its
+        # source is formatted only here, off the per-layer path).
         batch, source = self._batch.get(tap.name)
         if output.shape[dim] == batch:
             return

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import _arrays
 from .._clip import GhostBlock
 from .layer_rules import _cat, _flat_positions, _lead, _rows_sq, embedding_rule, linear_rule
 from .layers import accumulation_dtype, rule_for
@@ -39,7 +40,7 @@ __all__ = ["PairUse", "IndexUse", "as_use", "combine", "ghost_cheaper", "layer_p
            "layer_uses", "uses_by_weight", "combined"]
 
 # Bytes of float64 copies one chunk of samples may hold while the norms are formed.
-_CHUNK_BYTES = 1 << 28
+_CHUNK_BYTES = _arrays.CHUNK_BYTES
 
 
 @dataclass
@@ -235,9 +236,7 @@ def _ghost(uses, shape, dtype, batch) -> GhostBlock:
     # float64 copies of one chunk of samples at a time: the norms accumulate in
     # float64 as every layer's, without a float64 copy of the whole batch.
     per_sample = 8 * (tl * (V + D) + te * D + (tl + te) * (tl + te))
-    chunk = max(1, _CHUNK_BYTES // max(per_sample, 1))
-    for lo in range(0, batch, chunk):
-        hi = min(batch, lo + chunk)
+    for lo, hi in _arrays.sample_chunks(batch, per_sample, _CHUNK_BYTES):
         if a is not None:
             A, G = a[lo:hi].double(), g[lo:hi].double()
             sq[lo:hi] += (A @ A.transpose(1, 2)).mul_(G @ G.transpose(1, 2)).sum((1, 2))
