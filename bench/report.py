@@ -440,6 +440,41 @@ def poisson_batches(family):
         ["target: >= 10x faster than Opacus's sampler"])
 
 
+# The float32 GEMM rate of the NTK model: bench_ntk's own GEMM peak row on the
+# first GPU run (a 4096^3 float32 torch GEMM, TF32 off, H200, 2026-11-28).
+NTK_GPU_FP32_FLOPS = 50.96e12
+NTK_STRIP_ROWS = 1024         # ncdp_fast/_cuda/ntk.py STRIP_ROWS
+
+
+def predicted_ntk_s(n, d, N, L, route="gemm_strips") -> float:
+    """Seconds on an H200 of the bench's Gram (biased ReLU MLP, K_out = 1, x2 = x):
+    the factors' FLOPs (forward, and the (L - 2) backward products) plus the
+    Gram's at :data:`NTK_GPU_FP32_FLOPS` (the GEMMs are compute-bound: their
+    inputs are read at hundreds of FLOPs a byte), plus the elementwise passes
+    at :data:`GPU_MODEL`'s bandwidth, plus launches.  ``route``: "gemm_strips"
+    (ncdp_fast/_cuda/ntk.py: strips of NTK_STRIP_ROWS rows, columns from the
+    diagonal; per term P and Q written, then read with the strip by addcmul_,
+    the constant term added by the GEMM itself; out zeroed and mirrored) or
+    "plain_torch" (bench_ntk's peer: full products, P * Q into a temporary, then
+    K += it)."""
+    m = GPU_MODEL
+    terms = [(None, N + 1)] + [((d if l == 0 else N) + 1, N) for l in range(L - 2, -1, -1)]
+    factor_flops = 2.0 * n * (d * N + (L - 2) * N * N + N) + 2.0 * (L - 2) * N * N * n
+    if route == "plain_torch":
+        cells, launches = float(n) * n, 4 * len(terms)
+        elementwise = sum(16 if a is None else 32 for a, _ in terms) + 4
+    else:
+        cells = float(sum(min(NTK_STRIP_ROWS, n - lo) * (n - lo)
+                          for lo in range(0, n, NTK_STRIP_ROWS)))
+        strips = -(-n // NTK_STRIP_ROWS)
+        launches = strips * (sum(1 if a is None else 3 for a, _ in terms) + 3)
+        elementwise = sum(8 if a is None else 24 for a, _ in terms)
+        elementwise += 8.0 * n * n / cells            # zeroing and the mirror, per cell
+    gram_flops = 2.0 * cells * sum((a or 0) + c for a, c in terms)
+    return ((factor_flops + gram_flops) / NTK_GPU_FP32_FLOPS
+            + elementwise * cells / m["bytes_per_s"] + launches * m["launch_s"])
+
+
 def ntk(family):
     rows, notes = [], []
     peak = next((ms["gemm_peak"]["extra_info"].get("gflops") for ms in family.values()
@@ -455,11 +490,14 @@ def ntk(family):
                          f"{e.get('solver')} (target: under 120 s at n = 20000)")
             continue
         row = dict(shape=w, **_missing(ms, ["ncdp"]))
+        n, d, N, L = (int(v) for v in w.strip("()").split(","))
+        row.update(predicted_s=predicted_ntk_s(n, d, N, L),
+                   predicted_plain_s=predicted_ntk_s(n, d, N, L, "plain_torch"))
         if "error" not in row:
             t = _t(ms, "ncdp")
             row.update(ncdp_s=t, ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"),
                        gflops=_x(ms, "ncdp", "gflops"), peak_gflops=peak)
-            for m in ("plain_torch", "torch_func"):
+            for m in ("plain_torch", "torch_func", "tiled_kernel"):
                 if m in ms:
                     row.update({f"{m}_s": _t(ms, m), f"x_{m}": _t(ms, m) / t,
                                 f"{m}_mem_mb": _x(ms, m, "peak_extra_mb")})
@@ -472,12 +510,26 @@ def ntk(family):
          ("x_plain_torch", "× plain torch", "{:.2f}"),
          ("torch_func_s", "torch.func s", "{:.2f}"), ("x_torch_func", "× torch.func", "{:.0f}"),
          ("torch_func_note", "torch.func note", None),
+         ("tiled_kernel_s", "tiled kernel s", "{:.3f}"), ("x_tiled_kernel", "× tiled kernel",
+                                                            "{:.2f}"),
          ("gflops", "ncdp GFLOP/s", "{:.1f}"), ("peak_gflops", "GEMM peak GFLOP/s", "{:.1f}"),
+         ("predicted_s", "predicted H200 s (GEMM strips)", "{:.3f}"),
+         ("predicted_plain_s", "predicted H200 s (plain torch)", "{:.3f}"),
          ("ncdp_mem_mb", "ncdp peak MB", "{:.0f}"),
          ("plain_torch_mem_mb", "plain torch peak MB", "{:.0f}"), ("error", "error", None)],
         ["flop count: 2 n^2 (width_F + width_B) per layer term, halved for the symmetric Gram "
          "(what ncdp computes); peak: a float32 GEMM in torch (its own group)",
+         "ncdp: numba's blocks on the CPU; on a GPU the vendor's GEMMs in row strips "
+         "(ncdp_fast/_cuda/ntk.py); tiled kernel (GPU only): the hand-written CUDA kernel it "
+         "replaced",
          "torch.func ran in the first round only",
+         "predicted H200 s: a model, not a measurement (bench/report.py predicted_ntk_s: "
+         f"factor and Gram FLOPs at the {NTK_GPU_FP32_FLOPS / 1e12:.2f} TFLOP/s float32 GEMM "
+         "peak measured on the H200, elementwise traffic at 3.5 TB/s, 5 us a launch); at "
+         "(16384, 256, 4096, 4) it gives "
+         f"{predicted_ntk_s(16384, 256, 4096, 4):.3f} s for the GEMM strips and "
+         f"{predicted_ntk_s(16384, 256, 4096, 4, 'plain_torch'):.3f} s for plain torch, "
+         "which the first GPU run measured at 0.307 s",
          "targets: CPU >= 100x torch.func, >= 1.2x plain torch with <= half its memory; "
          "GPU >= 1.5x plain torch at (16384, 256, 4096, 4)"] + notes)
 

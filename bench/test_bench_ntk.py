@@ -6,7 +6,8 @@ largest size, and it is timed in the first round only) and the same Hadamard
 identity written in plain torch (full F F^T and B B^T matmuls, then Hadamard
 products: n x n temporaries).  Shapes (n, d, N, L): (512, 64, 512, 3),
 (2048, 128, 1024, 3), (8192, 256, 2048, 4); on a GPU also (16384, 256, 4096, 4),
-float32 with TF32 off.  Achieved FLOP/s of the Gram part against a measured GEMM
+float32 with TF32 off; on a GPU also the hand-written tiled CUDA kernel the
+GEMM route replaced (issue 36).  Achieved FLOP/s of the Gram part against a measured GEMM
 peak (a 4096^3 float32 torch GEMM, its own group), and peak memory.
 ``test_lambda_min`` times ntk.lambda_min at n = 20000 on the CPU (no peer).
 """
@@ -42,7 +43,9 @@ def CASES(size, device):
     g = GEMM[size]
     return {"test_gemm_peak": cases("bench_ntk", [(f"GEMM peak {g}^3", dict(size=g))],
                                     ["gemm_peak"]),
-            "test_ntk_gram": cases("bench_ntk", work, ["ncdp", "plain_torch", "torch_func"],
+            "test_ntk_gram": cases("bench_ntk", work,
+                                   ["ncdp", "plain_torch", "torch_func"]
+                                   + (["tiled_kernel"] if device == "cuda" else []),
                                    once=("torch_func",)),
             "test_lambda_min": cases("bench_ntk", [(f"lambda_min n={LAMBDA_N[size]}",
                                                     dict(n=LAMBDA_N[size]))], ["lambda_min"])
@@ -100,6 +103,24 @@ def test_ntk_gram(benchmark, case, bench_device):
             for f, b in terms:
                 Q = b @ b.T
                 K += Q if f is None else (f @ f.T) * Q
+            return K
+    elif method == "tiled_kernel":
+        # The hand-written CUDA kernel the GEMM route replaced (issue 36), on the
+        # same factors, until a GPU run has measured both.
+        from ncdp_fast._cuda.ntk import ieee_float32_matmul, tiled_kernel_gram
+        from ncdp_fast._ntk import namespace, ntk_factors
+        layers = [m for m in model if isinstance(m, torch.nn.Linear)]
+        W = [p.weight.detach() for p in layers]
+        B = [p.bias.detach() for p in layers]
+
+        def fn():
+            with ieee_float32_matmul():
+                terms = ntk_factors(x, W, B, "relu", "standard", namespace("torch"),
+                                    torch.matmul)
+            f = [None if t[0] is None else t[0].contiguous() for t in terms]
+            b = [t[1].contiguous() for t in terms]
+            K = torch.empty(n, n, dtype=dtype, device=x.device)
+            tiled_kernel_gram(f, b, f, b, K, True)
             return K
     elif method == "torch_func":
         from torch.func import functional_call, jacrev, vmap

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from . import _arrays, _backend
+from ._cuda.ntk import ieee_float32_matmul
 from ._validate import check_choice
 
 __all__ = ["ACTIVATIONS", "ntk_gram", "ntk_factors", "namespace", "activation", "accumulate_gram"]
@@ -217,13 +218,15 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
             1/sqrt(fan_in) in the forward pass, gradients w.r.t. the unscaled
             weights, as neural-tangents defines it).
         diagonal: return only K(x_i, x_i) (or K(x_i, x2_i)), shape (n,).
-        accumulate_f64: CUDA only: float64 accumulation for float32 inputs
-            (result float64).
+        accumulate_f64: CUDA only: float64 products and accumulation for
+            float32 inputs (upcast exactly; result float64).
 
     Returns K of shape (n, n2) (exactly symmetric when x2 is None), or (n,),
     in x's dtype and array type: the mean over the K_out outputs of each
     output's kernel (neural-tangents' default trace_axes=(-1,)).  Extra memory
-    beyond the layer factors (n x width x K_out) is O(block^2).
+    beyond the layer factors (n x width x K_out) is O(block^2) on the CPU and
+    two strips of at most 1024 x n2 (256 MiB at most) on a GPU, where the
+    products are the vendor's GEMMs with TF32 off for the call.
     """
     arrays = {"x": x, "x2": x2}
     arrays.update({f"weights[{l}]": w for l, w in enumerate(weights)} if isinstance(
@@ -269,15 +272,18 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
         out = be.io.zeros((n, n2), dtype)
         accumulate_gram(be, pairs, out, x2 is None)
         return be.io.to_user(out)
-    # CUDA: one launch over all terms (the tile accumulates every layer in registers).
-    pairs = list(pairs)
+    # CUDA: every term in one call (the lower triangle is mirrored once), on the
+    # vendor's GEMMs, TF32 off for the factors' products too: the result's
+    # accuracy is IEEE float32's whatever the caller set.
     out_dtype = np.dtype(np.float64) if accumulate_f64 else dtype
     out = be.io.empty((n, n2), out_dtype)
-    f = [view(t[0]) for t, _ in pairs]
-    b = [view(t[1]) for t, _ in pairs]
-    f2 = f if x2 is None else [view(t[0]) for _, t in pairs]
-    b2 = b if x2 is None else [view(t[1]) for _, t in pairs]
-    be.kernels.hadamard_gram(f, b, f2, b2, out, x2 is None, accumulate_f64=accumulate_f64)
+    with ieee_float32_matmul():
+        pairs = list(pairs)
+        f = [view(t[0]) for t, _ in pairs]
+        b = [view(t[1]) for t, _ in pairs]
+        f2 = f if x2 is None else [view(t[0]) for _, t in pairs]
+        b2 = b if x2 is None else [view(t[1]) for _, t in pairs]
+        be.kernels.hadamard_gram(f, b, f2, b2, out, x2 is None, accumulate_f64=accumulate_f64)
     return be.io.to_user(out)
 
 

@@ -1,0 +1,145 @@
+"""The NTK Gram's device route on the vendor GEMM (issue 36), run by CI on CPU
+tensors (``_cuda.ntk.hadamard_gram`` is torch code: the very function a GPU
+runs): against the float64 sum over awkward shapes, strips that are not
+multiples of each other, the symmetric and the cross Gram, every accumulation
+mode; exact symmetry; TF32 off inside the call and the caller's setting back
+after it; and ``ntk_gram`` end to end on the device route."""
+import numpy as np
+import pytest
+
+from conftest import gamma, unit_roundoff
+
+torch = pytest.importorskip("torch")
+
+from ncdp_fast._cuda import ntk as device_ntk  # noqa: E402
+
+# (n, n2, widths): widths are (a, c) per term, a None for a constant-1 factor,
+# 0 for an empty factor (a term that adds zero).
+CASES = [(1, 1, [(3, 2)]), (1, 4, [(None, 3), (2, 5)]), (7, 7, [(2, 0), (0, 3), (None, 1)]),
+         (13, 5, [(4, 4), (1, 9), (None, 6)]), (33, 33, [(5, 3), (None, 2), (1, 1), (6, 7)]),
+         (65, 17, [(2, 3)] * 5)]
+
+
+def _terms(n, n2, widths, symmetric, dtype, seed):
+    """Random factors and, in float64, K = sum (F F2^T) o (B B2^T) and sum |terms|
+    (the scale of the rounding bound)."""
+    rng = np.random.default_rng(seed)
+    f, b, f2, b2 = [], [], [], []
+    ref = np.zeros((n, n2))
+    scale = np.zeros((n, n2))
+    for a, c in widths:
+        fa = None if a is None else rng.standard_normal((n, a)).astype(dtype)
+        ba = rng.standard_normal((n, c)).astype(dtype)
+        fb, bb = (fa, ba) if symmetric else (
+            None if a is None else rng.standard_normal((n2, a)).astype(dtype),
+            rng.standard_normal((n2, c)).astype(dtype))
+        f.append(fa), b.append(ba), f2.append(fb), b2.append(bb)
+        q = ba.astype(np.float64) @ bb.astype(np.float64).T
+        qa = np.abs(ba.astype(np.float64)) @ np.abs(bb.astype(np.float64)).T
+        if fa is None:
+            ref += q
+            scale += qa
+        else:
+            ref += (fa.astype(np.float64) @ fb.astype(np.float64).T) * q
+            scale += (np.abs(fa.astype(np.float64)) @ np.abs(fb.astype(np.float64)).T) * qa
+    return (f, b, f2, b2), ref, scale
+
+
+def _t(x):
+    return None if x is None else torch.from_numpy(x)
+
+
+@pytest.mark.parametrize("dtype,acc64,out_dtype", [
+    (np.float32, False, np.float32), (np.float32, False, np.float64),
+    (np.float32, True, np.float32), (np.float32, True, np.float64),
+    (np.float64, False, np.float64), (np.float64, True, np.float32)])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-{len(c[2])}terms")
+@pytest.mark.parametrize("strip_rows", [1, 4, 1024])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_gram_matches_the_float64_sum(case, dtype, acc64, out_dtype, strip_rows,
+                                           accumulate, monkeypatch):
+    n, n2, widths = case
+    monkeypatch.setattr(device_ntk, "STRIP_ROWS", strip_rows)
+    for symmetric in ((True, False) if n == n2 else (False,)):
+        (f, b, f2, b2), ref, scale = _terms(n, n2, widths, symmetric, dtype, n * 100 + n2)
+        prior = np.random.default_rng(1).standard_normal((n, n2))
+        if symmetric:
+            prior = prior + prior.T
+        prior = prior.astype(out_dtype)
+        out = torch.from_numpy(prior.copy()) if accumulate else \
+            torch.full((n, n2), float("nan"), dtype=getattr(torch, np.dtype(out_dtype).name))
+        device_ntk.hadamard_gram([_t(x) for x in f], [_t(x) for x in b], [_t(x) for x in f2],
+                                 [_t(x) for x in b2], out, symmetric, accumulate_f64=acc64,
+                                 accumulate=accumulate)
+        expected = ref + (prior.astype(np.float64) if accumulate else 0.0)
+        # Per entry: an F product of max a terms, a B product of max c terms,
+        # their product, the terms and the prior summed: gamma of that length in
+        # the accumulator's dtype (float32 unless every step is float64) times
+        # the sum of |terms|, plus one rounding to out's dtype, plus the float64
+        # reference's own error.
+        length = max((a or 0) for a, _ in widths) + max(c for _, c in widths) + len(widths) + 2
+        acc = np.float64 if acc64 or dtype == out_dtype == np.float64 else np.float32
+        abs_terms = scale + (np.abs(prior.astype(np.float64)) if accumulate else 0.0)
+        bound = (gamma(length, acc) + gamma(length, np.float64)) * abs_terms \
+            + unit_roundoff(out_dtype) * np.abs(expected)
+        err = np.abs(out.numpy().astype(np.float64) - expected)
+        assert np.all(err <= bound), (f"{n}x{n2} symmetric={symmetric}: worst excess "
+                                      f"{np.max(err - bound):.3g}")
+        if symmetric:
+            assert torch.equal(out, out.T)
+
+
+def test_gemm_gram_of_nothing_leaves_out_alone():
+    out = torch.zeros(0, 5)
+    device_ntk.hadamard_gram([None], [torch.zeros(0, 2)], [None], [torch.zeros(5, 2)], out, False)
+    assert out.shape == (0, 5)
+
+
+def test_constant_one_factor_must_be_paired():
+    x = torch.ones(3, 2)
+    with pytest.raises(ValueError, match=r"f2\[0\]: expected None exactly where f\[0\] is None"):
+        device_ntk.hadamard_gram([None], [x], [x], [x], torch.empty(3, 3), False)
+
+
+def test_tf32_is_off_inside_and_restored_after(monkeypatch):
+    seen = []
+    strips = device_ntk._strips
+    monkeypatch.setattr(device_ntk, "_strips",
+                        lambda *a: seen.append(torch.backends.cuda.matmul.allow_tf32)
+                        or strips(*a))
+    x = torch.ones(4, 3)
+    for before in (True, False):
+        torch.backends.cuda.matmul.allow_tf32 = before
+        try:
+            device_ntk.hadamard_gram([x], [x], [x], [x], torch.empty(4, 4), True)
+            assert torch.backends.cuda.matmul.allow_tf32 is before
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = False
+    assert seen == [False, False]
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_ntk_gram_on_the_device_route_matches_the_cpu(cross, monkeypatch):
+    """ntk_gram's device branch (the emulated device's dispatch, forced here)
+    with strips of 64 rows against the CPU backend in float64."""
+    import ncdp_fast as nf
+    from ncdp_fast import _backend
+    monkeypatch.setattr(device_ntk, "STRIP_ROWS", 64)
+    rng = np.random.default_rng(4)
+    W = [rng.standard_normal((33, 11)) / 3, rng.standard_normal((20, 33)) / 6,
+         rng.standard_normal((3, 20)) / 4]
+    b = [rng.standard_normal(33), None, rng.standard_normal(3)]
+    x = rng.standard_normal((150, 11))
+    x2 = rng.standard_normal((70, 11)) if cross else None
+    ref = nf.ntk_gram(x, W, biases=b, activation="gelu", x2=x2)
+    calls = []
+    real = device_ntk.hadamard_gram
+    monkeypatch.setattr(device_ntk, "hadamard_gram", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with _backend.emulated_cuda(True):
+        K = nf.ntk_gram(torch.from_numpy(x), [torch.from_numpy(w) for w in W],
+                        biases=[None if v is None else torch.from_numpy(v) for v in b],
+                        activation="gelu", x2=None if x2 is None else torch.from_numpy(x2))
+    assert calls == [1]
+    assert np.abs(K.numpy() - ref).max() <= 1e-12 * np.abs(ref).max()
+    if not cross:
+        assert torch.equal(K, K.T)
