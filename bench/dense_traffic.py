@@ -1,21 +1,25 @@
 """Bytes the CUDA dense clip op (``launch_clip_noise_rows``, csrc/clip/clip_noise.cu)
-moves per byte of its input, derived from the kernels' code -- not measured
-(no GPU yet): every global load and store each kernel issues, L2 hits counted
-as accesses, for B rows of p elements of ``itemsize`` bytes on an H100 (50 MiB
-of L2, 132 SMs).
+moves per byte of its input, derived from the kernels' code -- not measured:
+every global load and store each kernel issues, L2 hits counted as accesses,
+the DRAM bytes expected of them, and a predicted time, for B rows of p
+elements of ``itemsize`` bytes on an H100/H200 (50 MiB of L2, 132 SMs).
 
     python bench/dense_traffic.py
 
 prints the table of docs/architecture.md, "Dense slab partials (derived
 traffic)". The sizing rules are restated from clip_noise.cu (kColumnsPerThread,
-kRowSumTargetThreads, kRowSumMinRowsPerSlab, kNormSegment, the L2/2 chunks).
+kRowSumTargetThreads, kRowSumMinRowsPerSlab, kNormSegment, the L2/2 chunks, the L2/4 partials).
 """
 from __future__ import annotations
 
-H100_L2_BYTES = 50 * 2**20
+H100_L2_BYTES = 50 * 2**20     # H100 and H200 (the same GH100 L2)
 TARGET_THREADS = 132 * 2048 * 4   # kRowSumTargetThreads
 MIN_ROWS_PER_SLAB = 8
 NORM_SEGMENT = 4096
+# The first GPU run's read limit (torch.sum of the (1024, 409600) float32 array
+# on the H200, bench_clip_dense) and the launch cost of bench/report.py's model.
+READ_BYTES_PER_S = 4.006e12
+LAUNCH_S = 5e-6
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -29,38 +33,58 @@ def slabs(B: int, p: int) -> int:
                       65535))
 
 
-def traffic(B: int, p: int, itemsize: int, partial_bytes: int = 8) -> dict:
-    """Bytes per input byte: in total, and of the slab partials alone."""
-    data = B * p * itemsize
+def chunk_slabs(B: int, p: int, itemsize: int, partial_bytes: int = 8) -> tuple:
+    """(chunk rows, chunks, slabs) of launch_clip_noise_rows: chunks of half the
+    L2; with more than one chunk the slabs' partials must fit a quarter of it."""
     chunk = max(1, (H100_L2_BYTES // 2) // (p * itemsize))
     chunks = _ceil_div(B, chunk)
-    segments = max(1, _ceil_div(p, NORM_SEGMENT))
     s = slabs(B, p)
+    if chunks > 1:
+        s = max(1, min(s, (H100_L2_BYTES // 4) // (p * partial_bytes)))
+    return chunk, chunks, s
+
+
+def traffic(B: int, p: int, itemsize: int, partial_bytes: int = 8) -> dict:
+    """Bytes per input byte: every access (L2 hits counted), the partials' share,
+    and the DRAM bytes expected (a chunk's weighted pass and the partials hit the
+    L2 they were sized for; the first touch of each row and the final pass's
+    read of the partials do not); and the predicted seconds: DRAM bytes at the
+    measured read limit plus :data:`LAUNCH_S` for each of the 3 launches a chunk
+    and the final pass."""
+    data = B * p * itemsize
+    chunk, chunks, s = chunk_slabs(B, p, itemsize, partial_bytes)
+    segments = max(1, _ceil_div(p, NORM_SEGMENT))
     slab_bytes = s * p * partial_bytes
     # Each chunk writes the partials, every chunk after the first reads them
     # first (accumulate), and the final pass reads them once.
     partials = chunks * slab_bytes + (chunks - 1) * slab_bytes + slab_bytes
-    total = (2 * data                      # norms pass + weighted-sum pass over the rows
-             + B * segments * 8 * 2       # squared-norm segments: written, read
-             + B * 8 * 2 + B * 8          # factors and norms written, factors read
-             + partials + p * itemsize)   # output
+    small = B * segments * 8 * 2 + B * 8 * 3 + p * itemsize   # segments, factors, output
+    total = 2 * data + small + partials
+    resident = min(chunk, B) * p * itemsize <= H100_L2_BYTES // 2
+    fits = chunks == 1 or slab_bytes <= H100_L2_BYTES // 4
+    dram = (data * (1 if resident else 2) + small + slab_bytes
+            + (0 if fits else partials - slab_bytes))
+    seconds = dram / READ_BYTES_PER_S + (3 * chunks + 1) * LAUNCH_S
     return dict(B=B, p=p, itemsize=itemsize, slabs=s, chunks=chunks,
-                per_input_byte=total / data, partials_per_input_byte=partials / data)
+                per_input_byte=total / data, partials_per_input_byte=partials / data,
+                dram_per_input_byte=dram / data, predicted_s=seconds,
+                predicted_frac_of_read=data / READ_BYTES_PER_S / seconds)
 
 
-SHAPES = [(64, 1_000_000), (256, 1_000_000), (1024, 100_000), (4096, 4096), (65536, 512)]
+SHAPES = [(64, 1_000_000), (256, 1_000_000), (1024, 100_000), (1024, 409_600), (512, 7680),
+          (4096, 4096), (65536, 512)]
 
 
 def main() -> None:
-    print("| B | p | slabs | chunks (fp32) | fp32: total / partials | fp32 with fp32 partials "
-          "| fp64: total / partials |")
-    print("|---|---|---|---|---|---|---|")
+    print("| B | p | slabs | chunks (fp32) | fp32: accesses / partials | fp32: DRAM "
+          "| fp32: predicted H200 ms | fraction of read limit | fp64: accesses / partials |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for B, p in SHAPES:
-        f32, f32p, f64 = traffic(B, p, 4), traffic(B, p, 4, 4), traffic(B, p, 8)
+        f32, f64 = traffic(B, p, 4), traffic(B, p, 8)
         print(f"| {B} | {p} | {f32['slabs']} | {f32['chunks']} | {f32['per_input_byte']:.3f} / "
-              f"{f32['partials_per_input_byte']:.3f} | {f32p['per_input_byte']:.3f} / "
-              f"{f32p['partials_per_input_byte']:.3f} | {f64['per_input_byte']:.3f} / "
-              f"{f64['partials_per_input_byte']:.3f} |")
+              f"{f32['partials_per_input_byte']:.3f} | {f32['dram_per_input_byte']:.3f} | "
+              f"{1e3 * f32['predicted_s']:.3f} | {f32['predicted_frac_of_read']:.2f} | "
+              f"{f64['per_input_byte']:.3f} / {f64['partials_per_input_byte']:.3f} |")
 
 
 if __name__ == "__main__":

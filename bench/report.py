@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ncdp_fast._report import git_commit, machine, write_report  # noqa: E402
+from dense_traffic import traffic as dense_traffic  # noqa: E402
 
 
 def run_meta(device: str, size: str, rounds: int) -> dict:
@@ -87,6 +88,11 @@ def _missing(ms, methods):
         if gone else {}
 
 
+def _shape_ints(label):
+    """The integers of a workload label such as "(1024, 409600) float32"."""
+    return tuple(int(v) for v in label.split(")")[0].strip("(").split(","))
+
+
 def clip_dense(family):
     rows = []
     for w, ms in family.items():
@@ -98,6 +104,7 @@ def clip_dense(family):
             read = min(_t(ms, m) for m in ms if m.startswith("read_"))
             nbytes = _x(ms, "ncdp", "bytes")
             row.update(ncdp_ms=1e3 * t, torch_ms=1e3 * peer, read_ms=1e3 * read,
+                       predicted_ms=1e3 * dense_traffic(*_shape_ints(w), 4)["predicted_s"],
                        speedup_vs_torch=peer / t, ncdp_gbs=nbytes / t / 1e9,
                        read_gbs=nbytes / read / 1e9, frac_of_read=read / t,
                        ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"),
@@ -108,9 +115,13 @@ def clip_dense(family):
          ("torch_ms", "torch eager ms", "{:.3f}"), ("speedup_vs_torch", "× torch", "{:.2f}"),
          ("ncdp_gbs", "ncdp GB/s", "{:.1f}"), ("read_gbs", "read limit GB/s", "{:.1f}"),
          ("frac_of_read", "fraction of read limit", "{:.2f}"),
+         ("predicted_ms", "predicted H200 ms (CUDA op)", "{:.3f}"),
          ("ncdp_mem_mb", "ncdp peak extra MB", "{:.1f}"),
          ("torch_mem_mb", "torch peak extra MB", "{:.1f}"), ("error", "error", None)],
         ["torch eager: the faster of float64-norm and float32-norm variants",
+         "predicted H200 ms: a model, not a measurement (bench/dense_traffic.py: the CUDA "
+         "op's DRAM bytes at the 4.0 TB/s read limit the first GPU run measured, plus 5 us "
+         "for each launch, 3 a chunk of half the L2)",
          "read limit: the faster of torch.sum and (CPU) a numba parallel sum of the same array",
          "targets: CPU >= 1.5x torch eager and >= 0.70 of the read limit; "
          "GPU >= 0.80 of the read limit"])

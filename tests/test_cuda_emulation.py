@@ -114,7 +114,9 @@ def _expected_dense(g, max_norm, noise_std, inv_denom, seed, offset, factors=Non
     (1, 1, 0, 0),        # one row, one column
     (3, 5, 1, 0),        # p not a multiple of the vector width, unaligned base
     (40, 8, 0, 0),       # aligned vector loads, several slabs, grid-striding norms
-    (40, 8, 1, 4),       # unaligned base; chunks of 2 rows accumulate into the slabs
+    (40, 8, 1, 4),       # unaligned base; chunks of 4 rows accumulate into one slab (the
+                         # partials must fit a quarter of the L2 beside the chunk)
+    (40, 8, 0, 12),      # chunks of 12 rows, 3 (float32) or 5 (float64) slabs each
     (5, 4097, 0, 2),     # two norm segments per row; one-row chunks
     (0, 6, 0, 0),        # no rows: pure noise
     (3, 0, 0, 0),        # no columns

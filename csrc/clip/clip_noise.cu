@@ -515,6 +515,17 @@ void launch_clip_noise_rows(const Real* grads, std::int64_t B, std::int64_t p, d
   if (l2_bytes > 0 && row_bytes > 0) {
     chunk_rows = std::max<std::int64_t>(1, (l2_bytes / 2) / row_bytes);
   }
+  // With several chunks every chunk reads and writes all slab partials, so
+  // they must stay in the L2 beside the chunk (a quarter of it): with the
+  // one-pass sizing (11 slabs at (1024, 409600) float32, 36 MB of partials, 64
+  // chunks of a 50 MiB L2) they moved 2.75 bytes per gradient byte, mostly
+  // through DRAM (bench/dense_traffic.py), where the first GPU run measured the
+  // op at 0.14 of the read limit.
+  std::int64_t slabs = layout.slabs;
+  if (chunk_rows < B) {
+    const std::int64_t fit = (l2_bytes / 4) / (p * std::int64_t{sizeof(double)});
+    slabs = std::max<std::int64_t>(1, std::min(slabs, fit));
+  }
   for (std::int64_t r0 = 0; r0 < B; r0 += chunk_rows) {
     const std::int64_t rows = std::min(chunk_rows, B - r0);
     NCDP_LAUNCH(grid_blocks(rows * layout.norm_segments, 1), kBlockThreads, 0, stream,
@@ -525,12 +536,12 @@ void launch_clip_noise_rows(const Real* grads, std::int64_t B, std::int64_t p, d
         sq_partials + r0 * layout.norm_segments, nullptr, rows, layout.norm_segments, rule,
         factors + r0, norms + r0);
     if (p > 0) {
-      launch_weighted_row_sum_partials(grads + r0 * p, factors + r0, rows, p, layout.slabs,
-                                       partials, /*accumulate=*/r0 > 0, stream);
+      launch_weighted_row_sum_partials(grads + r0 * p, factors + r0, rows, p, slabs, partials,
+                                       /*accumulate=*/r0 > 0, stream);
     }
   }
-  launch_slab_sum_plus_gaussian<double, Real>(partials, layout.slabs, p, noise_std, inv_denom,
-                                              seed, offset, out, stream);
+  launch_slab_sum_plus_gaussian<double, Real>(partials, slabs, p, noise_std, inv_denom, seed,
+                                              offset, out, stream);
 }
 
 template <typename Real>
