@@ -174,7 +174,7 @@ def _ghost_dtype(specs) -> np.dtype:
 
 
 def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, reduction,
-                 expected_batch_size, nan_policy, grad_scale=1.0, release=False):
+                 expected_batch_size, nan_policy, grad_scale=1.0, release=False, checks=()):
     max_norm, noise_std, inv_denom = _check_common(
         max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy)
     be = _backend.select("clip", **arrays)
@@ -193,7 +193,6 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         if layer.B != B:
             raise ValueError(f"layers[{i}]: batch size {layer.B} differs from layers[0] batch size {B}")
     draws = sum(layer.draws for layer in layers)
-    seed, offset = _stream.claim(seed, offset, draws)
     sq = be.io.zeros((B,), _F64)
     for layer in layers:
         layer.add_sq_norms(be.kernels, sq)
@@ -213,7 +212,10 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     factors, norms = be.io.empty((B,), _F64), be.io.empty((B,), _F64)
     be.kernels.clip_factors(sq, spread, max_norm, terms, t_max,
                             float(np.finfo(dtype).eps) / 2, factors, norms)
-    acc = _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors)
+    acc = _accounting(be, norms, max_norm, nan_policy, None, None, draws, factors, checks)
+    # Claimed once nothing can refuse any more: a refused step takes no range.
+    seed, offset = _stream.claim(seed, offset, draws)
+    acc.update(seed=seed, offset=offset)
     if acc["num_nonfinite"]:
         bad = np.flatnonzero(be.io.to_numpy(factors) == 0)
         for layer in layers:
@@ -271,7 +273,7 @@ def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier,
 
 def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=None, offset=None,
                           reduction="sum", expected_batch_size=None, nan_policy="raise",
-                          grad_scale=1.0, release_blocks=False) -> LayersClipResult:
+                          grad_scale=1.0, release_blocks=False, _checks=()) -> LayersClipResult:
     """Clip several parameter blocks jointly: one factor per sample from the total norm.
 
     Each element of ``layers`` is a dense per-sample gradient (B, ...)
@@ -296,6 +298,10 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
     frees a layer's activations and backprops before later sums are allocated,
     instead of holding all of them until the last sum exists.
 
+    ``_checks`` (internal, for GhostClipper): ``(0-d boolean device tensor,
+    refuse)`` pairs read with the step's counts in its one transfer; a false
+    flag's ``refuse()`` raises before any noise range is taken.
+
     Returns a :class:`LayersClipResult`; ``grads[l]`` is an array of shape
     ``shape[1:]`` for a dense block, ``(grad_weight, grad_bias)`` for a pair, an
     array of ``shape`` for a ghost block.
@@ -318,5 +324,5 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
         raise ValueError(f"grad_scale: expected a finite number > 0, got {grad_scale!r}")
     grads, acc = _clip_layers(layers, arrays, max_norm, noise_multiplier, seed, offset, reduction,
                               expected_batch_size, nan_policy, grad_scale,
-                              release=bool(release_blocks))
+                              release=bool(release_blocks), checks=_checks)
     return LayersClipResult(grads=grads, **acc)

@@ -98,7 +98,11 @@ class GhostBlock:
 
 # ------------------------------------------------------------------ accounting
 
-def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=None):
+def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=None, checks=()):
+    """The step's counts, read in one transfer.  ``checks``: a caller's own
+    device flags, ``(0-d boolean tensor, refuse)`` pairs, read in the same
+    transfer; ``refuse()`` of the first false flag raises, before the counts
+    are judged (GhostClipper's loss checks: one host wait a step, not two)."""
     # Counted where the norms are: one transfer of two counts per step (on a
     # GPU each transfer makes the host wait for the device, issue 36); the
     # rows are read only to name them in the error.
@@ -107,7 +111,14 @@ def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=No
     dropped = ~xp.isfinite(norms)
     if factors is not None:
         dropped |= factors == 0
-    counts = be.io.to_numpy(xp.stack([dropped.sum(), (~dropped & (norms > max_norm)).sum()]))
+    values = [dropped.sum(), (~dropped & (norms > max_norm)).sum()]
+    dev = getattr(values[0], "device", None)
+    values += [(flag if flag.device == dev else flag.to(dev)).reshape(()).to(values[0].dtype)
+               for flag, _ in checks]
+    counts = be.io.to_numpy(xp.stack(values))
+    for ok, (_, refuse) in zip(counts[2:], checks):
+        if not ok:
+            refuse()
     num_bad, clipped = int(counts[0]), int(counts[1])
     if num_bad and nan_policy == "raise":
         bad = np.flatnonzero(be.io.to_numpy(dropped))

@@ -227,14 +227,14 @@ def test_ghost_clipper_per_layer_on_the_device_equals_the_cpu_path(require_cuda)
 # sample's distinct rows with unique(): both sizes the host had to read (three
 # per BERT step, one per embedding); a tied weight's clipped sum read whether
 # any sample was dropped.
-# The loss check (torch/loss_watch.py) reads its value conditions once at the
-# step: a cross-entropy mean is a mean of per-sample terms only if every
-# sample has as many valid targets as the others (issue 35, item 2).
+# The loss check (torch/loss_watch.py) has value conditions on the device (a
+# cross-entropy mean is a mean of per-sample terms only if every sample has as
+# many valid targets as the others, issue 35, item 2): since issue 36 they ride
+# in the clip op's one transfer (clip_and_noise_layers' _checks) instead of a
+# read of their own at the step.
 STEP_SYNCS = {
-    "mlp": {("copy to the host", "_clip_results.py", "_accounting"): 1,
-            ("copy to the host", "torch/loss_watch.py", "settle"): 1},
-    "transformer": {("copy to the host", "_clip_results.py", "_accounting"): 1,
-                    ("copy to the host", "torch/loss_watch.py", "settle"): 1},
+    "mlp": {("copy to the host", "_clip_results.py", "_accounting"): 1},
+    "transformer": {("copy to the host", "_clip_results.py", "_accounting"): 1},
 }
 # Hugging Face models through PrivacyEngine (3 embeddings in BERT, GPT-2's head
 # tied to its token embedding).  On the emulated device one more: GPT-2's own
@@ -242,8 +242,7 @@ STEP_SYNCS = {
 # there (a no-op on a GPU); the counter names PrivateModule.forward, the
 # innermost frame of ncdp_fast.
 HF_STEP_SYNCS = {
-    "bert": {("copy to the host", "_clip_results.py", "_accounting"): 1,
-             ("copy to the host", "torch/loss_watch.py", "settle"): 1},
+    "bert": {("copy to the host", "_clip_results.py", "_accounting"): 1},
     "gpt2": {("copy to the host", "_clip_results.py", "_accounting"): 1},
 }
 HF_EMULATED_ONLY = {"gpt2": {("copy to the host", "torch/dp_optimizer.py", "forward"): 1}}
@@ -342,6 +341,44 @@ def test_a_private_step_synchronises_the_host_only_where_documented(require_cuda
     with HostSyncCounter() as counter:
         step()
     assert _sync_sites(counter.in_library()) == STEP_SYNCS[name]
+
+
+def test_a_device_loss_check_refuses_within_the_clip_ops_one_read(require_cuda):
+    """A token mean over the whole batch (uneven valid targets: a loss value
+    check on the device, issue 35) is still refused at the step with nothing
+    written and no noise range taken, now from the clip op's one transfer
+    (issue 36) instead of a read of its own; the same loop with even targets
+    steps with that one transfer."""
+    from ncdp_fast.torch import GhostClipper
+    from ncdp_fast.torch.loss_graph import LossRefused
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(24, 8), nn.Linear(8, 5)).to(require_cuda)
+    ids = torch.randint(0, 24, (6, 4), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 5, (6, 4), generator=torch.Generator().manual_seed(2))
+    uneven = labels.clone()
+    uneven[0, 1:] = -100
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0,
+                           expected_batch_size=6, loss_reduction="mean")
+    for target, refused in ((uneven, True), (labels, False)):
+        logits = model(ids.to(require_cuda))
+        F.cross_entropy(logits.reshape(-1, 5), target.to(require_cuda).reshape(-1),
+                        ignore_index=-100).backward()
+        before = clipper.offset
+        with HostSyncCounter() as counter:
+            if refused:
+                with pytest.raises(LossRefused, match="not a sum of per-sample terms"):
+                    clipper.privatize_()
+            else:
+                clipper.privatize_()
+        assert _sync_sites(counter.in_library()) == {
+            ("copy to the host", "_clip_results.py", "_accounting"): 1}
+        if refused:
+            assert clipper.offset == before
+            assert all(p.grad is None for p in model.parameters())
+        else:
+            assert clipper.offset > before
+            assert all(p.grad is not None for p in model.parameters())
+    clipper.remove()
 
 
 def test_the_sync_counter_sees_each_kind_of_host_wait(require_cuda):

@@ -146,24 +146,35 @@ class LossWatch:
                 "check_loss=False taking responsibility for the loss (docs/torch.md, 'The loss "
                 "contract')")
 
-    def settle(self) -> None:
-        """At the step, before anything is written: read the value checks (one
-        transfer for all of them) and refuse the first that failed."""
+    def settle(self, defer: bool = False) -> list:
+        """At the step, before anything is written: refuse the first value check
+        that failed.  Host flags are read as they are.  Device flags are read in
+        one transfer, or with ``defer`` returned as ``(flag, refuse)`` pairs for
+        the clip op to read with its counts (``clip_and_noise_layers``'s
+        ``_checks``: one host wait a step instead of two, issue 36); a flag on a
+        device other than the first's is moved to it."""
         pending, self.pending = self.pending, []
-        if not pending:
-            return
-        # Host flags are read as they are; those on a device in one transfer.
-        on_device = [ok for ok, _ in pending if isinstance(ok, torch.Tensor) and not on_host(ok)]
-        dev = on_device[0].device if on_device else None
-        read = iter(torch.stack([ok.reshape(()) if ok.device == dev else ok.to(dev)
-                                 for ok in on_device]).tolist() if on_device else ())
-        flags = [next(read) if isinstance(ok, torch.Tensor) and not on_host(ok) else bool(ok)
-                 for ok, _ in pending]
-        for ok, (_, why) in zip(flags, pending):
+        deferred = []
+        for ok, why in pending:
+            if isinstance(ok, torch.Tensor) and not on_host(ok):
+                deferred.append((ok, self._refusal(why)))
+            elif not ok:
+                self._refusal(why)()
+        if defer or not deferred:
+            return deferred
+        dev = deferred[0][0].device
+        flags = torch.stack([ok.reshape(()).to(dev) for ok, _ in deferred]).tolist()
+        for ok, (_, refuse) in zip(flags, deferred):
             if not ok:
-                self.on_refuse()
-                raise LossRefused(f"GhostClipper: the loss is not a sum of per-sample terms: "
-                                  f"{why}; {FIX}")
+                refuse()
+        return []
+
+    def _refusal(self, why: str):
+        def refuse():
+            self.on_refuse()
+            raise LossRefused(f"GhostClipper: the loss is not a sum of per-sample terms: "
+                              f"{why}; {FIX}")
+        return refuse
 
     def unstack(self) -> None:
         """Take the mode off the stack (before a forward: the model never runs

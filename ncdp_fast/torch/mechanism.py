@@ -203,6 +203,9 @@ class ClippedGaussianStep(UsesNoiseStream):
             broadcast_state([t for _, t in named], group)
         # The last step's result without its gradients (see keep_result).
         self.last_result: LayersClipResult | None = None
+        # A subclass's device checks of this step, read by the next clip op with
+        # its counts (clip_and_noise_layers' _checks; GhostClipper's loss checks).
+        self._deferred_checks: list = []
 
     @property
     def group(self):
@@ -264,7 +267,13 @@ class ClippedGaussianStep(UsesNoiseStream):
         return clip_and_noise_layers(
             blocks, max_norm=self.max_grad_norm if max_norm is None else max_norm,
             noise_multiplier=0.0, seed=None, reduction="sum",
-            nan_policy=self.nan_policy, grad_scale=grad_scale, release_blocks=release)
+            nan_policy=self.nan_policy, grad_scale=grad_scale, release_blocks=release,
+            _checks=self._take_checks())
+
+    def _take_checks(self) -> list:
+        """The deferred checks, for the first clip op of the step only."""
+        checks, self._deferred_checks = self._deferred_checks, []
+        return checks
 
     def _clip_and_noise(self, blocks, grad_scale=1.0, max_norm=None,
                         count=True, release=False) -> LayersClipResult:
@@ -285,7 +294,7 @@ class ClippedGaussianStep(UsesNoiseStream):
                 noise_multiplier=self._grad_noise_multiplier() * self.max_grad_norm / c,
                 seed=self._stream, reduction=self.loss_reduction,
                 expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy,
-                grad_scale=grad_scale, release_blocks=release)
+                grad_scale=grad_scale, release_blocks=release, _checks=self._take_checks())
         if not count:
             return result
         self._steps += 1

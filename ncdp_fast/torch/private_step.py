@@ -41,7 +41,10 @@ class PrivateStep:
         if one fails): ``(entries, grad_scale)``."""
         if self._compiled:
             raise compiled_error()
-        self._loss.settle()
+        # On one process the loss's device checks ride with the clip op's own
+        # read of its counts (one host wait a step, issue 36); across ranks the
+        # reduction (ranks.reduce_clip_and_noise) takes none, so they are read here.
+        self._deferred_checks = self._loss.settle(defer=self.group is None)
         if not any(p.requires_grad for t in self.taps for p in t.params.values()):
             raise RuntimeError(
                 "GhostClipper: every parameter it privatizes has been frozen since it was "
