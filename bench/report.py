@@ -807,8 +807,8 @@ def noise(family):
          ("frac_of_limit", "fraction of limit", "{:.2f}"),
          ("ncdp_mem_mb", "ncdp gaussian peak extra MB", "{:.1f}"),
          ("torch_mem_mb", "torch.randn peak extra MB", "{:.1f}"), ("error", "error", None)],
-        ["ncdp add: the drop-ins' noise step, n stream normals (Philox4x32-10, 128-bit radius "
-         "uniform, Box-Muller in float64, rounded once) added in place to a float32 array; "
+        ["ncdp add: the drop-ins' noise step, n stream normals (Philox4x32-10, 0.5 blocks a "
+         "normal, radius uniform down to 2^-129, Box-Muller in float64, rounded once) added in place to a float32 array; "
          "ncdp gaussian: ncdp_fast.gaussian into a new array",
          "torch.randn: a new array (torch's CPU generator, mt19937); normal_: in place, "
          "overwriting; numpy PCG64: Generator.standard_normal(out=, dtype=float32), ziggurat",

@@ -7,7 +7,8 @@ part of every step's cost.  Workloads: n normals, float32.
 Methods, interleaved in one process:
 
 * ``ncdp_add``: what the drop-ins do: ``n`` normals of the Philox stream
-  (128-bit radius uniform, Box--Muller in float64, rounded once) added in
+  (0.5 Philox blocks a normal, radius uniform down to 2^-129, Box--Muller
+  in float64, rounded once) added in
   place to an existing float32 array (``ncdp_fast._backend`` kernel
   ``add_gaussian``, accumulate, scale 1).
 * ``ncdp_gaussian``: the public ``ncdp_fast.gaussian(n, like=...)`` into a

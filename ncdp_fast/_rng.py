@@ -6,7 +6,7 @@ import numpy as np
 from . import _backend
 from ._validate import check_draw_range, check_int, check_uint64
 # The largest |z| gaussian (and every noisy op) can produce before rounding to
-# the output dtype: sqrt(-2 ln 2^-129) ~ 13.37 (128-bit Box-Muller radius uniform).
+# the output dtype: sqrt(-2 ln 2^-129) ~ 13.37 (the least Box-Muller radius uniform).
 from .reference.rng import GAUSSIAN_TAIL_BOUND  # noqa: F401
 
 

@@ -51,6 +51,19 @@ def assert_within_sum_bound(actual, expected, abs_terms, n, dtype, what=""):
                         f"(max err {err.max():.3g}, n={n}, {np.dtype(dtype).name})")
 
 
+def first_deep_pair(seed: int, parity: int) -> int:
+    """The first Box-Muller pair of stream ``seed`` with index ``parity`` mod 2
+    whose leading draw is below ``reference.DEEP_BELOW``: one that reads its
+    deep block (probability 2^-11 a pair, so about 4096 pairs in)."""
+    from ncdp_fast import reference as R
+    chunk = 4096
+    for start in range(0, 2**62, chunk):
+        leading = R.philox_words(2 * chunk, seed=seed, offset=2 * start)[0::2]
+        for i in np.flatnonzero(leading < R.DEEP_BELOW):
+            if (start + i) % 2 == parity:
+                return start + int(i)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_noise_ledger():
     """Each test is its own run: the process-wide record of drawn noise ranges

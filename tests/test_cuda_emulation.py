@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import gamma, unit_roundoff
+from conftest import first_deep_pair, gamma, unit_roundoff
 from emulation import BUILD, EMU, VARIANTS, Emulator, build, run_program
 from ncdp_fast import reference as R
 from ncdp_fast._mix import _population
@@ -76,6 +76,18 @@ def _misalign(dtype, shift):
 @pytest.mark.parametrize("count,offset", [(1, 0), (7, 3), (3100, 5), (9, 2 ** 34 - 3)])
 def test_fill_gaussian(emu, dtype, count, offset):
     # 3100 normals need 776 Philox blocks: more than 3 blocks of 256 threads.
+    _check_fill_gaussian(emu, dtype, count, offset)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parity", [0, 1])
+def test_fill_gaussian_deep_pairs(emu, dtype, parity):
+    # A pair that reads its deep block (one in 2048) in either half of its main
+    # block, with the pairs around it.
+    _check_fill_gaussian(emu, dtype, 12, 2 * first_deep_pair(12345, parity) - 5)
+
+
+def _check_fill_gaussian(emu, dtype, count, offset):
     base = np.linspace(-1, 1, count).astype(dtype)
     # post = 1/8: the finishing step's division by the expected batch size.
     for accumulate, post in ((False, 1.0), (True, 1.0), (True, 0.125)):
@@ -386,6 +398,18 @@ def test_mix_rows(emu, dtype, case):
     groups = _run_mix(emu, dtype, *case)
     if case[0] == 600:
         assert max(len(g) for g in groups) > 512
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("column", [0, 5])
+def test_mix_rows_deep_pairs(emu, dtype, column):
+    # Row 0's noise draws d + K = 8 normals from the offset; a pair that reads
+    # its deep block starts at its column 0 (features: normals_of_slot) or 5
+    # (the first label: normal_at).
+    case = MIX_CASES[0]
+    assert case[1:3] == (5, 3)
+    seed = 31
+    _run_mix(emu, dtype, *case, seed=seed, offset=2 * first_deep_pair(seed, 0) - column)
 
 
 @pytest.mark.parametrize("dtype,d", [(np.float32, 5000), (np.float32, 8193), (np.float64, 4097)])

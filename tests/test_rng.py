@@ -7,6 +7,7 @@ from numba import njit
 from scipy import stats
 
 import ncdp_fast as nf
+from conftest import first_deep_pair
 from ncdp_fast import reference as R
 from ncdp_fast._numba import rng as nrng
 
@@ -42,6 +43,10 @@ def test_stream_layout_is_key_seed_counter_block():
 # of the four positions of the first normal in its Philox block (offset % 4).
 CASES = [(0, 0, 1), (1, 3, 9), (7, 1, 2), (2**40 + 5, 2**33 + 1, 13), (2**64 - 1, 2**64 - 21, 21),
          (12345, 0, 257), (5, 1, 8193), (5, 2, 4095), (6, 3, 4097), (2**63 + 1, 2**62 + 4, 4099)]
+# Around a pair that reads its deep block (one in 2048), in either half of its
+# main block: from its first normal, its second, and a few pairs before it.
+CASES += [(77, 2 * pair + lead, 9) for pair in (first_deep_pair(77, 0), first_deep_pair(77, 1))
+          for lead in (-5, 0, 1)]
 
 
 @pytest.mark.parametrize("seed,offset,count", CASES)
@@ -131,7 +136,7 @@ def test_moments_and_ks_on_a_million_draws():
     lo, hi = stats.chi2.ppf([0.5e-6, 1 - 0.5e-6], n - 1) / (n - 1)
     assert lo < var < hi
     assert stats.kstest(z, "norm").pvalue > 1e-6
-    # The 128-bit radius uniform truncates at GAUSSIAN_TAIL_BOUND ~ 13.37 (a
+    # The radius uniform, at least 2^-129, truncates at GAUSSIAN_TAIL_BOUND ~ 13.37 (a
     # hard bound: this cannot fail by chance).
     assert np.max(np.abs(z)) <= nf.GAUSSIAN_TAIL_BOUND
 

@@ -69,61 +69,99 @@ NCDP_HOST_DEVICE std::uint32_t word_at(std::uint64_t seed, std::uint64_t index) 
   return stream_block(seed, index >> 2).w[index & 3];
 }
 
-// Box-Muller pair `pair` (reference/rng.py) uses draws 2*pair, 2*pair+1 (a, b)
-// and the four words of its tail block 2^63 + pair, which no draw addresses
-// (draws stop at block 2^62): u1 has 128 bits, so |z| <= sqrt(258 ln 2) ~ 13.37
+// Box-Muller pair `pair` (reference/rng.py) reads half h = pair & 1 of three
+// blocks of m = pair >> 1: its draws (a, b) from main block m, words (y, v)
+// from the companion block 2^63 + m, and, only when a < 2^21, words (x0, x1)
+// from the deep block 2^62 + m. Draws stop below block 2^62, so no draw reads
+// those two: u1 has 64 bits, 128 below 2^-11, so |z| <= sqrt(258 ln 2) ~ 13.37
 // instead of 6.76 with a 32-bit u1 (issue 23, item 5).
-constexpr std::uint64_t kTailBlock = std::uint64_t{1} << 63;
+constexpr std::uint64_t kCompanionBlock = std::uint64_t{1} << 63;
+constexpr std::uint64_t kDeepBlock = std::uint64_t{1} << 62;
+constexpr std::uint32_t kDeepBelow = std::uint32_t{1} << 21;
 constexpr double kTwoPow64 = 18446744073709551616.0;
 constexpr double kTwoPow96 = kTwoPow64 * kTwoPow32;
 constexpr double kTwoPowM64 = 1.0 / kTwoPow64;
 constexpr double kTwoPowM128 = kTwoPowM64 * kTwoPowM64;
 
-// (u1, u2) of a pair's draws (a, b) and its tail block x (reference.uniforms_of_words).
+// (u1, u2) of a pair's draws (a, b), companion words (y, v) and deep words
+// (x0, x1), the last two unused when a >= kDeepBelow (reference.uniforms_of_words).
 // The sums run in reference.py's order; every product is by a power of two and
 // exact, so a contracted multiply-add rounds exactly as the separate operations.
-NCDP_HOST_DEVICE void uniforms_of_words(std::uint32_t a, std::uint32_t b, const Block& x,
+NCDP_HOST_DEVICE void uniforms_of_words(std::uint32_t a, std::uint32_t b, std::uint32_t y,
+                                        std::uint32_t v, std::uint32_t x0, std::uint32_t x1,
                                         double* u1, double* u2) {
-  *u1 = ((((static_cast<double>(x.w[2]) + 0.5) + static_cast<double>(x.w[1]) * kTwoPow32) +
-          static_cast<double>(x.w[0]) * kTwoPow64) +
-         static_cast<double>(a) * kTwoPow96) * kTwoPowM128;
-  *u2 = ((static_cast<double>(x.w[3]) + 0.5) + static_cast<double>(b) * kTwoPow32) * kTwoPowM64;
+  *u2 = ((static_cast<double>(v) + 0.5) + static_cast<double>(b) * kTwoPow32) * kTwoPowM64;
+  if (a >= kDeepBelow) {
+    *u1 = ((static_cast<double>(y) + 0.5) + static_cast<double>(a) * kTwoPow32) * kTwoPowM64;
+  } else {
+    *u1 = ((((static_cast<double>(x1) + 0.5) + static_cast<double>(x0) * kTwoPow32) +
+            static_cast<double>(y) * kTwoPow64) +
+           static_cast<double>(a) * kTwoPow96) * kTwoPowM128;
+  }
 }
 
-// Radius sqrt(-2 ln u1) and angle 2 pi u2 of pair `pair`, whose draws are (a, b).
-NCDP_HOST_DEVICE void box_muller_polar(std::uint64_t seed, std::uint64_t pair, std::uint32_t a,
-                                       std::uint32_t b, double* radius, double* angle) {
+// The half of block `x` that pair `pair` reads. Selects, not x.w[2 * (pair & 1)]:
+// nvcc keeps an array indexed by a run-time value in local memory, not registers.
+NCDP_HOST_DEVICE void pair_half(const Block& x, std::uint64_t pair, std::uint32_t* first,
+                                std::uint32_t* second) {
+  const bool high = (pair & 1) != 0;
+  *first = high ? x.w[2] : x.w[0];
+  *second = high ? x.w[3] : x.w[1];
+}
+
+// The blocks a pair always reads: main block m and its companion, computed
+// once for both pairs of m.
+struct PairBlocks {
+  Block main;
+  Block companion;
+};
+
+NCDP_HOST_DEVICE PairBlocks pair_blocks(std::uint64_t seed, std::uint64_t m) {
+  return PairBlocks{stream_block(seed, m), stream_block(seed, kCompanionBlock + m)};
+}
+
+// (u1, u2) of pair `pair`, whose main block and companion are `blocks`
+// (pair_blocks(seed, pair >> 1)); the deep block is computed here, only for a
+// pair that reads it (probability 2^-11).
+NCDP_HOST_DEVICE void pair_uniforms(std::uint64_t seed, std::uint64_t pair,
+                                    const PairBlocks& blocks, double* u1, double* u2) {
+  std::uint32_t a, b, y, v, x0 = 0, x1 = 0;
+  pair_half(blocks.main, pair, &a, &b);
+  pair_half(blocks.companion, pair, &y, &v);
+  if (a < kDeepBelow) pair_half(stream_block(seed, kDeepBlock + (pair >> 1)), pair, &x0, &x1);
+  uniforms_of_words(a, b, y, v, x0, x1, u1, u2);
+}
+
+// Radius sqrt(-2 ln u1) and angle 2 pi u2 of pair `pair` (blocks as in pair_uniforms).
+NCDP_HOST_DEVICE void box_muller_polar(std::uint64_t seed, std::uint64_t pair,
+                                       const PairBlocks& blocks, double* radius, double* angle) {
   double u1, u2;
-  uniforms_of_words(a, b, stream_block(seed, kTailBlock + pair), &u1, &u2);
+  pair_uniforms(seed, pair, blocks, &u1, &u2);
   *radius = sqrt(-2.0 * log(u1));
   *angle = kTwoPi * u2;
 }
 
-// z_even = r cos(theta), z_odd = r sin(theta) of pair `pair` with draws (a, b), in float64.
-NCDP_HOST_DEVICE void box_muller(std::uint64_t seed, std::uint64_t pair, std::uint32_t a,
-                                 std::uint32_t b, double* z_even, double* z_odd) {
-  double radius, angle;
-  box_muller_polar(seed, pair, a, b, &radius, &angle);
-  *z_even = radius * cos(angle);
-  *z_odd = radius * sin(angle);
-}
-
 // The four normals of stream indices 4*block .. 4*block+3 (pairs 2*block and
 // 2*block+1, whose draws are one Philox block); kernels that need consecutive
-// normals use this so that the draws' block is computed once.
+// normals use this so that the main and companion blocks are computed once.
 NCDP_HOST_DEVICE void normals_of_block(std::uint64_t seed, std::uint64_t block, double z[4]) {
-  const Block b = stream_block(seed, block);
-  box_muller(seed, 2 * block, b.w[0], b.w[1], &z[0], &z[1]);
-  box_muller(seed, 2 * block + 1, b.w[2], b.w[3], &z[2], &z[3]);
+  const PairBlocks blocks = pair_blocks(seed, block);
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int h = 0; h < 2; ++h) {
+    double radius, angle;
+    box_muller_polar(seed, 2 * block + h, blocks, &radius, &angle);
+    z[2 * h] = radius * cos(angle);
+    z[2 * h + 1] = radius * sin(angle);
+  }
 }
 
 // Normal variate `index` of stream `seed` (index = offset + j), on its own; only
 // the sine or the cosine it needs is evaluated.
 NCDP_HOST_DEVICE double normal_at(std::uint64_t seed, std::uint64_t index) {
-  const Block b = stream_block(seed, index >> 2);
-  const int lane = static_cast<int>(index & 2);
   double radius, angle;
-  box_muller_polar(seed, index >> 1, b.w[lane], b.w[lane + 1], &radius, &angle);
+  box_muller_polar(seed, index >> 1, pair_blocks(seed, index >> 2), &radius, &angle);
   return (index & 1) ? radius * sin(angle) : radius * cos(angle);
 }
 

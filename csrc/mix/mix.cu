@@ -362,21 +362,25 @@ __device__ __forceinline__ void load_slot(const Real* __restrict__ row, std::int
 }
 
 // Normals first .. first+3 of the main stream, one Box-Muller pair (one
-// logarithm) per pair index, each value as philox::normal_at gives it.
+// logarithm) per pair index and one main and companion block per main block
+// index, each value as philox::normal_at gives it.
 __device__ __forceinline__ void normals_of_slot(std::uint64_t seed, std::uint64_t first,
                                                 double z[kSlotWidth]) {
   double radius = 0.0;
   double angle = 0.0;
   std::uint64_t pair = ~std::uint64_t{0};
+  std::uint64_t block = ~std::uint64_t{0};
+  philox::PairBlocks blocks{};
 #pragma unroll
   for (int q = 0; q < kSlotWidth; ++q) {
     const std::uint64_t index = first + static_cast<std::uint64_t>(q);
     if ((index >> 1) != pair) {
       pair = index >> 1;
-      const philox::Block b = philox::stream_block(seed, index >> 2);
-      const bool high = (index & 2) != 0;
-      philox::box_muller_polar(seed, pair, high ? b.w[2] : b.w[0], high ? b.w[3] : b.w[1],
-                               &radius, &angle);
+      if ((index >> 2) != block) {
+        block = index >> 2;
+        blocks = philox::pair_blocks(seed, block);
+      }
+      philox::box_muller_polar(seed, pair, blocks, &radius, &angle);
     }
     z[q] = (index & 1) ? radius * sin(angle) : radius * cos(angle);
   }

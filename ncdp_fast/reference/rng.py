@@ -8,31 +8,53 @@ Random-number contract (DESIGN.md, "Random numbers"):
   block ``w // 4``.  The last two counter words are reserved (zero).
 * A *draw* is one 32-bit word.  Offsets count draws.
 * Normal variate ``j`` of stream ``(seed, offset)`` belongs to the Box--Muller
-  pair ``p = k // 2`` of draw ``k = offset + j`` (draws ``2p`` and ``2p+1``, the
-  words ``2*(p%2)`` and ``2*(p%2)+1`` of block ``p // 2``); the normal is
+  pair ``p = k // 2`` of draw ``k = offset + j``; the normal is
   ``z_even = r cos(2 pi u2)`` when ``k`` is even and ``z_odd = r sin(2 pi u2)``
   when it is odd, ``r = sqrt(-2 ln u1)``, computed in float64 and rounded once
   to the output dtype.  ``count`` normals consume ``count`` draws, so disjoint
   offset ranges give independent noise (the two members of a pair are
   independent exact normals under Box--Muller).
-* The pair's uniforms are wide: with ``(a, b)`` its two draws and
-  ``(x0, x1, x2, x3)`` the words of the *tail block* ``2^63 + p``,
-  ``u1 = (((x2 + 0.5) + x1 2^32) + x0 2^64) + a 2^96) / 2^128`` and
-  ``u2 = ((x3 + 0.5) + b 2^32) / 2^64``, summed in float64 in exactly that
-  order (each product by a power of two is exact, so a fused multiply-add
-  gives the same bits).  u1 lies in ``[2^-129, 1]`` and u2 in ``(0, 1]`` (the
-  top ~2^-54 of each rounds to 1.0: radius 0, angle 2 pi).  Draws address blocks below ``2^62`` only (a draw
-  index is below ``2^64``), and sub-streams have non-zero counter words 2-3,
-  so tail blocks are never a draw of any consumer: the Poisson samplers and
-  every offset computation are unchanged by them.
-* Why 128 bits for u1: the smallest u1 is ``2^-129`` (all words zero), so
-  ``|z| <= sqrt(258 ln 2) = GAUSSIAN_TAIL_BOUND ~ 13.37``.  With 32-bit u1 the
-  bound was 6.7637 and a record whose clipped contribution sits on one
-  coordinate made outputs impossible without it (issue 23, item 5); the
-  accountant now charges the truncation (``ncdp_fast.privacy.truncation``),
-  and at 2^-128 per pair that charge is below 1e-20 for any realistic run.
-  u2 only sets the angle; 64 bits keep it as fine as u1's top bits.
-  Costs: one Philox block per pair on top of the half block of the draws.
+* The pair's words.  With ``m = p >> 1`` and ``h = 2 (p & 1)``:
+
+  - its draws ``(a, b)`` are words ``h, h+1`` of *main block* ``m`` (draws
+    ``2p``, ``2p+1``);
+  - ``(y, v)`` are words ``h, h+1`` of its *companion block* ``2^63 + m``;
+  - ``(x0, x1)`` are words ``h, h+1`` of its *deep block* ``2^62 + m``, read
+    only when ``a < 2^21``.
+
+  The two pairs of a main block share its companion and deep blocks, each
+  reading its own half.  Then ``u2 = ((v + 0.5) + b 2^32) / 2^64``, and
+
+  - if ``a >= 2^21``: ``u1 = ((y + 0.5) + a 2^32) / 2^64``;
+  - else (probability 2^-11 per pair):
+    ``u1 = ((((x1 + 0.5) + x0 2^32) + y 2^64) + a 2^96) / 2^128``,
+
+  summed in float64 in exactly that order (each product by a power of two is
+  exact, so a fused multiply-add gives the same bits).  u1 lies in
+  ``[2^-129, 1]`` and u2 in ``(0, 1]`` (the top ~2^-54 of each rounds to 1.0:
+  radius 0, angle 2 pi).
+* Block ranges.  Draws address blocks below ``2^62`` (a draw index is below
+  ``2^64``), deep blocks ``[2^62, 2^63)`` and companion blocks
+  ``[2^63, 2^63 + 2^62)`` (``m < 2^62``): disjoint, and below ``2^64``, so no
+  index wraps.  Sub-streams have non-zero counter words 2-3 and never meet
+  any of them.  Companion and deep blocks are never a draw of any consumer:
+  the Poisson samplers and every offset computation are unchanged by them.
+* Why these widths: u1 sits on a grid of cells each as probable as it is wide
+  -- width 2^-64 on ``[2^-11, 1)`` (one cell per ``(a, y)``, ``a >= 2^21``)
+  and 2^-128 below (one per ``(a, y, x0, x1)``, ``a < 2^21``) -- and takes its
+  cell's midpoint, rounded by the sums above.  Where ``a >= 2^21`` the 64 bits
+  already hold 53 significant ones, all that float64 keeps; below, the deep
+  words keep the grid 2^-128 down to the smallest u1, ``2^-129`` (all words
+  zero), so ``|z| <= sqrt(258 ln 2) = GAUSSIAN_TAIL_BOUND ~ 13.37``.  With
+  32-bit u1 the bound was 6.7637 and a record whose clipped contribution sits
+  on one coordinate made outputs impossible without it (issue 23, item 5); the
+  accountant now charges the truncation (``ncdp_fast.privacy.truncation``) of
+  the lowest cell, u1 < 2^-128, of mass 2^-128 per pair: that charge is below
+  1e-20 for any realistic run.  u2 only sets the angle; 64 bits keep it as
+  fine as u1's top bits.
+* Cost: a main and a companion block per two pairs, 0.5 Philox blocks per
+  normal, plus a deep block for one main block in about 1024.  (The former
+  contract read a whole extra block per pair, 0.75 blocks per normal.)
 """
 from __future__ import annotations
 
@@ -47,8 +69,11 @@ TWO_POW_32 = 4294967296.0
 TWO_POW_64 = 18446744073709551616.0
 INV_TWO_POW_64 = 2.0 ** -64
 INV_TWO_POW_128 = 2.0 ** -128
-# Tail blocks (see module docstring) live at block index 2^63 + pair.
-TAIL_BLOCK = 1 << 63
+# Block index offsets of main block m's companion and deep blocks, and the
+# leading draw below which a pair reads its deep block (module docstring).
+COMPANION_BLOCK = 1 << 63
+DEEP_BLOCK = 1 << 62
+DEEP_BELOW = 1 << 21
 # Probability that u1 falls in its lowest cell [0, 2^-128): the ideal Gaussian
 # pair mass that the sampler folds onto its largest radius, charged per pair by
 # the accountant (ncdp_fast.privacy.truncation).
@@ -83,6 +108,11 @@ def check_seed_offset(seed, offset):
     return seed, offset
 
 
+def _block(key, b):
+    """Block ``b`` of the main stream of ``key``: counter words 2-3 zero."""
+    return philox4x32_10(key, (b & MASK32, b >> 32, 0, 0))
+
+
 def philox_words(count, *, seed, offset=0):
     """Draws ``offset .. offset+count-1`` of the stream as a uint32 array."""
     seed, offset = check_seed_offset(seed, offset)
@@ -93,29 +123,30 @@ def philox_words(count, *, seed, offset=0):
         w = offset + j
         b = w >> 2
         if b != cache_block:
-            cache = philox4x32_10(key, (b & MASK32, (b >> 32) & MASK32, 0, 0))
+            cache = _block(key, b)
             cache_block = b
         out[j] = cache[w & 3]
     return out
 
 
-def uniforms_of_words(a, b, x0, x1, x2, x3):
-    """``(u1, u2)`` from a pair's draws ``a, b`` and its tail block's words ``x0..x3``."""
-    u1 = (((float(x2) + 0.5) + float(x1) * TWO_POW_32) + float(x0) * TWO_POW_64) \
+def uniforms_of_words(a, b, y, v, x0, x1):
+    """``(u1, u2)`` of a pair's draws ``a, b``, its companion words ``y, v`` and
+    its deep words ``x0, x1`` (read only when ``a < DEEP_BELOW``)."""
+    u2 = ((float(v) + 0.5) + float(b) * TWO_POW_32) * INV_TWO_POW_64
+    if a >= DEEP_BELOW:
+        return ((float(y) + 0.5) + float(a) * TWO_POW_32) * INV_TWO_POW_64, u2
+    u1 = (((float(x1) + 0.5) + float(x0) * TWO_POW_32) + float(y) * TWO_POW_64) \
         + float(a) * (TWO_POW_64 * TWO_POW_32)
-    u2 = (float(x3) + 0.5) + float(b) * TWO_POW_32
-    return u1 * INV_TWO_POW_128, u2 * INV_TWO_POW_64
+    return u1 * INV_TWO_POW_128, u2
 
 
 def pair_uniforms(seed, pair):
     """The float64 uniforms ``(u1, u2)`` of Box--Muller pair ``pair`` (module docstring)."""
     key = (seed & MASK32, seed >> 32)
-    b = pair >> 1
-    main = philox4x32_10(key, (b & MASK32, b >> 32, 0, 0))
-    lane = 2 * (pair & 1)
-    t = TAIL_BLOCK + pair
-    return uniforms_of_words(main[lane], main[lane + 1],
-                             *philox4x32_10(key, (t & MASK32, t >> 32, 0, 0)))
+    m, h = pair >> 1, 2 * (pair & 1)
+    main, comp = _block(key, m), _block(key, COMPANION_BLOCK + m)
+    deep = _block(key, DEEP_BLOCK + m) if main[h] < DEEP_BELOW else (None,) * 4
+    return uniforms_of_words(main[h], main[h + 1], comp[h], comp[h + 1], deep[h], deep[h + 1])
 
 
 def box_muller(u1, u2, odd):
