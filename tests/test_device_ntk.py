@@ -118,6 +118,38 @@ def test_tf32_is_off_inside_and_restored_after(monkeypatch):
     assert seen == [False, False]
 
 
+def test_tf32_setting_survives_overlapping_calls_on_two_threads():
+    """Thread A enters, thread B enters, A leaves, B leaves: TF32 stays off
+    until the last one leaves, and the caller's setting comes back after."""
+    import threading
+    torch.backends.cuda.matmul.allow_tf32 = True
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with device_ntk.ieee_float32_matmul():
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with device_ntk.ieee_float32_matmul():
+            b_in.set()
+            a_out.wait(10)
+            seen["inside_after_a"] = torch.backends.cuda.matmul.allow_tf32
+    try:
+        threads = [threading.Thread(target=f) for f in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert seen == {"inside_after_a": False}
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
 @pytest.mark.parametrize("cross", [False, True])
 def test_ntk_gram_on_the_device_route_matches_the_cpu(cross, monkeypatch):
     """ntk_gram's device branch (the emulated device's dispatch, forced here)

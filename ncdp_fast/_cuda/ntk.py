@@ -12,6 +12,7 @@ beside each row of bench_ntk).
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 
@@ -26,6 +27,13 @@ STRIP_ROWS = 1024
 GEMM_CHUNK_BYTES = _arrays.CHUNK_BYTES
 
 
+# The flag is the process's: calls on several threads share one save and
+# restore (the first in saves, the last out restores), so no thread's exit
+# turns TF32 back on under another's products or loses the caller's setting.
+_TF32_LOCK = threading.Lock()
+_TF32_STATE = {"depth": 0, "saved": None}
+
+
 @contextlib.contextmanager
 def ieee_float32_matmul():
     """TF32 off for the call, restored after: the Gram's documented float32
@@ -33,12 +41,18 @@ def ieee_float32_matmul():
     would lose whatever the caller set globally."""
     import torch
     m = torch.backends.cuda.matmul
-    before = m.allow_tf32
-    m.allow_tf32 = False
+    with _TF32_LOCK:
+        if _TF32_STATE["depth"] == 0:
+            _TF32_STATE["saved"] = m.allow_tf32
+            m.allow_tf32 = False
+        _TF32_STATE["depth"] += 1
     try:
         yield
     finally:
-        m.allow_tf32 = before
+        with _TF32_LOCK:
+            _TF32_STATE["depth"] -= 1
+            if _TF32_STATE["depth"] == 0:
+                m.allow_tf32 = _TF32_STATE["saved"]
 
 
 def _strips(n, n2, itemsize):
