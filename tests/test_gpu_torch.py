@@ -343,12 +343,14 @@ def test_a_private_step_synchronises_the_host_only_where_documented(require_cuda
     assert _sync_sites(counter.in_library()) == STEP_SYNCS[name]
 
 
-def test_a_device_loss_check_refuses_within_the_clip_ops_one_read(require_cuda):
+@pytest.mark.parametrize("mode", ["flat", "per_layer", "accumulate"])
+def test_a_device_loss_check_refuses_within_the_clip_ops_one_read(require_cuda, mode):
     """A token mean over the whole batch (uneven valid targets: a loss value
     check on the device, issue 35) is still refused at the step with nothing
     written and no noise range taken, now from the clip op's one transfer
-    (issue 36) instead of a read of its own; the same loop with even targets
-    steps with that one transfer."""
+    (issue 36) instead of a read of its own -- in a flat step, in a per-layer
+    step (its first clip op carries the flags) and in accumulate_ (no noise);
+    the same loop with even targets goes through with that one transfer."""
     from ncdp_fast.torch import GhostClipper
     from ncdp_fast.torch.loss_graph import LossRefused
     torch.manual_seed(0)
@@ -357,8 +359,13 @@ def test_a_device_loss_check_refuses_within_the_clip_ops_one_read(require_cuda):
     labels = torch.randint(0, 5, (6, 4), generator=torch.Generator().manual_seed(2))
     uneven = labels.clone()
     uneven[0, 1:] = -100
-    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0,
-                           expected_batch_size=6, loss_reduction="mean")
+    clipper = GhostClipper(model, max_grad_norm=[0.5, 0.3, 0.4] if mode == "per_layer" else 1.0,
+                           noise_multiplier=1.0, expected_batch_size=6, loss_reduction="mean",
+                           clipping="per_layer" if mode == "per_layer" else "flat")
+    step = clipper.accumulate_ if mode == "accumulate" else clipper.privatize_
+    # One transfer per clip op: the flat step and accumulate_ have one, the
+    # per-layer step one per parameter (the refused one stops at its first).
+    ops = 3 if mode == "per_layer" else 1
     for target, refused in ((uneven, True), (labels, False)):
         logits = model(ids.to(require_cuda))
         F.cross_entropy(logits.reshape(-1, 5), target.to(require_cuda).reshape(-1),
@@ -367,17 +374,17 @@ def test_a_device_loss_check_refuses_within_the_clip_ops_one_read(require_cuda):
         with HostSyncCounter() as counter:
             if refused:
                 with pytest.raises(LossRefused, match="not a sum of per-sample terms"):
-                    clipper.privatize_()
+                    step()
             else:
-                clipper.privatize_()
+                step()
         assert _sync_sites(counter.in_library()) == {
-            ("copy to the host", "_clip_results.py", "_accounting"): 1}
-        if refused:
-            assert clipper.offset == before
-            assert all(p.grad is None for p in model.parameters())
-        else:
-            assert clipper.offset > before
-            assert all(p.grad is not None for p in model.parameters())
+            ("copy to the host", "_clip_results.py", "_accounting"): 1 if refused else ops}
+        assert all(p.grad is None for p in model.parameters()) == (refused or
+                                                                   mode == "accumulate")
+        assert clipper.offset == before if refused or mode == "accumulate" else \
+            clipper.offset > before
+        if mode == "accumulate":
+            assert bool(clipper._accumulated) != refused
     clipper.remove()
 
 
