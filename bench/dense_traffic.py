@@ -33,18 +33,21 @@ def slabs(B: int, p: int) -> int:
                       65535))
 
 
-def chunk_slabs(B: int, p: int, itemsize: int, partial_bytes: int = 8) -> tuple:
+def chunk_slabs(B: int, p: int, itemsize: int, partial_bytes: int = 8,
+                l2: int = H100_L2_BYTES) -> tuple:
     """(chunk rows, chunks, slabs) of launch_clip_noise_rows: chunks of half the
-    L2; with more than one chunk the slabs' partials must fit a quarter of it."""
-    chunk = max(1, (H100_L2_BYTES // 2) // (p * itemsize))
+    L2 (``l2`` 0: one chunk); with more than one chunk the slabs' partials must
+    fit a quarter of it."""
+    chunk = max(1, (l2 // 2) // (p * itemsize)) if l2 > 0 else max(B, 1)
     chunks = _ceil_div(B, chunk)
     s = slabs(B, p)
     if chunks > 1:
-        s = max(1, min(s, (H100_L2_BYTES // 4) // (p * partial_bytes)))
+        s = max(1, min(s, (l2 // 4) // (p * partial_bytes)))
     return chunk, chunks, s
 
 
-def traffic(B: int, p: int, itemsize: int, partial_bytes: int = 8) -> dict:
+def traffic(B: int, p: int, itemsize: int, partial_bytes: int = 8,
+            l2: int = H100_L2_BYTES) -> dict:
     """Bytes per input byte: every access (L2 hits counted), the partials' share,
     and the DRAM bytes expected (a chunk's weighted pass and the partials hit the
     L2 they were sized for; the first touch of each row and the final pass's
@@ -52,7 +55,7 @@ def traffic(B: int, p: int, itemsize: int, partial_bytes: int = 8) -> dict:
     measured read limit plus :data:`LAUNCH_S` for each of the 3 launches a chunk
     and the final pass."""
     data = B * p * itemsize
-    chunk, chunks, s = chunk_slabs(B, p, itemsize, partial_bytes)
+    chunk, chunks, s = chunk_slabs(B, p, itemsize, partial_bytes, l2)
     segments = max(1, _ceil_div(p, NORM_SEGMENT))
     slab_bytes = s * p * partial_bytes
     # Each chunk writes the partials, every chunk after the first reads them
@@ -61,9 +64,10 @@ def traffic(B: int, p: int, itemsize: int, partial_bytes: int = 8) -> dict:
     small = B * segments * 8 * 2 + B * 8 * 3 + p * itemsize   # segments, factors, output
     total = 2 * data + small + partials
     resident = min(chunk, B) * p * itemsize <= H100_L2_BYTES // 2
-    fits = chunks == 1 or slab_bytes <= H100_L2_BYTES // 4
-    dram = (data * (1 if resident else 2) + small + slab_bytes
-            + (0 if fits else partials - slab_bytes))
+    # Partials kept in the L2 across chunks reach DRAM once (the final pass's
+    # read); otherwise every access does.
+    fits = chunks > 1 and slab_bytes <= H100_L2_BYTES // 4
+    dram = data * (1 if resident else 2) + small + (slab_bytes if fits else partials)
     seconds = dram / READ_BYTES_PER_S + (3 * chunks + 1) * LAUNCH_S
     return dict(B=B, p=p, itemsize=itemsize, slabs=s, chunks=chunks,
                 per_input_byte=total / data, partials_per_input_byte=partials / data,
@@ -77,13 +81,15 @@ SHAPES = [(64, 1_000_000), (256, 1_000_000), (1024, 100_000), (1024, 409_600), (
 
 def main() -> None:
     print("| B | p | slabs | chunks (fp32) | fp32: accesses / partials | fp32: DRAM "
-          "| fp32: predicted H200 ms | fraction of read limit | fp64: accesses / partials |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| fp32: predicted H200 ms | fraction of read limit | one chunk: DRAM / ms "
+          "| fp64: accesses / partials |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for B, p in SHAPES:
-        f32, f64 = traffic(B, p, 4), traffic(B, p, 8)
+        f32, f64, one = traffic(B, p, 4), traffic(B, p, 8), traffic(B, p, 4, l2=0)
         print(f"| {B} | {p} | {f32['slabs']} | {f32['chunks']} | {f32['per_input_byte']:.3f} / "
               f"{f32['partials_per_input_byte']:.3f} | {f32['dram_per_input_byte']:.3f} | "
               f"{1e3 * f32['predicted_s']:.3f} | {f32['predicted_frac_of_read']:.2f} | "
+              f"{one['dram_per_input_byte']:.3f} / {1e3 * one['predicted_s']:.3f} | "
               f"{f64['per_input_byte']:.3f} / {f64['partials_per_input_byte']:.3f} |")
 
 

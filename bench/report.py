@@ -104,7 +104,12 @@ def clip_dense(family):
             read = min(_t(ms, m) for m in ms if m.startswith("read_"))
             nbytes = _x(ms, "ncdp", "bytes")
             row.update(ncdp_ms=1e3 * t, torch_ms=1e3 * peer, read_ms=1e3 * read,
-                       predicted_ms=1e3 * dense_traffic(*_shape_ints(w), 4)["predicted_s"],
+                       predicted_ms=1e3 * dense_traffic(*_shape_ints(w), 4,
+                                                        l2=0)["predicted_s"],
+                       chunked_ms=1e3 * _t(ms, "ncdp_chunked") if "ncdp_chunked" in ms
+                       else None,
+                       predicted_chunked_ms=1e3 * dense_traffic(*_shape_ints(w),
+                                                                4)["predicted_s"],
                        speedup_vs_torch=peer / t, ncdp_gbs=nbytes / t / 1e9,
                        read_gbs=nbytes / read / 1e9, frac_of_read=read / t,
                        ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"),
@@ -116,12 +121,16 @@ def clip_dense(family):
          ("ncdp_gbs", "ncdp GB/s", "{:.1f}"), ("read_gbs", "read limit GB/s", "{:.1f}"),
          ("frac_of_read", "fraction of read limit", "{:.2f}"),
          ("predicted_ms", "predicted H200 ms (CUDA op)", "{:.3f}"),
+         ("chunked_ms", "L2-chunked ms (GPU)", "{:.3f}"),
+         ("predicted_chunked_ms", "predicted H200 ms (L2-chunked)", "{:.3f}"),
          ("ncdp_mem_mb", "ncdp peak extra MB", "{:.1f}"),
          ("torch_mem_mb", "torch peak extra MB", "{:.1f}"), ("error", "error", None)],
         ["torch eager: the faster of float64-norm and float32-norm variants",
          "predicted H200 ms: a model, not a measurement (bench/dense_traffic.py: the CUDA "
          "op's DRAM bytes at the 4.0 TB/s read limit the first GPU run measured, plus 5 us "
-         "for each launch, 3 a chunk of half the L2)",
+         "for each launch); the CUDA op: one chunk, two passes over DRAM and 4 launches; "
+         "L2-chunked (GPU only): the same op with l2_bytes=-1, chunks of half the L2, a "
+         "pass from DRAM and one from L2, 3 launches a chunk",
          "read limit: the faster of torch.sum and (CPU) a numba parallel sum of the same array",
          "targets: CPU >= 1.5x torch eager and >= 0.70 of the read limit; "
          "GPU >= 0.80 of the read limit"])

@@ -53,7 +53,7 @@ def CASES(size, device):
     return {"test_clip_dense": cases(
                 "bench_clip_dense", dense, ["ncdp", "torch_eager", "torch_eager_f32norm",
                                             "read_torch_sum"]
-                + (["read_numba_sum"] if device == "cpu" else [])),
+                + (["read_numba_sum"] if device == "cpu" else ["ncdp_chunked"])),
             "test_clip_step": cases("bench_clip_step", steps, STEP_METHODS, once=STEP_ONCE),
             "test_linear_norms": cases("bench_linear_norms", layers, layer_methods),
             "test_linear_sum": cases("bench_linear_sum", layers, layer_methods)}
@@ -191,6 +191,23 @@ def test_clip_dense(benchmark, case, bench_device):
     if method == "ncdp":
         def fn():
             return nf.clip_and_noise(arr, max_norm=C, noise_multiplier=sigma, seed=1).grad
+    elif method == "ncdp_chunked":
+        # The same CUDA op with its rows in chunks of half the device's L2
+        # (l2_bytes=-1: a pass from DRAM, one from L2, 3 launches a chunk)
+        # against the op's default, one chunk (two passes over DRAM, 4
+        # launches), so that a GPU run decides (bench/dense_traffic.py predicts
+        # both; ncdp_fast/_cuda/clip.py DENSE_L2_BYTES).
+        from ncdp_fast._cuda._common import native, ptr, stream, workspace
+        lib = native(g)
+        nbytes = lib.clip_noise_rows_workspace_bytes(B, p, 0)
+        ws, ws_ptr = workspace(g, nbytes)
+        out = torch.empty(p, dtype=g.dtype, device=g.device)
+        norms = torch.empty(B, dtype=torch.float64, device=g.device)
+
+        def fn():
+            lib.launch_clip_noise_rows(ptr(g), B, p, 0, C, sigma * C, 1.0, 1, 0, ptr(out),
+                                       ptr(norms), ws_ptr, nbytes, stream(g), l2_bytes=-1)
+            return out
     elif method == "torch_eager":
         def fn():
             norms = torch.linalg.vector_norm(g, dim=1, dtype=torch.float64)

@@ -62,7 +62,8 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
         "Fused per-sample clipping with noise: norms [B] float64, out [p].", py::arg("g"),
         py::arg("B"), py::arg("p"), py::arg("dtype"), py::arg("max_norm"), py::arg("noise_std"),
         py::arg("inv_denom"), py::arg("seed"), py::arg("offset"), py::arg("out"),
-        py::arg("norms"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"));
+        py::arg("norms"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
+        py::arg("l2_bytes") = -1);
   m.def("launch_linear_sq_norms", &ncdp::launch_linear_sq_norms,
         "sq[i] (=, or +=) squared norm of the per-sample linear-layer gradient (+ bias).",
         py::arg("a"), py::arg("g"), py::arg("B"), py::arg("T"), py::arg("d"), py::arg("K"),

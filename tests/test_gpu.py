@@ -284,10 +284,14 @@ def _l2_bytes(dev):
 
 @pytest.mark.parametrize("p", [8192, 10007])     # 16-byte loads throughout / scalar tails
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_dense_l2_chunks_match_cpu(require_cuda, dtype, p):
-    # launch_clip_noise_rows takes rows in chunks of (L2 / 2) / row_bytes and
-    # accumulates each chunk's slab partials onto the previous ones: three full
-    # chunks and a partial fourth (about 1.75 L2 of gradients, 88 MB on an H100).
+def test_cuda_dense_l2_chunks_match_cpu(require_cuda, dtype, p, monkeypatch):
+    # launch_clip_noise_rows with the device's L2 (the op's default is one
+    # chunk, _cuda/clip.py DENSE_L2_BYTES) takes rows in chunks of (L2 / 2) /
+    # row_bytes and accumulates each chunk's slab partials onto the previous
+    # ones: three full chunks and a partial fourth (about 1.75 L2 of gradients,
+    # 88 MB on an H100).
+    from ncdp_fast._cuda import clip as device_clip
+    monkeypatch.setattr(device_clip, "DENSE_L2_BYTES", -1)
     chunk = max(1, (_l2_bytes(require_cuda) // 2) // (p * np.dtype(dtype).itemsize))
     B = 3 * chunk + chunk // 2 + 1
     C, sigma, E = 1.5, 0.7, B / 2

@@ -53,7 +53,9 @@ std::int64_t clip_noise_rows_workspace_bytes(std::int64_t B, std::int64_t p, int
 
 // The fused dense op: norms (pre-clip), clip factors (terms = p, the unit of
 // the dtype), and out = inv_denom * (sum_i factor_i g_i + noise_std * xi),
-// xi = normals offset .. offset+p-1, the sum in float64.
+// xi = normals offset .. offset+p-1, the sum in float64. l2_bytes < 0: rows
+// in chunks of half the device's L2; 0: one chunk (two passes over DRAM; the
+// benchmark's peer of the chunked form); > 0: chunks sized for that L2.
 void launch_clip_noise_rows(std::uintptr_t g,  // [B, p], dtype
                             std::int64_t B, std::int64_t p, int dtype, double max_norm,
                             double noise_std, double inv_denom, std::uint64_t seed,
@@ -61,7 +63,8 @@ void launch_clip_noise_rows(std::uintptr_t g,  // [B, p], dtype
                             std::uintptr_t out,        // [p], dtype
                             std::uintptr_t norms,      // [B] float64
                             std::uintptr_t workspace,  // clip_noise_rows_workspace_bytes
-                            std::int64_t workspace_bytes, std::uintptr_t stream);
+                            std::int64_t workspace_bytes, std::uintptr_t stream,
+                            std::int64_t l2_bytes);
 
 // sq[i] (=, or += when accumulate) ||G_i||_F^2 (+ ||sum_t g_it||^2 with bias),
 // G_i = sum_t g_it a_it^T, in float64. T = 1 is the 2-D case.

@@ -114,7 +114,8 @@ void launch_clip_noise_rows(std::uintptr_t g, std::int64_t B, std::int64_t p, in
                             double max_norm, double noise_std, double inv_denom,
                             std::uint64_t seed, std::uint64_t offset, std::uintptr_t out,
                             std::uintptr_t norms, std::uintptr_t workspace,
-                            std::int64_t workspace_bytes, std::uintptr_t stream) {
+                            std::int64_t workspace_bytes, std::uintptr_t stream,
+                            std::int64_t l2_bytes) {
   const std::int64_t needed = clip_noise_rows_workspace_bytes(B, p, dtype);
   const std::size_t element = dtype_size(dtype);
   require_pointer(g, B * p > 0, element, "g");
@@ -125,7 +126,7 @@ void launch_clip_noise_rows(std::uintptr_t g, std::int64_t B, std::int64_t p, in
   DeviceGuard guard(first_pointer({B * p > 0 ? g : 0, out, norms}), "g");
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const std::int64_t l2 = l2_cache_bytes(device);
+  const std::int64_t l2 = l2_bytes < 0 ? l2_cache_bytes(device) : l2_bytes;
   if (dtype == kDtypeFloat32) {
     kernels::launch_clip_noise_rows(typed<const float>(g), B, p, max_norm, noise_std, inv_denom,
                                     seed, offset, typed<float>(out), typed<double>(norms),

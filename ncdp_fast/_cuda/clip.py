@@ -28,6 +28,14 @@ def linear_spread(a, g, bias, spread, accumulate):
         spread[:] = e
 
 
+# The dense op's rows in one chunk (0), not in chunks of half the L2 (-1): the
+# chunked form reads the gradients from DRAM once but launches 3 kernels a
+# chunk, and bench/dense_traffic.py predicts it slower wherever it chunks (1.39
+# against 0.88 ms at (1024, 409600) float32 at 5 us a launch; about even at
+# 2 us).  bench_clip_dense times both on a GPU ("ncdp_chunked"), which decides.
+DENSE_L2_BYTES = 0
+
+
 def clip_noise_rows(g, max_norm, noise_std, inv_denom, seed, offset, out, norms, factors):
     # ``factors`` is unused: the fused launcher keeps them in its workspace.
     B, p = g.shape
@@ -37,7 +45,7 @@ def clip_noise_rows(g, max_norm, noise_std, inv_denom, seed, offset, out, norms,
     ws, ws_ptr = workspace(g, nbytes)
     C.launch_clip_noise_rows(ptr(g), B, p, dt, float(max_norm), float(noise_std),
                               float(inv_denom), int(seed), int(offset), ptr(out), ptr(norms),
-                              ws_ptr, nbytes, stream(g))
+                              ws_ptr, nbytes, stream(g), l2_bytes=DENSE_L2_BYTES)
 
 
 def weighted_row_sum_noise(g, factors, noise_std, inv_denom, seed, offset, out):
