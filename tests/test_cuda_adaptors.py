@@ -30,7 +30,9 @@ def _recorded_gram_call(monkeypatch, f, b, f2, b2, out, symmetric):
     monkeypatch.setattr(cuda_ntk, "native", lambda x: types.SimpleNamespace(
         launch_hadamard_gram=launch))
     monkeypatch.setattr(cuda_ntk, "stream", lambda x: 0)
-    cuda_ntk.hadamard_gram(f, b, f2, b2, out, symmetric)
+    # The tiled kernel's adaptor (the GEMM route, hadamard_gram, launches nothing
+    # of ours: tests/test_device_ntk.py holds its zero-width terms).
+    cuda_ntk.tiled_kernel_gram(f, b, f2, b2, out, symmetric)
     assert len(launch.calls) == 1
     return launch.calls[0]
 
