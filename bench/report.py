@@ -103,13 +103,12 @@ def clip_dense(family):
             peer = min(_t(ms, "torch_eager"), _t(ms, "torch_eager_f32norm"))
             read = min(_t(ms, m) for m in ms if m.startswith("read_"))
             nbytes = _x(ms, "ncdp", "bytes")
+            B, p = _shape_ints(w)
             row.update(ncdp_ms=1e3 * t, torch_ms=1e3 * peer, read_ms=1e3 * read,
-                       predicted_ms=1e3 * dense_traffic(*_shape_ints(w), 4,
-                                                        l2=0)["predicted_s"],
+                       predicted_ms=1e3 * dense_traffic(B, p, 4, l2=0)["predicted_s"],
                        chunked_ms=1e3 * _t(ms, "ncdp_chunked") if "ncdp_chunked" in ms
                        else None,
-                       predicted_chunked_ms=1e3 * dense_traffic(*_shape_ints(w),
-                                                                4)["predicted_s"],
+                       predicted_chunked_ms=1e3 * dense_traffic(B, p, 4)["predicted_s"],
                        speedup_vs_torch=peer / t, ncdp_gbs=nbytes / t / 1e9,
                        read_gbs=nbytes / read / 1e9, frac_of_read=read / t,
                        ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"),
@@ -164,7 +163,7 @@ def linear_norms(family, predict=None):
     rows = []
     for w, ms in family.items():
         row = dict(shape=w, **_missing(ms, ["ncdp", "torch_einsum_f32"]))
-        B, T, d, K = (int(v) for v in w.strip("()").split(","))
+        B, T, d, K = _shape_ints(w)
         row["predicted_gpu_ms"] = predict(B, T, d, K)
         if "error" not in row:
             t = _t(ms, "ncdp")
@@ -510,7 +509,7 @@ def ntk(family):
                          f"{e.get('solver')} (target: under 120 s at n = 20000)")
             continue
         row = dict(shape=w, **_missing(ms, ["ncdp"]))
-        n, d, N, L = (int(v) for v in w.strip("()").split(","))
+        n, d, N, L = _shape_ints(w)
         row.update(predicted_s=predicted_ntk_s(n, d, N, L),
                    predicted_plain_s=predicted_ntk_s(n, d, N, L, "plain_torch"))
         if "error" not in row:
@@ -817,8 +816,8 @@ def noise(family):
          ("ncdp_mem_mb", "ncdp gaussian peak extra MB", "{:.1f}"),
          ("torch_mem_mb", "torch.randn peak extra MB", "{:.1f}"), ("error", "error", None)],
         ["ncdp add: the drop-ins' noise step, n stream normals (Philox4x32-10, 0.5 blocks a "
-         "normal, radius uniform down to 2^-129, Box-Muller in float64, rounded once) added in place to a float32 array; "
-         "ncdp gaussian: ncdp_fast.gaussian into a new array",
+         "normal, radius uniform down to 2^-129, Box-Muller in float64, rounded once) added "
+         "in place to a float32 array; ncdp gaussian: ncdp_fast.gaussian into a new array",
          "torch.randn: a new array (torch's CPU generator, mt19937); normal_: in place, "
          "overwriting; numpy PCG64: Generator.standard_normal(out=, dtype=float32), ziggurat",
          "read+write limit: x.add_(1.0) on the same float32 array (one read and one write of "

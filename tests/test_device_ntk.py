@@ -166,7 +166,8 @@ def test_ntk_gram_on_the_device_route_matches_the_cpu(cross, monkeypatch):
     ref = nf.ntk_gram(x, W, biases=b, activation="gelu", x2=x2)
     calls = []
     real = device_ntk.hadamard_gram
-    monkeypatch.setattr(device_ntk, "hadamard_gram", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(device_ntk, "hadamard_gram",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     with _backend.emulated_cuda(True):
         K = nf.ntk_gram(torch.from_numpy(x), [torch.from_numpy(w) for w in W],
                         biases=[None if v is None else torch.from_numpy(v) for v in b],

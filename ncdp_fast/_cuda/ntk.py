@@ -14,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import numpy as np
-
 from .. import _arrays
 from ._common import dtype_code, native, opt_ptr, ptr, stream
 
