@@ -55,12 +55,18 @@ def _median_rounds(benchmarks) -> dict:
                     for m, rs in ms.items()} for w, ms in ws.items()} for f, ws in seen.items()}
 
 
+def _ran(extra_info) -> bool:
+    """Whether a benchmark has a time: not where our method failed ("error")
+    or a peer refused the workload ("peer_refused"; the one empty call
+    pytest-benchmark needs to write the entry is not a time)."""
+    return not {"error", "peer_refused"} & extra_info.keys()
+
+
 def add_ratios(benchmarks) -> None:
     """``extra_info["x_<method>"]``: that method's time over this benchmark's, for
     every other method of the group (> 1: this one is faster; against a limit
     such as ``read_torch_sum`` it is the fraction of the limit achieved)."""
-    # A method that did not run (its "error" recorded) has no time to compare.
-    ran = [b for b in benchmarks if "error" not in b["extra_info"]]
+    ran = [b for b in benchmarks if _ran(b["extra_info"])]
     picked = _median_rounds(ran)
     for b in ran:
         e = b["extra_info"]
@@ -849,9 +855,9 @@ def write_tables(doc: dict, out: str | Path, quiet: bool = False,
         if family not in picked:
             continue
         # Every round of every method, as measured (the table shows the median round);
-        # a method that did not run (its "error" recorded) has no time.
+        # a method that did not run has no time.
         ran = [b["extra_info"] | {"stats": b["stats"]} for b in doc["benchmarks"]
-               if b["extra_info"]["family"] == family and "error" not in b["extra_info"]]
+               if b["extra_info"]["family"] == family and _ran(b["extra_info"])]
         times = [dict(workload=e["workload"], method=e["method"], round=e["round"],
                       median_s=e["stats"]["median"], best_s=e["stats"].get("min"),
                       **{k: e[k] for k in ("peak_extra_mb", "peak_alloc_mb")
@@ -994,6 +1000,8 @@ def hf(family, times):
                 row["error"] = NO_RESULT
             elif "error" in ms[m]["extra_info"]:
                 row["error"] = ms[m]["extra_info"]["error"]
+            elif "peer_refused" in ms[m]["extra_info"]:
+                row["peer_refused"] = ms[m]["extra_info"]["peer_refused"]
             else:
                 row.update(ms=1e3 * _t(ms, m), peak_extra_mb=_x(ms, m, "peak_extra_mb"),
                            peak_alloc_mb=_x(ms, m, "peak_alloc_mb"),
@@ -1035,7 +1043,7 @@ def hf(family, times):
          ("mem_x_nonprivate_rounds", "× non-private peak extra: median (range, rounds)", None),
          ("weights_mb", "trainable weights MB", "{:.0f}"),
          ("targets", "targets (issue 26)", None)] + CHECKS35_COLUMNS + [
-         ("error", "error", None)],
+         ("peer_refused", "peer refused", None), ("error", "error", None)],
         ["one step = zero_grad, forward, loss, backward, privatize (private methods), SGD; "
          "noise multiplier 1, max_grad_norm 1, flat clipping; random-config transformers "
          "models, fixed synthetic token ids of the stated shapes (bench/test_bench_hf.py); "
@@ -1044,8 +1052,8 @@ def hf(family, times):
          "ncdp_engine: ncdp_fast.torch.PrivacyEngine.make_private (GhostClipper); "
          "opacus_ghost / opacus_hooks: Opacus PrivacyEngine grad_sample_mode 'ghost' / "
          "'hooks', the model called with position_ids (B, T) (Opacus fails on the default "
-         "(1, T)); opacus_hooks in the first round only; an error: the exception Opacus "
-         "raised building or running its first step",
+         "(1, T)); opacus_hooks in the first round only; peer refused: the exception Opacus "
+         "raised building or running its first step (its result, not a failure here)",
          "× non-private: the method's time (or peak memory) over the non-private step's in "
          "the same interleaved round; median and range over the rounds",
          "peak allocated MB: growth of the bytes malloc has handed out (glibc mallinfo2: "

@@ -584,38 +584,39 @@ def test_cuda_dense_unaligned_view(require_cuda, dtype):
 @pytest.mark.parametrize("T", [None, 5])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_linear_unaligned_view(require_cuda, dtype, T):
-    # 2-D: rank-1 norms (||a_i||, ||g_i|| by 16-byte loads after a head);
-    # 3-D with 2 T^2 <= K d: the Gram norms, scalar tile staging like the GEMM.
+    # Norms and clipped sums are vendor GEMMs in float64 (issue 36). A float64
+    # view reaches cuBLAS as it is, and cuBLAS picks its kernel, and so its
+    # summation order, by the operands' alignment: the H200 run of 2026-11-28
+    # gave other bits for the one-element-off view than for its aligned copy.
+    # So the claim is the rounding bound of those float64 sums, not bit equality.
     B, d, K = 200, 68, 12
     a, g = _linear_inputs((B, T, d, K), dtype)
     av, ac = _unaligned(a, require_cuda)
     gv, gc = _unaligned(g, require_cuda)
-    for C in (1e6, 2.0):
+    Tn = 1 if T is None else T
+    terms = R.linear_terms(d, K, Tn)
+    a3 = np.abs(a.astype(np.float64)).reshape(B, Tn, d)
+    g3 = np.abs(g.astype(np.float64)).reshape(B, Tn, K)
+    for C in (1e6, 2.0):               # nothing clipped (factors exactly 1); rows clipped
         kw = dict(max_norm=C, noise_multiplier=0.3, bias=True, seed=6, offset=0)
         ra = nf.clip_and_noise_linear(ac, gc, **kw)
         _replay()
         ru = nf.clip_and_noise_linear(av, gv, **kw)
         _replay()
-        if T is not None:              # no load depends on alignment: the same bits
-            assert _bitwise(ru.norms, ra.norms)
-            assert _bitwise(ru.grad_weight, ra.grad_weight) and _bitwise(ru.grad_bias, ra.grad_bias)
-            continue
-        np.testing.assert_allclose(ru.norms.cpu().numpy(), ra.norms.cpu().numpy(),
-                                   rtol=4 * (d + K) * 1.2e-16)
-        if C > 1e3:
-            assert ra.num_clipped == 0
-            assert _bitwise(ru.grad_weight, ra.grad_weight) and _bitwise(ru.grad_bias, ra.grad_bias)
-            continue
         norms = ra.norms.cpu().numpy()
-        assert ra.num_clipped > 0
-        factors, _ = R.clip_factors(norms ** 2, C, unit=R.unit_roundoff(dtype),
-                                    terms=R.linear_terms(d, K, 1))
-        flat = factors @ np.abs(R.per_sample_linear_grads(a, g, bias=True))
-        for out, ref_t, part in ((ru.grad_weight, ra.grad_weight, flat[:K * d]),
-                                 (ru.grad_bias, ra.grad_bias, flat[K * d:])):
+        # Each squared norm is a float64 sum of the rule's `terms` products.
+        np.testing.assert_allclose(ru.norms.cpu().numpy(), norms, rtol=4 * terms * 1.2e-16)
+        assert (ra.num_clipped == 0) if C > 1e3 else (ra.num_clipped > 0)
+        factors, _ = R.clip_factors(norms ** 2, C, unit=R.unit_roundoff(dtype), terms=terms)
+        # sum_i f_i sum_t |g_it| |a_it|: the magnitudes each output's B*T-term
+        # float64 sum adds up, the factors' own spread counted in n.
+        abs_w = np.einsum("i,itk,itd->kd", factors, g3, a3).ravel()
+        abs_b = np.einsum("i,itk->k", factors, g3)
+        for out, ref_t, part in ((ru.grad_weight, ra.grad_weight, abs_w),
+                                 (ru.grad_bias, ra.grad_bias, abs_b)):
             ref = ref_t.cpu().numpy().ravel()
             assert_within_sum_bound(out.cpu().numpy().ravel(), ref, part + np.abs(ref),
-                                    R.linear_terms(d, K, 1) + 4, dtype, "unaligned linear")
+                                    B * Tn + terms + 4, dtype, "unaligned linear")
 
 
 @pytest.mark.parametrize("dtype,d", [(np.float32, 2048), (np.float32, 8196),

@@ -123,7 +123,9 @@ def test_bench_errors(tmp_path):
     path = tmp_path / "bench_mix-gpu-20260101.json"
     path.write_text(json.dumps({"meta": {}, "rows": [
         {"config": "n=T=4000", "ncdp_s": 0.1},
-        {"config": "n=T=8000", "error": "CUDA error: an illegal memory access"}]}))
+        {"config": "n=T=8000", "error": "CUDA error: an illegal memory access"},
+        # A peer's refusal (bench_hf: Opacus ghost on tied weights) is a result.
+        {"workload": "GPT-2", "method": "opacus_ghost", "peer_refused": "NotImplementedError"}]}))
     assert gpu_bench.bench_errors(path) == [
         "bench_mix-gpu-20260101.json: n=T=8000 : CUDA error: an illegal memory access"]
 
@@ -246,3 +248,36 @@ def test_native_module_override_loads_that_file_or_refuses(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode != 0
     assert "NCDP_NATIVE_MODULE: expected the path of a built ncdp_fast._C" in proc.stderr
+
+
+@pytest.mark.parametrize("tests_pass", [True, False])
+def test_benchmarks_run_beside_failing_gpu_tests(tmp_path, monkeypatch, tests_pass):
+    # A device lease is too short to run the check twice: failing GPU tests
+    # fail the check, but the benchmarks still measure, and the summary says
+    # the tables were taken beside failing tests.
+    from ncdp_fast import _gpu_check as check
+    benched = []
+    monkeypatch.setattr(check, "query_gpus", lambda: [("NVIDIA H200", "9.0")])
+    monkeypatch.setattr(check, "check_torch",
+                        lambda python: dict(version="t", cuda="13.0", count=1))
+    monkeypatch.setattr(check, "check_env", lambda native=None: None)
+    monkeypatch.setattr(check, "find_nvcc", lambda: "nvcc")
+    monkeypatch.setattr(check, "rebuild", lambda python, archs, nvcc: (
+        "m.so", dict(cuda_archs=["90-real"], cuda_runtime=13000, cuda_driver=13000)))
+
+    def run_tests(python, workdir, env=None):
+        if not tests_pass:
+            raise gpu_env.CheckFailed("2 GPU tests failed and 0 errored")
+        return dict(passed=3, skipped=0, peer_skips=[])
+
+    monkeypatch.setattr(check, "run_tests", run_tests)
+    monkeypatch.setattr(check, "run_benches", lambda python, out, args, deadline, env=None:
+                        benched.append(1) or [dict(phase="ntk", status="ok")])
+    rc = check.run(["--out", str(tmp_path)])
+    assert benched == [1]
+    assert rc == (0 if tests_pass else 1)
+    summary = json.loads(next(tmp_path.glob("gpu_check-gpu-*.json")).read_text())
+    assert [p["phase"] for p in summary["rows"]] == ["torch", "build", "pytest -m gpu", "ntk"]
+    beside = "the benchmarks ran beside failing GPU tests (pytest -m gpu above)"
+    assert (beside in (tmp_path / next(tmp_path.glob("gpu_check-gpu-*.md")).name).read_text()) \
+        is (not tests_pass)
