@@ -81,6 +81,9 @@ def linear_sq_norms(a, g, bias, sq, accumulate):
     """
     B, T, d = a.shape
     K = g.shape[2]
+    if T == 1:
+        _rank1_sq_norms(a, g, bias, sq, accumulate)
+        return
     gram = 2 * T * T <= K * d
     per_sample = 8 * (T * (d + K) + (2 * T * T if gram else K * d))
     for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
@@ -98,6 +101,25 @@ def linear_sq_norms(a, g, bias, sq, accumulate):
             if bias:
                 s = g64.sum(axis=1)
                 e += (s * s).sum(axis=1)
+        if accumulate:
+            sq[lo:hi] += e
+        else:
+            sq[lo:hi] = e
+
+
+def _rank1_sq_norms(a, g, bias, sq, accumulate):
+    """linear_sq_norms at T = 1, the numba twin's rank-1 case: ||g_i a_i^T||_F^2
+    = ||a_i||^2 ||g_i||^2, plus ||g_i||^2 with a bias -- two float64 row
+    reductions instead of the Gram route's batched 1 x 1 GEMMs (a linear head
+    on the H200 ran slower on those than on the kernel they replaced)."""
+    B, _, d = a.shape
+    K = g.shape[2]
+    for lo, hi in _arrays.sample_chunks(B, 8 * (d + K), GEMM_CHUNK_BYTES):
+        a64, g64 = _arrays.as_float64(a[lo:hi, 0]), _arrays.as_float64(g[lo:hi, 0])
+        sg = (g64 * g64).sum(axis=1)
+        e = (a64 * a64).sum(axis=1) * sg
+        if bias:
+            e += sg
         if accumulate:
             sq[lo:hi] += e
         else:
