@@ -143,15 +143,19 @@ def test_linear_norms(benchmark, case, bench_device):
     (B, T, d, K), a, g, _ = _layer_data(case, bench_device)
     method, device = case.method, bench_device
     sq = torch.zeros(B, dtype=torch.float64, device=a.device)
+    # What the clip op computes for a sequence block: the norms and, from the
+    # same pass, the spread of its rounding (T > 1).
+    spread = torch.zeros(B, dtype=torch.float64, device=a.device) if T > 1 else None
     if method == "ncdp" and device == "cpu":
         an, gn, sqn = a.numpy(), g.numpy(), sq.numpy()
+        spn = None if spread is None else spread.numpy()
 
         def fn():
-            numba_clip.linear_sq_norms(an, gn, True, sqn, False)
+            numba_clip.linear_sq_norms(an, gn, True, sqn, False, spn)
             return sqn
     elif method in ("ncdp", "gemm_f64"):
         def fn():
-            device_clip.linear_sq_norms(a, g, True, sq, False)
+            device_clip.linear_sq_norms(a, g, True, sq, False, spread)
             return sq
     elif method == "native_kernel":
         native = _native.for_array(a)

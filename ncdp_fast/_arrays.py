@@ -17,7 +17,7 @@ import numpy as np
 
 __all__ = ["kind", "is_torch", "require_torch", "is_cuda_array", "shape", "describe", "io_for",
            "to_numpy", "to_host", "all_finite", "numpy_dtype", "data_ptr", "current_stream",
-           "as_float64", "module_of", "sample_chunks", "CHUNK_BYTES", "float64_norms", "NumpyIO",
+           "as_float64", "module_of", "sample_chunks", "CHUNK_BYTES", "NumpyIO",
            "TorchCpuIO", "TorchCudaIO", "TorchEmulatedIO", "CupyIO", "set_emulation",
            "is_emulated"]
 
@@ -399,12 +399,3 @@ def as_float64(x):
         return x.double()
     import cupy
     return x.astype(cupy.float64, copy=False)
-
-
-def float64_norms(x):
-    """L2 norms over the last axis, computed in float64 by x's library (torch or CuPy)."""
-    if is_torch(x):
-        import torch
-        return torch.linalg.norm(as_float64(x), dim=-1)
-    import cupy
-    return cupy.linalg.norm(as_float64(x), axis=-1)

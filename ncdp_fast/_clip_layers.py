@@ -108,21 +108,18 @@ class _Layer:
         return math.prod(_arrays.shape(self.g, "g")) + (
             0 if self.dense else math.prod(_arrays.shape(self.a, "a")))
 
-    def add_sq_norms(self, kernels, sq):
+    def add_sq_norms(self, kernels, sq, spread):
+        """sq += the block's squared norms; spread (None when no block has T > 1)
+        += the rounding scale of its sums over positions (sequence blocks only)."""
         if self.kind == "ghost":
             sq += self.sq
+            if spread is not None and self.spread is not None:
+                spread += self.spread
         elif self.dense:
             kernels.row_sq_norms(self.g, sq, True)
         else:
-            kernels.linear_sq_norms(self.a, self.g, self.bias, sq, True)
-
-    def add_spread(self, kernels, spread):
-        """The rounding scale of a sum over positions (sequence blocks only)."""
-        if self.kind == "ghost":
-            if self.spread is not None:
-                spread += self.spread
-        elif not self.dense and self.T > 1:
-            kernels.linear_spread(self.a, self.g, self.bias, spread, True)
+            kernels.linear_sq_norms(self.a, self.g, self.bias, sq, True,
+                                    spread if self.T > 1 else None)
 
     def drop_rows(self, io, rows):
         """Zero the given samples (a copy, never the caller's data): 0 * NaN would
@@ -193,14 +190,11 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         if layer.B != B:
             raise ValueError(f"layers[{i}]: batch size {layer.B} differs from layers[0] batch size {B}")
     draws = sum(layer.draws for layer in layers)
-    sq = be.io.zeros((B,), _F64)
-    for layer in layers:
-        layer.add_sq_norms(be.kernels, sq)
     t_max = max(layer.T for layer in layers)
+    sq = be.io.zeros((B,), _F64)
     spread = be.io.zeros((B,), _F64) if t_max > 1 else None
     for layer in layers:
-        if spread is not None:
-            layer.add_spread(be.kernels, spread)
+        layer.add_sq_norms(be.kernels, sq, spread)
     terms = sum(layer.terms for layer in layers)
     if grad_scale != 1.0:
         # The blocks hold gradients / s: the sample's norm is s times theirs (two

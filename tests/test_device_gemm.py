@@ -64,6 +64,41 @@ def test_gemm_norms_match_the_reference(shape, bias, dtype, chunked, monkeypatch
         assert np.all(np.abs(got - ref) <= tol), (np.abs(got - ref) / np.maximum(tol, 1e-300))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("chunked", [False, True])
+def test_gemm_spread_matches_the_reference(shape, bias, dtype, chunked, monkeypatch):
+    """The spread the norms' pass adds (Gram diagonals, or the direct route's
+    squares) against reference.linear_spread. Every term is non-negative, so
+    each side is within (d + K + T + 4) u of the exact sum, relatively: squared
+    norms of d (K) terms, a square root, a product, the bias, T terms summed."""
+    from ncdp_fast.reference import linear_spread
+    B, T, d, K = shape
+    if chunked:
+        monkeypatch.setattr(device_clip, "GEMM_CHUNK_BYTES", 1)   # one sample a chunk
+    rng = np.random.default_rng(B * 1000 + T * 10 + d + 7)
+    a = rng.standard_normal((B, T, d)).astype(dtype)
+    g = (rng.standard_normal((B, T, K)) * 1e-3).astype(dtype)
+    ref = np.asarray(linear_spread(a, g, bias), np.float64).reshape(B)
+    prior = rng.random(B)
+    sq, spread = torch.zeros(B, dtype=torch.float64), torch.tensor(prior)
+    device_clip.linear_sq_norms(torch.from_numpy(a), torch.from_numpy(g), bias, sq, False,
+                                spread)
+    got = spread.numpy() - prior
+    tol = 2 * (d + K + T + 4) * U64 * ref + 4 * U64 * prior
+    assert np.all(np.abs(got - ref) <= tol), np.abs(got - ref) / np.maximum(tol, 1e-300)
+    # The norms are those of the call without a spread, bit for bit.
+    alone = torch.zeros(B, dtype=torch.float64)
+    device_clip.linear_sq_norms(torch.from_numpy(a), torch.from_numpy(g), bias, alone, False)
+    assert torch.equal(sq, alone)
+    # The numba twin takes the same argument (its own pass over the positions).
+    from ncdp_fast._numba import clip as numba_clip
+    sqn, spread_n = np.zeros(B), prior.copy()
+    numba_clip.linear_sq_norms(a, g, bias, sqn, False, spread_n)
+    assert np.all(np.abs(spread_n - prior - ref) <= tol)
+
+
 def test_both_routes_are_reached():
     """The shapes above reach each route (the numba twin's rule, 2 T^2 <= K d)."""
     routes = {2 * T * T <= K * d for B, T, d, K in SHAPES if B and T > 1}

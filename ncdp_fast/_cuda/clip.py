@@ -19,15 +19,6 @@ def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms):
                            int(t_max), float(unit), ptr(factors), ptr(norms), stream(sq))
 
 
-def linear_spread(a, g, bias, spread, accumulate):
-    """spread[i] (=|+=) sum_t ||g_it|| (||a_it|| + [bias]) in float64 (reference.linear_spread)."""
-    e = (_arrays.float64_norms(g) * (_arrays.float64_norms(a) + (1.0 if bias else 0.0))).sum(1)
-    if accumulate:
-        spread += e
-    else:
-        spread[:] = e
-
-
 # The dense op's rows in one chunk (0), not in chunks of half the L2 (-1): the
 # chunked form reads the gradients from DRAM once but launches 3 kernels a
 # chunk, and bench/dense_traffic.py predicts it slower wherever it chunks (1.39
@@ -65,10 +56,13 @@ def weighted_row_sum_noise(g, factors, noise_std, inv_denom, seed, offset, out):
 GEMM_CHUNK_BYTES = _arrays.CHUNK_BYTES
 
 
-def linear_sq_norms(a, g, bias, sq, accumulate):
-    """sq[i] (=|+=) ||g_i^T a_i||_F^2 (+ ||sum_t g_it||^2 with a bias), float64.
+def linear_sq_norms(a, g, bias, sq, accumulate, spread=None):
+    """sq[i] (=|+=) ||g_i^T a_i||_F^2 (+ ||sum_t g_it||^2 with a bias), float64;
+    with ``spread``, also spread[i] += sum_t ||g_it|| (||a_it|| + [bias]), the
+    scale of a sequence block's rounding (reference.linear_spread; 0 at T = 1).
 
-    a: (B, T, d), g: (B, T, K) device arrays (torch or CuPy); sq: (B,) float64.
+    a: (B, T, d), g: (B, T, K) device arrays (torch or CuPy); sq, spread: (B,)
+    float64.
     The work is matrix products, so it goes to the vendor's batched GEMM
     (issue 36: the hand-written kernel, one block a sample on CUDA cores, was
     76% of a BERT step on the H200): the Gram route sums (a_t.a_s + [bias])
@@ -77,24 +71,35 @@ def linear_sq_norms(a, g, bias, sq, accumulate):
     Both in float64 -- a and g upcast exactly, FP64 GEMMs (FP64 tensor cores
     on Hopper; TF32 never applies to float64) -- so the norms stay within the
     rounding the clip rule's ``terms`` allows for either route
-    (reference.linear_terms).
+    (reference.linear_terms).  The spread comes from the same float64 copies
+    (the Gram route's diagonals are the positions' squared norms): a separate
+    pass upcast a and g again: 0.56 against 0.15 ms a BERT-base layer, 5 ms a
+    step, by the GPU model of bench/report.py (GPU_MODEL; not yet measured).
     """
     B, T, d = a.shape
     K = g.shape[2]
-    if T == 1:
+    if T == 1:      # one position: nothing to spread (reference.linear_spread is 0)
         _rank1_sq_norms(a, g, bias, sq, accumulate)
         return
     gram = 2 * T * T <= K * d
     per_sample = 8 * (T * (d + K) + (2 * T * T if gram else K * d))
+    if spread is not None and not gram:
+        per_sample += 8 * T * max(d, K)         # the squares summed into the spread
     for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
         a64, g64 = _arrays.as_float64(a[lo:hi]), _arrays.as_float64(g[lo:hi])
         if gram:
             w = a64 @ a64.swapaxes(1, 2)
+            v = g64 @ g64.swapaxes(1, 2)
+            if spread is not None:
+                _add_spread(spread, lo, hi, w.diagonal(0, 1, 2), v.diagonal(0, 1, 2), bias)
             if bias:
                 w += 1.0
-            w *= g64 @ g64.swapaxes(1, 2)
+            w *= v
             e = w.sum(axis=(1, 2))
         else:
+            if spread is not None:
+                _add_spread(spread, lo, hi, (a64 * a64).sum(axis=2), (g64 * g64).sum(axis=2),
+                            bias)
             w = g64.swapaxes(1, 2) @ a64
             w *= w
             e = w.sum(axis=(1, 2))
@@ -107,6 +112,12 @@ def linear_sq_norms(a, g, bias, sq, accumulate):
             sq[lo:hi] = e
 
 
+def _add_spread(spread, lo, hi, sa, sg, bias):
+    """spread[lo:hi] += sum_t sqrt(sg_t) (sqrt(sa_t) + [bias]) from the positions'
+    float64 squared norms sa, sg: (n, T)."""
+    spread[lo:hi] += (sg ** 0.5 * (sa ** 0.5 + (1.0 if bias else 0.0))).sum(axis=1)
+
+
 def _rank1_sq_norms(a, g, bias, sq, accumulate):
     """linear_sq_norms at T = 1, the numba twin's rank-1 case: ||g_i a_i^T||_F^2
     = ||a_i||^2 ||g_i||^2, plus ||g_i||^2 with a bias -- two float64 row
@@ -116,8 +127,8 @@ def _rank1_sq_norms(a, g, bias, sq, accumulate):
     K = g.shape[2]
     for lo, hi in _arrays.sample_chunks(B, 8 * (d + K), GEMM_CHUNK_BYTES):
         a64, g64 = _arrays.as_float64(a[lo:hi, 0]), _arrays.as_float64(g[lo:hi, 0])
-        sg = (g64 * g64).sum(axis=1)
-        e = (a64 * a64).sum(axis=1) * sg
+        sa, sg = (a64 * a64).sum(axis=1), (g64 * g64).sum(axis=1)
+        e = sa * sg
         if bias:
             e += sg
         if accumulate:

@@ -223,8 +223,19 @@ def _linear_norm_work(a, g, *_):
     return B * T * T * (d + K) // 2 if 2 * T * T <= K * d else B * T * K * d
 
 
+def linear_sq_norms(a, g, bias, sq, accumulate, spread=None):
+    """Squared norms of the per-sample gradients of a linear layer, float64
+    (:func:`_linear_sq_norms`); with ``spread`` (B,) float64, also
+    spread[i] += sum_t ||g_it|| (||a_it|| + [bias]) (:func:`linear_spread`),
+    the scale of a sequence block's rounding, as the device route gives it
+    from the same pass."""
+    _linear_sq_norms(a, g, bias, sq, accumulate)
+    if spread is not None and a.shape[1] > 1:      # reference.linear_spread: 0 at T = 1
+        linear_spread(a, g, bias, spread, True)
+
+
 @sized_kernel(_linear_norm_work, fastmath=_FM)
-def linear_sq_norms(a, g, bias, sq, accumulate):
+def _linear_sq_norms(a, g, bias, sq, accumulate):
     """Squared norms of the per-sample gradients of a linear layer, float64.
 
     a: [B, T, d] activations; g: [B, T, K] output gradients; sq: [B].
