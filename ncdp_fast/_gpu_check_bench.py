@@ -37,7 +37,7 @@ def bench_errors(path) -> list[str]:
 
 # What a GPU benchmark cannot run without (its workloads are built from it); a
 # benchmark whose needs are not installed is listed as not run, with why.
-BENCH_NEEDS = {"hf": ("transformers",)}
+BENCH_NEEDS = {"hf": ("transformers",), "profile": ("transformers",)}
 
 
 def missing_modules(python, names, env=None) -> list[str]:
@@ -59,10 +59,26 @@ def missing_peers(python, env=None) -> list[str]:
 FIRST = ("hf", "finetune", "clip", "noise", "mix", "ntk", "tied")
 
 
+# bench/profile_step.py: where a step's time goes (kernels, host waits, busy
+# against wall time), private against non-private; after the goals' benchmarks,
+# before the others.
+PROFILE = "profile"
+
+
 def check_order() -> list[str]:
     """The GPU benchmarks in the order the check runs them."""
     from .cli import GPU_BENCHES
-    return [n for n in FIRST if n in GPU_BENCHES] + [n for n in GPU_BENCHES if n not in FIRST]
+    return [n for n in FIRST if n in GPU_BENCHES] + [PROFILE] + \
+        [n for n in GPU_BENCHES if n not in FIRST]
+
+
+def _command(python, name, out: Path, bench_args) -> list[str]:
+    if name == PROFILE:
+        size = "quick" if "--quick" in bench_args else "full"
+        return [python, str(ROOT / "bench" / "profile_step.py"), "--device", "cuda",
+                "--size", size, "--out", str(out)]
+    return [python, "-m", "ncdp_fast.cli", "bench", "--device", "cuda", "--out", str(out),
+            "--only", name, *bench_args]
 
 
 def run_benches(python, out: Path, bench_args, deadline, env=None) -> list[dict]:
@@ -88,8 +104,7 @@ def run_benches(python, out: Path, bench_args, deadline, env=None) -> list[dict]
         started = time.time()
         t0 = time.monotonic()
         _say(f"{name} ({left:.0f} s of the budget left)")
-        rc = _run_until([python, "-m", "ncdp_fast.cli", "bench", "--device", "cuda", "--out",
-                         str(out), "--only", name, *bench_args], deadline, env)
+        rc = _run_until(_command(python, name, out, bench_args), deadline, env)
         row["seconds"] = time.monotonic() - t0
         written = sorted(p for p in out.glob("*-gpu-*.json") if p.stat().st_mtime >= started)
         row["reports"] = ", ".join(p.stem for p in written)

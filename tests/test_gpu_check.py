@@ -182,9 +182,13 @@ def test_benchmarks_the_budget_leaves_out_are_listed_not_failed(tmp_path, monkey
     monkeypatch.setattr(gpu_bench, "missing_modules", lambda python, names, env=None: [])
     # No time left: none starts.
     rows = gpu_bench.run_benches(sys.executable, tmp_path, [], deadline=0.0)
-    assert [r["status"] for r in rows] == [gpu_bench.NOT_RUN] * len(GPU_BENCHES)
+    assert [r["status"] for r in rows] == [gpu_bench.NOT_RUN] * (len(GPU_BENCHES) + 1)
     order = gpu_bench.check_order()
-    assert sorted(order) == sorted(GPU_BENCHES) and order[:3] == ["hf", "finetune", "clip"]
+    assert sorted(order) == sorted(GPU_BENCHES + [gpu_bench.PROFILE])
+    assert order[:3] == ["hf", "finetune", "clip"]
+    # The profile right after the benchmarks of issue 36's goals.
+    assert order.index(gpu_bench.PROFILE) == len(
+        [n for n in gpu_bench.FIRST if n in GPU_BENCHES])
     assert gpu_bench.judge_benches(rows) == ([], order)
     # Cut short at the deadline: not run; a failing one still fails the check.
     monkeypatch.setattr(gpu_bench, "_run_until", lambda cmd, deadline, env=None: None)
@@ -210,8 +214,10 @@ def test_a_benchmark_without_what_it_is_built_from_is_not_run(tmp_path, monkeypa
                         started.append(cmd[cmd.index("--only") + 1]))
     rows = {r["phase"]: r for r in gpu_bench.run_benches(sys.executable, tmp_path, [],
                                                           deadline=float("inf"))}
-    assert rows["hf"]["status"] == gpu_bench.NOT_RUN
-    assert "transformers not installed" in rows["hf"]["detail"]
+    # The profile builds bench_hf's models too.
+    for name in ("hf", gpu_bench.PROFILE):
+        assert rows[name]["status"] == gpu_bench.NOT_RUN
+        assert "transformers not installed" in rows[name]["detail"]
     assert "hf" not in started and set(started) == set(GPU_BENCHES) - {"hf"}
     # The real query: this interpreter has torch, and no module of that name.
     assert real(sys.executable, ("torch", "no_such_module_xyz")) == [
@@ -281,3 +287,13 @@ def test_benchmarks_run_beside_failing_gpu_tests(tmp_path, monkeypatch, tests_pa
     beside = "the benchmarks ran beside failing GPU tests (pytest -m gpu above)"
     assert (beside in (tmp_path / next(tmp_path.glob("gpu_check-gpu-*.md")).name).read_text()) \
         is (not tests_pass)
+
+
+def test_the_profile_phase_runs_bench_profile_step(tmp_path):
+    cmd = gpu_bench._command("py", gpu_bench.PROFILE, tmp_path, ["--rounds", "2"])
+    assert cmd[1].endswith("bench/profile_step.py") and cmd[cmd.index("--size") + 1] == "full"
+    assert cmd[cmd.index("--device") + 1] == "cuda" and cmd[cmd.index("--out") + 1] == str(tmp_path)
+    quick = gpu_bench._command("py", gpu_bench.PROFILE, tmp_path, ["--quick", "--rounds", "1"])
+    assert quick[quick.index("--size") + 1] == "quick"
+    assert gpu_bench._command("py", "mix", tmp_path, ["--rounds", "2"])[-4:] == [
+        "--only", "mix", "--rounds", "2"]

@@ -1,0 +1,199 @@
+"""Where one training step's time goes, private against non-private, on the
+benchmarks' own workloads (bench_hf's BERT and GPT-2, bench_finetune's linear
+head, transformer and EfficientNet): one torch.profiler step each, after
+warm-up, so that a GPU run says what to change next instead of only how far
+a row is from its goal (the first H200 run's profile found the norm kernel at
+76% of a BERT step; issue 36).
+
+    python bench/profile_step.py [--device cuda] [--size full|quick|smallest]
+                                 [--workloads bert,gpt2,linear,transformer,efficientnet]
+                                 [--out bench/results]
+
+writes two reports into ``--out``:
+
+* ``profile_step-<cpu|gpu>-<date>``: a row per (workload, method): the step's
+  wall time (median of timed steps, the device synchronised), the device's busy
+  time in the profiled step (the sum of its kernels' durations; on the CPU
+  none) and their ratio -- well under 1 means the host, not the device, sets
+  the pace --, kernels launched, the host waits the CUDA runtime saw
+  (synchronisations and copies), and the operators the step dispatched;
+* ``profile_ops-<cpu|gpu>-<date>``: the private step's most expensive entries
+  (kernels and operators by their own device time on a GPU, operators by their
+  own CPU time on the CPU).
+
+A workload that cannot be built or run here gets a row with its ``error``
+(which fails ``make gpu-check``).  ``make gpu-check`` runs it after the
+benchmarks of issue 36's goals; tests/test_profile_step.py runs it in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+WORKLOADS = ("bert", "gpt2", "linear", "transformer", "efficientnet")
+METHODS = ("nonprivate", "ncdp_engine")
+WARMUP, TIMED, TOP = 3, 5, 15
+# CUDA runtime calls that make the host wait for the device (or copy across).
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy", "cudaMemcpyAsync")
+
+
+def _workload(name, size, device):
+    """(label, build(method) -> step) for a workload of bench_hf or bench_finetune."""
+    if name in ("bert", "gpt2"):
+        import test_bench_hf as hf
+        p = dict(hf.shapes(size, device)[name], kind=name)
+        return hf.workload_label(name, p), lambda m: hf.build_step(p, m, device)[0]
+    import test_bench_finetune as ft
+    p = dict(ft.SHAPES[size][name], kind=name)
+    return ft.workload_label(name, p), lambda m: ft.build_step(p, m, device)[0]
+
+
+def _sync(torch, device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _device_us(e):
+    # torch >= 2.4 names it device time; older versions cuda time.
+    return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+
+def profile(step, torch, device):
+    """(summary, top entries) of one profiled ``step`` after warm-up and timing."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    for _ in range(WARMUP):
+        step()
+    _sync(torch, device)
+    times = []
+    for _ in range(TIMED):
+        t0 = time.perf_counter()
+        step()
+        _sync(torch, device)
+        times.append(time.perf_counter() - t0)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        _sync(torch, device)
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    ops = [e for e in events if e.name.startswith("aten::") and
+           (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    busy_ms = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                  for e in kernels) / 1e3 if device == "cuda" else None
+    wall_ms = 1e3 * statistics.median(times)
+    summary = dict(wall_ms=wall_ms, busy_ms=busy_ms,
+                   busy_fraction=None if busy_ms is None else busy_ms / wall_ms,
+                   kernels=len(kernels) if device == "cuda" else None,
+                   host_waits=sum(1 for e in events if e.name in HOST_WAITS),
+                   operators=len(ops))
+    avgs = list(prof.key_averages())
+    if device == "cuda":
+        avgs = [a for a in avgs if _device_us(a) > 0]
+        avgs.sort(key=_device_us, reverse=True)
+        total = sum(_device_us(a) for a in avgs) or 1.0
+        top = [dict(entry=a.key[:120], calls=a.count, ms=_device_us(a) / 1e3,
+                    share=_device_us(a) / total) for a in avgs[:TOP]]
+    else:
+        avgs = [a for a in avgs if a.key.startswith("aten::") and a.self_cpu_time_total > 0]
+        avgs.sort(key=lambda a: a.self_cpu_time_total, reverse=True)
+        total = sum(a.self_cpu_time_total for a in avgs) or 1.0
+        top = [dict(entry=a.key[:120], calls=a.count, ms=a.self_cpu_time_total / 1e3,
+                    share=a.self_cpu_time_total / total) for a in avgs[:TOP]]
+    return summary, top
+
+
+def run(device, size, names, out):
+    import torch
+
+    from ncdp_fast._report import write_report
+    from report import run_meta
+    meta = run_meta(device, size, 1)
+    steps, ops = [], []
+    for name in names:
+        try:
+            label, build = _workload(name, size, device)
+        except Exception as exc:  # noqa: BLE001  -- the row says why
+            steps.append(dict(workload=name, method="", error=_why(exc)))
+            continue
+        for method in METHODS:
+            row = dict(workload=label, method=method)
+            try:
+                summary, top = profile(build(method), torch, device)
+                row.update(summary)
+                if method != "nonprivate":
+                    ops += [dict(workload=label, method=method, rank=i + 1, **t)
+                            for i, t in enumerate(top)]
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = _why(exc)
+            steps.append(row)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    for row in steps:
+        base = next((r for r in steps if r["workload"] == row["workload"]
+                     and r["method"] == "nonprivate" and "wall_ms" in r), None)
+        if base is not None and "wall_ms" in row:
+            row["x_nonprivate"] = row["wall_ms"] / base["wall_ms"]
+    what = "device" if device == "cuda" else "CPU"
+    common = [f"size {size}; {WARMUP} warm-up steps, wall time the median of {TIMED} steps "
+              "(the device synchronised after each), then one step under torch.profiler "
+              "(bench/profile_step.py)",
+              "nonprivate / ncdp_engine: the steps of bench_hf and bench_finetune "
+              "(PrivacyEngine with its GhostClipper)"]
+    write_report("profile_step", str(out), meta, steps,
+                 [("workload", "workload", None), ("method", "method", None),
+                  ("wall_ms", "wall ms/step", "{:.2f}"),
+                  ("x_nonprivate", "× non-private", "{:.2f}"),
+                  ("busy_ms", "device busy ms", "{:.2f}"),
+                  ("busy_fraction", "busy / wall", "{:.2f}"),
+                  ("kernels", "kernels", None), ("host_waits", "host waits", None),
+                  ("operators", "operators dispatched", None), ("error", "error", None)],
+                 notes=common + ["device busy: the sum of the profiled step's kernel durations; "
+                                 "busy / wall well under 1: the host sets the pace",
+                                 "host waits: CUDA runtime synchronisations and copies seen "
+                                 f"by the profiler ({', '.join(HOST_WAITS)}; none on the CPU)"])
+    write_report("profile_ops", str(out), meta, ops,
+                 [("workload", "workload", None), ("method", "method", None),
+                  ("rank", "rank", None), ("entry", "kernel or operator", None),
+                  ("calls", "calls", None), ("ms", f"own {what} ms", "{:.3f}"),
+                  ("share", f"share of the step's {what} time", "{:.3f}")],
+                 notes=common + [f"the private step's {TOP} largest entries by their own "
+                                 f"{what} time"])
+    return steps
+
+
+def _why(exc) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--size", choices=("full", "quick", "smallest"), default="full")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    ap.add_argument("--out", default=str(BENCH / "results"))
+    args = ap.parse_args(argv)
+    names = [n for n in args.workloads.split(",") if n]
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        ap.error(f"--workloads: unknown {unknown}; expected some of {list(WORKLOADS)}")
+    if args.device == "cuda":
+        from _common import cuda_missing
+        why = cuda_missing()
+        if why:
+            print(f"profile_step.py: --device cuda: {why}", file=sys.stderr)
+            return 2
+    steps = run(args.device, args.size, names, args.out)
+    return 1 if any("error" in r for r in steps) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""bench/profile_step.py (what `make gpu-check` runs after issue 36's
+benchmarks) in CI: on the CPU at the smallest shapes, both reports come out
+with a row per workload and method, and a bad argument is refused by name."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "profile_step.py"
+
+
+def test_profile_step_reports_each_workload_and_method(tmp_path):
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--size", "smallest",
+                           "--workloads", "linear,transformer", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (steps,) = tmp_path.glob("profile_step-cpu-*.json")
+    (ops,) = tmp_path.glob("profile_ops-cpu-*.json")
+    rows = json.loads(steps.read_text())["rows"]
+    assert [(r["workload"].split()[0], r["method"]) for r in rows] == [
+        ("linear", "nonprivate"), ("linear", "ncdp_engine"),
+        ("transformer", "nonprivate"), ("transformer", "ncdp_engine")]
+    for r in rows:
+        assert "error" not in r and r["wall_ms"] > 0 and r["operators"] > 0
+        assert r["busy_ms"] is None and r["kernels"] is None      # no device on the CPU
+        assert r["host_waits"] == 0
+    assert [r["x_nonprivate"] for r in rows[::2]] == [1.0, 1.0]
+    # The private step dispatches more operators than the plain one.
+    assert all(p["operators"] > n["operators"] for n, p in zip(rows[::2], rows[1::2]))
+    top = json.loads(ops.read_text())["rows"]
+    assert {r["method"] for r in top} == {"ncdp_engine"}
+    for w in {r["workload"] for r in top}:
+        ranks = [r["rank"] for r in top if r["workload"] == w]
+        assert ranks == list(range(1, len(ranks) + 1)) and 0 < len(ranks) <= 15
+    assert all(r["entry"].startswith("aten::") and 0 < r["share"] <= 1 for r in top)
+    md = steps.with_suffix(".md").read_text()
+    assert "busy / wall" in md and "| linear head" in md
+
+
+def test_profile_step_refuses_an_unknown_workload(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "linear,resnet",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "--workloads: unknown ['resnet']" in proc.stderr
+    assert not list(tmp_path.glob("*"))
