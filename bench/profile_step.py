@@ -22,8 +22,8 @@ writes two reports into ``--out``:
   own CPU time on the CPU).
 
 A workload that cannot be built or run here gets a row with its ``error``
-(which fails ``make gpu-check``).  ``make gpu-check`` runs it after the
-benchmarks of issue 36's goals; tests/test_profile_step.py runs it in CI.
+(which fails ``make gpu-check``).  ``make gpu-check`` runs it after bench_hf
+and bench_finetune; tests/test_profile_step.py runs it in CI.
 """
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ has to show before a GPU claim of this project is believed.
    ``bench/results/<report>-gpu-<date>.{json,md}`` and fails the check if
    pytest fails, a table reports an error row (a method with no result) or it
    writes nothing. A benchmark the budget leaves no time for, or cuts short,
-   is listed as not run: slowness is reported, not failed. After issue 36's
-   benchmarks, ``bench/profile_step.py`` profiles one step of each of their
-   workloads, private and not (``profile_step`` and ``profile_ops`` reports:
+   is listed as not run: slowness is reported, not failed. After the hf and
+   finetune benchmarks, ``bench/profile_step.py`` profiles one step of each of
+   their workloads, private and not (``profile_step`` and ``profile_ops`` reports:
    busy against wall time, kernels, host waits, the largest kernels).
 6. A summary of the phases in ``bench/results/gpu_check-gpu-<date>.{json,md}``.
 
