@@ -15,20 +15,20 @@ SCRIPT = ROOT / "bench" / "profile_step.py"
 def test_profile_step_reports_each_workload_and_method(tmp_path):
     pytest.importorskip("torch")
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--size", "smallest",
-                           "--workloads", "linear,transformer", "--out", str(tmp_path)],
+                           "--workloads", "linear", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (steps,) = tmp_path.glob("profile_step-cpu-*.json")
     (ops,) = tmp_path.glob("profile_ops-cpu-*.json")
     rows = json.loads(steps.read_text())["rows"]
+    # One workload keeps this under 15 s on a 2-core machine; the others share the code.
     assert [(r["workload"].split()[0], r["method"]) for r in rows] == [
-        ("linear", "nonprivate"), ("linear", "ncdp_engine"),
-        ("transformer", "nonprivate"), ("transformer", "ncdp_engine")]
+        ("linear", "nonprivate"), ("linear", "ncdp_engine")]
     for r in rows:
         assert "error" not in r and r["wall_ms"] > 0 and r["operators"] > 0
         assert r["busy_ms"] is None and r["kernels"] is None      # no device on the CPU
         assert r["host_waits"] == 0
-    assert [r["x_nonprivate"] for r in rows[::2]] == [1.0, 1.0]
+    assert rows[0]["x_nonprivate"] == 1.0
     # The private step dispatches more operators than the plain one.
     assert all(p["operators"] > n["operators"] for n, p in zip(rows[::2], rows[1::2]))
     top = json.loads(ops.read_text())["rows"]
