@@ -39,6 +39,12 @@ def cases(family, workloads, methods, once=()):
             for label, params in workloads for m in methods]
 
 
+def exception_text(exc, limit=400) -> str:
+    """"Type: message" of an exception on one line, at most ``limit`` characters:
+    what a table's error cell shows."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:limit]
+
+
 def cuda_missing() -> str | None:
     """Why this machine cannot run the CUDA benchmarks (None: it can)."""
     import torch

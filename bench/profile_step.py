@@ -60,9 +60,15 @@ def _sync(torch, device):
         torch.cuda.synchronize()
 
 
-def _device_us(e):
-    # torch >= 2.4 names it device time; older versions cuda time.
-    return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+def _own_device_us(e):
+    """An event's or an average's own device time, µs (torch >= 2.4 names it
+    device time, older versions cuda time); a kernel's is its duration."""
+    own = getattr(e, "self_device_time_total", None)
+    return e.self_cuda_time_total if own is None else own
+
+
+def _own_cpu_us(e):
+    return e.self_cpu_time_total
 
 
 def profile(step, torch, device):
@@ -86,61 +92,58 @@ def profile(step, torch, device):
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     ops = [e for e in events if e.name.startswith("aten::") and
            (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
-    busy_ms = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-                  for e in kernels) / 1e3 if device == "cuda" else None
+    busy_ms = sum(map(_own_device_us, kernels)) / 1e3 if device == "cuda" else None
     wall_ms = 1e3 * statistics.median(times)
     summary = dict(wall_ms=wall_ms, busy_ms=busy_ms,
                    busy_fraction=None if busy_ms is None else busy_ms / wall_ms,
                    kernels=len(kernels) if device == "cuda" else None,
                    host_waits=sum(1 for e in events if e.name in HOST_WAITS),
                    operators=len(ops))
-    avgs = list(prof.key_averages())
-    if device == "cuda":
-        avgs = [a for a in avgs if _device_us(a) > 0]
-        avgs.sort(key=_device_us, reverse=True)
-        total = sum(_device_us(a) for a in avgs) or 1.0
-        top = [dict(entry=a.key[:120], calls=a.count, ms=_device_us(a) / 1e3,
-                    share=_device_us(a) / total) for a in avgs[:TOP]]
-    else:
-        avgs = [a for a in avgs if a.key.startswith("aten::") and a.self_cpu_time_total > 0]
-        avgs.sort(key=lambda a: a.self_cpu_time_total, reverse=True)
-        total = sum(a.self_cpu_time_total for a in avgs) or 1.0
-        top = [dict(entry=a.key[:120], calls=a.count, ms=a.self_cpu_time_total / 1e3,
-                    share=a.self_cpu_time_total / total) for a in avgs[:TOP]]
+    # On a GPU kernels and operators by their own device time; on the CPU the
+    # operators by their own CPU time.
+    own = _own_device_us if device == "cuda" else _own_cpu_us
+    avgs = sorted((a for a in prof.key_averages()
+                   if own(a) > 0 and (device == "cuda" or a.key.startswith("aten::"))),
+                  key=own, reverse=True)
+    total = sum(map(own, avgs)) or 1.0
+    top = [dict(entry=a.key[:120], calls=a.count, ms=own(a) / 1e3, share=own(a) / total)
+           for a in avgs[:TOP]]
     return summary, top
 
 
 def run(device, size, names, out):
     import torch
 
-    from ncdp_fast._report import write_report
+    from _common import exception_text
     from report import run_meta
+
+    from ncdp_fast._report import write_report
     meta = run_meta(device, size, 1)
     steps, ops = [], []
     for name in names:
         try:
             label, build = _workload(name, size, device)
         except Exception as exc:  # noqa: BLE001  -- the row says why
-            steps.append(dict(workload=name, method="", error=_why(exc)))
+            steps.append(dict(workload=name, method="", error=exception_text(exc)))
             continue
+        base_ms = None                      # the non-private step's, METHODS[0]
         for method in METHODS:
             row = dict(workload=label, method=method)
             try:
                 summary, top = profile(build(method), torch, device)
                 row.update(summary)
+                if method == "nonprivate":
+                    base_ms = summary["wall_ms"]
+                if base_ms is not None:
+                    row["x_nonprivate"] = summary["wall_ms"] / base_ms
                 if method != "nonprivate":
                     ops += [dict(workload=label, method=method, rank=i + 1, **t)
                             for i, t in enumerate(top)]
             except Exception as exc:  # noqa: BLE001
-                row["error"] = _why(exc)
+                row["error"] = exception_text(exc)
             steps.append(row)
             if device == "cuda":
                 torch.cuda.empty_cache()
-    for row in steps:
-        base = next((r for r in steps if r["workload"] == row["workload"]
-                     and r["method"] == "nonprivate" and "wall_ms" in r), None)
-        if base is not None and "wall_ms" in row:
-            row["x_nonprivate"] = row["wall_ms"] / base["wall_ms"]
     what = "device" if device == "cuda" else "CPU"
     common = [f"size {size}; {WARMUP} warm-up steps, wall time the median of {TIMED} steps "
               "(the device synchronised after each), then one step under torch.profiler "
@@ -167,10 +170,6 @@ def run(device, size, names, out):
                  notes=common + [f"the private step's {TOP} largest entries by their own "
                                  f"{what} time"])
     return steps
-
-
-def _why(exc) -> str:
-    return " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
 
 
 def main(argv=None) -> int:

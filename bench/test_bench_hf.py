@@ -72,7 +72,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from _common import Issue35Timer, cases, measure, record_memory
+from _common import Issue35Timer, cases, exception_text, measure, record_memory
 
 SHAPES = {
     "full": dict(gpt2=dict(B=4, T=128, d=768, heads=12, layers=2, vocab=50257),
@@ -205,8 +205,7 @@ def _opacus_error(case, device):
         step()
         return step, release, weights_mb, None
     except Exception as exc:  # noqa: BLE001  -- the peer's failure is the result
-        text = " ".join(f"{type(exc).__name__}: {exc}".split())
-        return None, None, None, text[:400]
+        return None, None, None, exception_text(exc)
 
 
 def test_hf_step(benchmark, case, bench_device, bench_size):

@@ -131,8 +131,8 @@ def run(argv=None) -> int:
         return f"archs {info['cuda_archs']}, runtime {info['cuda_runtime']}, " \
                f"driver {info['cuda_driver']}"
 
-    ok = phase("torch", torch_phase) and phase("build", build_phase)
-    if ok:
+    built = phase("torch", torch_phase) and phase("build", build_phase)
+    if built:
         with tempfile.TemporaryDirectory() as tmp:
             def tests_phase():
                 s = run_tests(python, Path(tmp), env)
@@ -141,10 +141,10 @@ def run(argv=None) -> int:
                 if s["peer_skips"]:
                     said += f"; peer not installed: {'; '.join(s['peer_skips'])}"
                 return said
-            ok = phase("pytest -m gpu", tests_phase)
-    tests_failed = ok is False and any(p["phase"] == "pytest -m gpu" for p in phases)
-    if (ok or tests_failed) and not args.no_bench:
-        if tests_failed:
+            tests_ok = phase("pytest -m gpu", tests_phase)
+    # Failing tests fail the check (problems) but leave the benchmarks to run.
+    if built and not args.no_bench:
+        if not tests_ok:
             meta["benchmarks_beside_failing_tests"] = True
             _say("GPU tests failed: the check fails, the benchmarks run all the same")
         bench_args = [] if args.full else BENCH_QUICK_ARGS if args.quick else BENCH_DEFAULT_ARGS
