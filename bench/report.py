@@ -174,32 +174,43 @@ def predicted_norm_ms(B, T, d, K) -> float:
                   + launches * m["launch_s"])
 
 
-def linear_norms(family, predict=None):
-    """One row per layer shape of bench/test_bench_clip.py::test_linear_norms."""
-    predict = predict or predicted_norm_ms
+def _layer_rows(family, predict, required, cpu_other, more=None):
+    """Rows of a per-layer benchmark (bench_linear_norms, bench_linear_sum):
+    ncdp's time against the einsum and the other route timed, the predicted
+    H200 time, and ``more(ms, t)``'s columns."""
     rows = []
     for w, ms in family.items():
-        row = dict(shape=w, **_missing(ms, ["ncdp", "torch_einsum_f32"]))
+        row = dict(shape=w, **_missing(ms, required))
         B, T, d, K = _shape_ints(w)
         row["predicted_gpu_ms"] = predict(B, T, d, K)
         if "error" not in row:
             t = _t(ms, "ncdp")
-            other = "native_kernel" if "native_kernel" in ms else "gemm_f64"
+            other = "native_kernel" if "native_kernel" in ms else cpu_other
             row.update(ncdp_ms=1e3 * t, ncdp_gflops=_x(ms, "ncdp", "gflops"),
                        einsum_ms=1e3 * _t(ms, "torch_einsum_f32"),
                        x_einsum=_t(ms, "torch_einsum_f32") / t,
                        other=other, other_ms=1e3 * _t(ms, other) if other in ms else None,
                        x_other=_t(ms, other) / t if other in ms else None,
-                       ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"))
+                       ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"), **(more(ms, t) if more else {}))
         rows.append(row)
+    return rows
+
+
+def _layer_columns(route, more=()):
+    return ([("shape", "(B, T, d, K)", None), ("ncdp_ms", "ncdp ms", "{:.3f}"),
+             ("ncdp_gflops", "ncdp GFLOP/s", "{:.1f}"), *more,
+             ("einsum_ms", "Opacus-style f32 einsum ms", "{:.3f}"),
+             ("x_einsum", "× einsum", "{:.2f}"), ("other", "also timed", None),
+             ("other_ms", "its ms", "{:.3f}"), ("x_other", "× it", "{:.2f}"),
+             ("predicted_gpu_ms", f"predicted H200 ms ({route})", "{:.3f}"),
+             ("ncdp_mem_mb", "ncdp peak extra MB", "{:.1f}"), ("error", "error", None)])
+
+
+def linear_norms(family):
+    """One row per layer shape of bench/test_bench_clip.py::test_linear_norms."""
+    rows = _layer_rows(family, predicted_norm_ms, ["ncdp", "torch_einsum_f32"], "gemm_f64")
     return rows, (
-        [("shape", "(B, T, d, K)", None), ("ncdp_ms", "ncdp ms", "{:.3f}"),
-         ("ncdp_gflops", "ncdp GFLOP/s", "{:.1f}"),
-         ("einsum_ms", "Opacus-style f32 einsum ms", "{:.3f}"),
-         ("x_einsum", "× einsum", "{:.2f}"), ("other", "also timed", None),
-         ("other_ms", "its ms", "{:.3f}"), ("x_other", "× it", "{:.2f}"),
-         ("predicted_gpu_ms", "predicted H200 ms (GEMM route)", "{:.3f}"),
-         ("ncdp_mem_mb", "ncdp peak extra MB", "{:.1f}"), ("error", "error", None)],
+        _layer_columns("GEMM route"),
         ["per-sample squared gradient norms of a linear layer with bias, float64 result; "
          "ncdp: numba's kernel on the CPU, the vendor's batched FP64 GEMMs on a GPU "
          "(ncdp_fast/_cuda/clip.py), with the spread of a sequence block (T > 1) as the "
@@ -214,30 +225,54 @@ def linear_norms(family, predict=None):
          "over BERT-base's 72"])
 
 
+# The clipped sum's GEMM runs in float32 (TF32 off) on CUDA cores: the H200's
+# float32 peak is 67 TFLOP/s (datasheet) and bench_ntk's GEMMs measured 51 on
+# the 2026-11-28 run; assumed sustained on these K x d outputs over a long B T
+# inner dimension: 45 TFLOP/s.
+SUM_FP32_FLOPS = 45e12
+# scale the narrower operand, the GEMM, the weight's noise, the bias's row
+# sums, their weighted sum, its noise, its cast
+SUM_LAUNCHES = 7
+
+
 def predicted_sum_ms(B, T, d, K) -> float:
-    """The float64 GEMM route's predicted ms on an H200 (:data:`GPU_MODEL`):
-    2 B T d K FLOPs, a and g read in float32 and written and read in float64
-    (g once more for the factor), the output and the noise pass."""
-    n = B * T * (d + K)
-    traffic = 4 * n + 8 * n + 8 * n + 16 * B * T * K + 24 * d * K
+    """The data-dtype GEMM route's predicted ms on an H200, float32, no
+    rebalancing scan (as a step runs it when the norms rule the scan out):
+    2 B T d K FLOPs at :data:`SUM_FP32_FLOPS`; traffic at GPU_MODEL's
+    bandwidth: the narrower operand read and its scaled copy written, both
+    operands read by the GEMM, the output written then read and written by
+    the noise, g read once more for the bias; :data:`SUM_LAUNCHES` launches."""
+    narrow = B * T * min(d, K)
+    traffic = 8 * narrow + 4 * B * T * (d + K) + 12 * d * K + 4 * B * T * K
     m = GPU_MODEL
-    return 1e3 * (2.0 * B * T * d * K / m["fp64_flops"] + traffic / m["bytes_per_s"]
-                  + 6 * m["launch_s"])
+    return 1e3 * (2.0 * B * T * d * K / SUM_FP32_FLOPS + traffic / m["bytes_per_s"]
+                  + SUM_LAUNCHES * m["launch_s"])
 
 
 def linear_sum(family):
     """One row per layer shape of bench/test_bench_clip.py::test_linear_sum."""
-    rows, (cols, _) = linear_norms(family, predict=predicted_sum_ms)
-    return rows, (cols, [
-        "the clipped sum plus noise of a linear layer with bias (sum_i f_i g_i^T a_i + "
-        "sigma xi, divided by B), float32 result; ncdp: numba and BLAS on the CPU, one "
-        "float64 GEMM through torch/CuPy on a GPU (ncdp_fast/_cuda/clip.py); also timed: on a "
-        "GPU the hand-written CUDA kernel it replaced, on the CPU the device route run by "
-        "torch on the CPU",
-        "Opacus-style einsum: float32 (TF32 as torch is set) plus torch.normal",
-        "predicted H200 ms: a model, not a measurement (bench/report.py GPU_MODEL: 40 "
-        "TFLOP/s FP64 sustained, 3.5 TB/s, 6 launches of 5 us); the first GPU profile "
-        "measured the replaced kernel at 55 ms a BERT-base step (72 calls)"])
+    def more(ms, t):
+        return dict(x_mm=t / _t(ms, "torch_mm_f32"),
+                    balanced_ms=1e3 * _t(ms, "ncdp_balanced") if "ncdp_balanced" in ms else None)
+
+    rows = _layer_rows(family, predicted_sum_ms, ["ncdp", "torch_mm_f32", "torch_einsum_f32"],
+                       "device_route", more)
+    return rows, (
+        _layer_columns("f32 GEMM route", [("x_mm", "× non-private weight GEMM", "{:.2f}"),
+                                          ("balanced_ms", "with the scan ms", "{:.3f}")]),
+        ["the clipped sum plus noise of a linear layer with bias (sum_i f_i g_i^T a_i + "
+         "sigma xi, divided by B), float32 result; ncdp: numba and BLAS on the CPU, one "
+         "float32 GEMM (TF32 off) through torch/CuPy on a GPU (ncdp_fast/_cuda/clip.py), "
+         "without the rebalancing scan, as a step runs it when the norms rule the scan out "
+         "(ncdp_fast/_balance.py); 'with the scan': the same with it; 'non-private weight "
+         "GEMM': g^T a and the bias's column sum in float32, the work the private sum "
+         "stands in for; also timed: on a GPU the hand-written CUDA kernel, on the CPU "
+         "the device route run by torch on the CPU",
+         "Opacus-style einsum: float32 (TF32 as torch is set) plus torch.normal",
+         "predicted H200 ms: a model, not a measurement (bench/report.py: 45 TFLOP/s "
+         "float32, GPU_MODEL's 3.5 TB/s, 7 launches of 5 us); the float64 route it "
+         "replaced measured 0.321 / 0.638 / 0.687 / 7.91 ms at these shapes on the H200 "
+         "(2026-11-28)"])
 
 
 def clip_step(family):

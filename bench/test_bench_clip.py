@@ -13,9 +13,12 @@
    (GPU only), the same GEMMs on the CPU, and Opacus's float32 einsum Gram.
 4. ``test_linear_sum`` (report ``bench_linear_sum``): the clipped sum plus noise
    of the same layers (sum_i f_i g_i^T a_i, noise, / B): the package's route
-   (numba and BLAS on the CPU; one float64 GEMM on a GPU, issue 36) vs the
-   hand-written CUDA kernel (GPU only), the device route on the CPU, and
-   Opacus's float32 einsum plus torch.normal.
+   (numba and BLAS on the CPU; on a GPU one GEMM in the data dtype, issue 36)
+   as a step runs it when the norms rule the rebalancing scan out, and with
+   the scan ("ncdp_balanced"); the non-private weight-gradient GEMM of the same
+   layer (what the private sum stands in for: its floor); the hand-written
+   CUDA kernel (GPU only), the device route on the CPU, and Opacus's float32
+   einsum plus torch.normal.
 2. ``test_clip_step`` (report ``bench_clip_step``): one DP training step of a
    linear layer (forward, backward, privatize, SGD) with ``GhostClipper`` vs the
    non-private step, Opacus hooks mode (GradSampleModule + DPOptimizer), Opacus
@@ -24,6 +27,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 from _common import cases, measure
@@ -40,6 +44,7 @@ NORM_SHAPES = {"full": [(32, 128, 768, 768), (32, 128, 768, 3072), (32, 128, 307
                "quick": [(8, 32, 64, 64), (8, 64, 256, 1024)], "smallest": [(2, 3, 4, 5)]}
 STEP_METHODS = ["nonprivate", "ncdp_ghost", "ncdp_fused", "opacus_hooks", "opacus_ghost"]
 STEP_ONCE = ("ncdp_fused", "opacus_hooks", "opacus_ghost")
+SUM_METHODS = ["ncdp", "ncdp_balanced", "torch_mm_f32", "torch_einsum_f32"]
 
 
 def CASES(size, device):
@@ -48,6 +53,7 @@ def CASES(size, device):
               for B, T, d, K in NORM_SHAPES[size]]
     layer_methods = ["ncdp", "torch_einsum_f32"] + (["native_kernel"] if device == "cuda"
                                                     else ["gemm_f64"])
+    sum_methods = SUM_METHODS + (["native_kernel"] if device == "cuda" else ["device_route"])
     steps = [(f"({B}, {d}, {K})" if T is None else f"({B}, {T}, {d}, {K})",
               dict(B=B, T=T, d=d, K=K)) for B, T, d, K in STEP_SHAPES[size]]
     return {"test_clip_dense": cases(
@@ -56,7 +62,7 @@ def CASES(size, device):
                 + (["read_numba_sum"] if device == "cpu" else ["ncdp_chunked"])),
             "test_clip_step": cases("bench_clip_step", steps, STEP_METHODS, once=STEP_ONCE),
             "test_linear_norms": cases("bench_linear_norms", layers, layer_methods),
-            "test_linear_sum": cases("bench_linear_sum", layers, layer_methods)}
+            "test_linear_sum": cases("bench_linear_sum", layers, sum_methods)}
 
 
 def _layer_data(case, device):
@@ -79,7 +85,8 @@ def test_linear_sum(benchmark, case, bench_device):
     import ncdp_fast._backend as be
     from ncdp_fast import _native
     from ncdp_fast._cuda import clip as device_clip
-    from ncdp_fast._cuda._common import dtype_code, opt_ptr, ptr, stream, workspace
+    from ncdp_fast._cuda._common import (dtype_code, ieee_float32_matmul, opt_ptr, ptr, stream,
+                                         workspace)
     from ncdp_fast._numba import clip as numba_clip
     (B, T, d, K), a, g, gen = _layer_data(case, bench_device)
     method, device = case.method, bench_device
@@ -87,23 +94,32 @@ def test_linear_sum(benchmark, case, bench_device):
     gw = torch.empty(K, d, device=a.device)
     gb = torch.empty(K, device=a.device)
     sigma, inv = 1.0, 1.0 / max(B, 1)
-    if method == "ncdp" and device == "cpu":
+    balance = method == "ncdp_balanced"
+    if method in ("ncdp", "ncdp_balanced") and device == "cpu":
         an, gn, fn_, gwn, gbn = a.numpy(), g.numpy(), f.numpy(), gw.numpy(), gb.numpy()
         io = be.select("clip", a=an).io
 
         def fn():
             numba_clip.clipped_linear_sum(an, gn, fn_, sigma, inv, np.uint64(1), np.uint64(0),
-                                          gwn, gbn, matmul=io.matmul)
+                                          gwn, gbn, matmul=io.matmul, balance=balance)
             return gwn
-    elif method in ("ncdp", "gemm_f64"):
-        ctx = be.emulated_cuda() if device == "cpu" else None
+    elif method in ("ncdp", "ncdp_balanced", "device_route"):
+        # On a GPU as the clip op runs it; "device_route": the same code on CPU
+        # tensors (the emulated device), for the CPU table only.
+        ctx = be.emulated_cuda if device == "cpu" else contextlib.nullcontext
 
         def fn():
-            if ctx is None:
-                device_clip.clipped_linear_sum(a, g, f, sigma, inv, 1, 0, gw, gb)
-            else:
-                with be.emulated_cuda():
-                    device_clip.clipped_linear_sum(a, g, f, sigma, inv, 1, 0, gw, gb)
+            with ctx():
+                device_clip.clipped_linear_sum(a, g, f, sigma, inv, 1, 0, gw, gb,
+                                               balance=balance)
+            return gw
+    elif method == "torch_mm_f32":
+        # The non-private backward's weight gradient of the same layer, IEEE
+        # float32 (TF32 off, as the private sum runs): the floor of the sum.
+        def fn():
+            with ieee_float32_matmul():
+                torch.matmul(g.reshape(-1, K).T, a.reshape(-1, d), out=gw)
+                torch.sum(g.reshape(-1, K), 0, out=gb)
             return gw
     elif method == "native_kernel":
         native = _native.for_array(a)

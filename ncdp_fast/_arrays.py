@@ -399,3 +399,65 @@ def as_float64(x):
         return x.double()
     import cupy
     return x.astype(cupy.float64, copy=False)
+
+
+def _float64_of(x):
+    import torch
+    return torch.float64 if is_torch(x) else np.float64
+
+
+def sum_float64(x, axis):
+    """x summed over ``axis`` in float64 (float32 values widened inside the
+    reduction, no float64 copy of x), by x's library (torch or CuPy)."""
+    return x.sum(axis, dtype=_float64_of(x))
+
+
+def concat_float64(parts):
+    """The arrays of ``parts`` (one library, one device) flattened, cast to
+    float64 and joined: one array, so one transfer reads them all."""
+    if is_torch(parts[0]):
+        import torch
+        return torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
+    xp = module_of(parts[0])
+    return xp.concatenate([xp.asarray(p).reshape(-1).astype(np.float64) for p in parts])
+
+
+def scale_rows(x, f):
+    """x[i] * f[i] for x (B, ...) in its dtype and f (B,) float64: each product
+    formed in float64 and rounded once (the numba twin's ``_scale_rows``,
+    value for value), without a float64 copy of x on a device (torch and
+    CuPy cast inside the element-wise kernel)."""
+    shape = (-1,) + (1,) * (len(x.shape) - 1)
+    if is_torch(x):
+        import torch
+        out = torch.empty_like(x)
+        return torch.mul(x, f.reshape(shape), out=out)
+    import cupy
+    return cupy.multiply(x, f.reshape(shape), out=cupy.empty_like(x), casting="same_kind")
+
+
+def row_max_abs(x):
+    """max |x[i]| over each sample's values, float64: x (B, ...) -> (B,); 0 for
+    samples of no values."""
+    flat = x.reshape(x.shape[0], int(np.prod(x.shape[1:], dtype=np.int64)))
+    if flat.shape[1] == 0:
+        return module_of(x).zeros(x.shape[0], dtype=_float64_of(x))
+    if is_torch(x):
+        return flat.abs().amax(1).double()
+    return abs(flat).max(axis=1).astype(np.float64)
+
+
+def times_pow2(x, k):
+    """x * 2^k exactly (ldexp) for float64 x and integer-valued float64 k of
+    any size a product can need: 2^k is built from its exponent bits in two
+    halves, so no factor leaves float64's normal range."""
+    h = (k * 0.5).floor() if is_torch(k) else module_of(k).floor(k * 0.5)
+    return x * _pow2(h) * _pow2(k - h)
+
+
+def _pow2(k):
+    """2^k for integer-valued float64 k in [-1022, 1023], from the exponent bits."""
+    if is_torch(k):
+        import torch
+        return ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
+    return ((k.astype(np.int64) + 1023) << 52).view(np.float64)

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import _arrays, _backend, _stream
+from . import _arrays, _backend, _balance, _stream
 from ._clip_checks import _check_common, _check_noise_range
 from ._clip_results import GhostBlock, LayersClipResult, LinearClipResult, _accounting
 from ._validate import check_positive
@@ -108,9 +108,11 @@ class _Layer:
         return math.prod(_arrays.shape(self.g, "g")) + (
             0 if self.dense else math.prod(_arrays.shape(self.a, "a")))
 
-    def add_sq_norms(self, kernels, sq, spread):
+    def add_sq_norms(self, kernels, sq, spread, sizes=None):
         """sq += the block's squared norms; spread (None when no block has T > 1)
-        += the rounding scale of its sums over positions (sequence blocks only)."""
+        += the rounding scale of its sums over positions (sequence blocks only);
+        sizes (B, 2) (a linear pair's only) = its operands' squared Frobenius
+        norms, for ``needs_balancing``."""
         if self.kind == "ghost":
             sq += self.sq
             if spread is not None and self.spread is not None:
@@ -119,7 +121,13 @@ class _Layer:
             kernels.row_sq_norms(self.g, sq, True)
         else:
             kernels.linear_sq_norms(self.a, self.g, self.bias, sq, True,
-                                    spread if self.T > 1 else None)
+                                    spread if self.T > 1 else None, sizes)
+
+    def needs_balancing(self, weights, sizes, dtype) -> bool:
+        """Whether the pair's clipped sum must scan for powers of two to move
+        (``_balance``), from host copies of the weights and the sizes."""
+        return _balance.layer_needs_balancing(weights, sizes, self.T * self.d, self.T * self.K,
+                                              self.K <= self.d, dtype == np.float32)
 
     def drop_rows(self, io, rows):
         """Zero the given samples (a copy, never the caller's data): 0 * NaN would
@@ -135,7 +143,7 @@ class _Layer:
             self.a[rows] = 0
             self.g[rows] = 0
 
-    def reduce(self, be, dtype, factors, noise_std, inv_denom, seed, offset):
+    def reduce(self, be, dtype, factors, noise_std, inv_denom, seed, offset, balance=True):
         if self.kind == "ghost":
             out = self.spec.clipped_sum(be.io.to_user(factors))
             if tuple(_arrays.shape(out, "clipped_sum()")) != self.param_shape:
@@ -155,7 +163,7 @@ class _Layer:
         gw = be.io.empty((self.K, self.d), dtype)
         gb = be.io.empty((self.K,), dtype) if self.bias else None
         be.kernels.clipped_linear_sum(self.a, self.g, factors, noise_std, inv_denom, seed, offset,
-                                      gw, gb, matmul=be.io.matmul)
+                                      gw, gb, matmul=be.io.matmul, balance=balance)
         return be.io.to_user(gw), (None if gb is None else be.io.to_user(gb))
 
 
@@ -193,8 +201,13 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     t_max = max(layer.T for layer in layers)
     sq = be.io.zeros((B,), _F64)
     spread = be.io.zeros((B,), _F64) if t_max > 1 else None
-    for layer in layers:
-        layer.add_sq_norms(be.kernels, sq, spread)
+    # The pairs' operand sizes, read with the counts (one transfer): they tell
+    # each clipped sum whether its rebalancing scan can be skipped.
+    pairs = [i for i, layer in enumerate(layers) if layer.kind == "pair"]
+    sizes = be.io.empty((len(pairs), B, 2), _F64) if pairs else None
+    slot = {i: j for j, i in enumerate(pairs)}
+    for i, layer in enumerate(layers):
+        layer.add_sq_norms(be.kernels, sq, spread, sizes[slot[i]] if i in slot else None)
     terms = sum(layer.terms for layer in layers)
     if grad_scale != 1.0:
         # The blocks hold gradients / s: the sample's norm is s times theirs (two
@@ -206,7 +219,15 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     factors, norms = be.io.empty((B,), _F64), be.io.empty((B,), _F64)
     be.kernels.clip_factors(sq, spread, max_norm, terms, t_max,
                             float(np.finfo(dtype).eps) / 2, factors, norms)
-    acc = _accounting(be, norms, max_norm, nan_policy, None, None, draws, factors, checks)
+    weights = factors * grad_scale if grad_scale != 1.0 else factors
+    acc = _accounting(be, norms, max_norm, nan_policy, None, None, draws, factors, checks,
+                      extra=(weights, sizes) if pairs else ())
+    balance = [True] * len(layers)
+    if pairs:
+        host = acc.pop("extra")
+        w_host, s_host = host[:B], host[B:].reshape(len(pairs), B, 2)
+        for i, j in slot.items():
+            balance[i] = layers[i].needs_balancing(w_host, s_host[j], dtype)
     # Claimed once nothing can refuse any more: a refused step takes no range.
     seed, offset = _stream.claim(seed, offset, draws)
     acc.update(seed=seed, offset=offset)
@@ -214,7 +235,6 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         bad = np.flatnonzero(be.io.to_numpy(factors) == 0)
         for layer in layers:
             layer.drop_rows(be.io, bad)
-    weights = factors * grad_scale if grad_scale != 1.0 else factors
     starts = [offset]                       # Python ints: offsets reach 2^64
     for layer in layers[:-1]:
         starts.append(starts[-1] + layer.draws)
@@ -225,7 +245,8 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         order = sorted(order, key=lambda i: layers[i].draws - layers[i].held())
     grads = [None] * len(layers)
     for i in order:
-        grads[i] = layers[i].reduce(be, dtype, weights, noise_std, inv_denom, seed, starts[i])
+        grads[i] = layers[i].reduce(be, dtype, weights, noise_std, inv_denom, seed, starts[i],
+                                    balance[i])
         if release:
             layers[i] = None
     return grads, acc

@@ -98,11 +98,14 @@ class GhostBlock:
 
 # ------------------------------------------------------------------ accounting
 
-def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=None, checks=()):
+def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=None, checks=(),
+                extra=()):
     """The step's counts, read in one transfer.  ``checks``: a caller's own
     device flags, ``(0-d boolean tensor, refuse)`` pairs, read in the same
     transfer; ``refuse()`` of the first false flag raises, before the counts
-    are judged (GhostClipper's loss checks: one host wait a step, not two)."""
+    are judged (GhostClipper's loss checks: one host wait a step, not two).
+    ``extra``: device arrays the caller needs on the host, read in the same
+    transfer and returned flat, in float64, as the result's ``"extra"``."""
     # Counted where the norms are: one transfer of two counts per step (on a
     # GPU each transfer makes the host wait for the device, issue 36); the
     # rows are read only to name them in the error.
@@ -115,7 +118,12 @@ def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=No
     dev = getattr(values[0], "device", None)
     values += [(flag if flag.device == dev else flag.to(dev)).reshape(()).to(values[0].dtype)
                for flag, _ in checks]
-    counts = be.io.to_numpy(xp.stack(values))
+    head = xp.stack(values)
+    if extra:
+        host = be.io.to_numpy(_arrays.concat_float64([head, *extra]))
+        counts, rest = host[:len(values)], host[len(values):]
+    else:
+        counts, rest = be.io.to_numpy(head), None
     for ok, (_, refuse) in zip(counts[2:], checks):
         if not ok:
             refuse()
@@ -127,5 +135,8 @@ def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=No
                          f"{_arrays.shape(norms, 'norms')[0]}) are not "
                          "finite (NaN/Inf, or a norm overflowing float64); fix the model or pass "
                          "nan_policy='zero' to drop those samples")
-    return dict(norms=be.io.to_user(norms), num_clipped=clipped,
-                num_nonfinite=num_bad, seed=seed, offset=offset, draws=draws)
+    acc = dict(norms=be.io.to_user(norms), num_clipped=clipped,
+               num_nonfinite=num_bad, seed=seed, offset=offset, draws=draws)
+    if extra:
+        acc["extra"] = rest
+    return acc

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ncdp_fast as nf
@@ -63,11 +63,9 @@ def test_dense_contribution_never_exceeds_C(dtype, data, C):
     _check_contribution([res.grad], res, C)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("bias", [True, False])
-@settings(max_examples=100, deadline=None)
-@given(data=st.data(), C=C_VALUES)
-def test_linear_contribution_never_exceeds_C(dtype, bias, data, C):
+def _extreme_linear_case(data, dtype):
+    """One sample's (a, g) of values from the smallest denormal to the largest
+    float, T of None (2-D), 1, 2 or 5, with cancellation across positions."""
     T = data.draw(st.sampled_from([None, 1, 2, 5]))
     d, K = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 6))
     rows = 1 if T is None else T
@@ -77,14 +75,74 @@ def test_linear_contribution_never_exceeds_C(dtype, bias, data, C):
         # Cancellation across positions: the sum over t is far smaller than its terms.
         a[1] = -a[0] * dtype(1 + 2 ** -10)
         g[1] = g[0]
-    if T is None:
-        a, g = a[0][None], g[0][None]
-    else:
-        a, g = a[None], g[None]
+    return (a[0][None], g[0][None]) if T is None else (a[None], g[None])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bias", [True, False])
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), C=C_VALUES)
+def test_linear_contribution_never_exceeds_C(dtype, bias, data, C):
+    a, g = _extreme_linear_case(data, dtype)
     res = nf.clip_and_noise_linear(a, g, max_norm=C, noise_multiplier=0.0, bias=bias,
                                    nan_policy="zero")
     parts = [res.grad_weight] + ([res.grad_bias] if bias else [])
     _check_contribution(parts, res, C)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bias", [True, False])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])   # one device throughout
+@given(data=st.data(), C=C_VALUES)
+def test_linear_contribution_never_exceeds_C_on_the_device(require_cuda, dtype, bias, data, C):
+    """The device route (norms in float64, the clipped sum one GEMM in the data
+    dtype, rebalanced only where the norms' sizes say so): the same attack."""
+    import torch
+    a, g = _extreme_linear_case(data, dtype)
+    res = nf.clip_and_noise_linear(torch.from_numpy(a).to(require_cuda),
+                                   torch.from_numpy(g).to(require_cuda), max_norm=C,
+                                   noise_multiplier=0.0, bias=bias, nan_policy="zero")
+    parts = [res.grad_weight.cpu().numpy()] + ([res.grad_bias.cpu().numpy()] if bias else [])
+    _check_contribution(parts, res, C)
+
+
+def _denormal_factor_worst(make, rounds=300):
+    """The largest contribution / C over rows whose clip factor takes g among
+    float32's denormals (f g ~ 2^-131 with a ~ 2^120 and C = 1e-3), where a
+    product's rounding is up to 2^-20 relative, past the clip rule's margin."""
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for _ in range(rounds):
+        a = (rng.uniform(1, 2, (1, 1, 3)) * 2.0 ** 120).astype(np.float32)
+        g = rng.uniform(1, 2, (1, 1, 2)).astype(np.float32)
+        res = nf.clip_and_noise_linear(make(a), make(g), max_norm=1e-3, noise_multiplier=0.0,
+                                       bias=False)
+        worst = max(worst, _exact_norm(np.asarray(res.grad_weight)) / 1e-3)
+    return worst
+
+
+def test_denormal_scaled_operand_is_rebalanced():
+    """The attack the rebalancing answers: without it such rows contributed up
+    to 1.0000027 C on the device route (measured when this test was written)."""
+    assert _denormal_factor_worst(lambda x: x) <= 1.0
+
+
+@pytest.mark.gpu
+def test_denormal_scaled_operand_is_rebalanced_on_the_device(require_cuda, monkeypatch):
+    """The device route reads the rebalancing decision from the norms' sizes:
+    the same rows stay within C, and with the decision forced to "no" they
+    exceed it (so the decision, not luck, keeps them in)."""
+    import torch
+    from ncdp_fast import _balance
+
+    def make(x):
+        return torch.from_numpy(x).to(require_cuda)
+
+    assert _denormal_factor_worst(make) <= 1.0
+    monkeypatch.setattr(_balance, "layer_needs_balancing", lambda *a, **k: False)
+    assert _denormal_factor_worst(make, rounds=100) > 1.0
 
 
 def test_audit_example_large_float32_row_is_clipped_not_dropped():

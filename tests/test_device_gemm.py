@@ -3,8 +3,8 @@
 ``_cuda.clip.linear_sq_norms`` (a linear layer's per-sample norms) against
 the float64 reference over awkward shapes, both routes (Gram and direct),
 chunked and whole, float32 and float64; ``_cuda.clip.clipped_linear_sum``
-(the clipped sum plus noise, one float64 GEMM) against the exact sum and the
-numba twin's noise; and the embedding's sync-free route of ``_rows_sq`` (a
+(the clipped sum plus noise, one GEMM in the data dtype, rebalanced where the
+norms say so) against the exact sum and the numba twin's noise; and the embedding's sync-free route of ``_rows_sq`` (a
 masked Gram instead of ``unique``) against its CPU route."""
 import math
 
@@ -149,7 +149,7 @@ def test_embedding_rows_device_route_matches_the_scatter(B, T, V, D, dtype, chun
 
 
 # ---------------------------------------------------------------- clipped sum
-def _device_sum(a, g, f, noise_std, inv_denom, seed, offset, bias):
+def _device_sum(a, g, f, noise_std, inv_denom, seed, offset, bias, balance=True):
     """The device adaptor on the emulated device (its noise kernel is _C_emu's)."""
     import ncdp_fast._backend as be
     K, d = g.shape[2], a.shape[2]
@@ -158,36 +158,84 @@ def _device_sum(a, g, f, noise_std, inv_denom, seed, offset, bias):
         gb = torch.empty((K,), dtype=gw.dtype) if bias else None
         device_clip.clipped_linear_sum(torch.from_numpy(a), torch.from_numpy(g),
                                        torch.from_numpy(f), noise_std, inv_denom, seed, offset,
-                                       gw, gb)
+                                       gw, gb, balance=balance)
     return gw.numpy(), (gb.numpy() if bias else None)
+
+
+def _sum_bound(a, g, f, inv, bias, dtype):
+    """The exact clipped sum (float64 of the float64 per-sample gradients) and
+    the rounding each twin is allowed: weight entries sum n = B T products
+    fl(f_i g_itk) a_itj in the data dtype (the factor's rounding, the
+    product's, n - 1 additions: gamma_{n+1} of the sum of their absolute
+    values), then x inv in float64, rounded once (u of the value); the bias
+    sums in float64, its products rounded to the data dtype first on the numba
+    twin (u, or half the smallest denormal where a product underflows, then
+    B T + 2 float64 roundings of its absolute terms; the device's row sums and
+    their weighted sum are fewer)."""
+    B, T, d = a.shape
+    K = g.shape[2]
+    flat = per_sample_linear_grads(a, g, bias) * f[:, None]
+    exact = flat.sum(axis=0) * inv
+    scale = np.abs(per_sample_linear_grads(np.abs(a), np.abs(g), bias) * f[:, None]).sum(0) * inv
+    u = np.finfo(dtype).eps / 2
+    n = B * T + 1
+    gamma = np.full(exact.shape, n * u / (1 - n * u))
+    if bias:
+        gamma[K * d:] = u + (B * T + 2) * U64
+    tol = u * np.abs(exact) + gamma * scale * (1 + u)
+    if bias:
+        tol[K * d:] += B * T * np.finfo(dtype).smallest_subnormal / 2 * inv
+    return exact, tol
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("chunked", [False, True])
-def test_gemm_clipped_sum_is_the_exact_sum_rounded_once(shape, bias, dtype, chunked,
-                                                        monkeypatch):
-    """Noise off: each entry is the exact float64 sum of f_i g_it a_it^T divided
-    by the expected batch, rounded once to the data dtype, to within the
-    float64 sum's own rounding (B T + 2 terms of the absolute products)."""
+@pytest.mark.parametrize("balance", [True, False])
+def test_gemm_clipped_sum_within_the_data_dtype_gemm_bound(shape, bias, dtype, balance):
+    """Noise off: each twin's entries are the exact sum of f_i g_it a_it^T
+    divided by the expected batch, to within the rounding of one GEMM in the
+    data dtype (``_sum_bound``), with the rebalancing scan run or skipped,
+    factors into either operand (K <= d and K > d both occur)."""
+    from ncdp_fast._numba import clip as numba_clip
     B, T, d, K = shape
-    if chunked:
-        monkeypatch.setattr(device_clip, "GEMM_CHUNK_BYTES", 2 * 8 * T * (2 * K + d) + 1)
     rng = np.random.default_rng(7 + B + T + d)
     a = rng.standard_normal((B, T, d)).astype(dtype)
     g = rng.standard_normal((B, T, K)).astype(dtype)
     f = rng.uniform(0.0, 1.0, B)
     inv = 1 / 3
-    gw, gb = _device_sum(a, g, f, 0.0, inv, 1, 0, bias)
-    flat = per_sample_linear_grads(a, g, bias) * f[:, None]
-    exact = flat.sum(axis=0) * inv
-    scale = np.abs(per_sample_linear_grads(np.abs(a), np.abs(g), bias) * f[:, None]).sum(0) * inv
-    u = np.finfo(dtype).eps / 2
-    tol = u * np.abs(exact) + (B * T + 2) * U64 * scale * (1 + u)
-    got = np.concatenate([gw.ravel()] + ([gb] if bias else []))
-    assert got.dtype == dtype
-    assert np.all(np.abs(got - exact) <= tol + np.finfo(dtype).tiny)
+    exact, tol = _sum_bound(a, g, f, inv, bias, dtype)
+    gw, gb = _device_sum(a, g, f, 0.0, inv, 1, 0, bias, balance)
+    nw, nb = np.empty((K, d), dtype), (np.empty((K,), dtype) if bias else None)
+    numba_clip.clipped_linear_sum(a, g, f, 0.0, inv, np.uint64(1), np.uint64(0), nw, nb,
+                                  balance=balance)
+    for w, b in ((gw, gb), (nw, nb)):
+        got = np.concatenate([w.ravel()] + ([b] if bias else []))
+        assert got.dtype == dtype
+        assert np.all(np.abs(got - exact) <= tol), np.abs(got - exact) / np.maximum(tol, 1e-300)
+
+
+def test_gemm_clipped_sum_uses_ieee_float32_products(monkeypatch):
+    """The GEMM runs with TF32 off whatever the caller set (TF32 would keep
+    10 mantissa bits, outside the clip rule's (1 + 4u) margin), and the
+    caller's setting is back afterwards."""
+    seen = []
+    real = torch.matmul
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return real(*args, **kwargs)
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        monkeypatch.setattr(torch, "matmul", spy)
+        a, g = np.ones((2, 3, 4), np.float32), np.ones((2, 3, 5), np.float32)
+        _device_sum(a, g, np.array([0.5, 1.0]), 0.0, 1.0, 1, 0, True, True)
+        assert seen == [False]
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -215,14 +263,64 @@ def test_gemm_clipped_sum_noise_is_the_numba_twins(dtype):
     assert np.all(gw != 0)
 
 
-def test_gemm_clipped_sum_keeps_extreme_float32_inputs_exact():
-    """Products of float32 inputs far outside each other's range (the numba
-    twin moves powers of two between a sample's operands for them): formed in
-    float64 they neither overflow nor underflow, and the result is the exact
-    value rounded once."""
-    a = np.full((2, 3, 4), 2.0 ** 100, np.float32)
-    g = np.full((2, 3, 5), 2.0 ** -120, np.float32)
-    f = np.array([2.0 ** -30, 1.0])
-    gw, gb = _device_sum(a, g, f, 0.0, 1.0, 1, 0, True)
-    assert np.all(gw == np.float32(3 * (2.0 ** -30 + 1.0) * 2.0 ** -20))
-    assert np.all(gb == np.float32(3 * (2.0 ** -30 + 1.0) * 2.0 ** -120))
+@pytest.mark.parametrize("K, d", [(4, 6), (6, 4)])
+def test_gemm_clipped_sum_rebalances_extreme_float32_inputs(K, d):
+    """A clipped sample whose scaled operand would fall among float32's
+    denormals (f x ~ 2^-140) while its products are ordinary (the other
+    operand ~ 2^90): the norms' sizes flag the layer, and with the scan both
+    twins stay within the GEMM bound; without it the denormal's lost bits
+    show (the test's teeth: the bound is tight enough to see them)."""
+    from ncdp_fast import _balance
+    from ncdp_fast._numba import clip as numba_clip
+    rng = np.random.default_rng(3)
+    B, T = 3, 2
+    big, small = 2.0 ** 90, 2.0 ** -100
+    into_g = K <= d
+    a = (rng.uniform(1, 2, (B, T, d)) * (big if into_g else small)).astype(np.float32)
+    g = (rng.uniform(1, 2, (B, T, K)) * (small if into_g else big)).astype(np.float32)
+    f = np.array([2.0 ** -40, 2.0 ** -41, 2.0 ** -39])     # every sample far clipped
+    exact, tol = _sum_bound(a, g, f, 1.0, True, np.float32)
+    sizes = np.empty((B, 2))
+    numba_clip.linear_sq_norms(a, g, True, np.zeros(B), False, None, sizes)
+    assert _balance.layer_needs_balancing(f, sizes, T * d, T * K, into_g, True)
+    nw, nb = np.empty((K, d), np.float32), np.empty((K,), np.float32)
+    numba_clip.clipped_linear_sum(a, g, f, 0.0, 1.0, np.uint64(1), np.uint64(0), nw, nb)
+    for balance in (True, False):
+        gw, gb = _device_sum(a, g, f, 0.0, 1.0, 1, 0, True, balance)
+        err = np.abs(np.concatenate([gw.ravel(), gb]) - exact)
+        assert np.all(err <= tol) == balance, (balance, (err / tol).max())
+    err = np.abs(np.concatenate([nw.ravel(), nb]) - exact)
+    assert np.all(err <= tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("chunked", [False, True])
+def test_norm_pass_sizes_are_the_operands_squared_norms(shape, dtype, chunked, monkeypatch):
+    """sizes[i] = (||a_i||^2, ||g_i||^2) from the norm pass, each twin, every
+    route (T = 1, Gram, direct), within the float64 sum of T d (T K)
+    non-negative squares, relatively; the norms are those of the call
+    without sizes, bit for bit."""
+    from ncdp_fast._numba import clip as numba_clip
+    B, T, d, K = shape
+    if chunked:
+        monkeypatch.setattr(device_clip, "GEMM_CHUNK_BYTES", 1)   # one sample a chunk
+    rng = np.random.default_rng(B + T + d + K)
+    a = rng.standard_normal((B, T, d)).astype(dtype)
+    g = (rng.standard_normal((B, T, K)) * 1e-3).astype(dtype)
+    exact = np.stack([(a.astype(np.float64) ** 2).sum(axis=(1, 2)),
+                      (g.astype(np.float64) ** 2).sum(axis=(1, 2))], axis=1)
+    tol = (T * max(d, K) + 2) * U64 * exact
+    sq, sizes = torch.zeros(B, dtype=torch.float64), torch.full((B, 2), np.nan,
+                                                                dtype=torch.float64)
+    device_clip.linear_sq_norms(torch.from_numpy(a), torch.from_numpy(g), True, sq, False,
+                                torch.zeros(B, dtype=torch.float64), sizes)
+    alone = torch.zeros(B, dtype=torch.float64)
+    device_clip.linear_sq_norms(torch.from_numpy(a), torch.from_numpy(g), True, alone, False)
+    assert torch.equal(sq, alone)
+    sqn, sizes_n, alone_n = np.zeros(B), np.full((B, 2), np.nan), np.zeros(B)
+    numba_clip.linear_sq_norms(a, g, True, sqn, False, None, sizes_n)
+    numba_clip.linear_sq_norms(a, g, True, alone_n, False)
+    assert np.array_equal(sqn, alone_n)
+    for got in (sizes.numpy(), sizes_n):
+        assert np.all(np.abs(got - exact) <= tol), (got, exact)

@@ -2,6 +2,9 @@
 stream and workspaces."""
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 
 from .. import _arrays
@@ -30,3 +33,31 @@ def workspace(like, nbytes: int):
         return None, 0
     buf = _arrays.io_for(like).empty((nbytes,), np.uint8)
     return buf, ptr(buf)
+
+
+# The flag is the process's: calls on several threads share one save and
+# restore (the first in saves, the last out restores), so no thread's exit
+# turns TF32 back on under another's products or loses the caller's setting.
+_TF32_LOCK = threading.Lock()
+_TF32_STATE = {"depth": 0, "saved": None}
+
+
+@contextlib.contextmanager
+def ieee_float32_matmul():
+    """TF32 off for the call, restored after: the documented float32 accuracy
+    of the NTK Gram and of the clipped sums is that of IEEE float32 products,
+    which TF32's 10-bit mantissas would lose whatever the caller set globally."""
+    import torch
+    m = torch.backends.cuda.matmul
+    with _TF32_LOCK:
+        if _TF32_STATE["depth"] == 0:
+            _TF32_STATE["saved"] = m.allow_tf32
+            m.allow_tf32 = False
+        _TF32_STATE["depth"] += 1
+    try:
+        yield
+    finally:
+        with _TF32_LOCK:
+            _TF32_STATE["depth"] -= 1
+            if _TF32_STATE["depth"] == 0:
+                m.allow_tf32 = _TF32_STATE["saved"]

@@ -1,10 +1,11 @@
 """Fused per-sample clipping with noise on CUDA: the signatures of ``_numba.clip``."""
 from __future__ import annotations
 
-import numpy as np
+import contextlib
+import os
 
-from .. import _arrays
-from ._common import dtype_code, native, opt_ptr, ptr, stream, workspace
+from .. import _arrays, _balance
+from ._common import dtype_code, ieee_float32_matmul, native, opt_ptr, ptr, stream, workspace
 from .rng import add_gaussian  # also the finishing step of a ghost block, as _numba.clip
 
 
@@ -56,13 +57,15 @@ def weighted_row_sum_noise(g, factors, noise_std, inv_denom, seed, offset, out):
 GEMM_CHUNK_BYTES = _arrays.CHUNK_BYTES
 
 
-def linear_sq_norms(a, g, bias, sq, accumulate, spread=None):
+def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None):
     """sq[i] (=|+=) ||g_i^T a_i||_F^2 (+ ||sum_t g_it||^2 with a bias), float64;
     with ``spread``, also spread[i] += sum_t ||g_it|| (||a_it|| + [bias]), the
-    scale of a sequence block's rounding (reference.linear_spread; 0 at T = 1).
+    scale of a sequence block's rounding (reference.linear_spread; 0 at T = 1);
+    with ``sizes``, also sizes[i] = (||a_i||_F^2, ||g_i||_F^2), from which the
+    clip op decides whether the clipped sum must rebalance (``_balance``).
 
     a: (B, T, d), g: (B, T, K) device arrays (torch or CuPy); sq, spread: (B,)
-    float64.
+    float64; sizes: (B, 2) float64.
     The work is matrix products, so it goes to the vendor's batched GEMM
     (issue 36: the hand-written kernel, one block a sample on CUDA cores, was
     76% of a BERT step on the H200): the Gram route sums (a_t.a_s + [bias])
@@ -71,35 +74,36 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None):
     Both in float64 -- a and g upcast exactly, FP64 GEMMs (FP64 tensor cores
     on Hopper; TF32 never applies to float64) -- so the norms stay within the
     rounding the clip rule's ``terms`` allows for either route
-    (reference.linear_terms).  The spread comes from the same float64 copies
-    (the Gram route's diagonals are the positions' squared norms): a separate
-    pass upcast a and g again: 0.56 against 0.15 ms a BERT-base layer, 5 ms a
-    step, by the GPU model of bench/report.py (GPU_MODEL; not yet measured).
+    (reference.linear_terms).  The spread and the sizes come from the same
+    float64 copies (the Gram route's diagonals are the positions' squared
+    norms): a separate pass would upcast a and g again (0.56 against 0.15 ms a
+    BERT-base layer for the spread by the GPU model of bench/report.py).
     """
     B, T, d = a.shape
     K = g.shape[2]
     if T == 1:      # one position: nothing to spread (reference.linear_spread is 0)
-        _rank1_sq_norms(a, g, bias, sq, accumulate)
+        _rank1_sq_norms(a, g, bias, sq, accumulate, sizes)
         return
     gram = 2 * T * T <= K * d
     per_sample = 8 * (T * (d + K) + (2 * T * T if gram else K * d))
-    if spread is not None and not gram:
-        per_sample += 8 * T * max(d, K)         # the squares summed into the spread
+    squares = not gram and (spread is not None or sizes is not None)
+    if squares:
+        per_sample += 8 * T * max(d, K)         # the positions' squares, summed
     for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
         a64, g64 = _arrays.as_float64(a[lo:hi]), _arrays.as_float64(g[lo:hi])
         if gram:
             w = a64 @ a64.swapaxes(1, 2)
             v = g64 @ g64.swapaxes(1, 2)
-            if spread is not None:
-                _add_spread(spread, lo, hi, w.diagonal(0, 1, 2), v.diagonal(0, 1, 2), bias)
+            _add_spread_sizes(spread, sizes, lo, hi, w.diagonal(0, 1, 2),
+                              v.diagonal(0, 1, 2), bias)
             if bias:
                 w += 1.0
             w *= v
             e = w.sum(axis=(1, 2))
         else:
-            if spread is not None:
-                _add_spread(spread, lo, hi, (a64 * a64).sum(axis=2), (g64 * g64).sum(axis=2),
-                            bias)
+            if squares:
+                _add_spread_sizes(spread, sizes, lo, hi, (a64 * a64).sum(axis=2),
+                                  (g64 * g64).sum(axis=2), bias)
             w = g64.swapaxes(1, 2) @ a64
             w *= w
             e = w.sum(axis=(1, 2))
@@ -112,13 +116,19 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None):
             sq[lo:hi] = e
 
 
-def _add_spread(spread, lo, hi, sa, sg, bias):
-    """spread[lo:hi] += sum_t sqrt(sg_t) (sqrt(sa_t) + [bias]) from the positions'
-    float64 squared norms sa, sg: (n, T)."""
-    spread[lo:hi] += (sg ** 0.5 * (sa ** 0.5 + (1.0 if bias else 0.0))).sum(axis=1)
+def _add_spread_sizes(spread, sizes, lo, hi, sa, sg, bias):
+    """spread[lo:hi] += sum_t sqrt(sg_t) (sqrt(sa_t) + [bias]) and sizes[lo:hi]
+    = (sum_t sa_t, sum_t sg_t), each where given, from the positions' float64
+    squared norms sa, sg: (n, T)."""
+    if spread is not None:
+        spread[lo:hi] += (sg ** 0.5 * (sa ** 0.5 + (1.0 if bias else 0.0))).sum(axis=1)
+    if sizes is not None:       # reduced into the strided columns: no temporaries, no copies
+        xp = _arrays.module_of(sizes)
+        xp.sum(sa, 1, out=sizes[lo:hi, 0])
+        xp.sum(sg, 1, out=sizes[lo:hi, 1])
 
 
-def _rank1_sq_norms(a, g, bias, sq, accumulate):
+def _rank1_sq_norms(a, g, bias, sq, accumulate, sizes):
     """linear_sq_norms at T = 1, the numba twin's rank-1 case: ||g_i a_i^T||_F^2
     = ||a_i||^2 ||g_i||^2, plus ||g_i||^2 with a bias -- two float64 row
     reductions instead of the Gram route's batched 1 x 1 GEMMs (a linear head
@@ -128,6 +138,9 @@ def _rank1_sq_norms(a, g, bias, sq, accumulate):
     for lo, hi in _arrays.sample_chunks(B, 8 * (d + K), GEMM_CHUNK_BYTES):
         a64, g64 = _arrays.as_float64(a[lo:hi, 0]), _arrays.as_float64(g[lo:hi, 0])
         sa, sg = (a64 * a64).sum(axis=1), (g64 * g64).sum(axis=1)
+        if sizes is not None:
+            sizes[lo:hi, 0] = sa
+            sizes[lo:hi, 1] = sg
         e = sa * sg
         if bias:
             e += sg
@@ -137,35 +150,75 @@ def _rank1_sq_norms(a, g, bias, sq, accumulate):
             sq[lo:hi] = e
 
 
-def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb, matmul=None):
+def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb, matmul=None,
+                       balance=True):
     """gw [K, d] = inv_denom (sum_{i,t} f_i g_it a_it^T + noise_std xi_w), and
     gb [K] likewise from sum_{i,t} f_i g_it (skipped when gb is None).
 
     a: (B, T, d), g: (B, T, K) device arrays (torch or CuPy), float32 or
-    float64; factors: (B,) float64 clip factors (each sample's clipped
-    contribution); gw (K, d), gb (K,): outputs in the data dtype.  One vendor
-    GEMM over the B*T rows (issue 36: the hand-written kernel was 13% of a
-    BERT step on the H200), in float64: a and g upcast exactly, the factor
-    folded into g in float64, so no product leaves float64's range whatever
-    the float32 inputs (the numba twin, in float32 BLAS, moves powers of two
-    between a sample's operands for that) and no TF32 ever applies.  The
-    float64 sum takes the noise -- the stream's draws offset + k*d + j, then
-    the bias -- and the division by the expected batch in ``add_gaussian``,
-    then is rounded once to the data dtype.  Chunks of samples bound the
-    float64 temporaries; ``matmul`` is the CPU path's BLAS hook, unused.
+    float64; factors: (B,) float64, each sample's weight (its clip factor);
+    gw (K, d), gb (K,): outputs in the data dtype.  The numba twin's
+    algorithm on the vendor's GEMM: the factor multiplies the narrower operand
+    in float64 and the product is rounded once to the data dtype, then one
+    GEMM over the B*T rows in the data dtype -- the GEMM the non-private
+    backward runs for the weight's gradient (issue 36: in float64 it cost 31
+    ms of an 84 ms BERT step on the H200).  TF32 is off for it: the clip
+    rule's (1 + 4u) margin is for IEEE rounding.  When some factor is below 1
+    and ``balance`` holds, an exact power of two is moved between a sample's
+    operands where either would leave [2^-40, 2^40] (``_balance.exponents``,
+    from the maxima: a pass over both operands), so no product loses bits to
+    denormals; the clip ops pass ``balance=False`` when the norms already show
+    every such power would be 1 (``_balance.layer_needs_balancing``).
+    Noise: the weight's draws offset + k*d + j, added to gw in float64 with
+    the division by the expected batch and rounded once (``add_gaussian``),
+    then the bias's.  The bias is summed in float64 (row sums, then their
+    factor-weighted sum) with the true factors.  ``matmul`` is the CPU path's
+    BLAS hook, unused.
     """
     B, T, d = a.shape
     K = g.shape[2]
-    io = _arrays.io_for(a)
-    acc = io.zeros((K, d), np.float64)
-    accb = io.zeros((K,), np.float64) if gb is not None else None
-    for lo, hi in _arrays.sample_chunks(B, 8 * T * (2 * K + d), GEMM_CHUNK_BYTES):
-        gf = _arrays.as_float64(g[lo:hi]) * factors[lo:hi, None, None]
-        acc += gf.reshape(-1, K).T @ _arrays.as_float64(a[lo:hi]).reshape(-1, d)
-        if accb is not None:
-            accb += gf.sum(axis=(0, 1))
-    add_gaussian(acc.reshape(-1), seed, offset, noise_std, True, inv_denom)
-    gw[...] = acc
-    if accb is not None:
+    _refuse_cupy_tf32(a)
+    into_g = K <= d      # the factor goes to the narrower operand
+    f = factors
+    g_in = g
+    if balance and B:
+        a, g, f = _rebalanced(a, g, f, into_g)
+    if into_g:
+        x, y = _arrays.scale_rows(g, f), a
+    else:
+        x, y = g, _arrays.scale_rows(a, f)
+    with _float32_gemm(a):
+        _arrays.module_of(gw).matmul(x.reshape(B * T, K).T, y.reshape(B * T, d), out=gw)
+    del x, y
+    add_gaussian(gw.reshape(-1), seed, offset, noise_std, True, inv_denom)
+    if gb is not None:
+        accb = _arrays.sum_float64(g_in, 1).T @ factors
         add_gaussian(accb, seed, offset + K * d, noise_std, True, inv_denom)
         gb[...] = accb
+
+
+def _rebalanced(a, g, f, into_g):
+    """(a, g, f) with 2^k_i moved from the other operand to the factor of
+    sample i (``_balance.exponents`` of the maxima), as the numba twin's
+    ``_balance_exponents``; k_i = 0 unless some factor is below 1."""
+    xp = _arrays.module_of(f)
+    ma, mg = _arrays.row_max_abs(a), _arrays.row_max_abs(g)
+    k = _balance.exponents(xp, f * (mg if into_g else ma), ma if into_g else mg)
+    k = xp.where(f.min() < 1.0, k, xp.zeros_like(k))
+    f = _arrays.times_pow2(f, k)
+    if into_g:
+        return _arrays.scale_rows(a, _arrays.times_pow2(xp.ones_like(k), -k)), g, f
+    return a, _arrays.scale_rows(g, _arrays.times_pow2(xp.ones_like(k), -k)), f
+
+
+def _float32_gemm(x):
+    """TF32 off around a torch GEMM (CuPy's is refused by _refuse_cupy_tf32)."""
+    return ieee_float32_matmul() if _arrays.is_torch(x) else contextlib.nullcontext()
+
+
+def _refuse_cupy_tf32(x):
+    if _arrays.kind(x) == "cupy" and os.environ.get("CUPY_TF32", "0") not in ("", "0"):
+        raise RuntimeError(
+            "CUPY_TF32: expected unset or 0 for the clipped sums (the clip bound holds for IEEE "
+            f"float32 products; TF32 keeps 10 mantissa bits), got {os.environ['CUPY_TF32']!r}; "
+            "unset it, or pass torch tensors (TF32 is turned off for the call there)")

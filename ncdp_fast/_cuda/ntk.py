@@ -11,11 +11,8 @@ beside each row of bench_ntk).
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-
 from .. import _arrays
-from ._common import dtype_code, native, opt_ptr, ptr, stream
+from ._common import dtype_code, ieee_float32_matmul, native, opt_ptr, ptr, stream  # noqa: F401
 
 # Rows of one strip: GEMMs of 1024 x n2 x width still run near the GEMM peak,
 # and with x2 = x the strips skip (R - 1) / 2R of the products for R strips.
@@ -23,34 +20,6 @@ STRIP_ROWS = 1024
 # The strip's two product temporaries stay within this budget (rows shrink when
 # n2 is large; one row at least).
 GEMM_CHUNK_BYTES = _arrays.CHUNK_BYTES
-
-
-# The flag is the process's: calls on several threads share one save and
-# restore (the first in saves, the last out restores), so no thread's exit
-# turns TF32 back on under another's products or loses the caller's setting.
-_TF32_LOCK = threading.Lock()
-_TF32_STATE = {"depth": 0, "saved": None}
-
-
-@contextlib.contextmanager
-def ieee_float32_matmul():
-    """TF32 off for the call, restored after: the Gram's documented float32
-    accuracy is that of IEEE float32 products, which TF32's 10-bit mantissas
-    would lose whatever the caller set globally."""
-    import torch
-    m = torch.backends.cuda.matmul
-    with _TF32_LOCK:
-        if _TF32_STATE["depth"] == 0:
-            _TF32_STATE["saved"] = m.allow_tf32
-            m.allow_tf32 = False
-        _TF32_STATE["depth"] += 1
-    try:
-        yield
-    finally:
-        with _TF32_LOCK:
-            _TF32_STATE["depth"] -= 1
-            if _TF32_STATE["depth"] == 0:
-                m.allow_tf32 = _TF32_STATE["saved"]
 
 
 def _strips(n, n2, itemsize):

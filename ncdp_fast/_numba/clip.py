@@ -12,6 +12,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .._balance import BALANCED, RANGE_SLACK
 from ._dispatch import sized_kernel
 
 from .rng import add_gaussian
@@ -223,22 +224,27 @@ def _linear_norm_work(a, g, *_):
     return B * T * T * (d + K) // 2 if 2 * T * T <= K * d else B * T * K * d
 
 
-def linear_sq_norms(a, g, bias, sq, accumulate, spread=None):
+def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None):
     """Squared norms of the per-sample gradients of a linear layer, float64
     (:func:`_linear_sq_norms`); with ``spread`` (B,) float64, also
     spread[i] += sum_t ||g_it|| (||a_it|| + [bias]) (:func:`linear_spread`),
     the scale of a sequence block's rounding, as the device route gives it
-    from the same pass."""
-    _linear_sq_norms(a, g, bias, sq, accumulate)
+    from the same pass; with ``sizes`` (B, 2) float64, also sizes[i] =
+    (||a_i||_F^2, ||g_i||_F^2), which tell the clipped sum whether it must
+    rebalance (``_balance.layer_needs_balancing``)."""
+    want = sizes is not None
+    out = sizes if want else np.empty((0, 2))
+    _linear_sq_norms(a, g, bias, sq, accumulate, out, want)
     if spread is not None and a.shape[1] > 1:      # reference.linear_spread: 0 at T = 1
         linear_spread(a, g, bias, spread, True)
 
 
 @sized_kernel(_linear_norm_work, fastmath=_FM)
-def _linear_sq_norms(a, g, bias, sq, accumulate):
+def _linear_sq_norms(a, g, bias, sq, accumulate, sizes, want_sizes):
     """Squared norms of the per-sample gradients of a linear layer, float64.
 
-    a: [B, T, d] activations; g: [B, T, K] output gradients; sq: [B].
+    a: [B, T, d] activations; g: [B, T, K] output gradients; sq: [B]; sizes:
+    [B, 2] (written when ``want_sizes``): the operands' squared Frobenius norms.
     ``||sum_t g_t a_t^T||_F^2`` is ``sum_{t,s} (a_t.a_s)(g_t.g_s)`` ("Gram", cost
     T^2 (d+K)) or the squared entries of the formed K x d matrix ("direct", cost
     T K d, memory K d); with a bias, ``||sum_t g_t||^2`` is added.  Gram is used
@@ -251,8 +257,11 @@ def _linear_sq_norms(a, g, bias, sq, accumulate):
         ai = a[i]
         gi = g[i]
         total = 0.0
+        sa = 0.0
+        sg = 0.0
         if T == 1:
-            total = _sq_norm(ai[0]) * _sq_norm(gi[0])
+            sa, sg = _sq_norm(ai[0]), _sq_norm(gi[0])
+            total = sa * sg
         elif use_gram:
             for t in range(T):
                 s = 0
@@ -264,7 +273,10 @@ def _linear_sq_norms(a, g, bias, sq, accumulate):
                 while s < t:
                     total += 2.0 * _dot(ai[t], ai[s]) * _dot(gi[t], gi[s])
                     s += 1
-                total += _sq_norm(ai[t]) * _sq_norm(gi[t])
+                na, ng = _sq_norm(ai[t]), _sq_norm(gi[t])
+                total += na * ng
+                sa += na
+                sg += ng
         else:
             w = np.zeros((K, d))
             for t in range(T):
@@ -274,6 +286,10 @@ def _linear_sq_norms(a, g, bias, sq, accumulate):
                         w[k, j] += gk * np.float64(ai[t, j])
             for k in range(K):
                 total += _sq_norm(w[k])
+            if want_sizes:
+                for t in range(T):
+                    sa += _sq_norm(ai[t])
+                    sg += _sq_norm(gi[t])
         if bias:
             for k in range(K):
                 bk = 0.0
@@ -281,6 +297,9 @@ def _linear_sq_norms(a, g, bias, sq, accumulate):
                     bk += np.float64(gi[t, k])
                 total += bk * bk
         sq[i] = sq[i] + total if accumulate else total
+        if want_sizes:
+            sizes[i, 0] = sa
+            sizes[i, 1] = sg
 
 
 @sized_kernel(lambda a, g, *_: a.size + g.size, fastmath=_FM)
@@ -315,16 +334,13 @@ def _norm_range(x):
     for t in range(x.shape[0]):
         s += _sq_norm(x[t])
     r = math.sqrt(s)
-    return r / math.sqrt(max(1, x.size)) * (1.0 - 2.0 ** -8), r * (1.0 + 2.0 ** -8)
-
-
-_BALANCED = 2.0 ** 40
+    return r / math.sqrt(max(1, x.size)) * (1.0 - RANGE_SLACK), r * (1.0 + RANGE_SLACK)
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
 def _balanced(lo, hi):
     """Whether every value in [lo, hi] is 0-free and inside [2^-40, 2^40]."""
-    return 1.0 / _BALANCED <= lo and hi <= _BALANCED
+    return 1.0 / BALANCED <= lo and hi <= BALANCED
 
 
 @sized_kernel(lambda a, g, *_: a.size + g.size, fastmath=_FM)
@@ -351,8 +367,8 @@ def _balance_exponents(a, g, factors, into_g, k):
         mg = _max_abs(g[i])
         u = fi * (mg if into_g else ma)             # the scaled operand
         v = ma if into_g else mg                    # the other one
-        if u > 0.0 and v > 0.0 and not (2.0 ** -40 <= u <= 2.0 ** 40
-                                        and 2.0 ** -40 <= v <= 2.0 ** 40):
+        if u > 0.0 and v > 0.0 and not (1.0 / BALANCED <= u <= BALANCED
+                                        and 1.0 / BALANCED <= v <= BALANCED):
             k[i] = np.floor(0.5 * (np.log2(v) - np.log2(u)))
 
 
@@ -390,7 +406,7 @@ def _scaled_column_sums(x, f, out):
 
 
 def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb,
-                       matmul=np.matmul):
+                       matmul=np.matmul, balance=True):
     """gw [K, d] = inv_denom*(sum_{i,t} f_i g_it a_it^T + noise_std*xi_w), and
     gb [K] likewise from ``sum_{i,t} f_i g_it`` (skipped when gb is None).
 
@@ -399,7 +415,9 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     factor multiplies in float64 and the product is rounded once: a float32
     factor would be a denormal below 2^-126.  When some sample is clipped, an
     exact power of two is moved between its operands if either would otherwise
-    leave the well-scaled range (extreme inputs; see ``_balance_exponents``).
+    leave the well-scaled range (extreme inputs; see ``_balance_exponents``);
+    ``balance=False`` skips that scan, for a caller that knows from the norms
+    that no sample needs it (``_balance.layer_needs_balancing``).
     Noise: weight entries are draws offset + k*d + j, then the bias.
     ``matmul(x, y, out)`` is the caller library's GEMM (see ``_backend``).
     """
@@ -409,7 +427,7 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     g_in = g
     into_g = K <= d      # the factor goes to the narrower operand
     f = factors
-    if B and f.min() < 1.0:
+    if balance and B and f.min() < 1.0:
         k = np.empty(B)
         _balance_exponents(a, g, f, into_g, k)
         if k.any():

@@ -1,0 +1,76 @@
+"""When a clipped sum must move powers of two between a sample's operands.
+
+The factored clipped sum (``clipped_linear_sum``, both twins) multiplies the
+clip factor f_i into one operand (the narrower) and runs one GEMM in the data
+dtype.  Its rounding is relative -- the clip rule's ``(1 + 4u)`` margin covers
+it -- only while each operand stays far from the dtype's denormals and
+overflow; when f_i max|x_i| or the other operand's max leaves [2^-40, 2^40],
+an exact power of two 2^k_i is moved between them (``exponents``).  That scan
+reads both operands, so the clip ops decide first, from the per-sample
+Frobenius norms the norm pass already formed (``linear_sq_norms(..., sizes)``),
+whether any sample of a layer may need it (``layer_needs_balancing``); the
+device reads that answer in the step's one host transfer.  The norms bound the
+maxima (max|x| lies in [||x|| / sqrt(n), ||x||]), so "no" is exact: every k_i
+would be 0.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# Operand maxima inside [2^-EXP, 2^EXP] round relatively in float32 and in
+# float64 whatever the other operand (products stay normal or 0).
+BALANCED_EXP = 40
+BALANCED = 2.0 ** BALANCED_EXP
+# Widening of a range formed from a float64 sum of squares, for its rounding.
+RANGE_SLACK = 2.0 ** -8
+
+
+def norm_range(sq, n):
+    """(lo, hi) with lo <= max|x| <= hi for x of n values whose float64 sum of
+    squares is ``sq`` (arrays, NumPy)."""
+    r = np.sqrt(sq)
+    return r / np.sqrt(max(1, n)) * (1.0 - RANGE_SLACK), r * (1.0 + RANGE_SLACK)
+
+
+def _balanced(lo, hi):
+    return (1.0 / BALANCED <= lo) & (hi <= BALANCED)
+
+
+def layer_needs_balancing(factors, sizes, n_a, n_g, into_g, float32) -> bool:
+    """Whether ``exponents`` could give some sample of a linear layer k != 0.
+
+    factors: (B,) float64 on the host, the weights the sum receives (clip
+    factor times any gradient scale); sizes: (B, 2) float64, each sample's
+    ||a_i||_F^2 and ||g_i||_F^2 (``linear_sq_norms``); n_a = T d and n_g = T K
+    values per sample; ``into_g``: the factor goes to g (K <= d); ``float32``:
+    the data dtype, where a zero sum of squares means a zero operand (float64
+    squares can underflow, so there it proves nothing).  As the kernels: no
+    sample is rebalanced unless some factor is below 1."""
+    factors = np.asarray(factors, np.float64)
+    if factors.size == 0 or not factors.min() < 1.0:
+        return False
+    with np.errstate(all="ignore"):     # inf sizes (float64 overflow) and 0 * inf: NaN
+        la, ha = norm_range(sizes[:, 0], n_a)
+        lg, hg = norm_range(sizes[:, 1], n_g)
+        if into_g:
+            lg, hg = factors * lg, factors * hg
+        else:
+            la, ha = factors * la, factors * ha
+        need = ~(_balanced(la, ha) & _balanced(lg, hg))      # NaN: needs the scan
+    zero = factors == 0.0                                # u = 0: k = 0
+    if float32:
+        zero |= (sizes[:, 0] == 0.0) | (sizes[:, 1] == 0.0)
+    return bool((need & ~zero).any())
+
+
+def exponents(xp, u, v):
+    """k_i = floor((log2 v_i - log2 u_i) / 2), the power of two that brings the
+    scaled operand's max u_i and the other's v_i to the same exponent, where
+    either lies outside [2^-40, 2^40] and neither is 0; else 0.  u, v: (B,)
+    float64 arrays of any library ``xp`` (numpy, torch, cupy)."""
+    lo, hi = 1.0 / BALANCED, BALANCED
+    inside = (u >= lo) & (u <= hi) & (v >= lo) & (v <= hi)
+    move = (u > 0) & (v > 0) & ~inside
+    safe_u = xp.where(move, u, xp.ones_like(u))
+    safe_v = xp.where(move, v, xp.ones_like(v))
+    return xp.where(move, xp.floor(0.5 * (xp.log2(safe_v) - xp.log2(safe_u))), xp.zeros_like(u))

@@ -1,0 +1,94 @@
+"""The rebalancing decision of the clipped sums (``ncdp_fast/_balance.py``):
+the clip ops skip the scan over both operands when the norms' sizes say no
+sample could need a power of two moved.  That skip is exact only if "no"
+implies every exponent the scan would find is 0: held here as a property
+over magnitudes across float32's and float64's ranges, against the numba
+twin's own scan (``_balance_exponents``) and the device twin's formula."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ncdp_fast import _balance
+from ncdp_fast._numba import clip as numba_clip
+
+
+def _data(rng, B, T, d, K, ea, eg, dtype, zero_rows):
+    a = rng.uniform(0.5, 1.0, (B, T, d)) * rng.choice([-1.0, 1.0], (B, T, d))
+    g = rng.uniform(0.5, 1.0, (B, T, K)) * rng.choice([-1.0, 1.0], (B, T, K))
+    a = (a * np.exp2(np.asarray(ea, float))[:, None, None]).astype(dtype)
+    g = (g * np.exp2(np.asarray(eg, float))[:, None, None]).astype(dtype)
+    for i in zero_rows:
+        (a if i % 2 else g)[i % B] = 0
+    return a, g
+
+
+def _scan(a, g, f):
+    """The numba twin's exponents, as its clipped sum runs them (none unless
+    some factor is below 1)."""
+    k = np.zeros(a.shape[0])
+    if a.shape[0] and f.min() < 1.0:
+        numba_clip._balance_exponents(a, g, f, g.shape[2] <= a.shape[2], k)
+    return k
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 3), st.integers(1, 6), st.integers(1, 6),
+       st.sampled_from([np.float32, np.float64]), st.data())
+def test_no_flag_means_every_exponent_is_zero(B, T, d, K, dtype, data):
+    lim = 120 if dtype == np.float32 else 300
+    ea = data.draw(st.lists(st.integers(-lim, lim), min_size=B, max_size=B))
+    eg = data.draw(st.lists(st.integers(-lim, lim), min_size=B, max_size=B))
+    ef = data.draw(st.lists(st.one_of(st.integers(-150, 0), st.just(None)), min_size=B,
+                            max_size=B))
+    zero_rows = data.draw(st.lists(st.integers(0, 2 * B - 1), max_size=2))
+    f = np.array([0.0 if e is None else 2.0 ** e * 0.75 ** (e != 0) for e in ef])
+    rng = np.random.default_rng(B * 7 + T + d * 3 + K)
+    a, g = _data(rng, B, T, d, K, ea, eg, dtype, zero_rows)
+    sizes = np.empty((B, 2))
+    numba_clip.linear_sq_norms(a, g, True, np.zeros(B), False, None, sizes)
+    flag = _balance.layer_needs_balancing(f, sizes, T * d, T * K, K <= d, dtype == np.float32)
+    k = _scan(a, g, f)
+    if not flag:
+        assert np.all(k == 0), (k, sizes, f)
+    # The device twin's formula gives the numba scan's exponents.
+    if f.min() < 1.0:
+        ma = np.abs(a.astype(np.float64)).reshape(B, -1).max(1)
+        mg = np.abs(g.astype(np.float64)).reshape(B, -1).max(1)
+        into_g = K <= d
+        dev = _balance.exponents(np, f * (mg if into_g else ma), ma if into_g else mg)
+        assert np.array_equal(dev, k)
+
+
+def test_the_flag_fires_where_the_scan_moves_a_power():
+    """Examples on either side: ordinary data (no flag, no scan), a factor
+    taking the scaled operand under 2^-40, and float64 values whose squares
+    underflow to a zero size (no proof of a zero operand there)."""
+    rng = np.random.default_rng(0)
+    for ea, eg, f, dtype, want in [([0, 0], [-3, -3], [0.5, 1.0], np.float32, False),
+                                   ([0, 0], [-3, -3], [2.0 ** -45, 1.0], np.float32, True),
+                                   ([0, 0], [-3, -3], [1.0, 1.0], np.float32, False),
+                                   ([-600, 0], [0, 0], [0.5, 0.5], np.float64, True)]:
+        a, g = _data(rng, 2, 3, 4, 2, ea, eg, dtype, [])
+        f = np.array(f)
+        sizes = np.empty((2, 2))
+        numba_clip.linear_sq_norms(a, g, True, np.zeros(2), False, None, sizes)
+        flag = _balance.layer_needs_balancing(f, sizes, 12, 6, True, dtype == np.float32)
+        assert flag is want
+        assert bool(np.any(_scan(a, g, f) != 0)) is want
+
+
+@pytest.mark.parametrize("k", [-1100, -1074, -600, -1, 0, 1, 600, 1023, 1100])
+def test_times_pow2_is_exact_where_one_power_would_overflow(k):
+    """2^k moved into a float64 factor exactly, even where 2^k alone is not a
+    float64 (|k| > 1023): the two halves keep every intermediate in range;
+    results among the denormals (k = -1074) are rounded once, as ldexp's."""
+    from ncdp_fast import _arrays
+    torch = pytest.importorskip("torch")
+    x = np.array([0.75 * 2.0 ** -40, 1.5 * 2.0 ** 20]) * 2.0 ** (-(k // 2) if abs(k) > 1000 else 0)
+    if k >= 1023:
+        x[1] = 0.625 * 2.0 ** -(k // 2)
+    want = np.ldexp(x, k)
+    got = _arrays.times_pow2(torch.from_numpy(x), torch.full((2,), float(k), dtype=torch.float64))
+    assert np.array_equal(got.numpy(), want)
+    assert np.array_equal(_arrays.times_pow2(x, np.full(2, float(k))), want)
