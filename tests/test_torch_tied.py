@@ -380,6 +380,46 @@ def test_float32_ghost_form_within_its_rounding(case, monkeypatch):
     assert_grads_close(got, clipped_mean(ps, C, B), rtol)
 
 
+def test_the_ghost_form_clipped_sum_runs_ieee_float32_whatever_tf32_is_set(monkeypatch):
+    """The head's part of a tied weight's clipped sum is the linear layers'
+    clipped GEMM (_cuda.clip.clipped_gemm): run with TF32 off even where the
+    caller turned it on (TF32's 10-bit mantissas would pass the clip rule's
+    margin on a GPU), the caller's setting back afterwards, and the result
+    within float32's rounding as in the test above."""
+    from ncdp_fast._cuda import clip as clip_ops
+    monkeypatch.setattr(tied, "ghost_cheaper", lambda uses, shape: True)
+    seen = []
+    real = clip_ops.clipped_gemm
+
+    def spy(*args, **kwargs):
+        real_matmul = torch.matmul
+
+        def watch(*a, **k):
+            seen.append(torch.backends.cuda.matmul.allow_tf32)
+            return real_matmul(*a, **k)
+        with monkeypatch.context() as m:
+            m.setattr(torch, "matmul", watch)
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(clip_ops, "clipped_gemm", spy)
+    case = "three uses"
+    model, batch = _flex(case)
+    ps = per_sample_grads(model, _flex_loss, batch)
+    C = low_bound(ps)
+    v, d, _, tp, *_ = CASES[case]
+    rtol = 4 * gamma(B * 2 * tp + v + d, np.float32)
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        got, res, _ = private_grads(copy.deepcopy(model).float(),
+                                    lambda m: _flex_loss(m, *batch), C=C, E=B)
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert seen and not any(seen)
+    assert_grads_close(got, clipped_mean(ps, C, B), rtol)
+
+
 def test_the_cost_rule_picks_ghost_for_a_large_vocabulary_and_dense_for_long_sequences():
     """Ghost when T_L^2 (V + D) + T_L T_E D + T_E D <= T_L V D + V D + T_E D."""
     def uses(t, v, d):

@@ -175,12 +175,26 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     factor-weighted sum) with the true factors.  ``matmul`` is the CPU path's
     BLAS hook, unused.
     """
+    K, d = g.shape[2], a.shape[2]
+    clipped_gemm(a, g, factors, gw, balance)
+    add_gaussian(gw.reshape(-1), seed, offset, noise_std, True, inv_denom)
+    if gb is not None:
+        accb = _arrays.sum_float64(g, 1).T @ factors
+        add_gaussian(accb, seed, offset + K * d, noise_std, True, inv_denom)
+        gb[...] = accb
+
+
+def clipped_gemm(a, g, factors, out, balance=True):
+    """out [K, d] = sum_{i,t} f_i g_it a_it^T, rounded as one GEMM in the data
+    dtype: clipped_linear_sum's weight without its noise (also a tied
+    weight's output-embedding part, ``torch/tied.py``).  a: (B, T, d), g:
+    (B, T, K) torch tensors (any device) or CuPy arrays; factors: (B,)
+    float64; out: (K, d), contiguous, the data dtype."""
     B, T, d = a.shape
     K = g.shape[2]
     _refuse_cupy_tf32(a)
     into_g = K <= d      # the factor goes to the narrower operand
     f = factors
-    g_in = g
     if balance and B:
         a, g, f = _rebalanced(a, g, f, into_g)
     if into_g:
@@ -188,13 +202,7 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     else:
         x, y = g, _arrays.scale_rows(a, f)
     with _float32_gemm(a):
-        _arrays.module_of(gw).matmul(x.reshape(B * T, K).T, y.reshape(B * T, d), out=gw)
-    del x, y
-    add_gaussian(gw.reshape(-1), seed, offset, noise_std, True, inv_denom)
-    if gb is not None:
-        accb = _arrays.sum_float64(g_in, 1).T @ factors
-        add_gaussian(accb, seed, offset + K * d, noise_std, True, inv_denom)
-        gb[...] = accb
+        _arrays.module_of(out).matmul(x.reshape(B * T, K).T, y.reshape(B * T, d), out=out)
 
 
 def _rebalanced(a, g, f, into_g):

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .. import _arrays
+from .._cuda import clip as clip_ops   # device-agnostic torch routes (CPU tensors too)
 from .._clip import GhostBlock
 from .layer_rules import _cat, _flat_positions, _lead, _rows_sq, embedding_rule, linear_rule
 from .layers import accumulation_dtype, rule_for
@@ -256,10 +257,14 @@ def _ghost(uses, shape, dtype, batch) -> GhostBlock:
         # masked whether or not one was dropped, so the host never asks (a
         # device would wait for it, issue 36).
         drop = (factors == 0).view(-1, 1, 1)
-        out = torch.zeros(shape, dtype=dtype, device=device)
+        out = (torch.zeros if a is None else torch.empty)(shape, dtype=dtype, device=device)
         if a is not None:
-            gs = (g * factors.to(dtype).view(-1, 1, 1)).masked_fill_(drop, 0)
-            out.addmm_(gs.reshape(-1, V).transpose(0, 1), a.masked_fill(drop, 0).reshape(-1, D))
+            # The linear layers' clipped GEMM: the factor rounded once into the
+            # narrower operand, powers of two moved where an operand would near
+            # the denormals, TF32 off (before: g * factor in float32 under the
+            # caller's TF32 setting).  It rebalances without asking the norms:
+            # one read of a and g, small against this GEMM.
+            clip_ops.clipped_gemm(a.masked_fill(drop, 0), g.masked_fill(drop, 0), factors, out)
         if idx is not None:
             hs = (h.double() * factors.view(-1, 1, 1)).masked_fill_(drop, 0).to(dtype)
             out.index_add_(0, idx.reshape(-1), hs.reshape(-1, D))
