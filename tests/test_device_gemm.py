@@ -324,3 +324,25 @@ def test_norm_pass_sizes_are_the_operands_squared_norms(shape, dtype, chunked, m
     assert np.array_equal(sqn, alone_n)
     for got in (sizes.numpy(), sizes_n):
         assert np.all(np.abs(got - exact) <= tol), (got, exact)
+
+
+def test_tf32_switch_works_under_torchs_new_precision_api():
+    """A caller who set TF32 through ``fp32_precision`` (torch >= 2.9, where
+    reading the legacy ``allow_tf32`` then raises): the clipped sum still runs
+    IEEE float32 and leaves the caller's setting as it was."""
+    from ncdp_fast._cuda._common import ieee_float32_matmul
+    m = torch.backends.cuda.matmul
+    try:
+        before = m.fp32_precision
+    except (AttributeError, RuntimeError):
+        pytest.skip("this torch has no fp32_precision (the legacy flag is the only one)")
+    m.fp32_precision = "tf32"
+    try:
+        with ieee_float32_matmul():
+            assert m.fp32_precision == "ieee"
+            a, g = np.ones((2, 3, 4), np.float32), np.ones((2, 3, 5), np.float32)
+            gw, _ = _device_sum(a, g, np.array([0.5, 1.0]), 0.0, 1.0, 1, 0, True)
+        assert m.fp32_precision == "tf32"
+        assert np.all(gw == np.float32(1.5 * 3))
+    finally:
+        m.fp32_precision = before

@@ -46,13 +46,18 @@ _TF32_STATE = {"depth": 0, "saved": None}
 def ieee_float32_matmul():
     """TF32 off for the call, restored after: the documented float32 accuracy
     of the NTK Gram and of the clipped sums is that of IEEE float32 products,
-    which TF32's 10-bit mantissas would lose whatever the caller set globally."""
+    which TF32's 10-bit mantissas would lose whatever the caller set globally.
+    Through the API the caller's setting is readable by: the legacy
+    ``allow_tf32``, or where reading it raises (torch >= 2.9 once a caller
+    set the new ``fp32_precision``) that one -- setting the other would leave
+    the two in the mixed state torch refuses to read."""
     import torch
     m = torch.backends.cuda.matmul
+    name, off = _tf32_switch(m)
     with _TF32_LOCK:
         if _TF32_STATE["depth"] == 0:
-            _TF32_STATE["saved"] = m.allow_tf32
-            m.allow_tf32 = False
+            _TF32_STATE["saved"] = getattr(m, name)
+            setattr(m, name, off)
         _TF32_STATE["depth"] += 1
     try:
         yield
@@ -60,4 +65,13 @@ def ieee_float32_matmul():
         with _TF32_LOCK:
             _TF32_STATE["depth"] -= 1
             if _TF32_STATE["depth"] == 0:
-                m.allow_tf32 = _TF32_STATE["saved"]
+                setattr(m, name, _TF32_STATE["saved"])
+
+
+def _tf32_switch(matmul_backend):
+    """(attribute, its IEEE float32 value) of the TF32 API in use."""
+    try:
+        matmul_backend.allow_tf32
+    except RuntimeError:
+        return "fp32_precision", "ieee"
+    return "allow_tf32", False
