@@ -402,8 +402,10 @@ def as_float64(x):
 
 
 def _float64_of(x):
-    import torch
-    return torch.float64 if is_torch(x) else np.float64
+    if is_torch(x):
+        import torch
+        return torch.float64
+    return np.float64
 
 
 def sum_float64(x, axis):
