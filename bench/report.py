@@ -152,6 +152,9 @@ GPU_MODEL = dict(fp64_flops=40e12, bytes_per_s=3.5e12, launch_s=5e-6, launches=7
 # The spread of a sequence block (T > 1) from the norms' own pass: from the
 # Gram diagonals, two square roots, the bias, the product, the sum, the add.
 SPREAD_LAUNCHES = 5
+# The operands' squared norms (the clipped sum's rebalancing decision): two
+# row sums of the same float64 squares into the sizes' columns.
+SIZES_LAUNCHES = 2
 
 
 def predicted_norm_ms(B, T, d, K) -> float:
@@ -159,7 +162,9 @@ def predicted_norm_ms(B, T, d, K) -> float:
     plus its traffic (a, g read in float32, written and read again in float64,
     the Gram or per-sample matrices written and read), plus launches; at T > 1
     with the spread of the same pass (:data:`SPREAD_LAUNCHES`, its B T values'
-    traffic; the direct route also reads the float64 copies once more)."""
+    traffic; the direct route also reads the float64 copies once more); and
+    the operands' squared norms (:data:`SIZES_LAUNCHES`; at T = 1 from the
+    rank-1 route's own row sums, no launch)."""
     gram = 2 * T * T <= K * d
     n = B * T * (d + K)
     mats = B * (2 * T * T if gram else K * d)
@@ -168,8 +173,8 @@ def predicted_norm_ms(B, T, d, K) -> float:
     m = GPU_MODEL
     launches = m["launches"]
     if T > 1:
-        launches += SPREAD_LAUNCHES
-        traffic += 8 * 6 * B * T + (0 if gram else 8 * n)
+        launches += SPREAD_LAUNCHES + SIZES_LAUNCHES
+        traffic += 8 * 8 * B * T + (0 if gram else 8 * n)
     return 1e3 * (flops / m["fp64_flops"] + traffic / m["bytes_per_s"]
                   + launches * m["launch_s"])
 
@@ -213,14 +218,15 @@ def linear_norms(family):
         _layer_columns("GEMM route"),
         ["per-sample squared gradient norms of a linear layer with bias, float64 result; "
          "ncdp: numba's kernel on the CPU, the vendor's batched FP64 GEMMs on a GPU "
-         "(ncdp_fast/_cuda/clip.py), with the spread of a sequence block (T > 1) as the "
-         "clip op computes it, from the same pass (the GPU table of 2026-11-28 16:25 UTC: "
-         "the norms alone); also timed (norms alone): on a GPU the hand-written CUDA "
+         "(ncdp_fast/_cuda/clip.py), with the spread of a sequence block (T > 1) and the "
+         "operands' squared norms as the clip op computes them, from the same pass (the GPU "
+         "table of 2026-11-28 16:25 UTC: the norms alone); also timed (norms alone): on a GPU the hand-written CUDA "
          "kernel it replaced, on the CPU the GEMM route run by torch on the CPU",
          "Opacus-style einsum: float32 Grams (not the clip rule's float64), the speed a user "
          "of Opacus's ghost clipping gets",
          "predicted H200 ms: a model, not a measurement (bench/report.py GPU_MODEL: 40 "
-         "TFLOP/s FP64 sustained, 3.5 TB/s, 7 launches of 5 us, 5 more for the spread); "
+         "TFLOP/s FP64 sustained, 3.5 TB/s, 7 launches of 5 us, 5 more for the spread, 2 "
+         "for the operands' squared norms); "
          "the first GPU profile measured the replaced kernel at 4.4 ms a call averaged "
          "over BERT-base's 72"])
 

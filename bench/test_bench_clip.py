@@ -159,19 +159,21 @@ def test_linear_norms(benchmark, case, bench_device):
     (B, T, d, K), a, g, _ = _layer_data(case, bench_device)
     method, device = case.method, bench_device
     sq = torch.zeros(B, dtype=torch.float64, device=a.device)
-    # What the clip op computes for a sequence block: the norms and, from the
-    # same pass, the spread of its rounding (T > 1).
+    # What the clip op computes: the norms and, from the same pass, the spread
+    # of a sequence block's rounding (T > 1) and the operands' squared norms
+    # that decide the clipped sum's rebalancing scan.
     spread = torch.zeros(B, dtype=torch.float64, device=a.device) if T > 1 else None
+    sizes = torch.empty(B, 2, dtype=torch.float64, device=a.device)
     if method == "ncdp" and device == "cpu":
-        an, gn, sqn = a.numpy(), g.numpy(), sq.numpy()
+        an, gn, sqn, szn = a.numpy(), g.numpy(), sq.numpy(), sizes.numpy()
         spn = None if spread is None else spread.numpy()
 
         def fn():
-            numba_clip.linear_sq_norms(an, gn, True, sqn, False, spn)
+            numba_clip.linear_sq_norms(an, gn, True, sqn, False, spn, szn)
             return sqn
     elif method in ("ncdp", "gemm_f64"):
         def fn():
-            device_clip.linear_sq_norms(a, g, True, sq, False, spread)
+            device_clip.linear_sq_norms(a, g, True, sq, False, spread, sizes)
             return sq
     elif method == "native_kernel":
         native = _native.for_array(a)
