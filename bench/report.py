@@ -201,21 +201,60 @@ def _layer_rows(family, predict, required, cpu_other, more=None):
     return rows
 
 
-def _layer_columns(route, more=()):
+def _layer_columns(route, more=(), after=()):
     return ([("shape", "(B, T, d, K)", None), ("ncdp_ms", "ncdp ms", "{:.3f}"),
              ("ncdp_gflops", "ncdp GFLOP/s", "{:.1f}"), *more,
              ("einsum_ms", "Opacus-style f32 einsum ms", "{:.3f}"),
              ("x_einsum", "× einsum", "{:.2f}"), ("other", "also timed", None),
              ("other_ms", "its ms", "{:.3f}"), ("x_other", "× it", "{:.2f}"),
-             ("predicted_gpu_ms", f"predicted H200 ms ({route})", "{:.3f}"),
+             ("predicted_gpu_ms", f"predicted H200 ms ({route})", "{:.3f}"), *after,
              ("ncdp_mem_mb", "ncdp peak extra MB", "{:.1f}"), ("error", "error", None)])
+
+
+# A grouped norms call (ncdp_fast/_cuda/clip.py linear_sq_norms_group): per
+# chunk of stacked layers, the two stacking copies, the two GEMMs, the sizes'
+# two sums, the spread's six operations, the bias, the product, the sum, and
+# the layers' sums and adds for the norms and the spread.
+GROUP_LAUNCHES = 19
+GROUP_LAYERS = 12               # bench/test_bench_clip.py GROUP
+GROUP_CHUNK_BYTES = 128 << 20   # ncdp_fast/_cuda/clip.py GROUP_CHUNK_BYTES
+
+
+def predicted_group_norm_ms(B, T, d, K, layers=GROUP_LAYERS) -> float:
+    """predicted_norm_ms per layer when ``layers`` layers of the shape form
+    their norms in one grouped call: the same FLOPs and traffic, the launches
+    shared by the layers of a chunk (as many as fit GROUP_CHUNK_BYTES, else
+    each layer alone, its own call's launches)."""
+    gram = 2 * T * T <= K * d
+    per_layer = B * 8 * (T * (d + K) + (2 * T * T if gram else K * d)
+                         + (0 if gram else T * max(d, K)))
+    alone = predicted_norm_ms(B, T, d, K)
+    if T == 1 or 2 * per_layer > GROUP_CHUNK_BYTES:
+        return alone
+    m = GPU_MODEL
+    own = m["launches"] + SPREAD_LAUNCHES + SIZES_LAUNCHES
+    n = GROUP_CHUNK_BYTES // per_layer
+    chunks = -(-layers // n)
+    return alone - 1e3 * own * m["launch_s"] + 1e3 * chunks * GROUP_LAUNCHES * m["launch_s"] / layers
 
 
 def linear_norms(family):
     """One row per layer shape of bench/test_bench_clip.py::test_linear_norms."""
-    rows = _layer_rows(family, predicted_norm_ms, ["ncdp", "torch_einsum_f32"], "gemm_f64")
+    group = f"ncdp_group{GROUP_LAYERS}"
+
+    def more(ms, t):
+        if group not in ms:
+            return {}
+        return dict(group_ms=1e3 * _t(ms, group) / GROUP_LAYERS)
+
+    rows = _layer_rows(family, predicted_norm_ms, ["ncdp", "torch_einsum_f32"], "gemm_f64",
+                       more)
+    for row in rows:
+        row["predicted_group_ms"] = predicted_group_norm_ms(*_shape_ints(row["shape"]))
     return rows, (
-        _layer_columns("GEMM route"),
+        _layer_columns("GEMM route", after=[
+            ("group_ms", f"grouped ({GROUP_LAYERS} layers) ms a layer", "{:.3f}"),
+            ("predicted_group_ms", "predicted H200 ms a layer, grouped", "{:.3f}")]),
         ["per-sample squared gradient norms of a linear layer with bias, float64 result; "
          "ncdp: numba's kernel on the CPU, the vendor's batched FP64 GEMMs on a GPU "
          "(ncdp_fast/_cuda/clip.py), with the spread of a sequence block (T > 1) and the "

@@ -10,7 +10,9 @@
    clipping), float64, at the layer shapes of BERT-base and GPT-2's head: the
    package's route for the device (numba on the CPU; on a GPU the vendor's
    batched FP64 GEMM, issue 36) vs the hand-written CUDA kernel it replaced
-   (GPU only), the same GEMMs on the CPU, and Opacus's float32 einsum Gram.
+   (GPU only), the same GEMMs on the CPU, and Opacus's float32 einsum Gram;
+   on a GPU also 12 layers of the shape in one grouped call, as the clip op
+   forms them (``linear_sq_norms_group``), reported per layer.
 4. ``test_linear_sum`` (report ``bench_linear_sum``): the clipped sum plus noise
    of the same layers (sum_i f_i g_i^T a_i, noise, / B): the package's route
    (numba and BLAS on the CPU; on a GPU one GEMM in the data dtype, issue 36)
@@ -45,6 +47,7 @@ NORM_SHAPES = {"full": [(32, 128, 768, 768), (32, 128, 768, 3072), (32, 128, 307
 STEP_METHODS = ["nonprivate", "ncdp_ghost", "ncdp_fused", "opacus_hooks", "opacus_ghost"]
 STEP_ONCE = ("ncdp_fused", "opacus_hooks", "opacus_ghost")
 SUM_METHODS = ["ncdp", "ncdp_balanced", "torch_mm_f32", "torch_einsum_f32"]
+GROUP = 12      # layers of one shape a grouped-norms call takes (BERT-base: 12 of each)
 
 
 def CASES(size, device):
@@ -53,6 +56,8 @@ def CASES(size, device):
               for B, T, d, K in NORM_SHAPES[size]]
     layer_methods = ["ncdp", "torch_einsum_f32"] + (["native_kernel"] if device == "cuda"
                                                     else ["gemm_f64"])
+    # The clip op's grouped norms (GPU only: on the CPU the group is a loop)
+    norm_methods = layer_methods + ([f"ncdp_group{GROUP}"] if device == "cuda" else [])
     sum_methods = SUM_METHODS + (["native_kernel"] if device == "cuda" else ["device_route"])
     steps = [(f"({B}, {d}, {K})" if T is None else f"({B}, {T}, {d}, {K})",
               dict(B=B, T=T, d=d, K=K)) for B, T, d, K in STEP_SHAPES[size]]
@@ -61,7 +66,7 @@ def CASES(size, device):
                                             "read_torch_sum"]
                 + (["read_numba_sum"] if device == "cpu" else ["ncdp_chunked"])),
             "test_clip_step": cases("bench_clip_step", steps, STEP_METHODS, once=STEP_ONCE),
-            "test_linear_norms": cases("bench_linear_norms", layers, layer_methods),
+            "test_linear_norms": cases("bench_linear_norms", layers, norm_methods),
             "test_linear_sum": cases("bench_linear_sum", layers, sum_methods)}
 
 
@@ -175,6 +180,16 @@ def test_linear_norms(benchmark, case, bench_device):
         def fn():
             device_clip.linear_sq_norms(a, g, True, sq, False, spread, sizes)
             return sq
+    elif method == f"ncdp_group{GROUP}":
+        # GROUP layers of this shape (the same arrays) as the clip op forms
+        # them; the report divides the time by GROUP.  Not checked against the
+        # one-layer norms below: it sums GROUP of them.
+        group_sizes = torch.empty(GROUP, B, 2, dtype=torch.float64, device=a.device)
+
+        def fn():
+            device_clip.linear_sq_norms_group([a] * GROUP, [g] * GROUP, True, sq, spread,
+                                              group_sizes)
+            return sq
     elif method == "native_kernel":
         native = _native.for_array(a)
 
@@ -189,7 +204,7 @@ def test_linear_norms(benchmark, case, bench_device):
             return (ga * gg).sum(dim=(1, 2))
     out = measure(benchmark, case, fn, device=device, repeats=5, min_time=0.2,
                   flops=norm_flops(B, T, d, K), bytes=4 * B * T * (d + K))
-    if not benchmark.disabled and method != "torch_einsum_f32":
+    if not benchmark.disabled and method in ("ncdp", "gemm_f64", "native_kernel"):
         ref = (torch.einsum("bti,bsi->bts", a.double(), a.double()) + 1.0) * \
             torch.einsum("bti,bsi->bts", g.double(), g.double())
         expected = ref.sum(dim=(1, 2)).cpu().numpy()

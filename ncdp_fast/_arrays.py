@@ -414,6 +414,18 @@ def sum_float64(x, axis):
     return x.sum(axis, dtype=_float64_of(x))
 
 
+def cat_float64(parts):
+    """The arrays of ``parts`` (one library, one device, equal trailing shapes)
+    joined along axis 0 into one new float64 array, each cast inside the copy
+    (float32 values exactly)."""
+    if is_torch(parts[0]):
+        import torch
+        n = sum(int(p.shape[0]) for p in parts)
+        out = torch.empty((n, *parts[0].shape[1:]), dtype=torch.float64, device=parts[0].device)
+        return torch.cat(parts, 0, out=out)
+    return module_of(parts[0]).concatenate(parts, axis=0, dtype=np.float64)
+
+
 def concat_float64(parts):
     """The arrays of ``parts`` (one library, one device) flattened, cast to
     float64 and joined: one array, so one transfer reads them all."""

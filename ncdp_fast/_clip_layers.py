@@ -108,20 +108,17 @@ class _Layer:
         return math.prod(_arrays.shape(self.g, "g")) + (
             0 if self.dense else math.prod(_arrays.shape(self.a, "a")))
 
-    def add_sq_norms(self, kernels, sq, spread, sizes=None):
+    def add_sq_norms(self, kernels, sq, spread):
         """sq += the block's squared norms; spread (None when no block has T > 1)
-        += the rounding scale of its sums over positions (sequence blocks only);
-        sizes (B, 2) (a linear pair's only) = its operands' squared Frobenius
-        norms, for ``needs_balancing``."""
+        += the rounding scale of a ghost block's sums over positions.  Dense
+        and ghost blocks only: linear pairs form theirs by shape group
+        (``linear_sq_norms_group``, in :func:`_clip_layers`)."""
         if self.kind == "ghost":
             sq += self.sq
             if spread is not None and self.spread is not None:
                 spread += self.spread
-        elif self.dense:
-            kernels.row_sq_norms(self.g, sq, True)
         else:
-            kernels.linear_sq_norms(self.a, self.g, self.bias, sq, True,
-                                    spread if self.T > 1 else None, sizes)
+            kernels.row_sq_norms(self.g, sq, True)
 
     def needs_balancing(self, weights, sizes, dtype) -> bool:
         """Whether the pair's clipped sum must scan for powers of two to move
@@ -201,13 +198,26 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     t_max = max(layer.T for layer in layers)
     sq = be.io.zeros((B,), _F64)
     spread = be.io.zeros((B,), _F64) if t_max > 1 else None
-    # The pairs' operand sizes, read with the counts (one transfer): they tell
-    # each clipped sum whether its rebalancing scan can be skipped.
-    pairs = [i for i, layer in enumerate(layers) if layer.kind == "pair"]
+    # Linear pairs of one shape form their norms together (on a device, one
+    # batched GEMM for several layers: launches saved); their operand sizes,
+    # read with the counts (one transfer), tell each clipped sum whether its
+    # rebalancing scan can be skipped.
+    groups = {}
+    for i, layer in enumerate(layers):
+        if layer.kind == "pair":
+            groups.setdefault((layer.T, layer.d, layer.K, layer.bias), []).append(i)
+    pairs = [i for members in groups.values() for i in members]
     sizes = be.io.empty((len(pairs), B, 2), _F64) if pairs else None
     slot = {i: j for j, i in enumerate(pairs)}
-    for i, layer in enumerate(layers):
-        layer.add_sq_norms(be.kernels, sq, spread, sizes[slot[i]] if i in slot else None)
+    for layer in layers:
+        if layer.kind != "pair":
+            layer.add_sq_norms(be.kernels, sq, spread)
+    for (T, _, _, bias), members in groups.items():
+        j = slot[members[0]]
+        be.kernels.linear_sq_norms_group([layers[i].a for i in members],
+                                         [layers[i].g for i in members], bias, sq,
+                                         spread if T > 1 else None,
+                                         sizes[j:j + len(members)])
     terms = sum(layer.terms for layer in layers)
     if grad_scale != 1.0:
         # The blocks hold gradients / s: the sample's norm is s times theirs (two

@@ -346,3 +346,52 @@ def test_tf32_switch_works_under_torchs_new_precision_api():
         assert np.all(gw == np.float32(1.5 * 3))
     finally:
         m.fp32_precision = before
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(3, 1, 7, 2), (2, 4, 9, 11), (2, 64, 5, 700), (4, 40, 3, 2),
+                                   (0, 3, 4, 5)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("L, per_chunk", [(1, None), (5, None), (5, 2)])
+def test_group_norms_are_each_layers_norms_summed(shape, dtype, L, per_chunk, monkeypatch):
+    """linear_sq_norms_group (layers of one shape stacked along the batch, in
+    chunks of ``per_chunk`` layers where set) against the float64 reference of
+    each layer summed: within the layers' own bounds plus L float64 additions;
+    the spread likewise, and each layer's sizes within the float64 sum of its
+    squares.  The numba twin's group call is held to the same bounds."""
+    from ncdp_fast._numba import clip as numba_clip
+    from ncdp_fast.reference import linear_spread
+    B, T, d, K = shape
+    monkeypatch.setattr(device_clip, "GROUP_CHUNK_BYTES",
+                        (per_chunk or L) * B * device_clip._norm_bytes(T, d, K, True))
+    rng = np.random.default_rng(B + T + d + K + L)
+    a = [rng.standard_normal((B, T, d)).astype(dtype) for _ in range(L)]
+    g = [(rng.standard_normal((B, T, K)) * 1e-3).astype(dtype) for _ in range(L)]
+    ref = sum(_reference(x, y, True) for x, y in zip(a, g))
+    tol = sum(_bound(x, y, True) for x, y in zip(a, g)) + (L + 1) * U64 * ref
+    ref_sp = sum(np.asarray(linear_spread(x, y, True), np.float64).reshape(B)
+                 for x, y in zip(a, g)) if T > 1 else np.zeros(B)
+    tol_sp = 2 * (d + K + T + 4 + L) * U64 * ref_sp
+    sizes_ref = np.stack([np.stack([(x.astype(np.float64) ** 2).sum(axis=(1, 2)),
+                                    (y.astype(np.float64) ** 2).sum(axis=(1, 2))], axis=1)
+                          for x, y in zip(a, g)])
+    tol_sz = (T * max(d, K) + 2) * U64 * sizes_ref
+    from ncdp_fast import _arrays
+    stacked = []
+    real_cat = _arrays.cat_float64
+    monkeypatch.setattr(_arrays, "cat_float64", lambda parts: stacked.append(len(parts))
+                        or real_cat(parts))
+    sq, sp = torch.zeros(B, dtype=torch.float64), torch.zeros(B, dtype=torch.float64)
+    sizes = torch.full((L, B, 2), np.nan, dtype=torch.float64)
+    device_clip.linear_sq_norms_group([torch.from_numpy(x) for x in a],
+                                      [torch.from_numpy(y) for y in g], True, sq, sp, sizes)
+    sqn, spn, sizes_n = np.zeros(B), np.zeros(B), np.full((L, B, 2), np.nan)
+    numba_clip.linear_sq_norms_group(a, g, True, sqn, spn, sizes_n)
+    # The layers were stacked (two copies a chunk) wherever there is more than
+    # one layer of sequences; else each ran alone.
+    grouped = L > 1 and T > 1 and B > 0
+    assert stacked == ([min(per_chunk or L, L - c) for c in range(0, L, per_chunk or L)
+                        for _ in (0, 1)] if grouped else []), stacked
+    for q, s, z in ((sq.numpy(), sp.numpy(), sizes.numpy()), (sqn, spn, sizes_n)):
+        assert np.all(np.abs(q - ref) <= tol), np.abs(q - ref) / np.maximum(tol, 1e-300)
+        assert np.all(np.abs(s - ref_sp) <= tol_sp)
+        assert np.all(np.abs(z - sizes_ref) <= tol_sz)

@@ -55,6 +55,12 @@ def weighted_row_sum_noise(g, factors, noise_std, inv_denom, seed, offset, out):
 # the norms whatever the batch (a GPT-2 head's (B, T, 50257) gradient would
 # otherwise be copied to float64 whole).
 GEMM_CHUNK_BYTES = _arrays.CHUNK_BYTES
+# Layers of one shape stack their float64 copies while these fit in this many
+# bytes: fewer launches, bounded memory.  128 MiB: at BERT-base's shapes (B 32,
+# T 128) two (768, 768) layers (59 MB each) stack, under the 134 MB a (768,
+# 3072) layer holds alone, so the norm phase's largest temporary does not grow
+# (the memory goal is 1.1x the non-private peak, 2486 MB on the H200).
+GROUP_CHUNK_BYTES = 128 << 20
 
 
 def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None):
@@ -84,48 +90,96 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None):
     if T == 1:      # one position: nothing to spread (reference.linear_spread is 0)
         _rank1_sq_norms(a, g, bias, sq, accumulate, sizes)
         return
-    gram = 2 * T * T <= K * d
-    per_sample = 8 * (T * (d + K) + (2 * T * T if gram else K * d))
-    squares = not gram and (spread is not None or sizes is not None)
-    if squares:
-        per_sample += 8 * T * max(d, K)         # the positions' squares, summed
+    per_sample = _norm_bytes(T, d, K, spread is not None or sizes is not None)
     for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
-        a64, g64 = _arrays.as_float64(a[lo:hi]), _arrays.as_float64(g[lo:hi])
-        if gram:
-            w = a64 @ a64.swapaxes(1, 2)
-            v = g64 @ g64.swapaxes(1, 2)
-            _add_spread_sizes(spread, sizes, lo, hi, w.diagonal(0, 1, 2),
-                              v.diagonal(0, 1, 2), bias)
-            if bias:
-                w += 1.0
-            w *= v
-            e = w.sum(axis=(1, 2))
-        else:
-            if squares:
-                _add_spread_sizes(spread, sizes, lo, hi, (a64 * a64).sum(axis=2),
-                                  (g64 * g64).sum(axis=2), bias)
-            w = g64.swapaxes(1, 2) @ a64
-            w *= w
-            e = w.sum(axis=(1, 2))
-            if bias:
-                s = g64.sum(axis=1)
-                e += (s * s).sum(axis=1)
+        e, sp = _norm_rows(_arrays.as_float64(a[lo:hi]), _arrays.as_float64(g[lo:hi]), bias,
+                           spread is not None, None if sizes is None else sizes[lo:hi])
         if accumulate:
             sq[lo:hi] += e
         else:
             sq[lo:hi] = e
+        if sp is not None:
+            spread[lo:hi] += sp
 
 
-def _add_spread_sizes(spread, sizes, lo, hi, sa, sg, bias):
-    """spread[lo:hi] += sum_t sqrt(sg_t) (sqrt(sa_t) + [bias]) and sizes[lo:hi]
-    = (sum_t sa_t, sum_t sg_t), each where given, from the positions' float64
-    squared norms sa, sg: (n, T)."""
-    if spread is not None:
-        spread[lo:hi] += (sg ** 0.5 * (sa ** 0.5 + (1.0 if bias else 0.0))).sum(axis=1)
+def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes):
+    """linear_sq_norms, accumulated, for L layers of one shape: sq += each
+    layer's squared norms, spread += each one's (T > 1, where given),
+    sizes[l] = layer l's operands' squared norms.
+
+    a_list: L arrays (B, T, d), g_list: L arrays (B, T, K) (torch or CuPy, one
+    device); sq, spread: (B,) float64; sizes: (L, B, 2) float64, contiguous.
+    The layers' float64 copies are stacked along the batch, as many as fit
+    GROUP_CHUNK_BYTES (else each layer runs alone), so one batched GEMM and
+    one reduction serve several: a BERT-base step's 72 linear layers are three
+    shapes, and each layer's own call costs some 17 launches (bench/report.py's
+    model charges 5 us a launch).  The values are each layer's own call's, up to the order of
+    float64 additions across layers."""
+    L = len(a_list)
+    B, T, d = a_list[0].shape
+    K = g_list[0].shape[2]
+    per_layer = B * _norm_bytes(T, d, K, True)
+    if T == 1 or L == 1 or B == 0 or 2 * per_layer > GROUP_CHUNK_BYTES:
+        for l in range(L):
+            linear_sq_norms(a_list[l], g_list[l], bias, sq, True,
+                            spread if T > 1 else None, sizes[l])
+        return
+    for l0, l1 in _arrays.sample_chunks(L, per_layer, GROUP_CHUNK_BYTES):
+        n = l1 - l0
+        e, sp = _norm_rows(_arrays.cat_float64(a_list[l0:l1]), _arrays.cat_float64(g_list[l0:l1]),
+                           bias, spread is not None, sizes[l0:l1].reshape(n * B, 2))
+        sq += e.reshape(n, B).sum(axis=0)
+        if sp is not None:
+            spread += sp.reshape(n, B).sum(axis=0)
+
+
+def _norm_bytes(T, d, K, extras):
+    """Float64 bytes a sample's norms hold at once (copies, Grams or K x d
+    matrices, and the direct route's squares when a spread or sizes are
+    formed)."""
+    gram = 2 * T * T <= K * d
+    per_sample = 8 * (T * (d + K) + (2 * T * T if gram else K * d))
+    return per_sample + (8 * T * max(d, K) if extras and not gram else 0)
+
+
+def _norm_rows(a64, g64, bias, want_spread, sizes):
+    """(e, spread terms or None) per sample of float64 (n, T, d) and (n, T, K)
+    copies: e = ||g_i^T a_i||_F^2 (+ the bias's), the spread terms
+    sum_t ||g_it|| (||a_it|| + [bias]); sizes (n, 2) (or None) is written
+    (||a_i||^2, ||g_i||^2).  Gram route when 2 T^2 <= K d, else direct."""
+    T, d, K = a64.shape[1], a64.shape[2], g64.shape[2]
+    if 2 * T * T <= K * d:
+        w = a64 @ a64.swapaxes(1, 2)
+        v = g64 @ g64.swapaxes(1, 2)
+        sp = _spread_sizes(w.diagonal(0, 1, 2), v.diagonal(0, 1, 2), bias, want_spread, sizes)
+        if bias:
+            w += 1.0
+        w *= v
+        return w.sum(axis=(1, 2)), sp
+    sp = None
+    if want_spread or sizes is not None:
+        sp = _spread_sizes((a64 * a64).sum(axis=2), (g64 * g64).sum(axis=2), bias, want_spread,
+                           sizes)
+    w = g64.swapaxes(1, 2) @ a64
+    w *= w
+    e = w.sum(axis=(1, 2))
+    if bias:
+        s = g64.sum(axis=1)
+        e += (s * s).sum(axis=1)
+    return e, sp
+
+
+def _spread_sizes(sa, sg, bias, want_spread, sizes):
+    """sum_t sqrt(sg_t) (sqrt(sa_t) + [bias]) per row (None unless
+    ``want_spread``), and sizes (n, 2) = (sum_t sa_t, sum_t sg_t) where given,
+    from the positions' float64 squared norms sa, sg: (n, T)."""
     if sizes is not None:       # reduced into the strided columns: no temporaries, no copies
         xp = _arrays.module_of(sizes)
-        xp.sum(sa, 1, out=sizes[lo:hi, 0])
-        xp.sum(sg, 1, out=sizes[lo:hi, 1])
+        xp.sum(sa, 1, out=sizes[:, 0])
+        xp.sum(sg, 1, out=sizes[:, 1])
+    if not want_spread:
+        return None
+    return (sg ** 0.5 * (sa ** 0.5 + (1.0 if bias else 0.0))).sum(axis=1)
 
 
 def _rank1_sq_norms(a, g, bias, sq, accumulate, sizes):

@@ -239,6 +239,15 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None):
         linear_spread(a, g, bias, spread, True)
 
 
+def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes):
+    """linear_sq_norms, accumulated, for L layers of one shape (the device
+    twin stacks them to save launches; here each layer runs as it is):
+    sq += each layer's squared norms, spread += each one's (T > 1, where
+    given), sizes[l] (L, B, 2) = layer l's operands' squared norms."""
+    for l, (a, g) in enumerate(zip(a_list, g_list)):
+        linear_sq_norms(a, g, bias, sq, True, spread if a.shape[1] > 1 else None, sizes[l])
+
+
 @sized_kernel(_linear_norm_work, fastmath=_FM)
 def _linear_sq_norms(a, g, bias, sq, accumulate, sizes, want_sizes):
     """Squared norms of the per-sample gradients of a linear layer, float64.
