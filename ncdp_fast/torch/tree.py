@@ -42,7 +42,11 @@ class ModelSnapshot:
         self.forwards = {id(t.module): _forward_of(t.module) for t in taps}
 
     def check(self, model: nn.Module, taps) -> None:
-        tree = _tree(model)
+        # One walk of the module tree serves the comparison and the refusals
+        # (it ran twice).  A module reached under two names is refused under
+        # its first either way.
+        walked = list(model.named_modules(remove_duplicate=False))
+        tree = tuple((name, id(m), type(m)) for name, m in walked)
         if tree != self.tree:
             before = {(n, i) for n, i, _ in self.tree}
             now = {(n, i) for n, i, _ in tree}
@@ -54,7 +58,7 @@ class ModelSnapshot:
                 f"(added: {added or 'none'}; removed: {removed or 'none'}); it checked only "
                 "those it was built with, so this forward is refused before any module runs. "
                 "Change the model first, then build the clipper (make_private)")
-        for name, module in model.named_modules():
+        for name, module in walked:
             refuse_batch_mixing(name, module)
         for tap in taps:
             refuse_unsupported(tap.name, tap.module)
