@@ -235,7 +235,8 @@ def predicted_group_norm_ms(B, T, d, K, layers=GROUP_LAYERS) -> float:
     own = m["launches"] + SPREAD_LAUNCHES + SIZES_LAUNCHES
     n = GROUP_CHUNK_BYTES // per_layer
     chunks = -(-layers // n)
-    return alone - 1e3 * own * m["launch_s"] + 1e3 * chunks * GROUP_LAUNCHES * m["launch_s"] / layers
+    shared = chunks * GROUP_LAUNCHES / layers
+    return alone + 1e3 * (shared - own) * m["launch_s"]
 
 
 def linear_norms(family):
@@ -259,8 +260,8 @@ def linear_norms(family):
          "ncdp: numba's kernel on the CPU, the vendor's batched FP64 GEMMs on a GPU "
          "(ncdp_fast/_cuda/clip.py), with the spread of a sequence block (T > 1) and the "
          "operands' squared norms as the clip op computes them, from the same pass (the GPU "
-         "table of 2026-11-28 16:25 UTC: the norms alone); also timed (norms alone): on a GPU the hand-written CUDA "
-         "kernel it replaced, on the CPU the GEMM route run by torch on the CPU",
+         "table of 2026-11-28 16:25 UTC: the norms alone); also timed (norms alone): on a "
+         "GPU the hand-written CUDA kernel it replaced, on the CPU the GEMM route run by torch on the CPU",
          "Opacus-style einsum: float32 Grams (not the clip rule's float64), the speed a user "
          "of Opacus's ghost clipping gets",
          "predicted H200 ms: a model, not a measurement (bench/report.py GPU_MODEL: 40 "

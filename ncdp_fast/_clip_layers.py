@@ -120,12 +120,6 @@ class _Layer:
         else:
             kernels.row_sq_norms(self.g, sq, True)
 
-    def needs_balancing(self, weights, sizes, dtype) -> bool:
-        """Whether the pair's clipped sum must scan for powers of two to move
-        (``_balance``), from host copies of the weights and the sizes."""
-        return _balance.layer_needs_balancing(weights, sizes, self.T * self.d, self.T * self.K,
-                                              self.K <= self.d, dtype == np.float32)
-
     def drop_rows(self, io, rows):
         """Zero the given samples (a copy, never the caller's data): 0 * NaN would
         still be NaN inside the GEMM.  A ghost block drops them itself (factor 0)."""
@@ -235,9 +229,12 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     balance = [True] * len(layers)
     if pairs:
         host = acc.pop("extra")
-        w_host, s_host = host[:B], host[B:].reshape(len(pairs), B, 2)
-        for i, j in slot.items():
-            balance[i] = layers[i].needs_balancing(w_host, s_host[j], dtype)
+        ps = [layers[i] for i in pairs]
+        need = _balance.layers_needing_balancing(
+            host[:B], host[B:].reshape(len(pairs), B, 2), [p.T * p.d for p in ps],
+            [p.T * p.K for p in ps], [p.K <= p.d for p in ps], dtype == np.float32)
+        for i, flag in zip(pairs, need):
+            balance[i] = bool(flag)
     # Claimed once nothing can refuse any more: a refused step takes no range.
     seed, offset = _stream.claim(seed, offset, draws)
     acc.update(seed=seed, offset=offset)

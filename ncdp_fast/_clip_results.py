@@ -120,7 +120,7 @@ def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=No
                for flag, _ in checks]
     head = xp.stack(values)
     if extra:
-        host = be.io.to_numpy(_arrays.concat_float64([head, *extra]))
+        host = be.io.to_numpy(_arrays.cat_float64([p.reshape(-1) for p in (head, *extra)]))
         counts, rest = host[:len(values)], host[len(values):]
     else:
         counts, rest = be.io.to_numpy(head), None

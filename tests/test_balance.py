@@ -47,7 +47,8 @@ def test_no_flag_means_every_exponent_is_zero(B, T, d, K, dtype, data):
     a, g = _data(rng, B, T, d, K, ea, eg, dtype, zero_rows)
     sizes = np.empty((B, 2))
     numba_clip.linear_sq_norms(a, g, True, np.zeros(B), False, None, sizes)
-    flag = _balance.layer_needs_balancing(f, sizes, T * d, T * K, K <= d, dtype == np.float32)
+    flag = _balance.layers_needing_balancing(f, sizes[None], [T * d], [T * K], [K <= d],
+                                             dtype == np.float32)[0]
     k = _scan(a, g, f)
     if not flag:
         assert np.all(k == 0), (k, sizes, f)
@@ -73,7 +74,8 @@ def test_the_flag_fires_where_the_scan_moves_a_power():
         f = np.array(f)
         sizes = np.empty((2, 2))
         numba_clip.linear_sq_norms(a, g, True, np.zeros(2), False, None, sizes)
-        flag = _balance.layer_needs_balancing(f, sizes, 12, 6, True, dtype == np.float32)
+        flag = bool(_balance.layers_needing_balancing(f, sizes[None], [12], [6], [True],
+                                                      dtype == np.float32)[0])
         assert flag is want
         assert bool(np.any(_scan(a, g, f) != 0)) is want
 
@@ -92,3 +94,23 @@ def test_times_pow2_is_exact_where_one_power_would_overflow(k):
     got = _arrays.times_pow2(torch.from_numpy(x), torch.full((2,), float(k), dtype=torch.float64))
     assert np.array_equal(got.numpy(), want)
     assert np.array_equal(_arrays.times_pow2(x, np.full(2, float(k))), want)
+
+
+def test_all_layers_at_once_equal_each_layer_alone():
+    """The step asks for every linear layer in one call: layers of different
+    sizes and either factor side give each layer's own answer."""
+    rng = np.random.default_rng(5)
+    B = 6
+    f = np.array([2.0 ** -45, 0.5, 1.0, 0.0, 2.0 ** -3, 1.0])
+    sizes = np.exp2(rng.uniform(-200, 200, (9, B, 2)))
+    sizes[2] = 2.0 ** 40                    # norms 2^20: no sample needs the scan
+    sizes[4, :, 1] = 0.0                    # zero operands
+    n_a, n_g = rng.integers(1, 5000, 9), rng.integers(1, 5000, 9)
+    into_g = rng.random(9) < 0.5
+    for float32 in (True, False):
+        together = _balance.layers_needing_balancing(f, sizes, n_a, n_g, into_g, float32)
+        alone = [_balance.layers_needing_balancing(f, sizes[l:l + 1], n_a[l:l + 1],
+                                                   n_g[l:l + 1], into_g[l:l + 1], float32)[0]
+                 for l in range(9)]
+        assert together.tolist() == alone
+        assert not together[2] and together.any()

@@ -4,8 +4,9 @@
 the float64 reference over awkward shapes, both routes (Gram and direct),
 chunked and whole, float32 and float64; ``_cuda.clip.clipped_linear_sum``
 (the clipped sum plus noise, one GEMM in the data dtype, rebalanced where the
-norms say so) against the exact sum and the numba twin's noise; and the embedding's sync-free route of ``_rows_sq`` (a
-masked Gram instead of ``unique``) against its CPU route."""
+norms say so) against the exact sum and the numba twin's noise; and the
+embedding's sync-free route of ``_rows_sq`` (a masked Gram instead of
+``unique``) against its CPU route."""
 import math
 
 import numpy as np
@@ -282,7 +283,7 @@ def test_gemm_clipped_sum_rebalances_extreme_float32_inputs(K, d):
     exact, tol = _sum_bound(a, g, f, 1.0, True, np.float32)
     sizes = np.empty((B, 2))
     numba_clip.linear_sq_norms(a, g, True, np.zeros(B), False, None, sizes)
-    assert _balance.layer_needs_balancing(f, sizes, T * d, T * K, into_g, True)
+    assert _balance.layers_needing_balancing(f, sizes[None], [T * d], [T * K], [into_g], True)[0]
     nw, nb = np.empty((K, d), np.float32), np.empty((K,), np.float32)
     numba_clip.clipped_linear_sum(a, g, f, 0.0, 1.0, np.uint64(1), np.uint64(0), nw, nb)
     for balance in (True, False):

@@ -113,8 +113,8 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes):
     GROUP_CHUNK_BYTES (else each layer runs alone), so one batched GEMM and
     one reduction serve several: a BERT-base step's 72 linear layers are three
     shapes, and each layer's own call costs some 17 launches (bench/report.py's
-    model charges 5 us a launch).  The values are each layer's own call's, up to the order of
-    float64 additions across layers."""
+    model charges 5 us a launch).  The values are each layer's own call's, up
+    to the order of float64 additions across layers."""
     L = len(a_list)
     B, T, d = a_list[0].shape
     K = g_list[0].shape[2]
@@ -222,7 +222,7 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     operands where either would leave [2^-40, 2^40] (``_balance.exponents``,
     from the maxima: a pass over both operands), so no product loses bits to
     denormals; the clip ops pass ``balance=False`` when the norms already show
-    every such power would be 1 (``_balance.layer_needs_balancing``).
+    every such power would be 1 (``_balance.layers_needing_balancing``).
     Noise: the weight's draws offset + k*d + j, added to gw in float64 with
     the division by the expected batch and rounded once (``add_gaussian``),
     then the bias's.  The bias is summed in float64 (row sums, then their

@@ -231,7 +231,7 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None):
     the scale of a sequence block's rounding, as the device route gives it
     from the same pass; with ``sizes`` (B, 2) float64, also sizes[i] =
     (||a_i||_F^2, ||g_i||_F^2), which tell the clipped sum whether it must
-    rebalance (``_balance.layer_needs_balancing``)."""
+    rebalance (``_balance.layers_needing_balancing``)."""
     want = sizes is not None
     out = sizes if want else np.empty((0, 2))
     _linear_sq_norms(a, g, bias, sq, accumulate, out, want)
@@ -426,7 +426,7 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     exact power of two is moved between its operands if either would otherwise
     leave the well-scaled range (extreme inputs; see ``_balance_exponents``);
     ``balance=False`` skips that scan, for a caller that knows from the norms
-    that no sample needs it (``_balance.layer_needs_balancing``).
+    that no sample needs it (``_balance.layers_needing_balancing``).
     Noise: weight entries are draws offset + k*d + j, then the bias.
     ``matmul(x, y, out)`` is the caller library's GEMM (see ``_backend``).
     """
