@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,21 @@ def cases(family, workloads, methods, once=()):
     params); ``methods`` names the methods, ``once`` those timed in round 1 only."""
     return [Case(family, label, m, dict(params), once=m in once)
             for label, params in workloads for m in methods]
+
+
+def workload_names(ap, known, argv=None) -> tuple[list, object]:
+    """(the --workloads named, the parsed arguments) of a profiling script's
+    parser ``ap`` (which this adds --workloads and --out to) on ``argv``; an
+    unknown name is refused by ``ap.error``."""
+    ap.add_argument("--workloads", default=",".join(known),
+                    help=f"comma-separated, of {', '.join(known)}")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args(argv)
+    names = [n for n in args.workloads.split(",") if n]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        ap.error(f"--workloads: unknown {unknown}; expected some of {list(known)}")
+    return names, args
 
 
 def exception_text(exc, limit=400) -> str:

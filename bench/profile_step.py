@@ -173,17 +173,11 @@ def run(device, size, names, out):
 
 
 def main(argv=None) -> int:
+    from _common import workload_names
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--size", choices=("full", "quick", "smallest"), default="full")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS),
-                    help=f"comma-separated, of {', '.join(WORKLOADS)}")
-    ap.add_argument("--out", default=str(BENCH / "results"))
-    args = ap.parse_args(argv)
-    names = [n for n in args.workloads.split(",") if n]
-    unknown = sorted(set(names) - set(WORKLOADS))
-    if unknown:
-        ap.error(f"--workloads: unknown {unknown}; expected some of {list(WORKLOADS)}")
+    names, args = workload_names(ap, WORKLOADS, argv)
     if args.device == "cuda":
         from _common import cuda_missing
         why = cuda_missing()

@@ -26,15 +26,28 @@ def _type_module(x: Any) -> str:
     return type(x).__module__.split(".")[0]
 
 
+# kind() of the array types met so far: a private step asks it hundreds of
+# times (every adaptor call), and each answer depends on the type alone for
+# the types kept here (tensors and NumPy arrays).
+_KIND_OF_TYPE: dict = {}
+
+
 def kind(x: Any) -> str:
     """"torch" (a tensor on any device), "cupy", "cuda" (a CUDA array of another
     library, which no op accepts) or "numpy" (NumPy arrays and what np.asarray takes)."""
+    known = _KIND_OF_TYPE.get(type(x))
+    if known is not None:
+        return known
     module = _type_module(x)
     if module == "torch" and hasattr(x, "device"):
-        return "torch"
-    if hasattr(x, "__cuda_array_interface__"):
-        return "cupy" if module == "cupy" else "cuda"
-    return "numpy"
+        found = "torch"
+    elif hasattr(x, "__cuda_array_interface__"):
+        found = "cupy" if module == "cupy" else "cuda"
+    else:
+        found = "numpy"
+    if found == "torch" or type(x) is np.ndarray:
+        _KIND_OF_TYPE[type(x)] = found
+    return found
 
 
 def is_torch(x: Any) -> bool:
@@ -181,8 +194,9 @@ class TorchCudaIO:
         self.place = ("torch", device.index if device.index is not None else 0)
 
     def to_kernel(self, x):
-        # .contiguous() copies only when the layout is not row-major (documented cost).
-        return x.detach().contiguous()
+        # .contiguous() copies only when the layout is not row-major (documented
+        # cost); a tensor outside autograd needs no detached alias (an op each).
+        return (x.detach() if x.requires_grad else x).contiguous()
 
     def dtype_of(self, x):
         return _torch_to_numpy_dtype(x.dtype)
@@ -332,18 +346,34 @@ def as_numpy_dtype(dtype: Any) -> np.dtype:
     return _torch_to_numpy_dtype(dtype) if _type_module(dtype) == "torch" else np.dtype(dtype)
 
 
+_NUMPY_OF_TORCH_DTYPE: dict = {}
+
+
 def _torch_to_numpy_dtype(tdtype) -> np.dtype:
+    found = _NUMPY_OF_TORCH_DTYPE.get(tdtype)
+    if found is not None:
+        return found
     name = str(tdtype).replace("torch.", "")
     try:
-        return np.dtype(name)
+        found = np.dtype(name)
     except TypeError:  # bfloat16 and friends have no NumPy twin
-        return np.dtype("V2") if "16" in name else np.dtype("V")
+        found = np.dtype("V2") if "16" in name else np.dtype("V")
+    _NUMPY_OF_TORCH_DTYPE[tdtype] = found
+    return found
+
+
+_TORCH_OF_NUMPY_DTYPE: dict = {}
 
 
 def _numpy_to_torch_dtype(dtype):
-    import torch
-    return {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
-            np.dtype(np.int64): torch.int64, np.dtype(np.uint8): torch.uint8}[np.dtype(dtype)]
+    if not _TORCH_OF_NUMPY_DTYPE:
+        import torch
+        _TORCH_OF_NUMPY_DTYPE.update({np.dtype(np.float32): torch.float32,
+                                      np.dtype(np.float64): torch.float64,
+                                      np.dtype(np.int64): torch.int64,
+                                      np.dtype(np.uint8): torch.uint8})
+    found = _TORCH_OF_NUMPY_DTYPE.get(dtype)
+    return found if found is not None else _TORCH_OF_NUMPY_DTYPE[np.dtype(dtype)]
 
 
 # ------------------------------------------- CUDA arrays (torch or CuPy) as launches see them
@@ -424,6 +454,25 @@ def cat_float64(parts):
         out = torch.empty((n, *parts[0].shape[1:]), dtype=torch.float64, device=parts[0].device)
         return torch.cat(parts, 0, out=out)
     return module_of(parts[0]).concatenate(parts, axis=0, dtype=np.float64)
+
+
+def cat_columns(parts):
+    """2-D arrays of one library, device and dtype, (B, p_k) each, side by side
+    into one new (B, sum p_k) array."""
+    if is_torch(parts[0]):
+        import torch
+        return torch.cat(parts, 1)
+    return module_of(parts[0]).concatenate(parts, axis=1)
+
+
+def bmm(x, y):
+    """x @ y for 3-D x (n, p, q) and y (n, q, r) of one library: torch.bmm
+    directly for tensors (``@`` decomposes into expands and views first, five
+    more ops of host time each, issue 36), ``@`` for CuPy."""
+    if is_torch(x):
+        import torch
+        return torch.bmm(x, y)
+    return x @ y
 
 
 def scale_rows(x, f):

@@ -130,6 +130,8 @@ def select(family: str, **arrays) -> Backend:
     for name, x in arrays.items():
         if x is None:
             continue
+        if first is not None and _same_tensor_place(x, arrays[first[0]]):
+            continue        # a private step passes some 70 tensors of one device
         io = _arrays.io_for(x)
         if first is None:
             first = (name, io)
@@ -153,6 +155,13 @@ def select(family: str, **arrays) -> Backend:
             "Rebuild on a machine with nvcc: `pip install --no-build-isolation -e .` "
             "(NCDP_CUDA_ARCH selects architectures), or pass CPU arrays.")
     return Backend(io.backend, io, KERNELS[io.backend, family])
+
+
+def _same_tensor_place(x, first) -> bool:
+    """Whether x is a torch tensor on first's device, first a torch tensor:
+    then io_for(x) is io_for(first)'s place, without building it."""
+    return (_arrays.kind(x) == "torch" and _arrays.kind(first) == "torch"
+            and x.device == first.device)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,12 @@ def _as_pair(activations, backprops, where=""):
     return sa, sg
 
 
+def _as_3d(x, B, T):
+    """x (B, T, n) as it is, or (B, n) as (B, 1, n): a reshape only where one
+    is needed (each is an op of host time on a device, issue 36)."""
+    return x if len(x.shape) == 3 else x.reshape(B, T, x.shape[-1])
+
+
 class _Layer:
     """One parameter block of a layered clip: a dense (B, ...) per-sample gradient,
     or a linear layer given by (activations, backprops[, bias])."""
@@ -60,7 +66,7 @@ class _Layer:
             self.param_shape = tuple(int(n) for n in spec.shape)
             self.B, self.T = s[0], int(spec.seq_len)
             self.spread = None if spec.spread is None else be.io.to_kernel(spec.spread)
-            self.draws = int(np.prod(self.param_shape))
+            self.draws = math.prod(self.param_shape)
             self.terms = int(spec.terms)
             return
         if isinstance(spec, (tuple, list)):
@@ -76,8 +82,8 @@ class _Layer:
                     raise TypeError(f"{name}{where}: dtype {be.io.dtype_of(x)} differs from {dtype} "
                                     "of the other inputs")
             B, T = sa[0], (sa[1] if len(sa) == 3 else 1)
-            self.a = be.io.to_kernel(a).reshape(B, T, sa[-1])
-            self.g = be.io.to_kernel(g).reshape(B, T, sg[-1])
+            self.a = _as_3d(be.io.to_kernel(a), B, T)
+            self.g = _as_3d(be.io.to_kernel(g), B, T)
             self.dense = False
             self.K, self.d, self.T = sg[-1], sa[-1], T
             # float64 multiply-adds in the sample's norm (reference.linear_terms)
@@ -92,10 +98,11 @@ class _Layer:
                 raise TypeError(f"layers{where}: dtype {be.io.dtype_of(spec)} differs from {dtype}")
             B = s[0]
             self.param_shape = s[1:]
-            self.g = be.io.to_kernel(spec).reshape(B, -1) if B else be.io.to_kernel(spec).reshape(
-                0, int(np.prod(s[1:])))
+            self.g = be.io.to_kernel(spec)
+            if len(s) != 2:
+                self.g = self.g.reshape(B, math.prod(s[1:]))
             self.dense = True
-            self.draws = int(np.prod(s[1:]))
+            self.draws = math.prod(s[1:])
             self.terms, self.T = self.draws, 1
         self.B = B
 
@@ -105,8 +112,7 @@ class _Layer:
             return 0
         # Kernel views are NumPy arrays on the CPU and torch/CuPy arrays on a
         # GPU, whose .size is a method in torch: count through the shape.
-        return math.prod(_arrays.shape(self.g, "g")) + (
-            0 if self.dense else math.prod(_arrays.shape(self.a, "a")))
+        return math.prod(self.g.shape) + (0 if self.dense else math.prod(self.a.shape))
 
     def add_sq_norms(self, kernels, sq, spread):
         """sq += the block's squared norms; spread (None when no block has T > 1)
@@ -188,6 +194,11 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     for i, layer in enumerate(layers):
         if layer.B != B:
             raise ValueError(f"layers[{i}]: batch size {layer.B} differs from layers[0] batch size {B}")
+    # From here on the op works on units: the layers, with each run of small
+    # dense blocks on a device joined into one (their noise ranges follow each
+    # other, so the joined sum draws exactly the values the blocks would).
+    n_given = len(layers)
+    layers, runs = _join_dense_runs(layers) if be.name == "cuda" else (layers, None)
     draws = sum(layer.draws for layer in layers)
     t_max = max(layer.T for layer in layers)
     sq = be.io.zeros((B,), _F64)
@@ -251,12 +262,70 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         # dropping it frees its (B, T, d) and (B, T, K) arrays.
         order = sorted(order, key=lambda i: layers[i].draws - layers[i].held())
     grads = [None] * len(layers)
-    for i in order:
-        grads[i] = layers[i].reduce(be, dtype, weights, noise_std, inv_denom, seed, starts[i],
-                                    balance[i])
-        if release:
-            layers[i] = None
+    with be.kernels.float32_gemm_scope(sq):
+        for i in order:
+            grads[i] = layers[i].reduce(be, dtype, weights, noise_std, inv_denom, seed,
+                                        starts[i], balance[i])
+            if release:
+                layers[i] = None
+    if runs is not None:
+        grads = _split_dense_runs(grads, runs, n_given)
     return grads, acc
+
+
+# Dense blocks are joined while a run holds at most this many bytes: the
+# launches saved matter for small blocks (a LayerNorm's weight and bias: 4 of
+# its launches and their host time become 2), and the join's copy stays small.
+JOIN_DENSE_BYTES = 16 << 20
+
+
+def _join_dense_runs(layers):
+    """(units, runs): ``layers`` with each run of consecutive dense blocks
+    (at least two, within JOIN_DENSE_BYTES) replaced by one dense unit whose
+    per-sample gradient is theirs side by side; runs[u] lists unit u's
+    blocks as (shape, draws) for a joined unit, None otherwise.  Exact: the
+    joined sum and its noise are the blocks' own, column for column; the
+    joined norm adds the same squares in one float64 sum (the rule's
+    ``terms`` are the blocks' total)."""
+    units, runs, i = [], [], 0
+    while i < len(layers):
+        j, size = i, 0
+        while (j < len(layers) and layers[j].kind == "dense"
+               and size + layers[j].held() * layers[j].g.dtype.itemsize <= JOIN_DENSE_BYTES):
+            size += layers[j].held() * layers[j].g.dtype.itemsize
+            j += 1
+        if j - i < 2:
+            units.append(layers[i])
+            runs.append(None)
+            i += 1
+            continue
+        members = layers[i:j]
+        joined = _Layer.__new__(_Layer)
+        joined.kind, joined.dense, joined.T, joined.B = "dense", True, 1, members[0].B
+        joined.g = _arrays.cat_columns([m.g for m in members])
+        joined.draws = sum(m.draws for m in members)
+        joined.terms = sum(m.terms for m in members)
+        joined.param_shape = (joined.draws,)
+        units.append(joined)
+        runs.append([(m.param_shape, m.draws) for m in members])
+        i = j
+    return units, runs
+
+
+def _split_dense_runs(grads, runs, n):
+    """The units' grads as the given blocks': a joined unit's (draws,) sum cut
+    into its blocks' shapes (views)."""
+    out = []
+    for g, run in zip(grads, runs):
+        if run is None:
+            out.append(g)
+            continue
+        start = 0
+        for shape, draws in run:
+            out.append(g[start:start + draws].reshape(shape))
+            start += draws
+    assert len(out) == n
+    return out
 
 
 def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier, bias=True,

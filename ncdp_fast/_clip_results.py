@@ -110,11 +110,17 @@ def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=No
     # GPU each transfer makes the host wait for the device, issue 36); the
     # rows are read only to name them in the error.
     xp = _arrays.module_of(norms)
-    # A zero factor also marks a finite norm whose rounding bound overflowed.
-    dropped = ~xp.isfinite(norms)
     if factors is not None:
-        dropped |= factors == 0
-    values = [dropped.sum(), (~dropped & (norms > max_norm)).sum()]
+        # The rule's factor is 0 exactly where its bound is not finite: for
+        # every non-finite norm (the bound is formed from the same sum) and
+        # for a finite norm whose rounding bound overflowed.  So the zero
+        # factors alone are the dropped rows (fewer device ops a step than
+        # testing the norms too: issue 36's host time).
+        dropped = factors == 0
+        values = [dropped.sum(), ((norms > max_norm) & (factors != 0)).sum()]
+    else:
+        dropped = ~xp.isfinite(norms)
+        values = [dropped.sum(), (~dropped & (norms > max_norm)).sum()]
     dev = getattr(values[0], "device", None)
     values += [(flag if flag.device == dev else flag.to(dev)).reshape(()).to(values[0].dtype)
                for flag, _ in checks]

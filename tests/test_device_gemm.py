@@ -349,6 +349,34 @@ def test_tf32_switch_works_under_torchs_new_precision_api():
         m.fp32_precision = before
 
 
+def test_tf32_switch_nests_and_restores_the_callers_setting():
+    """The clip op enters the switch once around a step's sums and each sum
+    enters it again (issue 36: only the outermost entry reads and sets the
+    flag): TF32 stays off until the outermost exit, which restores what the
+    caller had, also after an error inside."""
+    from ncdp_fast._cuda._common import ieee_float32_matmul
+    m = torch.backends.cuda.matmul
+    try:
+        m.allow_tf32
+    except RuntimeError:
+        pytest.skip("a test before set the new precision API; the legacy flag is unreadable")
+    before = m.allow_tf32
+    m.allow_tf32 = True
+    try:
+        with ieee_float32_matmul():
+            assert m.allow_tf32 is False
+            with ieee_float32_matmul():
+                assert m.allow_tf32 is False
+            assert m.allow_tf32 is False          # an inner exit keeps it off
+            with pytest.raises(ZeroDivisionError):
+                with ieee_float32_matmul():
+                    1 / 0
+            assert m.allow_tf32 is False
+        assert m.allow_tf32 is True
+    finally:
+        m.allow_tf32 = before
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(3, 1, 7, 2), (2, 4, 9, 11), (2, 64, 5, 700), (4, 40, 3, 2),
                                    (0, 3, 4, 5)], ids=lambda s: "x".join(map(str, s)))

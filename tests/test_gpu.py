@@ -98,6 +98,62 @@ def test_cuda_layers_and_nonfinite(require_cuda, dtype):
     np.testing.assert_allclose(res.grads[1][0].cpu().numpy(), cpu.grads[1][0], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B", [0, 1, 6])
+def test_cuda_joined_dense_runs_are_the_blocks_own(require_cuda, dtype, B, monkeypatch):
+    """Consecutive small dense blocks (a LayerNorm's weight and bias) go to the
+    device as one joined block (issue 36: fewer launches): the grads, norms
+    and counts equal the call that keeps every block apart (JOIN_DENSE_BYTES
+    -1) -- the same noise draws column for column, the norms within the
+    float64 additions' rounding --, and each grad keeps its block's shape.
+    Layers: a run of three dense blocks, a pair, a run of three; a byte limit
+    cuts a run where the next block would pass it."""
+    from ncdp_fast import _clip_layers
+    from ncdp_fast._cuda import clip as device_clip
+    rng = np.random.default_rng(B + 1)
+    d1, d2, d3 = (rng.standard_normal((B,) + s).astype(dtype) for s in ((5,), (2, 3), (7,)))
+    a, g = _linear_inputs((B, 4, 6, 3), dtype)
+    d4, d5, d6 = (rng.standard_normal((B, n)).astype(dtype) for n in (9, 4, 2))
+    blocks = [d1, d2, d3, (a, g), d4, d5, d6]
+    kw = dict(max_norm=1.0, noise_multiplier=0.5, reduction="mean", expected_batch_size=4.0,
+              grad_scale=2.0)
+    launches = []
+    real = device_clip.weighted_row_sum_noise
+    monkeypatch.setattr(device_clip, "weighted_row_sum_noise",
+                        lambda g, *rest: launches.append(tuple(g.shape)) or real(g, *rest))
+
+    def run(limit):
+        monkeypatch.setattr(_clip_layers, "JOIN_DENSE_BYTES", limit)
+        launches.clear()
+        _replay()
+        res = nf.clip_and_noise_layers(
+            [_cuda(x, require_cuda) if not isinstance(x, tuple) else
+             tuple(_cuda(y, require_cuda) for y in x) for x in blocks], seed=3, offset=7, **kw)
+        return res, list(launches)
+
+    joined, joined_launches = run(_clip_layers.JOIN_DENSE_BYTES)
+    apart, apart_launches = run(-1)
+    assert apart_launches == [(B, 5), (B, 6), (B, 7), (B, 9), (B, 4), (B, 2)]
+    assert joined_launches == [(B, 18), (B, 15)]
+    for got, want, x in zip(joined.grads, apart.grads, blocks):
+        if isinstance(x, tuple):
+            for u, v in zip(got, want):
+                assert bool((u == v).all())
+            continue
+        assert tuple(got.shape) == x.shape[1:]
+        # The joined sum is the blocks' own sums; the factors may differ where
+        # the joined norm rounded differently (float64: relative 1e-15).
+        np.testing.assert_allclose(got.cpu().numpy(), want.cpu().numpy(),
+                                   rtol=2e-6 if dtype == np.float32 else 1e-13, atol=1e-30)
+    np.testing.assert_allclose(joined.norms.cpu().numpy(), apart.norms.cpu().numpy(),
+                               rtol=1e-14)
+    assert (joined.num_clipped, joined.draws, joined.offset) == (
+        apart.num_clipped, apart.draws, apart.offset)
+    # A limit of 15 columns: 5 + 6 join, 7 would pass it and stays alone.
+    _, some = run(B * 15 * np.dtype(dtype).itemsize)
+    assert some == ([(B, 11), (B, 7), (B, 15)] if B else [(B, 18), (B, 15)])
+
+
 def test_cuda_same_seed_offset_bitwise_reproducible(require_cuda):
     g = _cuda(np.random.default_rng(0).standard_normal((1000, 3001)).astype(np.float32),
               require_cuda)

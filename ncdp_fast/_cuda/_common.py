@@ -2,7 +2,6 @@
 stream and workspaces."""
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import numpy as np
@@ -39,10 +38,34 @@ def workspace(like, nbytes: int):
 # restore (the first in saves, the last out restores), so no thread's exit
 # turns TF32 back on under another's products or loses the caller's setting.
 _TF32_LOCK = threading.Lock()
-_TF32_STATE = {"depth": 0, "saved": None}
+_TF32_STATE = {"depth": 0, "saved": None, "name": None}
 
 
-@contextlib.contextmanager
+class _IeeeFloat32Matmul:
+    """The context of :func:`ieee_float32_matmul`: a class, not a generator,
+    and the API probe only on the outermost entry, because the clip op enters
+    it once a linear layer (a few microseconds of host time each, issue 36)."""
+
+    def __enter__(self):
+        with _TF32_LOCK:
+            if _TF32_STATE["depth"] == 0:
+                import torch
+                m = torch.backends.cuda.matmul
+                name, off = _tf32_switch(m)
+                _TF32_STATE["saved"], _TF32_STATE["name"] = getattr(m, name), name
+                setattr(m, name, off)
+            _TF32_STATE["depth"] += 1
+        return self
+
+    def __exit__(self, *exc):
+        with _TF32_LOCK:
+            _TF32_STATE["depth"] -= 1
+            if _TF32_STATE["depth"] == 0:
+                import torch
+                setattr(torch.backends.cuda.matmul, _TF32_STATE["name"], _TF32_STATE["saved"])
+        return False
+
+
 def ieee_float32_matmul():
     """TF32 off for the call, restored after: the documented float32 accuracy
     of the NTK Gram and of the clipped sums is that of IEEE float32 products,
@@ -50,22 +73,9 @@ def ieee_float32_matmul():
     Through the API the caller's setting is readable by: the legacy
     ``allow_tf32``, or where reading it raises (torch >= 2.9 once a caller
     set the new ``fp32_precision``) that one -- setting the other would leave
-    the two in the mixed state torch refuses to read."""
-    import torch
-    m = torch.backends.cuda.matmul
-    name, off = _tf32_switch(m)
-    with _TF32_LOCK:
-        if _TF32_STATE["depth"] == 0:
-            _TF32_STATE["saved"] = getattr(m, name)
-            setattr(m, name, off)
-        _TF32_STATE["depth"] += 1
-    try:
-        yield
-    finally:
-        with _TF32_LOCK:
-            _TF32_STATE["depth"] -= 1
-            if _TF32_STATE["depth"] == 0:
-                setattr(m, name, _TF32_STATE["saved"])
+    the two in the mixed state torch refuses to read.  Nested entries (a
+    step's sums inside the clip op's one) only count."""
+    return _IeeeFloat32Matmul()
 
 
 def _tf32_switch(matmul_backend):

@@ -149,8 +149,8 @@ def _norm_rows(a64, g64, bias, want_spread, sizes):
     (||a_i||^2, ||g_i||^2).  Gram route when 2 T^2 <= K d, else direct."""
     T, d, K = a64.shape[1], a64.shape[2], g64.shape[2]
     if 2 * T * T <= K * d:
-        w = a64 @ a64.swapaxes(1, 2)
-        v = g64 @ g64.swapaxes(1, 2)
+        w = _arrays.bmm(a64, a64.swapaxes(1, 2))
+        v = _arrays.bmm(g64, g64.swapaxes(1, 2))
         sp = _spread_sizes(w.diagonal(0, 1, 2), v.diagonal(0, 1, 2), bias, want_spread, sizes)
         if bias:
             w += 1.0
@@ -160,7 +160,7 @@ def _norm_rows(a64, g64, bias, want_spread, sizes):
     if want_spread or sizes is not None:
         sp = _spread_sizes((a64 * a64).sum(axis=2), (g64 * g64).sum(axis=2), bias, want_spread,
                            sizes)
-    w = g64.swapaxes(1, 2) @ a64
+    w = _arrays.bmm(g64.swapaxes(1, 2), a64)
     w *= w
     e = w.sum(axis=(1, 2))
     if bias:
@@ -231,7 +231,7 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     """
     K, d = g.shape[2], a.shape[2]
     clipped_gemm(a, g, factors, gw, balance)
-    add_gaussian(gw.reshape(-1), seed, offset, noise_std, True, inv_denom)
+    add_gaussian(gw, seed, offset, noise_std, True, inv_denom)   # contiguous: no flat view
     if gb is not None:
         accb = _arrays.sum_float64(g, 1).T @ factors
         add_gaussian(accb, seed, offset + K * d, noise_std, True, inv_denom)
@@ -276,6 +276,12 @@ def _rebalanced(a, g, f, into_g):
 def _float32_gemm(x):
     """TF32 off around a torch GEMM (CuPy's is refused by _refuse_cupy_tf32)."""
     return ieee_float32_matmul() if _arrays.is_torch(x) else contextlib.nullcontext()
+
+
+# The clip op enters it once around a step's sums: each layer's own entry is
+# then a nested one, a count (2 against 6 us of host time a layer on the
+# 2-core VM, issue 36).
+float32_gemm_scope = _float32_gemm
 
 
 def _refuse_cupy_tf32(x):

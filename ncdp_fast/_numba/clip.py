@@ -7,6 +7,7 @@ machine whatever ``NUMBA_NUM_THREADS`` is.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -412,6 +413,12 @@ def _scaled_column_sums(x, f, out):
                 acc[k] += np.float64(row[k])
     for k in range(K):
         out[k] = acc[k]
+
+
+def float32_gemm_scope(like):
+    """The CUDA twin's TF32 switch around a step's clipped sums: nothing to
+    switch for the CPU's BLAS (IEEE float32 always)."""
+    return contextlib.nullcontext()
 
 
 def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb,

@@ -34,6 +34,8 @@ def _flat_positions(x: torch.Tensor, width: int, features: int = 1) -> torch.Ten
     T = 1
     for s in x.shape[1:x.dim() - features]:
         T *= s
+    if x.dim() == 3 and x.shape[1] == T and x.shape[2] == width:
+        return x        # already (B, T, width): no view op (host time a layer)
     return x.reshape(x.shape[0], T, width)
 
 

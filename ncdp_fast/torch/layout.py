@@ -252,9 +252,22 @@ class StepBatch:
                 ", so its rows cannot be checked against the samples. Call the model itself "
                 "on the batch, or declare the step's batch with clipper.declare_batch_size(n) "
                 "before backward (then clear() to discard this step)")
+        return self.size, _FirstInput(self.shape, self.batch_first)
+
+
+class _FirstInput:
+    """Where a measured batch size comes from, formatted only if an error
+    names it (every layer asks at every step: formatting a torch.Size each
+    time cost host time, issue 36)."""
+    __slots__ = ("shape", "batch_first")
+
+    def __init__(self, shape, batch_first):
+        self.shape, self.batch_first = shape, batch_first
+
+    def __str__(self):
         dim = 0 if self.batch_first else 1
-        return self.size, (f"dimension {dim} of the model's first input tensor, shape "
-                           f"{self.shape}, batch_first={self.batch_first}")
+        return (f"dimension {dim} of the model's first input tensor, shape {self.shape}, "
+                f"batch_first={self.batch_first}")
 
 
 def rows_error(name: str, module: nn.Module, shape, dim: int, batch_first: bool, layout: str,

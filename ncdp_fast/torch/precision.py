@@ -23,9 +23,11 @@ def cast_block(tap, names, block):
     dtype = accumulation_dtype(tap.params[names[0]].dtype)
     if isinstance(block, tuple):
         a, g, bias = block
+        if a.dtype == dtype and g.dtype == dtype:
+            return block        # the usual case: no .to() calls (host time a layer)
         return (a.to(dtype), g.to(dtype), bias)
     if isinstance(block, torch.Tensor):
-        return block.to(dtype)
+        return block if block.dtype == dtype else block.to(dtype)
     if isinstance(block, GhostBlock) and block.dtype in HALF:
         raise TypeError(
             f"GhostClipper: the rule of {type(tap.module).__name__} ({tap.name!r}) returned "

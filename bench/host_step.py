@@ -1,0 +1,193 @@
+"""The host's share of a private step, measured without a GPU: the benchmarks'
+workloads at their GPU depth (the same layers, so the same per-layer host
+work) with widths cut until the device's work is negligible, run on the
+emulated CUDA device (NCDP_CUDA_EMULATION=1: CPU tensors take the CUDA route,
+the same Python and the same launches as on a GPU).
+
+The first H200 run measured the small rows host-bound (issue 36): the linear
+head's private step at 2.5 ms against 0.5 ms non-private, the 4-layer
+transformer's at 21.3 against 9.7 ms, with little device work added.  What
+the host does per step is what this tool measures: a change to it is judged
+here, and the next GPU run checks the prediction.
+
+    python bench/host_step.py [--workloads linear,transformer,bert,gpt2]
+                              [--rounds 15] [--out bench/results]
+
+writes ``host_step-cpu-<date>.{json,md}``: per workload and method
+(non-private, then ``ncdp_engine``: PrivacyEngine with its GhostClipper),
+the host ms a step with the emulated kernels' own time taken out (their
+launch calls are timed and subtracted; the emulator runs a kernel inside its
+launch call), the fastest and the median of ``--rounds`` interleaved rounds
+(this 2-core VM's neighbours add bursts that the fastest round is least
+exposed to), the private step's extra host ms over the non-private one, and
+three counts that do not depend on the machine: torch operators dispatched,
+Python function calls and kernel launches, each in one step.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ["NCDP_CUDA_EMULATION"] = "1"     # before ncdp_fast is imported
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+# Each workload's layers as on the GPU run (bench_finetune's full shapes,
+# bench_hf's GPU shapes: 12 layers), its widths cut to a few dozen.
+HOST_SHAPES = {
+    "linear": ("finetune", dict(B=8, d=16, K=3)),
+    "transformer": ("finetune", dict(B=4, T=8, d=32, layers=4, heads=8, ff=64, vocab=100, K=10)),
+    "bert": ("hf", dict(B=2, T=8, d=32, heads=2, layers=12, ff=64, vocab=100, K=2)),
+    "gpt2": ("hf", dict(B=2, T=8, d=32, heads=2, layers=12, vocab=100)),
+}
+METHODS = ("nonprivate", "ncdp_engine")
+WARMUP = 3
+ROUND_SECONDS = 0.15        # each round times whole steps for about this long
+
+
+class LaunchClock:
+    """Times the emulated device's launch calls (each runs its kernel before it
+    returns), so that their time can be taken out of a step's."""
+
+    def __init__(self):
+        import ncdp_fast._C_emu as emu
+        self.seconds, self.launches = 0.0, 0
+        self._emu, self._saved = emu, {}
+        for name in dir(emu):
+            if name.startswith("launch_"):
+                self._saved[name] = fn = getattr(emu, name)
+                setattr(emu, name, self._timed(fn))
+
+    def _timed(self, fn):
+        def launch(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.launches += 1
+        return launch
+
+    def reset(self):
+        self.seconds, self.launches = 0.0, 0
+
+    def remove(self):
+        for name, fn in self._saved.items():
+            setattr(self._emu, name, fn)
+
+
+def _build(name, method):
+    family, p = HOST_SHAPES[name]
+    p = dict(p, kind=name)
+    if family == "hf":
+        import test_bench_hf as hf
+        return hf.workload_label(name, p), hf.build_step(p, method, "cpu")[0]
+    import test_bench_finetune as ft
+    return ft.workload_label(name, p), ft.build_step(p, method, "cpu")[0]
+
+
+def _counts(step, clock):
+    """(operators dispatched, Python calls, launches) of one step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+    with Count():
+        step()
+    prof = cProfile.Profile()
+    clock.reset()
+    prof.enable()
+    step()
+    prof.disable()
+    calls = sum(v[1] for v in pstats.Stats(prof).stats.values())
+    return Count.n, calls, clock.launches
+
+
+def measure(names, rounds):
+    import torch
+    torch.set_num_threads(1)      # the host's own thread, as on a GPU
+    clock = LaunchClock()
+    rows = []
+    try:
+        for name in names:
+            steps = {}
+            for method in METHODS:
+                label, steps[method] = _build(name, method)
+                for _ in range(WARMUP):
+                    steps[method]()
+            per_round = {}
+            for method, step in steps.items():
+                t0 = time.perf_counter()
+                step()
+                per_round[method] = max(1, int(ROUND_SECONDS / (time.perf_counter() - t0)))
+            host = {m: [] for m in METHODS}
+            for _ in range(rounds):           # interleaved: each round sees both methods
+                for method, step in steps.items():
+                    n = per_round[method]
+                    clock.reset()
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        step()
+                    host[method].append(1e3 * (time.perf_counter() - t0 - clock.seconds) / n)
+            for method in METHODS:
+                ops, calls, launches = _counts(steps[method], clock)
+                rows.append(dict(workload=label, method=method, host_ms_min=min(host[method]),
+                                 host_ms_median=statistics.median(host[method]),
+                                 operators=ops, python_calls=calls, launches=launches))
+            base, priv = rows[-2], rows[-1]
+            priv["extra_ms_min"] = priv["host_ms_min"] - base["host_ms_min"]
+            priv["x_nonprivate_min"] = priv["host_ms_min"] / base["host_ms_min"]
+    finally:
+        clock.remove()
+    return rows
+
+
+def main(argv=None) -> int:
+    from _common import workload_names
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    names, args = workload_names(ap, list(HOST_SHAPES), argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected an integer >= 1, got {args.rounds}")
+    from report import run_meta
+
+    from ncdp_fast._report import write_report
+    rows = measure(names, args.rounds)
+    meta = run_meta("cpu", "host", args.rounds)
+    meta["device"] += " (the emulated CUDA device: NCDP_CUDA_EMULATION=1)"
+    write_report("host_step", args.out, meta, rows,
+                 [("workload", "workload", None), ("method", "method", None),
+                  ("host_ms_min", "host ms/step (fastest round)", "{:.3f}"),
+                  ("host_ms_median", "host ms/step (median round)", "{:.3f}"),
+                  ("extra_ms_min", "private extra host ms (fastest)", "{:.3f}"),
+                  ("x_nonprivate_min", "× non-private (fastest)", "{:.2f}"),
+                  ("operators", "torch operators a step", None),
+                  ("python_calls", "Python calls a step", None),
+                  ("launches", "kernel launches a step", None)],
+                 notes=[f"bench/host_step.py: {WARMUP} warm-up steps, then {args.rounds} "
+                        "interleaved rounds of whole steps (about "
+                        f"{ROUND_SECONDS} s each) per method; host ms = the round's wall time "
+                        "less the emulated kernels' own time (their launch calls, timed), "
+                        "per step; torch on one thread",
+                        "shapes: each workload's layers as in the GPU run (the transformer's 4, "
+                        "BERT's and GPT-2's 12), widths cut so that the device's work is "
+                        "negligible: what remains is what the host does a step",
+                        "counts (one step each): torch operators as a TorchDispatchMode sees "
+                        "them (views included), Python function calls as cProfile counts "
+                        "them, emulated kernel launches"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

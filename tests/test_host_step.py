@@ -1,0 +1,45 @@
+"""bench/host_step.py (the host's share of a private step, on the emulated
+device) in CI: one workload, one round; its rows, its counts, and a bad
+argument refused by name."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "host_step.py"
+
+
+def test_host_step_reports_the_private_steps_extra_host_work(tmp_path):
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "linear", "--rounds", "2",
+                           "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (report,) = tmp_path.glob("host_step-cpu-*.json")
+    data = json.loads(report.read_text())
+    assert "emulated CUDA device" in data["meta"]["device"]
+    rows = data["rows"]
+    assert [(r["workload"].split()[0], r["method"]) for r in rows] == [
+        ("linear", "nonprivate"), ("linear", "ncdp_engine")]
+    plain, private = rows
+    for r in rows:
+        assert 0 < r["host_ms_min"] <= r["host_ms_median"]
+        assert r["operators"] > 0 and r["python_calls"] > 0
+    # The private step launches the device route's kernels (norms' factors,
+    # two noise draws); the plain one none, and fewer operators and calls.
+    assert plain["launches"] == 0 and private["launches"] >= 3
+    assert private["operators"] > plain["operators"]
+    assert private["python_calls"] > plain["python_calls"]
+    assert private["extra_ms_min"] == pytest.approx(private["host_ms_min"] - plain["host_ms_min"])
+    assert "| linear head" in report.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("args, what", [(["--workloads", "linear,resnet"], "--workloads"),
+                                        (["--rounds", "0"], "--rounds")])
+def test_host_step_refuses_bad_arguments(tmp_path, args, what):
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and what in proc.stderr
