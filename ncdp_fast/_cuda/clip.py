@@ -226,14 +226,22 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     Noise: the weight's draws offset + k*d + j, added to gw in float64 with
     the division by the expected batch and rounded once (``add_gaussian``),
     then the bias's.  The bias is summed in float64 (row sums, then their
-    factor-weighted sum) with the true factors.  ``matmul`` is the CPU path's
-    BLAS hook, unused.
+    factor-weighted sum) with the true factors, or, where the GEMM's scaled
+    operand is g with no power moved, as the numba twin does: those products
+    (each rounded once) summed in float64.  ``matmul`` is the CPU path's BLAS
+    hook, unused.
     """
-    K, d = g.shape[2], a.shape[2]
-    clipped_gemm(a, g, factors, gw, balance)
+    B, T, d = a.shape
+    K = g.shape[2]
+    scaled = clipped_gemm(a, g, factors, gw, balance)
     add_gaussian(gw, seed, offset, noise_std, True, inv_denom)   # contiguous: no flat view
     if gb is not None:
-        accb = _arrays.sum_float64(g, 1).T @ factors
+        if scaled is not None:
+            # The GEMM's own f_i g_it, each rounded once: summed in float64 they
+            # are the numba twin's bias (one reduction instead of two ops).
+            accb = _arrays.sum_float64(scaled.reshape(B * T, K), 0)
+        else:
+            accb = _arrays.sum_float64(g, 1).T @ factors
         add_gaussian(accb, seed, offset + K * d, noise_std, True, inv_denom)
         gb[...] = accb
 
@@ -243,7 +251,9 @@ def clipped_gemm(a, g, factors, out, balance=True):
     dtype: clipped_linear_sum's weight without its noise (also a tied
     weight's output-embedding part, ``torch/tied.py``).  a: (B, T, d), g:
     (B, T, K) torch tensors (any device) or CuPy arrays; factors: (B,)
-    float64; out: (K, d), contiguous, the data dtype."""
+    float64; out: (K, d), contiguous, the data dtype.  Returns the scaled
+    g, fl(f_i g_it) (B, T, K), where the factor went into g with no power
+    moved (``balance`` off), else None."""
     B, T, d = a.shape
     K = g.shape[2]
     _refuse_cupy_tf32(a)
@@ -257,6 +267,7 @@ def clipped_gemm(a, g, factors, out, balance=True):
         x, y = g, _arrays.scale_rows(a, f)
     with _float32_gemm(a):
         _arrays.module_of(out).matmul(x.reshape(B * T, K).T, y.reshape(B * T, d), out=out)
+    return x if into_g and f is factors else None
 
 
 def _rebalanced(a, g, f, into_g):
