@@ -10,10 +10,16 @@ transformer's at 21.3 against 9.7 ms, with little device work added.  What
 the host does per step is what this tool measures: a change to it is judged
 here, and the next GPU run checks the prediction.
 
-    python bench/host_step.py [--workloads linear,transformer,bert,gpt2]
+    python bench/host_step.py [--device emulated|cuda]
+                              [--workloads linear,transformer,bert,gpt2]
                               [--rounds 15] [--out bench/results]
 
-writes ``host_step-cpu-<date>.{json,md}``: per workload and method
+``--device cuda`` runs the same steps on a real GPU (``make gpu-check`` runs
+it last, when its budget leaves time): at these widths the device idles and
+a step's wall time is its host's, so the H200 host's own figure replaces the
+scaling of this machine's.
+
+writes ``host_step-<cpu|gpu>-<date>.{json,md}``: per workload and method
 (non-private, then ``ncdp_engine``: PrivacyEngine with its GhostClipper),
 the host ms a step with the emulated kernels' own time taken out (their
 launch calls are timed and subtracted; the emulator runs a kernel inside its
@@ -33,8 +39,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-os.environ["NCDP_CUDA_EMULATION"] = "1"     # before ncdp_fast is imported
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
@@ -83,14 +87,25 @@ class LaunchClock:
             setattr(self._emu, name, fn)
 
 
-def _build(name, method):
+def _build(name, method, device):
     family, p = HOST_SHAPES[name]
     p = dict(p, kind=name)
     if family == "hf":
         import test_bench_hf as hf
-        return hf.workload_label(name, p), hf.build_step(p, method, "cpu")[0]
+        return hf.workload_label(name, p), hf.build_step(p, method, device)[0]
     import test_bench_finetune as ft
-    return ft.workload_label(name, p), ft.build_step(p, method, "cpu")[0]
+    return ft.workload_label(name, p), ft.build_step(p, method, device)[0]
+
+
+class _NoClock:
+    """A real GPU's launches return at once: nothing to take out, none counted."""
+    seconds, launches = 0.0, None
+
+    def reset(self):
+        pass
+
+    def remove(self):
+        pass
 
 
 def _counts(step, clock):
@@ -114,31 +129,40 @@ def _counts(step, clock):
     return Count.n, calls, clock.launches
 
 
-def measure(names, rounds):
+def measure(names, rounds, device="emulated"):
+    """The rows of the report: ``device`` "emulated" (CPU tensors on the
+    emulated CUDA device, NCDP_CUDA_EMULATION=1 set before ncdp_fast was
+    imported) or "cuda" (a GPU; each round synchronised at both ends)."""
     import torch
     torch.set_num_threads(1)      # the host's own thread, as on a GPU
-    clock = LaunchClock()
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock = _NoClock() if cuda else LaunchClock()
     rows = []
     try:
         for name in names:
             steps = {}
             for method in METHODS:
-                label, steps[method] = _build(name, method)
+                label, steps[method] = _build(name, method, "cuda" if cuda else "cpu")
                 for _ in range(WARMUP):
                     steps[method]()
             per_round = {}
             for method, step in steps.items():
+                sync()
                 t0 = time.perf_counter()
                 step()
+                sync()
                 per_round[method] = max(1, int(ROUND_SECONDS / (time.perf_counter() - t0)))
             host = {m: [] for m in METHODS}
             for _ in range(rounds):           # interleaved: each round sees both methods
                 for method, step in steps.items():
                     n = per_round[method]
                     clock.reset()
+                    sync()
                     t0 = time.perf_counter()
                     for _ in range(n):
                         step()
+                    sync()
                     host[method].append(1e3 * (time.perf_counter() - t0 - clock.seconds) / n)
             for method in METHODS:
                 ops, calls, launches = _counts(steps[method], clock)
@@ -154,18 +178,27 @@ def measure(names, rounds):
 
 
 def main(argv=None) -> int:
-    from _common import workload_names
+    from _common import cuda_missing, workload_names
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("emulated", "cuda"), default="emulated")
     ap.add_argument("--rounds", type=int, default=15)
     names, args = workload_names(ap, list(HOST_SHAPES), argv)
     if args.rounds < 1:
         ap.error(f"--rounds: expected an integer >= 1, got {args.rounds}")
+    if args.device == "emulated":
+        os.environ["NCDP_CUDA_EMULATION"] = "1"     # before ncdp_fast is imported
+    else:
+        why = cuda_missing()
+        if why:
+            print(f"host_step.py: --device cuda: {why}", file=sys.stderr)
+            return 2
     from report import run_meta
 
     from ncdp_fast._report import write_report
-    rows = measure(names, args.rounds)
-    meta = run_meta("cpu", "host", args.rounds)
-    meta["device"] += " (the emulated CUDA device: NCDP_CUDA_EMULATION=1)"
+    rows = measure(names, args.rounds, args.device)
+    meta = run_meta("cuda" if args.device == "cuda" else "cpu", "host", args.rounds)
+    if args.device == "emulated":
+        meta["device"] += " (the emulated CUDA device: NCDP_CUDA_EMULATION=1)"
     write_report("host_step", args.out, meta, rows,
                  [("workload", "workload", None), ("method", "method", None),
                   ("host_ms_min", "host ms/step (fastest round)", "{:.3f}"),
@@ -179,7 +212,9 @@ def main(argv=None) -> int:
                         "interleaved rounds of whole steps (about "
                         f"{ROUND_SECONDS} s each) per method; host ms = the round's wall time "
                         "less the emulated kernels' own time (their launch calls, timed), "
-                        "per step; torch on one thread",
+                        "per step; torch on one thread; on a GPU (--device cuda) the wall "
+                        "time of the round, synchronised at both ends, per step (at these "
+                        "widths the device idles), and no launches counted",
                         "shapes: each workload's layers as in the GPU run (the transformer's 4, "
                         "BERT's and GPT-2's 12), widths cut so that the device's work is "
                         "negligible: what remains is what the host does a step",

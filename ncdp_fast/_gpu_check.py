@@ -29,7 +29,9 @@ has to show before a GPU claim of this project is believed.
    is listed as not run: slowness is reported, not failed. After the hf and
    finetune benchmarks, ``bench/profile_step.py`` profiles one step of each of
    their workloads, private and not (``profile_step`` and ``profile_ops`` reports:
-   busy against wall time, kernels, host waits, the largest kernels).
+   busy against wall time, kernels, host waits, the largest kernels); last,
+   when the budget leaves time, ``bench/host_step.py --device cuda`` measures
+   the host's share of a step on this machine's host (``host_step`` report).
 6. A summary of the phases in ``bench/results/gpu_check-gpu-<date>.{json,md}``.
 
 Steps 1-3 live in ``_gpu_check_env.py`` (the device, the environment, the

@@ -38,8 +38,25 @@ def test_host_step_reports_the_private_steps_extra_host_work(tmp_path):
 
 
 @pytest.mark.parametrize("args, what", [(["--workloads", "linear,resnet"], "--workloads"),
-                                        (["--rounds", "0"], "--rounds")])
+                                        (["--rounds", "0"], "--rounds"),
+                                        (["--device", "tpu"], "--device")])
 def test_host_step_refuses_bad_arguments(tmp_path, args, what):
     proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and what in proc.stderr
+
+
+def test_host_step_on_a_machine_without_a_gpu_says_why(tmp_path):
+    """--device cuda (what make gpu-check runs) where no GPU or no CUDA build is
+    at hand: exit status 2 and the reason, no report."""
+    pytest.importorskip("torch")
+    import torch
+
+    import ncdp_fast
+    if torch.cuda.is_available() and ncdp_fast._backend.CUDA_COMPILED:
+        pytest.skip("a GPU is here: make gpu-check runs the cuda mode")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--workloads",
+                           "linear", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--device cuda" in proc.stderr
+    assert not list(tmp_path.iterdir())
