@@ -126,15 +126,16 @@ def select(family: str, **arrays) -> Backend:
     All arrays must live in one place (all CPU, or all on one CUDA device of one
     library); the error names the arguments that disagree.
     """
-    first = None
+    first = first_device = None
     for name, x in arrays.items():
         if x is None:
             continue
-        if first is not None and _same_tensor_place(x, arrays[first[0]]):
+        if first_device is not None and _same_tensor_place(x, first_device):
             continue        # a private step passes some 70 tensors of one device
         io = _arrays.io_for(x)
         if first is None:
             first = (name, io)
+            first_device = x.device if _arrays.kind(x) == "torch" else None
         elif io.place != first[1].place and not (io.backend == "cpu" == first[1].backend
                                                  and name == "labels"):
             # Integer labels may come as a NumPy array next to torch CPU features;
@@ -157,11 +158,10 @@ def select(family: str, **arrays) -> Backend:
     return Backend(io.backend, io, KERNELS[io.backend, family])
 
 
-def _same_tensor_place(x, first) -> bool:
-    """Whether x is a torch tensor on first's device, first a torch tensor:
-    then io_for(x) is io_for(first)'s place, without building it."""
-    return (_arrays.kind(x) == "torch" and _arrays.kind(first) == "torch"
-            and x.device == first.device)
+def _same_tensor_place(x, device) -> bool:
+    """Whether x is a torch tensor on ``device`` (the first argument's, a
+    tensor's): then io_for(x) has the first's place, without building it."""
+    return _arrays.kind(x) == "torch" and x.device == device
 
 
 @contextlib.contextmanager

@@ -97,14 +97,25 @@ class _Layer:
             if be.check_float(spec, f"layers{where}") != dtype:
                 raise TypeError(f"layers{where}: dtype {be.io.dtype_of(spec)} differs from {dtype}")
             B = s[0]
-            self.param_shape = s[1:]
-            self.g = be.io.to_kernel(spec)
-            if len(s) != 2:
-                self.g = self.g.reshape(B, math.prod(s[1:]))
-            self.dense = True
-            self.draws = math.prod(s[1:])
-            self.terms, self.T = self.draws, 1
+            g = be.io.to_kernel(spec)
+            self._be_dense(g if len(s) == 2 else g.reshape(B, math.prod(s[1:])), s[1:])
+            return
         self.B = B
+
+    def _be_dense(self, g, param_shape):
+        """This block as a dense one: g (B, p) its per-sample gradients, p =
+        prod(param_shape) draws, a float64 multiply-add per value in the norm."""
+        self.kind, self.dense, self.g, self.param_shape = "dense", True, g, tuple(param_shape)
+        self.B, self.T = g.shape[0], 1
+        self.draws = self.terms = math.prod(self.param_shape)
+
+    @classmethod
+    def joined(cls, members):
+        """One dense block of dense ``members`` side by side (a copy)."""
+        unit = cls.__new__(cls)
+        unit._be_dense(_arrays.cat_columns([m.g for m in members]),
+                       (sum(m.draws for m in members),))
+        return unit
 
     def held(self) -> int:
         """Values of the block's own arrays (0 for a ghost block: its closure's)."""
@@ -290,9 +301,10 @@ def _join_dense_runs(layers):
     units, runs, i = [], [], 0
     while i < len(layers):
         j, size = i, 0
-        while (j < len(layers) and layers[j].kind == "dense"
-               and size + layers[j].held() * layers[j].g.dtype.itemsize <= JOIN_DENSE_BYTES):
+        while j < len(layers) and layers[j].kind == "dense":
             size += layers[j].held() * layers[j].g.dtype.itemsize
+            if size > JOIN_DENSE_BYTES:
+                break
             j += 1
         if j - i < 2:
             units.append(layers[i])
@@ -300,13 +312,7 @@ def _join_dense_runs(layers):
             i += 1
             continue
         members = layers[i:j]
-        joined = _Layer.__new__(_Layer)
-        joined.kind, joined.dense, joined.T, joined.B = "dense", True, 1, members[0].B
-        joined.g = _arrays.cat_columns([m.g for m in members])
-        joined.draws = sum(m.draws for m in members)
-        joined.terms = sum(m.terms for m in members)
-        joined.param_shape = (joined.draws,)
-        units.append(joined)
+        units.append(_Layer.joined(members))
         runs.append([(m.param_shape, m.draws) for m in members])
         i = j
     return units, runs

@@ -227,7 +227,7 @@ def test_backend_select_tells_a_device_from_a_library(monkeypatch):
     monkeypatch.setattr(_arrays, "io_for", io_for)
     # The forced places are io_for's: select's shortcut for tensors of one
     # torch device (which these two really are) is taken out.
-    monkeypatch.setattr(_backend, "_same_tensor_place", lambda x, first: False)
+    monkeypatch.setattr(_backend, "_same_tensor_place", lambda x, device: False)
     with pytest.raises(ValueError, match="backprops and activations must be on the same device"):
         _backend.select("clip", activations=a, backprops=b)
     with pytest.raises(TypeError, match="backprops and activations must be on the same device "

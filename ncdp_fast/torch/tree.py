@@ -20,8 +20,13 @@ from .layers import refuse_unsupported
 __all__ = ["ModelSnapshot"]
 
 
-def _tree(model: nn.Module) -> tuple:
-    return tuple((name, id(m), type(m)) for name, m in model.named_modules(remove_duplicate=False))
+def _walk(model: nn.Module) -> list:
+    """(name, module) of every module, duplicates included."""
+    return list(model.named_modules(remove_duplicate=False))
+
+
+def _tree(walked) -> tuple:
+    return tuple((name, id(m), type(m)) for name, m in walked)
 
 
 def _forward_of(module: nn.Module):
@@ -36,7 +41,7 @@ class ModelSnapshot:
     the refusals that read options (which are mutable)."""
 
     def __init__(self, model: nn.Module, taps, patched):
-        self.tree = _tree(model)
+        self.tree = _tree(_walk(model))
         # (module id, attribute) of the clipper's own instance patches.
         self.patched = patched
         self.forwards = {id(t.module): _forward_of(t.module) for t in taps}
@@ -45,8 +50,8 @@ class ModelSnapshot:
         # One walk of the module tree serves the comparison and the refusals
         # (it ran twice).  A module reached under two names is refused under
         # its first either way.
-        walked = list(model.named_modules(remove_duplicate=False))
-        tree = tuple((name, id(m), type(m)) for name, m in walked)
+        walked = _walk(model)
+        tree = _tree(walked)
         if tree != self.tree:
             before = {(n, i) for n, i, _ in self.tree}
             now = {(n, i) for n, i, _ in tree}
