@@ -11,7 +11,7 @@ the host does per step is what this tool measures: a change to it is judged
 here, and the next GPU run checks the prediction.
 
     python bench/host_step.py [--device emulated|cuda]
-                              [--workloads linear,transformer,bert,gpt2]
+                              [--workloads linear,transformer,bert,gpt2,efficientnet]
                               [--rounds 15] [--out bench/results]
 
 ``--device cuda`` runs the same steps on a real GPU (``make gpu-check`` runs
@@ -50,6 +50,9 @@ HOST_SHAPES = {
     "transformer": ("finetune", dict(B=4, T=8, d=32, layers=4, heads=8, ff=64, vocab=100, K=10)),
     "bert": ("hf", dict(B=2, T=8, d=32, heads=2, layers=12, ff=64, vocab=100, K=2)),
     "gpt2": ("hf", dict(B=2, T=8, d=32, heads=2, layers=12, vocab=100)),
+    # EfficientNet-Lite0's widths are its own (its 49 convolutions and group
+    # norms at full depth); its resolution and batch are cut instead.
+    "efficientnet": ("finetune", dict(B=2, res=16, K=3, pretrained=False)),
 }
 METHODS = ("nonprivate", "ncdp_engine")
 WARMUP = 3

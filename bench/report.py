@@ -852,6 +852,84 @@ def distributed_release(family):
          "/proc/self/io wchar over the call, the gloo socket traffic of that rank"])
 
 
+# Per-sample convolution gradients (bench/test_bench_conv.py) on an H200, a
+# model: the GEMM route at SUM_FP32_FLOPS with its traffic; the two
+# convolution kernels as lane-products at an assumed tenth of the 67 TFLOP/s
+# float32 CUDA-core peak (each product two loads, from L1/L2): the forward form
+# one thread a value over its L products, the folded weight-gradient kernel one
+# warp a value over ceil(L / 32) rounds of 32 lanes plus a 5-step warp reduction;
+# one launch each (the GEMM route's strided pixels: one more, a copy).
+CONV_LANE_OPS = 6.7e12
+
+
+def predicted_conv_ms(B, layer, route) -> float:
+    cin, cout, k, s, p, G, size = layer
+    L = ((size + 2 * p - k) // s + 1) ** 2
+    values = B * cout * (cin // G) * k * k
+    m = GPU_MODEL
+    if route == "gemm":
+        traffic = 4 * (B * cin * size * size + B * cout * L + values)
+        return 1e3 * (2.0 * values * L / SUM_FP32_FLOPS + traffic / m["bytes_per_s"]
+                      + (2 if s > 1 else 1) * m["launch_s"])
+    lanes = values * (L if route == "forward" else 32 * (-(-L // 32) + 5))
+    return 1e3 * (lanes / CONV_LANE_OPS + m["launch_s"])
+
+
+def conv_route(layer) -> str:
+    """The route layer_rules._conv_per_sample takes (its rule, restated)."""
+    cin, cout, k, s, p, G, size = layer
+    L = ((size + 2 * p - k) // s + 1) ** 2
+    if G == 1 and k == 1 and p == 0:
+        return "gemm"
+    return "forward" if G > 1 and L <= CONV_FORWARD_MAX_POSITIONS else "folded"
+
+
+CONV_FORWARD_MAX_POSITIONS = 256    # ncdp_fast/torch/layer_rules.py FORWARD_GRAD_MAX_POSITIONS
+
+
+def conv_grads(family):
+    """One row per layer of bench/test_bench_conv.py::test_conv_grads."""
+    rows = []
+    for w, ms in family.items():
+        row = dict(layer=w, **_missing(ms, ["ncdp", "folded", "summed"]))
+        layer, B = _x(ms, "ncdp", "layer"), _x(ms, "ncdp", "batch")
+        if layer is not None:
+            route = conv_route(layer)
+            row.update(route=route, predicted_gpu_ms=predicted_conv_ms(B, layer, route),
+                       predicted_folded_ms=predicted_conv_ms(B, layer, "folded"))
+        if "error" not in row:
+            t = _t(ms, "ncdp")
+            row.update(ncdp_ms=1e3 * t, ncdp_gflops=_x(ms, "ncdp", "gflops"),
+                       folded_ms=1e3 * _t(ms, "folded"), x_folded=_t(ms, "folded") / t,
+                       summed_ms=1e3 * _t(ms, "summed"), x_summed=t / _t(ms, "summed"),
+                       opacus_ms=1e3 * _t(ms, "opacus") if "opacus" in ms else None,
+                       x_opacus=_t(ms, "opacus") / t if "opacus" in ms else None,
+                       ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"))
+        rows.append(row)
+    return rows, (
+        [("layer", "B (C_in, C_out, kernel, stride, padding, groups, input)", None),
+         ("route", "ncdp route", None), ("ncdp_ms", "ncdp ms", "{:.3f}"),
+         ("ncdp_gflops", "ncdp GFLOP/s", "{:.1f}"),
+         ("folded_ms", "folded ms", "{:.3f}"), ("x_folded", "speed-up over folded", "{:.2f}"),
+         ("summed_ms", "non-private (summed) ms", "{:.3f}"),
+         ("x_summed", "× non-private", "{:.2f}"),
+         ("opacus_ms", "Opacus ms", "{:.3f}"), ("x_opacus", "speed-up over Opacus", "{:.2f}"),
+         ("predicted_gpu_ms", "predicted H200 ms (ncdp)", "{:.3f}"),
+         ("predicted_folded_ms", "predicted H200 ms (folded)", "{:.3f}"),
+         ("ncdp_mem_mb", "ncdp peak extra MB", "{:.1f}"), ("error", "error", None)],
+        ["per-sample weight gradients (B, C_out, C_in / groups, k, k) of one convolution "
+         "of EfficientNet-Lite0 at 96 x 96 (bench_finetune's workload), float32; ncdp: "
+         "ncdp_fast/torch/layer_rules.py _conv_per_sample (gemm: one batched GEMM of a 1x1 "
+         "layer; forward: a forward convolution of the input by the gradient; folded: the "
+         "weight-gradient kernel with the batch folded into the groups); folded: every "
+         "layer that way (the rule before 2026-11-29); non-private (summed): the batch's "
+         "summed weight gradient, the work the private step skips; Opacus: its conv grad "
+         "sampler (unfold, einsum)",
+         "predicted H200 ms: a model, not a measurement (bench/report.py predicted_conv_ms: "
+         "45 TFLOP/s float32 GEMMs and 3.5 TB/s for the gemm route; the convolution kernels "
+         "as lane-products at 6.7e12 a second, a tenth of the float32 peak; 5 us a launch)"])
+
+
 def tied(family):
     """One row per method of bench/test_bench_tied.py: a tied language model's
     private step with the tied weight in ghost and in dense form."""
@@ -929,6 +1007,7 @@ def noise(family):
 
 FAMILIES = {"bench_clip_dense": clip_dense, "bench_clip_step": clip_step,
             "bench_linear_norms": linear_norms, "bench_linear_sum": linear_sum,
+            "bench_conv_grads": conv_grads,
             "bench_mix": mix,
             "bench_poisson_batches": poisson_batches, "bench_ntk": ntk,
             "bench_release": release, "bench_train": train, "privacy": privacy,

@@ -328,7 +328,9 @@ def _split_dense_runs(grads, runs, n):
             continue
         start = 0
         for shape, draws in run:
-            out.append(g[start:start + draws].reshape(shape))
+            part = g[start:start + draws]
+            # A 1-D block (a norm's weight or bias, most of a run) is its slice.
+            out.append(part if len(shape) == 1 else part.reshape(shape))
             start += draws
     assert len(out) == n
     return out

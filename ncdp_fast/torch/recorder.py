@@ -194,7 +194,8 @@ class LayerRecorder:
         if rec.got:
             rec.twice = True            # a second backward through the same forward
             return
-        rec.grad, rec.got = grad.detach(), True
+        # Outside a double backward the gradient is already outside autograd.
+        rec.grad, rec.got = (grad.detach() if grad.requires_grad else grad), True
         if all(r.got for r in tap.records):
             # The layer's last output gradient: run its rule now, inside backward,
             # and let go of its inputs and gradients (instantiated blocks are the

@@ -1,0 +1,89 @@
+"""The convolution rule's per-sample weight gradients (layer_rules._conv_per_sample)
+against a float64 per-sample autograd reference, on each of its three routes:
+the batched GEMM of a plain 1x1 convolution, the forward-convolution form of a
+grouped one with few output positions, and the folded weight-gradient kernel
+otherwise.  Tolerance: each value is one sum of L products (L output
+positions), so its error is within gamma_L of the sum of the products'
+magnitudes (that sum is the reference evaluated on |x| and |g|)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from ncdp_fast.torch import layer_rules  # noqa: E402
+
+from conftest import assert_within_sum_bound  # noqa: E402
+
+LIMIT = layer_rules.FORWARD_GRAD_MAX_POSITIONS
+
+
+def _reference(module, x, g):
+    """(B, *weight.shape) float64: sample b's gradient of sum(conv(x_b) * g_b)."""
+    m = module.double()
+    out = []
+    for b in range(x.shape[0]):
+        m.zero_grad()
+        (m(x[b:b + 1].double()) * g[b:b + 1].double()).sum().backward()
+        out.append(m.weight.grad.clone())
+    return torch.stack(out) if out else m.weight.new_zeros((0, *m.weight.shape))
+
+
+# (class, C_in, C_out, kernel, stride, dilation, padding, groups, padding mode,
+#  spatial size, B, route); "gemm": 1x1 and one group, "forward": grouped with
+#  at most LIMIT output positions, "folded": the rest.
+CASES = [
+    (nn.Conv2d, 8, 16, 1, 1, 1, 0, 1, "zeros", 7, 3, "gemm"),
+    (nn.Conv2d, 5, 3, 1, 2, 1, 0, 1, "zeros", 9, 2, "gemm"),          # strided pixels
+    (nn.Conv1d, 4, 6, 1, 1, 1, 0, 1, "zeros", 11, 1, "gemm"),
+    (nn.Conv2d, 8, 8, 3, 1, 1, 1, 8, "zeros", 9, 2, "forward"),        # depthwise
+    (nn.Conv2d, 6, 6, 5, 2, 1, 2, 6, "zeros", 11, 3, "forward"),       # strides not dividing
+    (nn.Conv2d, 4, 8, 3, 2, 2, 2, 4, "reflect", 10, 3, "forward"),     # multiplier 2, dilated
+    (nn.Conv2d, 6, 9, (3, 2), (2, 1), (1, 2), 1, 3, "zeros", 8, 2, "forward"),  # 2 in a group
+    (nn.Conv1d, 6, 4, 3, 2, 1, 1, 2, "circular", 9, 3, "forward"),
+    (nn.Conv2d, 4, 4, 3, 1, 1, 1, 4, "zeros", 16, 2, "forward"),       # exactly LIMIT positions
+    (nn.Conv2d, 4, 4, 3, 1, 1, 1, 4, "zeros", 17, 2, "folded"),        # LIMIT + 33
+    (nn.Conv2d, 4, 8, 3, 1, 2, 2, 2, "zeros", 20, 2, "folded"),
+    (nn.Conv2d, 3, 4, 3, 2, 1, 1, 1, "zeros", 6, 3, "folded"),         # one group, 3x3
+    (nn.Conv2d, 3, 4, 1, 1, 1, 1, 1, "zeros", 5, 2, "folded"),         # 1x1 with padding
+    (nn.Conv2d, 3, 4, 3, 1, 1, 1, 1, "zeros", 6, 0, "folded"),         # B = 0
+    (nn.Conv2d, 6, 6, 3, 1, 1, 1, 6, "zeros", 6, 0, "forward"),
+    (nn.Conv2d, 6, 6, 5, 1, 1, 2, 6, "zeros", 1, 3, "forward"),        # one position: products
+    (nn.Conv2d, 4, 6, 3, 2, 2, 2, 2, "zeros", 3, 2, "forward"),        # the same, dilated, 2 a group
+    (nn.Conv1d, 4, 4, 3, 1, 1, 1, 4, "zeros", 1, 2, "forward"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].__name__}-{c[-1]}-{c[1:10]}-B{c[10]}")
+def test_conv_per_sample_gradient_within_the_rounding_bound(case, dtype, monkeypatch):
+    cls, cin, cout, k, s, d, p, G, mode, size, B, route = case
+    torch.manual_seed(hash(case[1:10]) % 2**31)
+    module = cls(cin, cout, k, stride=s, dilation=d, padding=p, groups=G, padding_mode=mode)
+    module = module.to(dtype)
+    shape = (B, cin, size, size) if cls is nn.Conv2d else (B, cin, size)
+    x = torch.randn(shape, dtype=dtype)
+    with torch.no_grad():
+        g = torch.randn_like(module(x))
+    positions = int(np.prod(g.shape[2:]))
+
+    taken = []
+    real_forward = layer_rules._conv_per_sample_forward
+    monkeypatch.setattr(layer_rules, "_conv_per_sample_forward",
+                        lambda *a: taken.append("forward") or real_forward(*a))
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: taken.append("gemm") or real_bmm(*a))
+    got = layer_rules._conv_per_sample(module, x, g)
+    monkeypatch.undo()
+
+    assert got.dtype == dtype and tuple(got.shape) == (B, *module.weight.shape)
+    if B:
+        assert taken == ([] if route == "folded" else [route]), (route, taken)
+    assert (positions <= LIMIT) == (route != "folded" or G == 1)
+    expected = _reference(module, x, g)
+    magnitudes = _reference(module, x.abs(), g.abs()) if B else expected
+    assert_within_sum_bound(got.double().numpy(), expected.numpy(), magnitudes.numpy(),
+                            positions, np.float32 if dtype == torch.float32 else np.float64,
+                            f"{route} route")
