@@ -858,8 +858,12 @@ def distributed_release(family):
 # float32 CUDA-core peak (each product two loads, from L1/L2): the forward form
 # one thread a value over its L products, the folded weight-gradient kernel one
 # warp a value over ceil(L / 32) rounds of 32 lanes plus a 5-step warp reduction;
-# one launch each (the GEMM route's strided pixels: one more, a copy).
+# one launch each (the GEMM route's strided pixels: one more, a copy).  The
+# folded kernel launches a block (one warp) per weight value: 1.8 M blocks at
+# the 1152-channel 5x5 layer, B = 64; its time is also bounded below by block
+# issue, assumed 150 ns a block on each of the 132 SMs.
 CONV_LANE_OPS = 6.7e12
+CONV_BLOCK_S = 150e-9 / 132
 
 
 def predicted_conv_ms(B, layer, route) -> float:
@@ -871,8 +875,10 @@ def predicted_conv_ms(B, layer, route) -> float:
         traffic = 4 * (B * cin * size * size + B * cout * L + values)
         return 1e3 * (2.0 * values * L / SUM_FP32_FLOPS + traffic / m["bytes_per_s"]
                       + (2 if s > 1 else 1) * m["launch_s"])
-    lanes = values * (L if route == "forward" else 32 * (-(-L // 32) + 5))
-    return 1e3 * (lanes / CONV_LANE_OPS + m["launch_s"])
+    if route == "forward":
+        return 1e3 * (values * L / CONV_LANE_OPS + m["launch_s"])
+    lanes = values * 32 * (-(-L // 32) + 5)
+    return 1e3 * (max(lanes / CONV_LANE_OPS, values * CONV_BLOCK_S) + m["launch_s"])
 
 
 def conv_route(layer) -> str:
@@ -927,7 +933,9 @@ def conv_grads(family):
          "sampler (unfold, einsum)",
          "predicted H200 ms: a model, not a measurement (bench/report.py predicted_conv_ms: "
          "45 TFLOP/s float32 GEMMs and 3.5 TB/s for the gemm route; the convolution kernels "
-         "as lane-products at 6.7e12 a second, a tenth of the float32 peak; 5 us a launch)"])
+         "as lane-products at 6.7e12 a second, a tenth of the float32 peak, the folded "
+         "kernel's one block a weight value at no less than 150 ns a block on each of 132 "
+         "SMs; 5 us a launch)"])
 
 
 def tied(family):
