@@ -87,3 +87,58 @@ def test_conv_per_sample_gradient_within_the_rounding_bound(case, dtype, monkeyp
     assert_within_sum_bound(got.double().numpy(), expected.numpy(), magnitudes.numpy(),
                             positions, np.float32 if dtype == torch.float32 else np.float64,
                             f"{route} route")
+
+
+# (C_in, C_out, kernel, padding, groups, size): one layer on each of the rule's
+# routes when its forward runs under autocast: the pair (1x1, few positions),
+# the batched GEMM (1x1), the forward form (depthwise, few positions), the
+# folded kernel (one group, 3x3; depthwise, many positions).
+AUTOCAST_LAYERS = [(4, 16, 1, 0, 1, 3), (4, 6, 1, 0, 1, 9), (4, 4, 3, 1, 4, 6),
+                   (3, 5, 3, 1, 1, 12), (4, 4, 3, 1, 4, 17)]
+
+
+@pytest.mark.parametrize("layer", AUTOCAST_LAYERS, ids=str)
+def test_conv_under_autocast_is_the_sum_of_its_per_sample_gradients(layer):
+    """Under torch.autocast(bfloat16) the recorded input is float32 and the
+    output's gradient bfloat16; the rule takes both in float32 (the weight's
+    dtype) instead of failing inside the convolution ("expected scalar type
+    Float but found BFloat16").  With nothing clipped and no noise the private
+    gradient of a summed loss is the float32 sum of the per-sample gradients
+    of the recorded input and the bfloat16 output gradient: within gamma_n of
+    the float64 sum."""
+    from ncdp_fast.torch import GhostClipper
+    cin, cout, k, p, G, size = layer
+    B = 3
+    torch.manual_seed(7)
+    conv = nn.Conv2d(cin, cout, k, padding=p, groups=G)
+    head = nn.Linear(cout * size * size, 2)
+    head.requires_grad_(False)
+    model = nn.Sequential(conv, nn.Flatten(), head)
+    x = torch.randn(B, cin, size, size)
+    y = torch.randint(0, 2, (B,))
+    seen = {}
+
+    def keep_grad(module, inputs, output):
+        output.register_hook(lambda g: seen.update(g=g))
+    conv.register_forward_hook(keep_grad)
+    clipper = GhostClipper(model, max_grad_norm=1e6, noise_multiplier=0.0,
+                           expected_batch_size=float(B), seed=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    nn.functional.cross_entropy(out.float(), y, reduction="sum").backward()
+    clipper.privatize_()
+    g = seen["g"]
+    assert g.dtype == torch.bfloat16 and conv.weight.grad.dtype == torch.float32
+    x64, g64 = x.double(), g.double()
+    L = g.shape[2] * g.shape[3]
+    for name, expected, magnitude in [
+            ("weight", torch.nn.grad.conv2d_weight(x64, conv.weight.shape, g64, padding=p,
+                                                   groups=G),
+             torch.nn.grad.conv2d_weight(x64.abs(), conv.weight.shape, g64.abs(), padding=p,
+                                         groups=G)),
+            ("bias", g64.sum((0, 2, 3)), g64.abs().sum((0, 2, 3)))]:
+        got = getattr(conv, name).grad
+        # The float32 sums over B samples of L terms, the scaling and the
+        # noise's add (of zeros): a few roundings more than B L.
+        assert_within_sum_bound(got.double().numpy(), expected.numpy(),
+                                magnitude.numpy(), B * L + 4, np.float32, name)

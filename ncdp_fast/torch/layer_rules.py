@@ -12,6 +12,7 @@ costs B*T*K*d and B*K*d memory.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -199,6 +200,15 @@ def _conv_per_sample_forward(x, g, w, padding, k, stride, dil, G):
     return out.transpose(0, 1).reshape(B, *w.shape)
 
 
+class _Call(NamedTuple):
+    x: torch.Tensor         # the call's input
+    grad: torch.Tensor      # its output's gradient
+
+
+def _as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 @register_layer(nn.Conv1d, nn.Conv2d)
 def conv_rule(module, calls, trainable):
     """Convolution as a linear layer on its im2col columns: weight (C_out, C_in*k)
@@ -206,8 +216,16 @@ def conv_rule(module, calls, trainable):
     one group and 2 L^2 <= C_out C_in k: the pair (ghost norm; the columns
     formed, free for a plain 1x1 convolution); otherwise (depthwise and other
     grouped convolutions, large L) the per-sample gradient (B, *weight.shape)
-    (:func:`_conv_per_sample`), whose size is that of the kernel, small."""
+    (:func:`_conv_per_sample`), whose size is that of the kernel, small.
+
+    Input and output gradient are taken in the weight's accumulation dtype:
+    under torch.autocast the recorded input is the caller's float32 and the
+    gradient of the convolution's bfloat16/float16 output is half (the
+    convolutions below refuse mixed dtypes), and a half model's blocks are
+    summed in float32 anyway (precision.cast_block)."""
     C_out = module.out_channels
+    dtype = accumulation_dtype(module.weight.dtype)
+    calls = [_Call(_as_dtype(c.inputs[0], dtype), _as_dtype(c.grad, dtype)) for c in calls]
     gs = [_lead(c.grad, 2) for c in calls]                         # (B, C_out, L) per call
     L = sum(g.shape[2] for g in gs)
     B = gs[0].shape[0]
@@ -216,11 +234,11 @@ def conv_rule(module, calls, trainable):
         bias = "bias" in trainable
         names = ("weight", "bias") if bias else ("weight",)
         if module.groups == 1 and 2 * L * L <= module.weight.numel():
-            cols = _cat([_conv_columns(module, c.inputs[0]) for c in calls], dim=2)
+            cols = _cat([_conv_columns(module, c.x) for c in calls], dim=2)
             return [(names, (cols.transpose(1, 2), _cat(gs, 2).transpose(1, 2), bias))]
         gw = None
         for c in calls:
-            part = _conv_per_sample(module, c.inputs[0], c.grad)
+            part = _conv_per_sample(module, c.x, c.grad)
             gw = part if gw is None else gw + part
         out.append((("weight",), gw))
     if "bias" in trainable:
