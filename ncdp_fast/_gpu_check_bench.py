@@ -55,17 +55,17 @@ def missing_peers(python, env=None) -> list[str]:
 
 
 # The benchmarks whose rows are issue 36's goals run first, so a budget that
-# runs short cuts the others (the first H200 run: seven of these took 274 s at
-# their stated shapes with 2 rounds; "conv", added since, times the per-sample
-# convolution gradients behind bench_finetune's EfficientNet row: 10 layers,
-# 4 methods, about 40 s predicted).
-FIRST = ("hf", "finetune", "conv", "clip", "noise", "mix", "ntk", "tied")
+# runs short cuts the others (the first H200 run: these seven took 274 s at
+# their stated shapes with 2 rounds); then "conv", the per-sample convolution
+# gradients behind bench_finetune's EfficientNet row (10 layers, 4 methods,
+# about 40 s predicted), before the rest.
+FIRST = ("hf", "finetune", "clip", "noise", "mix", "ntk", "tied", "conv")
 
 
 # bench/profile_step.py: where a step's time goes (kernels, host waits, busy
 # against wall time), private against non-private, on the workloads of the
 # first two benchmarks, right after them: at the stated shapes the tests and
-# the benchmarks above already fill most of the default budget.
+# the seven benchmarks above already fill most of the default budget.
 PROFILE = "profile"
 PROFILE_AFTER = 2
 # bench/host_step.py --device cuda: the host's share of a step measured on the
