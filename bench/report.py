@@ -908,6 +908,7 @@ def conv_grads(family):
             row.update(ncdp_ms=1e3 * t, ncdp_gflops=_x(ms, "ncdp", "gflops"),
                        folded_ms=1e3 * _t(ms, "folded"), x_folded=_t(ms, "folded") / t,
                        summed_ms=1e3 * _t(ms, "summed"), x_summed=t / _t(ms, "summed"),
+                       unfold_ms=1e3 * _t(ms, "unfold_bmm") if "unfold_bmm" in ms else None,
                        opacus_ms=1e3 * _t(ms, "opacus") if "opacus" in ms else None,
                        x_opacus=_t(ms, "opacus") / t if "opacus" in ms else None,
                        ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"))
@@ -920,6 +921,7 @@ def conv_grads(family):
          ("summed_ms", "non-private (summed) ms", "{:.3f}"),
          ("x_summed", "× non-private", "{:.2f}"),
          ("opacus_ms", "Opacus ms", "{:.3f}"), ("x_opacus", "speed-up over Opacus", "{:.2f}"),
+         ("unfold_ms", "unfold + bmm ms", "{:.3f}"),
          ("predicted_gpu_ms", "predicted H200 ms (ncdp)", "{:.3f}"),
          ("predicted_folded_ms", "predicted H200 ms (folded)", "{:.3f}"),
          ("ncdp_mem_mb", "ncdp peak extra MB", "{:.1f}"), ("error", "error", None)],
@@ -930,7 +932,8 @@ def conv_grads(family):
          "weight-gradient kernel with the batch folded into the groups); folded: every "
          "layer that way (the rule before 2026-11-29); non-private (summed): the batch's "
          "summed weight gradient, the work the private step skips; Opacus: its conv grad "
-         "sampler (unfold, einsum)",
+         "sampler (unfold, einsum); unfold + bmm: im2col columns and one batched GEMM per "
+         "sample and group (not a route of the rule: timed for the comparison)",
          "predicted H200 ms: a model, not a measurement (bench/report.py predicted_conv_ms: "
          "45 TFLOP/s float32 GEMMs and 3.5 TB/s for the gemm route; the convolution kernels "
          "as lane-products at 6.7e12 a second, a tenth of the float32 peak, the folded "

@@ -16,6 +16,10 @@ Methods, interleaved in one process (bench/README.md), float32:
   batch summed; what the private step does not run): the floor.
 * ``opacus``: Opacus's conv grad sampler (unfold, then einsum), what a user of
   Opacus's per-sample modes gets.
+* ``unfold_bmm``: im2col columns and one batched GEMM per (sample, group),
+  (B G, C_out / G, L) x (B G, L, C_in / G k^2): the vendor-GEMM form of every
+  layer (a batched matrix-vector product for a depthwise one), timed so that a
+  GPU run can tell where it beats the rule's route.
 
 Each row is one layer: (C_in, C_out, kernel, stride, groups, input size); the
 input is the layer's padded input as the network feeds it (SAME padding
@@ -36,7 +40,7 @@ LAYERS = [(3, 32, 3, 2, 0, 1, 97), (16, 96, 1, 1, 0, 1, 48), (144, 24, 1, 1, 0, 
 SHAPES = {"full": dict(B=64, layers=LAYERS), "quick": dict(B=16, layers=LAYERS),
           "smallest": dict(B=2, layers=[(3, 4, 3, 2, 0, 1, 9), (4, 6, 1, 1, 0, 1, 5),
                                         (6, 6, 5, 1, 2, 6, 4), (6, 6, 3, 1, 1, 6, 17)])}
-METHODS = ["ncdp", "folded", "summed", "opacus"]
+METHODS = ["ncdp", "folded", "summed", "opacus", "unfold_bmm"]
 
 
 def layer_label(B, layer) -> str:
@@ -90,6 +94,12 @@ def test_conv_grads(benchmark, case, bench_device):
         def fn():
             return torch.nn.grad.conv2d_weight(x, module.weight.shape, g, stride=s, padding=p,
                                                groups=G)
+    elif method == "unfold_bmm":
+        def fn():
+            cols = torch.nn.functional.unfold(x, k, padding=p, stride=s)    # (B, C_in k^2, L^2)
+            cols = cols.reshape(B * G, (cin // G) * k * k, L * L)
+            gw = torch.bmm(g.reshape(B * G, cout // G, L * L), cols.transpose(1, 2))
+            return gw.reshape(B, *module.weight.shape)
     else:
         conv_sampler = pytest.importorskip("opacus.grad_sample.conv")
 

@@ -57,8 +57,8 @@ def missing_peers(python, env=None) -> list[str]:
 # The benchmarks whose rows are issue 36's goals run first, so a budget that
 # runs short cuts the others (the first H200 run: these seven took 274 s at
 # their stated shapes with 2 rounds); then "conv", the per-sample convolution
-# gradients behind bench_finetune's EfficientNet row (10 layers, 4 methods,
-# about 40 s predicted), before the rest.
+# gradients behind bench_finetune's EfficientNet row (10 layers, 5 methods,
+# about 50 s predicted), before the rest.
 FIRST = ("hf", "finetune", "clip", "noise", "mix", "ntk", "tied", "conv")
 
 
