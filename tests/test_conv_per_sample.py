@@ -60,7 +60,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].__name__}-{c[-1]}-{c[1:10]}-B{c[10]}")
 def test_conv_per_sample_gradient_within_the_rounding_bound(case, dtype, monkeypatch):
     cls, cin, cout, k, s, d, p, G, mode, size, B, route = case
-    torch.manual_seed(hash(case[1:10]) % 2**31)
+    torch.manual_seed(CASES.index(case))      # fixed per case (str hashes vary by process)
     module = cls(cin, cout, k, stride=s, dilation=d, padding=p, groups=G, padding_mode=mode)
     module = module.to(dtype)
     shape = (B, cin, size, size) if cls is nn.Conv2d else (B, cin, size)
