@@ -881,26 +881,13 @@ def predicted_conv_ms(B, layer, route) -> float:
     return 1e3 * (max(lanes / CONV_LANE_OPS, values * CONV_BLOCK_S) + m["launch_s"])
 
 
-def conv_route(layer) -> str:
-    """The route layer_rules._conv_per_sample takes (its rule, restated)."""
-    cin, cout, k, s, p, G, size = layer
-    L = ((size + 2 * p - k) // s + 1) ** 2
-    if G == 1 and k == 1 and p == 0:
-        return "gemm"
-    return "forward" if G > 1 and L <= CONV_FORWARD_MAX_POSITIONS else "folded"
-
-
-CONV_FORWARD_MAX_POSITIONS = 256    # ncdp_fast/torch/layer_rules.py FORWARD_GRAD_MAX_POSITIONS
-
-
 def conv_grads(family):
     """One row per layer of bench/test_bench_conv.py::test_conv_grads."""
     rows = []
     for w, ms in family.items():
         row = dict(layer=w, **_missing(ms, ["ncdp", "folded", "summed"]))
-        layer, B = _x(ms, "ncdp", "layer"), _x(ms, "ncdp", "batch")
-        if layer is not None:
-            route = conv_route(layer)
+        layer, B, route = (_x(ms, "ncdp", key) for key in ("layer", "batch", "route"))
+        if route is not None:
             row.update(route=route, predicted_gpu_ms=predicted_conv_ms(B, layer, route),
                        predicted_folded_ms=predicted_conv_ms(B, layer, "folded"))
         if "error" not in row:

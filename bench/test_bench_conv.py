@@ -108,7 +108,8 @@ def test_conv_grads(benchmark, case, bench_device):
     with torch.no_grad():
         out = measure(benchmark, case, fn, device=bench_device, repeats=5, min_time=0.1,
                       flops=grad_flops(B, layer), bytes=4 * (x.numel() + g.numel()),
-                      positions=L * L, layer=list(layer), batch=B)
+                      positions=L * L, layer=list(layer), batch=B,
+                      route=layer_rules.per_sample_route(G, (k, k), (p, p), L * L))
     if method != "summed" and not benchmark.disabled:
         # Every route sums the same L^2 products per value: within gamma_n of
         # the products' magnitudes (n = L^2 terms, float32) of the float64 sum.

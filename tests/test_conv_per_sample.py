@@ -100,9 +100,9 @@ AUTOCAST_LAYERS = [(4, 16, 1, 0, 1, 3), (4, 6, 1, 0, 1, 9), (4, 4, 3, 1, 4, 6),
 @pytest.mark.parametrize("layer", AUTOCAST_LAYERS, ids=str)
 def test_conv_under_autocast_is_the_sum_of_its_per_sample_gradients(layer):
     """Under torch.autocast(bfloat16) the recorded input is float32 and the
-    output's gradient bfloat16; the rule takes both in float32 (the weight's
-    dtype) instead of failing inside the convolution ("expected scalar type
-    Float but found BFloat16").  With nothing clipped and no noise the private
+    output's gradient bfloat16; the rule gets both in float32 (the recorder's
+    exact upcast) instead of failing inside the convolution ("expected scalar
+    type Float but found BFloat16").  With nothing clipped and no noise the private
     gradient of a summed loss is the float32 sum of the per-sample gradients
     of the recorded input and the bfloat16 output gradient: within gamma_n of
     the float64 sum."""

@@ -224,3 +224,53 @@ def test_user_ghost_block_in_half_dtype_is_refused_naming_the_layer(half_ghost_r
         model(x).sum().backward()
     assert model[0].w.grad is None
     clipper.remove()
+
+
+def test_autocast_half_gradients_of_float32_layers_are_taken_in_float32():
+    """Under torch.autocast(bfloat16) a float32 layer records its float32
+    input and receives a bfloat16 output gradient; the rules get both in
+    float32 (the recorder's upcast, exact), where a sequence linear layer's
+    instantiated per-sample gradient (2 T^2 > K d: one batched GEMM) and a
+    LayerNorm's product failed on the mixed dtypes.  With nothing clipped and
+    no noise, each parameter's private gradient of a summed loss is the float32
+    sum of its per-sample gradients from the recorded input and the bfloat16
+    gradient: within gamma_n of their float64 sum."""
+    import numpy as np
+
+    from conftest import assert_within_sum_bound
+    B, T = 3, 20
+    torch.manual_seed(11)
+    lin, norm = nn.Linear(4, 3), nn.LayerNorm(3)
+    head = nn.Linear(3 * T, 2)
+    head.requires_grad_(False)
+    model = nn.Sequential(lin, norm, nn.Flatten(), head)
+    seen = {}
+
+    def keep(name):
+        def hook(module, inputs, output):
+            seen[name + ".x"] = inputs[0].detach()
+            output.register_hook(lambda g: seen.update({name + ".g": g}))
+        return hook
+    clipper = GhostClipper(model, max_grad_norm=1e6, noise_multiplier=0.0,
+                           expected_batch_size=float(B), seed=5)
+    # After the clipper's own hooks: its output is the one the gradient reaches.
+    lin.register_forward_hook(keep("lin"))
+    norm.register_forward_hook(keep("norm"))
+    x = torch.randn(B, T, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    nn.functional.cross_entropy(out.float(), torch.tensor([0, 1, 0]), reduction="sum").backward()
+    clipper.privatize_()
+    assert seen["lin.g"].dtype == torch.bfloat16 and seen["lin.x"].dtype == torch.float32
+    a, g = seen["lin.x"].double(), seen["lin.g"].double()
+    xhat = nn.functional.layer_norm(seen["norm.x"].double(), (3,), eps=norm.eps)
+    gn = seen["norm.g"].double()
+    n = B * T + 4       # float32 sums over B T products, the scaling and the noise's add
+    for got, expected, magnitude in [
+            (lin.weight.grad, torch.einsum("btk,btd->kd", g, a),
+             torch.einsum("btk,btd->kd", g.abs(), a.abs())),
+            (lin.bias.grad, g.sum((0, 1)), g.abs().sum((0, 1))),
+            (norm.weight.grad, (gn * xhat).sum((0, 1)), (gn * xhat).abs().sum((0, 1)))]:
+        assert got.dtype == torch.float32
+        assert_within_sum_bound(got.double().numpy(), expected.numpy(), magnitude.numpy(), n,
+                                np.float32)

@@ -12,7 +12,6 @@ costs B*T*K*d and B*K*d memory.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +135,15 @@ def _conv_columns(module, x: torch.Tensor) -> torch.Tensor:
 FORWARD_GRAD_MAX_POSITIONS = 256
 
 
+def per_sample_route(groups: int, kernel: tuple, padding: tuple, positions: int) -> str:
+    """Which form :func:`_conv_per_sample` takes for a 2-D (or 1-D as height 1)
+    convolution of ``groups``, ``kernel`` and zero ``padding`` with
+    ``positions`` output positions: "gemm", "forward" or "folded"."""
+    if groups == 1 and kernel == (1, 1) and padding == (0, 0):
+        return "gemm"
+    return "forward" if groups > 1 and positions <= FORWARD_GRAD_MAX_POSITIONS else "folded"
+
+
 def _conv_per_sample(module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Per-sample weight gradients (B, *weight.shape) of one call, ``x`` its
     input (B, C_in, *spatial), ``g`` its output's gradient (B, C_out, *out):
@@ -159,12 +167,13 @@ def _conv_per_sample(module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     if len(module.kernel_size) == 1:
         g = g.unsqueeze(-2)
     L = g.shape[2] * g.shape[3]
-    if G == 1 and k == (1, 1) and padding == (0, 0):
+    route = per_sample_route(G, k, padding, L)
+    if route == "gemm":
         if stride != (1, 1):
             x = x[:, :, ::stride[0], ::stride[1]]
         cols = x.reshape(B, x.shape[1], L)
         return torch.bmm(g.reshape(B, g.shape[1], L), cols.transpose(1, 2)).reshape(B, *w.shape)
-    if G > 1 and L <= FORWARD_GRAD_MAX_POSITIONS:
+    if route == "forward":
         return _conv_per_sample_forward(x, g, w, padding, k, stride, dil, G)
     shape = (B * w.shape[0], x.shape[1] // G, *k)
     gw = torch.nn.grad.conv2d_weight(
@@ -200,15 +209,6 @@ def _conv_per_sample_forward(x, g, w, padding, k, stride, dil, G):
     return out.transpose(0, 1).reshape(B, *w.shape)
 
 
-class _Call(NamedTuple):
-    x: torch.Tensor         # the call's input
-    grad: torch.Tensor      # its output's gradient
-
-
-def _as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x if x.dtype == dtype else x.to(dtype)
-
-
 @register_layer(nn.Conv1d, nn.Conv2d)
 def conv_rule(module, calls, trainable):
     """Convolution as a linear layer on its im2col columns: weight (C_out, C_in*k)
@@ -216,16 +216,8 @@ def conv_rule(module, calls, trainable):
     one group and 2 L^2 <= C_out C_in k: the pair (ghost norm; the columns
     formed, free for a plain 1x1 convolution); otherwise (depthwise and other
     grouped convolutions, large L) the per-sample gradient (B, *weight.shape)
-    (:func:`_conv_per_sample`), whose size is that of the kernel, small.
-
-    Input and output gradient are taken in the weight's accumulation dtype:
-    under torch.autocast the recorded input is the caller's float32 and the
-    gradient of the convolution's bfloat16/float16 output is half (the
-    convolutions below refuse mixed dtypes), and a half model's blocks are
-    summed in float32 anyway (precision.cast_block)."""
+    (:func:`_conv_per_sample`), whose size is that of the kernel, small."""
     C_out = module.out_channels
-    dtype = accumulation_dtype(module.weight.dtype)
-    calls = [_Call(_as_dtype(c.inputs[0], dtype), _as_dtype(c.grad, dtype)) for c in calls]
     gs = [_lead(c.grad, 2) for c in calls]                         # (B, C_out, L) per call
     L = sum(g.shape[2] for g in gs)
     B = gs[0].shape[0]
@@ -234,11 +226,11 @@ def conv_rule(module, calls, trainable):
         bias = "bias" in trainable
         names = ("weight", "bias") if bias else ("weight",)
         if module.groups == 1 and 2 * L * L <= module.weight.numel():
-            cols = _cat([_conv_columns(module, c.x) for c in calls], dim=2)
+            cols = _cat([_conv_columns(module, c.inputs[0]) for c in calls], dim=2)
             return [(names, (cols.transpose(1, 2), _cat(gs, 2).transpose(1, 2), bias))]
         gw = None
         for c in calls:
-            part = _conv_per_sample(module, c.x, c.grad)
+            part = _conv_per_sample(module, c.inputs[0], c.grad)
             gw = part if gw is None else gw + part
         out.append((("weight",), gw))
     if "bias" in trainable:

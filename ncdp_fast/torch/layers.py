@@ -59,9 +59,10 @@ class Call:
         A sequence-first call ((T, B, ...), GhostClipper's ``batch_first``)
         arrives with its batch moved to dimension 0, here and in every tensor
         input that has a dimension 1.  For a layer with a float16/bfloat16
-        parameter, ``grad`` and every float16/bfloat16 tensor input arrive
-        upcast to float32 (exactly: each half value is a float32 value), and
-        its blocks must be float32 (:func:`accumulation_dtype`).
+        parameter, or a half ``grad`` (a float32 layer under torch.autocast),
+        ``grad`` and every float16/bfloat16 tensor input arrive upcast to
+        float32 (exactly: each half value is a float32 value), and a half
+        parameter's blocks must be float32 (:func:`accumulation_dtype`).
     slot: None for a plain layer; a composite layer's own label for the
         point it marked (attention: "in", "q", "k", "v", "out").
     """

@@ -16,7 +16,7 @@ from torch import nn
 from . import tied
 from .compiled import compiled_error, compiling
 from .coupling import refuse_whole_batch_loss_kwargs
-from .layers import Call
+from .layers import HALF, Call
 from .layout import batch_dim, broadcast_rows, rows_error, to_batch_first
 from .precision import cast_block, upcast
 from .recompute import count_call, in_backward
@@ -223,10 +223,13 @@ class LayerRecorder:
             # The rules read dimension 0 as the batch: a sequence-first call is
             # handed to them with its batch moved there.
             rec.inputs, rec.grad = to_batch_first(rec.inputs, rec.grad, dim)
-            if tap.half:
+            if tap.half or rec.grad.dtype in HALF:
                 # The rule computes in float32 from here on: the half values
                 # are exact in float32, so nothing but the final rounding of
                 # the private gradient to the parameter's dtype is in half.
+                # A half gradient of a float32 layer (its forward under
+                # torch.autocast) next to its float32 input likewise: the
+                # rules' GEMMs and convolutions refuse mixed dtypes.
                 rec.inputs = tuple(upcast(x) for x in rec.inputs)
                 rec.grad = upcast(rec.grad)
         calls = [Call(r.inputs, r.grad, r.slot) for r in tap.records]
