@@ -36,6 +36,12 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
         "out[j] = post * ([out[j] +] scale * normal(seed, offset + j)), j < count.",
         py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("seed"), py::arg("offset"),
         py::arg("scale"), py::arg("accumulate"), py::arg("post"), py::arg("stream"));
+  m.def("launch_finish_gaussian_segments", &ncdp::launch_finish_gaussian_segments,
+        "dst[s][j] = post * (src[s][j] + scale * normal(seed, offset[s] + j)), j < count[s], "
+        "for every segment s, in one launch a 48 segments.",
+        py::arg("dst"), py::arg("src"), py::arg("count"), py::arg("offset"),
+        py::arg("src_dtype"), py::arg("dst_dtype"), py::arg("seed"), py::arg("scale"),
+        py::arg("post"), py::arg("stream"));
   m.def("launch_row_sq_norms", &ncdp::launch_row_sq_norms,
         "sq[i] (=, or +=) sum_j g[i, j]^2 in float64; g [B, p], sq [B] float64.", py::arg("g"),
         py::arg("B"), py::arg("p"), py::arg("dtype"), py::arg("sq"), py::arg("accumulate"),

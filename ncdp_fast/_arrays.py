@@ -465,6 +465,16 @@ def cat_columns(parts):
     return module_of(parts[0]).concatenate(parts, axis=1)
 
 
+def assign(out, x):
+    """out[...] = x, in place, by out's library (torch or CuPy): for a torch
+    tensor one ``copy_`` (indexing's ``out[...] = x`` dispatches more ops, each
+    host time on a device, issue 36)."""
+    if is_torch(out):
+        out.copy_(x)
+    else:
+        out[...] = x
+
+
 def bmm(x, y):
     """x @ y for 3-D x (n, p, q) and y (n, q, r) of one library: torch.bmm
     directly for tensors (``@`` decomposes into expands and views first, five

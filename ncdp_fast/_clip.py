@@ -14,7 +14,8 @@ import numpy as np
 from . import _arrays, _backend, _stream
 from ._clip_checks import _check_common, _check_noise_range
 from ._clip_layers import clip_and_noise_layers, clip_and_noise_linear
-from ._clip_results import ClipResult, GhostBlock, LayersClipResult, LinearClipResult, _accounting
+from ._clip_results import (ClipResult, GhostBlock, LayersClipResult, LinearClipResult, _accounting,
+                            step_buffer)
 
 __all__ = ["ClipResult", "LinearClipResult", "LayersClipResult", "GhostBlock", "clip_and_noise",
            "clip_and_noise_linear", "clip_and_noise_layers"]
@@ -70,8 +71,7 @@ def clip_and_noise(grads, *, max_norm, noise_multiplier, seed=None, offset=None,
     seed, offset = _stream.claim(seed, offset, p)
     g = be.io.to_kernel(grads)
     out = be.io.empty((p,), dtype)
-    norms = be.io.empty((B,), _F64)
-    factors = be.io.empty((B,), _F64)
+    buf, factors, norms, _ = step_buffer(be.io, B)
     be.kernels.clip_noise_rows(g, max_norm, noise_std, inv_denom, seed, offset, out, norms, factors)
-    acc = _accounting(be, norms, max_norm, nan_policy, seed, offset, p)
+    acc, _ = _accounting(be, buf, B, max_norm, nan_policy, seed, offset, p, by_factors=False)
     return ClipResult(grad=be.io.to_user(out), **acc)

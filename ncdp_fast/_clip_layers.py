@@ -15,7 +15,8 @@ import numpy as np
 
 from . import _arrays, _backend, _balance, _stream
 from ._clip_checks import _check_common, _check_noise_range
-from ._clip_results import GhostBlock, LayersClipResult, LinearClipResult, _accounting
+from ._clip_results import (GhostBlock, LayersClipResult, LinearClipResult, _accounting,
+                            step_buffer)
 from ._validate import check_positive
 
 __all__ = ["clip_and_noise_linear", "clip_and_noise_layers"]
@@ -151,7 +152,11 @@ class _Layer:
             self.a[rows] = 0
             self.g[rows] = 0
 
-    def reduce(self, be, dtype, factors, noise_std, inv_denom, seed, offset, balance=True):
+    def reduce(self, be, dtype, factors, noise_std, inv_denom, seed, offset, balance, finish):
+        """The block's clipped sum; a ghost block's and a linear pair's noise is
+        not added here but appended to ``finish`` (segments of
+        ``finish_gaussian_segments``, which the op runs once for all of them);
+        a dense block's is fused into its sum."""
         if self.kind == "ghost":
             out = self.spec.clipped_sum(be.io.to_user(factors))
             if tuple(_arrays.shape(out, "clipped_sum()")) != self.param_shape:
@@ -160,8 +165,7 @@ class _Layer:
             if be.io.dtype_of(out) != dtype:
                 raise TypeError(f"clipped_sum(): expected dtype {dtype}, got {be.io.dtype_of(out)}")
             flat = be.io.to_kernel(out).reshape(-1)
-            be.kernels.add_gaussian(flat, np.uint64(seed), np.uint64(offset), float(noise_std),
-                                    True, float(inv_denom))
+            finish.append((flat, flat, offset))
             return be.io.to_user(flat.reshape(self.param_shape))
         if self.dense:
             out = be.io.empty((self.draws,), dtype)
@@ -171,7 +175,7 @@ class _Layer:
         gw = be.io.empty((self.K, self.d), dtype)
         gb = be.io.empty((self.K,), dtype) if self.bias else None
         be.kernels.clipped_linear_sum(self.a, self.g, factors, noise_std, inv_denom, seed, offset,
-                                      gw, gb, matmul=be.io.matmul, balance=balance)
+                                      gw, gb, matmul=be.io.matmul, balance=balance, finish=finish)
         return be.io.to_user(gw), (None if gb is None else be.io.to_user(gb))
 
 
@@ -223,7 +227,10 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         if layer.kind == "pair":
             groups.setdefault((layer.T, layer.d, layer.K, layer.bias), []).append(i)
     pairs = [i for members in groups.values() for i in members]
-    sizes = be.io.empty((len(pairs), B, 2), _F64) if pairs else None
+    # Factors, norms, the checks' flags and the pairs' operand sizes side by
+    # side: the step's one transfer reads them all.
+    buf, factors, norms, extra = step_buffer(be.io, B, len(checks), 2 * len(pairs) * B)
+    sizes = extra.reshape(len(pairs), B, 2) if pairs else None
     slot = {i: j for j, i in enumerate(pairs)}
     for layer in layers:
         if layer.kind != "pair":
@@ -242,26 +249,28 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         if spread is not None:
             spread *= grad_scale
         terms += 2
-    factors, norms = be.io.empty((B,), _F64), be.io.empty((B,), _F64)
     be.kernels.clip_factors(sq, spread, max_norm, terms, t_max,
                             float(np.finfo(dtype).eps) / 2, factors, norms)
     weights = factors * grad_scale if grad_scale != 1.0 else factors
-    acc = _accounting(be, norms, max_norm, nan_policy, None, None, draws, factors, checks,
-                      extra=(weights, sizes) if pairs else ())
+    acc, host = _accounting(be, buf, B, max_norm, nan_policy, None, None, draws,
+                            by_factors=True, checks=checks)
+    host_factors = host[:B]
     balance = [True] * len(layers)
     if pairs:
-        host = acc.pop("extra")
         ps = [layers[i] for i in pairs]
+        # The weights as the device formed them (one IEEE product each).
+        host_weights = host_factors * grad_scale if grad_scale != 1.0 else host_factors
         need = _balance.layers_needing_balancing(
-            host[:B], host[B:].reshape(len(pairs), B, 2), [p.T * p.d for p in ps],
-            [p.T * p.K for p in ps], [p.K <= p.d for p in ps], dtype == np.float32)
+            host_weights, host[2 * B + len(checks):].reshape(len(pairs), B, 2),
+            [p.T * p.d for p in ps], [p.T * p.K for p in ps], [p.K <= p.d for p in ps],
+            dtype == np.float32)
         for i, flag in zip(pairs, need):
             balance[i] = bool(flag)
     # Claimed once nothing can refuse any more: a refused step takes no range.
     seed, offset = _stream.claim(seed, offset, draws)
     acc.update(seed=seed, offset=offset)
     if acc["num_nonfinite"]:
-        bad = np.flatnonzero(be.io.to_numpy(factors) == 0)
+        bad = np.flatnonzero(host_factors == 0)
         for layer in layers:
             layer.drop_rows(be.io, bad)
     starts = [offset]                       # Python ints: offsets reach 2^64
@@ -273,12 +282,18 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         # dropping it frees its (B, T, d) and (B, T, K) arrays.
         order = sorted(order, key=lambda i: layers[i].draws - layers[i].held())
     grads = [None] * len(layers)
+    finish = []
     with be.kernels.float32_gemm_scope(sq):
         for i in order:
             grads[i] = layers[i].reduce(be, dtype, weights, noise_std, inv_denom, seed,
-                                        starts[i], balance[i])
+                                        starts[i], balance[i], finish)
             if release:
                 layers[i] = None
+    # Every ghost block's and linear pair's noise at once (on a device one
+    # launch for 48 of them, not two a layer): the same draws at the same
+    # offsets as a finish of each in turn.
+    be.kernels.finish_gaussian_segments(finish, np.uint64(seed), float(noise_std),
+                                        float(inv_denom))
     if runs is not None:
         grads = _split_dense_runs(grads, runs, n_given)
     return grads, acc

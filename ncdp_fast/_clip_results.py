@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _arrays, _stream
+from . import _stream
 
 __all__ = ["ClipResult", "LinearClipResult", "LayersClipResult", "GhostBlock"]
 
@@ -98,51 +98,51 @@ class GhostBlock:
 
 # ------------------------------------------------------------------ accounting
 
-def _accounting(be, norms, max_norm, nan_policy, seed, offset, draws, factors=None, checks=(),
-                extra=()):
-    """The step's counts, read in one transfer.  ``checks``: a caller's own
-    device flags, ``(0-d boolean tensor, refuse)`` pairs, read in the same
-    transfer; ``refuse()`` of the first false flag raises, before the counts
-    are judged (GhostClipper's loss checks: one host wait a step, not two).
-    ``extra``: device arrays the caller needs on the host, read in the same
-    transfer and returned flat, in float64, as the result's ``"extra"``."""
-    # Counted where the norms are: one transfer of two counts per step (on a
-    # GPU each transfer makes the host wait for the device, issue 36); the
-    # rows are read only to name them in the error.
-    xp = _arrays.module_of(norms)
-    if factors is not None:
-        # The rule's factor is 0 exactly where its bound is not finite: for
-        # every non-finite norm (the bound is formed from the same sum) and
-        # for a finite norm whose rounding bound overflowed.  So the zero
-        # factors alone are the dropped rows (fewer device ops a step than
-        # testing the norms too: issue 36's host time).
-        dropped = factors == 0
-        values = [dropped.sum(), ((norms > max_norm) & (factors != 0)).sum()]
-    else:
-        dropped = ~xp.isfinite(norms)
-        values = [dropped.sum(), (~dropped & (norms > max_norm)).sum()]
-    dev = getattr(values[0], "device", None)
-    values += [(flag if flag.device == dev else flag.to(dev)).reshape(()).to(values[0].dtype)
-               for flag, _ in checks]
-    head = xp.stack(values)
-    if extra:
-        host = be.io.to_numpy(_arrays.cat_float64([p.reshape(-1) for p in (head, *extra)]))
-        counts, rest = host[:len(values)], host[len(values):]
-    else:
-        counts, rest = be.io.to_numpy(head), None
-    for ok, (_, refuse) in zip(counts[2:], checks):
+def step_buffer(io, B, n_checks=0, n_extra=0):
+    """(buf, factors, norms, extra): one float64 device array that a step's
+    kernels write their per-sample outputs into and that the host reads in one
+    transfer (on a GPU each transfer makes the host wait for the device, issue
+    36): factors at [0, B), norms at [B, 2B), the checks' flags at [2B, 2B +
+    n_checks), then ``n_extra`` values of the caller's (``extra``)."""
+    buf = io.empty((2 * B + n_checks + n_extra,), np.float64)
+    return buf, buf[:B], buf[B:2 * B], buf[2 * B + n_checks:]
+
+
+def _accounting(be, buf, B, max_norm, nan_policy, seed, offset, draws, by_factors, checks=()):
+    """The step's counts from ``buf`` (:func:`step_buffer`, its factors and
+    norms written), read in one transfer with the caller's extra values;
+    returns (acc, host), host the NumPy copy of ``buf``.
+
+    ``by_factors``: the dropped rows are those of factor 0 -- the rule's factor
+    is 0 exactly where its bound is not finite: for every non-finite norm (the
+    bound is formed from the same sum) and for a finite norm whose rounding
+    bound overflowed -- else those of a non-finite norm (the dense op).
+    ``checks``: a caller's own device flags, ``(0-d boolean tensor, refuse)``
+    pairs, read in the same transfer; ``refuse()`` of the first false flag
+    raises, before the counts are judged (GhostClipper's loss checks: one host
+    wait a step, not two).  The counts are formed on the host from the
+    transferred values: no device reduction a step (issue 36's host time)."""
+    if checks:
+        # GhostClipper's flags are torch tensors, as its step buffer is; one
+        # on another device than the buffer's is moved to it.
+        dev = buf.device
+        import torch
+        torch.cat([(flag if flag.device == dev else flag.to(dev)).reshape(1)
+                   for flag, _ in checks], out=buf[2 * B:2 * B + len(checks)])
+    host = be.io.to_numpy(buf)
+    for ok, (_, refuse) in zip(host[2 * B:2 * B + len(checks)], checks):
         if not ok:
             refuse()
-    num_bad, clipped = int(counts[0]), int(counts[1])
+    factors, norms = host[:B], host[B:2 * B]
+    dropped = factors == 0 if by_factors else ~np.isfinite(norms)
+    num_bad = int(dropped.sum())
+    clipped = int(((norms > max_norm) & ~dropped).sum())
     if num_bad and nan_policy == "raise":
-        bad = np.flatnonzero(be.io.to_numpy(dropped))
+        bad = np.flatnonzero(dropped)
         shown = ", ".join(str(i) for i in bad[:10]) + (", ..." if bad.size > 10 else "")
-        raise ValueError(f"per-sample gradients of rows [{shown}] ({bad.size} of "
-                         f"{_arrays.shape(norms, 'norms')[0]}) are not "
+        raise ValueError(f"per-sample gradients of rows [{shown}] ({bad.size} of {B}) are not "
                          "finite (NaN/Inf, or a norm overflowing float64); fix the model or pass "
                          "nan_policy='zero' to drop those samples")
-    acc = dict(norms=be.io.to_user(norms), num_clipped=clipped,
+    acc = dict(norms=be.io.to_user(buf[B:2 * B]), num_clipped=clipped,
                num_nonfinite=num_bad, seed=seed, offset=offset, draws=draws)
-    if extra:
-        acc["extra"] = rest
-    return acc
+    return acc, host

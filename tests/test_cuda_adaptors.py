@@ -126,6 +126,38 @@ def test_native_clip_factors_validates_the_rule(native):
         native.launch_clip_factors(**dict(args, B=2))
 
 
+def _segments_kwargs(**changes):
+    # Two segments on fake (aligned, never dereferenced) device pointers: the
+    # validation under test raises before the wrapper asks CUDA anything.
+    kwargs = dict(dst=[4096, 8192], src=[4096, 16384], count=[3, 2], offset=[0, 3],
+                  src_dtype=[0, 1], dst_dtype=[0, 0], seed=1, scale=1.0, post=1.0, stream=0)
+    kwargs.update(changes)
+    return kwargs
+
+
+def test_native_finish_gaussian_segments_validates_every_segment(native):
+    # Nothing to finish: no CUDA call, whatever the pointers.
+    native.launch_finish_gaussian_segments(**_segments_kwargs(count=[0, 0]))
+    native.launch_finish_gaussian_segments(**_segments_kwargs(
+        dst=[], src=[], count=[], offset=[], src_dtype=[], dst_dtype=[]))
+    with pytest.raises(ValueError, match="one entry a segment, got 2, 1, 2, 2, 2 and 2"):
+        native.launch_finish_gaussian_segments(**_segments_kwargs(src=[4096]))
+    with pytest.raises(ValueError, match=r"segment 1: \(src_dtype, dst_dtype\) must be "
+                                         r"\(0, 0\), \(1, 1\) or \(1, 0\), got \(0, 1\)"):
+        native.launch_finish_gaussian_segments(**_segments_kwargs(src_dtype=[0, 0],
+                                                                  dst_dtype=[0, 1]))
+    with pytest.raises(ValueError, match="dtype must be 0 .float32. or 1 .float64., got 2"):
+        native.launch_finish_gaussian_segments(**_segments_kwargs(src_dtype=[0, 2]))
+    with pytest.raises(ValueError, match="count must be non-negative, got -1"):
+        native.launch_finish_gaussian_segments(**_segments_kwargs(count=[3, -1]))
+    with pytest.raises(ValueError, match="src is a null pointer but the buffer is not empty"):
+        native.launch_finish_gaussian_segments(**_segments_kwargs(src=[4096, 0]))
+    with pytest.raises(ValueError, match="src is not aligned to 8 bytes"):
+        native.launch_finish_gaussian_segments(**_segments_kwargs(src=[4096, 4100]))
+    with pytest.raises(ValueError, match="segment 1: an in-place finish .src == dst. needs one"):
+        native.launch_finish_gaussian_segments(**_segments_kwargs(src=[4096, 8192]))
+
+
 # ------------------------------------------------------------- CuPy streams
 
 class _FakeDevice:

@@ -101,6 +101,60 @@ def _check_fill_gaussian(emu, dtype, count, offset):
         assert np.all(np.abs(out - expected) <= tol), (count, offset, accumulate)
 
 
+# (src dtype, dst dtype, size, offset) of the segments of one finish launch:
+# every phase of the offset mod 4, one- to five-value segments, an empty one
+# between others, a float64 sum finishing into float32, a deep pair, a range
+# past 2^34, and 3100 values (776 Philox blocks: the grid-stride loop beyond
+# the emulation's 3 blocks of 256 threads).
+SEGMENTS = [
+    (np.float32, np.float32, 1, 0), (np.float64, np.float64, 2, 1),
+    (np.float64, np.float32, 3, 6), (np.float32, np.float32, 0, 11),
+    (np.float32, np.float32, 5, 11), (np.float64, np.float32, 13, 2 ** 34 - 3),
+    (np.float64, np.float64, 3100, 5), (np.float32, np.float32, 12, "deep"),
+    (np.float64, np.float32, 4, 19),
+]
+
+
+def _segment_types(src, dst):
+    src, dst = np.dtype(src), np.dtype(dst)
+    return 0 if dst == src == np.float32 else (1 if dst == src else 2)
+
+
+@pytest.mark.parametrize("scale,post", [(0.5, 0.125), (0.0, 1.0)])
+def test_finish_gaussian_segments(emu, scale, post):
+    seed = 12345
+    scalars, buffers, srcs = dict(S=len(SEGMENTS), seed=seed, scale=scale, post=post), {}, []
+    for s, (src_dt, dst_dt, size, offset) in enumerate(SEGMENTS):
+        if offset == "deep":
+            offset = 2 * first_deep_pair(seed, 1) - 5
+        src = np.linspace(-1, 1, size).astype(src_dt) * (s + 1)
+        srcs.append((src, offset, dst_dt))
+        scalars.update({f"types{s}": _segment_types(src_dt, dst_dt), f"size{s}": size,
+                        f"offset{s}": offset})
+        if np.dtype(src_dt) == np.dtype(dst_dt):
+            buffers[f"dst{s}"] = src.copy()                 # in place
+        else:
+            buffers[f"src{s}"] = src
+            buffers[f"dst{s}"] = np.full(size, np.nan, dst_dt)
+    out = emu.run("finish_gaussian_segments", scalars, buffers)
+    expected = R.finish_gaussian_segments([(src, off) for src, off, _ in srcs], seed=seed,
+                                          scale=scale, post=post)
+    for s, ((src, offset, dst_dt), want) in enumerate(zip(srcs, expected)):
+        got = out[f"dst{s}"]
+        assert got.dtype == np.dtype(dst_dt) and got.shape == src.shape
+        if f"src{s}" in out:
+            assert np.array_equal(out[f"src{s}"], src), "the float64 source was written"
+        tol = unit_roundoff(dst_dt) * np.abs(want) + NORMAL_ATOL
+        assert np.all(np.abs(got - want) <= tol), (s, offset)
+        # Bit for bit the single-segment finish of the same range: fill_gaussian
+        # accumulating into the source, rounded once to the output.
+        if src.size:
+            one = emu.run("fill_gaussian", dict(dtype=_dt(src.dtype), count=src.size, seed=seed,
+                                                offset=offset, scale=scale, post=post,
+                                                accumulate=True), {"out": src.copy()})["out"]
+            assert np.array_equal(got, one.astype(dst_dt)), (s, offset)
+
+
 # ---------------------------------------------------------------------------
 # Dense clipping (clip/clip_noise.cu).
 

@@ -24,6 +24,22 @@ SHAPES = [  # (B, T, d, K): empty, one row, T = 1, each route, not tile multiple
     (4, 40, 3, 2), (2, 64, 5, 700), (7, 13, 33, 65), (3, 0, 4, 5)]
 
 
+def _device_norms(*args):
+    """device_clip.linear_sq_norms on the emulated device: its T = 1 route
+    launches the dense blocks' row_sq_norms kernel (_C_emu's on CPU tensors);
+    its other routes are the same torch code either way."""
+    import ncdp_fast._backend as be
+    with be.emulated_cuda():
+        device_clip.linear_sq_norms(*args)
+
+
+def _device_group_norms(*args):
+    """device_clip.linear_sq_norms_group, as :func:`_device_norms`."""
+    import ncdp_fast._backend as be
+    with be.emulated_cuda():
+        device_clip.linear_sq_norms_group(*args)
+
+
 def _reference(a, g, bias):
     w = per_sample_linear_grads(a, g, bias)
     return (np.asarray(w, np.float64) ** 2).sum(axis=1)
@@ -57,7 +73,7 @@ def test_gemm_norms_match_the_reference(shape, bias, dtype, chunked, monkeypatch
     prior = rng.random(B)
     for accumulate in (False, True):
         sq = torch.tensor(prior)
-        device_clip.linear_sq_norms(torch.from_numpy(a), torch.from_numpy(g), bias, sq,
+        _device_norms(torch.from_numpy(a), torch.from_numpy(g), bias, sq,
                                     accumulate)
         got = sq.numpy() - (prior if accumulate else 0.0)
         tol = _bound(a, g, bias) + (4 * U64 * prior if accumulate else 0.0)
@@ -84,14 +100,14 @@ def test_gemm_spread_matches_the_reference(shape, bias, dtype, chunked, monkeypa
     ref = np.asarray(linear_spread(a, g, bias), np.float64).reshape(B)
     prior = rng.random(B)
     sq, spread = torch.zeros(B, dtype=torch.float64), torch.tensor(prior)
-    device_clip.linear_sq_norms(torch.from_numpy(a), torch.from_numpy(g), bias, sq, False,
+    _device_norms(torch.from_numpy(a), torch.from_numpy(g), bias, sq, False,
                                 spread)
     got = spread.numpy() - prior
     tol = 2 * (d + K + T + 4) * U64 * ref + 4 * U64 * prior
     assert np.all(np.abs(got - ref) <= tol), np.abs(got - ref) / np.maximum(tol, 1e-300)
     # The norms are those of the call without a spread, bit for bit.
     alone = torch.zeros(B, dtype=torch.float64)
-    device_clip.linear_sq_norms(torch.from_numpy(a), torch.from_numpy(g), bias, alone, False)
+    _device_norms(torch.from_numpy(a), torch.from_numpy(g), bias, alone, False)
     assert torch.equal(sq, alone)
     # The numba twin takes the same argument (its own pass over the positions).
     from ncdp_fast._numba import clip as numba_clip
@@ -112,7 +128,7 @@ def test_large_values_keep_float64_range():
     a = torch.full((2, 3, 4), 2.0 ** 66, dtype=torch.float32)
     g = torch.full((2, 3, 5), 2.0 ** 33, dtype=torch.float32)
     sq = torch.zeros(2, dtype=torch.float64)
-    device_clip.linear_sq_norms(a, g, False, sq, False)
+    _device_norms(a, g, False, sq, False)
     expected = (3 * 2.0 ** 99) ** 2 * 4 * 5
     assert math.isfinite(expected)
     assert sq.tolist() == [expected] * 2
@@ -314,10 +330,10 @@ def test_norm_pass_sizes_are_the_operands_squared_norms(shape, dtype, chunked, m
     tol = (T * max(d, K) + 2) * U64 * exact
     sq, sizes = torch.zeros(B, dtype=torch.float64), torch.full((B, 2), np.nan,
                                                                 dtype=torch.float64)
-    device_clip.linear_sq_norms(torch.from_numpy(a), torch.from_numpy(g), True, sq, False,
+    _device_norms(torch.from_numpy(a), torch.from_numpy(g), True, sq, False,
                                 torch.zeros(B, dtype=torch.float64), sizes)
     alone = torch.zeros(B, dtype=torch.float64)
-    device_clip.linear_sq_norms(torch.from_numpy(a), torch.from_numpy(g), True, alone, False)
+    _device_norms(torch.from_numpy(a), torch.from_numpy(g), True, alone, False)
     assert torch.equal(sq, alone)
     sqn, sizes_n, alone_n = np.zeros(B), np.full((B, 2), np.nan), np.zeros(B)
     numba_clip.linear_sq_norms(a, g, True, sqn, False, None, sizes_n)
@@ -411,7 +427,7 @@ def test_group_norms_are_each_layers_norms_summed(shape, dtype, L, per_chunk, mo
                         or real_cat(parts))
     sq, sp = torch.zeros(B, dtype=torch.float64), torch.zeros(B, dtype=torch.float64)
     sizes = torch.full((L, B, 2), np.nan, dtype=torch.float64)
-    device_clip.linear_sq_norms_group([torch.from_numpy(x) for x in a],
+    _device_group_norms([torch.from_numpy(x) for x in a],
                                       [torch.from_numpy(y) for y in g], True, sq, sp, sizes)
     sqn, spn, sizes_n = np.zeros(B), np.zeros(B), np.full((L, B, 2), np.nan)
     numba_clip.linear_sq_norms_group(a, g, True, sqn, spn, sizes_n)

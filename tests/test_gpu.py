@@ -154,6 +154,54 @@ def test_cuda_joined_dense_runs_are_the_blocks_own(require_cuda, dtype, B, monke
     assert some == ([(B, 11), (B, 7), (B, 15)] if B else [(B, 18), (B, 15)])
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cuda_finish_gaussian_segments_are_one_finish_a_segment(require_cuda, seed):
+    """More segments than one launch takes (48), of random lengths (empty ones
+    among them) and offsets, in place and float64 into float32: bit for bit
+    each segment's own add_gaussian on the device, and the numba twin's values
+    within the two backends' roundings of the output plus the libm
+    differences."""
+    import torch
+    from ncdp_fast._cuda import rng as crng
+    from ncdp_fast._numba import rng as nrng
+    rng = np.random.default_rng(seed)
+    kinds = [(np.float32, np.float32), (np.float64, np.float64), (np.float64, np.float32)]
+    layout = []
+    for _ in range(110):
+        src_dt, dst_dt = kinds[rng.integers(3)]
+        n = int(rng.choice([0, 1, 2, 3, 5, 17, 300]))
+        layout.append((src_dt, dst_dt, rng.standard_normal(n).astype(src_dt),
+                       int(rng.integers(0, 2 ** 40))))
+    scale, post = 0.75, 1.0 / 3.0
+
+    def segments(place):
+        out, dsts = [], []
+        for src_dt, dst_dt, x, off in layout:
+            src = place(x.copy())
+            dst = src if src_dt == dst_dt else place(np.zeros(x.size, dst_dt))
+            out.append((dst, src, off))
+            dsts.append(dst)
+        return out, dsts
+
+    dev, dev_out = segments(lambda x: _cuda(x, require_cuda))
+    crng.finish_gaussian_segments(dev, np.uint64(seed), scale, post)
+    host, host_out = segments(lambda x: x)
+    nrng.finish_gaussian_segments(host, np.uint64(seed), scale, post)
+    for (src_dt, dst_dt, x, off), got, want in zip(layout, dev_out, host_out):
+        one = _cuda(x.astype(np.float64) if src_dt != dst_dt else x, require_cuda)
+        crng.add_gaussian(one, np.uint64(seed), np.uint64(off), scale, True, post)
+        got = got.cpu().numpy()
+        assert got.dtype == np.dtype(dst_dt)
+        assert np.array_equal(got, one.cpu().numpy().astype(dst_dt)), (x.size, off)
+        # Each backend rounds once to the output (u |want| each: eps in all), and
+        # numba's log/sin/cos are fdlibm's forms, which the device's libm may
+        # differ from by a few float64 ulps (test_cuda_emulation.NORMAL_ATOL).
+        tol = (np.finfo(dst_dt).eps * np.abs(want.astype(np.float64))
+               + 64 * 2.0 ** -52 * R.GAUSSIAN_TAIL_BOUND * scale * post)
+        assert np.all(np.abs(got.astype(np.float64) - want) <= tol), (x.size, off)
+    assert isinstance(dev_out[0], torch.Tensor)
+
+
 def test_cuda_same_seed_offset_bitwise_reproducible(require_cuda):
     g = _cuda(np.random.default_rng(0).standard_normal((1000, 3001)).astype(np.float32),
               require_cuda)

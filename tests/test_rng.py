@@ -94,6 +94,43 @@ def test_any_split_of_a_range_gives_the_same_bits(cuts, offset, accumulate):
     assert np.array_equal(pieces, whole)
 
 
+_SEGMENT_KINDS = [(np.float32, np.float32), (np.float64, np.float64), (np.float64, np.float32)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(layout=st.lists(st.tuples(st.sampled_from(range(3)), st.integers(0, 300),
+                                 st.integers(0, 2**64 - 301)), max_size=6),
+       seed=st.integers(0, 2**64 - 1))
+def test_segment_finishes_are_each_segments_own_and_the_references(layout, seed):
+    """finish_gaussian_segments (the clip ops' one finish for every layer's
+    sum): each segment's values are, bit for bit, add_gaussian's on that
+    segment alone (in place, or a float64 sum finished into float32, rounded
+    once), and within one rounding of the output (plus the float64 libm
+    differences of test_numba_matches_reference) of the reference's."""
+    scale, post = 0.5, 0.25
+    rng = np.random.default_rng(len(layout))
+    srcs = [rng.standard_normal(n).astype(_SEGMENT_KINDS[k][0]) for k, n, _ in layout]
+    segments, outs = [], []
+    for (k, n, offset), src in zip(layout, srcs):
+        src = src.copy()
+        dst = src if _SEGMENT_KINDS[k][0] == _SEGMENT_KINDS[k][1] else \
+            np.full(n, np.nan, _SEGMENT_KINDS[k][1])
+        segments.append((dst, src, offset))
+        outs.append(dst)
+    nrng.finish_gaussian_segments(segments, np.uint64(seed), scale, post)
+    expected = R.finish_gaussian_segments([(x, off) for x, (_, _, off) in zip(srcs, layout)],
+                                          seed=seed, scale=scale, post=post)
+    eps = np.finfo(np.float64).eps
+    for (k, n, offset), src, got, want in zip(layout, srcs, outs, expected):
+        one = src.astype(np.float64)
+        nrng.add_gaussian(one, np.uint64(seed), np.uint64(offset), scale, True, post)
+        assert got.dtype == _SEGMENT_KINDS[k][1]
+        assert np.array_equal(got, one.astype(got.dtype))
+        tol = (np.finfo(got.dtype).eps / 2 * np.abs(want) + 8 * eps * np.abs(want)
+               + 8 * eps * nf.GAUSSIAN_TAIL_BOUND * 2 * np.pi * scale * post)
+        assert np.all(np.abs(got.astype(np.float64) - want) <= tol)
+
+
 def test_branch_free_log_is_within_one_ulp_of_libm():
     """The kernel's log (fdlibm's algorithm without branches) on u1's whole
     range [2^-129, 1]: uniform mantissas at every binade, powers of two, 1 and

@@ -43,7 +43,63 @@ __global__ void __launch_bounds__(kBlockThreads) slab_sum_plus_gaussian_kernel(
   }
 }
 
+// The segments' Philox blocks side by side, one thread a block as above;
+// the thread's segment is the last whose first block is at most its index (a
+// binary search of the by-value table: empty segments own no block).
+__global__ void __launch_bounds__(kBlockThreads) finish_gaussian_segments_kernel(
+    const GaussianSegments table, std::uint64_t seed, double scale, double post) {
+  const std::int64_t total = table.first_block[table.count];
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       t < total; t += stride) {
+    int lo = 0, hi = table.count - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (table.first_block[mid] <= t) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const int s = lo;
+    const std::int64_t u = t - table.first_block[s];
+    const std::uint64_t offset = table.offset[s];
+    const std::int64_t phase = static_cast<std::int64_t>(offset & 3);
+    double z[4] = {0.0, 0.0, 0.0, 0.0};
+    if (scale != 0.0) {
+      philox::normals_of_block(seed, (offset >> 2) + static_cast<std::uint64_t>(u), z);
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const std::int64_t j = 4 * u + q - phase;
+      if (j < 0 || j >= table.size[s]) continue;
+      // The same operations as slab_sum_plus_gaussian_kernel with one slab.
+      if (table.types[s] == kSegmentFloat32) {
+        const double value = static_cast<double>(static_cast<const float*>(table.src[s])[j]) +
+                             scale * z[q];
+        static_cast<float*>(table.dst[s])[j] = static_cast<float>(post * value);
+      } else {
+        const double value = static_cast<const double*>(table.src[s])[j] + scale * z[q];
+        if (table.types[s] == kSegmentFloat64) {
+          static_cast<double*>(table.dst[s])[j] = post * value;
+        } else {
+          static_cast<float*>(table.dst[s])[j] = static_cast<float>(post * value);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void launch_finish_gaussian_segments(const GaussianSegments& table, std::uint64_t seed,
+                                     double scale, double post, cudaStream_t stream) {
+  if (table.count <= 0) return;
+  const std::int64_t total = table.first_block[table.count];
+  if (total <= 0) return;
+  NCDP_LAUNCH(grid_blocks(total, kBlockThreads), kBlockThreads, 0, stream,
+              finish_gaussian_segments_kernel)(table, seed, scale, post);
+}
 
 template <typename Partial, typename Real>
 void launch_slab_sum_plus_gaussian(const Partial* partials, std::int64_t slabs, std::int64_t p,

@@ -4,9 +4,14 @@ from __future__ import annotations
 import contextlib
 import os
 
+import numpy as np
+
 from .. import _arrays, _balance
 from ._common import dtype_code, ieee_float32_matmul, native, opt_ptr, ptr, stream, workspace
-from .rng import add_gaussian  # also the finishing step of a ghost block, as _numba.clip
+# The finishing step of the layered clip's sums (ghost blocks, linear pairs), as _numba.clip.
+from .rng import finish_gaussian_segments
+
+_F64 = np.dtype(np.float64)
 
 
 def row_sq_norms(g, sq, accumulate):
@@ -184,28 +189,31 @@ def _spread_sizes(sa, sg, bias, want_spread, sizes):
 
 def _rank1_sq_norms(a, g, bias, sq, accumulate, sizes):
     """linear_sq_norms at T = 1, the numba twin's rank-1 case: ||g_i a_i^T||_F^2
-    = ||a_i||^2 ||g_i||^2, plus ||g_i||^2 with a bias -- two float64 row
-    reductions instead of the Gram route's batched 1 x 1 GEMMs (a linear head
-    on the H200 ran slower on those than on the kernel they replaced)."""
+    = ||a_i||^2 ||g_i||^2, plus ||g_i||^2 with a bias.  The operands' squared
+    row norms are the dense blocks' kernel (``row_sq_norms``: float64 sums of
+    the data dtype's squares, exact products, no float64 copy), combined in
+    float64: two launches and a few element-wise ops, where float64 copies and
+    their products were 20 torch operators a layer (issue 36: a linear head's
+    private step is host time), and the Gram route's batched 1 x 1 GEMMs ran
+    slower on the H200 than the kernel they replaced."""
     B, _, d = a.shape
     K = g.shape[2]
-    for lo, hi in _arrays.sample_chunks(B, 8 * (d + K), GEMM_CHUNK_BYTES):
-        a64, g64 = _arrays.as_float64(a[lo:hi, 0]), _arrays.as_float64(g[lo:hi, 0])
-        sa, sg = (a64 * a64).sum(axis=1), (g64 * g64).sum(axis=1)
-        if sizes is not None:
-            sizes[lo:hi, 0] = sa
-            sizes[lo:hi, 1] = sg
-        e = sa * sg
-        if bias:
-            e += sg
-        if accumulate:
-            sq[lo:hi] += e
-        else:
-            sq[lo:hi] = e
+    s = _arrays.io_for(sq).empty((2, B), _F64)      # (||a_i||^2, ||g_i||^2) rows
+    row_sq_norms(a.reshape(B, d), s[0], False)      # contiguous: the op's to_kernel
+    row_sq_norms(g.reshape(B, K), s[1], False)
+    if sizes is not None:
+        _arrays.assign(sizes, s.T)
+    e = s[0] * s[1]
+    if bias:
+        e += s[1]
+    if accumulate:
+        sq += e
+    else:
+        _arrays.assign(sq, e)
 
 
 def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb, matmul=None,
-                       balance=True):
+                       balance=True, finish=None):
     """gw [K, d] = inv_denom (sum_{i,t} f_i g_it a_it^T + noise_std xi_w), and
     gb [K] likewise from sum_{i,t} f_i g_it (skipped when gb is None).
 
@@ -229,12 +237,16 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     factor-weighted sum) with the true factors, or, where the GEMM's scaled
     operand is g with no power moved, as the numba twin does: those products
     (each rounded once) summed in float64.  ``matmul`` is the CPU path's BLAS
-    hook, unused.
+    hook, unused.  ``finish``: a list, or None; given, the noise is not added
+    here: the weight's and the bias's finishes are appended to it as
+    ``finish_gaussian_segments`` segments (the bias's from its float64 sum),
+    for the caller to run with its other layers' in one launch.
     """
     B, T, d = a.shape
     K = g.shape[2]
     scaled = clipped_gemm(a, g, factors, gw, balance)
-    add_gaussian(gw, seed, offset, noise_std, True, inv_denom)   # contiguous: no flat view
+    segments = [] if finish is None else finish
+    segments.append((gw, gw, offset))               # contiguous: no flat view
     if gb is not None:
         if scaled is not None:
             # The GEMM's own f_i g_it, each rounded once: summed in float64 they
@@ -242,8 +254,10 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
             accb = _arrays.sum_float64(scaled.reshape(B * T, K), 0)
         else:
             accb = _arrays.sum_float64(g, 1).T @ factors
-        add_gaussian(accb, seed, offset + K * d, noise_std, True, inv_denom)
-        gb[...] = accb
+        # Finished from the float64 sum straight into gb: one rounding.
+        segments.append((gb, accb, offset + K * d))
+    if finish is None:
+        finish_gaussian_segments(segments, seed, noise_std, inv_denom)
 
 
 def clipped_gemm(a, g, factors, out, balance=True):

@@ -16,7 +16,7 @@ from numba import njit, prange
 from .._balance import BALANCED, RANGE_SLACK
 from ._dispatch import sized_kernel
 
-from .rng import add_gaussian
+from .rng import add_gaussian, finish_gaussian_segments
 
 
 def unit_roundoff(dtype) -> float:
@@ -422,7 +422,7 @@ def float32_gemm_scope(like):
 
 
 def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb,
-                       matmul=np.matmul, balance=True):
+                       matmul=np.matmul, balance=True, finish=None):
     """gw [K, d] = inv_denom*(sum_{i,t} f_i g_it a_it^T + noise_std*xi_w), and
     gb [K] likewise from ``sum_{i,t} f_i g_it`` (skipped when gb is None).
 
@@ -436,6 +436,10 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     that no sample needs it (``_balance.layers_needing_balancing``).
     Noise: weight entries are draws offset + k*d + j, then the bias.
     ``matmul(x, y, out)`` is the caller library's GEMM (see ``_backend``).
+    ``finish``: a list, or None; given, the noise is not added here: the
+    weight's and the bias's finishes are appended to it as
+    ``finish_gaussian_segments`` segments, for the caller to run with its
+    other layers' (the CUDA twin's one launch).
     """
     B, T, d = a.shape
     K = g.shape[2]
@@ -465,8 +469,9 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
         _scale_rows(a, np.ascontiguousarray(f), scaled)
         matmul(g.reshape(B * T, K).T, scaled.reshape(B * T, d), out=gw)
     del scaled
-    add_gaussian(gw.reshape(-1), np.uint64(seed), np.uint64(offset), float(noise_std), True,
-                 float(inv_denom))
+    flat = gw.reshape(-1)
+    segments = [] if finish is None else finish
+    segments.append((flat, flat, int(offset)))
     if gb is not None:
         # The bias sums g_i times its true factor (no power of two moved), in
         # float64 (np.sum's pairwise float32 sum is good, float64 is better).
@@ -474,5 +479,6 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
             _scaled_column_sums(g_in, np.ascontiguousarray(factors, dtype=np.float64), gb)
         else:
             gb[:] = 0
-        add_gaussian(gb, np.uint64(seed), np.uint64(offset) + np.uint64(K * d), float(noise_std),
-                     True, float(inv_denom))
+        segments.append((gb, gb, int(offset) + K * d))
+    if finish is None:
+        finish_gaussian_segments(segments, seed, noise_std, inv_denom)

@@ -315,3 +315,23 @@ def add_gaussian(out, seed, offset, scale, accumulate, post):
     if out.shape[0]:
         _add_gaussian(out, np.uint64(seed), np.uint64(offset), float(scale), bool(accumulate),
                       float(post))
+
+
+def finish_gaussian_segments(segments, seed, scale, post):
+    """The finishes of several noisy sums, the CUDA kernel's twin: for each
+    ``(dst, src, offset)`` of ``segments``, ``dst[j] = post * (src[j] + scale *
+    normal(seed, offset + j))`` in float64, rounded once to dst's dtype.
+
+    dst: 1-D float32/float64 (C-contiguous); src: dst itself (in place), or a
+    float64 array of its length (a float64 accumulator finishing into a
+    float32 output); seed: uint64; offset: int; scale, post: float64.  Each
+    segment consumes len(dst) draws at its offset: the same values as one
+    :func:`add_gaussian` a segment."""
+    for dst, src, offset in segments:
+        if src is dst:
+            add_gaussian(dst, seed, offset, scale, True, post)
+        else:
+            acc = np.array(src, dtype=np.float64)       # a copy: src is the caller's
+            add_gaussian(acc, seed, offset, scale, True, post)
+            dst[...] = acc
+

@@ -22,14 +22,16 @@ from .mix import (TWO_POW_53, Uniforms, mix_from_groups, sample_groups, sampler_
 from .ntk import ntk_gram, ntk_jacobian
 from .rng import (COMPANION_BLOCK, DEEP_BELOW, DEEP_BLOCK, GAUSSIAN_TAIL_BOUND,
                   GAUSSIAN_TRUNCATION_MASS, MASK32, PHILOX_M0, PHILOX_M1, PHILOX_W0, PHILOX_W1,
-                  TWO_POW_32, check_seed_offset, gaussian, pair_uniforms, philox4x32_10,
+                  TWO_POW_32, check_seed_offset, finish_gaussian_segments, gaussian,
+                  pair_uniforms, philox4x32_10,
                   philox_words, uniforms_of_words)
 
 # The name tests/test_sampler_log.py reads the sub-stream uniforms by.
 _Uniforms = Uniforms
 
 __all__ = ["MASK32", "PHILOX_M0", "PHILOX_M1", "PHILOX_W0", "PHILOX_W1", "TWO_POW_32",
-           "philox4x32_10", "check_seed_offset", "philox_words", "gaussian", "pair_uniforms", "uniforms_of_words",
+           "philox4x32_10", "check_seed_offset", "philox_words", "gaussian",
+           "finish_gaussian_segments", "pair_uniforms", "uniforms_of_words",
            "COMPANION_BLOCK", "DEEP_BLOCK", "DEEP_BELOW",
            "GAUSSIAN_TAIL_BOUND", "GAUSSIAN_TRUNCATION_MASS",
            "U64", "unit_roundoff", "clip_bound", "clip_factors", "linear_spread", "linear_terms",

@@ -163,3 +163,14 @@ def gaussian(count, *, seed, offset=0, dtype=np.float32):
         k = offset + j
         out[j] = box_muller(*pair_uniforms(seed, k >> 1), k & 1)
     return out.astype(dtype)
+
+
+def finish_gaussian_segments(segments, *, seed, scale, post):
+    """The finishes of several noisy sums: for each (src, offset) of ``segments``,
+    ``post * (src + scale * normals(seed, offset .. offset + len(src) - 1))`` in
+    float64 (the caller rounds it once to its output's dtype).  src: 1-D,
+    float32 or float64; each segment consumes len(src) draws at its offset."""
+    return [post * (np.asarray(src, dtype=np.float64)
+                    + scale * gaussian(len(src), seed=seed, offset=offset, dtype=np.float64))
+            for src, offset in segments]
+

@@ -213,7 +213,24 @@ void run_typed(const Case& c) {
 
 void run(const Case& c) {
   const cudaStream_t stream = nullptr;
-  if (c.op == "clip_factors") {
+  if (c.op == "finish_gaussian_segments") {
+    // Segment s: buffer dst<s>, buffer src<s> (absent: in place), int types<s>,
+    // int offset<s> (below 2^63 in these cases); empty segments are skipped,
+    // as the host wrapper skips them.
+    kernels::GaussianSegments table{};
+    for (std::int64_t s = 0; s < c.i("S"); ++s) {
+      const std::string k = std::to_string(s);
+      const auto types = static_cast<kernels::GaussianSegmentTypes>(c.i("types" + k));
+      const std::int64_t size = c.i("size" + k);
+      if (size == 0) continue;
+      void* dst = c.ptr<void>("dst" + k);
+      const void* src = c.has("src" + k) ? c.ptr<const void>("src" + k) : dst;
+      kernels::append_gaussian_segment(table, dst, src, size,
+                                       static_cast<std::uint64_t>(c.i("offset" + k)), types);
+    }
+    kernels::launch_finish_gaussian_segments(table, c.u("seed"), c.f("scale"), c.f("post"),
+                                             stream);
+  } else if (c.op == "clip_factors") {
     kernels::launch_clip_factors(
         c.ptr<double>("sq"), c.ptr<double>("spread"), c.i("B"),
         ClipRule{c.f("max_norm"), c.i("terms"), c.i("seq_len"), c.f("unit")},
