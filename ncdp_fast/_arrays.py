@@ -131,6 +131,11 @@ class NumpyIO:
     def to_kernel(self, x):
         return np.ascontiguousarray(x)
 
+    def to_operand(self, x):
+        """x for the library's own operations (a linear pair's operands, which
+        no launcher of ours reads): as :meth:`to_kernel` here."""
+        return self.to_kernel(x)
+
     def dtype_of(self, x) -> np.dtype:
         return np.asarray(x).dtype if not hasattr(x, "dtype") else np.dtype(x.dtype)
 
@@ -198,6 +203,12 @@ class TorchCudaIO:
         # cost); a tensor outside autograd needs no detached alias (an op each).
         return (x.detach() if x.requires_grad else x).contiguous()
 
+    def to_operand(self, x):
+        # torch's operations read any strides: a layer's output gradient that
+        # autograd hands over transposed (an attention projection's) is read as
+        # it is, where a row-major copy cost an op and its bytes (issue 36).
+        return x.detach() if x.requires_grad else x
+
     def dtype_of(self, x):
         return _torch_to_numpy_dtype(x.dtype)
 
@@ -259,6 +270,9 @@ class CupyIO:
     def to_kernel(self, x):
         import cupy
         return cupy.ascontiguousarray(x)
+
+    def to_operand(self, x):
+        return self.to_kernel(x)
 
     def dtype_of(self, x):
         return np.dtype(x.dtype)
@@ -465,6 +479,13 @@ def cat_columns(parts):
     return module_of(parts[0]).concatenate(parts, axis=1)
 
 
+def row_major(x):
+    """x, or a row-major (C-contiguous) copy where it is not, by x's library."""
+    if is_torch(x):
+        return x.contiguous()
+    return module_of(x).ascontiguousarray(x)
+
+
 def assign(out, x):
     """out[...] = x, in place, by out's library (torch or CuPy): for a torch
     tensor one ``copy_`` (indexing's ``out[...] = x`` dispatches more ops, each
@@ -473,6 +494,30 @@ def assign(out, x):
         out.copy_(x)
     else:
         out[...] = x
+
+
+def adjacent_columns(parts):
+    """The 2-D torch tensors ``parts`` (B, p_k) as one (B, sum p_k) view where
+    they are consecutive column ranges of one row-major buffer (row stride
+    sum p_k, one storage, each range right after the previous), else None
+    (also for other libraries and for B = 0)."""
+    first = parts[0]
+    if not is_torch(first) or len(first.shape) != 2 or first.shape[0] == 0:
+        return None
+    B, total = first.shape[0], sum(int(p.shape[1]) for p in parts)
+    base = first.untyped_storage().data_ptr()
+    at = first.data_ptr()
+    for p in parts:
+        if (len(p.shape) != 2 or p.shape[0] != B or p.dtype != first.dtype
+                or p.device != first.device or p.untyped_storage().data_ptr() != base
+                or p.data_ptr() != at or (B > 1 and p.stride(0) != total)
+                or (p.shape[1] > 1 and p.stride(1) != 1)):
+            return None
+        at += int(p.shape[1]) * first.element_size()
+    offset = first.storage_offset()
+    if (offset + B * total) * first.element_size() > first.untyped_storage().nbytes():
+        return None
+    return first.as_strided((B, total), (total, 1))
 
 
 def bmm(x, y):
@@ -493,7 +538,9 @@ def scale_rows(x, f):
     shape = (-1,) + (1,) * (len(x.shape) - 1)
     if is_torch(x):
         import torch
-        out = torch.empty_like(x)
+        # Row-major whatever x's strides (empty_like would keep a transposed
+        # layout, which the GEMM's reshape would then copy).
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         return torch.mul(x, f.reshape(shape), out=out)
     import cupy
     return cupy.multiply(x, f.reshape(shape), out=cupy.empty_like(x), casting="same_kind")

@@ -83,8 +83,10 @@ class _Layer:
                     raise TypeError(f"{name}{where}: dtype {be.io.dtype_of(x)} differs from {dtype} "
                                     "of the other inputs")
             B, T = sa[0], (sa[1] if len(sa) == 3 else 1)
-            self.a = _as_3d(be.io.to_kernel(a), B, T)
-            self.g = _as_3d(be.io.to_kernel(g), B, T)
+            # Operands of the library's own operations (GEMMs, reductions; no
+            # launcher of ours reads them): any strides on a torch device.
+            self.a = _as_3d(be.io.to_operand(a), B, T)
+            self.g = _as_3d(be.io.to_operand(g), B, T)
             self.dense = False
             self.K, self.d, self.T = sg[-1], sa[-1], T
             # float64 multiply-adds in the sample's norm (reference.linear_terms)
@@ -98,7 +100,9 @@ class _Layer:
             if be.check_float(spec, f"layers{where}") != dtype:
                 raise TypeError(f"layers{where}: dtype {be.io.dtype_of(spec)} differs from {dtype}")
             B = s[0]
-            g = be.io.to_kernel(spec)
+            # Row-major only once the op knows the block's unit (_clip_layers):
+            # a run of blocks side by side in one buffer joins as a view of it.
+            g = be.io.to_operand(spec)
             self._be_dense(g if len(s) == 2 else g.reshape(B, math.prod(s[1:])), s[1:])
             return
         self.B = B
@@ -112,9 +116,13 @@ class _Layer:
 
     @classmethod
     def joined(cls, members):
-        """One dense block of dense ``members`` side by side (a copy)."""
+        """One dense block of dense ``members`` side by side: a view where they
+        already are adjacent columns of one buffer (a norm layer's weight and
+        bias, ``layer_rules._affine_rule``), else a copy."""
         unit = cls.__new__(cls)
-        unit._be_dense(_arrays.cat_columns([m.g for m in members]),
+        parts = [m.g for m in members]
+        together = _arrays.adjacent_columns(parts)
+        unit._be_dense(_arrays.cat_columns(parts) if together is None else together,
                        (sum(m.draws for m in members),))
         return unit
 
@@ -213,7 +221,12 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     # dense blocks on a device joined into one (their noise ranges follow each
     # other, so the joined sum draws exactly the values the blocks would).
     n_given = len(layers)
-    layers, runs = _join_dense_runs(layers) if be.name == "cuda" else (layers, None)
+    runs = None
+    if be.name == "cuda":
+        layers, runs = _join_dense_runs(layers)
+        for layer in layers:
+            if layer.kind == "dense":       # the kernels read rows one after another
+                layer.g = be.io.to_kernel(layer.g)
     draws = sum(layer.draws for layer in layers)
     t_max = max(layer.T for layer in layers)
     sq = be.io.zeros((B,), _F64)

@@ -199,8 +199,10 @@ def _rank1_sq_norms(a, g, bias, sq, accumulate, sizes):
     B, _, d = a.shape
     K = g.shape[2]
     s = _arrays.io_for(sq).empty((2, B), _F64)      # (||a_i||^2, ||g_i||^2) rows
-    row_sq_norms(a.reshape(B, d), s[0], False)      # contiguous: the op's to_kernel
-    row_sq_norms(g.reshape(B, K), s[1], False)
+    # The kernel reads rows of p values one after another (the operands may
+    # come with any strides: the clip op's to_operand).
+    row_sq_norms(_arrays.row_major(a.reshape(B, d)), s[0], False)
+    row_sq_norms(_arrays.row_major(g.reshape(B, K)), s[1], False)
     if sizes is not None:
         _arrays.assign(sizes, s.T)
     e = s[0] * s[1]
