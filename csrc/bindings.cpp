@@ -60,7 +60,8 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
         "deterministic.",
         py::arg("g"), py::arg("B"), py::arg("p"), py::arg("dtype"), py::arg("factors"),
         py::arg("noise_std"), py::arg("inv_denom"), py::arg("seed"), py::arg("offset"),
-        py::arg("out"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"));
+        py::arg("out"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
+        py::arg("out_dtype") = -1);
   m.def("clip_noise_rows_workspace_bytes", &ncdp::clip_noise_rows_workspace_bytes,
         "Workspace bytes of launch_clip_noise_rows.", py::arg("B"), py::arg("p"),
         py::arg("dtype"));

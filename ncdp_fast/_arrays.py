@@ -496,30 +496,6 @@ def assign(out, x):
         out[...] = x
 
 
-def adjacent_columns(parts):
-    """The 2-D torch tensors ``parts`` (B, p_k) as one (B, sum p_k) view where
-    they are consecutive column ranges of one row-major buffer (row stride
-    sum p_k, one storage, each range right after the previous), else None
-    (also for other libraries and for B = 0)."""
-    first = parts[0]
-    if not is_torch(first) or len(first.shape) != 2 or first.shape[0] == 0:
-        return None
-    B, total = first.shape[0], sum(int(p.shape[1]) for p in parts)
-    base = first.untyped_storage().data_ptr()
-    at = first.data_ptr()
-    for p in parts:
-        if (len(p.shape) != 2 or p.shape[0] != B or p.dtype != first.dtype
-                or p.device != first.device or p.untyped_storage().data_ptr() != base
-                or p.data_ptr() != at or (B > 1 and p.stride(0) != total)
-                or (p.shape[1] > 1 and p.stride(1) != 1)):
-            return None
-        at += int(p.shape[1]) * first.element_size()
-    offset = first.storage_offset()
-    if (offset + B * total) * first.element_size() > first.untyped_storage().nbytes():
-        return None
-    return first.as_strided((B, total), (total, 1))
-
-
 def bmm(x, y):
     """x @ y for 3-D x (n, p, q) and y (n, q, r) of one library: torch.bmm
     directly for tensors (``@`` decomposes into expands and views first, five

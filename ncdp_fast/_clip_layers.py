@@ -51,7 +51,7 @@ class _Layer:
 
     def __init__(self, spec, index, be, dtype):
         where = f"[{index}]"
-        self.kind = "dense"
+        self.kind, self.members = "dense", None
         if isinstance(spec, GhostBlock):
             s = _arrays.shape(spec.sq_norms, f"layers{where}.sq_norms")
             if len(s) != 1:
@@ -111,19 +111,21 @@ class _Layer:
         """This block as a dense one: g (B, p) its per-sample gradients, p =
         prod(param_shape) draws, a float64 multiply-add per value in the norm."""
         self.kind, self.dense, self.g, self.param_shape = "dense", True, g, tuple(param_shape)
+        self.members = None
         self.B, self.T = g.shape[0], 1
         self.draws = self.terms = math.prod(self.param_shape)
 
     @classmethod
     def joined(cls, members):
-        """One dense block of dense ``members`` side by side: a view where they
-        already are adjacent columns of one buffer (a norm layer's weight and
-        bias, ``layer_rules._affine_rule``), else a copy."""
+        """One dense unit of dense ``members`` side by side (a copy; the members
+        let go of theirs): one norm and one sum for all, each member's noise
+        finished at its own offset (:meth:`reduce`)."""
         unit = cls.__new__(cls)
-        parts = [m.g for m in members]
-        together = _arrays.adjacent_columns(parts)
-        unit._be_dense(_arrays.cat_columns(parts) if together is None else together,
+        unit._be_dense(_arrays.cat_columns([m.g for m in members]),
                        (sum(m.draws for m in members),))
+        unit.members = members
+        for m in members:
+            m.g = None
         return unit
 
     def held(self) -> int:
@@ -175,6 +177,20 @@ class _Layer:
             flat = be.io.to_kernel(out).reshape(-1)
             finish.append((flat, flat, offset))
             return be.io.to_user(flat.reshape(self.param_shape))
+        if self.members is not None:
+            # The float64 sum of every member at once, then each member's own
+            # finish (noise at its offset, the division, one rounding): what
+            # the fused kernel gives a member alone, bit for bit.
+            sums = be.io.empty((self.draws,), _F64)
+            be.kernels.weighted_row_sum_noise(self.g, factors, 0.0, 1.0, seed, offset, sums)
+            outs, col = [], 0
+            for m in self.members:
+                out = be.io.empty((m.draws,), dtype)
+                finish.append((out, sums[col:col + m.draws], offset + m.start))
+                col += m.draws
+                outs.append(be.io.to_user(out if len(m.param_shape) == 1
+                                          else out.reshape(m.param_shape)))
+            return outs
         if self.dense:
             out = be.io.empty((self.draws,), dtype)
             be.kernels.weighted_row_sum_noise(self.g, factors, noise_std, inv_denom, seed, offset,
@@ -217,13 +233,17 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     for i, layer in enumerate(layers):
         if layer.B != B:
             raise ValueError(f"layers[{i}]: batch size {layer.B} differs from layers[0] batch size {B}")
-    # From here on the op works on units: the layers, with each run of small
-    # dense blocks on a device joined into one (their noise ranges follow each
-    # other, so the joined sum draws exactly the values the blocks would).
+    # Each block's draws start where the previous block's end, in the order
+    # given, on every backend (Python ints: offsets reach 2^64).
+    start = 0
+    for i, layer in enumerate(layers):
+        layer.index, layer.start = i, start
+        start += layer.draws
     n_given = len(layers)
-    runs = None
+    # From here on the op works on units: the layers, with the small dense
+    # blocks on a device joined into one (each keeps its own noise range).
     if be.name == "cuda":
-        layers, runs = _join_dense_runs(layers)
+        layers = _join_dense(layers)
         for layer in layers:
             if layer.kind == "dense":       # the kernels read rows one after another
                 layer.g = be.io.to_kernel(layer.g)
@@ -286,20 +306,23 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         bad = np.flatnonzero(host_factors == 0)
         for layer in layers:
             layer.drop_rows(be.io, bad)
-    starts = [offset]                       # Python ints: offsets reach 2^64
-    for layer in layers[:-1]:
-        starts.append(starts[-1] + layer.draws)
     order = range(len(layers))
     if release:
         # Most memory freed first: a layer's sum allocates `draws` values and
         # dropping it frees its (B, T, d) and (B, T, K) arrays.
         order = sorted(order, key=lambda i: layers[i].draws - layers[i].held())
-    grads = [None] * len(layers)
+    grads = [None] * n_given
     finish = []
     with be.kernels.float32_gemm_scope(sq):
         for i in order:
-            grads[i] = layers[i].reduce(be, dtype, weights, noise_std, inv_denom, seed,
-                                        starts[i], balance[i], finish)
+            unit = layers[i]
+            got = unit.reduce(be, dtype, weights, noise_std, inv_denom, seed,
+                              offset + (0 if unit.members else unit.start), balance[i], finish)
+            if unit.members:
+                for m, g in zip(unit.members, got):
+                    grads[m.index] = g
+            else:
+                grads[unit.index] = got
             if release:
                 layers[i] = None
     # Every ghost block's and linear pair's noise at once (on a device one
@@ -307,61 +330,45 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     # offsets as a finish of each in turn.
     be.kernels.finish_gaussian_segments(finish, np.uint64(seed), float(noise_std),
                                         float(inv_denom))
-    if runs is not None:
-        grads = _split_dense_runs(grads, runs, n_given)
     return grads, acc
 
 
-# Dense blocks are joined while a run holds at most this many bytes: the
-# launches saved matter for small blocks (a LayerNorm's weight and bias: 4 of
-# its launches and their host time become 2), and the join's copy stays small.
+# Dense blocks are joined while a unit holds at most this many bytes: the
+# launches saved matter for small blocks (a LayerNorm's weight and bias, a
+# GPT-2 Conv1D's bias: two launches, a workspace and their host time each),
+# and the join's copy stays small.
 JOIN_DENSE_BYTES = 16 << 20
 
 
-def _join_dense_runs(layers):
-    """(units, runs): ``layers`` with each run of consecutive dense blocks
-    (at least two, within JOIN_DENSE_BYTES) replaced by one dense unit whose
-    per-sample gradient is theirs side by side; runs[u] lists unit u's
-    blocks as (shape, draws) for a joined unit, None otherwise.  Exact: the
-    joined sum and its noise are the blocks' own, column for column; the
-    joined norm adds the same squares in one float64 sum (the rule's
-    ``terms`` are the blocks' total)."""
-    units, runs, i = [], [], 0
-    while i < len(layers):
-        j, size = i, 0
-        while j < len(layers) and layers[j].kind == "dense":
-            size += layers[j].held() * layers[j].g.dtype.itemsize
-            if size > JOIN_DENSE_BYTES:
-                break
-            j += 1
-        if j - i < 2:
-            units.append(layers[i])
-            runs.append(None)
-            i += 1
+def _join_dense(layers):
+    """The units of ``layers``: the dense blocks that fit JOIN_DENSE_BYTES
+    joined, in order, into as few dense units as that bound allows (at least
+    two blocks a unit; a block alone stays itself), placed where their first
+    block was; every other block its own unit.  Exact: a joined unit's sum is
+    its blocks' own, column for column, each finished with its own noise range
+    (``_Layer.reduce``); its norm adds the same squares in one float64 sum (the
+    rule's ``terms`` are the blocks' total)."""
+    groups, size = [[]], 0
+    for layer in layers:
+        if layer.kind != "dense":
             continue
-        members = layers[i:j]
-        units.append(_Layer.joined(members))
-        runs.append([(m.param_shape, m.draws) for m in members])
-        i = j
-    return units, runs
-
-
-def _split_dense_runs(grads, runs, n):
-    """The units' grads as the given blocks': a joined unit's (draws,) sum cut
-    into its blocks' shapes (views)."""
-    out = []
-    for g, run in zip(grads, runs):
-        if run is None:
-            out.append(g)
+        nbytes = layer.held() * layer.g.dtype.itemsize
+        if nbytes > JOIN_DENSE_BYTES:
             continue
-        start = 0
-        for shape, draws in run:
-            part = g[start:start + draws]
-            # A 1-D block (a norm's weight or bias, most of a run) is its slice.
-            out.append(part if len(shape) == 1 else part.reshape(shape))
-            start += draws
-    assert len(out) == n
-    return out
+        if size + nbytes > JOIN_DENSE_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(layer)
+        size += nbytes
+    first = {id(g[0]): g for g in groups if len(g) > 1}
+    joined = {id(m) for g in first.values() for m in g}
+    units = []
+    for layer in layers:
+        if id(layer) in first:
+            units.append(_Layer.joined(first[id(layer)]))
+        elif id(layer) not in joined:
+            units.append(layer)
+    return units
 
 
 def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier, bias=True,

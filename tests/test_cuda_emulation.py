@@ -224,6 +224,28 @@ def test_weighted_row_sum_skips_dropped_rows(emu, dtype):
     assert_close(res["out"], expected, scale, B + 4, np.float64, dtype, "out")
 
 
+@pytest.mark.parametrize("B,p", [(30, 11), (1, 1), (0, 5), (600, 3)])
+def test_weighted_row_sum_float64_sum_then_finish_is_the_fused_kernel(emu, B, p):
+    """float32 rows summed into float64 (out_dtype 1, noise 0: the clip op's
+    joined dense blocks), then finished into float32 by the segments kernel at
+    the block's offset, equal the fused float32 kernel's output bit for bit:
+    the same float64 slab sum, the same noise, one rounding."""
+    g = _dense_case(B, p, np.float32, seed=B + p)
+    factors = np.random.default_rng(5).uniform(0, 1, B)
+    common = dict(dtype=0, B=B, p=p, seed=77, offset=9)
+    fused = emu.run("weighted_row_sum_noise", dict(common, noise_std=0.7, inv_denom=0.25),
+                    {"grads": g, "factors": factors, "out": np.zeros(p, np.float32)})["out"]
+    sum64 = emu.run("weighted_row_sum_noise", dict(common, noise_std=0.0, inv_denom=1.0,
+                                                   out64=1),
+                    {"grads": g, "factors": factors, "out": np.zeros(p, np.float64)})["out"]
+    expected, scale, _, _ = _expected_dense(g, 1.0, 0.0, 1.0, 77, 9, factors=factors)
+    assert_close(sum64, expected, scale, B + 4, np.float64, np.float64, "sum64")
+    out = emu.run("finish_gaussian_segments",
+                  dict(S=1, seed=77, scale=0.7, post=0.25, types0=2, size0=p, offset0=9),
+                  {"src0": sum64, "dst0": np.full(p, np.nan, np.float32)})["dst0"]
+    assert np.array_equal(out, fused)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_sq_norms_and_clip_factors(emu, dtype):
     B, p = 7, 13

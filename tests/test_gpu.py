@@ -101,13 +101,14 @@ def test_cuda_layers_and_nonfinite(require_cuda, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B", [0, 1, 6])
 def test_cuda_joined_dense_runs_are_the_blocks_own(require_cuda, dtype, B, monkeypatch):
-    """Consecutive small dense blocks (a LayerNorm's weight and bias) go to the
-    device as one joined block (issue 36: fewer launches): the grads, norms
-    and counts equal the call that keeps every block apart (JOIN_DENSE_BYTES
-    -1) -- the same noise draws column for column, the norms within the
-    float64 additions' rounding --, and each grad keeps its block's shape.
-    Layers: a run of three dense blocks, a pair, a run of three; a byte limit
-    cuts a run where the next block would pass it."""
+    """Small dense blocks (a LayerNorm's weight and bias, wherever they lie
+    among the other blocks) go to the device as one joined block (issue 36:
+    fewer launches): the grads, norms and counts equal the call that keeps
+    every block apart (JOIN_DENSE_BYTES -1) -- each block's own noise draws
+    column for column, the norms within the float64 additions' rounding --,
+    and each grad keeps its block's shape.  Layers: three dense blocks, a
+    pair, three more; a byte limit starts a new joined block where the next
+    block would pass it, and a block left alone keeps the fused kernel."""
     from ncdp_fast import _clip_layers
     from ncdp_fast._cuda import clip as device_clip
     rng = np.random.default_rng(B + 1)
@@ -134,7 +135,7 @@ def test_cuda_joined_dense_runs_are_the_blocks_own(require_cuda, dtype, B, monke
     joined, joined_launches = run(_clip_layers.JOIN_DENSE_BYTES)
     apart, apart_launches = run(-1)
     assert apart_launches == [(B, 5), (B, 6), (B, 7), (B, 9), (B, 4), (B, 2)]
-    assert joined_launches == [(B, 18), (B, 15)]
+    assert joined_launches == [(B, 33)]
     for got, want, x in zip(joined.grads, apart.grads, blocks):
         if isinstance(x, tuple):
             for u, v in zip(got, want):
@@ -149,9 +150,10 @@ def test_cuda_joined_dense_runs_are_the_blocks_own(require_cuda, dtype, B, monke
                                rtol=1e-14)
     assert (joined.num_clipped, joined.draws, joined.offset) == (
         apart.num_clipped, apart.draws, apart.offset)
-    # A limit of 15 columns: 5 + 6 join, 7 would pass it and stays alone.
+    # A limit of 15 columns: 5 + 6 join, 7 would pass it and stays alone, 9 + 4
+    # + 2 join (with B = 0 every block holds 0 bytes: one joined block).
     _, some = run(B * 15 * np.dtype(dtype).itemsize)
-    assert some == ([(B, 11), (B, 7), (B, 15)] if B else [(B, 18), (B, 15)])
+    assert some == ([(B, 11), (B, 7), (B, 15)] if B else [(B, 33)])
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -465,10 +465,10 @@ std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p) {
   return align_bytes(weighted_row_sum_slabs(B, p) * p * std::int64_t{sizeof(double)});
 }
 
-template <typename Real>
+template <typename Real, typename Out>
 void launch_weighted_row_sum_noise(const Real* grads, const double* factors, std::int64_t B,
                                    std::int64_t p, double noise_std, double inv_denom,
-                                   std::uint64_t seed, std::uint64_t offset, Real* out,
+                                   std::uint64_t seed, std::uint64_t offset, Out* out,
                                    void* workspace, cudaStream_t stream) {
   if (p <= 0) return;
   const std::int64_t slabs = weighted_row_sum_slabs(B, p);
@@ -477,8 +477,8 @@ void launch_weighted_row_sum_noise(const Real* grads, const double* factors, std
     launch_weighted_row_sum_partials(grads, factors, B, p, slabs, partials,
                                      /*accumulate=*/false, stream);
   }
-  launch_slab_sum_plus_gaussian<double, Real>(partials, slabs, p, noise_std, inv_denom, seed,
-                                              offset, out, stream);
+  launch_slab_sum_plus_gaussian<double, Out>(partials, slabs, p, noise_std, inv_denom, seed,
+                                             offset, out, stream);
 }
 
 ClipNoiseRowsLayout clip_noise_rows_layout(std::int64_t B, std::int64_t p) {
@@ -644,7 +644,7 @@ void launch_clipped_linear_sum(const Real* acts, const Real* grads, const double
 #define NCDP_INSTANTIATE_CLIP(Real)                                                           \
   template void launch_row_sq_norms<Real>(const Real*, std::int64_t, std::int64_t, double*,    \
                                           bool, cudaStream_t);                                 \
-  template void launch_weighted_row_sum_noise<Real>(                                           \
+  template void launch_weighted_row_sum_noise<Real, Real>(                                     \
       const Real*, const double*, std::int64_t, std::int64_t, double, double, std::uint64_t,   \
       std::uint64_t, Real*, void*, cudaStream_t);                                              \
   template void launch_clip_noise_rows<Real>(const Real*, std::int64_t, std::int64_t, double,  \
@@ -662,6 +662,9 @@ void launch_clipped_linear_sum(const Real* acts, const Real* grads, const double
 NCDP_INSTANTIATE_CLIP(float)
 NCDP_INSTANTIATE_CLIP(double)
 #undef NCDP_INSTANTIATE_CLIP
+template void launch_weighted_row_sum_noise<float, double>(
+    const float*, const double*, std::int64_t, std::int64_t, double, double, std::uint64_t,
+    std::uint64_t, double*, void*, cudaStream_t);
 
 }  // namespace kernels
 }  // namespace ncdp

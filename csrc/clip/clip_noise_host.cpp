@@ -79,16 +79,26 @@ void launch_weighted_row_sum_noise(std::uintptr_t g, std::int64_t B, std::int64_
                                    std::uintptr_t factors, double noise_std, double inv_denom,
                                    std::uint64_t seed, std::uint64_t offset, std::uintptr_t out,
                                    std::uintptr_t workspace, std::int64_t workspace_bytes,
-                                   std::uintptr_t stream) {
+                                   std::uintptr_t stream, int out_dtype) {
   const std::int64_t needed = weighted_row_sum_workspace_bytes(B, p, dtype);
   const std::size_t element = dtype_size(dtype);
+  if (out_dtype == -1) out_dtype = dtype;
+  if (out_dtype != dtype && out_dtype != kDtypeFloat64) {
+    throw std::invalid_argument("ncdp_fast: weighted_row_sum_noise: out_dtype must be -1, dtype "
+                                "or 1 (float64), got " + std::to_string(out_dtype));
+  }
   require_pointer(g, B * p > 0, element, "g");
   require_pointer(factors, B > 0 && p > 0, sizeof(double), "factors");
-  require_pointer(out, p > 0, element, "out");
+  require_pointer(out, p > 0, dtype_size(out_dtype), "out");
   require_workspace(workspace, workspace_bytes, needed, "weighted_row_sum_noise");
   if (p == 0) return;
   DeviceGuard guard(first_pointer({B > 0 ? g : 0, out}), "g");
-  if (dtype == kDtypeFloat32) {
+  if (dtype == kDtypeFloat32 && out_dtype == kDtypeFloat64) {
+    kernels::launch_weighted_row_sum_noise(typed<const float>(g), typed<const double>(factors), B,
+                                           p, noise_std, inv_denom, seed, offset,
+                                           typed<double>(out), typed<void>(workspace),
+                                           as_stream(stream));
+  } else if (dtype == kDtypeFloat32) {
     kernels::launch_weighted_row_sum_noise(typed<const float>(g), typed<const double>(factors), B,
                                            p, noise_std, inv_denom, seed, offset,
                                            typed<float>(out), typed<void>(workspace),

@@ -46,6 +46,8 @@ def clip_noise_rows(g, max_norm, noise_std, inv_denom, seed, offset, out, norms,
 
 
 def weighted_row_sum_noise(g, factors, noise_std, inv_denom, seed, offset, out):
+    # out in g's dtype, or float64 (the sum before its finish: the clip op's
+    # joined dense blocks, finished with the other blocks' in one launch).
     B, p = g.shape
     dt = dtype_code(g)
     C = native(g)
@@ -53,7 +55,7 @@ def weighted_row_sum_noise(g, factors, noise_std, inv_denom, seed, offset, out):
     ws, ws_ptr = workspace(g, nbytes)
     C.launch_weighted_row_sum_noise(ptr(g), B, p, dt, ptr(factors), float(noise_std),
                                      float(inv_denom), int(seed), int(offset), ptr(out),
-                                     ws_ptr, nbytes, stream(g))
+                                     ws_ptr, nbytes, stream(g), dtype_code(out))
 
 
 # Float64 temporaries of one GEMM chunk, in bytes: bounds the extra memory of

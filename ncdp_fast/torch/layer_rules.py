@@ -72,18 +72,6 @@ def _affine_rule(xhat: torch.Tensor, g: torch.Tensor, trainable, dim: int):
     sums of g * xhat and g over the positions ``dim`` (instantiated: they are
     small).  The product is formed and summed: the einsum that avoided it ran
     as a batched GEMM of width 1, 12x slower on a (8, 128, 768) float32 input."""
-    both = "weight" in trainable and "bias" in trainable
-    shape = [n for i, n in enumerate(g.shape) if i != dim]       # a sum's (B, P)
-    if both and g.dtype == xhat.dtype and _arrays.is_cuda_array(g) and len(shape) == 2:
-        # On a device the clip op joins consecutive small dense blocks into one
-        # unit (one norm, one sum): written side by side here, the weight's
-        # columns then the bias's, the join is a view of this buffer instead of
-        # a copy of both (an op and its bytes a norm layer, issue 36).
-        B, P = shape
-        w, b = torch.empty((B, 2 * P), dtype=g.dtype, device=g.device).split(P, 1)
-        torch.sum(torch.mul(g, xhat), dim, out=w)
-        torch.sum(g, dim, out=b)
-        return [(("weight",), w), (("bias",), b)]
     out = []
     if "weight" in trainable:
         out.append((("weight",), torch.mul(g, xhat).sum(dim)))

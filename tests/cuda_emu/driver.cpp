@@ -140,9 +140,15 @@ void run_typed(const Case& c) {
                                        c.ptr<double>("sq"), c.i("accumulate") != 0, stream);
   } else if (c.op == "weighted_row_sum_noise") {
     Workspace ws(kernels::weighted_row_sum_workspace_bytes(c.i("B"), c.i("p")));
-    kernels::launch_weighted_row_sum_noise<Real>(
-        c.ptr<Real>("grads"), c.ptr<double>("factors"), c.i("B"), c.i("p"), c.f("noise_std"),
-        c.f("inv_denom"), c.u("seed"), c.u("offset"), c.ptr<Real>("out"), ws.data, stream);
+    if (c.ints.count("out64") != 0 && c.i("out64") != 0) {   // the float64 sum
+      kernels::launch_weighted_row_sum_noise<Real>(
+          c.ptr<Real>("grads"), c.ptr<double>("factors"), c.i("B"), c.i("p"), c.f("noise_std"),
+          c.f("inv_denom"), c.u("seed"), c.u("offset"), c.ptr<double>("out"), ws.data, stream);
+    } else {
+      kernels::launch_weighted_row_sum_noise<Real>(
+          c.ptr<Real>("grads"), c.ptr<double>("factors"), c.i("B"), c.i("p"), c.f("noise_std"),
+          c.f("inv_denom"), c.u("seed"), c.u("offset"), c.ptr<Real>("out"), ws.data, stream);
+    }
   } else if (c.op == "clip_noise_rows") {
     Workspace ws(kernels::clip_noise_rows_layout(c.i("B"), c.i("p")).total_bytes);
     kernels::launch_clip_noise_rows<Real>(c.ptr<Real>("grads"), c.i("B"), c.i("p"),
