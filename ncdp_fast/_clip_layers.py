@@ -100,8 +100,8 @@ class _Layer:
             if be.check_float(spec, f"layers{where}") != dtype:
                 raise TypeError(f"layers{where}: dtype {be.io.dtype_of(spec)} differs from {dtype}")
             B = s[0]
-            # Row-major only once the op knows the block's unit (_clip_layers):
-            # a run of blocks side by side in one buffer joins as a view of it.
+            # Row-major only where the block stays a unit of its own
+            # (_clip_layers): a joined unit's copy reads any strides.
             g = be.io.to_operand(spec)
             self._be_dense(g if len(s) == 2 else g.reshape(B, math.prod(s[1:])), s[1:])
             return
@@ -163,10 +163,11 @@ class _Layer:
             self.g[rows] = 0
 
     def reduce(self, be, dtype, factors, noise_std, inv_denom, seed, offset, balance, finish):
-        """The block's clipped sum; a ghost block's and a linear pair's noise is
+        """The block's clipped sum (a joined unit's: its members' list); the
+        noise of a ghost block, a linear pair and a joined unit's members is
         not added here but appended to ``finish`` (segments of
         ``finish_gaussian_segments``, which the op runs once for all of them);
-        a dense block's is fused into its sum."""
+        a dense block's alone is fused into its sum."""
         if self.kind == "ghost":
             out = self.spec.clipped_sum(be.io.to_user(factors))
             if tuple(_arrays.shape(out, "clipped_sum()")) != self.param_shape:
@@ -325,9 +326,9 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
                 grads[unit.index] = got
             if release:
                 layers[i] = None
-    # Every ghost block's and linear pair's noise at once (on a device one
-    # launch for 48 of them, not two a layer): the same draws at the same
-    # offsets as a finish of each in turn.
+    # Every ghost block's, linear pair's and joined dense block's noise at once
+    # (on a device one launch for 48 of them, not one or two a layer): the
+    # same draws at the same offsets as a finish of each in turn.
     be.kernels.finish_gaussian_segments(finish, np.uint64(seed), float(noise_std),
                                         float(inv_denom))
     return grads, acc
