@@ -92,7 +92,7 @@ def is_cuda_array(x: Any) -> bool:
 def shape(x: Any, name: str) -> tuple[int, ...]:
     """x's shape as ints; a TypeError naming ``name`` for what is not an array."""
     try:
-        return tuple(int(s) for s in x.shape)
+        return tuple(map(int, x.shape))     # map: no generator frame a dimension
     except AttributeError:
         raise TypeError(f"{name}: expected an array (NumPy, torch or CuPy), "
                         f"got {type(x).__name__}") from None
@@ -477,6 +477,17 @@ def cat_columns(parts):
         import torch
         return torch.cat(parts, 1)
     return module_of(parts[0]).concatenate(parts, axis=1)
+
+
+def byte_range(x) -> tuple[int, int]:
+    """(first byte, one past the last) of a C-contiguous array of any library."""
+    k = kind(x)
+    if k == "numpy":
+        start = np.asarray(x).ctypes.data
+        return start, start + np.asarray(x).nbytes
+    start = data_ptr(x)
+    n = x.numel() * x.element_size() if k == "torch" else x.nbytes
+    return start, start + n
 
 
 def row_major(x):

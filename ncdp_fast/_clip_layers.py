@@ -177,6 +177,7 @@ class _Layer:
                 raise TypeError(f"clipped_sum(): expected dtype {dtype}, got {be.io.dtype_of(out)}")
             flat = be.io.to_kernel(out).reshape(-1)
             finish.append((flat, flat, offset))
+            self.finished = flat
             return be.io.to_user(flat.reshape(self.param_shape))
         if self.members is not None:
             # The float64 sum of every member at once, then each member's own
@@ -313,7 +314,7 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         # dropping it frees its (B, T, d) and (B, T, K) arrays.
         order = sorted(order, key=lambda i: layers[i].draws - layers[i].held())
     grads = [None] * n_given
-    finish = []
+    finish, ghosts = [], []
     with be.kernels.float32_gemm_scope(sq):
         for i in order:
             unit = layers[i]
@@ -324,14 +325,33 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
                     grads[m.index] = g
             else:
                 grads[unit.index] = got
+            if unit.kind == "ghost":
+                ghosts.append((unit.finished, unit.index))
             if release:
                 layers[i] = None
+    _refuse_shared_ghost_outputs(ghosts)
     # Every ghost block's, linear pair's and joined dense block's noise at once
     # (on a device one launch for 48 of them, not one or two a layer): the
     # same draws at the same offsets as a finish of each in turn.
     be.kernels.finish_gaussian_segments(finish, np.uint64(seed), float(noise_std),
                                         float(inv_denom))
     return grads, acc
+
+
+def _refuse_shared_ghost_outputs(ghosts) -> None:
+    """``ghosts``: (flat output, block index) of the ghost blocks.  Each block's noise is added in place to what its clipped_sum returned,
+    once all sums are formed: two blocks returning one array (or overlapping
+    ones) would have it noised and divided twice, silently.  Refused by name."""
+    if len(ghosts) < 2:
+        return
+    spans = sorted((*_arrays.byte_range(out), i) for out, i in ghosts if math.prod(out.shape))
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+        if start < end:
+            first, second = sorted((i, j))
+            raise ValueError(
+                f"layers[{first}].clipped_sum(), layers[{second}].clipped_sum(): expected "
+                "arrays of their own, got overlapping ones (the op adds each block's noise "
+                "in place to what its clipped_sum returns); return a new array from each")
 
 
 # Dense blocks are joined while a unit holds at most this many bytes: the

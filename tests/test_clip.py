@@ -430,6 +430,29 @@ def test_ghost_block_equals_the_dense_block_and_needs_a_dtype_alone():
         nf.clip_and_noise_layers([g], max_norm=1.0, noise_multiplier=0.0, grad_scale=0.0)
 
 
+def test_ghost_blocks_returning_one_array_are_refused():
+    """The op adds each ghost block's noise in place to what its clipped_sum
+    returns, after every block's sum: two blocks handing back one array (or
+    overlapping views of one) would have it noised and divided twice, so the
+    call is refused naming both; blocks of their own arrays pass."""
+    sq = np.ones(3)
+    shared = np.zeros(8, np.float32)
+
+    def views(lo, hi):
+        return lambda f: shared[lo:hi].reshape(2, (hi - lo) // 2)
+    kw = dict(max_norm=1.0, noise_multiplier=0.5, seed=1)
+    blocks = [nf.GhostBlock(sq, views(0, 4), (2, 2), 4, dtype=np.float32),
+              np.ones((3, 2), np.float32),
+              nf.GhostBlock(sq, views(2, 6), (2, 2), 4, dtype=np.float32)]
+    with pytest.raises(ValueError, match=r"layers\[0\].clipped_sum\(\), "
+                                         r"layers\[2\].clipped_sum\(\): expected arrays of "
+                                         "their own"):
+        nf.clip_and_noise_layers(blocks, **kw)
+    blocks[2] = nf.GhostBlock(sq, views(4, 8), (2, 2), 4, dtype=np.float32)
+    res = nf.clip_and_noise_layers(blocks, **kw)
+    assert np.all(res.grads[0] != 0) and np.all(res.grads[2] != 0)
+
+
 @pytest.mark.parametrize("shape", [(0,), (0, 5), (1,), (3, 7), (768, 3072), ()])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_clip_results_are_64_byte_aligned(shape, dtype):

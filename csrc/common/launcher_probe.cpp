@@ -124,13 +124,14 @@ void probe_clip_factors(Probe& probe) {
 // pure-noise finish alone.
 constexpr std::pair<std::int64_t, std::int64_t> kRowSumShapes[] = {{3, 5}, {20, 8}, {0, 5}};
 
-template <typename Real>
+// Out: Real, or double (the float64 sum the clip op finishes later).
+template <typename Real, typename Out>
 void probe_weighted_row_sum_noise(Probe& probe) {
   for (const auto& [B, p] : kRowSumShapes) {
     const std::int64_t workspace = kernels::weighted_row_sum_workspace_bytes(B, p);
-    kernels::launch_weighted_row_sum_noise<Real>(
+    kernels::launch_weighted_row_sum_noise<Real, Out>(
         probe.buffer<Real>(B * p), probe.buffer<double>(B), B, p, 1.0, 0.5, kSeed, kOffset,
-        probe.buffer<Real>(p), probe.bytes(workspace), kLegacyStream);
+        probe.buffer<Out>(p), probe.bytes(workspace), kLegacyStream);
     probe.check(sizes({{"B", B}, {"p", p}}));
   }
 }
@@ -208,6 +209,21 @@ void probe_fill_gaussian(Probe& probe) {
                                         0.5, accumulate, kLegacyStream);
     probe.check(sizes({{"count", count}, {"accumulate", accumulate}}));
   }
+}
+
+// One table of each segment kind (float32 in place, float64 in place, a
+// float64 sum into float32), at offsets of two phases.
+void probe_finish_gaussian_segments(Probe& probe) {
+  kernels::GaussianSegments table{};
+  const std::int64_t n = 5;
+  float* f32 = probe.buffer<float>(n);
+  double* f64 = probe.buffer<double>(n);
+  kernels::append_gaussian_segment(table, f32, f32, n, kOffset, kernels::kSegmentFloat32);
+  kernels::append_gaussian_segment(table, f64, f64, n, kOffset + n, kernels::kSegmentFloat64);
+  kernels::append_gaussian_segment(table, probe.buffer<float>(n), probe.buffer<double>(n), n,
+                                   kOffset + 2 * n, kernels::kSegmentFloat64ToFloat32);
+  kernels::launch_finish_gaussian_segments(table, kSeed, 2.0, 0.5, kLegacyStream);
+  probe.check(sizes({{"segments", table.count}, {"size", n}}));
 }
 
 // ---- mix
@@ -300,8 +316,9 @@ const std::vector<Entry>& registry() {
       {"row_sq_norms<float>", &probe_row_sq_norms<float>},
       {"row_sq_norms<double>", &probe_row_sq_norms<double>},
       {"clip_factors", &probe_clip_factors},
-      {"weighted_row_sum_noise<float>", &probe_weighted_row_sum_noise<float>},
-      {"weighted_row_sum_noise<double>", &probe_weighted_row_sum_noise<double>},
+      {"weighted_row_sum_noise<float,float>", &probe_weighted_row_sum_noise<float, float>},
+      {"weighted_row_sum_noise<double,double>", &probe_weighted_row_sum_noise<double, double>},
+      {"weighted_row_sum_noise<float,double>", &probe_weighted_row_sum_noise<float, double>},
       {"clip_noise_rows<float>", &probe_clip_noise_rows<float>},
       {"clip_noise_rows<double>", &probe_clip_noise_rows<double>},
       {"linear_sq_norms<float>", &probe_linear_sq_norms<float>},
@@ -313,6 +330,7 @@ const std::vector<Entry>& registry() {
       {"slab_sum_plus_gaussian<double,float>", &probe_slab_sum_plus_gaussian<double, float>},
       {"fill_gaussian<float>", &probe_fill_gaussian<float>},
       {"fill_gaussian<double>", &probe_fill_gaussian<double>},
+      {"finish_gaussian_segments", &probe_finish_gaussian_segments},
       {"sample_counts", &probe_sample_counts},
       {"sample_fill", &probe_sample_fill},
       {"mix_rows<float>", &probe_mix_rows<float>},
