@@ -75,7 +75,8 @@ class GhostBlock:
         factors (0 marks a dropped sample, whose data may be NaN: it must add
         nothing), returns ``sum_i factors[i] * g_i`` without noise, C-contiguous,
         of ``shape`` and the blocks' dtype, freshly allocated: the op adds the
-        noise into it in place.
+        noise into it in place, once every block's sum is formed (blocks
+        returning one array, or overlapping ones, are refused by name).
     shape: the parameter's shape; ``prod(shape)`` noise draws.
     terms: float64 roundings in one sample's squared norm (the clip rule's
         rounding margin, reference.clip_bound); e.g. T*D + D for a sum of T
