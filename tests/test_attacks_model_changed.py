@@ -179,3 +179,32 @@ def test_a_subclass_that_only_initialises_differently_keeps_its_rule():
             return "zero-initialised"
     GhostClipper(nn.Sequential(Init(4, 3)), max_grad_norm=1.0, noise_multiplier=1.0,
                  expected_batch_size=6).remove()
+
+
+def test_batch_mixing_options_set_after_make_private_are_refused_before_the_model_runs():
+    """The forward's model check re-runs the batch-mixing refusal on the
+    modules whose class it can refuse (tree.ModelSnapshot.mixing): a softmax
+    turned to the batch dimension and an instance norm turned to tracking
+    running statistics after the clipper was built are refused before any
+    module runs, and nothing is written."""
+    torch.manual_seed(0)
+    norm = nn.InstanceNorm1d(3, affine=True)
+    softmax = nn.Softmax(dim=-1)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Unflatten(1, (3, 2)), norm, nn.Flatten(),
+                          softmax, nn.Linear(6, 3))
+    pm, popt, loader = _private(model)
+    x, y = next(iter(loader))
+    F.cross_entropy(pm(x), y).backward()          # as built: accepted
+    popt.step()
+    popt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    softmax.dim = 0
+    with pytest.raises(ValueError, match=r"'4' is Softmax\(dim=0\), which normalises across "
+                                         "the samples"):
+        pm(x)
+    softmax.dim = -1
+    norm.track_running_stats = True
+    with pytest.raises(ValueError, match=r"'2' is InstanceNorm1d with track_running_stats=True"):
+        pm(x)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

@@ -20,10 +20,19 @@ from .._validate import check_choice
 from .layout import enclosing_batch_first, layer_batch_first
 from .losses import IGNORE_INDEX
 
-__all__ = ["refuse_batch_mixing", "batch_dim_hooks", "CheckedCriterion",
+__all__ = ["refuse_batch_mixing", "may_mix_the_batch", "batch_dim_hooks", "CheckedCriterion",
            "refuse_whole_batch_loss_kwargs"]
 
 _SOFTMAXES = (nn.Softmax, nn.LogSoftmax, nn.Softmin)
+# The classes refuse_batch_mixing can refuse (by class, or by an option).
+_MIXING = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, *_SOFTMAXES)
+
+
+def may_mix_the_batch(module: nn.Module) -> bool:
+    """Whether :func:`refuse_batch_mixing` can refuse ``module``, whatever its
+    options: a module of another class never can (issue 36's host time: the
+    forward's model check re-runs the refusal only on these)."""
+    return isinstance(module, _MIXING)
 
 
 def _batchnorm_error(name, module):

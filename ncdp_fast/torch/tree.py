@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .coupling import refuse_batch_mixing
+from .coupling import may_mix_the_batch, refuse_batch_mixing
 from .layers import refuse_unsupported
 
 __all__ = ["ModelSnapshot"]
@@ -41,7 +41,12 @@ class ModelSnapshot:
     the refusals that read options (which are mutable)."""
 
     def __init__(self, model: nn.Module, taps, patched):
-        self.tree = _tree(_walk(model))
+        walked = _walk(model)
+        self.tree = _tree(walked)
+        # The modules whose options the batch-mixing refusal reads: with the
+        # tree unchanged (names, identities, classes), no other module can be
+        # refused, so each forward re-runs it on these alone.
+        self.mixing = [(name, m) for name, m in walked if may_mix_the_batch(m)]
         # (module id, attribute) of the clipper's own instance patches.
         self.patched = patched
         self.forwards = {id(t.module): _forward_of(t.module) for t in taps}
@@ -63,7 +68,7 @@ class ModelSnapshot:
                 f"(added: {added or 'none'}; removed: {removed or 'none'}); it checked only "
                 "those it was built with, so this forward is refused before any module runs. "
                 "Change the model first, then build the clipper (make_private)")
-        for name, module in walked:
+        for name, module in self.mixing:
             refuse_batch_mixing(name, module)
         for tap in taps:
             refuse_unsupported(tap.name, tap.module)
