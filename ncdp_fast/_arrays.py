@@ -490,13 +490,6 @@ def byte_range(x) -> tuple[int, int]:
     return start, start + n
 
 
-def row_major(x):
-    """x, or a row-major (C-contiguous) copy where it is not, by x's library."""
-    if is_torch(x):
-        return x.contiguous()
-    return module_of(x).ascontiguousarray(x)
-
-
 def assign(out, x):
     """out[...] = x, in place, by out's library (torch or CuPy): for a torch
     tensor one ``copy_`` (indexing's ``out[...] = x`` dispatches more ops, each

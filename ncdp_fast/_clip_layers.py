@@ -123,7 +123,8 @@ class _Layer:
         unit = cls.__new__(cls)
         unit._be_dense(_arrays.cat_columns([m.g for m in members]),
                        (sum(m.draws for m in members),))
-        unit.members = members
+        # The members carry their own noise offsets (reduce): the unit's is 0.
+        unit.members, unit.start = members, 0
         for m in members:
             m.g = None
         return unit
@@ -319,7 +320,7 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         for i in order:
             unit = layers[i]
             got = unit.reduce(be, dtype, weights, noise_std, inv_denom, seed,
-                              offset + (0 if unit.members else unit.start), balance[i], finish)
+                              offset + unit.start, balance[i], finish)
             if unit.members:
                 for m, g in zip(unit.members, got):
                     grads[m.index] = g

@@ -158,6 +158,20 @@ def test_native_finish_gaussian_segments_validates_every_segment(native):
         native.launch_finish_gaussian_segments(**_segments_kwargs(src=[4096, 8192]))
 
 
+def test_native_weighted_row_sum_refuses_an_output_dtype_it_cannot_write(native):
+    # float64 rows into float32: only the data dtype or float64 (the sum before
+    # its finish) can be written; refused before any CUDA call.
+    args = dict(g=4096, B=2, p=3, dtype=1, factors=8192, noise_std=0.0, inv_denom=1.0, seed=1,
+                offset=0, out=16384, workspace=0, workspace_bytes=0, stream=0)
+    needed = native.weighted_row_sum_workspace_bytes(2, 3, 1)
+    with pytest.raises(ValueError, match="out_dtype must be -1, dtype or 1 .float64., got 0"):
+        native.launch_weighted_row_sum_noise(**dict(args, workspace=32768,
+                                                    workspace_bytes=needed), out_dtype=0)
+    with pytest.raises(ValueError, match="out_dtype must be -1, dtype or 1 .float64., got 7"):
+        native.launch_weighted_row_sum_noise(**dict(args, dtype=0, workspace=32768,
+                                                    workspace_bytes=needed), out_dtype=7)
+
+
 # ------------------------------------------------------------- CuPy streams
 
 class _FakeDevice:

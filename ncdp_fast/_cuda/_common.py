@@ -33,9 +33,9 @@ def pointers_sizes_codes(arrays) -> tuple[list, list, list]:
     per-array library dispatch: a BERT-base step finishes some 150 segments,
     each several calls of ptr() and dtype_code() -- issue 36's host time)."""
     if arrays and _arrays.is_torch(arrays[0]):
-        if not _TORCH_DTYPE_CODES:
-            import torch
-            _TORCH_DTYPE_CODES.update({torch.float32: 0, torch.float64: 1})
+        if not _TORCH_DTYPE_CODES:         # _DTYPE_CODES, keyed by torch's dtypes
+            _TORCH_DTYPE_CODES.update({_arrays._numpy_to_torch_dtype(k): v
+                                       for k, v in _DTYPE_CODES.items()})
         return ([x.data_ptr() for x in arrays], [x.numel() for x in arrays],
                 [_TORCH_DTYPE_CODES[x.dtype] for x in arrays])
     return ([ptr(x) for x in arrays], [int(np.prod(x.shape, dtype=np.int64)) for x in arrays],

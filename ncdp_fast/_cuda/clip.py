@@ -8,7 +8,8 @@ import numpy as np
 
 from .. import _arrays, _balance
 from ._common import dtype_code, ieee_float32_matmul, native, opt_ptr, ptr, stream, workspace
-# The finishing step of the layered clip's sums (ghost blocks, linear pairs), as _numba.clip.
+# The finishing step of the layered clip's sums (ghost blocks, linear pairs, joined dense
+# blocks), as _numba.clip.
 from .rng import finish_gaussian_segments
 
 _F64 = np.dtype(np.float64)
@@ -200,11 +201,12 @@ def _rank1_sq_norms(a, g, bias, sq, accumulate, sizes):
     slower on the H200 than the kernel they replaced."""
     B, _, d = a.shape
     K = g.shape[2]
-    s = _arrays.io_for(sq).empty((2, B), _F64)      # (||a_i||^2, ||g_i||^2) rows
+    io = _arrays.io_for(sq)
+    s = io.empty((2, B), _F64)                      # (||a_i||^2, ||g_i||^2) rows
     # The kernel reads rows of p values one after another (the operands may
     # come with any strides: the clip op's to_operand).
-    row_sq_norms(_arrays.row_major(a.reshape(B, d)), s[0], False)
-    row_sq_norms(_arrays.row_major(g.reshape(B, K)), s[1], False)
+    row_sq_norms(io.to_kernel(a.reshape(B, d)), s[0], False)
+    row_sq_norms(io.to_kernel(g.reshape(B, K)), s[1], False)
     if sizes is not None:
         _arrays.assign(sizes, s.T)
     e = s[0] * s[1]

@@ -28,4 +28,3 @@ def finish_gaussian_segments(segments, seed, scale, post):
     native(dst[0]).launch_finish_gaussian_segments(
         dst_ptr, src_ptr, counts, [int(o) for _, _, o in segments], src_code, dst_code,
         int(seed), float(scale), float(post), stream(dst[0]))
-

@@ -334,4 +334,3 @@ def finish_gaussian_segments(segments, seed, scale, post):
             acc = np.array(src, dtype=np.float64)       # a copy: src is the caller's
             add_gaussian(acc, seed, offset, scale, True, post)
             dst[...] = acc
-

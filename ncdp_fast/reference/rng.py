@@ -173,4 +173,3 @@ def finish_gaussian_segments(segments, *, seed, scale, post):
     return [post * (np.asarray(src, dtype=np.float64)
                     + scale * gaussian(len(src), seed=seed, offset=offset, dtype=np.float64))
             for src, offset in segments]
-
