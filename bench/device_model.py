@@ -208,6 +208,10 @@ def _ours(name, kw) -> tuple[float, int]:
         return b / BYTES_PER_S + kw["p"] / NORMALS_PER_S, b
     if name == "launch_clip_factors":
         return 0.0, 0
+    if name == "launch_linear_norms_from_grams":
+        # Both Grams read once, sliced over every SM, then a finish kernel.
+        b = 2 * 8 * kw["layers"] * kw["B"] * kw["T"] ** 2
+        return b / BYTES_PER_S + KERNEL_FLOOR_S, b
     raise ValueError(f"device_model: no cost model for {name}; add one from its kernel")
 
 

@@ -126,6 +126,29 @@ def test_native_clip_factors_validates_the_rule(native):
         native.launch_clip_factors(**dict(args, B=2))
 
 
+def test_native_linear_norms_from_grams_validates_its_buffers(native):
+    # Checked before any CUDA call, so these run without a GPU.
+    needed = native.linear_norms_from_grams_workspace_bytes(2, 2, 3)
+    assert needed >= 2 * 2 * 4 * 8          # 4 float64 partials a sample and slice
+    args = dict(w=4096, v=8192, B=2, layers=2, T=3, bias=True, sq=16384, accumulate=False,
+                spread=0, sizes=0, workspace=32768, workspace_bytes=needed, stream=0)
+    native.launch_linear_norms_from_grams(**dict(args, B=0, sq=0))   # no samples: nothing
+    with pytest.raises(ValueError, match="layers must be non-negative, got -1"):
+        native.launch_linear_norms_from_grams(**dict(args, layers=-1))
+    with pytest.raises(ValueError, match="T must be non-negative, got -2"):
+        native.linear_norms_from_grams_workspace_bytes(2, 2, -2)
+    with pytest.raises(ValueError, match="w is a null pointer but the buffer is not empty"):
+        native.launch_linear_norms_from_grams(**dict(args, w=0))
+    with pytest.raises(ValueError, match="sq is a null pointer but the buffer is not empty"):
+        native.launch_linear_norms_from_grams(**dict(args, sq=0))
+    with pytest.raises(ValueError, match="sizes is not aligned to 8 bytes"):
+        native.launch_linear_norms_from_grams(**dict(args, sizes=4100))
+    with pytest.raises(ValueError, match=f"linear_norms_from_grams needs {needed} workspace"):
+        native.launch_linear_norms_from_grams(**dict(args, workspace_bytes=needed - 8))
+    with pytest.raises(ValueError, match="layers \\* B \\* T \\* T"):
+        native.launch_linear_norms_from_grams(**dict(args, T=2 ** 31))
+
+
 def _segments_kwargs(**changes):
     # Two segments on fake (aligned, never dereferenced) device pointers: the
     # validation under test raises before the wrapper asks CUDA anything.

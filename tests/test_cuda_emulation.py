@@ -258,6 +258,46 @@ def test_row_sq_norms_and_clip_factors(emu, dtype):
         assert_close(sq, exact, exact, p + 1, np.float64, np.float64, "sq")
 
 
+def _grams(n, T, seed):
+    """(W, V): n Grams of random (T, 5) and (T, 3) operands (non-negative diagonals)."""
+    rng = np.random.default_rng(seed)
+    a, g = rng.standard_normal((n, T, 5)), rng.standard_normal((n, T, 3)) * 0.3
+    return a @ a.transpose(0, 2, 1), g @ g.transpose(0, 2, 1)
+
+
+# (B, layers, T): no samples, no positions, one of each, one slice of T * T
+# cells past the block's 256 threads, three stacked layers, and four row slices
+# of 18 rows with a shorter last one (T * T / 1024 cells bounds the slices).
+@pytest.mark.parametrize("B,layers,T", [(0, 1, 4), (2, 2, 0), (1, 1, 1), (3, 1, 17), (2, 3, 20),
+                                        (1, 1, 70)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_norms_from_grams_match_the_reference(emu, B, layers, T, bias):
+    w, v = _grams(layers * B, T, seed=B + 7 * T + layers)
+    sq0, spread0 = np.linspace(0.5, 2.0, B), np.linspace(1.0, 3.0, B)
+    want_sq, want_spread, want_sizes = R.linear_norms_from_grams(w, v, bias, layers)
+    one = 1.0 if bias else 0.0
+    cells = np.abs((w + one) * v).reshape(layers, B, T * T).sum(axis=(0, 2))
+    diag_w, diag_v = np.diagonal(w, 0, 1, 2), np.diagonal(v, 0, 1, 2)
+    scale = (np.sqrt(diag_v) * (np.sqrt(diag_w) + one)).reshape(layers, B, T).sum(axis=(0, 2))
+    for accumulate, outputs in ((False, True), (True, True), (True, False)):
+        res = emu.run("linear_norms_from_grams",
+                      dict(B=B, layers=layers, T=T, bias=int(bias), accumulate=int(accumulate)),
+                      {"w": w, "v": v, "sq": sq0.copy(),
+                       "spread": spread0.copy() if outputs else None,
+                       "sizes": np.full((layers * B, 2), np.nan) if outputs else None},
+                      misalign={"w": 8, "sizes": 8})
+        base = sq0 if accumulate else 0.0
+        # Each sample's sum of layers * T^2 products (two roundings each) in
+        # float64, the layers' totals and the accumulation in order.
+        assert_close(res["sq"], want_sq + base, cells + np.abs(base), layers * T * T + 3,
+                     np.float64, np.float64, "sq")
+        if outputs:
+            assert_close(res["spread"], want_spread + spread0, scale + spread0,
+                         layers * T + 5, np.float64, np.float64, "spread")
+            assert_close(res["sizes"], want_sizes, np.abs(want_sizes), T + 1, np.float64,
+                         np.float64, "sizes")
+
+
 @pytest.mark.parametrize("with_spread", [False, True])
 def test_clip_factors_match_the_reference_rule(emu, with_spread):
     # The rule of clip/clip_rule.cuh is reference.clip_bound operation for operation:

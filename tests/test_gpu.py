@@ -22,6 +22,11 @@ def _cuda(x, dev):
     return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
 
 
+def _host(x):
+    """A NumPy copy of a device tensor (a NumPy array as it is)."""
+    return x.cpu().numpy() if hasattr(x, "cpu") else np.asarray(x)
+
+
 def _on(x, dev) -> bool:
     """Whether x lives on require_cuda's device (the GPU, or the emulated one)."""
     return x.device.type == dev.type
@@ -154,6 +159,45 @@ def test_cuda_joined_dense_runs_are_the_blocks_own(require_cuda, dtype, B, monke
     # + 2 join (with B = 0 every block holds 0 bytes: one joined block).
     _, some = run(B * 15 * np.dtype(dtype).itemsize)
     assert some == ([(B, 11), (B, 7), (B, 15)] if B else [(B, 33)])
+
+
+# (B, layers, T): no samples, one sample of one position, cells past a block's
+# 256 threads, three stacked layers, and 15 row slices of 9 rows of 16 allowed
+# (the last one shorter).
+@pytest.mark.parametrize("B,layers,T", [(0, 2, 5), (1, 1, 1), (4, 1, 19), (3, 3, 33),
+                                        (2, 1, 130)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_norms_from_grams_twins_match_reference(require_cuda, B, layers, T, bias):
+    """The device route's last norm step (one launch) and its numba twin give
+    the reference's norms, spreads and sizes within the float64 sums' bound."""
+    from ncdp_fast._cuda import clip as cuda_clip
+    from ncdp_fast._numba import clip as numba_clip
+    rng = np.random.default_rng(B * 100 + T + layers)
+    a, g = rng.standard_normal((layers * B, T, 6)), rng.standard_normal((layers * B, T, 4))
+    w, v = a @ a.transpose(0, 2, 1), g @ g.transpose(0, 2, 1)
+    want_sq, want_spread, want_sizes = R.linear_norms_from_grams(w, v, bias, layers)
+    one = 1.0 if bias else 0.0
+    cells = np.abs((w + one) * v).reshape(layers, B, T * T).sum(axis=(0, 2))
+    dw, dv = np.diagonal(w, 0, 1, 2), np.diagonal(v, 0, 1, 2)
+    scale = (np.sqrt(dv) * (np.sqrt(dw) + one)).reshape(layers, B, T).sum(axis=(0, 2))
+    sq0, sp0 = np.linspace(1.0, 2.0, B), np.linspace(0.5, 1.5, B)
+    for name, mod, conv in (("cuda", cuda_clip, lambda x: _cuda(x, require_cuda)),
+                            ("numba", numba_clip, lambda x: x)):
+        sq, sp, sizes = conv(sq0.copy()), conv(sp0.copy()), conv(np.full((layers * B, 2), -1.0))
+        mod.linear_norms_from_grams(conv(w), conv(v), bias, sq, True, sp, sizes, layers)
+        got = [_host(x) for x in (sq, sp, sizes)]
+        assert_within_sum_bound(got[0], want_sq + sq0, cells + sq0, layers * T * T + 3,
+                                np.float64, f"{name} sq")
+        assert_within_sum_bound(got[1], want_spread + sp0, scale + sp0, layers * T + 5,
+                                np.float64, f"{name} spread")
+        assert_within_sum_bound(got[2], want_sizes, np.abs(want_sizes), T + 1,
+                                np.float64, f"{name} sizes")
+    # Overwriting instead of accumulating; spread and sizes are optional.
+    sq = _cuda(np.full(B, 7.0), require_cuda)
+    cuda_clip.linear_norms_from_grams(_cuda(w, require_cuda), _cuda(v, require_cuda), bias, sq,
+                                      False, None, None, layers)
+    assert_within_sum_bound(_host(sq), want_sq, cells, layers * T * T + 3, np.float64,
+                            "cuda sq overwritten")
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -30,6 +30,14 @@ constexpr std::int64_t kRowSumMinRowsPerSlab = 8;
 // gridDim.y / gridDim.z limit.
 constexpr std::int64_t kMaxSlabs = 65535;
 
+// Norms from Grams: samples are cut into row slices until about this many
+// blocks (8 a SM of the target GPU) share the cells, so that B = 16..32
+// samples still load from every SM.
+constexpr std::int64_t kNormSliceTargetBlocks = kTargetSMs * 8;
+// ... but no slice under this many cells (4 a thread): a smaller one is mostly
+// its block's fixed cost.
+constexpr std::int64_t kNormSliceMinCells = 1024;
+
 // Linear-layer norms: 16 x 16 thread tiles, each thread one entry of a tile of
 // dot products, contraction staged through shared memory 32 elements at a time.
 constexpr int kDotTile = 16;
@@ -70,6 +78,77 @@ __global__ void __launch_bounds__(kBlockThreads) row_sq_norms_kernel(
                                        static_cast<int>(threadIdx.x), kBlockThreads);
     sum = block_sum<kBlockThreads>(sum, scratch);
     if (threadIdx.x == 0) dst[w] = accumulate ? dst[w] + sum : sum;
+  }
+}
+
+// Pass 1 of the norms from Grams: block (i, s) sums slice s (rows
+// [s R, (s + 1) R) of T) of sample i's Grams: the Hadamard sum of the slice's
+// cells and its diagonal entries' three sums, each a fixed-order block tree,
+// into partials[i, s, 0..3]. Slices spread the samples over every SM (one
+// block a sample left most of a GPU idle at B = 16..32 with 8 warps an SM).
+__global__ void __launch_bounds__(kBlockThreads) linear_norm_partials_kernel(
+    const double* __restrict__ w,  // [samples, T, T]
+    const double* __restrict__ v,  // [samples, T, T]
+    std::int64_t samples, std::int64_t T, std::int64_t slices, std::int64_t rows_per_slice,
+    double bias,
+    double* __restrict__ partials) {  // [samples, slices, 4]
+  __shared__ double scratch[kBlockThreads / 32 * 4];
+  const int tid = static_cast<int>(threadIdx.x);
+  for (std::int64_t work = blockIdx.x; work < samples * slices; work += gridDim.x) {
+    const std::int64_t i = work / slices;
+    const std::int64_t t0 = (work % slices) * rows_per_slice;
+    const std::int64_t t1 = t0 + rows_per_slice < T ? t0 + rows_per_slice : T;
+    const double* wi = w + i * T * T;
+    const double* vi = v + i * T * T;
+    // (Hadamard sum, tr W, tr V, sum_t sqrt(V_tt) (sqrt(W_tt) + bias)) of the slice.
+    double sums[4] = {0.0, 0.0, 0.0, 0.0};
+    for (std::int64_t c = t0 * T + tid; c < t1 * T; c += kBlockThreads) {
+      sums[0] += (wi[c] + bias) * vi[c];
+    }
+    for (std::int64_t t = t0 + tid; t < t1; t += kBlockThreads) {
+      const double wt = wi[t * (T + 1)], vt = vi[t * (T + 1)];
+      sums[1] += wt;
+      sums[2] += vt;
+      sums[3] += sqrt(vt) * (sqrt(wt) + bias);
+    }
+    block_sums<kBlockThreads>(sums, scratch);
+    if (tid == 0) {
+      for (int k = 0; k < 4; ++k) partials[4 * work + k] = sums[k];
+    }
+  }
+}
+
+// Pass 2: per sample b, its layers' slices summed in order (sample i = l * B + b).
+__global__ void __launch_bounds__(kBlockThreads) linear_norms_from_partials_kernel(
+    const double* __restrict__ partials,  // [layers * B, slices, 4]
+    std::int64_t B, std::int64_t layers, std::int64_t slices,
+    double* __restrict__ sq,  // [B]
+    bool accumulate,
+    double* __restrict__ spread,  // [B] or nullptr
+    double* __restrict__ sizes) {  // [layers * B, 2] or nullptr
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t b = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < B;
+       b += stride) {
+    double norm_total = 0.0, spread_total = 0.0;
+    for (std::int64_t l = 0; l < layers; ++l) {
+      const std::int64_t i = l * B + b;
+      double norm = 0.0, trace_w = 0.0, trace_v = 0.0, scale = 0.0;
+      for (std::int64_t s = 0; s < slices; ++s) {
+        const double* part = partials + 4 * (i * slices + s);
+        norm += part[0];
+        trace_w += part[1];
+        trace_v += part[2];
+        scale += part[3];
+      }
+      norm_total += norm;
+      spread_total += scale;
+      if (sizes != nullptr) {
+        sizes[2 * i] = trace_w;
+        sizes[2 * i + 1] = trace_v;
+      }
+    }
+    sq[b] = accumulate ? sq[b] + norm_total : norm_total;
+    if (spread != nullptr) spread[b] += spread_total;
   }
 }
 
@@ -441,6 +520,39 @@ void launch_row_sq_norms(const Real* grads, std::int64_t B, std::int64_t p, doub
   if (B <= 0) return;
   NCDP_LAUNCH(grid_blocks(B, 1), kBlockThreads, 0, stream, row_sq_norms_kernel<Real>)(
       grads, B, p, /*segments=*/1, /*segment_len=*/p, sq, accumulate);
+}
+
+std::int64_t linear_norm_slices(std::int64_t B, std::int64_t layers, std::int64_t T) {
+  const std::int64_t samples = B * layers;
+  if (samples <= 0 || T <= 0) return 0;
+  const std::int64_t max_slices = std::max<std::int64_t>(1, T * T / kNormSliceMinCells);
+  return std::min({T, max_slices, ceil_div(kNormSliceTargetBlocks, samples)});
+}
+
+std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_t layers,
+                                                     std::int64_t T) {
+  const std::int64_t slices = linear_norm_slices(B, layers, T);
+  return align_bytes(B * layers * slices * 4 * std::int64_t{sizeof(double)});
+}
+
+void launch_linear_norms_from_grams(const double* w, const double* v, std::int64_t B,
+                                    std::int64_t layers, std::int64_t T, bool bias, double* sq,
+                                    bool accumulate, double* spread, double* sizes,
+                                    void* workspace, cudaStream_t stream) {
+  if (B <= 0) return;
+  // T = 0 or no layers: no partials, and the finish writes empty sums (0).
+  const std::int64_t slices = linear_norm_slices(B, layers, T);
+  const std::int64_t rows_per_slice = slices > 0 ? ceil_div(T, slices) : 0;
+  const std::int64_t used = slices > 0 ? ceil_div(T, rows_per_slice) : 0;
+  double* partials = static_cast<double*>(workspace);
+  if (used > 0) {
+    NCDP_LAUNCH(grid_blocks(B * layers * used, 1), kBlockThreads, 0, stream,
+                linear_norm_partials_kernel)(w, v, B * layers, T, used, rows_per_slice,
+                                             bias ? 1.0 : 0.0, partials);
+  }
+  NCDP_LAUNCH(grid_blocks(B, kBlockThreads), kBlockThreads, 0, stream,
+              linear_norms_from_partials_kernel)(partials, B, layers, used, sq, accumulate,
+                                                 spread, sizes);
 }
 
 void launch_clip_factors(const double* sq, const double* spread, std::int64_t B,

@@ -26,6 +26,30 @@ void launch_row_sq_norms(std::uintptr_t g,  // [B, p], dtype, row-major contiguo
                          std::uintptr_t sq,  // [B] float64
                          bool accumulate, std::uintptr_t stream);
 
+std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_t layers,
+                                                     std::int64_t T);
+
+// A linear layer's per-sample squared gradient norms from its two Grams
+// (the device route forms W_i = A_i A_i^T and V_i = G_i G_i^T with the
+// vendor's float64 GEMM), for `layers` layers of one shape stacked along the
+// batch (sample i = l * B + b). Per sample b, in float64, layers in order:
+//   sq[b] (=, or += when accumulate) sum_l sum_{t,s} (W_i[t,s] + bias) V_i[t,s],
+//   spread[b] += sum_l sum_t sqrt(V_i[t,t]) (sqrt(W_i[t,t]) + bias)  (if given),
+//   sizes[i] = (sum_t W_i[t,t], sum_t V_i[t,t])                        (if given):
+// the norm, the scale of its rounding (reference.linear_spread) and the
+// operands' squared norms, in two launches instead of a dozen element-wise
+// ops. The summation order depends on (B, layers, T) only.
+void launch_linear_norms_from_grams(std::uintptr_t w,  // [layers * B, T, T] float64
+                                    std::uintptr_t v,  // [layers * B, T, T] float64
+                                    std::int64_t B, std::int64_t layers, std::int64_t T,
+                                    bool bias,
+                                    std::uintptr_t sq,  // [B] float64
+                                    bool accumulate,
+                                    std::uintptr_t spread,  // [B] float64, or 0
+                                    std::uintptr_t sizes,   // [layers * B, 2] float64, or 0
+                                    std::uintptr_t workspace,  // ..._workspace_bytes
+                                    std::int64_t workspace_bytes, std::uintptr_t stream);
+
 // norms[i] = sqrt(sq[i]); factors[i] = clip_factor(sq[i], spread[i]) of
 // clip/clip_rule.cuh with (max_norm, terms, seq_len, unit).
 void launch_clip_factors(std::uintptr_t sq,      // [B] float64
@@ -109,6 +133,22 @@ void launch_row_sq_norms(const Real* grads,  // [B, p]
                          std::int64_t B, std::int64_t p,
                          double* sq,  // [B]
                          bool accumulate, cudaStream_t stream);
+
+// Row slices of each sample in the norms from Grams; 0 when there is nothing to sum.
+std::int64_t linear_norm_slices(std::int64_t B, std::int64_t layers, std::int64_t T);
+std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_t layers,
+                                                     std::int64_t T);
+
+void launch_linear_norms_from_grams(const double* w,  // [layers * B, T, T]
+                                    const double* v,  // [layers * B, T, T]
+                                    std::int64_t B, std::int64_t layers, std::int64_t T,
+                                    bool bias,
+                                    double* sq,  // [B]
+                                    bool accumulate,
+                                    double* spread,  // [B] or nullptr
+                                    double* sizes,   // [layers * B, 2] or nullptr
+                                    void* workspace,  // linear_norms_from_grams_workspace_bytes
+                                    cudaStream_t stream);
 
 void launch_clip_factors(const double* sq,      // [B]
                          const double* spread,  // [B] or nullptr (E = 0)

@@ -43,6 +43,40 @@ void launch_row_sq_norms(std::uintptr_t g, std::int64_t B, std::int64_t p, int d
   check_launch("row_sq_norms");
 }
 
+std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_t layers,
+                                                     std::int64_t T) {
+  require_non_negative(B, "B");
+  require_non_negative(layers, "layers");
+  require_non_negative(T, "T");
+  const std::int64_t samples = checked_mul(layers, B, "layers * B");
+  checked_mul(samples, checked_mul(T, T, "T * T"), "layers * B * T * T");
+  checked_mul(checked_mul(samples, T, "layers * B * T"), 4 * std::int64_t{sizeof(double)},
+              "partials bytes");
+  return kernels::linear_norms_from_grams_workspace_bytes(B, layers, T);
+}
+
+void launch_linear_norms_from_grams(std::uintptr_t w, std::uintptr_t v, std::int64_t B,
+                                    std::int64_t layers, std::int64_t T, bool bias,
+                                    std::uintptr_t sq, bool accumulate, std::uintptr_t spread,
+                                    std::uintptr_t sizes, std::uintptr_t workspace,
+                                    std::int64_t workspace_bytes, std::uintptr_t stream) {
+  const std::int64_t needed = linear_norms_from_grams_workspace_bytes(B, layers, T);
+  const std::int64_t cells = layers * B * T * T;
+  require_pointer(w, cells > 0, sizeof(double), "w");
+  require_pointer(v, cells > 0, sizeof(double), "v");
+  require_pointer(sq, B > 0, sizeof(double), "sq");
+  require_pointer(spread, false, sizeof(double), "spread");
+  require_pointer(sizes, false, sizeof(double), "sizes");
+  require_workspace(workspace, workspace_bytes, needed, "linear_norms_from_grams");
+  if (B == 0) return;
+  DeviceGuard guard(first_pointer({cells > 0 ? w : 0, cells > 0 ? v : 0, sq}), "w");
+  kernels::launch_linear_norms_from_grams(
+      typed<const double>(w), typed<const double>(v), B, layers, T, bias, typed<double>(sq),
+      accumulate, spread != 0 ? typed<double>(spread) : nullptr,
+      sizes != 0 ? typed<double>(sizes) : nullptr, typed<void>(workspace), as_stream(stream));
+  check_launch("linear_norms_from_grams");
+}
+
 void launch_clip_factors(std::uintptr_t sq, std::uintptr_t spread, std::int64_t B,
                          double max_norm, std::int64_t terms, std::int64_t seq_len, double unit,
                          std::uintptr_t factors, std::uintptr_t norms, std::uintptr_t stream) {

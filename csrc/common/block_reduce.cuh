@@ -36,4 +36,31 @@ __device__ __forceinline__ T block_sum(T value, T* scratch) {
   return value;
 }
 
+// block_sum of N values at once, each by the same tree (so each equals its
+// own block_sum), with two barriers in all instead of two a value. The
+// results are valid in thread 0 only; `scratch` holds kThreads / 32 * N
+// elements.
+template <int kThreads, int N, typename T>
+__device__ __forceinline__ void block_sums(T (&values)[N], T* scratch) {
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps, at most 32 of them");
+  constexpr int kWarps = kThreads / 32;
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+#pragma unroll
+  for (int k = 0; k < N; ++k) values[k] = warp_sum(values[k]);
+  __syncthreads();
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) scratch[warp * N + k] = values[k];
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      values[k] = lane < kWarps ? scratch[lane * N + k] : T(0);
+      values[k] = warp_sum(values[k]);
+    }
+  }
+}
+
 }  // namespace ncdp

@@ -112,6 +112,21 @@ void probe_row_sq_norms(Probe& probe) {
   probe.check(sizes({{"B", B}, {"p", p}}));
 }
 
+// T = 3 with 2 layers and both optional outputs (both passes); T = 0 (no
+// positions: the finish alone) too.
+void probe_linear_norms_from_grams(Probe& probe) {
+  const std::int64_t B = 3, layers = 2;
+  for (const std::int64_t T : {std::int64_t{3}, std::int64_t{0}}) {
+    kernels::launch_linear_norms_from_grams(
+        probe.buffer<double>(layers * B * T * T), probe.buffer<double>(layers * B * T * T), B,
+        layers, T, /*bias=*/true, probe.buffer<double>(B), /*accumulate=*/true,
+        probe.buffer<double>(B), probe.buffer<double>(layers * B * 2),
+        probe.bytes(kernels::linear_norms_from_grams_workspace_bytes(B, layers, T)),
+        kLegacyStream);
+    probe.check(sizes({{"B", B}, {"layers", layers}, {"T", T}}));
+  }
+}
+
 void probe_clip_factors(Probe& probe) {
   const std::int64_t B = 3;
   kernels::launch_clip_factors(probe.buffer<double>(B), probe.buffer<double>(B), B,
@@ -316,6 +331,7 @@ const std::vector<Entry>& registry() {
       {"row_sq_norms<float>", &probe_row_sq_norms<float>},
       {"row_sq_norms<double>", &probe_row_sq_norms<double>},
       {"clip_factors", &probe_clip_factors},
+      {"linear_norms_from_grams", &probe_linear_norms_from_grams},
       {"weighted_row_sum_noise<float,float>", &probe_weighted_row_sum_noise<float, float>},
       {"weighted_row_sum_noise<double,double>", &probe_weighted_row_sum_noise<double, double>},
       {"weighted_row_sum_noise<float,double>", &probe_weighted_row_sum_noise<float, double>},

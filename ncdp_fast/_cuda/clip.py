@@ -20,6 +20,20 @@ def row_sq_norms(g, sq, accumulate):
     native(g).launch_row_sq_norms(ptr(g), B, p, dtype_code(g), ptr(sq), bool(accumulate), stream(g))
 
 
+def linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes, layers):
+    # sq[b] (=|+=) sum_l sum (W_i + bias) o V_i, spread[b] += the diagonals'
+    # sum_t sqrt(V_tt) (sqrt(W_tt) + bias), sizes[i] = (tr W_i, tr V_i) for
+    # i = l * B + b; w, v C-contiguous float64 (layers * B, T, T); sizes rows
+    # contiguous (layers * B, 2) (csrc/clip/clip_noise.h).
+    B, T = sq.shape[0], w.shape[1]
+    C = native(sq)
+    nbytes = C.linear_norms_from_grams_workspace_bytes(B, int(layers), T)
+    ws, ws_ptr = workspace(sq, nbytes)
+    C.launch_linear_norms_from_grams(ptr(w), ptr(v), B, int(layers), T, bool(bias), ptr(sq),
+                                     bool(accumulate), opt_ptr(spread), opt_ptr(sizes), ws_ptr,
+                                     nbytes, stream(sq))
+
+
 def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms):
     # The rule of reference.clip_factors, in the kernel (clip/clip_rule.cuh).
     native(sq).launch_clip_factors(ptr(sq), opt_ptr(spread), sq.shape[0], float(max_norm), int(terms),
@@ -100,14 +114,9 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None):
         return
     per_sample = _norm_bytes(T, d, K, spread is not None or sizes is not None)
     for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
-        e, sp = _norm_rows(_arrays.as_float64(a[lo:hi]), _arrays.as_float64(g[lo:hi]), bias,
-                           spread is not None, None if sizes is None else sizes[lo:hi])
-        if accumulate:
-            sq[lo:hi] += e
-        else:
-            sq[lo:hi] = e
-        if sp is not None:
-            spread[lo:hi] += sp
+        _norm_rows(_arrays.as_float64(a[lo:hi]), _arrays.as_float64(g[lo:hi]), bias, sq[lo:hi],
+                   accumulate, None if spread is None else spread[lo:hi],
+                   None if sizes is None else sizes[lo:hi], 1)
 
 
 def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes):
@@ -134,11 +143,8 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes):
         return
     for l0, l1 in _arrays.sample_chunks(L, per_layer, GROUP_CHUNK_BYTES):
         n = l1 - l0
-        e, sp = _norm_rows(_arrays.cat_float64(a_list[l0:l1]), _arrays.cat_float64(g_list[l0:l1]),
-                           bias, spread is not None, sizes[l0:l1].reshape(n * B, 2))
-        sq += e.reshape(n, B).sum(axis=0)
-        if sp is not None:
-            spread += sp.reshape(n, B).sum(axis=0)
+        _norm_rows(_arrays.cat_float64(a_list[l0:l1]), _arrays.cat_float64(g_list[l0:l1]), bias,
+                   sq, True, spread, sizes[l0:l1].reshape(n * B, 2), n)
 
 
 def _norm_bytes(T, d, K, extras):
@@ -150,31 +156,37 @@ def _norm_bytes(T, d, K, extras):
     return per_sample + (8 * T * max(d, K) if extras and not gram else 0)
 
 
-def _norm_rows(a64, g64, bias, want_spread, sizes):
-    """(e, spread terms or None) per sample of float64 (n, T, d) and (n, T, K)
-    copies: e = ||g_i^T a_i||_F^2 (+ the bias's), the spread terms
-    sum_t ||g_it|| (||a_it|| + [bias]); sizes (n, 2) (or None) is written
-    (||a_i||^2, ||g_i||^2).  Gram route when 2 T^2 <= K d, else direct."""
+def _norm_rows(a64, g64, bias, sq, accumulate, spread, sizes, layers):
+    """The norms of ``layers`` layers' samples stacked along the batch, from
+    float64 (layers * B, T, d) and (layers * B, T, K) copies: per sample b of
+    sq (B,), over the layers in order, sq[b] (=|+=) ||g_i^T a_i||_F^2 (+ the
+    bias's), spread[b] += sum_t ||g_it|| (||a_it|| + [bias]) (where spread is
+    given), sizes[i] (layers * B, 2) = (||a_i||^2, ||g_i||^2) where given;
+    i = l * B + b.  Gram route when 2 T^2 <= K d (the two batched GEMMs, then
+    one launch for the rest: linear_norms_from_grams), else direct."""
     T, d, K = a64.shape[1], a64.shape[2], g64.shape[2]
     if 2 * T * T <= K * d:
         w = _arrays.bmm(a64, a64.swapaxes(1, 2))
         v = _arrays.bmm(g64, g64.swapaxes(1, 2))
-        sp = _spread_sizes(w.diagonal(0, 1, 2), v.diagonal(0, 1, 2), bias, want_spread, sizes)
-        if bias:
-            w += 1.0
-        w *= v
-        return w.sum(axis=(1, 2)), sp
-    sp = None
-    if want_spread or sizes is not None:
-        sp = _spread_sizes((a64 * a64).sum(axis=2), (g64 * g64).sum(axis=2), bias, want_spread,
-                           sizes)
+        linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes, layers)
+        return
+    B = sq.shape[0]
+    if spread is not None or sizes is not None:
+        sp = _spread_sizes((a64 * a64).sum(axis=2), (g64 * g64).sum(axis=2), bias,
+                           spread is not None, sizes)
+        if sp is not None:
+            spread += sp.reshape(layers, B).sum(axis=0)
     w = _arrays.bmm(g64.swapaxes(1, 2), a64)
     w *= w
     e = w.sum(axis=(1, 2))
     if bias:
         s = g64.sum(axis=1)
         e += (s * s).sum(axis=1)
-    return e, sp
+    e = e.reshape(layers, B).sum(axis=0)
+    if accumulate:
+        sq += e
+    else:
+        sq[...] = e
 
 
 def _spread_sizes(sa, sg, bias, want_spread, sizes):

@@ -66,6 +66,32 @@ def linear_spread(activations, backprops, bias=True):
     return (ng * (na + (1.0 if bias else 0.0))).sum(axis=1)
 
 
+def linear_norms_from_grams(w, v, bias, layers=1):
+    """A linear layer's per-sample squared gradient norms, spreads and operand
+    sizes from its Grams (the device route's last step), one sample at a time.
+
+    ``w``, ``v``: (layers * B, T, T) Grams ``A_i A_i^T`` and ``G_i G_i^T`` of
+    ``layers`` layers stacked along the batch (sample ``i = l * B + b``).
+    Returns float64 ``(sq, spread, sizes)``: ``sq[b] = sum_l sum_{t,s}
+    (W_i[t,s] + bias) V_i[t,s]`` (``||g_i^T [a_i, 1]||_F^2``), ``spread[b] =
+    sum_l sum_t sqrt(V_i[t,t]) (sqrt(W_i[t,t]) + bias)`` (:func:`linear_spread`
+    from the diagonals) and ``sizes[i] = (tr W_i, tr V_i)``, of shapes (B,),
+    (B,) and (layers * B, 2).
+    """
+    w = np.asarray(w, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    n, T = w.shape[0], w.shape[1]
+    B = n // layers
+    one = 1.0 if bias else 0.0
+    sq, spread, sizes = np.zeros(B), np.zeros(B), np.zeros((n, 2))
+    for i in range(n):
+        dw, dv = np.diagonal(w[i]), np.diagonal(v[i])
+        sq[i % B] += float(((w[i] + one) * v[i]).sum())
+        spread[i % B] += float((np.sqrt(dv) * (np.sqrt(dw) + one)).sum())
+        sizes[i] = dw.sum(), dv.sum()
+    return sq, spread, sizes
+
+
 def linear_terms(d, K, T, bias=True):
     """``terms`` of :func:`clip_bound` for a linear block (either norm route)."""
     return d + K + T * T + T + (K if bias else 0)

@@ -241,6 +241,13 @@ void run(const Case& c) {
         c.ptr<double>("sq"), c.ptr<double>("spread"), c.i("B"),
         ClipRule{c.f("max_norm"), c.i("terms"), c.i("seq_len"), c.f("unit")},
         c.ptr<double>("factors"), c.ptr<double>("norms"), stream);
+  } else if (c.op == "linear_norms_from_grams") {
+    Workspace ws(kernels::linear_norms_from_grams_workspace_bytes(c.i("B"), c.i("layers"),
+                                                                  c.i("T")));
+    kernels::launch_linear_norms_from_grams(
+        c.ptr<double>("w"), c.ptr<double>("v"), c.i("B"), c.i("layers"), c.i("T"),
+        c.i("bias") != 0, c.ptr<double>("sq"), c.i("accumulate") != 0, c.ptr<double>("spread"),
+        c.ptr<double>("sizes"), ws.data, stream);
   } else if (c.op == "sample_counts" || c.op == "sample_fill") {
     const kernels::GroupSampling sampling{c.ptr<std::int64_t>("group_ptr"),
                                           c.ptr<std::int64_t>("members"), c.i("G"),
