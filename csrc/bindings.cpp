@@ -52,11 +52,12 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
         py::arg("T"));
   m.def("launch_linear_norms_from_grams", &ncdp::launch_linear_norms_from_grams,
         "sq[b] (=, or +=) sum_l sum (W_i + bias) o V_i, spread[b] += sum_l sum_t "
-        "sqrt(V_i[t,t]) (sqrt(W_i[t,t]) + bias), sizes[i] = (tr W_i, tr V_i); i = l B + b; "
-        "float64.",
+        "sqrt(V_i[t,t]) (sqrt(W_i[t,t]) + bias), sizes[i] = (tr W_i, tr V_i); i = l B + b, "
+        "W_i = W[b] with shared_w; float64.",
         py::arg("w"), py::arg("v"), py::arg("B"), py::arg("layers"), py::arg("T"),
-        py::arg("bias"), py::arg("sq"), py::arg("accumulate"), py::arg("spread"),
-        py::arg("sizes"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"));
+        py::arg("bias"), py::arg("shared_w"), py::arg("sq"), py::arg("accumulate"),
+        py::arg("spread"), py::arg("sizes"), py::arg("workspace"), py::arg("workspace_bytes"),
+        py::arg("stream"));
   m.def("launch_clip_factors", &ncdp::launch_clip_factors,
         "norms = sqrt(sq); factors by the rounding-aware rule of reference.clip_factors "
         "(float64 [B]; spread 0 for E = 0).",

@@ -399,6 +399,19 @@ def data_ptr(x) -> int:
     return int(x.__cuda_array_interface__["data"][0])
 
 
+def same_view(x, y) -> bool:
+    """Whether two torch tensors or CuPy arrays are the same elements in the
+    same layout: one input handed to several layers (an attention block's q,
+    k and v projections), however many tensor objects wrap it."""
+    if x is y:
+        return True
+    if type(x) is not type(y) or tuple(x.shape) != tuple(y.shape) or x.dtype != y.dtype:
+        return False
+    if is_torch(x):
+        return x.device == y.device and x.data_ptr() == y.data_ptr() and x.stride() == y.stride()
+    return data_ptr(x) == data_ptr(y) and x.strides == y.strides
+
+
 def current_stream(x) -> int:
     """The caller's current stream on x's device (torch tensor or CuPy array)."""
     if is_torch(x):

@@ -130,7 +130,8 @@ def test_native_linear_norms_from_grams_validates_its_buffers(native):
     # Checked before any CUDA call, so these run without a GPU.
     needed = native.linear_norms_from_grams_workspace_bytes(2, 2, 3)
     assert needed >= 2 * 2 * 4 * 8          # 4 float64 partials a sample and slice
-    args = dict(w=4096, v=8192, B=2, layers=2, T=3, bias=True, sq=16384, accumulate=False,
+    args = dict(w=4096, v=8192, B=2, layers=2, T=3, bias=True, shared_w=False, sq=16384,
+                accumulate=False,
                 spread=0, sizes=0, workspace=32768, workspace_bytes=needed, stream=0)
     native.launch_linear_norms_from_grams(**dict(args, B=0, sq=0))   # no samples: nothing
     with pytest.raises(ValueError, match="layers must be non-negative, got -1"):

@@ -298,6 +298,31 @@ def test_linear_norms_from_grams_match_the_reference(emu, B, layers, T, bias):
                          np.float64, "sizes")
 
 
+@pytest.mark.parametrize("B,layers,T", [(2, 3, 20), (1, 2, 70)])
+def test_linear_norms_from_grams_with_one_shared_input(emu, B, layers, T):
+    """shared_w: the layers read one input, whose B Grams W serve them all
+    (W_i = W[b]), as its own copy per layer would."""
+    w, v = _grams(layers * B, T, seed=T + layers)
+    w = w[:B].copy()
+    want_sq, want_spread, want_sizes = R.linear_norms_from_grams(w, v, True, layers,
+                                                                 shared_w=True)
+    assert np.array_equal(
+        R.linear_norms_from_grams(np.concatenate([w] * layers), v, True, layers)[0], want_sq)
+    wl = np.concatenate([w] * layers)
+    cells = np.abs((wl + 1.0) * v).reshape(layers, B, T * T).sum(axis=(0, 2))
+    dw, dv = np.diagonal(wl, 0, 1, 2), np.diagonal(v, 0, 1, 2)
+    scale = (np.sqrt(dv) * (np.sqrt(dw) + 1.0)).reshape(layers, B, T).sum(axis=(0, 2))
+    res = emu.run("linear_norms_from_grams",
+                  dict(B=B, layers=layers, T=T, bias=1, accumulate=0, shared_w=1),
+                  {"w": w, "v": v, "sq": np.full(B, np.nan), "spread": np.zeros(B),
+                   "sizes": np.full((layers * B, 2), np.nan)})
+    assert_close(res["sq"], want_sq, cells, layers * T * T + 3, np.float64, np.float64, "sq")
+    assert_close(res["spread"], want_spread, scale, layers * T + 5, np.float64, np.float64,
+                 "spread")
+    assert_close(res["sizes"], want_sizes, np.abs(want_sizes), T + 1, np.float64, np.float64,
+                 "sizes")
+
+
 @pytest.mark.parametrize("with_spread", [False, True])
 def test_clip_factors_match_the_reference_rule(emu, with_spread):
     # The rule of clip/clip_rule.cuh is reference.clip_bound operation for operation:

@@ -440,3 +440,49 @@ def test_group_norms_are_each_layers_norms_summed(shape, dtype, L, per_chunk, mo
         assert np.all(np.abs(q - ref) <= tol), np.abs(q - ref) / np.maximum(tol, 1e-300)
         assert np.all(np.abs(s - ref_sp) <= tol_sp)
         assert np.all(np.abs(z - sizes_ref) <= tol_sz)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(2, 4, 9, 11), (7, 13, 33, 65), (4, 40, 3, 2)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_group_norms_share_one_inputs_copy_and_grams(shape, dtype, monkeypatch):
+    """Layers that read one input (an attention block's q, k and v: the same
+    elements, here through different tensor objects) share its float64 copy
+    and Grams on the Gram route; the norms, spreads and sizes are each
+    layer's own within the bounds of the test above, and the direct route
+    (2 T^2 > K d) shares nothing."""
+    from ncdp_fast import _arrays
+    from ncdp_fast.reference import linear_spread
+    B, T, d, K = shape
+    rng = np.random.default_rng(B + T)
+    x, y, z = (rng.standard_normal((B, T, d)).astype(dtype) for _ in range(3))
+    tx, tz = torch.from_numpy(x), torch.from_numpy(z)
+    a_t = [tx, tx[:], tx.view(B, T, d), torch.from_numpy(y), tz, tz.detach()]
+    a = [x, x, x, y, z, z]
+    g = [(rng.standard_normal((B, T, K)) * 1e-3).astype(dtype) for _ in a]
+    gram = 2 * T * T <= K * d
+    assert device_clip._group_chunks(a_t, B, T, d, K) == (
+        [(0, 3, True), (3, 4, False), (4, 6, True)] if gram else [(0, 6, False)])
+    # A budget for two of the shared run's layers: the run is cut, the rest alone.
+    two = 8 * B * (T * d + T * T) + 2 * 8 * B * (T * K + T * T)
+    monkeypatch.setattr(device_clip, "GROUP_CHUNK_BYTES", two)
+    if gram:
+        assert device_clip._group_chunks(a_t, B, T, d, K)[:2] == [(0, 2, True), (2, 3, False)]
+    monkeypatch.undo()
+    upcasts = []
+    real = _arrays.as_float64
+    monkeypatch.setattr(_arrays, "as_float64", lambda t: upcasts.append(t.shape) or real(t))
+    sq, sp = torch.zeros(B, dtype=torch.float64), torch.zeros(B, dtype=torch.float64)
+    sizes = torch.full((len(a), B, 2), np.nan, dtype=torch.float64)
+    _device_group_norms(a_t, [torch.from_numpy(v) for v in g], True, sq, sp, sizes)
+    assert len(upcasts) == (2 if gram else 0)     # one copy a shared run (cat_float64 else)
+    ref = sum(_reference(u, v, True) for u, v in zip(a, g))
+    tol = sum(_bound(u, v, True) for u, v in zip(a, g)) + (len(a) + 1) * U64 * ref
+    ref_sp = sum(np.asarray(linear_spread(u, v, True), np.float64).reshape(B)
+                 for u, v in zip(a, g))
+    sizes_ref = np.stack([np.stack([(u.astype(np.float64) ** 2).sum(axis=(1, 2)),
+                                    (v.astype(np.float64) ** 2).sum(axis=(1, 2))], axis=1)
+                          for u, v in zip(a, g)])
+    assert np.all(np.abs(sq.numpy() - ref) <= tol)
+    assert np.all(np.abs(sp.numpy() - ref_sp) <= 2 * (d + K + T + 4 + len(a)) * U64 * ref_sp)
+    assert np.all(np.abs(sizes.numpy() - sizes_ref) <= (T * max(d, K) + 2) * U64 * sizes_ref)

@@ -192,6 +192,20 @@ def test_linear_norms_from_grams_twins_match_reference(require_cuda, B, layers, 
                                 np.float64, f"{name} spread")
         assert_within_sum_bound(got[2], want_sizes, np.abs(want_sizes), T + 1,
                                 np.float64, f"{name} sizes")
+    # One input's Grams serving every layer (shared_w): as its copy per layer.
+    if B:
+        want = R.linear_norms_from_grams(np.concatenate([w[:B]] * layers), v, bias, layers)
+        w_rep = np.concatenate([w[:B]] * layers)
+        cells_rep = np.abs((w_rep + one) * v).reshape(layers, B, T * T).sum(axis=(0, 2))
+        for name, mod, conv in (("cuda", cuda_clip, lambda x: _cuda(x, require_cuda)),
+                                ("numba", numba_clip, lambda x: x)):
+            sq, sizes = conv(np.zeros(B)), conv(np.zeros((layers * B, 2)))
+            mod.linear_norms_from_grams(conv(np.ascontiguousarray(w[:B])), conv(v), bias, sq,
+                                        False, None, sizes, layers, shared_w=True)
+            assert_within_sum_bound(_host(sq), want[0], cells_rep, layers * T * T + 3,
+                                    np.float64, f"{name} shared sq")
+            assert_within_sum_bound(_host(sizes), want[2], np.abs(want[2]), T + 1, np.float64,
+                                    f"{name} shared sizes")
     # Overwriting instead of accumulating; spread and sizes are optional.
     sq = _cuda(np.full(B, 7.0), require_cuda)
     cuda_clip.linear_norms_from_grams(_cuda(w, require_cuda), _cuda(v, require_cuda), bias, sq,

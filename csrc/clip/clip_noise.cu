@@ -87,10 +87,10 @@ __global__ void __launch_bounds__(kBlockThreads) row_sq_norms_kernel(
 // into partials[i, s, 0..3]. Slices spread the samples over every SM (one
 // block a sample left most of a GPU idle at B = 16..32 with 8 warps an SM).
 __global__ void __launch_bounds__(kBlockThreads) linear_norm_partials_kernel(
-    const double* __restrict__ w,  // [samples, T, T]
+    const double* __restrict__ w,  // [w_count, T, T]
     const double* __restrict__ v,  // [samples, T, T]
-    std::int64_t samples, std::int64_t T, std::int64_t slices, std::int64_t rows_per_slice,
-    double bias,
+    std::int64_t samples, std::int64_t w_count, std::int64_t T, std::int64_t slices,
+    std::int64_t rows_per_slice, double bias,
     double* __restrict__ partials) {  // [samples, slices, 4]
   __shared__ double scratch[kBlockThreads / 32 * 4];
   const int tid = static_cast<int>(threadIdx.x);
@@ -98,7 +98,8 @@ __global__ void __launch_bounds__(kBlockThreads) linear_norm_partials_kernel(
     const std::int64_t i = work / slices;
     const std::int64_t t0 = (work % slices) * rows_per_slice;
     const std::int64_t t1 = t0 + rows_per_slice < T ? t0 + rows_per_slice : T;
-    const double* wi = w + i * T * T;
+    // W_i is W[i mod w_count]: w_count = B when the layers read one input (q, k, v).
+    const double* wi = w + (i % w_count) * T * T;
     const double* vi = v + i * T * T;
     // (Hadamard sum, tr W, tr V, sum_t sqrt(V_tt) (sqrt(W_tt) + bias)) of the slice.
     double sums[4] = {0.0, 0.0, 0.0, 0.0};
@@ -536,9 +537,9 @@ std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_
 }
 
 void launch_linear_norms_from_grams(const double* w, const double* v, std::int64_t B,
-                                    std::int64_t layers, std::int64_t T, bool bias, double* sq,
-                                    bool accumulate, double* spread, double* sizes,
-                                    void* workspace, cudaStream_t stream) {
+                                    std::int64_t layers, std::int64_t T, bool bias,
+                                    bool shared_w, double* sq, bool accumulate, double* spread,
+                                    double* sizes, void* workspace, cudaStream_t stream) {
   if (B <= 0) return;
   // T = 0 or no layers: no partials, and the finish writes empty sums (0).
   const std::int64_t slices = linear_norm_slices(B, layers, T);
@@ -547,8 +548,8 @@ void launch_linear_norms_from_grams(const double* w, const double* v, std::int64
   double* partials = static_cast<double*>(workspace);
   if (used > 0) {
     NCDP_LAUNCH(grid_blocks(B * layers * used, 1), kBlockThreads, 0, stream,
-                linear_norm_partials_kernel)(w, v, B * layers, T, used, rows_per_slice,
-                                             bias ? 1.0 : 0.0, partials);
+                linear_norm_partials_kernel)(w, v, B * layers, shared_w ? B : B * layers, T,
+                                             used, rows_per_slice, bias ? 1.0 : 0.0, partials);
   }
   NCDP_LAUNCH(grid_blocks(B, kBlockThreads), kBlockThreads, 0, stream,
               linear_norms_from_partials_kernel)(partials, B, layers, used, sq, accumulate,

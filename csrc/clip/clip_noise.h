@@ -32,17 +32,19 @@ std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_
 // A linear layer's per-sample squared gradient norms from its two Grams
 // (the device route forms W_i = A_i A_i^T and V_i = G_i G_i^T with the
 // vendor's float64 GEMM), for `layers` layers of one shape stacked along the
-// batch (sample i = l * B + b). Per sample b, in float64, layers in order:
+// batch (sample i = l * B + b); with shared_w the layers read one input (the
+// q, k and v projections of an attention block) and W holds its B Grams once
+// (W_i = W[b]). Per sample b, in float64, layers in order:
 //   sq[b] (=, or += when accumulate) sum_l sum_{t,s} (W_i[t,s] + bias) V_i[t,s],
 //   spread[b] += sum_l sum_t sqrt(V_i[t,t]) (sqrt(W_i[t,t]) + bias)  (if given),
 //   sizes[i] = (sum_t W_i[t,t], sum_t V_i[t,t])                        (if given):
 // the norm, the scale of its rounding (reference.linear_spread) and the
 // operands' squared norms, in two launches instead of a dozen element-wise
 // ops. The summation order depends on (B, layers, T) only.
-void launch_linear_norms_from_grams(std::uintptr_t w,  // [layers * B, T, T] float64
+void launch_linear_norms_from_grams(std::uintptr_t w,  // [(shared_w ? 1 : layers) * B, T, T]
                                     std::uintptr_t v,  // [layers * B, T, T] float64
                                     std::int64_t B, std::int64_t layers, std::int64_t T,
-                                    bool bias,
+                                    bool bias, bool shared_w,
                                     std::uintptr_t sq,  // [B] float64
                                     bool accumulate,
                                     std::uintptr_t spread,  // [B] float64, or 0
@@ -139,10 +141,10 @@ std::int64_t linear_norm_slices(std::int64_t B, std::int64_t layers, std::int64_
 std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_t layers,
                                                      std::int64_t T);
 
-void launch_linear_norms_from_grams(const double* w,  // [layers * B, T, T]
+void launch_linear_norms_from_grams(const double* w,  // [(shared_w ? 1 : layers) * B, T, T]
                                     const double* v,  // [layers * B, T, T]
                                     std::int64_t B, std::int64_t layers, std::int64_t T,
-                                    bool bias,
+                                    bool bias, bool shared_w,
                                     double* sq,  // [B]
                                     bool accumulate,
                                     double* spread,  // [B] or nullptr

@@ -57,9 +57,10 @@ std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_
 
 void launch_linear_norms_from_grams(std::uintptr_t w, std::uintptr_t v, std::int64_t B,
                                     std::int64_t layers, std::int64_t T, bool bias,
-                                    std::uintptr_t sq, bool accumulate, std::uintptr_t spread,
-                                    std::uintptr_t sizes, std::uintptr_t workspace,
-                                    std::int64_t workspace_bytes, std::uintptr_t stream) {
+                                    bool shared_w, std::uintptr_t sq, bool accumulate,
+                                    std::uintptr_t spread, std::uintptr_t sizes,
+                                    std::uintptr_t workspace, std::int64_t workspace_bytes,
+                                    std::uintptr_t stream) {
   const std::int64_t needed = linear_norms_from_grams_workspace_bytes(B, layers, T);
   const std::int64_t cells = layers * B * T * T;
   require_pointer(w, cells > 0, sizeof(double), "w");
@@ -71,7 +72,8 @@ void launch_linear_norms_from_grams(std::uintptr_t w, std::uintptr_t v, std::int
   if (B == 0) return;
   DeviceGuard guard(first_pointer({cells > 0 ? w : 0, cells > 0 ? v : 0, sq}), "w");
   kernels::launch_linear_norms_from_grams(
-      typed<const double>(w), typed<const double>(v), B, layers, T, bias, typed<double>(sq),
+      typed<const double>(w), typed<const double>(v), B, layers, T, bias, shared_w,
+      typed<double>(sq),
       accumulate, spread != 0 ? typed<double>(spread) : nullptr,
       sizes != 0 ? typed<double>(sizes) : nullptr, typed<void>(workspace), as_stream(stream));
   check_launch("linear_norms_from_grams");

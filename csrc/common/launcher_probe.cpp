@@ -112,18 +112,20 @@ void probe_row_sq_norms(Probe& probe) {
   probe.check(sizes({{"B", B}, {"p", p}}));
 }
 
-// T = 3 with 2 layers and both optional outputs (both passes); T = 0 (no
-// positions: the finish alone) too.
+// T = 3 with 2 layers and both optional outputs (both passes), with W per
+// layer and shared; T = 0 (no positions: the finish alone) too.
 void probe_linear_norms_from_grams(Probe& probe) {
   const std::int64_t B = 3, layers = 2;
   for (const std::int64_t T : {std::int64_t{3}, std::int64_t{0}}) {
-    kernels::launch_linear_norms_from_grams(
-        probe.buffer<double>(layers * B * T * T), probe.buffer<double>(layers * B * T * T), B,
-        layers, T, /*bias=*/true, probe.buffer<double>(B), /*accumulate=*/true,
-        probe.buffer<double>(B), probe.buffer<double>(layers * B * 2),
-        probe.bytes(kernels::linear_norms_from_grams_workspace_bytes(B, layers, T)),
-        kLegacyStream);
-    probe.check(sizes({{"B", B}, {"layers", layers}, {"T", T}}));
+    for (const bool shared : {false, true}) {
+      kernels::launch_linear_norms_from_grams(
+          probe.buffer<double>(layers * B * T * T), probe.buffer<double>(layers * B * T * T),
+          B, layers, T, /*bias=*/true, shared, probe.buffer<double>(B), /*accumulate=*/true,
+          probe.buffer<double>(B), probe.buffer<double>(layers * B * 2),
+          probe.bytes(kernels::linear_norms_from_grams_workspace_bytes(B, layers, T)),
+          kLegacyStream);
+      probe.check(sizes({{"B", B}, {"layers", layers}, {"T", T}, {"shared_w", shared}}));
+    }
   }
 }
 

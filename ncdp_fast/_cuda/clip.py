@@ -20,18 +20,20 @@ def row_sq_norms(g, sq, accumulate):
     native(g).launch_row_sq_norms(ptr(g), B, p, dtype_code(g), ptr(sq), bool(accumulate), stream(g))
 
 
-def linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes, layers):
+def linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes, layers,
+                            shared_w=False):
     # sq[b] (=|+=) sum_l sum (W_i + bias) o V_i, spread[b] += the diagonals'
     # sum_t sqrt(V_tt) (sqrt(W_tt) + bias), sizes[i] = (tr W_i, tr V_i) for
-    # i = l * B + b; w, v C-contiguous float64 (layers * B, T, T); sizes rows
-    # contiguous (layers * B, 2) (csrc/clip/clip_noise.h).
-    B, T = sq.shape[0], w.shape[1]
+    # i = l * B + b; w (B or layers * B, T, T: shared_w), v (layers * B, T, T)
+    # C-contiguous float64; sizes rows contiguous (layers * B, 2)
+    # (csrc/clip/clip_noise.h).
+    B, T = sq.shape[0], v.shape[1]
     C = native(sq)
     nbytes = C.linear_norms_from_grams_workspace_bytes(B, int(layers), T)
     ws, ws_ptr = workspace(sq, nbytes)
-    C.launch_linear_norms_from_grams(ptr(w), ptr(v), B, int(layers), T, bool(bias), ptr(sq),
-                                     bool(accumulate), opt_ptr(spread), opt_ptr(sizes), ws_ptr,
-                                     nbytes, stream(sq))
+    C.launch_linear_norms_from_grams(ptr(w), ptr(v), B, int(layers), T, bool(bias),
+                                     bool(shared_w), ptr(sq), bool(accumulate), opt_ptr(spread),
+                                     opt_ptr(sizes), ws_ptr, nbytes, stream(sq))
 
 
 def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms):
@@ -141,10 +143,51 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes):
             linear_sq_norms(a_list[l], g_list[l], bias, sq, True,
                             spread if T > 1 else None, sizes[l])
         return
-    for l0, l1 in _arrays.sample_chunks(L, per_layer, GROUP_CHUNK_BYTES):
+    for l0, l1, shared in _group_chunks(a_list, B, T, d, K):
         n = l1 - l0
-        _norm_rows(_arrays.cat_float64(a_list[l0:l1]), _arrays.cat_float64(g_list[l0:l1]), bias,
-                   sq, True, spread, sizes[l0:l1].reshape(n * B, 2), n)
+        if shared:
+            # One input's copy and Grams serve its layers (q, k and v of an
+            # attention block): n - 1 copies and Gram products fewer.
+            a64 = _arrays.as_float64(a_list[l0])
+            g64 = _arrays.cat_float64(g_list[l0:l1])
+            linear_norms_from_grams(_arrays.bmm(a64, a64.swapaxes(1, 2)),
+                                    _arrays.bmm(g64, g64.swapaxes(1, 2)), bias, sq, True, spread,
+                                    sizes[l0:l1].reshape(n * B, 2), n, shared_w=True)
+        else:
+            _norm_rows(_arrays.cat_float64(a_list[l0:l1]), _arrays.cat_float64(g_list[l0:l1]),
+                       bias, sq, True, spread, sizes[l0:l1].reshape(n * B, 2), n)
+
+
+def _group_chunks(a_list, B, T, d, K):
+    """(l0, l1, shared) runs of consecutive layers whose float64 temporaries fit
+    GROUP_CHUNK_BYTES: on the Gram route, layers that read one input (the same
+    elements in the same layout) share its copy and Grams (shared); other
+    layers stack along the batch, each with its own."""
+    L = len(a_list)
+    gram = 2 * T * T <= K * d
+    per_layer = B * _norm_bytes(T, d, K, True)
+    # A shared run holds the input's copy and Grams once, each layer's g's.
+    shared_base, shared_each = 8 * B * (T * d + T * T), 8 * B * (T * K + T * T)
+
+    def shares(m, l):
+        return gram and _arrays.same_view(a_list[m], a_list[l])
+
+    chunks, l = [], 0
+    while l < L:
+        m = l + 1
+        while (m < L and shares(m, l)
+               and shared_base + (m + 1 - l) * shared_each <= GROUP_CHUNK_BYTES):
+            m += 1
+        if m - l > 1:
+            chunks.append((l, m, True))
+            l = m
+            continue
+        while (m < L and (m + 1 - l) * per_layer <= GROUP_CHUNK_BYTES
+               and not (m + 1 < L and shares(m + 1, m))):
+            m += 1
+        chunks.append((l, m, False))
+        l = m
+    return chunks
 
 
 def _norm_bytes(T, d, K, extras):

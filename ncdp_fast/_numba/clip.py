@@ -312,37 +312,41 @@ def _linear_sq_norms(a, g, bias, sq, accumulate, sizes, want_sizes):
             sizes[i, 1] = sg
 
 
-def linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes, layers):
+def linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes, layers,
+                            shared_w=False):
     """The device route's last norm step, for the twins' parity (the CPU's own
     norm route never forms the Grams): per sample b of sq (B,) float64, over
     the ``layers`` stacked layers of w, v (layers * B, T, T) float64 in order,
     sq[b] (=|+=) sum (W_i + bias) o V_i, spread[b] += sum_t sqrt(V_i[t,t])
     (sqrt(W_i[t,t]) + bias) (spread may be None), sizes[i] = (tr W_i, tr V_i)
-    (sizes (layers * B, 2) or None); i = l * B + b."""
+    (sizes (layers * B, 2) or None); i = l * B + b; with ``shared_w`` w is the
+    one input's (B, T, T) Grams (W_i = w[b])."""
     _linear_norms_from_grams(w, v, 1.0 if bias else 0.0, sq, accumulate,
                              np.zeros(sq.shape[0]) if spread is None else spread,
-                             np.zeros((w.shape[0], 2)) if sizes is None else sizes, layers)
+                             np.zeros((v.shape[0], 2)) if sizes is None else sizes, layers,
+                             sq.shape[0] if shared_w else v.shape[0])
 
 
-@sized_kernel(lambda w, *_: w.size, fastmath=_FM)
-def _linear_norms_from_grams(w, v, one, sq, accumulate, spread, sizes, layers):
+@sized_kernel(lambda w, v, *_: v.size, fastmath=_FM)
+def _linear_norms_from_grams(w, v, one, sq, accumulate, spread, sizes, layers, w_count):
     B = sq.shape[0]
-    T = w.shape[1]
+    T = v.shape[1]
     for b in prange(B):
         total = 0.0
         scale = 0.0
         for l in range(layers):
             i = l * B + b
+            k = i % w_count
             e = 0.0
             for t in range(T):
                 for s in range(T):
-                    e += (w[i, t, s] + one) * v[i, t, s]
+                    e += (w[k, t, s] + one) * v[i, t, s]
             tw = 0.0
             tv = 0.0
             for t in range(T):
-                tw += w[i, t, t]
+                tw += w[k, t, t]
                 tv += v[i, t, t]
-                scale += math.sqrt(v[i, t, t]) * (math.sqrt(w[i, t, t]) + one)
+                scale += math.sqrt(v[i, t, t]) * (math.sqrt(w[k, t, t]) + one)
             total += e
             sizes[i, 0] = tw
             sizes[i, 1] = tv

@@ -66,12 +66,14 @@ def linear_spread(activations, backprops, bias=True):
     return (ng * (na + (1.0 if bias else 0.0))).sum(axis=1)
 
 
-def linear_norms_from_grams(w, v, bias, layers=1):
+def linear_norms_from_grams(w, v, bias, layers=1, shared_w=False):
     """A linear layer's per-sample squared gradient norms, spreads and operand
     sizes from its Grams (the device route's last step), one sample at a time.
 
     ``w``, ``v``: (layers * B, T, T) Grams ``A_i A_i^T`` and ``G_i G_i^T`` of
-    ``layers`` layers stacked along the batch (sample ``i = l * B + b``).
+    ``layers`` layers stacked along the batch (sample ``i = l * B + b``); with
+    ``shared_w`` the layers read one input and ``w`` is its (B, T, T) Grams
+    (``W_i = w[b]``).
     Returns float64 ``(sq, spread, sizes)``: ``sq[b] = sum_l sum_{t,s}
     (W_i[t,s] + bias) V_i[t,s]`` (``||g_i^T [a_i, 1]||_F^2``), ``spread[b] =
     sum_l sum_t sqrt(V_i[t,t]) (sqrt(W_i[t,t]) + bias)`` (:func:`linear_spread`
@@ -80,13 +82,14 @@ def linear_norms_from_grams(w, v, bias, layers=1):
     """
     w = np.asarray(w, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
-    n, T = w.shape[0], w.shape[1]
+    n, T = v.shape[0], v.shape[1]
     B = n // layers
     one = 1.0 if bias else 0.0
     sq, spread, sizes = np.zeros(B), np.zeros(B), np.zeros((n, 2))
     for i in range(n):
-        dw, dv = np.diagonal(w[i]), np.diagonal(v[i])
-        sq[i % B] += float(((w[i] + one) * v[i]).sum())
+        wi = w[i % B] if shared_w else w[i]
+        dw, dv = np.diagonal(wi), np.diagonal(v[i])
+        sq[i % B] += float(((wi + one) * v[i]).sum())
         spread[i % B] += float((np.sqrt(dv) * (np.sqrt(dw) + one)).sum())
         sizes[i] = dw.sum(), dv.sum()
     return sq, spread, sizes

@@ -246,7 +246,8 @@ void run(const Case& c) {
                                                                   c.i("T")));
     kernels::launch_linear_norms_from_grams(
         c.ptr<double>("w"), c.ptr<double>("v"), c.i("B"), c.i("layers"), c.i("T"),
-        c.i("bias") != 0, c.ptr<double>("sq"), c.i("accumulate") != 0, c.ptr<double>("spread"),
+        c.i("bias") != 0, c.ints.count("shared_w") != 0 && c.i("shared_w") != 0,
+        c.ptr<double>("sq"), c.i("accumulate") != 0, c.ptr<double>("spread"),
         c.ptr<double>("sizes"), ws.data, stream);
   } else if (c.op == "sample_counts" || c.op == "sample_fill") {
     const kernels::GroupSampling sampling{c.ptr<std::int64_t>("group_ptr"),
