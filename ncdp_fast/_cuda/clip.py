@@ -206,7 +206,7 @@ def _norm_rows(a64, g64, bias, sq, accumulate, spread, sizes, layers):
     bias's), spread[b] += sum_t ||g_it|| (||a_it|| + [bias]) (where spread is
     given), sizes[i] (layers * B, 2) = (||a_i||^2, ||g_i||^2) where given;
     i = l * B + b.  Gram route when 2 T^2 <= K d (the two batched GEMMs, then
-    one launch for the rest: linear_norms_from_grams), else direct."""
+    linear_norms_from_grams for the rest: two launches), else direct."""
     T, d, K = a64.shape[1], a64.shape[2], g64.shape[2]
     if 2 * T * T <= K * d:
         w = _arrays.bmm(a64, a64.swapaxes(1, 2))
