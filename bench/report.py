@@ -155,6 +155,10 @@ SPREAD_LAUNCHES = 5
 # The operands' squared norms (the clipped sum's rebalancing decision): two
 # row sums of the same float64 squares into the sizes' columns.
 SIZES_LAUNCHES = 2
+# The Gram route at T > 1: the two float64 copies, the two batched GEMMs and
+# linear_norms_from_grams' two launches, which read each Gram once for the
+# norms, the spread and the sizes.
+GRAM_ROUTE_LAUNCHES = 6
 
 
 def predicted_norm_ms(B, T, d, K) -> float:
@@ -164,7 +168,8 @@ def predicted_norm_ms(B, T, d, K) -> float:
     with the spread of the same pass (:data:`SPREAD_LAUNCHES`, its B T values'
     traffic; the direct route also reads the float64 copies once more); and
     the operands' squared norms (:data:`SIZES_LAUNCHES`; at T = 1 from the
-    rank-1 route's own row sums, no launch)."""
+    rank-1 route's own row sums, no launch); on the Gram route at T > 1 all
+    three come from one read of the Grams (:data:`GRAM_ROUTE_LAUNCHES`)."""
     gram = 2 * T * T <= K * d
     n = B * T * (d + K)
     mats = B * (2 * T * T if gram else K * d)
@@ -172,9 +177,11 @@ def predicted_norm_ms(B, T, d, K) -> float:
     traffic = 4 * n + 8 * n + 8 * n + 8 * 2 * mats
     m = GPU_MODEL
     launches = m["launches"]
-    if T > 1:
+    if T > 1 and gram:
+        launches = GRAM_ROUTE_LAUNCHES
+    elif T > 1:
         launches += SPREAD_LAUNCHES + SIZES_LAUNCHES
-        traffic += 8 * 8 * B * T + (0 if gram else 8 * n)
+        traffic += 8 * 8 * B * T + 8 * n
     return 1e3 * (flops / m["fp64_flops"] + traffic / m["bytes_per_s"]
                   + launches * m["launch_s"])
 
@@ -212,10 +219,10 @@ def _layer_columns(route, more=(), after=()):
 
 
 # A grouped norms call (ncdp_fast/_cuda/clip.py linear_sq_norms_group): per
-# chunk of stacked layers, the two stacking copies, the two GEMMs, the sizes'
-# two sums, the spread's six operations, the bias, the product, the sum, and
-# the layers' sums and adds for the norms and the spread.
-GROUP_LAUNCHES = 19
+# chunk of stacked layers on the Gram route, the two stacking copies, the two
+# GEMMs and linear_norms_from_grams' two launches (the layers' norms, spreads
+# and sizes summed in it); the direct route's chunks are not grouped here.
+GROUP_LAUNCHES = GRAM_ROUTE_LAUNCHES
 GROUP_LAYERS = 12               # bench/test_bench_clip.py GROUP
 GROUP_CHUNK_BYTES = 128 << 20   # ncdp_fast/_cuda/clip.py GROUP_CHUNK_BYTES
 
@@ -229,10 +236,10 @@ def predicted_group_norm_ms(B, T, d, K, layers=GROUP_LAYERS) -> float:
     per_layer = B * 8 * (T * (d + K) + (2 * T * T if gram else K * d)
                          + (0 if gram else T * max(d, K)))
     alone = predicted_norm_ms(B, T, d, K)
-    if T == 1 or 2 * per_layer > GROUP_CHUNK_BYTES:
+    if T == 1 or not gram or 2 * per_layer > GROUP_CHUNK_BYTES:
         return alone
     m = GPU_MODEL
-    own = m["launches"] + SPREAD_LAUNCHES + SIZES_LAUNCHES
+    own = GRAM_ROUTE_LAUNCHES
     n = GROUP_CHUNK_BYTES // per_layer
     chunks = -(-layers // n)
     shared = chunks * GROUP_LAUNCHES / layers

@@ -157,6 +157,7 @@ def test_linear_norms(benchmark, case, bench_device):
     import numpy as np
     import torch
 
+    import ncdp_fast._backend as be
     from ncdp_fast import _native
     from ncdp_fast._cuda import clip as device_clip
     from ncdp_fast._cuda._common import dtype_code, ptr, stream
@@ -177,8 +178,13 @@ def test_linear_norms(benchmark, case, bench_device):
             numba_clip.linear_sq_norms(an, gn, True, sqn, False, spn, szn)
             return sqn
     elif method in ("ncdp", "gemm_f64"):
+        # "gemm_f64": the device route on CPU tensors (the emulated device, whose
+        # kernels of ours run on the CPU), for the CPU table only.
+        ctx = be.emulated_cuda if device == "cpu" else contextlib.nullcontext
+
         def fn():
-            device_clip.linear_sq_norms(a, g, True, sq, False, spread, sizes)
+            with ctx():
+                device_clip.linear_sq_norms(a, g, True, sq, False, spread, sizes)
             return sq
     elif method == f"ncdp_group{GROUP}":
         # GROUP layers of this shape (the same arrays) as the clip op forms
