@@ -57,6 +57,8 @@ SMS, TILE = 132, 128
 
 WORKLOADS = ("bert", "gpt2", "linear", "transformer", "efficientnet")
 METHODS = ("nonprivate", "ncdp_engine")
+# bench_hf's GPU-only method (gram_precision="float32"), modelled for its workloads.
+HF_GPU_METHODS = ("ncdp_engine_gram32",)
 TOP = 14                    # operators listed a workload
 
 
@@ -301,12 +303,15 @@ def measure(names, size="full"):
     rows, ops = [], []
     for name in names:
         per = {}
-        for method in METHODS:
+        methods = METHODS + (HF_GPU_METHODS if _shapes(name, size)[0] == "hf" else ())
+        for method in methods:
             label, step = _build(name, method, size)
             step()                          # warm-up: the steady state is modelled
             per[method] = model_step(step)
             rows.append(dict(workload=label, method=method, **summarize(per[method])))
-        rows[-1]["x_nonprivate"] = rows[-1]["device_ms"] / rows[-2]["device_ms"]
+            if method != "nonprivate":
+                rows[-1]["x_nonprivate"] = (rows[-1]["device_ms"]
+                                            / summarize(per["nonprivate"])["device_ms"])
         base, priv = by_operator(per["nonprivate"]), by_operator(per["ncdp_engine"])
         # The largest differences either way: the private step also drops some
         # of the non-private step's work (its weight-gradient products).

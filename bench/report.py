@@ -1128,7 +1128,9 @@ FAMILIES["bench_distributed_dpsgd"] = distributed_dpsgd
 
 # Issue 26's targets for this package's step on the Hugging Face models, by
 # device: time / non-private, peak memory / non-private.
-HF_METHODS = ("nonprivate", "ncdp_engine", "opacus_ghost", "opacus_hooks")
+HF_METHODS = ("nonprivate", "ncdp_engine", "ncdp_engine_gram32", "opacus_ghost", "opacus_hooks")
+# Methods a run includes on a GPU only (bench_hf's GPU_METHODS): absent, no row.
+HF_GPU_ONLY = ("ncdp_engine_gram32",)
 HF_TARGETS = dict(cpu=dict(time=1.25, memory=1.1), cuda=dict(time=1.15, memory=1.1))
 # The memory numbers of bench_hf: extra_info key -> (ratio column, what it counts).
 HF_MEMORY = {"peak_alloc_mb": ("alloc_x", "allocated"),
@@ -1175,6 +1177,8 @@ def hf(family, times):
         tg = HF_TARGETS[device]
         for m in HF_METHODS:
             row = dict(workload=w, method=m)
+            if m not in ms and m in HF_GPU_ONLY:
+                continue
             if m not in ms:
                 row["error"] = NO_RESULT
             elif "error" in ms[m]["extra_info"]:
@@ -1201,7 +1205,7 @@ def hf(family, times):
                     if mem_x[k]:
                         row[col], row[col + "_rounds"] = _spread_text(mem_x[k])
                 _checks35(row, ms, m, row["ms"])
-                if m == "ncdp_engine":
+                if m in ("ncdp_engine", "ncdp_engine_gram32"):
                     verdicts = [("time", row.get("x_nonprivate"), tg["time"])] + [
                         (f"memory ({'CUDA allocator' if device == 'cuda' else what})", row.get(col),
                          tg["memory"])
@@ -1229,6 +1233,8 @@ def hf(family, times):
          "GPT-2: causal-LM loss, each sample's mean over its own tokens "
          "(TokenCrossEntropyLoss), mean over samples; BERT: cross entropy, mean",
          "ncdp_engine: ncdp_fast.torch.PrivacyEngine.make_private (GhostClipper); "
+         "ncdp_engine_gram32 (GPU only): the same with gram_precision='float32' (the norms' "
+         "Grams as float32 GEMMs, each norm raised by their rounding bound, docs/privacy.md); "
          "opacus_ghost / opacus_hooks: Opacus PrivacyEngine grad_sample_mode 'ghost' / "
          "'hooks', the model called with position_ids (B, T) (Opacus fails on the default "
          "(1, T)); opacus_hooks in the first round only; peer refused: the exception Opacus "
@@ -1243,7 +1249,7 @@ def hf(family, times):
          "released, malloc_trim), sampled every ms, the median over three steps (runs "
          "recorded before 2026-11-25 22:00: one step, resident only); they exclude the "
          "weights, the optimizer and the batch, which every method holds",
-         "targets (issue 26) for ncdp_engine: on the CPU <= "
+         "targets (issue 26) for ncdp_engine (and ncdp_engine_gram32): on the CPU <= "
          f"{HF_TARGETS['cpu']['time']}x non-private time, on a GPU <= "
          f"{HF_TARGETS['cuda']['time']}x; <= {HF_TARGETS['cpu']['memory']}x its peak memory, "
          "judged on each memory number (medians over rounds)", CHECKS35_NOTE])

@@ -95,6 +95,10 @@ GPU_SHAPES = {
 def shapes(size, device):
     return (GPU_SHAPES if device == "cuda" else SHAPES)[size]
 METHODS = ["nonprivate", "ncdp_engine", "opacus_ghost", "opacus_hooks"]
+# On a GPU also the engine with gram_precision="float32" (its norms' Grams as
+# float32 GEMMs with their rounding bound, docs/privacy.md); on the CPU it is
+# ncdp_engine itself (the CPU's norms never form Grams).
+GPU_METHODS = ["ncdp_engine_gram32"]
 ONCE = ("opacus_hooks",)
 OPACUS = ("opacus_ghost", "opacus_hooks")
 C, SIGMA, LR = 1.0, 1.0, 0.01
@@ -111,7 +115,8 @@ def workload_label(kind, s):
 
 def CASES(size, device):
     work = [(workload_label(k, s), dict(s, kind=k)) for k, s in shapes(size, device).items()]
-    return {"test_hf_step": cases("bench_hf", work, METHODS, once=ONCE)}
+    methods = METHODS + (GPU_METHODS if device == "cuda" else [])
+    return {"test_hf_step": cases("bench_hf", work, methods, once=ONCE)}
 
 
 def _model(p, per_row_positions=False, device="cpu"):
@@ -165,11 +170,12 @@ def build_step(p, method, device="cpu"):
     # the step itself runs on the fixed batch, so every method sees exactly B rows.
     loader = DataLoader(TensorDataset(ids, target), batch_size=ids.shape[0])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    if method == "ncdp_engine":
+    if method in ("ncdp_engine", "ncdp_engine_gram32"):
         from ncdp_fast.torch import PrivacyEngine
         model, opt, _ = PrivacyEngine(accountant="prv").make_private(
             module=model, optimizer=opt, data_loader=loader, noise_multiplier=SIGMA,
-            max_grad_norm=C, seed=1)
+            max_grad_norm=C, seed=1,
+            gram_precision="float32" if method == "ncdp_engine_gram32" else "float64")
     elif method in OPACUS:
         from opacus import PrivacyEngine
         from opacus.validators import ModuleValidator

@@ -53,9 +53,11 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
   m.def("launch_linear_norms_from_grams", &ncdp::launch_linear_norms_from_grams,
         "sq[b] (=, or +=) sum_l sum (W_i + bias) o V_i, spread[b] += sum_l sum_t "
         "sqrt(V_i[t,t]) (sqrt(W_i[t,t]) + bias), sizes[i] = (tr W_i, tr V_i); i = l B + b, "
-        "W_i = W[b] with shared_w; float64.",
+        "W_i = W[b] with shared_w; float64 sums; float32 Grams (gram_dtype 0, dot lengths "
+        "w_length, v_length) give upper bounds of the exact norms and spreads.",
         py::arg("w"), py::arg("v"), py::arg("B"), py::arg("layers"), py::arg("T"),
-        py::arg("bias"), py::arg("shared_w"), py::arg("sq"), py::arg("accumulate"),
+        py::arg("bias"), py::arg("shared_w"), py::arg("gram_dtype"), py::arg("w_length"),
+        py::arg("v_length"), py::arg("sq"), py::arg("accumulate"),
         py::arg("spread"), py::arg("sizes"), py::arg("workspace"), py::arg("workspace_bytes"),
         py::arg("stream"));
   m.def("launch_clip_factors", &ncdp::launch_clip_factors,

@@ -513,14 +513,15 @@ def assign(out, x):
         out[...] = x
 
 
-def bmm(x, y):
+def bmm(x, y, out=None):
     """x @ y for 3-D x (n, p, q) and y (n, q, r) of one library: torch.bmm
     directly for tensors (``@`` decomposes into expands and views first, five
-    more ops of host time each, issue 36), ``@`` for CuPy."""
+    more ops of host time each, issue 36), matmul for CuPy; into ``out`` (n,
+    p, r), C-contiguous, where given."""
     if is_torch(x):
         import torch
-        return torch.bmm(x, y)
-    return x @ y
+        return torch.bmm(x, y) if out is None else torch.bmm(x, y, out=out)
+    return module_of(x).matmul(x, y, out=out)
 
 
 def scale_rows(x, f):

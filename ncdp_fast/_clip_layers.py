@@ -17,7 +17,7 @@ from . import _arrays, _backend, _balance, _stream
 from ._clip_checks import _check_common, _check_noise_range
 from ._clip_results import (GhostBlock, LayersClipResult, LinearClipResult, _accounting,
                             step_buffer)
-from ._validate import check_positive
+from ._validate import check_choice, check_positive
 
 __all__ = ["clip_and_noise_linear", "clip_and_noise_layers"]
 
@@ -218,7 +218,8 @@ def _ghost_dtype(specs) -> np.dtype:
 
 
 def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, reduction,
-                 expected_batch_size, nan_policy, grad_scale=1.0, release=False, checks=()):
+                 expected_batch_size, nan_policy, grad_scale=1.0, release=False, checks=(),
+                 gram_precision="float64"):
     max_norm, noise_std, inv_denom = _check_common(
         max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy)
     be = _backend.select("clip", **arrays)
@@ -268,28 +269,45 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     buf, factors, norms, extra = step_buffer(be.io, B, len(checks), 2 * len(pairs) * B)
     sizes = extra.reshape(len(pairs), B, 2) if pairs else None
     slot = {i: j for j, i in enumerate(pairs)}
-    for layer in layers:
-        if layer.kind != "pair":
-            layer.add_sq_norms(be.kernels, sq, spread)
-    for (T, _, _, bias), members in groups.items():
-        j = slot[members[0]]
-        be.kernels.linear_sq_norms_group([layers[i].a for i in members],
-                                         [layers[i].g for i in members], bias, sq,
-                                         spread if T > 1 else None,
-                                         sizes[j:j + len(members)])
-    terms = sum(layer.terms for layer in layers)
-    if grad_scale != 1.0:
-        # The blocks hold gradients / s: the sample's norm is s times theirs (two
-        # more float64 roundings: s^2 * sq here, f * s below).
-        sq *= grad_scale * grad_scale
-        if spread is not None:
-            spread *= grad_scale
-        terms += 2
-    be.kernels.clip_factors(sq, spread, max_norm, terms, t_max,
-                            float(np.finfo(dtype).eps) / 2, factors, norms)
+    terms = sum(layer.terms for layer in layers) + (2 if grad_scale != 1.0 else 0)
+
+    def form_factors(gram32, again=False):
+        """The norms and factors into buf; whether a float32 Gram formed any."""
+        nonlocal sq, spread
+        if again:           # a second pass: start from nothing
+            sq[...] = 0.0
+            if spread is not None:
+                spread[...] = 0.0
+        for layer in layers:
+            if layer.kind != "pair":
+                layer.add_sq_norms(be.kernels, sq, spread)
+        used = False
+        for (T, _, _, bias), members in groups.items():
+            j = slot[members[0]]
+            used |= bool(be.kernels.linear_sq_norms_group(
+                [layers[i].a for i in members], [layers[i].g for i in members], bias, sq,
+                spread if T > 1 else None, sizes[j:j + len(members)], gram32))
+        if grad_scale != 1.0:
+            # The blocks hold gradients / s: the sample's norm is s times theirs (two
+            # more float64 roundings: s^2 * sq here, f * s below).
+            sq *= grad_scale * grad_scale
+            if spread is not None:
+                spread *= grad_scale
+        be.kernels.clip_factors(sq, spread, max_norm, terms, t_max,
+                                float(np.finfo(dtype).eps) / 2, factors, norms)
+        return used
+
+    gram32 = form_factors(gram_precision == "float32" and dtype == np.float32)
+    acc, host = _accounting(be, buf, B, max_norm, "zero" if gram32 else nan_policy, None, None,
+                            draws, by_factors=True, checks=checks)
+    if gram32 and acc["num_nonfinite"]:
+        # A float32 Gram overflows (|a_t|^2 past 3.4e38) where the float64 one
+        # does not: a dropped row is judged, and dropped, on the float64 norms
+        # (one more host wait, only in a step that drops a row).
+        gram32 = form_factors(False, again=True)
+        acc, host = _accounting(be, buf, B, max_norm, nan_policy, None, None, draws,
+                                by_factors=True)
     weights = factors * grad_scale if grad_scale != 1.0 else factors
-    acc, host = _accounting(be, buf, B, max_norm, nan_policy, None, None, draws,
-                            by_factors=True, checks=checks)
     host_factors = host[:B]
     balance = [True] * len(layers)
     if pairs:
@@ -299,7 +317,8 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         need = _balance.layers_needing_balancing(
             host_weights, host[2 * B + len(checks):].reshape(len(pairs), B, 2),
             [p.T * p.d for p in ps], [p.T * p.K for p in ps], [p.K <= p.d for p in ps],
-            dtype == np.float32)
+            # A float32 Gram's zero trace may be an underflow, not a zero operand.
+            dtype == np.float32 and not gram32)
         for i, flag in zip(pairs, need):
             balance[i] = bool(flag)
     # Claimed once nothing can refuse any more: a refused step takes no range.
@@ -429,7 +448,8 @@ def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier,
 
 def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=None, offset=None,
                           reduction="sum", expected_batch_size=None, nan_policy="raise",
-                          grad_scale=1.0, release_blocks=False, _checks=()) -> LayersClipResult:
+                          grad_scale=1.0, release_blocks=False, gram_precision="float64",
+                          _checks=()) -> LayersClipResult:
     """Clip several parameter blocks jointly: one factor per sample from the total norm.
 
     Each element of ``layers`` is a dense per-sample gradient (B, ...)
@@ -453,6 +473,19 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
     that keeps no other reference to the blocks' arrays (GhostClipper) then
     frees a layer's activations and backprops before later sums are allocated,
     instead of holding all of them until the last sum exists.
+
+    ``gram_precision``: ``"float64"`` (default) or ``"float32"``.  On a CUDA
+    device the norms of float32 linear pairs on the Gram route (2 T^2 <= K d)
+    come from their Grams A_i A_i^T, G_i G_i^T; "float64" forms those in
+    float64 (exact copies, FP64 GEMMs: the norms within the rule's float64
+    rounding); "float32" as float32 GEMMs (TF32 off), without the float64
+    copies, each layer's norm then raised by the largest effect the GEMMs'
+    rounding can have (docs/privacy.md, "Norms from float32 Grams"), so a
+    contribution still never exceeds C, but clipping is tighter by that bound:
+    about 7e-5 of the norm on BERT-base's layers and 1% on GPT-2's (random
+    models at the benchmarks' shapes).  A step in which a row is dropped forms
+    its norms again in float64 before judging it.  Elsewhere (the CPU, float64
+    data, T = 1, the direct route) nothing changes.
 
     ``_checks`` (internal, for GhostClipper): ``(0-d boolean device tensor,
     refuse)`` pairs read with the step's counts in its one transfer; a false
@@ -478,7 +511,9 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
     grad_scale = check_positive(grad_scale, "grad_scale")
     if not np.isfinite(grad_scale):
         raise ValueError(f"grad_scale: expected a finite number > 0, got {grad_scale!r}")
+    check_choice(gram_precision, "gram_precision", ("float64", "float32"))
     grads, acc = _clip_layers(layers, arrays, max_norm, noise_multiplier, seed, offset, reduction,
                               expected_batch_size, nan_policy, grad_scale,
-                              release=bool(release_blocks), checks=_checks)
+                              release=bool(release_blocks), checks=_checks,
+                              gram_precision=gram_precision)
     return LayersClipResult(grads=grads, **acc)

@@ -129,9 +129,9 @@ def test_native_clip_factors_validates_the_rule(native):
 def test_native_linear_norms_from_grams_validates_its_buffers(native):
     # Checked before any CUDA call, so these run without a GPU.
     needed = native.linear_norms_from_grams_workspace_bytes(2, 2, 3)
-    assert needed >= 2 * 2 * 4 * 8          # 4 float64 partials a sample and slice
-    args = dict(w=4096, v=8192, B=2, layers=2, T=3, bias=True, shared_w=False, sq=16384,
-                accumulate=False,
+    assert needed >= 2 * 2 * 6 * 8          # 6 float64 partials a sample and slice
+    args = dict(w=4096, v=8192, B=2, layers=2, T=3, bias=True, shared_w=False, gram_dtype=1,
+                w_length=0, v_length=0, sq=16384, accumulate=False,
                 spread=0, sizes=0, workspace=32768, workspace_bytes=needed, stream=0)
     native.launch_linear_norms_from_grams(**dict(args, B=0, sq=0))   # no samples: nothing
     with pytest.raises(ValueError, match="layers must be non-negative, got -1"):
@@ -148,6 +148,19 @@ def test_native_linear_norms_from_grams_validates_its_buffers(native):
         native.launch_linear_norms_from_grams(**dict(args, workspace_bytes=needed - 8))
     with pytest.raises(ValueError, match="layers \\* B \\* T \\* T"):
         native.launch_linear_norms_from_grams(**dict(args, T=2 ** 31))
+    # float32 Grams: 4-byte alignment, and dot lengths inside the rounding model.
+    f32 = dict(args, gram_dtype=0, w_length=5, v_length=7)
+    with pytest.raises(ValueError, match="dtype must be 0 \\(float32\\) or 1 \\(float64\\), got 2"):
+        native.launch_linear_norms_from_grams(**dict(f32, gram_dtype=2))
+    with pytest.raises(ValueError, match="w_length: expected a float32 Gram's dot length in "
+                                         "\\[1, 1048576\\], got 0"):
+        native.launch_linear_norms_from_grams(**dict(f32, w_length=0))
+    with pytest.raises(ValueError, match="v_length: expected .* got 1048577"):
+        native.launch_linear_norms_from_grams(**dict(f32, v_length=2 ** 20 + 1))
+    with pytest.raises(ValueError, match="v is not aligned to 4 bytes"):
+        native.launch_linear_norms_from_grams(**dict(f32, v=8194))
+    with pytest.raises(ValueError, match="v is not aligned to 8 bytes"):
+        native.launch_linear_norms_from_grams(**dict(args, v=8196))
 
 
 def _segments_kwargs(**changes):

@@ -323,6 +323,49 @@ def test_linear_norms_from_grams_with_one_shared_input(emu, B, layers, T):
                  "sizes")
 
 
+# (B, layers, T, shared): one position, a slice past 256 threads, three
+# stacked layers, four row slices with a shorter last one, a shared input.
+@pytest.mark.parametrize("B,layers,T,shared", [(2, 2, 0, False), (1, 1, 1, False),
+                                               (3, 1, 17, False), (2, 3, 20, False),
+                                               (1, 1, 70, False), (2, 3, 20, True)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_norms_from_float32_grams_match_the_reference(emu, B, layers, T, shared, bias):
+    """gram_dtype float32 (w_length, v_length given): float32 Grams read as
+    they are, each layer's norm raised by the float32 model's error term and
+    the spread formed from the diagonals' root bounds, as the reference."""
+    d, K = 5, 3
+    rng = np.random.default_rng(B + 3 * T + layers)
+    a = rng.standard_normal((layers * B, T, d)).astype(np.float32)
+    g = (rng.standard_normal((layers * B, T, K)) * 0.3).astype(np.float32)
+    w, v = a @ a.transpose(0, 2, 1), g @ g.transpose(0, 2, 1)
+    if shared:
+        w = np.ascontiguousarray(w[:B])
+    want_sq, want_spread, want_sizes = R.linear_norms_from_grams(w, v, bias, layers, shared,
+                                                                 lengths=(d, K))
+    plain_sq = R.linear_norms_from_grams(w, v, bias, layers, shared)[0]
+    one = 1.0 if bias else 0.0
+    wl = np.concatenate([w] * layers) if shared else w
+    w64, v64 = wl.astype(np.float64), v.astype(np.float64)
+    cells = np.abs((w64 + one) * v64).reshape(layers, B, T * T).sum(axis=(0, 2))
+    res = emu.run("linear_norms_from_grams",
+                  dict(B=B, layers=layers, T=T, bias=int(bias), accumulate=0,
+                       shared_w=int(shared), w_length=d, v_length=K),
+                  {"w": w, "v": v, "sq": np.full(B, np.nan), "spread": np.zeros(B),
+                   "sizes": np.full((layers * B, 2), np.nan)},
+                  misalign={"w": 4, "v": 4})
+    # The Hadamard sums as the float64 Grams' test bounds them; the error
+    # terms (about 1e-6 of them here) are products of sums over T diagonals
+    # in another order: a few T roundings of their own size.
+    err = want_sq - plain_sq
+    assert np.all(err > 0) or T == 0      # no positions: nothing to round
+    assert_close(res["sq"], want_sq, cells + 8 * err, layers * T * T + 3 * T + 8, np.float64,
+                 np.float64, "sq")
+    assert_close(res["spread"], want_spread, want_spread, layers * T + 5, np.float64,
+                 np.float64, "spread")
+    assert_close(res["sizes"], want_sizes, np.abs(want_sizes), T + 1, np.float64, np.float64,
+                 "sizes")
+
+
 @pytest.mark.parametrize("with_spread", [False, True])
 def test_clip_factors_match_the_reference_rule(emu, with_spread):
     # The rule of clip/clip_rule.cuh is reference.clip_bound operation for operation:

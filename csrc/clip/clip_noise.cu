@@ -81,48 +81,84 @@ __global__ void __launch_bounds__(kBlockThreads) row_sq_norms_kernel(
   }
 }
 
+// An upper bound on ||x_t|| from a float32 Gram's computed diagonal entry
+// (reference.gram32_root_bound): the largest root of
+// (1 - gamma) r^2 - 2 eta1 r - (eta0 + diag).
+__device__ __forceinline__ double gram32_root_bound(double diag, const double (&r)[3]) {
+  const double scale = (1.0 + kGram32RootMargin) / (1.0 - r[0]);
+  return (r[1] + sqrt(r[1] * r[1] + (1.0 - r[0]) * (r[2] + diag))) * scale;
+}
+
+// The float32 Grams' largest effect on a layer's Hadamard sum
+// (reference.gram32_error) from E >= sum_t (|a_t| + b) |g_t|, A1 >= sum_t
+// (|a_t| + b) and B1 >= sum_t |g_t|.
+__device__ __forceinline__ double gram32_error(double E, double A1, double B1, double T,
+                                               const GramRounding& r) {
+  const double gw = r.w[0], e1w = r.w[1], e0w = r.w[2];
+  const double gv = r.v[0], e1v = r.v[1], e0v = r.v[2];
+  const double i = gw * E * E + 2.0 * e1w * E * B1 + e0w * B1 * B1;
+  const double ii = 2.0 * gw * E * A1 + e1w * (2.0 * T * E + 2.0 * A1 * B1) + 2.0 * e0w * T * B1;
+  const double iii = gw * A1 * A1 + 2.0 * e1w * T * A1 + e0w * T * T;
+  const double iv = gv * E * E + 2.0 * e1v * E * A1 + e0v * A1 * A1;
+  return ((1.0 + gv) * i + e1v * ii + e0v * iii + iv) * (1.0 + kGram32ErrorMargin);
+}
+
 // Pass 1 of the norms from Grams: block (i, s) sums slice s (rows
 // [s R, (s + 1) R) of T) of sample i's Grams: the Hadamard sum of the slice's
-// cells and its diagonal entries' three sums, each a fixed-order block tree,
-// into partials[i, s, 0..3]. Slices spread the samples over every SM (one
+// cells and its diagonal entries' five sums, each a fixed-order block tree,
+// into partials[i, s, 0..5]. Slices spread the samples over every SM (one
 // block a sample left most of a GPU idle at B = 16..32 with 8 warps an SM).
+// Float32 Grams (rounding.enabled) take their diagonal roots as the model's
+// upper bounds; float64 ones as they are.
+template <typename Gram>
 __global__ void __launch_bounds__(kBlockThreads) linear_norm_partials_kernel(
-    const double* __restrict__ w,  // [w_count, T, T]
-    const double* __restrict__ v,  // [samples, T, T]
+    const Gram* __restrict__ w,  // [w_count, T, T]
+    const Gram* __restrict__ v,  // [samples, T, T]
     std::int64_t samples, std::int64_t w_count, std::int64_t T, std::int64_t slices,
-    std::int64_t rows_per_slice, double bias,
-    double* __restrict__ partials) {  // [samples, slices, 4]
-  __shared__ double scratch[kBlockThreads / 32 * 4];
+    std::int64_t rows_per_slice, double bias, GramRounding rounding,
+    double* __restrict__ partials) {  // [samples, slices, kNormPartials]
+  __shared__ double scratch[kBlockThreads / 32 * kNormPartials];
   const int tid = static_cast<int>(threadIdx.x);
   for (std::int64_t work = blockIdx.x; work < samples * slices; work += gridDim.x) {
     const std::int64_t i = work / slices;
     const std::int64_t t0 = (work % slices) * rows_per_slice;
     const std::int64_t t1 = t0 + rows_per_slice < T ? t0 + rows_per_slice : T;
     // W_i is W[i mod w_count]: w_count = B when the layers read one input (q, k, v).
-    const double* wi = w + (i % w_count) * T * T;
-    const double* vi = v + i * T * T;
-    // (Hadamard sum, tr W, tr V, sum_t sqrt(V_tt) (sqrt(W_tt) + bias)) of the slice.
-    double sums[4] = {0.0, 0.0, 0.0, 0.0};
+    const Gram* wi = w + (i % w_count) * T * T;
+    const Gram* vi = v + i * T * T;
+    // (Hadamard sum, tr W, tr V, E = sum_t y_t (x_t + bias), sum_t (x_t + bias),
+    // sum_t y_t) of the slice, x_t and y_t the diagonal's roots.
+    double sums[kNormPartials] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
     for (std::int64_t c = t0 * T + tid; c < t1 * T; c += kBlockThreads) {
-      sums[0] += (wi[c] + bias) * vi[c];
+      sums[0] += (static_cast<double>(wi[c]) + bias) * static_cast<double>(vi[c]);
     }
     for (std::int64_t t = t0 + tid; t < t1; t += kBlockThreads) {
       const double wt = wi[t * (T + 1)], vt = vi[t * (T + 1)];
       sums[1] += wt;
       sums[2] += vt;
-      sums[3] += sqrt(vt) * (sqrt(wt) + bias);
+      if (rounding.enabled) {
+        const double x = gram32_root_bound(wt, rounding.w) + bias;
+        const double y = gram32_root_bound(vt, rounding.v);
+        sums[3] += y * x;
+        sums[4] += x;
+        sums[5] += y;
+      } else {
+        sums[3] += sqrt(vt) * (sqrt(wt) + bias);
+      }
     }
     block_sums<kBlockThreads>(sums, scratch);
     if (tid == 0) {
-      for (int k = 0; k < 4; ++k) partials[4 * work + k] = sums[k];
+      for (int k = 0; k < kNormPartials; ++k) partials[kNormPartials * work + k] = sums[k];
     }
   }
 }
 
-// Pass 2: per sample b, its layers' slices summed in order (sample i = l * B + b).
+// Pass 2: per sample b, its layers' slices summed in order (sample i = l * B + b);
+// with float32 Grams each layer's norm gains its gram32_error.
 __global__ void __launch_bounds__(kBlockThreads) linear_norms_from_partials_kernel(
-    const double* __restrict__ partials,  // [layers * B, slices, 4]
-    std::int64_t B, std::int64_t layers, std::int64_t slices,
+    const double* __restrict__ partials,  // [layers * B, slices, kNormPartials]
+    std::int64_t B, std::int64_t layers, std::int64_t T, std::int64_t slices,
+    GramRounding rounding,
     double* __restrict__ sq,  // [B]
     bool accumulate,
     double* __restrict__ spread,  // [B] or nullptr
@@ -133,14 +169,17 @@ __global__ void __launch_bounds__(kBlockThreads) linear_norms_from_partials_kern
     double norm_total = 0.0, spread_total = 0.0;
     for (std::int64_t l = 0; l < layers; ++l) {
       const std::int64_t i = l * B + b;
-      double norm = 0.0, trace_w = 0.0, trace_v = 0.0, scale = 0.0;
+      double norm = 0.0, trace_w = 0.0, trace_v = 0.0, scale = 0.0, a1 = 0.0, b1 = 0.0;
       for (std::int64_t s = 0; s < slices; ++s) {
-        const double* part = partials + 4 * (i * slices + s);
+        const double* part = partials + kNormPartials * (i * slices + s);
         norm += part[0];
         trace_w += part[1];
         trace_v += part[2];
         scale += part[3];
+        a1 += part[4];
+        b1 += part[5];
       }
+      if (rounding.enabled) norm += gram32_error(scale, a1, b1, static_cast<double>(T), rounding);
       norm_total += norm;
       spread_total += scale;
       if (sizes != nullptr) {
@@ -533,13 +572,30 @@ std::int64_t linear_norm_slices(std::int64_t B, std::int64_t layers, std::int64_
 std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_t layers,
                                                      std::int64_t T) {
   const std::int64_t slices = linear_norm_slices(B, layers, T);
-  return align_bytes(B * layers * slices * 4 * std::int64_t{sizeof(double)});
+  return align_bytes(B * layers * slices * kNormPartials * std::int64_t{sizeof(double)});
 }
 
-void launch_linear_norms_from_grams(const double* w, const double* v, std::int64_t B,
+GramRounding gram32_rounding(std::int64_t w_length, std::int64_t v_length) {
+  // reference.gram32_rounding: each constant correctly rounded from its formula.
+  const auto model = [](std::int64_t n, double (&r)[3]) {
+    const double nu = static_cast<double>(n) * 0x1p-24;
+    r[0] = nu / (1.0 - nu);
+    r[1] = 0x1p-125 * std::sqrt(static_cast<double>(n));
+    r[2] = static_cast<double>(n) * 0x1p-124;
+  };
+  GramRounding r{};
+  r.enabled = true;
+  model(w_length, r.w);
+  model(v_length, r.v);
+  return r;
+}
+
+template <typename Gram>
+void launch_linear_norms_from_grams(const Gram* w, const Gram* v, std::int64_t B,
                                     std::int64_t layers, std::int64_t T, bool bias,
-                                    bool shared_w, double* sq, bool accumulate, double* spread,
-                                    double* sizes, void* workspace, cudaStream_t stream) {
+                                    bool shared_w, const GramRounding& rounding, double* sq,
+                                    bool accumulate, double* spread, double* sizes,
+                                    void* workspace, cudaStream_t stream) {
   if (B <= 0) return;
   // T = 0 or no layers: no partials, and the finish writes empty sums (0).
   const std::int64_t slices = linear_norm_slices(B, layers, T);
@@ -548,13 +604,22 @@ void launch_linear_norms_from_grams(const double* w, const double* v, std::int64
   double* partials = static_cast<double*>(workspace);
   if (used > 0) {
     NCDP_LAUNCH(grid_blocks(B * layers * used, 1), kBlockThreads, 0, stream,
-                linear_norm_partials_kernel)(w, v, B * layers, shared_w ? B : B * layers, T,
-                                             used, rows_per_slice, bias ? 1.0 : 0.0, partials);
+                linear_norm_partials_kernel<Gram>)(w, v, B * layers, shared_w ? B : B * layers,
+                                                   T, used, rows_per_slice, bias ? 1.0 : 0.0,
+                                                   rounding, partials);
   }
   NCDP_LAUNCH(grid_blocks(B, kBlockThreads), kBlockThreads, 0, stream,
-              linear_norms_from_partials_kernel)(partials, B, layers, used, sq, accumulate,
-                                                 spread, sizes);
+              linear_norms_from_partials_kernel)(partials, B, layers, T, used, rounding, sq,
+                                                 accumulate, spread, sizes);
 }
+
+#define NCDP_INSTANTIATE_NORMS_FROM_GRAMS(Gram)                                              \
+  template void launch_linear_norms_from_grams<Gram>(                                        \
+      const Gram*, const Gram*, std::int64_t, std::int64_t, std::int64_t, bool, bool,        \
+      const GramRounding&, double*, bool, double*, double*, void*, cudaStream_t);
+NCDP_INSTANTIATE_NORMS_FROM_GRAMS(float)
+NCDP_INSTANTIATE_NORMS_FROM_GRAMS(double)
+#undef NCDP_INSTANTIATE_NORMS_FROM_GRAMS
 
 void launch_clip_factors(const double* sq, const double* spread, std::int64_t B,
                          const ClipRule& rule, double* factors, double* norms,

@@ -31,7 +31,7 @@ std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_
 
 // A linear layer's per-sample squared gradient norms from its two Grams
 // (the device route forms W_i = A_i A_i^T and V_i = G_i G_i^T with the
-// vendor's float64 GEMM), for `layers` layers of one shape stacked along the
+// vendor's GEMM), for `layers` layers of one shape stacked along the
 // batch (sample i = l * B + b); with shared_w the layers read one input (the
 // q, k and v projections of an attention block) and W holds its B Grams once
 // (W_i = W[b]). Per sample b, in float64, layers in order:
@@ -41,10 +41,16 @@ std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_
 // the norm, the scale of its rounding (reference.linear_spread) and the
 // operands' squared norms, in two launches instead of a dozen element-wise
 // ops. The summation order depends on (B, layers, T) only.
+// gram_dtype 1: float64 Grams. gram_dtype 0: float32 GEMMs of dot lengths
+// w_length (d) and v_length (K) in [1, 2^20], TF32 off: each layer's norm is
+// then the upper bound of reference.linear_norms_from_grams(lengths=(d, K))
+// (the Hadamard sum plus the Grams' largest rounding effect) and its spread
+// is formed from the diagonals' root bounds (docs/privacy.md).
 void launch_linear_norms_from_grams(std::uintptr_t w,  // [(shared_w ? 1 : layers) * B, T, T]
-                                    std::uintptr_t v,  // [layers * B, T, T] float64
+                                    std::uintptr_t v,  // [layers * B, T, T], gram_dtype
                                     std::int64_t B, std::int64_t layers, std::int64_t T,
-                                    bool bias, bool shared_w,
+                                    bool bias, bool shared_w, int gram_dtype,
+                                    std::int64_t w_length, std::int64_t v_length,
                                     std::uintptr_t sq,  // [B] float64
                                     bool accumulate,
                                     std::uintptr_t spread,  // [B] float64, or 0
@@ -141,10 +147,30 @@ std::int64_t linear_norm_slices(std::int64_t B, std::int64_t layers, std::int64_
 std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_t layers,
                                                      std::int64_t T);
 
-void launch_linear_norms_from_grams(const double* w,  // [(shared_w ? 1 : layers) * B, T, T]
-                                    const double* v,  // [layers * B, T, T]
+// Values each row slice of the norms from Grams sums (Hadamard sum, the two
+// traces, E and the two root sums of the float32 Gram model).
+constexpr int kNormPartials = 6;
+// Margins of the float32 Gram model over its own float64 roundings
+// (reference.GRAM32_ROOT_MARGIN, GRAM32_ERROR_MARGIN).
+constexpr double kGram32RootMargin = 0x1p-40;
+constexpr double kGram32ErrorMargin = 0x1p-20;
+
+// The float32 Gram model of reference.gram32_rounding: (gamma, eta1, eta0)
+// of W's dot products (length d) and V's (length K); disabled for float64
+// Grams, whose rounding the clip rule's terms already cover.
+struct GramRounding {
+  bool enabled;
+  double w[3];
+  double v[3];
+};
+
+GramRounding gram32_rounding(std::int64_t w_length, std::int64_t v_length);
+
+template <typename Gram>
+void launch_linear_norms_from_grams(const Gram* w,  // [(shared_w ? 1 : layers) * B, T, T]
+                                    const Gram* v,  // [layers * B, T, T]
                                     std::int64_t B, std::int64_t layers, std::int64_t T,
-                                    bool bias, bool shared_w,
+                                    bool bias, bool shared_w, const GramRounding& rounding,
                                     double* sq,  // [B]
                                     bool accumulate,
                                     double* spread,  // [B] or nullptr

@@ -22,6 +22,18 @@ void require_workspace(std::uintptr_t workspace, std::int64_t workspace_bytes,
   require_pointer(workspace, needed > 0, sizeof(double), "workspace");
 }
 
+// The float32 Gram model's dot lengths (reference.GRAM32_MAX_LENGTH): n u < 1
+// with room for its constants.
+constexpr std::int64_t kMaxGram32Length = std::int64_t{1} << 20;
+
+void require_gram32_length(std::int64_t n, const char* name) {
+  if (n < 1 || n > kMaxGram32Length) {
+    throw std::invalid_argument(std::string("ncdp_fast: ") + name +
+                                ": expected a float32 Gram's dot length in [1, " +
+                                std::to_string(kMaxGram32Length) + "], got " + std::to_string(n));
+  }
+}
+
 }  // namespace
 
 void launch_row_sq_norms(std::uintptr_t g, std::int64_t B, std::int64_t p, int dtype,
@@ -50,32 +62,49 @@ std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_
   require_non_negative(T, "T");
   const std::int64_t samples = checked_mul(layers, B, "layers * B");
   checked_mul(samples, checked_mul(T, T, "T * T"), "layers * B * T * T");
-  checked_mul(checked_mul(samples, T, "layers * B * T"), 4 * std::int64_t{sizeof(double)},
+  checked_mul(checked_mul(samples, T, "layers * B * T"),
+              kernels::kNormPartials * std::int64_t{sizeof(double)},
               "partials bytes");
   return kernels::linear_norms_from_grams_workspace_bytes(B, layers, T);
 }
 
 void launch_linear_norms_from_grams(std::uintptr_t w, std::uintptr_t v, std::int64_t B,
                                     std::int64_t layers, std::int64_t T, bool bias,
-                                    bool shared_w, std::uintptr_t sq, bool accumulate,
+                                    bool shared_w, int gram_dtype, std::int64_t w_length,
+                                    std::int64_t v_length, std::uintptr_t sq, bool accumulate,
                                     std::uintptr_t spread, std::uintptr_t sizes,
                                     std::uintptr_t workspace, std::int64_t workspace_bytes,
                                     std::uintptr_t stream) {
   const std::int64_t needed = linear_norms_from_grams_workspace_bytes(B, layers, T);
+  const std::size_t item = dtype_size(gram_dtype);
+  kernels::GramRounding rounding{};
+  if (gram_dtype == kDtypeFloat32) {
+    require_gram32_length(w_length, "w_length");
+    require_gram32_length(v_length, "v_length");
+    rounding = kernels::gram32_rounding(w_length, v_length);
+  }
   const std::int64_t cells = layers * B * T * T;
-  require_pointer(w, cells > 0, sizeof(double), "w");
-  require_pointer(v, cells > 0, sizeof(double), "v");
+  require_pointer(w, cells > 0, item, "w");
+  require_pointer(v, cells > 0, item, "v");
   require_pointer(sq, B > 0, sizeof(double), "sq");
   require_pointer(spread, false, sizeof(double), "spread");
   require_pointer(sizes, false, sizeof(double), "sizes");
   require_workspace(workspace, workspace_bytes, needed, "linear_norms_from_grams");
   if (B == 0) return;
   DeviceGuard guard(first_pointer({cells > 0 ? w : 0, cells > 0 ? v : 0, sq}), "w");
-  kernels::launch_linear_norms_from_grams(
-      typed<const double>(w), typed<const double>(v), B, layers, T, bias, shared_w,
-      typed<double>(sq),
-      accumulate, spread != 0 ? typed<double>(spread) : nullptr,
-      sizes != 0 ? typed<double>(sizes) : nullptr, typed<void>(workspace), as_stream(stream));
+  double* spread_ptr = spread != 0 ? typed<double>(spread) : nullptr;
+  double* sizes_ptr = sizes != 0 ? typed<double>(sizes) : nullptr;
+  if (gram_dtype == kDtypeFloat32) {
+    kernels::launch_linear_norms_from_grams(
+        typed<const float>(w), typed<const float>(v), B, layers, T, bias, shared_w, rounding,
+        typed<double>(sq), accumulate, spread_ptr, sizes_ptr, typed<void>(workspace),
+        as_stream(stream));
+  } else {
+    kernels::launch_linear_norms_from_grams(
+        typed<const double>(w), typed<const double>(v), B, layers, T, bias, shared_w, rounding,
+        typed<double>(sq), accumulate, spread_ptr, sizes_ptr, typed<void>(workspace),
+        as_stream(stream));
+  }
   check_launch("linear_norms_from_grams");
 }
 

@@ -113,20 +113,28 @@ void probe_row_sq_norms(Probe& probe) {
 }
 
 // T = 3 with 2 layers and both optional outputs (both passes), with W per
-// layer and shared; T = 0 (no positions: the finish alone) too.
-void probe_linear_norms_from_grams(Probe& probe) {
+// layer and shared, float64 and float32 Grams; T = 0 (no positions: the
+// finish alone) too.
+template <typename Gram>
+void probe_linear_norms_from_grams_of(Probe& probe, const kernels::GramRounding& rounding) {
   const std::int64_t B = 3, layers = 2;
   for (const std::int64_t T : {std::int64_t{3}, std::int64_t{0}}) {
     for (const bool shared : {false, true}) {
       kernels::launch_linear_norms_from_grams(
-          probe.buffer<double>(layers * B * T * T), probe.buffer<double>(layers * B * T * T),
-          B, layers, T, /*bias=*/true, shared, probe.buffer<double>(B), /*accumulate=*/true,
-          probe.buffer<double>(B), probe.buffer<double>(layers * B * 2),
+          probe.buffer<Gram>(layers * B * T * T), probe.buffer<Gram>(layers * B * T * T), B,
+          layers, T, /*bias=*/true, shared, rounding, probe.buffer<double>(B),
+          /*accumulate=*/true, probe.buffer<double>(B), probe.buffer<double>(layers * B * 2),
           probe.bytes(kernels::linear_norms_from_grams_workspace_bytes(B, layers, T)),
           kLegacyStream);
-      probe.check(sizes({{"B", B}, {"layers", layers}, {"T", T}, {"shared_w", shared}}));
+      probe.check(sizes({{"B", B}, {"layers", layers}, {"T", T}, {"shared_w", shared},
+                         {"float32 Grams", rounding.enabled}}));
     }
   }
+}
+
+void probe_linear_norms_from_grams(Probe& probe) {
+  probe_linear_norms_from_grams_of<double>(probe, kernels::GramRounding{});
+  probe_linear_norms_from_grams_of<float>(probe, kernels::gram32_rounding(5, 7));
 }
 
 void probe_clip_factors(Probe& probe) {

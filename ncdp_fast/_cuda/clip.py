@@ -7,6 +7,7 @@ import os
 import numpy as np
 
 from .. import _arrays, _balance
+from ..reference.clip import GRAM32_MAX_LENGTH
 from ._common import dtype_code, ieee_float32_matmul, native, opt_ptr, ptr, stream, workspace
 # The finishing step of the layered clip's sums (ghost blocks, linear pairs, joined dense
 # blocks), as _numba.clip.
@@ -21,19 +22,22 @@ def row_sq_norms(g, sq, accumulate):
 
 
 def linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes, layers,
-                            shared_w=False):
+                            shared_w=False, lengths=None):
     # sq[b] (=|+=) sum_l sum (W_i + bias) o V_i, spread[b] += the diagonals'
     # sum_t sqrt(V_tt) (sqrt(W_tt) + bias), sizes[i] = (tr W_i, tr V_i) for
     # i = l * B + b; w (B or layers * B, T, T: shared_w), v (layers * B, T, T)
-    # C-contiguous float64; sizes rows contiguous (layers * B, 2)
-    # (csrc/clip/clip_noise.h).
+    # C-contiguous, float64, or float32 GEMMs of dot lengths ``lengths`` = (d,
+    # K), whose norms and spreads are then upper bounds; sizes rows contiguous
+    # (layers * B, 2) (csrc/clip/clip_noise.h).
     B, T = sq.shape[0], v.shape[1]
     C = native(sq)
     nbytes = C.linear_norms_from_grams_workspace_bytes(B, int(layers), T)
     ws, ws_ptr = workspace(sq, nbytes)
+    w_length, v_length = (0, 0) if lengths is None else (int(lengths[0]), int(lengths[1]))
     C.launch_linear_norms_from_grams(ptr(w), ptr(v), B, int(layers), T, bool(bias),
-                                     bool(shared_w), ptr(sq), bool(accumulate), opt_ptr(spread),
-                                     opt_ptr(sizes), ws_ptr, nbytes, stream(sq))
+                                     bool(shared_w), dtype_code(v), w_length, v_length, ptr(sq),
+                                     bool(accumulate), opt_ptr(spread), opt_ptr(sizes), ws_ptr,
+                                     nbytes, stream(sq))
 
 
 def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms):
@@ -87,7 +91,7 @@ GEMM_CHUNK_BYTES = _arrays.CHUNK_BYTES
 GROUP_CHUNK_BYTES = 128 << 20
 
 
-def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None):
+def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None, gram32=False):
     """sq[i] (=|+=) ||g_i^T a_i||_F^2 (+ ||sum_t g_it||^2 with a bias), float64;
     with ``spread``, also spread[i] += sum_t ||g_it|| (||a_it|| + [bias]), the
     scale of a sequence block's rounding (reference.linear_spread; 0 at T = 1);
@@ -108,20 +112,44 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None):
     float64 copies (the Gram route's diagonals are the positions' squared
     norms): a separate pass would upcast a and g again (0.56 against 0.15 ms a
     BERT-base layer for the spread by the GPU model of bench/report.py).
+
+    ``gram32`` (the clip ops' ``gram_precision="float32"``): float32 data on
+    the Gram route forms its Grams as float32 GEMMs (TF32 off) instead, with
+    no float64 copies; sq and spread are then the upper bounds of
+    reference.linear_norms_from_grams(lengths=(d, K)) (docs/privacy.md), and
+    a zero size no longer proves a zero operand.  Returns whether it did.
     """
     B, T, d = a.shape
     K = g.shape[2]
     if T == 1:      # one position: nothing to spread (reference.linear_spread is 0)
         _rank1_sq_norms(a, g, bias, sq, accumulate, sizes)
-        return
+        return False
+    if gram32 and _gram32_applies(a, T, d, K):
+        per_sample = 2 * 4 * T * T
+        for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
+            with ieee_float32_matmul():
+                w = _arrays.bmm(a[lo:hi], a[lo:hi].swapaxes(1, 2))
+                v = _arrays.bmm(g[lo:hi], g[lo:hi].swapaxes(1, 2))
+            linear_norms_from_grams(w, v, bias, sq[lo:hi], accumulate,
+                                    None if spread is None else spread[lo:hi],
+                                    None if sizes is None else sizes[lo:hi], 1, lengths=(d, K))
+        return True
     per_sample = _norm_bytes(T, d, K, spread is not None or sizes is not None)
     for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
         _norm_rows(_arrays.as_float64(a[lo:hi]), _arrays.as_float64(g[lo:hi]), bias, sq[lo:hi],
                    accumulate, None if spread is None else spread[lo:hi],
                    None if sizes is None else sizes[lo:hi], 1)
+    return False
 
 
-def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes):
+def _gram32_applies(a, T, d, K):
+    """Whether ``gram32`` changes this layer's route: float32 data on the Gram
+    route, dot lengths within the float32 model's (reference.gram32_rounding)."""
+    return (_arrays.numpy_dtype(a) == np.float32 and 2 * T * T <= K * d
+            and max(d, K) <= GRAM32_MAX_LENGTH)
+
+
+def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False):
     """linear_sq_norms, accumulated, for L layers of one shape: sq += each
     layer's squared norms, spread += each one's (T > 1, where given),
     sizes[l] = layer l's operands' squared norms.
@@ -133,19 +161,26 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes):
     one reduction serve several: a BERT-base step's 72 linear layers are three
     shapes, and each layer's own call costs some 17 launches (bench/report.py's
     model charges 5 us a launch).  The values are each layer's own call's, up
-    to the order of float64 additions across layers."""
+    to the order of float64 additions across layers.  ``gram32``: as
+    linear_sq_norms (each layer's float32 Grams written into one stacked
+    buffer, no copies); returns whether the float32 route ran."""
     L = len(a_list)
     B, T, d = a_list[0].shape
     K = g_list[0].shape[2]
     per_layer = B * _norm_bytes(T, d, K, True)
     if T == 1 or L == 1 or B == 0 or 2 * per_layer > GROUP_CHUNK_BYTES:
+        used = False
         for l in range(L):
-            linear_sq_norms(a_list[l], g_list[l], bias, sq, True,
-                            spread if T > 1 else None, sizes[l])
-        return
+            used |= linear_sq_norms(a_list[l], g_list[l], bias, sq, True,
+                                    spread if T > 1 else None, sizes[l], gram32)
+        return used
+    gram32 = gram32 and _gram32_applies(a_list[0], T, d, K)
     for l0, l1, shared in _group_chunks(a_list, B, T, d, K):
         n = l1 - l0
-        if shared:
+        if gram32:
+            _gram32_rows(a_list[l0:l1], g_list[l0:l1], shared, bias, sq, spread,
+                         sizes[l0:l1].reshape(n * B, 2))
+        elif shared:
             # One input's copy and Grams serve its layers (q, k and v of an
             # attention block): n - 1 copies and Gram products fewer.
             a64 = _arrays.as_float64(a_list[l0])
@@ -156,6 +191,24 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes):
         else:
             _norm_rows(_arrays.cat_float64(a_list[l0:l1]), _arrays.cat_float64(g_list[l0:l1]),
                        bias, sq, True, spread, sizes[l0:l1].reshape(n * B, 2), n)
+    return gram32
+
+
+def _gram32_rows(a_list, g_list, shared, bias, sq, spread, sizes):
+    """The float32 route of a run of layers: each layer's Grams written into
+    the run's stacked buffers (W once when the layers share their input), then
+    linear_norms_from_grams' upper bounds; sq and spread accumulate."""
+    n, (B, T, d), K = len(a_list), a_list[0].shape, g_list[0].shape[2]
+    io = _arrays.io_for(g_list[0])
+    v = io.empty((n * B, T, T), np.float32)
+    w = io.empty(((1 if shared else n) * B, T, T), np.float32)
+    with ieee_float32_matmul():
+        for j in range(n):
+            _arrays.bmm(g_list[j], g_list[j].swapaxes(1, 2), out=v[j * B:(j + 1) * B])
+            if j == 0 or not shared:
+                _arrays.bmm(a_list[j], a_list[j].swapaxes(1, 2), out=w[j * B:(j + 1) * B])
+    linear_norms_from_grams(w, v, bias, sq, True, spread, sizes, n, shared_w=shared,
+                            lengths=(d, K))
 
 
 def _group_chunks(a_list, B, T, d, K):

@@ -14,6 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from .._balance import BALANCED, RANGE_SLACK
+from ..reference.clip import GRAM32_ERROR_MARGIN, GRAM32_ROOT_MARGIN, gram32_rounding
 from ._dispatch import sized_kernel
 
 from .rng import add_gaussian, finish_gaussian_segments
@@ -240,13 +241,17 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None):
         linear_spread(a, g, bias, spread, True)
 
 
-def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes):
+def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False):
     """linear_sq_norms, accumulated, for L layers of one shape (the device
     twin stacks them to save launches; here each layer runs as it is):
     sq += each layer's squared norms, spread += each one's (T > 1, where
-    given), sizes[l] (L, B, 2) = layer l's operands' squared norms."""
+    given), sizes[l] (L, B, 2) = layer l's operands' squared norms.
+    ``gram32`` (the device twin's float32 Grams) changes nothing here: these
+    norms are float64 sums of exact products, within the rule's ``terms``.
+    Returns False: no norm came from float32 Grams."""
     for l, (a, g) in enumerate(zip(a_list, g_list)):
         linear_sq_norms(a, g, bias, sq, True, spread if a.shape[1] > 1 else None, sizes[l])
+    return False
 
 
 @sized_kernel(_linear_norm_work, fastmath=_FM)
@@ -313,22 +318,47 @@ def _linear_sq_norms(a, g, bias, sq, accumulate, sizes, want_sizes):
 
 
 def linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes, layers,
-                            shared_w=False):
+                            shared_w=False, lengths=None):
     """The device route's last norm step, for the twins' parity (the CPU's own
     norm route never forms the Grams): per sample b of sq (B,) float64, over
-    the ``layers`` stacked layers of w, v (layers * B, T, T) float64 in order,
+    the ``layers`` stacked layers of w, v (layers * B, T, T) in order,
     sq[b] (=|+=) sum (W_i + bias) o V_i, spread[b] += sum_t sqrt(V_i[t,t])
     (sqrt(W_i[t,t]) + bias) (spread may be None), sizes[i] = (tr W_i, tr V_i)
     (sizes (layers * B, 2) or None); i = l * B + b; with ``shared_w`` w is the
-    one input's (B, T, T) Grams (W_i = w[b])."""
+    one input's (B, T, T) Grams (W_i = w[b]).  ``lengths = (d, K)``: w and v
+    are float32 GEMMs of those dot lengths, and each layer's norm and spread
+    are the upper bounds of ``reference.linear_norms_from_grams``."""
+    rw = rv = (0.0, 0.0, 0.0)
+    if lengths is not None:
+        rw, rv = gram32_rounding(lengths[0]), gram32_rounding(lengths[1])
     _linear_norms_from_grams(w, v, 1.0 if bias else 0.0, sq, accumulate,
                              np.zeros(sq.shape[0]) if spread is None else spread,
                              np.zeros((v.shape[0], 2)) if sizes is None else sizes, layers,
-                             sq.shape[0] if shared_w else v.shape[0])
+                             sq.shape[0] if shared_w else v.shape[0], lengths is not None,
+                             np.array(rw + rv, np.float64))
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _root_bound(diag, gamma, eta1, eta0):
+    # reference.gram32_root_bound
+    scale = (1.0 + GRAM32_ROOT_MARGIN) / (1.0 - gamma)
+    return (eta1 + math.sqrt(eta1 * eta1 + (1.0 - gamma) * (eta0 + diag))) * scale
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _gram32_error(E, A1, B1, T, r):
+    # reference.gram32_error, r = (gamma, eta1, eta0) of W then of V
+    gw, e1w, e0w, gv, e1v, e0v = r[0], r[1], r[2], r[3], r[4], r[5]
+    i = gw * E * E + 2.0 * e1w * E * B1 + e0w * B1 * B1
+    ii = 2.0 * gw * E * A1 + e1w * (2.0 * T * E + 2.0 * A1 * B1) + 2.0 * e0w * T * B1
+    iii = gw * A1 * A1 + 2.0 * e1w * T * A1 + e0w * T * T
+    iv = gv * E * E + 2.0 * e1v * E * A1 + e0v * A1 * A1
+    return ((1.0 + gv) * i + e1v * ii + e0v * iii + iv) * (1.0 + GRAM32_ERROR_MARGIN)
 
 
 @sized_kernel(lambda w, v, *_: v.size, fastmath=_FM)
-def _linear_norms_from_grams(w, v, one, sq, accumulate, spread, sizes, layers, w_count):
+def _linear_norms_from_grams(w, v, one, sq, accumulate, spread, sizes, layers, w_count, gram32,
+                             r):
     B = sq.shape[0]
     T = v.shape[1]
     for b in prange(B):
@@ -340,14 +370,29 @@ def _linear_norms_from_grams(w, v, one, sq, accumulate, spread, sizes, layers, w
             e = 0.0
             for t in range(T):
                 for s in range(T):
-                    e += (w[k, t, s] + one) * v[i, t, s]
+                    e += (np.float64(w[k, t, s]) + one) * np.float64(v[i, t, s])
             tw = 0.0
             tv = 0.0
+            big_e = 0.0
+            a1 = 0.0
+            b1 = 0.0
             for t in range(T):
-                tw += w[k, t, t]
-                tv += v[i, t, t]
-                scale += math.sqrt(v[i, t, t]) * (math.sqrt(w[k, t, t]) + one)
+                wt = np.float64(w[k, t, t])
+                vt = np.float64(v[i, t, t])
+                tw += wt
+                tv += vt
+                if gram32:
+                    x = _root_bound(wt, r[0], r[1], r[2]) + one
+                    y = _root_bound(vt, r[3], r[4], r[5])
+                    big_e += y * x
+                    a1 += x
+                    b1 += y
+                else:
+                    big_e += math.sqrt(vt) * (math.sqrt(wt) + one)
+            if gram32:
+                e += _gram32_error(big_e, a1, b1, np.float64(T), r)
             total += e
+            scale += big_e
             sizes[i, 0] = tw
             sizes[i, 1] = tv
         sq[b] = sq[b] + total if accumulate else total

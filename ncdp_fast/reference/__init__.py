@@ -15,7 +15,8 @@ used on a hot path.  One module per kernel family, every name re-exported here
 from __future__ import annotations
 
 from .clip import (U64, clip_and_noise, clip_and_noise_layers, clip_and_noise_linear, clip_bound,
-                   clip_factors, linear_norms_from_grams, linear_spread, linear_terms,
+                   clip_factors, gram32_error, gram32_root_bound, gram32_rounding,
+                   linear_norms_from_grams, linear_spread, linear_terms,
                    per_sample_linear_grads, unit_roundoff)
 from .mix import (TWO_POW_53, Uniforms, mix_from_groups, sample_groups, sampler_log,
                   sampler_log1p, substream_words)
@@ -35,6 +36,7 @@ __all__ = ["MASK32", "PHILOX_M0", "PHILOX_M1", "PHILOX_W0", "PHILOX_W1", "TWO_PO
            "COMPANION_BLOCK", "DEEP_BLOCK", "DEEP_BELOW",
            "GAUSSIAN_TAIL_BOUND", "GAUSSIAN_TRUNCATION_MASS",
            "U64", "unit_roundoff", "clip_bound", "clip_factors", "linear_norms_from_grams",
+           "gram32_rounding", "gram32_root_bound", "gram32_error",
            "linear_spread", "linear_terms",
            "clip_and_noise", "per_sample_linear_grads", "clip_and_noise_linear",
            "clip_and_noise_layers",

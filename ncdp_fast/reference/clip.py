@@ -1,6 +1,8 @@
 """DESIGN.md kernel 1: the clip rule and fused clipping with noise, in float64."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .rng import gaussian
@@ -66,7 +68,56 @@ def linear_spread(activations, backprops, bias=True):
     return (ng * (na + (1.0 if bias else 0.0))).sum(axis=1)
 
 
-def linear_norms_from_grams(w, v, bias, layers=1, shared_w=False):
+# The float32 Gram model (docs/privacy.md, "Norms from float32 Grams"): a dot
+# product of n float32 values x, y computed by any order of IEEE float32
+# multiply-adds (a GEMM, TF32 off) is within
+#   gamma_n sum_k |x_k y_k| + eta1_n (||x|| + ||y||) + eta0_n
+# of the exact one, gamma_n = n u / (1 - n u) (u = 2^-24, normal range),
+# eta1_n = 2^-125 sqrt(n) (inputs below 2^-126 read as 0) and eta0_n =
+# n 2^-124 (results below 2^-126 flushed to 0), each with a factor of 2 for
+# the absolute errors' own growth.
+GRAM32_UNIT = 2.0 ** -24
+GRAM32_MAX_LENGTH = 1 << 20
+# Margins over the float64 roundings of the bound's own arithmetic.
+GRAM32_ROOT_MARGIN = 2.0 ** -40
+GRAM32_ERROR_MARGIN = 2.0 ** -20
+
+
+def gram32_rounding(n):
+    """``(gamma, eta1, eta0)`` of a float32 Gram whose dot products have length
+    ``n`` (1 <= n <= GRAM32_MAX_LENGTH), each correctly rounded from its
+    formula (the kernels compute the same values)."""
+    n = int(n)
+    if not 1 <= n <= GRAM32_MAX_LENGTH:
+        raise ValueError(f"n: expected a dot-product length in [1, {GRAM32_MAX_LENGTH}], got {n}")
+    nu = n * GRAM32_UNIT
+    return nu / (1.0 - nu), 2.0 ** -125 * math.sqrt(n), n * 2.0 ** -124
+
+
+def gram32_root_bound(diag, rounding):
+    """An upper bound on ||x_t|| from a float32 Gram's computed diagonal entry
+    ``diag`` = fl(x_t . x_t) under ``rounding`` = (gamma, eta1, eta0): the
+    largest root of (1 - gamma) r^2 - 2 eta1 r - (eta0 + diag)."""
+    gamma, eta1, eta0 = rounding
+    scale = (1.0 + GRAM32_ROOT_MARGIN) / (1.0 - gamma)
+    return (eta1 + np.sqrt(eta1 * eta1 + (1.0 - gamma) * (eta0 + diag))) * scale
+
+
+def gram32_error(E, A1, B1, T, rw, rv):
+    """The largest |sum_{t,s} ((W'_ts + b) V'_ts - (W_ts + b) V_ts)| over float32
+    Grams W', V' within the model of their exact W, V (``rw``, ``rv``: their
+    (gamma, eta1, eta0)), from upper bounds E >= sum_t (|a_t| + b) |g_t|,
+    A1 >= sum_t (|a_t| + b), B1 >= sum_t |g_t| (docs/privacy.md)."""
+    gw, e1w, e0w = rw
+    gv, e1v, e0v = rv
+    i = gw * E * E + 2.0 * e1w * E * B1 + e0w * B1 * B1
+    ii = 2.0 * gw * E * A1 + e1w * (2.0 * T * E + 2.0 * A1 * B1) + 2.0 * e0w * T * B1
+    iii = gw * A1 * A1 + 2.0 * e1w * T * A1 + e0w * T * T
+    iv = gv * E * E + 2.0 * e1v * E * A1 + e0v * A1 * A1
+    return ((1.0 + gv) * i + e1v * ii + e0v * iii + iv) * (1.0 + GRAM32_ERROR_MARGIN)
+
+
+def linear_norms_from_grams(w, v, bias, layers=1, shared_w=False, lengths=None):
     """A linear layer's per-sample squared gradient norms, spreads and operand
     sizes from its Grams (the device route's last step), one sample at a time.
 
@@ -79,19 +130,35 @@ def linear_norms_from_grams(w, v, bias, layers=1, shared_w=False):
     sum_l sum_t sqrt(V_i[t,t]) (sqrt(W_i[t,t]) + bias)`` (:func:`linear_spread`
     from the diagonals) and ``sizes[i] = (tr W_i, tr V_i)``, of shapes (B,),
     (B,) and (layers * B, 2).
+
+    ``lengths = (d, K)``: the Grams are float32 GEMMs of dot lengths d (W) and
+    K (V), not exact: each layer's norm is then an upper bound, the Hadamard
+    sum plus :func:`gram32_error` of that layer, and its spread is formed from
+    the diagonals' root bounds (:func:`gram32_root_bound`), so both bound the
+    exact values the float64 route approximates (docs/privacy.md).
     """
     w = np.asarray(w, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
     n, T = v.shape[0], v.shape[1]
     B = n // layers
     one = 1.0 if bias else 0.0
+    rw = rv = None
+    if lengths is not None:
+        rw, rv = gram32_rounding(lengths[0]), gram32_rounding(lengths[1])
     sq, spread, sizes = np.zeros(B), np.zeros(B), np.zeros((n, 2))
     for i in range(n):
         wi = w[i % B] if shared_w else w[i]
         dw, dv = np.diagonal(wi), np.diagonal(v[i])
-        sq[i % B] += float(((wi + one) * v[i]).sum())
-        spread[i % B] += float((np.sqrt(dv) * (np.sqrt(dw) + one)).sum())
+        hadamard = float(((wi + one) * v[i]).sum())
         sizes[i] = dw.sum(), dv.sum()
+        if rw is None:
+            sq[i % B] += hadamard
+            spread[i % B] += float((np.sqrt(dv) * (np.sqrt(dw) + one)).sum())
+            continue
+        x, y = gram32_root_bound(dw, rw) + one, gram32_root_bound(dv, rv)
+        E, A1, B1 = float((y * x).sum()), float(x.sum()), float(y.sum())
+        sq[i % B] += hadamard + gram32_error(E, A1, B1, T, rw, rv)
+        spread[i % B] += E
     return sq, spread, sizes
 
 

@@ -152,6 +152,14 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
     ``torch.nn.utils.clip_grad_norm_`` called between backward and the step
     warns: the gradients do not exist yet (:mod:`.grad_norm`).
 
+    ``gram_precision``: ``"float64"`` (default) or ``"float32"``: how the
+    per-sample norms of float32 linear layers on a CUDA device form their
+    Grams (:func:`ncdp_fast.clip_and_noise_layers`): "float32" skips the
+    float64 copies and GEMMs and raises each norm by the float32 GEMMs' largest
+    possible rounding effect, so contributions stay within C but are clipped
+    tighter by that bound (docs/privacy.md, "Norms from float32 Grams"); the
+    CPU and a ``group`` across ranks keep float64 norms.
+
     Privacy meaning: each :meth:`privatize_` is one Gaussian mechanism
     (sensitivity ``max_grad_norm``, or sqrt(sum C_p^2) per layer; noise
     multiplier ``noise_multiplier``) over the batch; the realized batch size
@@ -164,7 +172,8 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
                  expected_batch_size: float | None, loss_reduction: str = "mean",
                  clipping: str = "flat", seed=None, offset: int | None = None,
                  nan_policy: str = "raise", group=None, batch_first: bool = True,
-                 adaptive: AdaptiveClip | None = None, check_loss: bool = True):
+                 adaptive: AdaptiveClip | None = None, check_loss: bool = True,
+                 gram_precision: str = "float64"):
         check_choice(clipping, "clipping", ("flat", "per_layer", "adaptive"))
         check_not_ddp(model, "GhostClipper")
         check_not_compiled(model, "GhostClipper")
@@ -192,6 +201,7 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
                          loss_reduction=loss_reduction, seed=seed, offset=offset,
                          nan_policy=nan_policy, group=group,
                          params=[p for t in self.taps for p in t.owned.values()], module=model,
+                         gram_precision=gram_precision,
                          config={"clipping": clipping, "parameters": self.param_names,
                                  "layer_norms": self.layer_norms})
         # A leaf that requires grad, so that a layer's output enters the graph

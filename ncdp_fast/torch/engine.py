@@ -128,7 +128,7 @@ class PrivacyEngine:
                      poisson_sampling: bool = True, clipping: str = "flat",
                      noise_generator=None, grad_sample_mode: str = "hooks",
                      wrap_model: bool = True, seed=None, group=None,
-                     check_loss: bool = True, **kwargs):
+                     check_loss: bool = True, gram_precision: str = "float64", **kwargs):
         """Make a model, optimizer and loader private (Opacus's signature).
 
         Args:
@@ -176,6 +176,11 @@ class PrivacyEngine:
                 others are refused before anything is written
                 (docs/torch.md, "The loss, checked on the graph").  False is
                 the documented opt-out for a loss you vouch for.
+            gram_precision: "float64" (default) or "float32": the Grams of the
+                per-sample norms of float32 linear layers on a CUDA device
+                (:class:`GhostClipper`'s argument; float32 trades clipping
+                tighter by the float32 GEMMs' rounding bound for the float64
+                copies and GEMMs, docs/privacy.md).
 
         Returns ``(module, optimizer, data_loader)`` (``(module, optimizer,
         criterion, data_loader)`` with ``grad_sample_mode="ghost"``).
@@ -214,7 +219,7 @@ class PrivacyEngine:
                                expected_batch_size=sample_rate * n,
                                loss_reduction=loss_reduction, clipping=clipping, seed=stream,
                                group=group, batch_first=batch_first, adaptive=adaptive,
-                               check_loss=check_loss)
+                               check_loss=check_loss, gram_precision=gram_precision)
         self.sample_rate = sample_rate
 
         def on_step():

@@ -175,9 +175,14 @@ class ClippedGaussianStep(UsesNoiseStream):
     (frozen ones included) and buffers when given, else ``params``."""
 
     def __init__(self, *, max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction,
-                 seed, offset, nan_policy, group=None, params=(), config=None, module=None):
+                 seed, offset, nan_policy, group=None, params=(), config=None, module=None,
+                 gram_precision="float64"):
         self._max_grad_norm, self._noise_multiplier, self.expected_batch_size = check_dp_args(
             max_grad_norm, noise_multiplier, expected_batch_size, loss_reduction, nan_policy)
+        # The norms' Grams on a device (clip_and_noise_layers' gram_precision);
+        # across ranks the norms stay float64.
+        self.gram_precision = check_choice(gram_precision, "gram_precision",
+                                           ("float64", "float32"))
         self.loss_reduction = loss_reduction
         self.nan_policy = nan_policy
         # Sharded steps only when asked for: a process group of its own is how a
@@ -268,7 +273,7 @@ class ClippedGaussianStep(UsesNoiseStream):
             blocks, max_norm=self.max_grad_norm if max_norm is None else max_norm,
             noise_multiplier=0.0, seed=None, reduction="sum",
             nan_policy=self.nan_policy, grad_scale=grad_scale, release_blocks=release,
-            _checks=self._take_checks())
+            gram_precision=self.gram_precision, _checks=self._take_checks())
 
     def _take_checks(self) -> list:
         """The deferred checks, for the first clip op of the step only."""
@@ -294,7 +299,8 @@ class ClippedGaussianStep(UsesNoiseStream):
                 noise_multiplier=self._grad_noise_multiplier() * self.max_grad_norm / c,
                 seed=self._stream, reduction=self.loss_reduction,
                 expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy,
-                grad_scale=grad_scale, release_blocks=release, _checks=self._take_checks())
+                grad_scale=grad_scale, release_blocks=release,
+                gram_precision=self.gram_precision, _checks=self._take_checks())
         if not count:
             return result
         self._steps += 1

@@ -244,11 +244,21 @@ void run(const Case& c) {
   } else if (c.op == "linear_norms_from_grams") {
     Workspace ws(kernels::linear_norms_from_grams_workspace_bytes(c.i("B"), c.i("layers"),
                                                                   c.i("T")));
-    kernels::launch_linear_norms_from_grams(
-        c.ptr<double>("w"), c.ptr<double>("v"), c.i("B"), c.i("layers"), c.i("T"),
-        c.i("bias") != 0, c.ints.count("shared_w") != 0 && c.i("shared_w") != 0,
-        c.ptr<double>("sq"), c.i("accumulate") != 0, c.ptr<double>("spread"),
-        c.ptr<double>("sizes"), ws.data, stream);
+    const bool shared_w = c.ints.count("shared_w") != 0 && c.i("shared_w") != 0;
+    // w_length / v_length given: float32 Grams of those dot lengths.
+    if (c.ints.count("w_length") != 0) {
+      kernels::launch_linear_norms_from_grams(
+          c.ptr<float>("w"), c.ptr<float>("v"), c.i("B"), c.i("layers"), c.i("T"),
+          c.i("bias") != 0, shared_w, kernels::gram32_rounding(c.i("w_length"), c.i("v_length")),
+          c.ptr<double>("sq"), c.i("accumulate") != 0, c.ptr<double>("spread"),
+          c.ptr<double>("sizes"), ws.data, stream);
+    } else {
+      kernels::launch_linear_norms_from_grams(
+          c.ptr<double>("w"), c.ptr<double>("v"), c.i("B"), c.i("layers"), c.i("T"),
+          c.i("bias") != 0, shared_w, kernels::GramRounding{}, c.ptr<double>("sq"),
+          c.i("accumulate") != 0, c.ptr<double>("spread"), c.ptr<double>("sizes"), ws.data,
+          stream);
+    }
   } else if (c.op == "sample_counts" || c.op == "sample_fill") {
     const kernels::GroupSampling sampling{c.ptr<std::int64_t>("group_ptr"),
                                           c.ptr<std::int64_t>("members"), c.i("G"),
