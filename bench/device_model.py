@@ -211,8 +211,9 @@ def _ours(name, kw) -> tuple[float, int]:
     if name == "launch_clip_factors":
         return 0.0, 0
     if name == "launch_linear_norms_from_grams":
-        # Both Grams read once, sliced over every SM, then a finish kernel.
-        b = 2 * 8 * kw["layers"] * kw["B"] * kw["T"] ** 2
+        # Both Grams read once (float32 or float64), sliced over every SM, then
+        # a finish kernel.
+        b = 2 * _ITEMSIZE[kw["gram_dtype"]] * kw["layers"] * kw["B"] * kw["T"] ** 2
         return b / BYTES_PER_S + KERNEL_FLOOR_S, b
     raise ValueError(f"device_model: no cost model for {name}; add one from its kernel")
 

@@ -483,6 +483,15 @@ def cat_float64(parts):
     return module_of(parts[0]).concatenate(parts, axis=0, dtype=np.float64)
 
 
+def cat_rows(parts):
+    """Arrays of one library, device and dtype with equal trailing shapes,
+    joined along axis 0 into one new array."""
+    if is_torch(parts[0]):
+        import torch
+        return torch.cat(parts, 0)
+    return module_of(parts[0]).concatenate(parts, axis=0)
+
+
 def cat_columns(parts):
     """2-D arrays of one library, device and dtype, (B, p_k) each, side by side
     into one new (B, sum p_k) array."""
@@ -513,15 +522,14 @@ def assign(out, x):
         out[...] = x
 
 
-def bmm(x, y, out=None):
+def bmm(x, y):
     """x @ y for 3-D x (n, p, q) and y (n, q, r) of one library: torch.bmm
     directly for tensors (``@`` decomposes into expands and views first, five
-    more ops of host time each, issue 36), matmul for CuPy; into ``out`` (n,
-    p, r), C-contiguous, where given."""
+    more ops of host time each, issue 36), ``@`` for CuPy."""
     if is_torch(x):
         import torch
-        return torch.bmm(x, y) if out is None else torch.bmm(x, y, out=out)
-    return module_of(x).matmul(x, y, out=out)
+        return torch.bmm(x, y)
+    return x @ y
 
 
 def scale_rows(x, f):

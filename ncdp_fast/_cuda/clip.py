@@ -162,8 +162,8 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False)
     shapes, and each layer's own call costs some 17 launches (bench/report.py's
     model charges 5 us a launch).  The values are each layer's own call's, up
     to the order of float64 additions across layers.  ``gram32``: as
-    linear_sq_norms (each layer's float32 Grams written into one stacked
-    buffer, no copies); returns whether the float32 route ran."""
+    linear_sq_norms (the layers stacked in float32, twice as many a chunk);
+    returns whether the float32 route ran."""
     L = len(a_list)
     B, T, d = a_list[0].shape
     K = g_list[0].shape[2]
@@ -175,7 +175,7 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False)
                                     spread if T > 1 else None, sizes[l], gram32)
         return used
     gram32 = gram32 and _gram32_applies(a_list[0], T, d, K)
-    for l0, l1, shared in _group_chunks(a_list, B, T, d, K):
+    for l0, l1, shared in _group_chunks(a_list, B, T, d, K, 4 if gram32 else 8):
         n = l1 - l0
         if gram32:
             _gram32_rows(a_list[l0:l1], g_list[l0:l1], shared, bias, sq, spread,
@@ -195,32 +195,31 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False)
 
 
 def _gram32_rows(a_list, g_list, shared, bias, sq, spread, sizes):
-    """The float32 route of a run of layers: each layer's Grams written into
-    the run's stacked buffers (W once when the layers share their input), then
+    """The float32 route of a run of layers, as the float64 one without its
+    upcasts: the layers' operands stacked along the batch in float32 (the
+    input once when they share it), two batched GEMMs, then
     linear_norms_from_grams' upper bounds; sq and spread accumulate."""
     n, (B, T, d), K = len(a_list), a_list[0].shape, g_list[0].shape[2]
-    io = _arrays.io_for(g_list[0])
-    v = io.empty((n * B, T, T), np.float32)
-    w = io.empty(((1 if shared else n) * B, T, T), np.float32)
+    a = a_list[0] if shared or n == 1 else _arrays.cat_rows(a_list)
+    g = g_list[0] if n == 1 else _arrays.cat_rows(g_list)
     with ieee_float32_matmul():
-        for j in range(n):
-            _arrays.bmm(g_list[j], g_list[j].swapaxes(1, 2), out=v[j * B:(j + 1) * B])
-            if j == 0 or not shared:
-                _arrays.bmm(a_list[j], a_list[j].swapaxes(1, 2), out=w[j * B:(j + 1) * B])
-    linear_norms_from_grams(w, v, bias, sq, True, spread, sizes, n, shared_w=shared,
+        w = _arrays.bmm(a, a.swapaxes(1, 2))
+        v = _arrays.bmm(g, g.swapaxes(1, 2))
+    linear_norms_from_grams(w, v, bias, sq, True, spread, sizes, n, shared_w=shared and n > 1,
                             lengths=(d, K))
 
 
-def _group_chunks(a_list, B, T, d, K):
-    """(l0, l1, shared) runs of consecutive layers whose float64 temporaries fit
-    GROUP_CHUNK_BYTES: on the Gram route, layers that read one input (the same
-    elements in the same layout) share its copy and Grams (shared); other
-    layers stack along the batch, each with its own."""
+def _group_chunks(a_list, B, T, d, K, item=8):
+    """(l0, l1, shared) runs of consecutive layers whose temporaries (copies
+    and Grams of ``item`` bytes a value: float64's, or float32's on the
+    float32 Gram route) fit GROUP_CHUNK_BYTES: on the Gram route, layers that
+    read one input (the same elements in the same layout) share its copy and
+    Grams (shared); other layers stack along the batch, each with its own."""
     L = len(a_list)
     gram = 2 * T * T <= K * d
-    per_layer = B * _norm_bytes(T, d, K, True)
+    per_layer = B * _norm_bytes(T, d, K, True) * item // 8
     # A shared run holds the input's copy and Grams once, each layer's g's.
-    shared_base, shared_each = 8 * B * (T * d + T * T), 8 * B * (T * K + T * T)
+    shared_base, shared_each = item * B * (T * d + T * T), item * B * (T * K + T * T)
 
     def shares(m, l):
         return gram and _arrays.same_view(a_list[m], a_list[l])
