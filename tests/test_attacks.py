@@ -108,6 +108,33 @@ def test_linear_contribution_never_exceeds_C_on_the_device(require_cuda, dtype, 
     _check_contribution(parts, res, C)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [True, False])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])   # one device throughout
+@given(data=st.data(), C=C_VALUES)
+def test_linear_contribution_never_exceeds_C_with_float32_grams(require_cuda, bias, data, C):
+    """gram_precision="float32" (the norms from float32 Grams, raised by their
+    rounding bound): the same attack on the Gram route (2 T^2 <= K d), values
+    from the smallest denormal to the largest float32, cancelling positions;
+    a float32 Gram that overflows sends the step to the float64 norms, so
+    again only a norm overflowing float64 may drop a finite row."""
+    import torch
+    T = data.draw(st.sampled_from([2, 3]))
+    d = data.draw(st.integers(3, 6))
+    K = data.draw(st.integers(max(1, -(-2 * T * T // d)), 6).filter(lambda k: 2 * T * T <= k * d))
+    a = np.stack([data.draw(_vec(np.float32, d)) for _ in range(T)])
+    g = np.stack([data.draw(_vec(np.float32, K)) for _ in range(T)])
+    if data.draw(st.booleans()):
+        a[1] = -a[0] * np.float32(1 + 2 ** -10)
+        g[1] = g[0]
+    res = nf.clip_and_noise_layers(
+        [(torch.from_numpy(a[None]).to(require_cuda), torch.from_numpy(g[None]).to(require_cuda),
+          bias)], max_norm=C, noise_multiplier=0.0, nan_policy="zero", gram_precision="float32")
+    w, b = res.grads[0]
+    _check_contribution([w.cpu().numpy()] + ([b.cpu().numpy()] if bias else []), res, C)
+
+
 def _denormal_factor_worst(make, rounds=300):
     """The largest contribution / C over rows whose clip factor takes g among
     float32's denormals (f g ~ 2^-131 with a ~ 2^120 and C = 1e-3), where a
