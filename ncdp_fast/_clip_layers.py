@@ -137,17 +137,27 @@ class _Layer:
         # GPU, whose .size is a method in torch: count through the shape.
         return math.prod(self.g.shape) + (0 if self.dense else math.prod(self.a.shape))
 
-    def add_sq_norms(self, kernels, sq, spread):
+    def add_sq_norms(self, kernels, sq, spread, io, float64=False):
         """sq += the block's squared norms; spread (None when no block has T > 1)
         += the rounding scale of a ghost block's sums over positions.  Dense
         and ghost blocks only: linear pairs form theirs by shape group
-        (``linear_sq_norms_group``, in :func:`_clip_layers`)."""
+        (``linear_sq_norms_group``, in :func:`_clip_layers`).  ``float64``: a
+        ghost block's float64 norms where its own are float32 Grams' bounds."""
         if self.kind == "ghost":
-            sq += self.sq
-            if spread is not None and self.spread is not None:
-                spread += self.spread
+            own, own_spread = self.sq, self.spread
+            if float64 and self.spec.float64_norms is not None:
+                own, own_spread = (None if x is None else io.to_kernel(x)
+                                   for x in self.spec.float64_norms())
+            sq += own
+            if spread is not None and own_spread is not None:
+                spread += own_spread
         else:
             kernels.row_sq_norms(self.g, sq, True)
+
+    def float32_grams(self) -> bool:
+        """Whether the block's norms are float32 Grams' bounds (a ghost block
+        with float64 norms on request)."""
+        return self.kind == "ghost" and self.spec.float64_norms is not None
 
     def drop_rows(self, io, rows):
         """Zero the given samples (a copy, never the caller's data): 0 * NaN would
@@ -278,10 +288,11 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
             sq[...] = 0.0
             if spread is not None:
                 spread[...] = 0.0
+        used = False
         for layer in layers:
             if layer.kind != "pair":
-                layer.add_sq_norms(be.kernels, sq, spread)
-        used = False
+                layer.add_sq_norms(be.kernels, sq, spread, be.io, float64=again)
+                used |= layer.float32_grams() and not again
         for (T, _, _, bias), members in groups.items():
             j = slot[members[0]]
             used |= bool(be.kernels.linear_sq_norms_group(

@@ -87,6 +87,11 @@ class GhostBlock:
         in the data dtype, ``spread`` (B,) float64 is the sum of their norms
         (``reference.clip_bound``'s E), so that the factor leaves room for that
         rounding; None when the sum is exact or formed in float64.
+    float64_norms: None, or, where ``sq_norms`` (and ``spread``) are upper
+        bounds from float32 Grams (``gram_precision="float32"``), a callable
+        returning the block's ``(sq_norms, spread)`` formed in float64: the op
+        calls it only in a step whose rows it would drop, where a float32 Gram
+        may have overflowed (docs/privacy.md, "Norms from float32 Grams").
     """
     sq_norms: Any
     clipped_sum: Any
@@ -95,6 +100,7 @@ class GhostBlock:
     dtype: Any = None
     spread: Any = None
     seq_len: int = 1
+    float64_norms: Any = None
 
 
 # ------------------------------------------------------------------ accounting

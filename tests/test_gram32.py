@@ -237,3 +237,50 @@ def test_ghost_clipper_steps_with_float32_grams(require_cuda):
     assert any(not torch.equal(x, y) for x, y in zip(w64, w32))
     with pytest.raises(ValueError, match="gram_precision: expected one of"):
         step("bfloat16")
+
+
+def _tied_uses(device, scale=1.0, B=3, T=4, Te=5, V=200, D=8, seed=11):
+    import torch
+    from ncdp_fast.torch.tied import IndexUse, PairUse
+    gen = torch.Generator().manual_seed(seed)
+    a = (torch.randn(B, T, D, generator=gen) * scale).to(device)
+    g = torch.randn(B, T, V, generator=gen).to(device)
+    idx = torch.randint(0, V, (B, Te), generator=gen).to(device)
+    h = torch.randn(B, Te, D, generator=gen).to(device)
+    return [PairUse(a, g), IndexUse(idx, h)], (V, D), B
+
+
+@pytest.mark.gpu
+def test_a_tied_heads_ghost_norms_with_float32_grams(require_cuda):
+    """A tied weight's ghost form (an LM head tied to its embedding) on the
+    device: with float32 Grams its norms and spread are above the float64
+    form's by at most the model's bound, and its float64 norms on request are
+    the float64 form's, bit for bit."""
+    import torch
+    from ncdp_fast.torch.tied import combine
+    uses, shape, B = _tied_uses(require_cuda)
+    b64 = combine(uses, shape, torch.float32, B)
+    b32 = combine(uses, shape, torch.float32, B, gram32=True)
+    assert b64.float64_norms is None and b32.float64_norms is not None
+    assert bool((b32.sq_norms > b64.sq_norms).all())
+    assert bool((b32.sq_norms <= b64.sq_norms * (1 + 1e-3)).all())
+    assert bool((b32.spread >= b64.spread).all())
+    sq, spread = b32.float64_norms()
+    assert torch.equal(sq, b64.sq_norms) and torch.equal(spread, b64.spread)
+
+
+@pytest.mark.gpu
+def test_a_tied_heads_float32_gram_overflow_falls_back(require_cuda):
+    """|a_t|^2 past float32's range in the tied head: its float32 norms are
+    not finite, the op takes the block's float64 norms, and the step equals
+    the float64 form's (nothing dropped)."""
+    import torch
+    from ncdp_fast.torch.tied import combine
+    uses, shape, B = _tied_uses(require_cuda, scale=1e20)
+    b64 = combine(uses, shape, torch.float32, B)
+    b32 = combine(uses, shape, torch.float32, B, gram32=True)
+    assert not bool(torch.isfinite(b32.sq_norms).all())
+    r64 = _clip([b64], require_cuda)
+    r32 = _clip([b32], require_cuda)
+    assert r32.num_nonfinite == 0
+    assert torch.equal(r32.norms, r64.norms) and torch.equal(r32.grads[0], r64.grads[0])

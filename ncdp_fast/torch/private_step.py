@@ -53,7 +53,8 @@ class PrivateStep:
         refuse_uncaptured(self.taps, self.param_names, self._uncaptured, self._uncaptured_grads)
         batch = self._batch.of_step(self.taps)
         self._refuse_outside_terms()
-        entries = step_entries(self.taps, self._tied, batch)
+        entries = step_entries(self.taps, self._tied, batch,
+                               self.group is None and self.gram_precision == "float32")
         self._refuse_foreign({id(tap.params[n]) for tap, names, _ in entries for n in names},
                              optimizer)
         check_same_parameters(self._accumulated, entries)

@@ -154,10 +154,11 @@ def layer_rule(name: str, module: nn.Module, params: dict):
     return rule
 
 
-def step_entries(taps, tied_ids: set, batch: int) -> list:
+def step_entries(taps, tied_ids: set, batch: int, gram32: bool = False) -> list:
     """[(tap, names, block)] in layer order; a layer unused this step adds pure
     noise.  A shared weight (its id in ``tied_ids``) has one entry, at its first
-    layer: the sum of its uses' per-sample gradients (B, *shape)."""
+    layer: the sum of its uses' per-sample gradients (B, *shape), its ghost
+    form's Grams float32 with ``gram32`` (tied.combine)."""
     uses = tied.uses_by_weight(taps, tied_ids)
     entries = []
     for tap in taps:
@@ -167,7 +168,7 @@ def step_entries(taps, tied_ids: set, batch: int) -> list:
                 if n in tap.alias or (n not in trainable and id(p) not in uses):
                     continue
                 if id(p) in uses:
-                    entries.append((tap, (n,), tied.combined(uses, p, batch)))
+                    entries.append((tap, (n,), tied.combined(uses, p, batch, gram32)))
                     continue
                 dtype = accumulation_dtype(p.dtype)
                 zeros = p.new_zeros(p.shape, dtype=dtype)
@@ -181,7 +182,7 @@ def step_entries(taps, tied_ids: set, batch: int) -> list:
                 if id(p) not in tied_ids:
                     entries.append((tap, names, block))
                 elif names[0] not in tap.alias:
-                    entries.append((tap, names, tied.combined(uses, p, batch)))
+                    entries.append((tap, names, tied.combined(uses, p, batch, gram32)))
     return entries
 
 

@@ -33,7 +33,9 @@ from torch import nn
 
 from .. import _arrays
 from .._cuda import clip as clip_ops   # device-agnostic torch routes (CPU tensors too)
+from .._cuda._common import ieee_float32_matmul
 from .._clip import GhostBlock
+from ..reference.clip import GRAM32_MAX_LENGTH
 from .layer_rules import _cat, _flat_positions, _lead, _rows_sq, embedding_rule, linear_rule
 from .layers import accumulation_dtype, rule_for
 
@@ -158,9 +160,9 @@ def uses_by_weight(taps, tied: set) -> dict:
     return uses
 
 
-def combined(uses: dict, p, batch: int):
+def combined(uses: dict, p, batch: int, gram32: bool = False):
     """The one block of tied weight ``p`` (:func:`combine` of its uses)."""
-    return combine(uses[id(p)], tuple(p.shape), accumulation_dtype(p.dtype), batch)
+    return combine(uses[id(p)], tuple(p.shape), accumulation_dtype(p.dtype), batch, gram32)
 
 
 def _batch_rows(idx: torch.Tensor, batch: int) -> torch.Tensor:
@@ -190,12 +192,15 @@ def ghost_cheaper(uses, shape: tuple) -> bool:
     return tl * tl * (V + D) + tl * te * D + te * D <= tl * V * D + V * D + te * D
 
 
-def combine(uses, shape: tuple, dtype: torch.dtype, batch: int):
+def combine(uses, shape: tuple, dtype: torch.dtype, batch: int, gram32: bool = False):
     """The block of a tied weight of ``shape`` from its ``uses``: a
     :class:`GhostBlock` (ghost form) when :func:`ghost_cheaper`, else the
-    dense (B, *shape) sum of the uses' per-sample gradients."""
+    dense (B, *shape) sum of the uses' per-sample gradients.  ``gram32``
+    (the clipper's ``gram_precision="float32"``): on a device the ghost
+    form's pair Grams are float32 GEMMs with their rounding bound, the block
+    keeping its float64 norms on request (``GhostBlock.float64_norms``)."""
     if len(shape) == 2 and ghost_cheaper(uses, shape):
-        return _ghost(uses, shape, dtype, batch)
+        return _ghost(uses, shape, dtype, batch, gram32)
     total = None
     for u in uses:
         dense = _dense(u, shape, batch)
@@ -215,7 +220,7 @@ def _dense(use, shape, batch):
     return use
 
 
-def _ghost(uses, shape, dtype, batch) -> GhostBlock:
+def _ghost(uses, shape, dtype, batch, gram32=False) -> GhostBlock:
     pairs, index, dense = _split(uses)
     if dense:
         raise RuntimeError("tied: a dense use of a tied weight has no ghost form; "
@@ -228,29 +233,55 @@ def _ghost(uses, shape, dtype, batch) -> GhostBlock:
     tl = 0 if a is None else a.shape[1]
     te = 0 if idx is None else idx.shape[1]
     device = (a if a is not None else h).device
-    sq = torch.zeros(batch, dtype=torch.float64, device=device)
-    # Rounding scale of the clip rule (reference.clip_bound): E bounds the
-    # square root of the sum of |terms| of the squared norm (cross terms
-    # included: |G[t, idx_s] (A_t . H_s)| <= |G_t| |A_t| |H_s|), and the
-    # clipped sum adds T_L + T_E terms per sample (plus the two parts' sum).
-    spread = torch.zeros(batch, dtype=torch.float64, device=device)
-    # float64 copies of one chunk of samples at a time: the norms accumulate in
-    # float64 as every layer's, without a float64 copy of the whole batch.
-    per_sample = 8 * (tl * (V + D) + te * D + (tl + te) * (tl + te))
-    for lo, hi in _arrays.sample_chunks(batch, per_sample, _CHUNK_BYTES):
-        if a is not None:
-            A, G = a[lo:hi].double(), g[lo:hi].double()
-            sq[lo:hi] += (A @ A.transpose(1, 2)).mul_(G @ G.transpose(1, 2)).sum((1, 2))
-            spread[lo:hi] += (torch.linalg.vector_norm(A, dim=2)
-                              * torch.linalg.vector_norm(G, dim=2)).sum(1)
-        if idx is not None:
-            H = h[lo:hi].double()
-            sq[lo:hi] += _rows_sq(idx[lo:hi], H, V)
-            spread[lo:hi] += torch.linalg.vector_norm(H, dim=2).sum(1)
-            if a is not None:
-                # G[t, idx_s]: the head's output gradient at the rows the sample read.
-                at = G.gather(2, idx[lo:hi].unsqueeze(1).expand(-1, tl, -1))   # (b, T_L, T_E)
-                sq[lo:hi] += 2 * (A @ H.transpose(1, 2)).mul_(at).sum((1, 2))
+    # On a device the pairs' part goes to the linear layers' kernel family
+    # (their Hadamard sum and spread in one pass, float32 Grams where asked).
+    on_device = a is not None and _arrays.is_cuda_array(a)
+    gram32 = gram32 and on_device and tl > 1 and a.dtype == torch.float32 and \
+        max(V, D) <= GRAM32_MAX_LENGTH
+
+    def norms(float32_grams):
+        """(sq, spread) of the block; float32_grams: the pairs' Grams as
+        float32 GEMMs with their rounding bound (docs/privacy.md)."""
+        sq = torch.zeros(batch, dtype=torch.float64, device=device)
+        # Rounding scale of the clip rule (reference.clip_bound): E bounds the
+        # square root of the sum of |terms| of the squared norm (cross terms
+        # included: |G[t, idx_s] (A_t . H_s)| <= |G_t| |A_t| |H_s|), and the
+        # clipped sum adds T_L + T_E terms per sample (plus the two parts' sum).
+        spread = torch.zeros(batch, dtype=torch.float64, device=device)
+        # float64 copies of one chunk of samples at a time: the norms accumulate in
+        # float64 as every layer's, without a float64 copy of the whole batch.
+        per_sample = 8 * (tl * (V + D) + te * D + (tl + te) * (tl + te))
+        for lo, hi in _arrays.sample_chunks(batch, per_sample, _CHUNK_BYTES):
+            A = None
+            if a is not None and float32_grams:
+                with ieee_float32_matmul():
+                    w = a[lo:hi] @ a[lo:hi].transpose(1, 2)
+                    v = g[lo:hi] @ g[lo:hi].transpose(1, 2)
+                clip_ops.linear_norms_from_grams(w, v, False, sq[lo:hi], True, spread[lo:hi],
+                                                 None, 1, lengths=(D, V))
+            elif a is not None:
+                A, G = a[lo:hi].double(), g[lo:hi].double()
+                if on_device:
+                    clip_ops.linear_norms_from_grams(A @ A.transpose(1, 2),
+                                                     G @ G.transpose(1, 2), False, sq[lo:hi],
+                                                     True, spread[lo:hi], None, 1)
+                else:
+                    sq[lo:hi] += (A @ A.transpose(1, 2)).mul_(G @ G.transpose(1, 2)).sum((1, 2))
+                    spread[lo:hi] += (torch.linalg.vector_norm(A, dim=2)
+                                      * torch.linalg.vector_norm(G, dim=2)).sum(1)
+            if idx is not None:
+                H = h[lo:hi].double()
+                sq[lo:hi] += _rows_sq(idx[lo:hi], H, V)
+                spread[lo:hi] += torch.linalg.vector_norm(H, dim=2).sum(1)
+                if a is not None:
+                    # G[t, idx_s]: the head's output gradient at the rows the
+                    # sample read, gathered in the data dtype and upcast (exact).
+                    at = g[lo:hi].gather(2, idx[lo:hi].unsqueeze(1).expand(-1, tl, -1)).double()
+                    A = a[lo:hi].double() if A is None else A
+                    sq[lo:hi] += 2 * (A @ H.transpose(1, 2)).mul_(at).sum((1, 2))
+        return sq, spread
+
+    sq, spread = norms(gram32)
 
     def clipped_sum(factors):
         # A dropped sample's data may be NaN (0 * NaN is NaN): its rows are
@@ -272,5 +303,6 @@ def _ghost(uses, shape, dtype, batch) -> GhostBlock:
 
     terms = V + D + (tl + te) ** 2 + te * D + 2 * (tl + te) + 4
     return GhostBlock(sq, clipped_sum, tuple(shape), terms, dtype=dtype, spread=spread,
-                      seq_len=tl + te + 1)
+                      seq_len=tl + te + 1,
+                      float64_norms=(lambda: norms(False)) if gram32 else None)
 
