@@ -173,14 +173,19 @@ class _Layer:
             self.a[rows] = 0
             self.g[rows] = 0
 
-    def reduce(self, be, dtype, factors, noise_std, inv_denom, seed, offset, balance, finish):
+    def reduce(self, be, dtype, factors, noise_std, inv_denom, seed, offset, balance, finish,
+               kept_all=False):
         """The block's clipped sum (a joined unit's: its members' list); the
         noise of a ghost block, a linear pair and a joined unit's members is
         not added here but appended to ``finish`` (segments of
         ``finish_gaussian_segments``, which the op runs once for all of them);
         a dense block's alone is fused into its sum."""
         if self.kind == "ghost":
-            out = self.spec.clipped_sum(be.io.to_user(factors))
+            # kept_all: no row of the step was dropped (the host read every factor).
+            clipped_sum = self.spec.clipped_sum
+            if kept_all and self.spec.unmasked_sum is not None:
+                clipped_sum = self.spec.unmasked_sum
+            out = clipped_sum(be.io.to_user(factors))
             if tuple(_arrays.shape(out, "clipped_sum()")) != self.param_shape:
                 raise ValueError(f"clipped_sum(): expected shape {self.param_shape}, got "
                                  f"{tuple(_arrays.shape(out, 'clipped_sum()'))}")
@@ -350,7 +355,8 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         for i in order:
             unit = layers[i]
             got = unit.reduce(be, dtype, weights, noise_std, inv_denom, seed,
-                              offset + unit.start, balance[i], finish)
+                              offset + unit.start, balance[i], finish,
+                              kept_all=not acc["num_nonfinite"])
             if unit.members:
                 for m, g in zip(unit.members, got):
                     grads[m.index] = g

@@ -92,6 +92,9 @@ class GhostBlock:
         returning the block's ``(sq_norms, spread)`` formed in float64: the op
         calls it only in a step whose rows it would drop, where a float32 Gram
         may have overflowed (docs/privacy.md, "Norms from float32 Grams").
+    unmasked_sum: None, or a callable like ``clipped_sum`` that the op calls
+        instead when no row of the step is dropped (every factor above 0, all
+        data finite): it may skip masking dropped rows.
     """
     sq_norms: Any
     clipped_sum: Any
@@ -101,6 +104,7 @@ class GhostBlock:
     spread: Any = None
     seq_len: int = 1
     float64_norms: Any = None
+    unmasked_sum: Any = None
 
 
 # ------------------------------------------------------------------ accounting

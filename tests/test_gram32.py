@@ -284,3 +284,29 @@ def test_a_tied_heads_float32_gram_overflow_falls_back(require_cuda):
     r32 = _clip([b32], require_cuda)
     assert r32.num_nonfinite == 0
     assert torch.equal(r32.norms, r64.norms) and torch.equal(r32.grads[0], r64.grads[0])
+
+
+@pytest.mark.gpu
+def test_a_tied_head_masks_its_gradient_only_in_a_step_that_drops_a_row(require_cuda,
+                                                                        monkeypatch):
+    """The tied head's clipped sum copies its (B, T, V) gradient with dropped
+    rows zeroed only when the op dropped one (GhostBlock.unmasked_sum): a
+    NaN row is still kept out of the sum, which equals the other samples'."""
+    import torch
+    from ncdp_fast.torch.tied import IndexUse, PairUse, combine
+    calls = []
+    real = torch.Tensor.masked_fill
+    monkeypatch.setattr(torch.Tensor, "masked_fill",
+                        lambda self, *a, **k: calls.append(self.shape) or real(self, *a, **k))
+    uses, shape, B = _tied_uses(require_cuda)
+    res = _clip([combine(uses, shape, torch.float32, B)], require_cuda)
+    assert res.num_nonfinite == 0 and calls == []
+    pair, index = uses
+    bad = PairUse(pair.a, pair.g.clone())
+    bad.g[1, 0, 0] = float("nan")
+    res = _clip([combine([bad, index], shape, torch.float32, B)], require_cuda, nan_policy="zero")
+    assert res.num_nonfinite == 1 and len(calls) == 2
+    keep = [0, 2]
+    rest = [PairUse(pair.a[keep], pair.g[keep]), IndexUse(index.idx[keep], index.h[keep])]
+    want = _clip([combine(rest, shape, torch.float32, 2)], require_cuda)
+    torch.testing.assert_close(res.grads[0], want.grads[0], rtol=1e-5, atol=1e-6)

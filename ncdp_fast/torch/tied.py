@@ -283,11 +283,12 @@ def _ghost(uses, shape, dtype, batch, gram32=False) -> GhostBlock:
 
     sq, spread = norms(gram32)
 
-    def clipped_sum(factors):
+    def clipped_sum(factors, masked=True):
         # A dropped sample's data may be NaN (0 * NaN is NaN): its rows are
-        # masked whether or not one was dropped, so the host never asks (a
-        # device would wait for it, issue 36).
-        drop = (factors == 0).view(-1, 1, 1)
+        # masked, unless the op says no row was dropped (``unmasked_sum``: it
+        # read the factors with its counts; a copy of the (B, T, V) gradient
+        # less, GPT-2's 412 MB).
+        drop = (factors == 0).view(-1, 1, 1) if masked else None
         out = (torch.zeros if a is None else torch.empty)(shape, dtype=dtype, device=device)
         if a is not None:
             # The linear layers' clipped GEMM: the factor rounded once into the
@@ -295,14 +296,18 @@ def _ghost(uses, shape, dtype, batch, gram32=False) -> GhostBlock:
             # the denormals, TF32 off (before: g * factor in float32 under the
             # caller's TF32 setting).  It rebalances without asking the norms:
             # one read of a and g, small against this GEMM.
-            clip_ops.clipped_gemm(a.masked_fill(drop, 0), g.masked_fill(drop, 0), factors, out)
+            clip_ops.clipped_gemm(a.masked_fill(drop, 0) if masked else a,
+                                  g.masked_fill(drop, 0) if masked else g, factors, out)
         if idx is not None:
-            hs = (h.double() * factors.view(-1, 1, 1)).masked_fill_(drop, 0).to(dtype)
-            out.index_add_(0, idx.reshape(-1), hs.reshape(-1, D))
+            hs = h.double() * factors.view(-1, 1, 1)
+            if masked:
+                hs.masked_fill_(drop, 0)
+            out.index_add_(0, idx.reshape(-1), hs.to(dtype).reshape(-1, D))
         return out
 
     terms = V + D + (tl + te) ** 2 + te * D + 2 * (tl + te) + 4
     return GhostBlock(sq, clipped_sum, tuple(shape), terms, dtype=dtype, spread=spread,
                       seq_len=tl + te + 1,
-                      float64_norms=(lambda: norms(False)) if gram32 else None)
+                      float64_norms=(lambda: norms(False)) if gram32 else None,
+                      unmasked_sum=lambda factors: clipped_sum(factors, masked=False))
 
