@@ -116,7 +116,10 @@ void probe_row_sq_norms(Probe& probe) {
 // layer and shared, float64 and float32 Grams; T = 0 (no positions: the
 // finish alone) too.
 template <typename Gram>
-void probe_linear_norms_from_grams_of(Probe& probe, const kernels::GramRounding& rounding) {
+void probe_linear_norms_from_grams(Probe& probe) {
+  // Float32 Grams carry the float32 model's constants, float64 ones none.
+  const kernels::GramRounding rounding =
+      sizeof(Gram) == sizeof(float) ? kernels::gram32_rounding(5, 7) : kernels::GramRounding{};
   const std::int64_t B = 3, layers = 2;
   for (const std::int64_t T : {std::int64_t{3}, std::int64_t{0}}) {
     for (const bool shared : {false, true}) {
@@ -130,11 +133,6 @@ void probe_linear_norms_from_grams_of(Probe& probe, const kernels::GramRounding&
                          {"float32 Grams", rounding.enabled}}));
     }
   }
-}
-
-void probe_linear_norms_from_grams(Probe& probe) {
-  probe_linear_norms_from_grams_of<double>(probe, kernels::GramRounding{});
-  probe_linear_norms_from_grams_of<float>(probe, kernels::gram32_rounding(5, 7));
 }
 
 void probe_clip_factors(Probe& probe) {
@@ -341,7 +339,8 @@ const std::vector<Entry>& registry() {
       {"row_sq_norms<float>", &probe_row_sq_norms<float>},
       {"row_sq_norms<double>", &probe_row_sq_norms<double>},
       {"clip_factors", &probe_clip_factors},
-      {"linear_norms_from_grams", &probe_linear_norms_from_grams},
+      {"linear_norms_from_grams<float>", &probe_linear_norms_from_grams<float>},
+      {"linear_norms_from_grams<double>", &probe_linear_norms_from_grams<double>},
       {"weighted_row_sum_noise<float,float>", &probe_weighted_row_sum_noise<float, float>},
       {"weighted_row_sum_noise<double,double>", &probe_weighted_row_sum_noise<double, double>},
       {"weighted_row_sum_noise<float,double>", &probe_weighted_row_sum_noise<float, double>},
