@@ -125,6 +125,7 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None, gram32=
         _rank1_sq_norms(a, g, bias, sq, accumulate, sizes)
         return False
     if gram32 and _gram32_applies(a, T, d, K):
+        _refuse_cupy_tf32(a)
         per_sample = 2 * 4 * T * T
         for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
             with ieee_float32_matmul():
@@ -200,6 +201,7 @@ def _gram32_rows(a_list, g_list, shared, bias, sq, spread, sizes):
     input once when they share it), two batched GEMMs, then
     linear_norms_from_grams' upper bounds; sq and spread accumulate."""
     n, (B, T, d), K = len(a_list), a_list[0].shape, g_list[0].shape[2]
+    _refuse_cupy_tf32(a_list[0])
     a = a_list[0] if shared or n == 1 else _arrays.cat_rows(a_list)
     g = g_list[0] if n == 1 else _arrays.cat_rows(g_list)
     with ieee_float32_matmul():
@@ -425,6 +427,7 @@ float32_gemm_scope = _float32_gemm
 def _refuse_cupy_tf32(x):
     if _arrays.kind(x) == "cupy" and os.environ.get("CUPY_TF32", "0") not in ("", "0"):
         raise RuntimeError(
-            "CUPY_TF32: expected unset or 0 for the clipped sums (the clip bound holds for IEEE "
-            f"float32 products; TF32 keeps 10 mantissa bits), got {os.environ['CUPY_TF32']!r}; "
+            "CUPY_TF32: expected unset or 0 for the clipped sums and float32 Grams (the clip "
+            "bound holds for IEEE float32 products; TF32 keeps 10 mantissa bits), got "
+            f"{os.environ['CUPY_TF32']!r}; "
             "unset it, or pass torch tensors (TF32 is turned off for the call there)")
