@@ -124,16 +124,11 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None, gram32=
     if T == 1:      # one position: nothing to spread (reference.linear_spread is 0)
         _rank1_sq_norms(a, g, bias, sq, accumulate, sizes)
         return False
-    if gram32 and _gram32_applies(a, T, d, K):
-        _refuse_cupy_tf32(a)
-        per_sample = 2 * 4 * T * T
-        for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
-            with ieee_float32_matmul():
-                w = _arrays.bmm(a[lo:hi], a[lo:hi].swapaxes(1, 2))
-                v = _arrays.bmm(g[lo:hi], g[lo:hi].swapaxes(1, 2))
-            linear_norms_from_grams(w, v, bias, sq[lo:hi], accumulate,
-                                    None if spread is None else spread[lo:hi],
-                                    None if sizes is None else sizes[lo:hi], 1, lengths=(d, K))
+    if gram32 and gram32_applies(a, T, d, K):
+        for lo, hi in _arrays.sample_chunks(B, 2 * 4 * T * T, GEMM_CHUNK_BYTES):
+            _gram32_rows([a[lo:hi]], [g[lo:hi]], False, bias, sq[lo:hi],
+                         None if spread is None else spread[lo:hi],
+                         None if sizes is None else sizes[lo:hi], accumulate)
         return True
     per_sample = _norm_bytes(T, d, K, spread is not None or sizes is not None)
     for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
@@ -143,7 +138,7 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None, gram32=
     return False
 
 
-def _gram32_applies(a, T, d, K):
+def gram32_applies(a, T, d, K):
     """Whether ``gram32`` changes this layer's route: float32 data on the Gram
     route, dot lengths within the float32 model's (reference.gram32_rounding)."""
     return (_arrays.numpy_dtype(a) == np.float32 and 2 * T * T <= K * d
@@ -175,7 +170,7 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False)
             used |= linear_sq_norms(a_list[l], g_list[l], bias, sq, True,
                                     spread if T > 1 else None, sizes[l], gram32)
         return used
-    gram32 = gram32 and _gram32_applies(a_list[0], T, d, K)
+    gram32 = gram32 and gram32_applies(a_list[0], T, d, K)
     for l0, l1, shared in _group_chunks(a_list, B, T, d, K, 4 if gram32 else 8):
         n = l1 - l0
         if gram32:
@@ -195,11 +190,11 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False)
     return gram32
 
 
-def _gram32_rows(a_list, g_list, shared, bias, sq, spread, sizes):
+def _gram32_rows(a_list, g_list, shared, bias, sq, spread, sizes, accumulate=True):
     """The float32 route of a run of layers, as the float64 one without its
     upcasts: the layers' operands stacked along the batch in float32 (the
     input once when they share it), two batched GEMMs, then
-    linear_norms_from_grams' upper bounds; sq and spread accumulate."""
+    linear_norms_from_grams' upper bounds; sq (=|+=) and spread (+=)."""
     n, (B, T, d), K = len(a_list), a_list[0].shape, g_list[0].shape[2]
     _refuse_cupy_tf32(a_list[0])
     a = a_list[0] if shared or n == 1 else _arrays.cat_rows(a_list)
@@ -207,8 +202,8 @@ def _gram32_rows(a_list, g_list, shared, bias, sq, spread, sizes):
     with ieee_float32_matmul():
         w = _arrays.bmm(a, a.swapaxes(1, 2))
         v = _arrays.bmm(g, g.swapaxes(1, 2))
-    linear_norms_from_grams(w, v, bias, sq, True, spread, sizes, n, shared_w=shared and n > 1,
-                            lengths=(d, K))
+    linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes, n,
+                            shared_w=shared and n > 1, lengths=(d, K))
 
 
 def _group_chunks(a_list, B, T, d, K, item=8):

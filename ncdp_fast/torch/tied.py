@@ -35,7 +35,6 @@ from .. import _arrays
 from .._cuda import clip as clip_ops   # device-agnostic torch routes (CPU tensors too)
 from .._cuda._common import ieee_float32_matmul
 from .._clip import GhostBlock
-from ..reference.clip import GRAM32_MAX_LENGTH
 from .layer_rules import _cat, _flat_positions, _lead, _rows_sq, embedding_rule, linear_rule
 from .layers import accumulation_dtype, rule_for
 
@@ -236,8 +235,7 @@ def _ghost(uses, shape, dtype, batch, gram32=False) -> GhostBlock:
     # On a device the pairs' part goes to the linear layers' kernel family
     # (their Hadamard sum and spread in one pass, float32 Grams where asked).
     on_device = a is not None and _arrays.is_cuda_array(a)
-    gram32 = gram32 and on_device and tl > 1 and a.dtype == torch.float32 and \
-        max(V, D) <= GRAM32_MAX_LENGTH
+    gram32 = gram32 and on_device and tl > 1 and clip_ops.gram32_applies(a, tl, D, V)
 
     def norms(float32_grams):
         """(sq, spread) of the block; float32_grams: the pairs' Grams as
