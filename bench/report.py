@@ -570,35 +570,39 @@ def poisson_batches(family):
 # The float32 GEMM rate of the NTK model: bench_ntk's own GEMM peak row on the
 # first GPU run (a 4096^3 float32 torch GEMM, TF32 off, H200, 2026-11-28).
 NTK_GPU_FP32_FLOPS = 50.96e12
-NTK_STRIP_ROWS = 1024         # ncdp_fast/_cuda/ntk.py STRIP_ROWS
 
 
-def predicted_ntk_s(n, d, N, L, route="gemm_strips") -> float:
+def predicted_ntk_s(n, d, N, L, route="ncdp") -> float:
     """Seconds on an H200 of the bench's Gram (biased ReLU MLP, K_out = 1, x2 = x):
-    the factors' FLOPs (forward, and the (L - 2) backward products) plus the
-    Gram's at :data:`NTK_GPU_FP32_FLOPS` (the GEMMs are compute-bound: their
-    inputs are read at hundreds of FLOPs a byte), plus the elementwise passes
-    at :data:`GPU_MODEL`'s bandwidth, plus launches.  ``route``: "gemm_strips"
-    (ncdp_fast/_cuda/ntk.py: strips of NTK_STRIP_ROWS rows, columns from the
-    diagonal; per term P and Q written, then read with the strip by addcmul_,
-    the constant term added by the GEMM itself; out zeroed and mirrored) or
-    "plain_torch" (bench_ntk's peer: full products, P * Q into a temporary, then
-    K += it)."""
+    the factors' FLOPs (forward, and the (L - 2) backward products) at
+    :data:`NTK_GPU_FP32_FLOPS`; each Gram GEMM in waves of the device's 132 SMs
+    (ncdp_fast/_cuda/ntk.py's model: TILE x TILE output tiles, a partial wave
+    costing a whole one, a wave of a K-long reduction at the per-SM share of
+    that rate); the elementwise passes at :data:`GPU_MODEL`'s bandwidth; launches.
+    ``route``: "ncdp" (the plan ``plan_jobs`` chooses), "strips" or "halving"
+    (that plan: per term P and Q written, then read with the block by addcmul_,
+    the constant term added by the GEMM itself; out zeroed and mirrored), or
+    "plain_torch" (bench_ntk's peer: full products, P * Q into a temporary,
+    then K += it)."""
+    from ncdp_fast._cuda import ntk as device_ntk
     m = GPU_MODEL
     terms = [(None, N + 1)] + [((d if l == 0 else N) + 1, N) for l in range(L - 2, -1, -1)]
     factor_flops = 2.0 * n * (d * N + (L - 2) * N * N + N) + 2.0 * (L - 2) * N * N * n
     if route == "plain_torch":
-        cells, launches = float(n) * n, 4 * len(terms)
+        jobs, launches = [(1, 0, 0, 0, n, n)], 4 * len(terms)
         elementwise = sum(16 if a is None else 32 for a, _ in terms) + 4
     else:
-        cells = float(sum(min(NTK_STRIP_ROWS, n - lo) * (n - lo)
-                          for lo in range(0, n, NTK_STRIP_ROWS)))
-        strips = -(-n // NTK_STRIP_ROWS)
-        launches = strips * (sum(1 if a is None else 3 for a, _ in terms) + 3)
+        jobs = device_ntk.plan_jobs(n, n, True, 4,
+                                    plans=None if route == "ncdp" else (route,))
+        mirror = -(-n // device_ntk.STRIP_ROWS)
+        launches = len(jobs) * sum(1 if a is None else 3 for a, _ in terms) + 3 * mirror
         elementwise = sum(8 if a is None else 24 for a, _ in terms)
+    cells = float(sum(k * rows * cols for k, _, _, _, rows, cols in jobs))
+    if route != "plain_torch":
         elementwise += 8.0 * n * n / cells            # zeroing and the mirror, per cell
-    gram_flops = 2.0 * cells * sum((a or 0) + c for a, c in terms)
-    return ((factor_flops + gram_flops) / NTK_GPU_FP32_FLOPS
+    wave_s = 2.0 * device_ntk.TILE ** 2 * device_ntk.DEFAULT_SMS / NTK_GPU_FP32_FLOPS
+    gram_s = device_ntk.waves(jobs) * wave_s * sum((a or 0) + c for a, c in terms)
+    return (factor_flops / NTK_GPU_FP32_FLOPS + gram_s
             + elementwise * cells / m["bytes_per_s"] + launches * m["launch_s"])
 
 
@@ -619,12 +623,13 @@ def ntk(family):
         row = dict(shape=w, **_missing(ms, ["ncdp"]))
         n, d, N, L = _shape_ints(w)
         row.update(predicted_s=predicted_ntk_s(n, d, N, L),
+                   predicted_strips_s=predicted_ntk_s(n, d, N, L, "strips"),
                    predicted_plain_s=predicted_ntk_s(n, d, N, L, "plain_torch"))
         if "error" not in row:
             t = _t(ms, "ncdp")
             row.update(ncdp_s=t, ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"),
                        gflops=_x(ms, "ncdp", "gflops"), peak_gflops=peak)
-            for m in ("plain_torch", "torch_func", "tiled_kernel"):
+            for m in ("plain_torch", "torch_func", "tiled_kernel", "ncdp_strips"):
                 if m in ms:
                     row.update({f"{m}_s": _t(ms, m), f"x_{m}": _t(ms, m) / t,
                                 f"{m}_mem_mb": _x(ms, m, "peak_extra_mb")})
@@ -639,24 +644,30 @@ def ntk(family):
          ("torch_func_note", "torch.func note", None),
          ("tiled_kernel_s", "tiled kernel s", "{:.3f}"), ("x_tiled_kernel", "× tiled kernel",
                                                             "{:.2f}"),
+         ("ncdp_strips_s", "ncdp strips s", "{:.3f}"),
+         ("x_ncdp_strips", "× ncdp strips", "{:.2f}"),
          ("gflops", "ncdp GFLOP/s", "{:.1f}"), ("peak_gflops", "GEMM peak GFLOP/s", "{:.1f}"),
-         ("predicted_s", "predicted H200 s (GEMM strips)", "{:.3f}"),
+         ("predicted_s", "predicted H200 s (ncdp)", "{:.3f}"),
+         ("predicted_strips_s", "predicted H200 s (strips)", "{:.3f}"),
          ("predicted_plain_s", "predicted H200 s (plain torch)", "{:.3f}"),
          ("ncdp_mem_mb", "ncdp peak MB", "{:.0f}"),
          ("plain_torch_mem_mb", "plain torch peak MB", "{:.0f}"), ("error", "error", None)],
         ["flop count: 2 n^2 (width_F + width_B) per layer term, halved for the symmetric Gram "
          "(what ncdp computes); peak: a float32 GEMM in torch (its own group)",
-         "ncdp: numba's blocks on the CPU; on a GPU the vendor's GEMMs in row strips "
-         "(ncdp_fast/_cuda/ntk.py); tiled kernel (GPU only): the hand-written CUDA kernel it "
-         "replaced",
+         "ncdp: numba's blocks on the CPU; on a GPU the vendor's GEMMs, the upper triangle by "
+         "row strips or by halving, whichever the wave model gives fewer waves "
+         "(ncdp_fast/_cuda/ntk.py); ncdp strips (GPU only): the same route held to the row "
+         "strips; tiled kernel (GPU only): the hand-written CUDA kernel the GEMMs replaced",
          "torch.func ran in the first round only",
          "predicted H200 s: a model, not a measurement (bench/report.py predicted_ntk_s: "
-         f"factor and Gram FLOPs at the {NTK_GPU_FP32_FLOPS / 1e12:.2f} TFLOP/s float32 GEMM "
-         "peak measured on the H200, elementwise traffic at 3.5 TB/s, 5 us a launch); at "
-         "(16384, 256, 4096, 4) it gives "
-         f"{predicted_ntk_s(16384, 256, 4096, 4):.3f} s for the GEMM strips and "
-         f"{predicted_ntk_s(16384, 256, 4096, 4, 'plain_torch'):.3f} s for plain torch, "
-         "which the first GPU run measured at 0.307 s",
+         f"factor FLOPs at the {NTK_GPU_FP32_FLOPS / 1e12:.2f} TFLOP/s float32 GEMM peak "
+         "measured on the H200, each Gram GEMM in waves of 128 x 128 tiles over 132 SMs, "
+         "elementwise traffic at 3.5 TB/s, 5 us a launch); at (16384, 256, 4096, 4) it gives "
+         f"{predicted_ntk_s(16384, 256, 4096, 4):.3f} s for ncdp's plan "
+         f"({predicted_ntk_s(16384, 256, 4096, 4, 'strips'):.3f} s for the row strips, which "
+         "the H200 run of 2026-11-28 measured at 0.208 s) and "
+         f"{predicted_ntk_s(16384, 256, 4096, 4, 'plain_torch'):.3f} s for plain torch "
+         "(measured 0.307 s)",
          "targets: CPU >= 100x torch.func, >= 1.2x plain torch with <= half its memory; "
          "GPU >= 1.5x plain torch at (16384, 256, 4096, 4)"] + notes)
 

@@ -7,7 +7,9 @@ identity written in plain torch (full F F^T and B B^T matmuls, then Hadamard
 products: n x n temporaries).  Shapes (n, d, N, L): (512, 64, 512, 3),
 (2048, 128, 1024, 3), (8192, 256, 2048, 4); on a GPU also (16384, 256, 4096, 4),
 float32 with TF32 off; on a GPU also the hand-written tiled CUDA kernel the
-GEMM route replaced (issue 36).  Achieved FLOP/s of the Gram part against a measured GEMM
+GEMM route replaced (issue 36) and the GEMM route's row-strips plan alone
+(``ncdp_strips``: the route chooses between strips and halving by a wave
+model, which this row checks).  Achieved FLOP/s of the Gram part against a measured GEMM
 peak (a 4096^3 float32 torch GEMM, its own group), and peak memory.
 ``test_lambda_min`` times ntk.lambda_min at n = 20000 on the CPU (no peer).
 """
@@ -45,7 +47,7 @@ def CASES(size, device):
                                     ["gemm_peak"]),
             "test_ntk_gram": cases("bench_ntk", work,
                                    ["ncdp", "plain_torch", "torch_func"]
-                                   + (["tiled_kernel"] if device == "cuda" else []),
+                                   + (["tiled_kernel", "ncdp_strips"] if device == "cuda" else []),
                                    once=("torch_func",)),
             "test_lambda_min": cases("bench_ntk", [(f"lambda_min n={LAMBDA_N[size]}",
                                                     dict(n=LAMBDA_N[size]))], ["lambda_min"])
@@ -104,6 +106,15 @@ def test_ntk_gram(benchmark, case, bench_device):
                 Q = b @ b.T
                 K += Q if f is None else (f @ f.T) * Q
             return K
+    elif method == "ncdp_strips":
+        from ncdp_fast._cuda import ntk as device_ntk
+
+        def fn():
+            saved, device_ntk.PLANS = device_ntk.PLANS, ("strips",)
+            try:
+                return ntk.gram_from_torch(model, x)
+            finally:
+                device_ntk.PLANS = saved
     elif method == "tiled_kernel":
         # The hand-written CUDA kernel the GEMM route replaced (issue 36), on the
         # same factors, until a GPU run has measured both.

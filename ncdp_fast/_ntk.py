@@ -225,8 +225,8 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
     in x's dtype and array type: the mean over the K_out outputs of each
     output's kernel (neural-tangents' default trace_axes=(-1,)).  Extra memory
     beyond the layer factors (n x width x K_out) is O(block^2) on the CPU and
-    two strips of at most 1024 x n2 (256 MiB at most) on a GPU, where the
-    products are the vendor's GEMMs with TF32 off for the call.
+    two product temporaries of at most 1024 x n2 cells (256 MiB at most) on a
+    GPU, where the products are the vendor's GEMMs with TF32 off for the call.
     """
     arrays = {"x": x, "x2": x2}
     arrays.update({f"weights[{l}]": w for l, w in enumerate(weights)} if isinstance(

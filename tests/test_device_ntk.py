@@ -6,6 +6,8 @@ mode; exact symmetry; TF32 off inside the call and the caller's setting back
 after it; and ``ntk_gram`` end to end on the device route."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import gamma, unit_roundoff
 
@@ -49,17 +51,27 @@ def _t(x):
     return None if x is None else torch.from_numpy(x)
 
 
+# (STRIP_ROWS, plan, LEAF_ROWS): STRIP_ROWS also sets a call's product budget
+# (STRIP_ROWS x n2 cells), so at 4 the halving plan's blocks are cut into rows.
+PLAN_CASES = [(1, "strips", None), (4, "strips", None), (1024, "strips", None),
+              (4, "halving", 1), (1024, "halving", 3), (4, "halving", 8)]
+
+
 @pytest.mark.parametrize("dtype,acc64,out_dtype", [
     (np.float32, False, np.float32), (np.float32, False, np.float64),
     (np.float32, True, np.float32), (np.float32, True, np.float64),
     (np.float64, False, np.float64), (np.float64, True, np.float32)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-{len(c[2])}terms")
-@pytest.mark.parametrize("strip_rows", [1, 4, 1024])
+@pytest.mark.parametrize("strip_rows,plan,leaf_rows", PLAN_CASES,
+                         ids=lambda v: str(v))
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_gemm_gram_matches_the_float64_sum(case, dtype, acc64, out_dtype, strip_rows,
-                                           accumulate, monkeypatch):
+def test_gemm_gram_matches_the_float64_sum(case, dtype, acc64, out_dtype, strip_rows, plan,
+                                           leaf_rows, accumulate, monkeypatch):
     n, n2, widths = case
     monkeypatch.setattr(device_ntk, "STRIP_ROWS", strip_rows)
+    monkeypatch.setattr(device_ntk, "PLANS", (plan,))
+    if leaf_rows is not None:
+        monkeypatch.setattr(device_ntk, "LEAF_ROWS", leaf_rows)
     for symmetric in ((True, False) if n == n2 else (False,)):
         (f, b, f2, b2), ref, scale = _terms(n, n2, widths, symmetric, dtype, n * 100 + n2)
         prior = np.random.default_rng(1).standard_normal((n, n2))
@@ -89,6 +101,54 @@ def test_gemm_gram_matches_the_float64_sum(case, dtype, acc64, out_dtype, strip_
             assert torch.equal(out, out.T)
 
 
+def _covered(n, jobs):
+    """How many times each cell of an n x n Gram is written by ``jobs``."""
+    seen = np.zeros((n, n), dtype=np.int64)
+    for m, r0, c0, period, rows, cols in jobs:
+        for i in range(m):
+            r, c = r0 + i * period, c0 + i * period
+            seen[r:r + rows, c:c + cols] += 1
+    return seen
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 300), leaf=st.integers(1, 70), cap=st.integers(1, 5000))
+def test_halving_covers_the_upper_triangle_once(n, leaf, cap):
+    """Every cell on or above the diagonal is written exactly once, below it
+    only inside a diagonal leaf (which the mirror overwrites), by the plan and
+    by its calls cut to ``cap`` cells; the leaves are at most ``leaf`` rows."""
+    jobs = device_ntk.halving_jobs(n, leaf)
+    for plan in (jobs, device_ntk._chunked(jobs, cap)):
+        seen = _covered(n, plan)
+        assert np.all(np.triu(seen) == np.triu(np.ones_like(seen)))
+        leaves = [j for j in jobs if j[1] == j[2]]
+        assert all(rows <= leaf for _, _, _, _, rows, _ in leaves)
+        below = np.tril(seen, -1)
+        inside = np.zeros_like(seen)
+        for m, r0, _, period, rows, _ in leaves:
+            for i in range(m):
+                lo = r0 + i * period
+                inside[lo:lo + rows, lo:lo + rows] = 1
+        assert np.all(below <= np.tril(inside, -1))
+    assert all(m * rows * cols <= max(cap, cols) for m, _, _, _, rows, cols in
+               device_ntk._chunked(jobs, cap) if m > 1 or rows > 1)
+
+
+def test_plan_follows_the_wave_model():
+    """At bench_ntk's largest shape the halving plan has fewer waves than the
+    strips (the strips' last GEMMs fill a fraction of the SMs) and is chosen;
+    a cross Gram is always strips over every column; a tie keeps the strips."""
+    n = 16384
+    strips = device_ntk.plan_jobs(n, n, True, 4, plans=("strips",))
+    halving = device_ntk.plan_jobs(n, n, True, 4, plans=("halving",))
+    assert device_ntk.waves(halving) < device_ntk.waves(strips)
+    assert device_ntk.plan_jobs(n, n, True, 4) == halving
+    cross = device_ntk.plan_jobs(300, 70, False, 4)
+    assert all(c0 == 0 and cols == 70 for _, _, c0, _, _, cols in cross)
+    assert device_ntk.plan_jobs(64, 64, True, 4) == device_ntk.plan_jobs(64, 64, True, 4,
+                                                                         plans=("strips",))
+
+
 def test_gemm_gram_of_nothing_leaves_out_alone():
     out = torch.zeros(0, 5)
     device_ntk.hadamard_gram([None], [torch.zeros(0, 2)], [None], [torch.zeros(5, 2)], out, False)
@@ -103,10 +163,10 @@ def test_constant_one_factor_must_be_paired():
 
 def test_tf32_is_off_inside_and_restored_after(monkeypatch):
     seen = []
-    strips = device_ntk._strips
-    monkeypatch.setattr(device_ntk, "_strips",
+    plan = device_ntk.plan_jobs
+    monkeypatch.setattr(device_ntk, "plan_jobs",
                         lambda *a: seen.append(torch.backends.cuda.matmul.allow_tf32)
-                        or strips(*a))
+                        or plan(*a))
     x = torch.ones(4, 3)
     for before in (True, False):
         torch.backends.cuda.matmul.allow_tf32 = before

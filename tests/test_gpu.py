@@ -663,11 +663,20 @@ def _gram_terms(dtype, symmetric):
     (np.float32, True, np.float32), (np.float32, True, np.float64),
     (np.float64, True, np.float32), (np.float64, True, np.float64)])
 @pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("route", ["hadamard_gram", "tiled_kernel_gram"])
-def test_cuda_hadamard_gram_many_terms(require_cuda, dtype, acc64, out_dtype, symmetric, route):
+@pytest.mark.parametrize("route", ["hadamard_gram", "tiled_kernel_gram", "halving"])
+def test_cuda_hadamard_gram_many_terms(require_cuda, dtype, acc64, out_dtype, symmetric, route,
+                                       monkeypatch):
     import torch
 
     from ncdp_fast import _backend
+    from ncdp_fast._cuda import ntk as device_ntk
+    if route == "halving":
+        # The GEMM route's halving plan at this small n: leaves of 64 rows,
+        # calls cut to 100 x n cells (batched, strided blocks on cuBLAS).
+        monkeypatch.setattr(device_ntk, "PLANS", ("halving",))
+        monkeypatch.setattr(device_ntk, "LEAF_ROWS", 64)
+        monkeypatch.setattr(device_ntk, "STRIP_ROWS", 100)
+        route = "hadamard_gram"
     # The GEMM route the op dispatches to, and the tiled kernel it replaced
     # (kept as the benchmark's peer, so still held to the same bound).
     gram = getattr(_backend.KERNELS["cuda", "ntk"], route)
