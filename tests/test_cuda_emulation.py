@@ -23,6 +23,7 @@ import pytest
 from conftest import first_deep_pair, gamma, unit_roundoff
 from emulation import BUILD, EMU, VARIANTS, Emulator, build, run_program
 from ncdp_fast import reference as R
+from ncdp_fast._numba import rng as nrng
 from ncdp_fast._mix import _population
 
 pytestmark = pytest.mark.emulation
@@ -99,6 +100,15 @@ def _check_fill_gaussian(emu, dtype, count, offset):
         expected = post * (0.5 * z + (base.astype(np.float64) if accumulate else 0.0))
         tol = unit_roundoff(dtype) * np.abs(expected) + NORMAL_ATOL
         assert np.all(np.abs(out - expected) <= tol), (count, offset, accumulate)
+        # The numba twin's bits: the same log, sin, cos and finish, operation
+        # for operation (csrc/common/philox.cuh, "The normals").
+        twin = base.copy()
+        nrng.add_gaussian(twin, np.uint64(12345), np.uint64(offset), 0.5, accumulate, post)
+        assert _same_bits(out, twin), (count, offset, accumulate)
+
+
+def _same_bits(x, y):
+    return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
 
 
 # (src dtype, dst dtype, size, offset) of the segments of one finish launch:
@@ -153,6 +163,13 @@ def test_finish_gaussian_segments(emu, scale, post):
                                                 offset=offset, scale=scale, post=post,
                                                 accumulate=True), {"out": src.copy()})["out"]
             assert np.array_equal(got, one.astype(dst_dt)), (s, offset)
+    # The numba twin's finishes, bit for bit.
+    twins = [(np.array(src, dtype=dst_dt) if np.dtype(src.dtype) == np.dtype(dst_dt)
+              else np.full(src.size, np.nan, dst_dt), src, offset) for src, offset, dst_dt in srcs]
+    nrng.finish_gaussian_segments([(d, d if np.dtype(src.dtype) == d.dtype else src, off)
+                                   for d, src, off in twins], np.uint64(seed), scale, post)
+    for s, (dst, _, _) in enumerate(twins):
+        assert _same_bits(out[f"dst{s}"], dst), s
 
 
 # ---------------------------------------------------------------------------

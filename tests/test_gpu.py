@@ -218,9 +218,9 @@ def test_linear_norms_from_grams_twins_match_reference(require_cuda, B, layers, 
 def test_cuda_finish_gaussian_segments_are_one_finish_a_segment(require_cuda, seed):
     """More segments than one launch takes (48), of random lengths (empty ones
     among them) and offsets, in place and float64 into float32: bit for bit
-    each segment's own add_gaussian on the device, and the numba twin's values
-    within the two backends' roundings of the output plus the libm
-    differences."""
+    each segment's own add_gaussian on the device, and bit for bit the numba
+    twin's (csrc/common/philox.cuh, "The normals": the twin's log, sin, cos
+    and finish, operation for operation, none contracted)."""
     import torch
     from ncdp_fast._cuda import rng as crng
     from ncdp_fast._numba import rng as nrng
@@ -253,13 +253,25 @@ def test_cuda_finish_gaussian_segments_are_one_finish_a_segment(require_cuda, se
         got = got.cpu().numpy()
         assert got.dtype == np.dtype(dst_dt)
         assert np.array_equal(got, one.cpu().numpy().astype(dst_dt)), (x.size, off)
-        # Each backend rounds once to the output (u |want| each: eps in all), and
-        # numba's log/sin/cos are fdlibm's forms, which the device's libm may
-        # differ from by a few float64 ulps (test_cuda_emulation.NORMAL_ATOL).
-        tol = (np.finfo(dst_dt).eps * np.abs(want.astype(np.float64))
-               + 64 * 2.0 ** -52 * R.GAUSSIAN_TAIL_BOUND * scale * post)
-        assert np.all(np.abs(got.astype(np.float64) - want) <= tol), (x.size, off)
+        assert got.tobytes() == want.tobytes(), (x.size, off)
     assert isinstance(dev_out[0], torch.Tensor)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_cuda_normals_are_the_numba_twins_bits(require_cuda, dtype, accumulate):
+    """The stream's normals on the device, filled or added (2^20 values from an
+    offset of each phase in its Philox block, so deep pairs fall in: one pair
+    in 2048), equal the numba kernel's bit for bit."""
+    from ncdp_fast._cuda import rng as crng
+    from ncdp_fast._numba import rng as nrng
+    base = np.random.default_rng(5).standard_normal(2 ** 20 + 3).astype(dtype)
+    for offset in (0, 1, 2, 3, 2 ** 40 + 5):
+        dev = _cuda(base.copy(), require_cuda)
+        crng.add_gaussian(dev, np.uint64(7), np.uint64(offset), 0.5, accumulate, 0.25)
+        host = base.copy()
+        nrng.add_gaussian(host, np.uint64(7), np.uint64(offset), 0.5, accumulate, 0.25)
+        assert dev.cpu().numpy().tobytes() == host.tobytes(), offset
 
 
 def test_cuda_same_seed_offset_bitwise_reproducible(require_cuda):

@@ -132,39 +132,6 @@ NCDP_HOST_DEVICE void pair_uniforms(std::uint64_t seed, std::uint64_t pair,
   uniforms_of_words(a, b, y, v, x0, x1, u1, u2);
 }
 
-// Radius sqrt(-2 ln u1) and angle 2 pi u2 of pair `pair` (blocks as in pair_uniforms).
-NCDP_HOST_DEVICE void box_muller_polar(std::uint64_t seed, std::uint64_t pair,
-                                       const PairBlocks& blocks, double* radius, double* angle) {
-  double u1, u2;
-  pair_uniforms(seed, pair, blocks, &u1, &u2);
-  *radius = sqrt(-2.0 * log(u1));
-  *angle = kTwoPi * u2;
-}
-
-// The four normals of stream indices 4*block .. 4*block+3 (pairs 2*block and
-// 2*block+1, whose draws are one Philox block); kernels that need consecutive
-// normals use this so that the main and companion blocks are computed once.
-NCDP_HOST_DEVICE void normals_of_block(std::uint64_t seed, std::uint64_t block, double z[4]) {
-  const PairBlocks blocks = pair_blocks(seed, block);
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-  for (int h = 0; h < 2; ++h) {
-    double radius, angle;
-    box_muller_polar(seed, 2 * block + h, blocks, &radius, &angle);
-    z[2 * h] = radius * cos(angle);
-    z[2 * h + 1] = radius * sin(angle);
-  }
-}
-
-// Normal variate `index` of stream `seed` (index = offset + j), on its own; only
-// the sine or the cosine it needs is evaluated.
-NCDP_HOST_DEVICE double normal_at(std::uint64_t seed, std::uint64_t index) {
-  double radius, angle;
-  box_muller_polar(seed, index >> 1, pair_blocks(seed, index >> 2), &radius, &angle);
-  return (index & 1) ? radius * sin(angle) : radius * cos(angle);
-}
-
 // ---------------------------------------------------------------------------
 // Sub-streams (reference.py, "Kernel 2"): sampling draws never touch the main
 // stream. Sub-stream `sid` (>= 1) is Philox with counter (b lo, b hi, sid lo,
@@ -211,6 +178,7 @@ NCDP_HOST_DEVICE double add(double a, double b) { return __dadd_rn(a, b); }
 NCDP_HOST_DEVICE double sub(double a, double b) { return __dsub_rn(a, b); }
 NCDP_HOST_DEVICE double mul(double a, double b) { return __dmul_rn(a, b); }
 NCDP_HOST_DEVICE double divide(double a, double b) { return __ddiv_rn(a, b); }
+NCDP_HOST_DEVICE double sqrt_rn(double a) { return __dsqrt_rn(a); }
 NCDP_HOST_DEVICE std::int64_t bits_of(double x) { return __double_as_longlong(x); }
 NCDP_HOST_DEVICE double from_bits(std::int64_t b) { return __longlong_as_double(b); }
 #else
@@ -218,6 +186,7 @@ NCDP_HOST_DEVICE double add(double a, double b) { return a + b; }
 NCDP_HOST_DEVICE double sub(double a, double b) { return a - b; }
 NCDP_HOST_DEVICE double mul(double a, double b) { return a * b; }
 NCDP_HOST_DEVICE double divide(double a, double b) { return a / b; }
+NCDP_HOST_DEVICE double sqrt_rn(double a) { return std::sqrt(a); }
 NCDP_HOST_DEVICE std::int64_t bits_of(double x) {
   std::int64_t b;
   std::memcpy(&b, &x, sizeof b);
@@ -288,6 +257,125 @@ NCDP_HOST_DEVICE double sampler_log1p(double x) {
   if (u == kInf) return u;
   const double c = x <= 1.0 ? sub(x, sub(u, 1.0)) : sub(1.0, sub(u, x));
   return add(sampler_log(u), divide(c, u));
+}
+
+// ---------------------------------------------------------------------------
+// The normals (reference/rng.py, "Random-number contract"). Their logarithm,
+// sine and cosine are the numba twin's (_numba/rng.py log_normal and
+// cos_sin_2pi: fdlibm's e_log.c, e_rem_pio2.c, k_sin.c and k_cos.c without
+// branches) in the same IEEE operations in the same order, each rounded on
+// its own (detail::, never contracted), and so are the radius, the products
+// and the finish: a CUDA kernel's normals are the numba kernel's bits, each
+// within a float64 ulp of libm's log, sin and cos of the same argument (the
+// reference's). They replaced the device's log, sin and cos (issue 36): one
+// argument reduction for the pair's sine and cosine, no slow path for huge
+// arguments (the angle is at most 2 pi), no stack frame.
+
+constexpr std::int64_t kExpOne = std::int64_t{0x3FF} << 52;
+constexpr double kSqrt2 = 1.4142135623730951;
+// Cody-Waite reduction by pi/2 (a two-part constant) and the kernel
+// polynomials of sin and cos on [-pi/4, pi/4] (fdlibm's).
+constexpr double kPio2Hi = 1.57079632673412561417e+00;
+constexpr double kPio2Lo = 6.07710050650619224932e-11;
+constexpr double kInvPio2 = 6.36619772367581382433e-01;
+constexpr double kS1 = -1.66666666666666324348e-01;
+constexpr double kS2 = 8.33333333332248946124e-03;
+constexpr double kS3 = -1.98412698298579493134e-04;
+constexpr double kS4 = 2.75573137070700676789e-06;
+constexpr double kS5 = -2.50507602534068634195e-08;
+constexpr double kS6 = 1.58969099521155010221e-10;
+constexpr double kC1 = 4.16666666666666019037e-02;
+constexpr double kC2 = -1.38888888888741095749e-03;
+constexpr double kC3 = 2.48015872894767294178e-05;
+constexpr double kC4 = -2.75573143513906633035e-07;
+constexpr double kC5 = 2.08757232129817482790e-09;
+constexpr double kC6 = -1.13596475577881948265e-11;
+
+// ln(u) for a normal positive finite u (u1 >= 2^-129 always is).
+NCDP_HOST_DEVICE double log_normal(double u) {
+  using namespace detail;
+  const std::int64_t b = bits_of(u);
+  double m = from_bits((b & kMantissaMask) | kExpOne);  // u = 2^k m, m in [1, 2)
+  const std::int64_t big = m > kSqrt2 ? 1 : 0;
+  m = mul(m, sub(1.0, mul(0.5, static_cast<double>(big))));  // exact: m in [sqrt(2)/2, sqrt(2))
+  const double dk = static_cast<double>((b >> 52) - 1023 + big);
+  const double f = sub(m, 1.0);
+  const double hfsq = mul(mul(0.5, f), f);
+  const double s = divide(f, add(2.0, f));
+  const double z = mul(s, s);
+  const double w = mul(z, z);
+  const double r = add(mul(z, add(kLg1, mul(w, add(kLg3, mul(w, add(kLg5, mul(w, kLg7))))))),
+                       mul(w, add(kLg2, mul(w, add(kLg4, mul(w, kLg6))))));
+  return sub(mul(dk, kLn2Hi), sub(sub(hfsq, add(mul(s, add(hfsq, r)), mul(dk, kLn2Lo))), f));
+}
+
+// (cos, sin) of the reference's rounded angle fl(2 pi u2), u2 in (0, 1]: the
+// quadrant q of the reduction picks and signs the two kernel values by exact
+// products with 0, 1 and -1, as the twin does.
+NCDP_HOST_DEVICE void cos_sin_2pi(double u2, double* c, double* s) {
+  using namespace detail;
+  const double t = mul(kTwoPi, u2);
+  const double q = floor(add(mul(t, kInvPio2), 0.5));
+  const double x = sub(sub(t, mul(q, kPio2Hi)), mul(q, kPio2Lo));  // |x| <= pi/4
+  const double zz = mul(x, x);
+  const double sn = add(x, mul(mul(zz, x),
+                               add(kS1, mul(zz, add(kS2, mul(zz, add(kS3, mul(zz, add(kS4,
+                                   mul(zz, add(kS5, mul(zz, kS6))))))))))));
+  const double rc = mul(zz, add(kC1, mul(zz, add(kC2, mul(zz, add(kC3, mul(zz, add(kC4,
+                                    mul(zz, add(kC5, mul(zz, kC6)))))))))));
+  const double hz = mul(0.5, zz);
+  const double w = sub(1.0, hz);
+  const double cs = add(w, add(sub(sub(1.0, w), hz), mul(zz, rc)));
+  const std::int64_t k = static_cast<std::int64_t>(q);
+  const double odd = static_cast<double>(k & 1);
+  const double even = static_cast<double>(1 - (k & 1));
+  const double a = add(mul(cs, even), mul(sn, odd));
+  const double b = add(mul(sn, even), mul(cs, odd));
+  *c = mul(a, static_cast<double>(1 - 2 * (((k + 1) >> 1) & 1)));
+  *s = mul(b, static_cast<double>(1 - 2 * ((k >> 1) & 1)));
+}
+
+// Radius sqrt(-2 ln u1) and (cos, sin)(2 pi u2) of pair `pair` (blocks as in
+// pair_uniforms).
+NCDP_HOST_DEVICE void box_muller_pair(std::uint64_t seed, std::uint64_t pair,
+                                      const PairBlocks& blocks, double* radius, double* c,
+                                      double* s) {
+  double u1, u2;
+  pair_uniforms(seed, pair, blocks, &u1, &u2);
+  *radius = detail::sqrt_rn(detail::mul(-2.0, log_normal(u1)));
+  cos_sin_2pi(u2, c, s);
+}
+
+// The four normals of stream indices 4*block .. 4*block+3 (pairs 2*block and
+// 2*block+1, whose draws are one Philox block); kernels that need consecutive
+// normals use this so that the main and companion blocks are computed once.
+NCDP_HOST_DEVICE void normals_of_block(std::uint64_t seed, std::uint64_t block, double z[4]) {
+  const PairBlocks blocks = pair_blocks(seed, block);
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int h = 0; h < 2; ++h) {
+    double radius, c, s;
+    box_muller_pair(seed, 2 * block + h, blocks, &radius, &c, &s);
+    z[2 * h] = detail::mul(radius, c);
+    z[2 * h + 1] = detail::mul(radius, s);
+  }
+}
+
+// Normal variate `index` of stream `seed` (index = offset + j), on its own.
+NCDP_HOST_DEVICE double normal_at(std::uint64_t seed, std::uint64_t index) {
+  double radius, c, s;
+  box_muller_pair(seed, index >> 1, pair_blocks(seed, index >> 2), &radius, &c, &s);
+  return detail::mul(radius, (index & 1) ? s : c);
+}
+
+// A noisy sum's finish, post (src + scale z), and a fill's, post (scale z):
+// the numba twin's operations (_numba/rng.py _store), so its bits.
+NCDP_HOST_DEVICE double finish_normal(double src, double scale, double z, double post) {
+  return detail::mul(post, detail::add(src, detail::mul(scale, z)));
+}
+NCDP_HOST_DEVICE double fill_normal(double scale, double z, double post) {
+  return detail::mul(post, detail::mul(scale, z));
 }
 
 }  // namespace philox

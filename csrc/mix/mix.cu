@@ -367,7 +367,8 @@ __device__ __forceinline__ void load_slot(const Real* __restrict__ row, std::int
 __device__ __forceinline__ void normals_of_slot(std::uint64_t seed, std::uint64_t first,
                                                 double z[kSlotWidth]) {
   double radius = 0.0;
-  double angle = 0.0;
+  double cosine = 0.0;
+  double sine = 0.0;
   std::uint64_t pair = ~std::uint64_t{0};
   std::uint64_t block = ~std::uint64_t{0};
   philox::PairBlocks blocks{};
@@ -380,9 +381,9 @@ __device__ __forceinline__ void normals_of_slot(std::uint64_t seed, std::uint64_
         block = index >> 2;
         blocks = philox::pair_blocks(seed, block);
       }
-      philox::box_muller_polar(seed, pair, blocks, &radius, &angle);
+      philox::box_muller_pair(seed, pair, blocks, &radius, &cosine, &sine);
     }
-    z[q] = (index & 1) ? radius * sin(angle) : radius * cos(angle);
+    z[q] = philox::detail::mul(radius, (index & 1) ? sine : cosine);
   }
 }
 

@@ -37,8 +37,10 @@ __global__ void __launch_bounds__(kBlockThreads) slab_sum_plus_gaussian_kernel(
       if (j < 0 || j >= p) continue;
       Partial sum = Partial(0);
       for (std::int64_t s = 0; s < slabs; ++s) sum += partials[s * p + j];
-      const double value = static_cast<double>(sum) + noise_std * z[q];
-      out[j] = static_cast<Real>(inv_denom * value);
+      // Without slabs (a fill) no sum is added: the twin's own operations.
+      out[j] = static_cast<Real>(
+          slabs > 0 ? philox::finish_normal(static_cast<double>(sum), noise_std, z[q], inv_denom)
+                    : philox::fill_normal(noise_std, z[q], inv_denom));
     }
   }
 }
@@ -75,15 +77,16 @@ __global__ void __launch_bounds__(kBlockThreads) finish_gaussian_segments_kernel
       if (j < 0 || j >= table.size[s]) continue;
       // The same operations as slab_sum_plus_gaussian_kernel with one slab.
       if (table.types[s] == kSegmentFloat32) {
-        const double value = static_cast<double>(static_cast<const float*>(table.src[s])[j]) +
-                             scale * z[q];
-        static_cast<float*>(table.dst[s])[j] = static_cast<float>(post * value);
+        const double src = static_cast<const float*>(table.src[s])[j];
+        static_cast<float*>(table.dst[s])[j] =
+            static_cast<float>(philox::finish_normal(src, scale, z[q], post));
       } else {
-        const double value = static_cast<const double*>(table.src[s])[j] + scale * z[q];
+        const double value =
+            philox::finish_normal(static_cast<const double*>(table.src[s])[j], scale, z[q], post);
         if (table.types[s] == kSegmentFloat64) {
-          static_cast<double*>(table.dst[s])[j] = post * value;
+          static_cast<double*>(table.dst[s])[j] = value;
         } else {
-          static_cast<float*>(table.dst[s])[j] = static_cast<float>(post * value);
+          static_cast<float*>(table.dst[s])[j] = static_cast<float>(value);
         }
       }
     }

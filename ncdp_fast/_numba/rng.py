@@ -310,7 +310,8 @@ def add_gaussian(out, seed, offset, scale, accumulate, post):
     any split of a range (ranks, chunks, the serial and parallel twins) gives
     the same bits.  log, sin and cos are the branch-free fdlibm forms above,
     each within a float64 ulp of libm, hence within one float32 ulp of the
-    reference.
+    reference; the CUDA kernels compute them, and the store, in the same
+    operations (csrc/common/philox.cuh, "The normals"): the same bits.
     """
     if out.shape[0]:
         _add_gaussian(out, np.uint64(seed), np.uint64(offset), float(scale), bool(accumulate),
