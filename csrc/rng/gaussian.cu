@@ -8,12 +8,18 @@ namespace ncdp {
 namespace kernels {
 namespace {
 
+// Five resident blocks an SM (62% occupancy at 48 registers): the normals'
+// strict float64 operations (philox.cuh, "The normals") would otherwise take
+// 61 registers and four blocks; capped, ptxas spills 4 bytes in the slab
+// kernels and none in the finish (sm_90, bench/kernel_resources.py).
+constexpr int kGaussianMinBlocks = 5;
+
 // One thread per Philox block of the range: stream indices offset .. offset+p-1
 // cover ceil((phase + p) / 4) blocks (phase = offset % 4), and a thread turns its
 // block's four words into four normals at once (two Box-Muller pairs) instead
 // of recomputing the block per element.
 template <typename Partial, typename Real>
-__global__ void __launch_bounds__(kBlockThreads) slab_sum_plus_gaussian_kernel(
+__global__ void __launch_bounds__(kBlockThreads, kGaussianMinBlocks) slab_sum_plus_gaussian_kernel(
     // Not __restrict__: `partials` is `out` when fill_gaussian accumulates in
     // place (each element is read, then written, by the same thread).
     const Partial* partials,  // [slabs, p]
@@ -48,8 +54,9 @@ __global__ void __launch_bounds__(kBlockThreads) slab_sum_plus_gaussian_kernel(
 // The segments' Philox blocks side by side, one thread a block as above;
 // the thread's segment is the last whose first block is at most its index (a
 // binary search of the by-value table: empty segments own no block).
-__global__ void __launch_bounds__(kBlockThreads) finish_gaussian_segments_kernel(
-    const GaussianSegments table, std::uint64_t seed, double scale, double post) {
+__global__ void __launch_bounds__(kBlockThreads, kGaussianMinBlocks)
+    finish_gaussian_segments_kernel(const GaussianSegments table, std::uint64_t seed, double scale,
+                                    double post) {
   const std::int64_t total = table.first_block[table.count];
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
