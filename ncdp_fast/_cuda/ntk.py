@@ -11,8 +11,9 @@ strip's columns from its diagonal block on) or halving (at each level the
 off-diagonal blocks of equal shape as one batched GEMM, then the diagonal
 leaves, whole).  Strips end in GEMMs too small to fill the device: at
 (16384, 256, 4096, 4) the H200 run of 2026-11-28 measured the strips at
-0.208 s, where the FLOPs at the GEMM peak give 0.188 s and the model's waves
-0.196-0.213 s.  bench/report.py predicts each row's time from the same jobs.
+0.208 s, where the FLOPs at the GEMM peak give 0.188 s and the same FLOPs in
+the model's waves 0.2005 s (bench/report.py predicted_ntk_s, which predicts
+each row's time from the jobs this module runs).
 """
 from __future__ import annotations
 
