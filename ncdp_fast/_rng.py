@@ -16,7 +16,8 @@ def gaussian(count, *, seed, offset=0, dtype=np.float32, like=None):
     Exactly the variates every noisy op of ncdp_fast adds (see
     :mod:`ncdp_fast.reference` for the formula): an op called with
     ``(seed, offset)`` that consumes ``p`` draws adds ``scale * gaussian(p,
-    seed=seed, offset=offset)``.  Backends agree to one float32 ulp.  Every
+    seed=seed, offset=offset)``.  Backends agree with it to one float32 ulp,
+    and the CPU and CUDA kernels with each other bit for bit.  Every
     value satisfies ``|z| <= GAUSSIAN_TAIL_BOUND`` in float64 (its float32
     rounding in float32); the accountants charge that truncation
     (:mod:`ncdp_fast.privacy.truncation`).
