@@ -220,6 +220,22 @@ constexpr std::int64_t kMantissaMask = (std::int64_t{1} << 52) - 1;
 // taken with exponent -1, so that m lies in [0.7071, 1.4142).
 constexpr std::int64_t kSqrt2Mantissa = 0x6a09c00000000;
 
+// e_log.c's log(2^k (1 + f)) for f in [sqrt(2)/2 - 1, sqrt(2) - 1) and dk = k:
+// log(1 + f) from s = f / (2 + f) and the Remez fit, in its order. The
+// sampler's log and the normals' share it (their reductions differ).
+NCDP_HOST_DEVICE double log_of_reduced(double f, double dk) {
+  using namespace detail;
+  const double s = divide(f, add(2.0, f));
+  const double z = mul(s, s);
+  const double w = mul(z, z);
+  const double r =
+      add(mul(z, add(kLg1, mul(w, add(kLg3, mul(w, add(kLg5, mul(w, kLg7))))))),
+          mul(w, add(kLg2, mul(w, add(kLg4, mul(w, kLg6))))));
+  const double hfsq = mul(mul(0.5, f), f);
+  return sub(mul(dk, kLn2Hi),
+             sub(sub(hfsq, add(mul(s, add(hfsq, r)), mul(dk, kLn2Lo))), f));
+}
+
 // log(x), < 1 ulp; log(0) = -inf, log(+inf) = +inf, log(x < 0) = log(NaN) = NaN.
 NCDP_HOST_DEVICE double sampler_log(double x) {
   using namespace detail;
@@ -236,16 +252,7 @@ NCDP_HOST_DEVICE double sampler_log(double x) {
   const std::int64_t half = mantissa >= kSqrt2Mantissa ? 1 : 0;
   const double f = sub(from_bits(mantissa | ((1023 - half) << 52)), 1.0);
   k += half;
-  const double s = divide(f, add(2.0, f));
-  const double z = mul(s, s);
-  const double w = mul(z, z);
-  const double r =
-      add(mul(z, add(kLg1, mul(w, add(kLg3, mul(w, add(kLg5, mul(w, kLg7))))))),
-          mul(w, add(kLg2, mul(w, add(kLg4, mul(w, kLg6))))));
-  const double hfsq = mul(mul(0.5, f), f);
-  const double dk = static_cast<double>(k);
-  return sub(mul(dk, kLn2Hi),
-             sub(sub(hfsq, add(mul(s, add(hfsq, r)), mul(dk, kLn2Lo))), f));
+  return log_of_reduced(f, static_cast<double>(k));
 }
 
 // log(1 + x) for x >= -1, <= 2 ulp: u = 1 + x rounded, c = (1 + x) - u exactly
@@ -298,15 +305,7 @@ NCDP_HOST_DEVICE double log_normal(double u) {
   double m = from_bits((b & kMantissaMask) | kExpOne);  // u = 2^k m, m in [1, 2)
   const std::int64_t big = m > kSqrt2 ? 1 : 0;
   m = mul(m, sub(1.0, mul(0.5, static_cast<double>(big))));  // exact: m in [sqrt(2)/2, sqrt(2))
-  const double dk = static_cast<double>((b >> 52) - 1023 + big);
-  const double f = sub(m, 1.0);
-  const double hfsq = mul(mul(0.5, f), f);
-  const double s = divide(f, add(2.0, f));
-  const double z = mul(s, s);
-  const double w = mul(z, z);
-  const double r = add(mul(z, add(kLg1, mul(w, add(kLg3, mul(w, add(kLg5, mul(w, kLg7))))))),
-                       mul(w, add(kLg2, mul(w, add(kLg4, mul(w, kLg6))))));
-  return sub(mul(dk, kLn2Hi), sub(sub(hfsq, add(mul(s, add(hfsq, r)), mul(dk, kLn2Lo))), f));
+  return log_of_reduced(sub(m, 1.0), static_cast<double>((b >> 52) - 1023 + big));
 }
 
 // (cos, sin) of the reference's rounded angle fl(2 pi u2), u2 in (0, 1]: the
