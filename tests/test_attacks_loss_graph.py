@@ -256,6 +256,30 @@ def test_the_mode_keeps_other_modes_in_order_and_leaves_nothing_behind():
         assert torch._C._len_torch_function_stack() == 0
 
 
+def test_the_mode_leaves_at_the_step_only_once_the_backward_was_caught():
+    """A step before the backward is refused and the check stays armed, so
+    the backward that follows is still read; once it was, the step's checks
+    after the loss check's settling (each parameter's .grad read among them)
+    run with the mode off the stack."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    seen = []
+    with GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                      expected_batch_size=B) as clipper:
+        out = model(torch.randn(B, 4))
+        with pytest.raises(RuntimeError, match="backward did not reach it"):
+            clipper.privatize_()
+        assert torch._C._len_torch_function_stack() == 1 and not clipper._loss.checked
+        out.pow(2).sum().backward()
+        assert clipper._loss.checked
+        real = clipper._refuse_foreign
+        clipper._refuse_foreign = lambda *a: seen.append(
+            torch._C._len_torch_function_stack()) or real(*a)
+        clipper.privatize_()
+    assert seen == [0]
+    assert all(p.grad is not None for p in model.parameters())
+
+
 @pytest.mark.parametrize("rows, accepted", [("arange", True), ("flip", False)])
 def test_one_entry_of_each_sample_is_accepted_only_in_order(rows, accepted):
     """``logits[arange(B), j]`` (the pooled logits of a decoder's sequence

@@ -1,7 +1,8 @@
 """Issue 24: nvcc contracts ``a*b+c`` into one FMA by default, which rounds once
 where the reference rounds twice; the clip rule and the sampler's log promise
-bit-for-bit agreement with ncdp_fast/reference, so their device code must hold
-no contracted FMA. The emulation tier cannot see this (g++ on x86-64 never
+bit-for-bit agreement with ncdp_fast/reference, and the normals' log, sin, cos
+and finish with the numba twin, so their device code must hold no contracted
+FMA. The emulation tier cannot see this (g++ on x86-64 never
 fuses): this test reads the PTX nvcc emits for sm_90. It needs nvcc, not a GPU."""
 import re
 import subprocess
@@ -13,7 +14,8 @@ from ncdp_fast._gpu_check_env import nvcc_path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ROOT / "tests" / "ptx_probe" / "fma_probe.cu"
-ENTRIES = ("probe_clip_bound", "probe_clip_factor", "probe_sampler_log", "probe_sampler_log1p")
+ENTRIES = ("probe_clip_bound", "probe_clip_factor", "probe_sampler_log", "probe_sampler_log1p",
+           "probe_log_normal", "probe_cos_sin_2pi", "probe_finish_normal")
 FMA = re.compile(r"^\s*(?:@!?%p\d+\s+)?(fma|mad)\.[\w.]*f(32|64)\b", re.M)
 
 
