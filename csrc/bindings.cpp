@@ -61,11 +61,12 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
         py::arg("spread"), py::arg("sizes"), py::arg("workspace"), py::arg("workspace_bytes"),
         py::arg("stream"));
   m.def("launch_clip_factors", &ncdp::launch_clip_factors,
-        "norms = sqrt(sq); factors by the rounding-aware rule of reference.clip_factors "
-        "(float64 [B]; spread 0 for E = 0).",
+        "norms = sqrt(scale^2 sq); factors by the rounding-aware rule of "
+        "reference.clip_factors on scale^2 sq and scale spread (float64 [B]; spread 0 for "
+        "E = 0); weights = factors scale where given (0: not formed).",
         py::arg("sq"), py::arg("spread"), py::arg("B"), py::arg("max_norm"), py::arg("terms"),
         py::arg("seq_len"), py::arg("unit"), py::arg("factors"), py::arg("norms"),
-        py::arg("stream"));
+        py::arg("stream"), py::arg("scale") = 1.0, py::arg("weights") = 0);
   m.def("weighted_row_sum_workspace_bytes", &ncdp::weighted_row_sum_workspace_bytes,
         "Workspace bytes of launch_weighted_row_sum_noise.", py::arg("B"), py::arg("p"),
         py::arg("dtype"));
@@ -86,10 +87,11 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
         py::arg("norms"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
         py::arg("l2_bytes") = -1);
   m.def("launch_linear_sq_norms", &ncdp::launch_linear_sq_norms,
-        "sq[i] (=, or +=) squared norm of the per-sample linear-layer gradient (+ bias).",
+        "sq[i] (=, or +=) squared norm of the per-sample linear-layer gradient (+ bias); "
+        "at T = 1 also sizes[i] = (||a_i||^2, ||g_i||^2) where sizes is given ([B, 2] float64).",
         py::arg("a"), py::arg("g"), py::arg("B"), py::arg("T"), py::arg("d"), py::arg("K"),
         py::arg("dtype"), py::arg("bias"), py::arg("sq"), py::arg("accumulate"),
-        py::arg("stream"));
+        py::arg("stream"), py::arg("sizes") = 0);
   m.def("clipped_linear_sum_workspace_bytes", &ncdp::clipped_linear_sum_workspace_bytes,
         "Workspace bytes that let launch_clipped_linear_sum split the B*T reduction.",
         py::arg("B"), py::arg("T"), py::arg("d"), py::arg("K"), py::arg("dtype"));

@@ -399,6 +399,12 @@ def data_ptr(x) -> int:
     return int(x.__cuda_array_interface__["data"][0])
 
 
+def is_c_contiguous(x) -> bool:
+    """Whether a torch tensor or CuPy array is row-major contiguous (a
+    kernel may write it as one run of elements)."""
+    return bool(x.is_contiguous() if is_torch(x) else x.flags.c_contiguous)
+
+
 def same_view(x, y) -> bool:
     """Whether two torch tensors or CuPy arrays are the same elements in the
     same layout: one input handed to several layers (an attention block's q,

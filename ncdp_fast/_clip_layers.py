@@ -137,9 +137,11 @@ class _Layer:
         # GPU, whose .size is a method in torch: count through the shape.
         return math.prod(self.g.shape) + (0 if self.dense else math.prod(self.a.shape))
 
-    def add_sq_norms(self, kernels, sq, spread, io, float64=False):
-        """sq += the block's squared norms; spread (None when no block has T > 1)
-        += the rounding scale of a ghost block's sums over positions.  Dense
+    def add_sq_norms(self, kernels, sq, spread, io, float64=False, accumulate=True):
+        """sq += the block's squared norms (= without ``accumulate``: the step's
+        first, into a buffer not zeroed, one kernel fewer on a device); spread
+        (None when no block has T > 1) += the rounding scale of a ghost block's
+        sums over positions.  Dense
         and ghost blocks only: linear pairs form theirs by shape group
         (``linear_sq_norms_group``, in :func:`_clip_layers`).  ``float64``: a
         ghost block's float64 norms where its own are float32 Grams' bounds."""
@@ -148,11 +150,14 @@ class _Layer:
             if float64 and self.spec.float64_norms is not None:
                 own, own_spread = (None if x is None else io.to_kernel(x)
                                    for x in self.spec.float64_norms())
-            sq += own
+            if accumulate:
+                sq += own
+            else:
+                _arrays.assign(sq, own)
             if spread is not None and own_spread is not None:
                 spread += own_spread
         else:
-            kernels.row_sq_norms(self.g, sq, True)
+            kernels.row_sq_norms(self.g, sq, accumulate)
 
     def float32_grams(self) -> bool:
         """Whether the block's norms are float32 Grams' bounds (a ghost block
@@ -268,7 +273,8 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
                 layer.g = be.io.to_kernel(layer.g)
     draws = sum(layer.draws for layer in layers)
     t_max = max(layer.T for layer in layers)
-    sq = be.io.zeros((B,), _F64)
+    # Not zeroed: the first block's norms are written, the others' added.
+    sq = be.io.empty((B,), _F64)
     spread = be.io.zeros((B,), _F64) if t_max > 1 else None
     # Linear pairs of one shape form their norms together (on a device, one
     # batched GEMM for several layers: launches saved); their operand sizes,
@@ -285,32 +291,32 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     sizes = extra.reshape(len(pairs), B, 2) if pairs else None
     slot = {i: j for j, i in enumerate(pairs)}
     terms = sum(layer.terms for layer in layers) + (2 if grad_scale != 1.0 else 0)
+    # The blocks hold gradients / s: the sample's norm is s times theirs and its
+    # weight in the sums s times its factor (two more float64 roundings, s^2 sq
+    # and f s, formed inside the factors' kernel).
+    weights = be.io.empty((B,), _F64) if grad_scale != 1.0 else factors
 
     def form_factors(gram32, again=False):
         """The norms and factors into buf; whether a float32 Gram formed any."""
-        nonlocal sq, spread
-        if again:           # a second pass: start from nothing
-            sq[...] = 0.0
-            if spread is not None:
-                spread[...] = 0.0
-        used = False
+        if again and spread is not None:        # a second pass: start from nothing
+            spread[...] = 0.0
+        used, first = False, True
         for layer in layers:
             if layer.kind != "pair":
-                layer.add_sq_norms(be.kernels, sq, spread, be.io, float64=again)
+                layer.add_sq_norms(be.kernels, sq, spread, be.io, float64=again,
+                                   accumulate=not first)
                 used |= layer.float32_grams() and not again
+                first = False
         for (T, _, _, bias), members in groups.items():
             j = slot[members[0]]
             used |= bool(be.kernels.linear_sq_norms_group(
                 [layers[i].a for i in members], [layers[i].g for i in members], bias, sq,
-                spread if T > 1 else None, sizes[j:j + len(members)], gram32))
-        if grad_scale != 1.0:
-            # The blocks hold gradients / s: the sample's norm is s times theirs (two
-            # more float64 roundings: s^2 * sq here, f * s below).
-            sq *= grad_scale * grad_scale
-            if spread is not None:
-                spread *= grad_scale
+                spread if T > 1 else None, sizes[j:j + len(members)], gram32,
+                accumulate=not first))
+            first = False
         be.kernels.clip_factors(sq, spread, max_norm, terms, t_max,
-                                float(np.finfo(dtype).eps) / 2, factors, norms)
+                                float(np.finfo(dtype).eps) / 2, factors, norms, grad_scale,
+                                None if weights is factors else weights)
         return used
 
     gram32 = form_factors(gram_precision == "float32" and dtype == np.float32)
@@ -323,7 +329,6 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         gram32 = form_factors(False, again=True)
         acc, host = _accounting(be, buf, B, max_norm, nan_policy, None, None, draws,
                                 by_factors=True)
-    weights = factors * grad_scale if grad_scale != 1.0 else factors
     host_factors = host[:B]
     balance = [True] * len(layers)
     if pairs:
@@ -504,9 +509,10 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
     its norms again in float64 before judging it.  Elsewhere (the CPU, float64
     data, T = 1, the direct route) nothing changes.
 
-    ``_checks`` (internal, for GhostClipper): ``(0-d boolean device tensor,
-    refuse)`` pairs read with the step's counts in its one transfer; a false
-    flag's ``refuse()`` raises before any noise range is taken.
+    ``_checks`` (internal, for GhostClipper): ``(0-d device tensor, refuse,
+    passes)`` triples whose values are read with the step's counts in its one
+    transfer; ``refuse()`` of a value failing ``passes`` raises before any
+    noise range is taken.
 
     Returns a :class:`LayersClipResult`; ``grads[l]`` is an array of shape
     ``shape[1:]`` for a dense block, ``(grad_weight, grad_bias)`` for a pair, an

@@ -128,21 +128,25 @@ def _accounting(be, buf, B, max_norm, nan_policy, seed, offset, draws, by_factor
     is 0 exactly where its bound is not finite: for every non-finite norm (the
     bound is formed from the same sum) and for a finite norm whose rounding
     bound overflowed -- else those of a non-finite norm (the dense op).
-    ``checks``: a caller's own device flags, ``(0-d boolean tensor, refuse)``
-    pairs, read in the same transfer; ``refuse()`` of the first false flag
-    raises, before the counts are judged (GhostClipper's loss checks: one host
-    wait a step, not two).  The counts are formed on the host from the
-    transferred values: no device reduction a step (issue 36's host time)."""
+    ``checks``: a caller's own device checks, ``(0-d tensor, refuse,
+    passes)`` triples, their values read in the same transfer (as float64:
+    exact for every float dtype, integers up to 2^53, a flag as 0 or 1);
+    ``refuse()`` of the first value that fails ``passes`` raises, before the
+    counts are judged (GhostClipper's loss checks: one host wait a step, not
+    two).  The counts are formed on the host from the transferred values: no
+    device reduction a step (issue 36's host time)."""
     if checks:
-        # GhostClipper's flags are torch tensors, as its step buffer is; one
-        # on another device than the buffer's is moved to it.
+        # GhostClipper's values are torch tensors, as its step buffer is; one
+        # on another device than the buffer's is moved to it.  The cat writes
+        # each value into the float64 buffer as it is (no promotion among
+        # them).
         dev = buf.device
         import torch
-        torch.cat([(flag if flag.device == dev else flag.to(dev)).reshape(1)
-                   for flag, _ in checks], out=buf[2 * B:2 * B + len(checks)])
+        torch.cat([(v if v.device == dev else v.to(dev)).reshape(1) for v, _, _ in checks],
+                  out=buf[2 * B:2 * B + len(checks)])
     host = be.io.to_numpy(buf)
-    for ok, (_, refuse) in zip(host[2 * B:2 * B + len(checks)], checks):
-        if not ok:
+    for v, (_, refuse, passes) in zip(host[2 * B:2 * B + len(checks)], checks):
+        if not passes(float(v)):
             refuse()
     factors, norms = host[:B], host[B:2 * B]
     dropped = factors == 0 if by_factors else ~np.isfinite(norms)

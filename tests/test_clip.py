@@ -470,3 +470,99 @@ def test_clip_results_are_64_byte_aligned(shape, dtype):
     a, g = torch.randn(2, 5, 3), torch.randn(2, 5, 4)
     res = nf.clip_and_noise_linear(a, g, max_norm=1.0, noise_multiplier=0.0, seed=1)
     assert res.grad_weight.data_ptr() % 64 == 0
+
+
+# ------------------------------------------------ buffers the op does not zero
+
+LAYER_ORDERS = {
+    "ghost first": ("ghost", "dense", "rank1", "seq"),
+    "pair first": ("rank1", "dense", "ghost"),
+    "dense first": ("dense", "seq", "rank1"),
+    "sequence pair alone": ("seq",),
+}
+
+
+def poisoned_layers_run(order, dtype, to_device, empty_owner, monkeypatch):
+    """(clean, poisoned) results of one clip_and_noise_layers call over the
+    blocks named in ``order``, with grad_scale 3 (the factors' kernel forms
+    the weights); the poisoned run's fresh buffers (``empty_owner.empty``)
+    hold NaN (or all-ones bytes): the step's first norms are written into a
+    buffer nobody zeroed, so a block that added to it instead would show."""
+    rng = np.random.default_rng(len(order))
+    B = 5
+    dense = rng.standard_normal((B, 2, 3)).astype(dtype)
+    gh = rng.standard_normal((B, 4)).astype(dtype)
+    a1, g1 = _linear_inputs((B, None, 7, 3), dtype, seed=1)
+    a2, g2 = _linear_inputs((B, 3, 6, 4), dtype, seed=2)
+    gh_dev = to_device(gh)
+
+    def clipped_sum(f):
+        out = (f[:, None] * gh_dev.astype(np.float64) if isinstance(gh_dev, np.ndarray) else
+               f[:, None] * gh_dev.double()).sum(0)
+        return out.astype(dtype) if isinstance(out, np.ndarray) else out.to(gh_dev.dtype)
+    blocks = dict(
+        ghost=lambda: nf.GhostBlock(to_device((gh.astype(np.float64) ** 2).sum(1)), clipped_sum,
+                                    (4,), 4, dtype=dtype),
+        dense=lambda: to_device(dense),
+        rank1=lambda: (to_device(a1), to_device(g1)),
+        seq=lambda: (to_device(a2), to_device(g2)))
+    kw = dict(max_norm=1.0, noise_multiplier=0.5, seed=5, offset=0, grad_scale=3.0,
+              reduction="mean", expected_batch_size=4.0)
+    clean = nf.clip_and_noise_layers([blocks[n]() for n in order], **kw)
+    real = empty_owner.empty
+
+    def poisoned(self, shape, dt):
+        out = real(self, shape, dt)
+        if np.dtype(dt).kind == "f":
+            out[...] = np.nan
+        else:
+            out[...] = np.iinfo(np.dtype(dt)).max
+        return out
+    monkeypatch.setattr(empty_owner, "empty", poisoned)
+    with pytest.warns(nf.NoiseReuseWarning):        # the same draws again, on purpose
+        dirty = nf.clip_and_noise_layers([blocks[n]() for n in order], **kw)
+    monkeypatch.undo()
+    return clean, dirty
+
+
+def _flat(grads):
+    out = []
+    for g in grads:
+        out += [x for x in (g if isinstance(g, tuple) else (g,)) if x is not None]
+    return [np.asarray(x.cpu() if hasattr(x, "cpu") else x) for x in out]
+
+
+@pytest.mark.parametrize("order", sorted(LAYER_ORDERS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_first_norms_need_no_zeroed_buffer(order, dtype, monkeypatch):
+    from ncdp_fast import _arrays
+    clean, dirty = poisoned_layers_run(LAYER_ORDERS[order], dtype, lambda x: x,
+                                       _arrays.NumpyIO, monkeypatch)
+    assert np.all(np.isfinite(clean.norms))
+    assert np.array_equal(clean.norms, dirty.norms)
+    for x, y in zip(_flat(clean.grads), _flat(dirty.grads)):
+        assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0, 0.1])
+@pytest.mark.parametrize("with_spread", [False, True])
+def test_numba_clip_factors_fold_the_grad_scale_as_the_device(scale, with_spread):
+    """The CPU twin of the factors' kernel: the rule on s^2 sq and s spread,
+    weights = factors s, each product rounded once -- the reference's factors
+    on the scaled inputs, bit for bit, as tests/test_cuda_emulation.py holds
+    the device kernel to."""
+    from ncdp_fast._numba import clip as nclip
+    sq = np.array([0.0, 0.25, 1.0, 4.0, 1e300, np.inf, np.nan, 1e-300, 7.0])
+    spread = np.abs(np.random.default_rng(1).standard_normal(sq.size)) * 3
+    terms, seq_len, unit, C = 37, 4, 2.0 ** -24, 2.0
+    factors, norms, weights = (np.full(sq.size, -1.0) for _ in range(3))
+    sq_in = sq.copy()
+    nclip.clip_factors(sq_in, spread if with_spread else None, C, terms, seq_len, unit, factors,
+                       norms, scale, weights)
+    want, want_norms = R.clip_factors(sq * (scale * scale), C, unit=unit, terms=terms,
+                                      spread=spread * scale if with_spread else None,
+                                      seq_len=seq_len)
+    assert np.array_equal(factors, want)
+    assert np.array_equal(norms, want_norms, equal_nan=True)
+    assert np.array_equal(weights, want * scale)
+    assert np.array_equal(sq_in, sq, equal_nan=True)       # the caller's norms untouched

@@ -126,6 +126,17 @@ def test_native_clip_factors_validates_the_rule(native):
         native.launch_clip_factors(**dict(args, B=2))
 
 
+def test_native_linear_sq_norms_forms_sizes_at_rank_one_only(native):
+    # Checked before any CUDA call, so these run without a GPU.
+    args = dict(a=4096, g=8192, B=2, T=3, d=4, K=5, dtype=1, bias=True, sq=16384,
+                accumulate=False, stream=0)
+    with pytest.raises(ValueError, match="sizes: formed at T = 1 only .*got T = 3"):
+        native.launch_linear_sq_norms(**dict(args, sizes=32768))
+    with pytest.raises(ValueError, match="sizes is not aligned to 8 bytes"):
+        native.launch_linear_sq_norms(**dict(args, T=1, sizes=32772))
+    native.launch_linear_sq_norms(**dict(args, B=0, a=0, g=0, sq=0, T=1, sizes=32768))
+
+
 def test_native_linear_norms_from_grams_validates_its_buffers(native):
     # Checked before any CUDA call, so these run without a GPU.
     needed = native.linear_norms_from_grams_workspace_bytes(2, 2, 3)

@@ -384,22 +384,32 @@ def test_linear_norms_from_float32_grams_match_the_reference(emu, B, layers, T, 
 
 
 @pytest.mark.parametrize("with_spread", [False, True])
-def test_clip_factors_match_the_reference_rule(emu, with_spread):
+@pytest.mark.parametrize("scale", [None, 1.0, 3.0, 0.1])
+def test_clip_factors_match_the_reference_rule(emu, with_spread, scale):
     # The rule of clip/clip_rule.cuh is reference.clip_bound operation for operation:
     # factors agree bit for bit, including overflowing, zero and non-finite rows.
+    # With a grad_scale s: the rule on s^2 sq and s spread, weights = factors s,
+    # each product rounded once (the element-wise ops the kernel replaced);
+    # None: the launcher's default (1, no weights).
     sq = np.array([0.0, 0.25, 1.0, 1.0 + 2.0 ** -40, 4.0, 1e300, np.inf, np.nan, 1e-300,
                    3.65e22 ** 2, 7.0])
     spread = np.abs(np.random.default_rng(0).standard_normal(sq.size)) * 3
     spread[3] = 1e200  # (sqrt(g) E)^2 must not overflow where g E^2 would
     terms, seq_len, unit, C = 37, 4, 2.0 ** -24, 2.0
-    res = emu.run("clip_factors",
-                  dict(B=sq.size, max_norm=C, terms=terms, seq_len=seq_len, unit=unit),
-                  {"sq": sq, "spread": spread if with_spread else None,
-                   "factors": np.full(sq.size, -1.0), "norms": np.full(sq.size, -1.0)})
-    factors, norms = R.clip_factors(sq, C, unit=unit, terms=terms,
-                                    spread=spread if with_spread else None, seq_len=seq_len)
+    scalars = dict(B=sq.size, max_norm=C, terms=terms, seq_len=seq_len, unit=unit)
+    buffers = {"sq": sq, "spread": spread if with_spread else None,
+               "factors": np.full(sq.size, -1.0), "norms": np.full(sq.size, -1.0)}
+    if scale is not None:
+        scalars["scale"] = scale
+        buffers["weights"] = np.full(sq.size, -1.0)
+    res = emu.run("clip_factors", scalars, buffers)
+    s = 1.0 if scale is None else scale
+    factors, norms = R.clip_factors(sq * (s * s), C, unit=unit, terms=terms,
+                                    spread=spread * s if with_spread else None, seq_len=seq_len)
     assert np.array_equal(res["factors"], factors)
     assert np.array_equal(res["norms"], norms, equal_nan=True)
+    if scale is not None:
+        assert np.array_equal(res["weights"], factors * s)
 
 
 @pytest.mark.parametrize("dtype,magnitudes", [
@@ -448,10 +458,18 @@ def _linear_case(B, T, d, K, dtype, seed):
 ])
 def test_linear_sq_norms(emu, dtype, B, T, d, K, bias):
     a, g = _linear_case(B, T, d, K, dtype, seed=B + T + d + K)
+    buffers = {"acts": a, "grads": g, "sq": np.zeros(B)}
+    if T == 1:      # the rank-1 kernel also writes the operands' squared norms
+        buffers["sizes"] = np.full((B, 2), np.nan)
     res = emu.run("linear_sq_norms", dict(dtype=_dt(dtype), B=B, T=T, d=d, K=K, bias=bias,
-                                          accumulate=False),
-                  {"acts": a, "grads": g, "sq": np.zeros(B)})
+                                          accumulate=False), buffers)
     a64, g64 = a.astype(np.float64), g.astype(np.float64)
+    if T == 1:
+        # Float64 sums of n non-negative squares: within gamma_(n+1) of the exact sum.
+        exact_sizes = np.stack([(a64[:, 0] ** 2).sum(1), (g64[:, 0] ** 2).sum(1)], axis=1)
+        n = np.array([d, K])
+        assert np.all(np.abs(res["sizes"] - exact_sizes)
+                      <= (n + 1) * 2.0 ** -53 * exact_sizes), (res["sizes"], exact_sizes)
     G = np.einsum("btk,btj->bkj", g64, a64)
     exact = (G ** 2).sum(axis=(1, 2)) + (((g64.sum(axis=1)) ** 2).sum(axis=1) if bias else 0)
     # The bound reference.clip_bound assumes of these kernels: |sq - exact| <= gamma E^2,

@@ -8,7 +8,8 @@ import ncdp_fast as nf
 from ncdp_fast import reference as R
 
 from conftest import assert_within_sum_bound, emulated, on_host
-from test_clip import DENSE_SHAPES, LINEAR_SHAPES, _linear_inputs, _rows
+from test_clip import (DENSE_SHAPES, LAYER_ORDERS, LINEAR_SHAPES, _flat, _linear_inputs, _rows,
+                       poisoned_layers_run)
 
 pytestmark = pytest.mark.gpu
 
@@ -978,3 +979,22 @@ def test_cuda_ghost_clipper_matches_cpu(require_cuda, dtype):
 def _nullcontext():
     import contextlib
     return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("order", sorted(LAYER_ORDERS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_first_norms_need_no_zeroed_buffer(require_cuda, order, dtype, monkeypatch):
+    """On the device the step's first norms are written into a buffer nobody
+    zeroed (a kernel fewer a step), the rank-1 kernel writes the operands'
+    sizes and the factors' kernel the grad_scale weights: with every fresh
+    buffer NaN (or all-ones bytes), the norms and grads are bit for bit the
+    clean run's, whichever block comes first."""
+    from ncdp_fast import _arrays
+    io = type(_arrays.io_for(_cuda(np.zeros(1), require_cuda)))
+    _replay()
+    clean, dirty = poisoned_layers_run(LAYER_ORDERS[order], dtype,
+                                       lambda x: _cuda(x, require_cuda), io, monkeypatch)
+    assert np.all(np.isfinite(_host(clean.norms)))
+    assert np.array_equal(_host(clean.norms), _host(dirty.norms))
+    for x, y in zip(_flat(clean.grads), _flat(dirty.grads)):
+        assert np.array_equal(x, y)

@@ -388,6 +388,52 @@ def test_a_device_loss_check_refuses_within_the_clip_ops_one_read(require_cuda, 
     clipper.remove()
 
 
+@pytest.mark.parametrize("name, loss, accepted", [
+    ("mean", lambda o, y, n, dev: F.cross_entropy(o, y), True),
+    ("sum / B", lambda o, y, n, dev: F.cross_entropy(o, y, reduction="sum")
+     / torch.tensor(n, device=dev), True),
+    ("sum / B (int)", lambda o, y, n, dev: F.cross_entropy(o, y, reduction="sum")
+     / torch.tensor(n, dtype=torch.int64, device=dev), True),
+    ("mean * 2^16", lambda o, y, n, dev: F.cross_entropy(o, y)
+     * torch.tensor(2.0 ** 16, device=dev), True),
+    ("sum / (B - 2)", lambda o, y, n, dev: F.cross_entropy(o, y, reduction="sum")
+     / torch.tensor(n - 2, device=dev), False),
+    ("mean * 0.3", lambda o, y, n, dev: F.cross_entropy(o, y) * torch.tensor(0.3, device=dev),
+     False),
+    ("mean * 3", lambda o, y, n, dev: F.cross_entropy(o, y) * torch.tensor(3.0, device=dev),
+     False),
+    ("mean, one target ignored", lambda o, y, n, dev: F.cross_entropy(
+        o, torch.where(torch.arange(n, device=dev) == 0, -100, y), ignore_index=-100), False),
+])
+def test_a_device_scalar_in_the_loss_is_judged_from_the_one_transfer(require_cuda, name, loss,
+                                                                     accepted):
+    """A divisor or scale held in a device tensor (a GradScaler's scale, a
+    batch count) and a mean's count of valid targets are judged on the host
+    from the value that travels with the clip op's one transfer: the step
+    launches no comparison of its own, accepts the batch size, the number of
+    terms and a power of two >= 1, and refuses anything else before writing."""
+    from ncdp_fast.torch import GhostClipper
+    from ncdp_fast.torch.loss_graph import LossRefused
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 5)).to(require_cuda)
+    n = 6
+    x = torch.randn(n, 4).to(require_cuda)
+    y = torch.randint(0, 5, (n,)).to(require_cuda)
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0,
+                           expected_batch_size=n, seed=1)
+    loss(model(x), y, n, require_cuda).backward()
+    with HostSyncCounter() as counter:
+        if accepted:
+            clipper.privatize_()
+        else:
+            with pytest.raises(LossRefused, match="not a sum of per-sample terms"):
+                clipper.privatize_()
+    assert _sync_sites(counter.in_library()) == {
+        ("copy to the host", "_clip_results.py", "_accounting"): 1}
+    assert all((p.grad is not None) == accepted for p in model.parameters()), name
+    clipper.remove()
+
+
 def test_the_sync_counter_sees_each_kind_of_host_wait(require_cuda):
     # The counter itself: each kind it claims to count is counted, and
     # device-side work is not.

@@ -192,21 +192,32 @@ __global__ void __launch_bounds__(kBlockThreads) linear_norms_from_partials_kern
   }
 }
 
-// norms[i] = sqrt(sq_i), sq_i = sum_s sq_partials[i, s] (segments summed in
-// order), factors[i] its clip factor (clip/clip_rule.cuh, spread[i] or 0).
+// norms[i] = sqrt(sq_i), sq_i = scale^2 sum_s sq_partials[i, s] (segments
+// summed in order), factors[i] its clip factor (clip/clip_rule.cuh, with
+// scale spread[i] or 0), weights[i] = factors[i] scale where given. `scale`
+// is the clip op's grad_scale (blocks holding gradients / s: each sample's
+// norm is s times theirs); each product is rounded on its own, as the
+// element-wise ops it replaces were (two kernels of host time a step, issue
+// 36), and scale 1 leaves every value as it is.
 __global__ void __launch_bounds__(kBlockThreads) clip_factors_kernel(
     const double* __restrict__ sq_partials,  // [B, segments]
     const double* __restrict__ spread,       // [B] or nullptr
-    std::int64_t B, std::int64_t segments, ClipRule rule,
+    std::int64_t B, std::int64_t segments, ClipRule rule, double scale,
     double* __restrict__ factors,  // [B]
-    double* __restrict__ norms) {  // [B]
+    double* __restrict__ norms,    // [B]
+    double* __restrict__ weights) {  // [B] or nullptr
+  const double scale_sq = philox::detail::mul(scale, scale);
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < B;
        i += stride) {
     double sq = 0.0;
     for (std::int64_t s = 0; s < segments; ++s) sq += sq_partials[i * segments + s];
+    sq = philox::detail::mul(sq, scale_sq);
     norms[i] = sqrt(sq);
-    factors[i] = clip_factor(sq, spread != nullptr ? spread[i] : 0.0, rule);
+    const double e = spread != nullptr ? philox::detail::mul(spread[i], scale) : 0.0;
+    const double factor = clip_factor(sq, e, rule);
+    factors[i] = factor;
+    if (weights != nullptr) weights[i] = philox::detail::mul(factor, scale);
   }
 }
 
@@ -346,14 +357,20 @@ __device__ __forceinline__ void store_sum(double* dst, double value, bool accumu
   *dst = accumulate ? *dst + value : value;
 }
 
-// T == 1: ||g_i a_i^T||_F^2 = ||g_i||^2 ||a_i||^2, plus ||g_i||^2 for the bias.
+// T == 1: ||g_i a_i^T||_F^2 = ||g_i||^2 ||a_i||^2, plus ||g_i||^2 for the bias;
+// with sizes, also the two factors themselves, which the clip op reads with its
+// counts to decide whether the clipped sum must rebalance: one launch where
+// the two row-norm launches and the element-wise ops that combined them were
+// seven kernels a layer (issue 36: a linear head's private step is host time).
+// The product and the sum are rounded one at a time, as the ops they replace.
 template <typename Real>
 __global__ void __launch_bounds__(kBlockThreads) linear_sq_norms_rank1_kernel(
     const Real* __restrict__ acts,   // [B, d]
     const Real* __restrict__ grads,  // [B, K]
     std::int64_t B, std::int64_t d, std::int64_t K, bool bias,
     double* __restrict__ sq,  // [B]
-    bool accumulate) {
+    bool accumulate,
+    double* __restrict__ sizes) {  // [B, 2] = (||a_i||^2, ||g_i||^2), or nullptr
   __shared__ double scratch[kBlockThreads / 32];
   const int tid = static_cast<int>(threadIdx.x);
   for (std::int64_t i = blockIdx.x; i < B; i += gridDim.x) {
@@ -361,7 +378,14 @@ __global__ void __launch_bounds__(kBlockThreads) linear_sq_norms_rank1_kernel(
         thread_sum_of_squares(acts + i * d, d, tid, kBlockThreads), scratch);
     const double g_sq = block_sum<kBlockThreads>(
         thread_sum_of_squares(grads + i * K, K, tid, kBlockThreads), scratch);
-    if (tid == 0) store_sum(sq + i, g_sq * a_sq + (bias ? g_sq : 0.0), accumulate);
+    if (tid == 0) {
+      const double product = philox::detail::mul(a_sq, g_sq);
+      store_sum(sq + i, bias ? philox::detail::add(product, g_sq) : product, accumulate);
+      if (sizes != nullptr) {
+        sizes[2 * i] = a_sq;
+        sizes[2 * i + 1] = g_sq;
+      }
+    }
   }
 }
 
@@ -622,11 +646,11 @@ NCDP_INSTANTIATE_NORMS_FROM_GRAMS(double)
 #undef NCDP_INSTANTIATE_NORMS_FROM_GRAMS
 
 void launch_clip_factors(const double* sq, const double* spread, std::int64_t B,
-                         const ClipRule& rule, double* factors, double* norms,
-                         cudaStream_t stream) {
+                         const ClipRule& rule, double scale, double* factors, double* norms,
+                         double* weights, cudaStream_t stream) {
   if (B <= 0) return;
   NCDP_LAUNCH(grid_blocks(B, kBlockThreads), kBlockThreads, 0, stream, clip_factors_kernel)(
-      sq, spread, B, /*segments=*/1, rule, factors, norms);
+      sq, spread, B, /*segments=*/1, rule, scale, factors, norms, weights);
 }
 
 std::int64_t weighted_row_sum_slabs(std::int64_t B, std::int64_t p) {
@@ -712,7 +736,7 @@ void launch_clip_noise_rows(const Real* grads, std::int64_t B, std::int64_t p, d
             sq_partials + r0 * layout.norm_segments, /*accumulate=*/false);
     NCDP_LAUNCH(grid_blocks(rows, kBlockThreads), kBlockThreads, 0, stream, clip_factors_kernel)(
         sq_partials + r0 * layout.norm_segments, nullptr, rows, layout.norm_segments, rule,
-        factors + r0, norms + r0);
+        /*scale=*/1.0, factors + r0, norms + r0, /*weights=*/nullptr);
     if (p > 0) {
       launch_weighted_row_sum_partials(grads + r0 * p, factors + r0, rows, p, slabs, partials,
                                        /*accumulate=*/r0 > 0, stream);
@@ -725,12 +749,12 @@ void launch_clip_noise_rows(const Real* grads, std::int64_t B, std::int64_t p, d
 template <typename Real>
 void launch_linear_sq_norms(const Real* acts, const Real* grads, std::int64_t B, std::int64_t T,
                             std::int64_t d, std::int64_t K, bool bias, double* sq,
-                            bool accumulate, cudaStream_t stream) {
+                            bool accumulate, double* sizes, cudaStream_t stream) {
   if (B <= 0) return;
   const unsigned int blocks = grid_blocks(B, 1);
   if (T == 1) {
     NCDP_LAUNCH(blocks, kBlockThreads, 0, stream, linear_sq_norms_rank1_kernel<Real>)(
-        acts, grads, B, d, K, bias, sq, accumulate);
+        acts, grads, B, d, K, bias, sq, accumulate, sizes);
   } else if (2.0 * static_cast<double>(T) * static_cast<double>(T) <=
              static_cast<double>(K) * static_cast<double>(d)) {
     NCDP_LAUNCH(blocks, kBlockThreads, 0, stream, linear_sq_norms_gram_kernel<Real>)(
@@ -831,7 +855,7 @@ void launch_clipped_linear_sum(const Real* acts, const Real* grads, const double
                                              cudaStream_t);                                    \
   template void launch_linear_sq_norms<Real>(const Real*, const Real*, std::int64_t,           \
                                              std::int64_t, std::int64_t, std::int64_t, bool,   \
-                                             double*, bool, cudaStream_t);                     \
+                                             double*, bool, double*, cudaStream_t);            \
   template void launch_clipped_linear_sum<Real>(                                               \
       const Real*, const Real*, const double*, std::int64_t, std::int64_t, std::int64_t,       \
       std::int64_t, double, double, std::uint64_t, std::uint64_t, Real*, Real*, void*,         \

@@ -58,15 +58,19 @@ void launch_linear_norms_from_grams(std::uintptr_t w,  // [(shared_w ? 1 : layer
                                     std::uintptr_t workspace,  // ..._workspace_bytes
                                     std::int64_t workspace_bytes, std::uintptr_t stream);
 
-// norms[i] = sqrt(sq[i]); factors[i] = clip_factor(sq[i], spread[i]) of
-// clip/clip_rule.cuh with (max_norm, terms, seq_len, unit).
+// With s = scale (the clip op's grad_scale: the blocks hold gradients / s) and
+// each product rounded on its own: norms[i] = sqrt(s^2 sq[i]); factors[i] =
+// clip_factor(s^2 sq[i], s spread[i]) of clip/clip_rule.cuh with (max_norm,
+// terms, seq_len, unit); weights[i] = factors[i] s where weights is given.
+// scale 1 gives the rule on sq and spread as they are.
 void launch_clip_factors(std::uintptr_t sq,      // [B] float64
                          std::uintptr_t spread,  // [B] float64, or 0 for E = 0
                          std::int64_t B, double max_norm, std::int64_t terms,
                          std::int64_t seq_len, double unit,
                          std::uintptr_t factors,  // [B] float64
                          std::uintptr_t norms,    // [B] float64
-                         std::uintptr_t stream);
+                         std::uintptr_t stream, double scale,
+                         std::uintptr_t weights);  // [B] float64, or 0
 
 std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p, int dtype);
 
@@ -103,13 +107,16 @@ void launch_clip_noise_rows(std::uintptr_t g,  // [B, p], dtype
                             std::int64_t l2_bytes);
 
 // sq[i] (=, or += when accumulate) ||G_i||_F^2 (+ ||sum_t g_it||^2 with bias),
-// G_i = sum_t g_it a_it^T, in float64. T = 1 is the 2-D case.
+// G_i = sum_t g_it a_it^T, in float64. T = 1 is the 2-D case; there (only)
+// sizes[i] = (||a_i||^2, ||g_i||^2) too, the operands' squared norms the clip
+// op's rebalancing decision reads.
 void launch_linear_sq_norms(std::uintptr_t a,  // [B, T, d], dtype
                             std::uintptr_t g,  // [B, T, K], dtype
                             std::int64_t B, std::int64_t T, std::int64_t d, std::int64_t K,
                             int dtype, bool bias,
                             std::uintptr_t sq,  // [B] float64
-                            bool accumulate, std::uintptr_t stream);
+                            bool accumulate, std::uintptr_t stream,
+                            std::uintptr_t sizes);  // [B, 2] float64 (T == 1), or 0
 
 std::int64_t clipped_linear_sum_workspace_bytes(std::int64_t B, std::int64_t T, std::int64_t d,
                                                 std::int64_t K, int dtype);
@@ -180,9 +187,10 @@ void launch_linear_norms_from_grams(const Gram* w,  // [(shared_w ? 1 : layers) 
 
 void launch_clip_factors(const double* sq,      // [B]
                          const double* spread,  // [B] or nullptr (E = 0)
-                         std::int64_t B, const ClipRule& rule,
+                         std::int64_t B, const ClipRule& rule, double scale,
                          double* factors,  // [B]
                          double* norms,    // [B]
+                         double* weights,  // [B] or nullptr
                          cudaStream_t stream);
 
 // Rows of a weighted row sum are split into this many slabs, each summed into
@@ -229,7 +237,9 @@ void launch_linear_sq_norms(const Real* acts,   // [B, T, d]
                             std::int64_t B, std::int64_t T, std::int64_t d, std::int64_t K,
                             bool bias,
                             double* sq,  // [B]
-                            bool accumulate, cudaStream_t stream);
+                            bool accumulate,
+                            double* sizes,  // [B, 2] (T == 1 only), or nullptr
+                            cudaStream_t stream);
 
 // Slabs of the B*T reduction the clipped linear GEMM would like (0: no rows or
 // no outputs); the same with and without bias, so one workspace size serves both.

@@ -2,6 +2,7 @@
 // guard, dtype dispatch and launch error checks. Shapes are in clip_noise.h.
 #include <cuda_runtime_api.h>
 
+#include <cmath>
 #include <string>
 
 #include "clip/clip_noise.h"
@@ -110,9 +111,14 @@ void launch_linear_norms_from_grams(std::uintptr_t w, std::uintptr_t v, std::int
 
 void launch_clip_factors(std::uintptr_t sq, std::uintptr_t spread, std::int64_t B,
                          double max_norm, std::int64_t terms, std::int64_t seq_len, double unit,
-                         std::uintptr_t factors, std::uintptr_t norms, std::uintptr_t stream) {
+                         std::uintptr_t factors, std::uintptr_t norms, std::uintptr_t stream,
+                         double scale, std::uintptr_t weights) {
   require_non_negative(B, "B");
   require_non_negative(terms, "terms");
+  if (!(std::isfinite(scale) && scale > 0.0)) {
+    throw std::invalid_argument("ncdp_fast: scale must be finite and positive, got " +
+                                std::to_string(scale));
+  }
   // 0 is a sequence block with no positions (every gradient zero), as the CPU
   // path and reference.clip_factors take it; the rule reads seq_len + 2.
   require_non_negative(seq_len, "seq_len");
@@ -124,11 +130,14 @@ void launch_clip_factors(std::uintptr_t sq, std::uintptr_t spread, std::int64_t 
   require_pointer(spread, false, sizeof(double), "spread");
   require_pointer(factors, B > 0, sizeof(double), "factors");
   require_pointer(norms, B > 0, sizeof(double), "norms");
+  require_pointer(weights, false, sizeof(double), "weights");
   if (B == 0) return;
   DeviceGuard guard(sq, "sq");
   kernels::launch_clip_factors(typed<const double>(sq), typed<const double>(spread), B,
-                               ClipRule{max_norm, terms, seq_len, unit}, typed<double>(factors),
-                               typed<double>(norms), as_stream(stream));
+                               ClipRule{max_norm, terms, seq_len, unit}, scale,
+                               typed<double>(factors), typed<double>(norms),
+                               weights != 0 ? typed<double>(weights) : nullptr,
+                               as_stream(stream));
   check_launch("clip_factors");
 }
 
@@ -216,9 +225,14 @@ void launch_clip_noise_rows(std::uintptr_t g, std::int64_t B, std::int64_t p, in
 
 void launch_linear_sq_norms(std::uintptr_t a, std::uintptr_t g, std::int64_t B, std::int64_t T,
                             std::int64_t d, std::int64_t K, int dtype, bool bias,
-                            std::uintptr_t sq, bool accumulate, std::uintptr_t stream) {
+                            std::uintptr_t sq, bool accumulate, std::uintptr_t stream,
+                            std::uintptr_t sizes) {
   require_non_negative(B, "B");
   require_non_negative(T, "T");
+  if (sizes != 0 && T != 1) {
+    throw std::invalid_argument("ncdp_fast: sizes: formed at T = 1 only (the rank-1 case), got T = " +
+                                std::to_string(T));
+  }
   require_non_negative(d, "d");
   require_non_negative(K, "K");
   const std::size_t element = dtype_size(dtype);
@@ -229,14 +243,18 @@ void launch_linear_sq_norms(std::uintptr_t a, std::uintptr_t g, std::int64_t B, 
   require_pointer(a, a_count > 0, element, "a");
   require_pointer(g, g_count > 0, element, "g");
   require_pointer(sq, B > 0, sizeof(double), "sq");
+  require_pointer(sizes, false, sizeof(double), "sizes");
   if (B == 0) return;
   DeviceGuard guard(first_pointer({a_count > 0 ? a : 0, g_count > 0 ? g : 0, sq}), "a");
+  double* sizes_ptr = sizes != 0 ? typed<double>(sizes) : nullptr;
   if (dtype == kDtypeFloat32) {
     kernels::launch_linear_sq_norms(typed<const float>(a), typed<const float>(g), B, T, d, K,
-                                    bias, typed<double>(sq), accumulate, as_stream(stream));
+                                    bias, typed<double>(sq), accumulate, sizes_ptr,
+                                    as_stream(stream));
   } else {
     kernels::launch_linear_sq_norms(typed<const double>(a), typed<const double>(g), B, T, d, K,
-                                    bias, typed<double>(sq), accumulate, as_stream(stream));
+                                    bias, typed<double>(sq), accumulate, sizes_ptr,
+                                    as_stream(stream));
   }
   check_launch("linear_sq_norms");
 }

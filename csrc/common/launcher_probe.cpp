@@ -138,7 +138,8 @@ void probe_linear_norms_from_grams(Probe& probe) {
 void probe_clip_factors(Probe& probe) {
   const std::int64_t B = 3;
   kernels::launch_clip_factors(probe.buffer<double>(B), probe.buffer<double>(B), B,
-                               ClipRule{1.0, 4, 2, 0x1p-24}, probe.buffer<double>(B),
+                               ClipRule{1.0, 4, 2, 0x1p-24}, /*scale=*/3.0,
+                               probe.buffer<double>(B), probe.buffer<double>(B),
                                probe.buffer<double>(B), kLegacyStream);
   probe.check(sizes({{"B", B}}));
 }
@@ -184,6 +185,7 @@ void probe_linear_sq_norms(Probe& probe) {
     kernels::launch_linear_sq_norms<Real>(probe.buffer<Real>(B * T * d),
                                           probe.buffer<Real>(B * T * K), B, T, d, K, bias,
                                           probe.buffer<double>(B), /*accumulate=*/false,
+                                          T == 1 ? probe.buffer<double>(2 * B) : nullptr,
                                           kLegacyStream);
     probe.check(sizes({{"B", B}, {"T", T}, {"d", d}, {"K", K}, {"bias", c[4]}}));
   }

@@ -40,10 +40,13 @@ def linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes, layers,
                                      nbytes, stream(sq))
 
 
-def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms):
-    # The rule of reference.clip_factors, in the kernel (clip/clip_rule.cuh).
-    native(sq).launch_clip_factors(ptr(sq), opt_ptr(spread), sq.shape[0], float(max_norm), int(terms),
-                           int(t_max), float(unit), ptr(factors), ptr(norms), stream(sq))
+def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms, scale=1.0,
+                 weights=None):
+    # The rule of reference.clip_factors, in the kernel (clip/clip_rule.cuh), on
+    # scale^2 sq and scale spread; weights = factors scale where given.
+    native(sq).launch_clip_factors(ptr(sq), opt_ptr(spread), sq.shape[0], float(max_norm),
+                                   int(terms), int(t_max), float(unit), ptr(factors), ptr(norms),
+                                   stream(sq), scale=float(scale), weights=opt_ptr(weights))
 
 
 # The dense op's rows in one chunk (0), not in chunks of half the L2 (-1): the
@@ -145,10 +148,12 @@ def gram32_applies(a, T, d, K):
             and max(d, K) <= GRAM32_MAX_LENGTH)
 
 
-def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False):
-    """linear_sq_norms, accumulated, for L layers of one shape: sq += each
-    layer's squared norms, spread += each one's (T > 1, where given),
-    sizes[l] = layer l's operands' squared norms.
+def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False,
+                          accumulate=True):
+    """linear_sq_norms for L layers of one shape: sq (+= with ``accumulate``,
+    else =: the step's first norms, no zeroed buffer) the sum of the layers'
+    squared norms, spread += each one's (T > 1, where given), sizes[l] =
+    layer l's operands' squared norms.
 
     a_list: L arrays (B, T, d), g_list: L arrays (B, T, K) (torch or CuPy, one
     device); sq, spread: (B,) float64; sizes: (L, B, 2) float64, contiguous.
@@ -167,26 +172,26 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False)
     if T == 1 or L == 1 or B == 0 or 2 * per_layer > GROUP_CHUNK_BYTES:
         used = False
         for l in range(L):
-            used |= linear_sq_norms(a_list[l], g_list[l], bias, sq, True,
+            used |= linear_sq_norms(a_list[l], g_list[l], bias, sq, accumulate or l > 0,
                                     spread if T > 1 else None, sizes[l], gram32)
         return used
     gram32 = gram32 and gram32_applies(a_list[0], T, d, K)
     for l0, l1, shared in _group_chunks(a_list, B, T, d, K, 4 if gram32 else 8):
-        n = l1 - l0
+        n, acc = l1 - l0, accumulate or l0 > 0
         if gram32:
             _gram32_rows(a_list[l0:l1], g_list[l0:l1], shared, bias, sq, spread,
-                         sizes[l0:l1].reshape(n * B, 2))
+                         sizes[l0:l1].reshape(n * B, 2), acc)
         elif shared:
             # One input's copy and Grams serve its layers (q, k and v of an
             # attention block): n - 1 copies and Gram products fewer.
             a64 = _arrays.as_float64(a_list[l0])
             g64 = _arrays.cat_float64(g_list[l0:l1])
             linear_norms_from_grams(_arrays.bmm(a64, a64.swapaxes(1, 2)),
-                                    _arrays.bmm(g64, g64.swapaxes(1, 2)), bias, sq, True, spread,
+                                    _arrays.bmm(g64, g64.swapaxes(1, 2)), bias, sq, acc, spread,
                                     sizes[l0:l1].reshape(n * B, 2), n, shared_w=True)
         else:
             _norm_rows(_arrays.cat_float64(a_list[l0:l1]), _arrays.cat_float64(g_list[l0:l1]),
-                       bias, sq, True, spread, sizes[l0:l1].reshape(n * B, 2), n)
+                       bias, sq, acc, spread, sizes[l0:l1].reshape(n * B, 2), n)
     return gram32
 
 
@@ -296,30 +301,28 @@ def _spread_sizes(sa, sg, bias, want_spread, sizes):
 
 def _rank1_sq_norms(a, g, bias, sq, accumulate, sizes):
     """linear_sq_norms at T = 1, the numba twin's rank-1 case: ||g_i a_i^T||_F^2
-    = ||a_i||^2 ||g_i||^2, plus ||g_i||^2 with a bias.  The operands' squared
-    row norms are the dense blocks' kernel (``row_sq_norms``: float64 sums of
-    the data dtype's squares, exact products, no float64 copy), combined in
-    float64: two launches and a few element-wise ops, where float64 copies and
-    their products were 20 torch operators a layer (issue 36: a linear head's
-    private step is host time), and the Gram route's batched 1 x 1 GEMMs ran
-    slower on the H200 than the kernel they replaced."""
+    = ||a_i||^2 ||g_i||^2, plus ||g_i||^2 with a bias, and sizes[i] =
+    (||a_i||^2, ||g_i||^2): one launch of the rank-1 kernel (float64 sums of
+    the data dtype's squares, exact products, no float64 copy; the product
+    and the bias term rounded one at a time).  Before, two row-norm launches
+    and the element-wise ops that combined them were seven kernels a layer
+    (issue 36: a linear head's private step is host time, and the host's
+    time grows with the kernels it launches), and before that the Gram
+    route's batched 1 x 1 GEMMs ran slower on the H200 than this kernel."""
     B, _, d = a.shape
     K = g.shape[2]
     io = _arrays.io_for(sq)
-    s = io.empty((2, B), _F64)                      # (||a_i||^2, ||g_i||^2) rows
-    # The kernel reads rows of p values one after another (the operands may
-    # come with any strides: the clip op's to_operand).
-    row_sq_norms(io.to_kernel(a.reshape(B, d)), s[0], False)
-    row_sq_norms(io.to_kernel(g.reshape(B, K)), s[1], False)
-    if sizes is not None:
-        _arrays.assign(sizes, s.T)
-    e = s[0] * s[1]
-    if bias:
-        e += s[1]
-    if accumulate:
-        sq += e
-    else:
-        _arrays.assign(sq, e)
+    # The kernel reads rows of d and K values one after another (the operands
+    # may come with any strides: the clip op's to_operand).
+    a2, g2 = io.to_kernel(a.reshape(B, d)), io.to_kernel(g.reshape(B, K))
+    out = sizes
+    if sizes is not None and not _arrays.is_c_contiguous(sizes):
+        out = io.empty((B, 2), _F64)
+    native(sq).launch_linear_sq_norms(ptr(a2), ptr(g2), B, 1, d, K, dtype_code(a2), bool(bias),
+                                      ptr(sq), bool(accumulate), stream(sq),
+                                      sizes=opt_ptr(out))
+    if out is not sizes:
+        _arrays.assign(sizes, out)
 
 
 def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb, matmul=None,

@@ -77,12 +77,21 @@ def _clip_factors(sq, spread, has_spread, max_norm, terms, t_max, unit, factors,
         factors[i] = safe_factor(sq[i], e, max_norm, terms, t_max, unit)
 
 
-def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms):
-    """norms = sqrt(sq); factors by :func:`safe_factor`.  sq, spread (or None),
-    factors, norms: [B] float64; terms, t_max: ints; unit: the data dtype's u."""
+def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms, scale=1.0,
+                 weights=None):
+    """norms = sqrt(s^2 sq); factors by :func:`safe_factor` of s^2 sq and s
+    spread; weights = factors s where given; s = ``scale`` (the clip op's
+    grad_scale), each product rounded on its own, as the device kernel.  sq,
+    spread (or None), factors, norms, weights: [B] float64; terms, t_max:
+    ints; unit: the data dtype's u."""
+    if scale != 1.0:
+        sq = sq * (scale * scale)
+        spread = None if spread is None else spread * scale
     has = spread is not None
     _clip_factors(sq, spread if has else sq, has, float(max_norm), float(terms), float(t_max),
                   float(unit), factors, norms)
+    if weights is not None:
+        np.multiply(factors, scale, out=weights)
 
 
 @sized_kernel(lambda g, *_: g.size, fastmath=_FM)
@@ -241,16 +250,18 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None):
         linear_spread(a, g, bias, spread, True)
 
 
-def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False):
-    """linear_sq_norms, accumulated, for L layers of one shape (the device
-    twin stacks them to save launches; here each layer runs as it is):
-    sq += each layer's squared norms, spread += each one's (T > 1, where
-    given), sizes[l] (L, B, 2) = layer l's operands' squared norms.
-    ``gram32`` (the device twin's float32 Grams) changes nothing here: these
-    norms are float64 sums of exact products, within the rule's ``terms``.
-    Returns False: no norm came from float32 Grams."""
+def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False,
+                          accumulate=True):
+    """linear_sq_norms for L layers of one shape (the device twin stacks them
+    to save launches; here each layer runs as it is): sq (+= with
+    ``accumulate``, else =) the sum of the layers' squared norms, spread +=
+    each one's (T > 1, where given), sizes[l] (L, B, 2) = layer l's operands'
+    squared norms.  ``gram32`` (the device twin's float32 Grams) changes
+    nothing here: these norms are float64 sums of exact products, within the
+    rule's ``terms``.  Returns False: no norm came from float32 Grams."""
     for l, (a, g) in enumerate(zip(a_list, g_list)):
-        linear_sq_norms(a, g, bias, sq, True, spread if a.shape[1] > 1 else None, sizes[l])
+        linear_sq_norms(a, g, bias, sq, accumulate or l > 0,
+                        spread if a.shape[1] > 1 else None, sizes[l])
     return False
 
 

@@ -15,13 +15,14 @@ sequence-first merge repeats the samples), a value summed over the batch
 reaches the model's interior other than through an output (``Interior``).
 Node types not listed here, on that path, are refused: the check fails
 closed.  Checks that need tensor values (ignored targets per sample, a
-scalar divisor) are returned as device booleans, read once at the step, so
-backward adds no host synchronisation.
+scalar divisor) are returned as device booleans, or as a device scalar with
+the test its value must pass on the host (:class:`ValueCheck`), read once at
+the step, so backward adds no host synchronisation.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -61,6 +62,26 @@ DEFERRED = "deferred"
 def _refuse(node, why: str):
     raise LossRefused(f"GhostClipper: the loss is not a sum of per-sample terms: "
                       f"{node.name()}: {why}; {FIX}")
+
+
+class ValueCheck(NamedTuple):
+    """A check of a 0-d tensor's value, judged on the host: ``passes(v)`` of
+    its value as a float64 (exact for every float dtype and for integers up to
+    2^53, as the device comparison it replaces).  On a device the value
+    travels with the step's one transfer, so the check launches no kernel of
+    its own (issue 36: a comparison was two or three kernels of host time in
+    every step with a mean loss)."""
+    value: torch.Tensor
+    passes: Callable[[float], bool]
+
+
+def _one_of(allowed) -> Callable[[float], bool]:
+    allowed = tuple(float(a) for a in allowed)
+    return lambda v: v in allowed
+
+
+def _power_of_two_at_least_one(v: float) -> bool:
+    return v >= 1 and math.frexp(v)[0] == 0.5
 
 
 def on_host(t: torch.Tensor) -> bool:
@@ -143,7 +164,7 @@ class _Walk:
         self.batch = batch
         self.anchor = anchor
         self.memo: dict = {}
-        self.pending: list = []         # (device bool, message), read at the step
+        self.pending: list = []         # (device bool or ValueCheck, message), read at the step
 
     # ------------------------------------------------------------- traversal
     def value(self, node, nr: int = 0):
@@ -328,12 +349,10 @@ class _Walk:
                           "batch's targets")
         b = max(self.batch, 1)
         if v.k == 1 and in_shape[0] == b and len(in_shape) == 2:
-            # One row per sample: equal counts are all valid or none.
-            total = node._saved_total_weight
-            # On the host a number is read at once (no torch op); on a device
-            # the flag waits for the step's one transfer.
-            equal = float(total) in (b, 0) if on_host(total) else \
-                (total == b) | (total == 0)
+            # One row per sample: equal counts are all valid or none.  On the
+            # host the number is read at once; on a device it waits for the
+            # step's one transfer.
+            equal = ValueCheck(node._saved_total_weight, _one_of((b, 0)))
         else:
             valid = node._saved_target != _signed(node._saved_ignore_index)
             # Row j is sample (j // k) % B's: rows = (repeats, B, k), sample-major inside.
@@ -466,18 +485,16 @@ class _Walk:
         return getattr(node, attr, None)
 
     def _scalar_factor(self, node, name, data, v):
-        x = data.detach().reshape(()).to(torch.float64)
+        x = data.detach().reshape(())
         if name == "MulBackward0":
             # GradScaler's scale: a power of two >= 1 (init 2^16, halved or
             # doubled); a count from the batch would divide, not multiply.
-            mant, _ = torch.frexp(x)
-            ok = (mant == 0.5) & (x >= 1)
+            ok = ValueCheck(x, _power_of_two_at_least_one)
             why = ("scales by a scalar tensor that is not a power of two >= 1 (a "
                    "GradScaler's scale is): it may be computed from the batch")
         else:
-            allowed = [float(self.batch)] + ([float(v.terms)] if isinstance(v, Summed) and
-                                             v.terms else [])
-            ok = (x == torch.tensor(allowed, dtype=torch.float64, device=x.device)).any()
+            allowed = [self.batch] + ([v.terms] if isinstance(v, Summed) and v.terms else [])
+            ok = ValueCheck(x, _one_of(allowed))
             why = ("divides by a scalar tensor that is neither the batch size nor the number "
                    "of terms summed (a count over the whole batch, as num_items_in_batch or "
                    "the valid tokens of every sample, couples the samples)")

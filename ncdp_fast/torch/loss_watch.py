@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .loss_graph import FIX, LossRefused, analyse, on_host
+from .loss_graph import FIX, LossRefused, ValueCheck, analyse, on_host
 
 __all__ = ["LossWatch"]
 
@@ -148,11 +148,13 @@ class LossWatch:
 
     def settle(self, defer: bool = False) -> list:
         """At the step, before anything is written: refuse the first value check
-        that failed.  Host flags are read as they are.  Device flags are read in
-        one transfer, or with ``defer`` returned as ``(flag, refuse)`` pairs for
-        the clip op to read with its counts (``clip_and_noise_layers``'s
-        ``_checks``: one host wait a step instead of two, issue 36); a flag on a
-        device other than the first's is moved to it."""
+        that failed.  Host values are read as they are.  Device values (a flag,
+        or a :class:`~.loss_graph.ValueCheck`'s scalar) are read in one
+        transfer, or with ``defer`` returned as ``(value, refuse, passes)``
+        triples for the clip op to read with its counts
+        (``clip_and_noise_layers``'s ``_checks``: one host wait a step instead
+        of two, issue 36); a value on a device other than the first's is moved
+        to it."""
         if not self._catch.active:
             # The backward was caught: the mode would only pass the step's
             # calls through (a Python frame each, a parameter's .grad read
@@ -161,16 +163,20 @@ class LossWatch:
         pending, self.pending = self.pending, []
         deferred = []
         for ok, why in pending:
-            if isinstance(ok, torch.Tensor) and not on_host(ok):
-                deferred.append((ok, self._refusal(why)))
-            elif not ok:
+            value, passes = ok if isinstance(ok, ValueCheck) else (ok, bool)
+            if isinstance(value, torch.Tensor) and not on_host(value):
+                deferred.append((value, self._refusal(why), passes))
+            elif not passes(value.item() if isinstance(value, torch.Tensor) else value):
                 self._refusal(why)()
         if defer or not deferred:
             return deferred
         dev = deferred[0][0].device
-        flags = torch.stack([ok.reshape(()).to(dev) for ok, _ in deferred]).tolist()
-        for ok, (_, refuse) in zip(flags, deferred):
-            if not ok:
+        # float64: each value exactly, whatever its dtype (a stack would
+        # promote an integer count with a float32 one to float32).
+        values = torch.stack([v.reshape(()).to(dev, torch.float64)
+                              for v, _, _ in deferred]).tolist()
+        for v, (_, refuse, passes) in zip(values, deferred):
+            if not passes(v):
                 refuse()
         return []
 

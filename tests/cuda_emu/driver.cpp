@@ -159,7 +159,8 @@ void run_typed(const Case& c) {
   } else if (c.op == "linear_sq_norms") {
     kernels::launch_linear_sq_norms<Real>(c.ptr<Real>("acts"), c.ptr<Real>("grads"), c.i("B"),
                                           c.i("T"), c.i("d"), c.i("K"), c.i("bias") != 0,
-                                          c.ptr<double>("sq"), c.i("accumulate") != 0, stream);
+                                          c.ptr<double>("sq"), c.i("accumulate") != 0,
+                                          c.ptr<double>("sizes"), stream);
   } else if (c.op == "clipped_linear_sum") {
     const std::int64_t bytes = c.i("workspace_bytes");
     Workspace ws(bytes);
@@ -240,7 +241,8 @@ void run(const Case& c) {
     kernels::launch_clip_factors(
         c.ptr<double>("sq"), c.ptr<double>("spread"), c.i("B"),
         ClipRule{c.f("max_norm"), c.i("terms"), c.i("seq_len"), c.f("unit")},
-        c.ptr<double>("factors"), c.ptr<double>("norms"), stream);
+        c.floats.count("scale") ? c.f("scale") : 1.0, c.ptr<double>("factors"),
+        c.ptr<double>("norms"), c.ptr<double>("weights"), stream);
   } else if (c.op == "linear_norms_from_grams") {
     Workspace ws(kernels::linear_norms_from_grams_workspace_bytes(c.i("B"), c.i("layers"),
                                                                   c.i("T")));
