@@ -210,6 +210,15 @@ def _ours(name, kw) -> tuple[float, int]:
         return b / BYTES_PER_S + kw["p"] / NORMALS_PER_S, b
     if name == "launch_clip_factors":
         return 0.0, 0
+    if name == "launch_linear_sq_norms":
+        # A step reaches the rank-1 kernel only (T = 1: a 2-D linear pair): each
+        # operand read once, a block a sample; the tiled T > 1 kernels are the
+        # hand-written peers of bench_linear_norms, never a step's.
+        if kw["T"] > 1:
+            raise ValueError("device_model: launch_linear_sq_norms at T > 1 is not a private "
+                             "step's (its norms come from the vendor's GEMMs)")
+        b = kw["B"] * (kw["d"] + kw["K"]) * _ITEMSIZE[kw["dtype"]]
+        return b / BYTES_PER_S, b
     if name == "launch_linear_norms_from_grams":
         # Both Grams read once (float32 or float64), sliced over every SM, then
         # a finish kernel.

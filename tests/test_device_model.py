@@ -128,7 +128,7 @@ def test_every_launcher_has_a_cost_model_or_is_not_a_training_step():
     (the mix, the NTK, the sampler, the old clip kernels) are listed here."""
     dm = _module()
     not_in_a_step = {"launch_hadamard_gram", "launch_mix_rows", "launch_sample_counts",
-                     "launch_sample_fill", "launch_linear_sq_norms", "launch_clipped_linear_sum"}
+                     "launch_sample_fill", "launch_clipped_linear_sum"}
     launchers = _launchers()
     assert "launch_linear_norms_from_grams" in launchers and not_in_a_step <= set(launchers)
     for name, params in launchers.items():
