@@ -210,6 +210,14 @@ def _ours(name, kw) -> tuple[float, int]:
         return b / BYTES_PER_S + kw["p"] / NORMALS_PER_S, b
     if name == "launch_clip_factors":
         return 0.0, 0
+    if name == "launch_norm_affine_grads":
+        # The rows' statistics (x read once; its second pass from cache), then
+        # x again and g once and the (B, C) outputs: two kernels.
+        item = _ITEMSIZE[kw["dtype"]]
+        count = kw["B"] * kw["rows"] * kw["n"]
+        C = kw["n"] if kw["run"] == 0 else kw["rows"] * (kw["n"] // max(kw["run"], 1))
+        b = 3 * count * item + 2 * kw["B"] * C * item + 32 * kw["B"] * kw["rows"]
+        return b / BYTES_PER_S + KERNEL_FLOOR_S, b
     if name == "launch_linear_sq_norms":
         # A step reaches the rank-1 kernel only (T = 1: a 2-D linear pair): each
         # operand read once, a block a sample; the tiled T > 1 kernels are the

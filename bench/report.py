@@ -899,6 +899,57 @@ def predicted_conv_ms(B, layer, route) -> float:
     return 1e3 * (max(lanes / CONV_LANE_OPS, values * CONV_BLOCK_S) + m["launch_s"])
 
 
+def predicted_norm_affine_ms(B, rows, n, run, method) -> float:
+    """A normalisation layer's per-sample affine gradients on an H200
+    (:data:`GPU_MODEL`'s bandwidth and launch cost), float32. ncdp: the rows'
+    statistics read x, then the sums read x again and g, and write the two
+    (B, C) outputs (2 launches); torch: the normalisation reads x and writes
+    xhat, the product reads g and xhat and writes the product, and two sums
+    read it and g (4 launches)."""
+    m = GPU_MODEL
+    values = B * rows * n
+    C = n if run == 0 else rows * (n // run)
+    if method == "ncdp":
+        traffic, launches = 4 * 3 * values + 2 * 4 * B * C + 32 * B * rows, 2
+    else:
+        traffic, launches = 4 * 7 * values + 2 * 4 * B * C, 4
+    return 1e3 * (traffic / m["bytes_per_s"] + launches * m["launch_s"])
+
+
+def norm_affine(family):
+    """One row per layer of bench/test_bench_norm.py::test_norm_affine."""
+    rows = []
+    for w, ms in family.items():
+        row = dict(layer=w, **_missing(ms, ["ncdp", "torch"]))
+        B, R, n, run = (int(v) for v in w[w.index("(") + 1:w.index(")")].split(","))
+        row.update(predicted_gpu_ms=predicted_norm_affine_ms(B, R, n, run, "ncdp"),
+                   predicted_torch_ms=predicted_norm_affine_ms(B, R, n, run, "torch"))
+        if "error" not in row:
+            t = _t(ms, "ncdp")
+            row.update(ncdp_ms=1e3 * t, ncdp_gbs=_x(ms, "ncdp", "bytes") / t / 1e9,
+                       torch_ms=1e3 * _t(ms, "torch"), x_torch=_t(ms, "torch") / t,
+                       ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"),
+                       torch_mem_mb=_x(ms, "torch", "peak_extra_mb"))
+        rows.append(row)
+    return rows, (
+        [("layer", "layer (B, rows, n, run)", None), ("ncdp_ms", "ncdp ms", "{:.3f}"),
+         ("ncdp_gbs", "ncdp GB/s (x and g once)", "{:.1f}"),
+         ("torch_ms", "torch composition ms", "{:.3f}"), ("x_torch", "× torch", "{:.2f}"),
+         ("predicted_gpu_ms", "predicted H200 ms (ncdp)", "{:.3f}"),
+         ("predicted_torch_ms", "predicted H200 ms (torch)", "{:.3f}"),
+         ("ncdp_mem_mb", "ncdp peak extra MB", "{:.1f}"),
+         ("torch_mem_mb", "torch peak extra MB", "{:.1f}"), ("error", "error", None)],
+        ["per-sample gradients of a normalisation layer's weight and bias, float32: run 0 a "
+         "LayerNorm (rows = positions, n = features), run > 0 a GroupNorm (rows = groups, "
+         "n = a group's values, run = positions); ncdp: ncdp_fast._norm_affine (on a GPU the "
+         "clip family's two kernels, on the CPU their numba twin, which the CPU rules do not "
+         "use); torch: the rules' composition (normalisation without affine, product, two "
+         "sums), what the CPU rules run and the device rules ran before 2026-11-29",
+         "predicted H200 ms: a model, not a measurement (bench/report.py "
+         "predicted_norm_affine_ms: 3.5 TB/s, 5 us a launch; ncdp moves x twice and g once, "
+         "torch seven passes of the layer's values)"])
+
+
 def conv_grads(family):
     """One row per layer of bench/test_bench_conv.py::test_conv_grads."""
     rows = []
@@ -1023,7 +1074,7 @@ def noise(family):
 
 FAMILIES = {"bench_clip_dense": clip_dense, "bench_clip_step": clip_step,
             "bench_linear_norms": linear_norms, "bench_linear_sum": linear_sum,
-            "bench_conv_grads": conv_grads,
+            "bench_conv_grads": conv_grads, "bench_norm_affine": norm_affine,
             "bench_mix": mix,
             "bench_poisson_batches": poisson_batches, "bench_ntk": ntk,
             "bench_release": release, "bench_train": train, "privacy": privacy,

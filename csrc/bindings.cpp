@@ -92,6 +92,15 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
         py::arg("a"), py::arg("g"), py::arg("B"), py::arg("T"), py::arg("d"), py::arg("K"),
         py::arg("dtype"), py::arg("bias"), py::arg("sq"), py::arg("accumulate"),
         py::arg("stream"), py::arg("sizes") = 0);
+  m.def("norm_affine_workspace_bytes", &ncdp::norm_affine_workspace_bytes,
+        "Workspace bytes of launch_norm_affine_grads.", py::arg("B"), py::arg("rows"));
+  m.def("launch_norm_affine_grads", &ncdp::launch_norm_affine_grads,
+        "Per-sample affine gradients of a normalisation layer: w[i, c] = sum g xhat, "
+        "b[i, c] = sum g over channel c (run 0: the row's columns, summed over rows; run > 0: "
+        "runs of `run` values), rows normalised in float64; w or b 0: not formed.",
+        py::arg("x"), py::arg("g"), py::arg("B"), py::arg("rows"), py::arg("n"), py::arg("run"),
+        py::arg("dtype"), py::arg("eps"), py::arg("w"), py::arg("b"), py::arg("workspace"),
+        py::arg("workspace_bytes"), py::arg("stream"));
   m.def("clipped_linear_sum_workspace_bytes", &ncdp::clipped_linear_sum_workspace_bytes,
         "Workspace bytes that let launch_clipped_linear_sum split the B*T reduction.",
         py::arg("B"), py::arg("T"), py::arg("d"), py::arg("K"), py::arg("dtype"));

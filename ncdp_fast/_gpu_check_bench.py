@@ -58,8 +58,10 @@ def missing_peers(python, env=None) -> list[str]:
 # runs short cuts the others (the first H200 run: these seven took 274 s at
 # their stated shapes with 2 rounds); then "conv", the per-sample convolution
 # gradients behind bench_finetune's EfficientNet row (10 layers, 5 methods,
-# about 50 s predicted), before the rest.
-FIRST = ("hf", "finetune", "clip", "noise", "mix", "ntk", "tied", "conv")
+# about 50 s predicted), and "norm", the normalisation layers' per-sample affine
+# gradients behind the same rows (4 layers, 2 methods, a few seconds), before
+# the rest.
+FIRST = ("hf", "finetune", "clip", "noise", "mix", "ntk", "tied", "conv", "norm")
 
 
 # bench/profile_step.py: where a step's time goes (kernels, host waits, busy

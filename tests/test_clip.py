@@ -13,7 +13,7 @@ import ncdp_fast as nf
 from ncdp_fast import reference as R
 from ncdp_fast._numba.clip import NUM_SLABS
 
-from conftest import assert_within_sum_bound
+from conftest import assert_within_sum_bound, gamma, unit_roundoff
 
 DTYPES = [np.float32, np.float64]
 _nothing = contextlib.nullcontext
@@ -566,3 +566,82 @@ def test_numba_clip_factors_fold_the_grad_scale_as_the_device(scale, with_spread
     assert np.array_equal(norms, want_norms, equal_nan=True)
     assert np.array_equal(weights, want * scale)
     assert np.array_equal(sq_in, sq, equal_nan=True)       # the caller's norms untouched
+
+
+# ------------------------------------- normalisation layers' affine gradients
+
+# (B, rows, n, run): LayerNorm rows (run 0: one row, one value, no rows, n past
+# one block's 256 threads, many rows) and GroupNorm groups (run > 0: one channel
+# a group, one value a channel, runs past a warp's 32 lanes, more channels a
+# group than a block has warps).
+NORM_AFFINE_SHAPES = [(3, 5, 7, 0), (1, 1, 1, 0), (2, 0, 5, 0), (0, 3, 4, 0), (2, 40, 300, 0),
+                      (2, 4, 12, 3), (2, 3, 6, 6), (1, 3, 64, 1), (2, 2, 600, 300),
+                      (1, 2, 90, 2)]
+
+
+def norm_affine_case(shape, dtype, seed=0):
+    """x (offset from zero: the mean matters), g of shape (B, rows, n) =
+    ``shape[:3]`` in ``dtype``."""
+    rng = np.random.default_rng(seed + sum(shape))
+    return ((rng.standard_normal(shape[:3]) * 3 + 2).astype(dtype),
+            rng.standard_normal(shape[:3]).astype(dtype))
+
+
+def assert_norm_affine_close(w, b, x, g, run, eps, dtype):
+    """Within the float64 sums' rounding of the exact values, twice (the
+    kernels' and the reference's own), plus one rounding to ``dtype``: a value
+    of channel c adds g (x - mean) rstd, whose mean and rstd carry the row's n
+    additions and a few operations, so each term is off by at most gamma_k
+    (|x| + |mean|) rstd |g| with k = 2 n + rows + 10 covering those and the
+    channel's own sum."""
+    rw, rb = R.norm_affine_grads(x, g, run, eps)
+    x64, g64 = x.astype(np.float64), g.astype(np.float64)
+    B, rows, n = x.shape
+    mean = x64.mean(axis=2, keepdims=True) if n else np.zeros((B, rows, 1))
+    rstd = 1 / np.sqrt(((x64 - mean) ** 2).mean(axis=2, keepdims=True) + eps) if n else mean
+    terms_w = np.abs(g64) * (np.abs(x64) + np.abs(mean)) * rstd
+    if run == 0:
+        sw, sb = terms_w.sum(axis=1), np.abs(g64).sum(axis=1)
+    else:
+        sw = terms_w.reshape(B, -1, run).sum(axis=2)
+        sb = np.abs(g64).reshape(B, -1, run).sum(axis=2)
+    k = 2 * n + rows + 10
+    for got, want, s, what in ((w, rw, sw, "w"), (b, rb, sb, "b")):
+        if got is None:
+            continue
+        got = np.asarray(got.cpu() if hasattr(got, "cpu") else got, dtype=np.float64)
+        assert got.shape == want.shape, (what, got.shape, want.shape)
+        bound = 2 * gamma(k, np.float64) * s + unit_roundoff(dtype) * np.abs(want)
+        assert np.all(np.abs(got - want) <= bound), (what, np.max(np.abs(got - want) - bound))
+
+
+@pytest.mark.parametrize("shape", NORM_AFFINE_SHAPES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_norm_affine_grads_cpu_twin_against_the_reference(shape, dtype):
+    from ncdp_fast._norm_affine import norm_affine_grads
+    x, g = norm_affine_case(shape, dtype)
+    w, b = norm_affine_grads(x, g, run=shape[3], eps=1e-5)
+    assert w.dtype == b.dtype == dtype
+    assert_norm_affine_close(w, b, x, g, shape[3], 1e-5, dtype)
+    # One of the two alone.
+    w_only, none = norm_affine_grads(x, g, run=shape[3], eps=1e-5, bias=False)
+    assert none is None and np.array_equal(w_only, w)
+
+
+def test_norm_affine_grads_refuses_bad_arguments():
+    from ncdp_fast._norm_affine import norm_affine_grads
+    x, g = norm_affine_case((2, 3, 6, 0), np.float32)
+    with pytest.raises(ValueError, match=r"run: expected a divisor of n = 6 .*got 4"):
+        norm_affine_grads(x, g, run=4, eps=1e-5)
+    with pytest.raises(ValueError, match="run"):
+        norm_affine_grads(x, g, run=-1, eps=1e-5)
+    with pytest.raises(ValueError, match="eps: expected a finite number >= 0"):
+        norm_affine_grads(x, g, run=0, eps=-1.0)
+    with pytest.raises(ValueError, match=r"x, g: expected two arrays of one shape \(B, rows, n\)"):
+        norm_affine_grads(x, g[:, :2], run=0, eps=1e-5)
+    with pytest.raises(ValueError, match=r"got \(2, 3, 6\) and \(6, 6\)"):
+        norm_affine_grads(x, g.reshape(6, 6), run=0, eps=1e-5)
+    with pytest.raises(TypeError, match="g: dtype float64 differs from x's float32"):
+        norm_affine_grads(x, g.astype(np.float64), run=0, eps=1e-5)
+    with pytest.raises(TypeError, match="x: expected float32 or float64, got dtype int64"):
+        norm_affine_grads(x.astype(np.int64), g, run=0, eps=1e-5)

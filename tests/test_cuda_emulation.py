@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from conftest import first_deep_pair, gamma, unit_roundoff
+from test_clip import NORM_AFFINE_SHAPES, assert_norm_affine_close, norm_affine_case
 from emulation import BUILD, EMU, VARIANTS, Emulator, build, run_program
 from ncdp_fast import reference as R
 from ncdp_fast._numba import rng as nrng
@@ -780,3 +781,26 @@ def test_tier_poisons_shared_memory_a_block_did_not_write(built, variant):
     rc, stderr = run_program([str(BUILD / f"tier-probe-{variant}"), "shared_unwritten"],
                              timeout=120)
     assert rc == 1 and "read unwritten shared memory: sum -nan" in stderr, stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------
+# Normalisation layers' affine gradients (clip/norm_affine.cu).
+
+# The CPU tests' shapes, the many-row one cut to 9 rows (the sanitizers' threads
+# are slow); "w" alone (b a null pointer) on two of them.
+EMU_NORM_AFFINE = [(s, "w" if s in ((1, 1, 1, 0), (2, 4, 12, 3)) else "both")
+                   for s in NORM_AFFINE_SHAPES if s != (2, 40, 300, 0)] + [((2, 9, 300, 0), "both")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, outputs", EMU_NORM_AFFINE)
+def test_norm_affine_grads(emu, dtype, shape, outputs):
+    B, rows, n, run = shape
+    x, g = norm_affine_case(shape, dtype)
+    C = n if run == 0 else rows * (n // run)
+    buffers = {"x": x, "g": g, "w": np.full((B, C), np.nan, dtype),
+               "b": np.full((B, C), np.nan, dtype) if outputs == "both" else None}
+    res = emu.run("norm_affine_grads", dict(dtype=_dt(dtype), B=B, rows=rows, n=n, run=run,
+                                            eps=1e-5), buffers)
+    assert_norm_affine_close(res["w"], res["b"] if outputs == "both" else None, x, g, run, 1e-5,
+                             dtype)

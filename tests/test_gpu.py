@@ -8,7 +8,8 @@ import ncdp_fast as nf
 from ncdp_fast import reference as R
 
 from conftest import assert_within_sum_bound, emulated, on_host
-from test_clip import (DENSE_SHAPES, LAYER_ORDERS, LINEAR_SHAPES, _flat, _linear_inputs, _rows,
+from test_clip import (DENSE_SHAPES, LAYER_ORDERS, LINEAR_SHAPES, NORM_AFFINE_SHAPES, _flat,
+                       _linear_inputs, _rows, assert_norm_affine_close, norm_affine_case,
                        poisoned_layers_run)
 
 pytestmark = pytest.mark.gpu
@@ -998,3 +999,20 @@ def test_cuda_first_norms_need_no_zeroed_buffer(require_cuda, order, dtype, monk
     assert np.array_equal(_host(clean.norms), _host(dirty.norms))
     for x, y in zip(_flat(clean.grads), _flat(dirty.grads)):
         assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("shape", NORM_AFFINE_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_norm_affine_grads_against_the_reference_and_the_cpu(require_cuda, shape, dtype):
+    """The normalisation layers' per-sample affine gradients on the device:
+    within the float64 sums' rounding of the reference, device arrays out, and
+    the CPU twin's values to that rounding too (the two sum in one order but
+    may contract differently)."""
+    from ncdp_fast._norm_affine import norm_affine_grads
+    x, g = norm_affine_case(shape, dtype)
+    w, b = norm_affine_grads(_cuda(x, require_cuda), _cuda(g, require_cuda), run=shape[3],
+                             eps=1e-5)
+    assert _on(w, require_cuda) and _on(b, require_cuda)
+    assert_norm_affine_close(w, b, x, g, shape[3], 1e-5, dtype)
+    cw, cb = norm_affine_grads(x, g, run=shape[3], eps=1e-5)
+    assert_norm_affine_close(cw, cb, x, g, shape[3], 1e-5, dtype)

@@ -75,6 +75,26 @@ class _Recurrent(nn.Module):
         return self.head(out[:, -1])
 
 
+class _Normalised(nn.Module):
+    """Every normalisation layer with a per-sample affine rule: a GroupNorm (two
+    channels a group), an affine InstanceNorm2d and a LayerNorm over three
+    dimensions, on a small image made from the features."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 32)
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 4)
+        self.inorm = nn.InstanceNorm2d(4, affine=True)
+        self.ln = nn.LayerNorm((4, 4, 4))
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x):
+        h = self.conv(self.inp(x).reshape(-1, 2, 4, 4))
+        h = torch.tanh(self.ln(self.inorm(self.gn(h))))
+        return self.head(h.flatten(1))
+
+
 SCENARIOS = {
     # name: (model, data, make_private keyword arguments, physical batch of BatchMemoryManager)
     "flat": (_mlp, {}, {}, None),
@@ -84,6 +104,7 @@ SCENARIOS = {
     "batch_memory_manager": (_mlp, {}, {}, 2),
     "tied_weights": (_Tied, dict(vocab=11, T=4), {}, None),
     "dplstm": (_Recurrent, dict(T=5), {}, None),
+    "norm_layers": (_Normalised, {}, {}, None),
 }
 
 
@@ -173,6 +194,18 @@ def test_private_training_on_the_device_equals_the_cpu_path(require_cuda, name):
     assert eps_dev == eps_host
     torch.testing.assert_close(p_dev, p_host, rtol=1e-9, atol=1e-12)
     assert not torch.equal(p_host, _train_plain(name)), "the run did not train privately"
+
+
+def test_normalisation_layers_take_one_launch_each_on_the_device(require_cuda):
+    """The GroupNorm, InstanceNorm and LayerNorm rules run the clip family's
+    kernel on the device (one launch a layer a step, where the torch
+    composition was four kernels), and the run equals the CPU path's (which
+    keeps that composition): test_private_training_on_the_device_equals_the_cpu_path
+    ["norm_layers"] compares the parameters."""
+    with _launches() as launched:
+        _train(require_cuda, "norm_layers", epochs=1)
+    steps = 24 // 6
+    assert launched.count("launch_norm_affine_grads") == 3 * steps, launched
 
 
 def _train_plain(name):

@@ -139,6 +139,27 @@ void launch_clipped_linear_sum(std::uintptr_t a,        // [B, T, d], dtype
                                std::uintptr_t workspace,  // optional, see above
                                std::int64_t workspace_bytes);
 
+// Per-sample gradients of a normalisation layer's affine parameters, y = w_c
+// xhat + b_c (clip/norm_affine.cu): sample i's input x_i and output gradient
+// g_i are `rows` rows of n values, each row normalised on its own, xhat = (x -
+// mean) / sqrt(var + eps) with the biased variance over the row, in float64.
+// Channels: run == 0 (LayerNorm) the value (r, e) is channel e (C = n), summed
+// over the rows; run > 0 (GroupNorm, InstanceNorm) a row is a group of n / run
+// channels of `run` consecutive values, channel r (n / run) + e / run (C = rows
+// n / run). w[i, c] = sum g xhat and b[i, c] = sum g over channel c's values of
+// sample i, float64 sums in an order fixed by the shape, rounded once to dtype;
+// w or b 0: not formed. The workspace holds the rows' (mean, rstd).
+std::int64_t norm_affine_workspace_bytes(std::int64_t B, std::int64_t rows);
+
+void launch_norm_affine_grads(std::uintptr_t x,  // [B, rows, n], dtype, contiguous
+                              std::uintptr_t g,  // [B, rows, n], dtype, contiguous
+                              std::int64_t B, std::int64_t rows, std::int64_t n,
+                              std::int64_t run, int dtype, double eps,
+                              std::uintptr_t w,  // [B, C], dtype, or 0
+                              std::uintptr_t b,  // [B, C], dtype, or 0
+                              std::uintptr_t workspace,  // norm_affine_workspace_bytes
+                              std::int64_t workspace_bytes, std::uintptr_t stream);
+
 // ---- Typed launchers (kernels + launch code in clip_noise.cu). They assume
 // validated arguments, the right current device, and enough workspace.
 namespace kernels {
@@ -265,6 +286,17 @@ void launch_clipped_linear_sum(const Real* acts,      // [B, T, d]
                                Real* gb,  // [K] or nullptr
                                void* workspace, std::int64_t workspace_bytes,
                                cudaStream_t stream);
+
+// clip/norm_affine.cu.
+template <typename Real>
+void launch_norm_affine_grads(const Real* x,  // [B, rows, n]
+                              const Real* g,  // [B, rows, n]
+                              std::int64_t B, std::int64_t rows, std::int64_t n,
+                              std::int64_t run, double eps,
+                              Real* w,         // [B, C] or nullptr
+                              Real* b,         // [B, C] or nullptr
+                              double* stats,   // [B, rows, 2]
+                              cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace ncdp

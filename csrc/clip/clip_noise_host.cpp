@@ -315,4 +315,56 @@ void launch_clipped_linear_sum(std::uintptr_t a, std::uintptr_t g, std::uintptr_
   check_launch("clipped_linear_sum");
 }
 
+std::int64_t norm_affine_workspace_bytes(std::int64_t B, std::int64_t rows) {
+  require_non_negative(B, "B");
+  require_non_negative(rows, "rows");
+  return checked_mul(checked_mul(B, rows, "B * rows"), 2 * std::int64_t{sizeof(double)},
+                     "statistics bytes");
+}
+
+void launch_norm_affine_grads(std::uintptr_t x, std::uintptr_t g, std::int64_t B,
+                              std::int64_t rows, std::int64_t n, std::int64_t run, int dtype,
+                              double eps, std::uintptr_t w, std::uintptr_t b,
+                              std::uintptr_t workspace, std::int64_t workspace_bytes,
+                              std::uintptr_t stream) {
+  require_non_negative(n, "n");
+  require_non_negative(run, "run");
+  const std::int64_t needed = norm_affine_workspace_bytes(B, rows);
+  if (rows > 0 && n == 0) {
+    throw std::invalid_argument("ncdp_fast: n: expected rows of at least one value, got 0");
+  }
+  if (run > 0 && n % run != 0) {
+    throw std::invalid_argument("ncdp_fast: run: expected a divisor of n = " + std::to_string(n) +
+                                " (a row holds whole channels), got " + std::to_string(run));
+  }
+  if (!(std::isfinite(eps) && eps >= 0.0)) {
+    throw std::invalid_argument("ncdp_fast: eps must be finite and non-negative, got " +
+                                std::to_string(eps));
+  }
+  const std::size_t element = dtype_size(dtype);
+  const std::int64_t count = checked_mul(checked_mul(B, rows, "B * rows"), n, "B * rows * n");
+  const std::int64_t channels = run > 0 ? rows * (n / run) : n;
+  const bool outputs = checked_mul(B, channels, "B * C") > 0;
+  require_pointer(x, count > 0, element, "x");
+  require_pointer(g, count > 0, element, "g");
+  require_pointer(w, false, element, "w");
+  require_pointer(b, false, element, "b");
+  require_workspace(workspace, workspace_bytes, needed, "norm_affine_grads");
+  if (B == 0 || !outputs) return;
+  DeviceGuard guard(first_pointer({count > 0 ? x : 0, w, b}), "x");
+  double* stats = typed<double>(workspace);
+  if (dtype == kDtypeFloat32) {
+    kernels::launch_norm_affine_grads(typed<const float>(x), typed<const float>(g), B, rows, n,
+                                      run, eps, w != 0 ? typed<float>(w) : nullptr,
+                                      b != 0 ? typed<float>(b) : nullptr, stats,
+                                      as_stream(stream));
+  } else {
+    kernels::launch_norm_affine_grads(typed<const double>(x), typed<const double>(g), B, rows,
+                                      n, run, eps, w != 0 ? typed<double>(w) : nullptr,
+                                      b != 0 ? typed<double>(b) : nullptr, stats,
+                                      as_stream(stream));
+  }
+  check_launch("norm_affine_grads");
+}
+
 }  // namespace ncdp

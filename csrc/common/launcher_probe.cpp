@@ -135,6 +135,23 @@ void probe_linear_norms_from_grams(Probe& probe) {
   }
 }
 
+// LayerNorm (run 0) and GroupNorm (run 2) layouts, both outputs, and rows = 0
+// (no positions: the column kernel alone).
+template <typename Real>
+void probe_norm_affine_grads(Probe& probe) {
+  const std::int64_t B = 2, n = 4;
+  for (const std::int64_t rows : {std::int64_t{3}, std::int64_t{0}}) {
+    for (const std::int64_t run : {std::int64_t{0}, std::int64_t{2}}) {
+      const std::int64_t C = run == 0 ? n : rows * (n / run);
+      kernels::launch_norm_affine_grads<Real>(
+          probe.buffer<Real>(B * rows * n), probe.buffer<Real>(B * rows * n), B, rows, n, run,
+          1e-5, probe.buffer<Real>(B * C), probe.buffer<Real>(B * C),
+          probe.buffer<double>(2 * B * rows), kLegacyStream);
+      probe.check(sizes({{"B", B}, {"rows", rows}, {"n", n}, {"run", run}}));
+    }
+  }
+}
+
 void probe_clip_factors(Probe& probe) {
   const std::int64_t B = 3;
   kernels::launch_clip_factors(probe.buffer<double>(B), probe.buffer<double>(B), B,
@@ -348,6 +365,8 @@ const std::vector<Entry>& registry() {
       {"weighted_row_sum_noise<float,double>", &probe_weighted_row_sum_noise<float, double>},
       {"clip_noise_rows<float>", &probe_clip_noise_rows<float>},
       {"clip_noise_rows<double>", &probe_clip_noise_rows<double>},
+      {"norm_affine_grads<float>", &probe_norm_affine_grads<float>},
+      {"norm_affine_grads<double>", &probe_norm_affine_grads<double>},
       {"linear_sq_norms<float>", &probe_linear_sq_norms<float>},
       {"linear_sq_norms<double>", &probe_linear_sq_norms<double>},
       {"clipped_linear_sum<float>", &probe_clipped_linear_sum<float>},

@@ -429,3 +429,15 @@ def _refuse_cupy_tf32(x):
             "bound holds for IEEE float32 products; TF32 keeps 10 mantissa bits), got "
             f"{os.environ['CUPY_TF32']!r}; "
             "unset it, or pass torch tensors (TF32 is turned off for the call there)")
+
+
+def norm_affine_grads(x, g, run, eps, w, b):
+    # x, g (B, rows, n) contiguous, one dtype; w, b (B, C) in it, or None
+    # (csrc/clip/clip_noise.h: each row normalised in float64, float64 sums,
+    # one rounding).
+    B, rows, n = x.shape
+    C = native(x)
+    nbytes = C.norm_affine_workspace_bytes(B, rows)
+    ws, ws_ptr = workspace(x, nbytes)
+    C.launch_norm_affine_grads(ptr(x), ptr(g), B, rows, n, int(run), dtype_code(x), float(eps),
+                               opt_ptr(w), opt_ptr(b), ws_ptr, nbytes, stream(x))

@@ -580,3 +580,63 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
         segments.append((gb, gb, int(offset) + K * d))
     if finish is None:
         finish_gaussian_segments(segments, seed, noise_std, inv_denom)
+
+
+@sized_kernel(lambda x, *_: x.size, fastmath=_FM)
+def _norm_affine_grads(x, g, run, eps, w, b):
+    B, rows, n = x.shape
+    per_row = n // run if run > 0 else 0
+    for i in prange(B):
+        means = np.empty(rows)
+        rstds = np.empty(rows)
+        for r in range(rows):
+            s = 0.0
+            for e in range(n):
+                s += x[i, r, e]
+            mean = s / n
+            q = 0.0
+            for e in range(n):
+                c = x[i, r, e] - mean
+                q += c * c
+            means[r] = mean
+            rstds[r] = 1.0 / math.sqrt(q / n + eps)
+        if run > 0:
+            for r in range(rows):
+                for c in range(per_row):
+                    sw = 0.0
+                    sb = 0.0
+                    for e in range(c * run, (c + 1) * run):
+                        gv = float(g[i, r, e])
+                        sw += gv * ((x[i, r, e] - means[r]) * rstds[r])
+                        sb += gv
+                    w[i, r * per_row + c] = sw
+                    b[i, r * per_row + c] = sb
+        else:
+            for e in range(n):
+                sw = 0.0
+                sb = 0.0
+                for r in range(rows):
+                    gv = float(g[i, r, e])
+                    sw += gv * ((x[i, r, e] - means[r]) * rstds[r])
+                    sb += gv
+                w[i, e] = sw
+                b[i, e] = sb
+
+
+def norm_affine_grads(x, g, run, eps, w, b):
+    """The device kernel's per-sample affine gradients of a normalisation layer
+    (reference.norm_affine_grads): x, g (B, rows, n) C-contiguous float32 or
+    float64; w, b (B, C) in their dtype, or None (not formed).  Rows are
+    normalised in float64 and the sums formed in float64, rounded once."""
+    B, _, n = x.shape
+    C = n if run == 0 else x.shape[1] * (n // run)
+    ww = np.empty((B, C)) if w is None or w.dtype != np.float64 else w
+    bb = np.empty((B, C)) if b is None or b.dtype != np.float64 else b
+    if B and C and x.shape[1]:
+        _norm_affine_grads(x, g, int(run), float(eps), ww, bb)
+    elif B and C:
+        ww[...] = 0.0
+        bb[...] = 0.0
+    for out, acc in ((w, ww), (b, bb)):
+        if out is not None and out is not acc:
+            out[...] = acc

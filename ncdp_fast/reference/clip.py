@@ -162,6 +162,28 @@ def linear_norms_from_grams(w, v, bias, layers=1, shared_w=False, lengths=None):
     return sq, spread, sizes
 
 
+def norm_affine_grads(x, g, run, eps):
+    """Per-sample gradients (w, b) of a normalisation layer's affine parameters
+    ``y = w_c xhat + b_c``, float64 (B, C) each: ``w[i, c] = sum g xhat`` and
+    ``b[i, c] = sum g`` over sample i's values of channel c.
+
+    ``x``, ``g``: (B, rows, n), each row normalised on its own, ``xhat = (x -
+    mean) / sqrt(var + eps)`` with the biased variance over the row (torch's
+    layer and group norms).  ``run == 0`` (LayerNorm): value (r, e) is channel
+    e, C = n; ``run > 0`` (GroupNorm: a row is a group of n / run channels of
+    ``run`` consecutive values): channel r (n / run) + e // run."""
+    x = np.asarray(x, dtype=np.float64)
+    g = np.asarray(g, dtype=np.float64)
+    B, rows, n = x.shape
+    mean = x.mean(axis=2, keepdims=True) if n else np.zeros((B, rows, 1))
+    var = ((x - mean) ** 2).mean(axis=2, keepdims=True) if n else np.zeros((B, rows, 1))
+    xhat = (x - mean) / np.sqrt(var + eps)
+    if run == 0:
+        return (g * xhat).sum(axis=1), g.sum(axis=1)
+    C = rows * (n // run)
+    return ((g * xhat).reshape(B, C, run).sum(axis=2), g.reshape(B, C, run).sum(axis=2))
+
+
 def linear_terms(d, K, T, bias=True):
     """``terms`` of :func:`clip_bound` for a linear block (either norm route)."""
     return d + K + T * T + T + (K if bias else 0)

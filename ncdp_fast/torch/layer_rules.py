@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _arrays
+from .._norm_affine import device_grads
 from .._clip import GhostBlock
 from .layers import _embedding_problem, accumulation_dtype, register_layer
 
@@ -47,6 +48,12 @@ def _lead(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.reshape(*x.shape[:k], n)
 
 
+def _positions(x: torch.Tensor) -> int:
+    """The positions of a channels-first input (B, C, *spatial): a channel's
+    values a sample (0 for an empty spatial shape)."""
+    return math.prod(x.shape[2:])
+
+
 def _cat(parts: list, dim: int = 1):
     """Several calls of a layer are one longer sequence (a single call: no copy)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
@@ -64,6 +71,37 @@ def factored_or_instantiated(a: torch.Tensor, g: torch.Tensor, names: tuple, bia
     out = [((names[0],), torch.bmm(g.transpose(1, 2), a))]
     if bias:
         out.append(((names[1],), g.sum(1)))
+    return out
+
+
+_FUSED_DTYPES = (torch.float32, torch.float64)
+
+
+def _fused_affine(calls, rows_of, run_of, eps, trainable):
+    """A normalisation layer's per-sample (w, b) blocks from the clip family's
+    kernel (``_norm_affine``: one launch a call, no xhat formed) where every
+    call's input and output gradient are non-empty float32/float64 arrays of
+    the device (CUDA, or the emulated one) with one dtype; None elsewhere (the
+    torch composition then runs: on the CPU, in half precision, for empty
+    inputs).  ``rows_of(t)``: t as (B, rows, n); ``run_of(x)``: the kernel's
+    ``run`` (0: the layer normalises each row of features, LayerNorm)."""
+    for c in calls:
+        x, g = c.inputs[0], c.grad
+        if not (x.dtype == g.dtype and x.dtype in _FUSED_DTYPES and x.numel()
+                and _arrays.is_cuda_array(x)):
+            return None
+    weight, bias = "weight" in trainable, "bias" in trainable
+    w = b = None
+    for c in calls:
+        cw, cb = device_grads(rows_of(c.inputs[0]), rows_of(c.grad), run_of(c.inputs[0]), eps,
+                              weight, bias)
+        w = cw if w is None else w + cw
+        b = cb if b is None else b + cb
+    out = []
+    if weight:
+        out.append((("weight",), w))
+    if bias:
+        out.append((("bias",), b))
     return out
 
 
@@ -324,15 +362,19 @@ def layer_norm_rule(module: nn.LayerNorm, calls, trainable):
     without affine)."""
     width = math.prod(module.normalized_shape)
     k = len(module.normalized_shape)
-    xs, gs = [], []
-    for c in calls:
-        xhat = F.layer_norm(c.inputs[0], module.normalized_shape, None, None, module.eps)
-        xs.append(_flat_positions(xhat, width, k))
-        gs.append(_flat_positions(c.grad, width, k))
     shape = tuple(module.normalized_shape)
+    blocks = _fused_affine(calls, lambda t: _flat_positions(t, width, k), lambda x: 0,
+                           module.eps, trainable)
+    if blocks is None:
+        xs, gs = [], []
+        for c in calls:
+            xhat = F.layer_norm(c.inputs[0], module.normalized_shape, None, None, module.eps)
+            xs.append(_flat_positions(xhat, width, k))
+            gs.append(_flat_positions(c.grad, width, k))
+        blocks = _affine_rule(_cat(xs), _cat(gs), trainable, 1)
     # A one-dimensional shape is the sums' already: no view (an op each).
     return [(n, b if tuple(b.shape[1:]) == shape else b.reshape(b.shape[0], *shape))
-            for n, b in _affine_rule(_cat(xs), _cat(gs), trainable, 1)]
+            for n, b in blocks]
 
 
 @register_layer(nn.RMSNorm)
@@ -355,6 +397,11 @@ def rms_norm_rule(module: nn.RMSNorm, calls, trainable):
 @register_layer(nn.GroupNorm)
 def group_norm_rule(module: nn.GroupNorm, calls, trainable):
     """y = w_c * xhat + b_c per channel c, xhat normalised over (group, positions)."""
+    groups = module.num_groups
+    blocks = _fused_affine(calls, lambda t: t.reshape(t.shape[0], groups, -1),
+                           lambda x: _positions(x), module.eps, trainable)
+    if blocks is not None:
+        return blocks
     xs, gs = [], []
     for c in calls:
         x = c.inputs[0]
@@ -371,6 +418,10 @@ def instance_norm_rule(module, calls, trainable):
     if module.track_running_stats and module.training:
         raise ValueError(f"{type(module).__name__} with track_running_stats=True mixes samples "
                          "through its running statistics; use track_running_stats=False")
+    blocks = _fused_affine(calls, lambda t: t.reshape(t.shape[0], t.shape[1], -1),
+                           lambda x: _positions(x), module.eps, trainable)
+    if blocks is not None:
+        return blocks
     xs, gs = [], []
     for c in calls:
         x = c.inputs[0]

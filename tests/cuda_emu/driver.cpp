@@ -161,6 +161,13 @@ void run_typed(const Case& c) {
                                           c.i("T"), c.i("d"), c.i("K"), c.i("bias") != 0,
                                           c.ptr<double>("sq"), c.i("accumulate") != 0,
                                           c.ptr<double>("sizes"), stream);
+  } else if (c.op == "norm_affine_grads") {
+    const std::int64_t stats_bytes = 2 * c.i("B") * c.i("rows") * std::int64_t{sizeof(double)};
+    Workspace ws(stats_bytes);
+    kernels::launch_norm_affine_grads<Real>(c.ptr<Real>("x"), c.ptr<Real>("g"), c.i("B"),
+                                            c.i("rows"), c.i("n"), c.i("run"), c.f("eps"),
+                                            c.ptr<Real>("w"), c.ptr<Real>("b"),
+                                            static_cast<double*>(ws.data), stream);
   } else if (c.op == "clipped_linear_sum") {
     const std::int64_t bytes = c.i("workspace_bytes");
     Workspace ws(bytes);
