@@ -4,8 +4,8 @@ clip family's kernel (``csrc/clip/norm_affine.cu``, its numba twin and
 
 Layer 2 code, like ``_clip_layers``: validates, picks the backend, allocates
 the outputs and calls the kernel.  The torch drop-in's LayerNorm and GroupNorm
-rules call it on a device (``torch/layer_rules.py``), where it is one launch a
-layer instead of four kernels.
+rules call it on a device (``torch/layer_rules.py``, through
+:func:`device_grads`), where it is two kernels a layer instead of four.
 """
 from __future__ import annotations
 

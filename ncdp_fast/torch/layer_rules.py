@@ -399,7 +399,7 @@ def group_norm_rule(module: nn.GroupNorm, calls, trainable):
     """y = w_c * xhat + b_c per channel c, xhat normalised over (group, positions)."""
     groups = module.num_groups
     blocks = _fused_affine(calls, lambda t: t.reshape(t.shape[0], groups, -1),
-                           lambda x: _positions(x), module.eps, trainable)
+                           _positions, module.eps, trainable)
     if blocks is not None:
         return blocks
     xs, gs = [], []
@@ -419,7 +419,7 @@ def instance_norm_rule(module, calls, trainable):
         raise ValueError(f"{type(module).__name__} with track_running_stats=True mixes samples "
                          "through its running statistics; use track_running_stats=False")
     blocks = _fused_affine(calls, lambda t: t.reshape(t.shape[0], t.shape[1], -1),
-                           lambda x: _positions(x), module.eps, trainable)
+                           _positions, module.eps, trainable)
     if blocks is not None:
         return blocks
     xs, gs = [], []
