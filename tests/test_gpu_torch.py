@@ -485,3 +485,30 @@ def test_the_sync_counter_sees_each_kind_of_host_wait(require_cuda):
     assert Counter(kinds) == {"scalar read": 2, "copy to the host": 3,
                               "data-dependent shape": 1, "boolean-mask index": 1}, kinds
     assert np.all(np.isfinite(t.cpu().numpy()))
+
+
+def test_settle_reads_device_value_checks_in_one_transfer_when_not_deferred(require_cuda):
+    """The loss check's own read of its device values (a step across ranks,
+    where the clip op cannot carry them: ``settle(defer=False)``): a count in
+    int64 beside a float32 total and a flag, each judged exactly as float64 --
+    2^25 + 1 in int64 would round to 2^25 if stacked with the float32 value --
+    in one transfer; a failing value refuses with its reason."""
+    from ncdp_fast.torch.loss_graph import LossRefused, ValueCheck, _one_of
+    from ncdp_fast.torch.loss_watch import LossWatch
+    refused = []
+    watch = LossWatch(torch.zeros((), device=require_cuda), True, lambda: refused.append(1))
+    big = 2 ** 25 + 1
+
+    def pending(count):
+        return [(ValueCheck(torch.tensor(count, device=require_cuda), _one_of((big,))), "count"),
+                (ValueCheck(torch.tensor(6.0, device=require_cuda), _one_of((6, 0))), "total"),
+                (torch.tensor(True, device=require_cuda), "flag")]
+    watch.pending = pending(big)
+    with HostSyncCounter() as counter:
+        assert watch.settle(defer=False) == []
+    assert _sync_sites(counter.in_library()) == {
+        ("copy to the host", "torch/loss_watch.py", "settle"): 1}
+    watch.pending = pending(big - 1)
+    with pytest.raises(LossRefused, match="count"):
+        watch.settle(defer=False)
+    assert refused == [1]

@@ -173,7 +173,8 @@ class LossWatch:
         dev = deferred[0][0].device
         # float64: each value exactly, whatever its dtype (a stack would
         # promote an integer count with a float32 one to float32).
-        values = torch.stack([v.reshape(()).to(dev, torch.float64)
+        values = torch.stack([v.reshape(()).to(torch.float64) if v.device == dev else
+                              v.reshape(()).to(dev, torch.float64)
                               for v, _, _ in deferred]).tolist()
         for v, (_, refuse, passes) in zip(values, deferred):
             if not passes(v):
