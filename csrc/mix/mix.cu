@@ -577,7 +577,7 @@ __device__ __forceinline__ void accumulate_labels(const MixArgs<Real>& a, const 
   }
 }
 
-// One block per output row (grid-striding), as a two-stage pipeline: the
+// Output rows grid-strided over the blocks (mix_grid), as a two-stage pipeline: the
 // sampling warp (warp kGatherWarps) runs the sampler of the block's rows and
 // writes their members, up to kChunk ids at a time, into two alternating
 // chunk buffers; the kBlockThreads gather threads gather-accumulate each chunk
@@ -679,13 +679,46 @@ __global__ void __launch_bounds__(kMixThreads) mix_rows_kernel(const MixArgs<Rea
   }
 }
 
+// Grid of a mix launch: at most kMixWaves times the blocks of `kKernel` the
+// device holds at once, so that a block runs several rows and its sampling
+// warp samples the next row while its gather threads gather this one. A
+// block a row (the grid as large as the rows, up to 2^16) left every row's
+// sampling -- a warp's serial walk, no loads in flight -- before its gather,
+// and each block's start and end, on the SM's time. Several waves, not one,
+// so that blocks that start late (other work on the device) leave a short
+// tail. Residency is asked once per kernel, of the first device that
+// launches it: the split only changes speed, never a result.
+constexpr std::int64_t kMixWaves = 4;
+
+template <auto kKernel>
+unsigned int mix_grid(std::int64_t rows) {
+  static const std::int64_t resident = [] {
+    int device = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kMixThreads, 0) !=
+            cudaSuccess) {
+      (void)cudaGetLastError();  // unknown: the grid stays a block a row
+      return std::int64_t{0};
+    }
+    return static_cast<std::int64_t>(sms) * per_sm;
+  }();
+  return grid_blocks(resident > 0 ? std::min<std::int64_t>(rows, kMixWaves * resident) : rows, 1);
+}
+
+template <typename Real, int kVectors, bool kAligned, bool kFused>
+void launch_mix_kernel(const MixArgs<Real>& args, cudaStream_t stream) {
+  const unsigned int blocks = mix_grid<mix_rows_kernel<Real, kVectors, kAligned, kFused>>(args.rows);
+  NCDP_LAUNCH(blocks, kMixThreads, 0, stream, mix_rows_kernel<Real, kVectors, kAligned, kFused>)(
+      args);
+}
+
 template <typename Real, int kVectors>
-void launch_fused(const MixArgs<Real>& args, bool aligned, unsigned int blocks,
-                  cudaStream_t stream) {
+void launch_fused(const MixArgs<Real>& args, bool aligned, cudaStream_t stream) {
   if (aligned) {
-    NCDP_LAUNCH(blocks, kMixThreads, 0, stream, mix_rows_kernel<Real, kVectors, true, true>)(args);
+    launch_mix_kernel<Real, kVectors, true, true>(args, stream);
   } else {
-    NCDP_LAUNCH(blocks, kMixThreads, 0, stream, mix_rows_kernel<Real, kVectors, false, true>)(args);
+    launch_mix_kernel<Real, kVectors, false, true>(args, stream);
   }
 }
 
@@ -724,22 +757,19 @@ void launch_mix_rows(const Real* features, std::int64_t n, std::int64_t d,
   // Every row (hence every slot) starts on a 16-byte boundary.
   const bool aligned = (reinterpret_cast<std::uintptr_t>(features) & 15u) == 0 &&
                        d % Vec16<Real>::kWidth == 0;
-  const unsigned int blocks = grid_blocks(rows, 1);
   const std::int64_t slots = ceil_div(d, kSlotColumns);
   if (slots <= 1) {
-    launch_fused<Real, 1>(args, aligned, blocks, stream);
+    launch_fused<Real, 1>(args, aligned, stream);
   } else if (slots <= 2) {
-    launch_fused<Real, 2>(args, aligned, blocks, stream);
+    launch_fused<Real, 2>(args, aligned, stream);
   } else if (slots <= 4) {
-    launch_fused<Real, 4>(args, aligned, blocks, stream);
+    launch_fused<Real, 4>(args, aligned, stream);
   } else if (max_fused_vectors<Real>() >= 8 && slots <= 8) {
-    launch_fused<Real, (max_fused_vectors<Real>() >= 8 ? 8 : 4)>(args, aligned, blocks, stream);
+    launch_fused<Real, (max_fused_vectors<Real>() >= 8 ? 8 : 4)>(args, aligned, stream);
   } else if (aligned) {
-    NCDP_LAUNCH(blocks, kMixThreads, 0, stream,
-        mix_rows_kernel<Real, kTiledVectors, true, false>)(args);
+    launch_mix_kernel<Real, kTiledVectors, true, false>(args, stream);
   } else {
-    NCDP_LAUNCH(blocks, kMixThreads, 0, stream,
-        mix_rows_kernel<Real, kTiledVectors, false, false>)(args);
+    launch_mix_kernel<Real, kTiledVectors, false, false>(args, stream);
   }
 }
 

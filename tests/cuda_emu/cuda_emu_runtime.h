@@ -49,7 +49,7 @@ struct cudaDeviceProp {
   char name[256];
 };
 
-enum cudaDeviceAttr { cudaDevAttrL2CacheSize = 89 };
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16, cudaDevAttrL2CacheSize = 89 };
 
 #define cudaStreamLegacy (reinterpret_cast<cudaStream_t>(0x1))
 #define cudaStreamPerThread (reinterpret_cast<cudaStream_t>(0x2))
@@ -132,8 +132,27 @@ inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* properties, int devic
 
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
   if (device != 0) return ::ncdp_emu::record(cudaErrorInvalidDevice);
+  if (attribute == cudaDevAttrMultiProcessorCount) {
+    // One multiprocessor: a launcher that sizes its grid by residency
+    // (mix/mix.cu) then asks for the fewest blocks, and the emulator's own
+    // grid cap (NCDP_EMU_MAX_GRID_BLOCKS) still has blocks share rows.
+    *value = 1;
+    return cudaSuccess;
+  }
   if (attribute != cudaDevAttrL2CacheSize) return ::ncdp_emu::record(cudaErrorInvalidValue);
   *value = ::ncdp_emu::l2_bytes();
+  return cudaSuccess;
+}
+
+// One block of any valid size is resident at a time (the emulator runs the
+// blocks of a launch one after another); the kernel itself is not inspected.
+template <typename Kernel>
+inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel,
+                                                                 int block_threads,
+                                                                 std::size_t shared_bytes) {
+  (void)shared_bytes;
+  if (block_threads <= 0 || block_threads > 1024) return ::ncdp_emu::record(cudaErrorInvalidValue);
+  *blocks = 1;
   return cudaSuccess;
 }
 
