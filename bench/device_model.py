@@ -232,6 +232,14 @@ def _ours(name, kw) -> tuple[float, int]:
         # a finish kernel.
         b = 2 * _ITEMSIZE[kw["gram_dtype"]] * kw["layers"] * kw["B"] * kw["T"] ** 2
         return b / BYTES_PER_S + KERNEL_FLOOR_S, b
+    if name == "launch_gram_rows_f64":
+        # The upper triangle of 64 x 64 tiles a sample on the FP64 tensor cores
+        # at the assumed MODEL_FLOPS_PER_S, each sample's float32 rows read from DRAM once
+        # (a tile's second read from L2) and its float64 Gram written.
+        from ncdp_fast._cuda.gram import MODEL_FLOPS_PER_S, flops
+        count = len(kw["x"]) * kw["n"]
+        b = count * (4 * kw["T"] * kw["d"] + 8 * kw["T"] ** 2)
+        return max(flops(count, kw["T"], kw["d"]) / MODEL_FLOPS_PER_S, b / BYTES_PER_S), b
     raise ValueError(f"device_model: no cost model for {name}; add one from its kernel")
 
 

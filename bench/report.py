@@ -161,7 +161,34 @@ SIZES_LAUNCHES = 2
 GRAM_ROUTE_LAUNCHES = 6
 
 
+# The float32 Gram route at T > 1 (csrc/clip/gram_f64.cu): a Gram launch for a
+# and one for g, then linear_norms_from_grams' two; the kernel's rate is the
+# assumption of ncdp_fast/_cuda/gram.py (MODEL_FLOPS_PER_S), not measured yet.
+GRAM_KERNEL_LAUNCHES = 4
+
+
 def predicted_norm_ms(B, T, d, K) -> float:
+    """The route a float32 layer takes, predicted on an H200: on the Gram route
+    at T > 1 the Gram kernel (:func:`predicted_gram_kernel_ms`), else the
+    float64 copies and GEMMs (:func:`predicted_copies_norm_ms`)."""
+    if T > 1 and 2 * T * T <= K * d:
+        return predicted_gram_kernel_ms(B, T, d, K)
+    return predicted_copies_norm_ms(B, T, d, K)
+
+
+def predicted_gram_kernel_ms(B, T, d, K) -> float:
+    """The Gram kernel's route: the upper triangle of 64 x 64 tiles of each
+    sample's two Grams at the assumed rate (_cuda.gram.MODEL_FLOPS_PER_S), a and g read once in
+    float32, both Grams written and read once by linear_norms_from_grams,
+    :data:`GRAM_KERNEL_LAUNCHES` launches."""
+    from ncdp_fast._cuda.gram import MODEL_FLOPS_PER_S, flops
+    m = GPU_MODEL
+    traffic = 4 * B * T * (d + K) + 2 * 8 * 2 * B * T * T
+    return 1e3 * ((flops(B, T, d) + flops(B, T, K)) / MODEL_FLOPS_PER_S
+                  + traffic / m["bytes_per_s"] + GRAM_KERNEL_LAUNCHES * m["launch_s"])
+
+
+def predicted_copies_norm_ms(B, T, d, K) -> float:
     """The GEMM route's predicted ms on an H200 (:data:`GPU_MODEL`): its FLOPs,
     plus its traffic (a, g read in float32, written and read again in float64,
     the Gram or per-sample matrices written and read), plus launches; at T > 1
@@ -219,10 +246,11 @@ def _layer_columns(route, more=(), after=()):
 
 
 # A grouped norms call (ncdp_fast/_cuda/clip.py linear_sq_norms_group): per
-# chunk of stacked layers on the Gram route, the two stacking copies, the two
-# GEMMs and linear_norms_from_grams' two launches (the layers' norms, spreads
-# and sizes summed in it); the direct route's chunks are not grouped here.
-GROUP_LAUNCHES = GRAM_ROUTE_LAUNCHES
+# chunk of stacked layers on the Gram route, the Gram kernel's two launches
+# (up to 8 layers' operands each) and linear_norms_from_grams' two (the
+# layers' norms, spreads and sizes summed in it); the direct route's chunks
+# are not grouped here.
+GROUP_LAUNCHES = GRAM_KERNEL_LAUNCHES
 GROUP_LAYERS = 12               # bench/test_bench_clip.py GROUP
 GROUP_CHUNK_BYTES = 128 << 20   # ncdp_fast/_cuda/clip.py GROUP_CHUNK_BYTES
 
@@ -239,9 +267,9 @@ def predicted_group_norm_ms(B, T, d, K, layers=GROUP_LAYERS) -> float:
     if T == 1 or not gram or 2 * per_layer > GROUP_CHUNK_BYTES:
         return alone
     m = GPU_MODEL
-    own = GRAM_ROUTE_LAUNCHES
+    own = GRAM_KERNEL_LAUNCHES
     n = GROUP_CHUNK_BYTES // per_layer
-    chunks = -(-layers // n)
+    chunks = max(-(-layers // n), -(-layers // 8))   # at most 8 layers a Gram launch
     shared = chunks * GROUP_LAUNCHES / layers
     return alone + 1e3 * (shared - own) * m["launch_s"]
 
@@ -255,17 +283,29 @@ def linear_norms(family):
             return {}
         return dict(group_ms=1e3 * _t(ms, group) / GROUP_LAYERS)
 
+    def more_and_copies(ms, t):
+        out = more(ms, t)
+        if "ncdp_copies" in ms:
+            out["copies_ms"] = 1e3 * _t(ms, "ncdp_copies")
+        return out
+
     rows = _layer_rows(family, predicted_norm_ms, ["ncdp", "torch_einsum_f32"], "gemm_f64",
-                       more)
+                       more_and_copies)
     for row in rows:
         row["predicted_group_ms"] = predicted_group_norm_ms(*_shape_ints(row["shape"]))
+        row["predicted_copies_ms"] = predicted_copies_norm_ms(*_shape_ints(row["shape"]))
     return rows, (
-        _layer_columns("GEMM route", after=[
+        _layer_columns("its route", after=[
             ("group_ms", f"grouped ({GROUP_LAYERS} layers) ms a layer", "{:.3f}"),
-            ("predicted_group_ms", "predicted H200 ms a layer, grouped", "{:.3f}")]),
+            ("predicted_group_ms", "predicted H200 ms a layer, grouped", "{:.3f}"),
+            ("copies_ms", "float64 copies' route ms (GPU)", "{:.3f}"),
+            ("predicted_copies_ms", "predicted H200 ms (float64 copies' route)", "{:.3f}")]),
         ["per-sample squared gradient norms of a linear layer with bias, float64 result; "
-         "ncdp: numba's kernel on the CPU, the vendor's batched FP64 GEMMs on a GPU "
-         "(ncdp_fast/_cuda/clip.py), with the spread of a sequence block (T > 1) and the "
+         "ncdp: numba's kernel on the CPU; on a GPU the route a float32 layer takes: the "
+         "Gram kernel of float32 rows on the FP64 tensor cores (csrc/clip/gram_f64.cu) on the "
+         "Gram route at T > 1, else the vendor's batched FP64 GEMMs of float64 copies "
+         "(ncdp_fast/_cuda/clip.py; 'float64 copies' route': the same layer forced onto "
+         "them, GPU only), with the spread of a sequence block (T > 1) and the "
          "operands' squared norms as the clip op computes them, from the same pass (the GPU "
          "table of 2026-11-28 16:25 UTC: the norms alone); also timed (norms alone): on a "
          "GPU the hand-written CUDA kernel it replaced, on the CPU the GEMM route run by torch on the CPU",
@@ -273,7 +313,8 @@ def linear_norms(family):
          "of Opacus's ghost clipping gets",
          "predicted H200 ms: a model, not a measurement (bench/report.py GPU_MODEL: 40 "
          "TFLOP/s FP64 sustained, 3.5 TB/s, 7 launches of 5 us, 5 more for the spread, 2 "
-         "for the operands' squared norms); "
+         "for the operands' squared norms; the Gram kernel: the upper triangle of 64 x 64 "
+         "tiles at 30 TFLOP/s, an assumption, a and g read once in float32, 4 launches); "
          "the first GPU profile measured the replaced kernel at 4.4 ms a call averaged "
          "over BERT-base's 72"])
 

@@ -56,8 +56,11 @@ def CASES(size, device):
               for B, T, d, K in NORM_SHAPES[size]]
     layer_methods = ["ncdp", "torch_einsum_f32"] + (["native_kernel"] if device == "cuda"
                                                     else ["gemm_f64"])
-    # The clip op's grouped norms (GPU only: on the CPU the group is a loop)
-    norm_methods = layer_methods + ([f"ncdp_group{GROUP}"] if device == "cuda" else [])
+    # The clip op's grouped norms and the float64 copies' route the Gram
+    # kernel replaced (GPU only: on the CPU the group is a loop, and the
+    # emulated device's kernel times say nothing)
+    norm_methods = layer_methods + ([f"ncdp_group{GROUP}", "ncdp_copies"] if device == "cuda"
+                                    else [])
     sum_methods = SUM_METHODS + (["native_kernel"] if device == "cuda" else ["device_route"])
     steps = [(f"({B}, {d}, {K})" if T is None else f"({B}, {T}, {d}, {K})",
               dict(B=B, T=T, d=d, K=K)) for B, T, d, K in STEP_SHAPES[size]]
@@ -186,6 +189,13 @@ def test_linear_norms(benchmark, case, bench_device):
             with ctx():
                 device_clip.linear_sq_norms(a, g, True, sq, False, spread, sizes)
             return sq
+    elif method == "ncdp_copies":
+        from ncdp_fast._cuda import gram
+
+        def fn():
+            with gram.copies_route():
+                device_clip.linear_sq_norms(a, g, True, sq, False, spread, sizes)
+            return sq
     elif method == f"ncdp_group{GROUP}":
         # GROUP layers of this shape (the same arrays) as the clip op forms
         # them; the report divides the time by GROUP.  Not checked against the
@@ -210,7 +220,7 @@ def test_linear_norms(benchmark, case, bench_device):
             return (ga * gg).sum(dim=(1, 2))
     out = measure(benchmark, case, fn, device=device, repeats=5, min_time=0.2,
                   flops=norm_flops(B, T, d, K), bytes=4 * B * T * (d + K))
-    if not benchmark.disabled and method in ("ncdp", "gemm_f64", "native_kernel"):
+    if not benchmark.disabled and method in ("ncdp", "gemm_f64", "native_kernel", "ncdp_copies"):
         ref = (torch.einsum("bti,bsi->bts", a.double(), a.double()) + 1.0) * \
             torch.einsum("bti,bsi->bts", g.double(), g.double())
         expected = ref.sum(dim=(1, 2)).cpu().numpy()

@@ -804,3 +804,22 @@ def test_norm_affine_grads(emu, dtype, shape, outputs):
                                             eps=1e-5), buffers)
     assert_norm_affine_close(res["w"], res["b"] if outputs == "both" else None, x, g, run, 1e-5,
                              dtype)
+
+
+# ---------------------------------------------------------------------------
+# Float64 Grams of float32 rows (clip/gram_f64.cu): the tensor-core fragments'
+# contract (common/mma_f64.cuh, met with shuffles here), a diagonal and
+# off-diagonal tiles, a partial staging step, two sources in one launch of
+# more samples than the grid's 3 blocks, rows further apart than d.
+
+@pytest.mark.parametrize("n, T, d, row_stride", [(1, 1, 1, 1), (2, 5, 17, 17), (2, 65, 3, 4),
+                                                 (1, 66, 20, 20), (2, 4, 0, 0)])
+def test_gram_rows_f64(emu, n, T, d, row_stride):
+    from test_gram_f64 import assert_grams_close, rows
+    x = [rows((n, T, max(row_stride, 1)), s) for s in range(2)]
+    res = emu.run("gram_rows_f64", dict(S=2, n=n, T=T, d=d, sample_stride0=T * row_stride,
+                                        sample_stride1=T * row_stride, row_stride0=row_stride,
+                                        row_stride1=row_stride),
+                  {"x0": x[0], "x1": x[1], "out": np.full((2 * n, T, T), np.nan)})
+    want = np.concatenate([v[:, :, :d] for v in x])
+    assert_grams_close(res["out"], want)

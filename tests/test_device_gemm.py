@@ -422,20 +422,29 @@ def test_group_norms_are_each_layers_norms_summed(shape, dtype, L, per_chunk, mo
     tol_sz = (T * max(d, K) + 2) * U64 * sizes_ref
     from ncdp_fast import _arrays
     stacked = []
-    real_cat = _arrays.cat_float64
-    monkeypatch.setattr(_arrays, "cat_float64", lambda parts: stacked.append(len(parts))
-                        or real_cat(parts))
+    gram = 2 * T * T <= K * d
+    # The Gram route stacks through grams_f64 (the kernel reads float32 parts
+    # in place; float64 ones are joined inside it), the direct one copies.
+    if gram:
+        real_grams = device_clip.grams_f64
+        monkeypatch.setattr(device_clip, "grams_f64", lambda parts: stacked.append(len(parts))
+                            or real_grams(parts))
+    else:
+        real_cat = _arrays.cat_float64
+        monkeypatch.setattr(_arrays, "cat_float64", lambda parts: stacked.append(len(parts))
+                            or real_cat(parts))
     sq, sp = torch.zeros(B, dtype=torch.float64), torch.zeros(B, dtype=torch.float64)
     sizes = torch.full((L, B, 2), np.nan, dtype=torch.float64)
     _device_group_norms([torch.from_numpy(x) for x in a],
                                       [torch.from_numpy(y) for y in g], True, sq, sp, sizes)
     sqn, spn, sizes_n = np.zeros(B), np.zeros(B), np.full((L, B, 2), np.nan)
     numba_clip.linear_sq_norms_group(a, g, True, sqn, spn, sizes_n)
-    # The layers were stacked (two copies a chunk) wherever there is more than
-    # one layer of sequences; else each ran alone.
+    # The layers were stacked (two Gram launches or copies a chunk) wherever
+    # there is more than one layer of sequences; else each ran alone.
     grouped = L > 1 and T > 1 and B > 0
+    alone = [1, 1] * L if gram and T > 1 and B > 0 else []     # a Gram of each operand
     assert stacked == ([min(per_chunk or L, L - c) for c in range(0, L, per_chunk or L)
-                        for _ in (0, 1)] if grouped else []), stacked
+                        for _ in (0, 1)] if grouped else alone), stacked
     for q, s, z in ((sq.numpy(), sp.numpy(), sizes.numpy()), (sqn, spn, sizes_n)):
         assert np.all(np.abs(q - ref) <= tol), np.abs(q - ref) / np.maximum(tol, 1e-300)
         assert np.all(np.abs(s - ref_sp) <= tol_sp)
@@ -469,13 +478,19 @@ def test_group_norms_share_one_inputs_copy_and_grams(shape, dtype, monkeypatch):
     if gram:
         assert device_clip._group_chunks(a_t, B, T, d, K)[:2] == [(0, 2, True), (2, 3, False)]
     monkeypatch.undo()
-    upcasts = []
-    real = _arrays.as_float64
-    monkeypatch.setattr(_arrays, "as_float64", lambda t: upcasts.append(t.shape) or real(t))
+    upcasts, grams = [], []
+    real, real_grams = _arrays.as_float64, device_clip.grams_f64
+    monkeypatch.setattr(_arrays, "as_float64", lambda t: upcasts.append(t.dtype) or real(t))
+    monkeypatch.setattr(device_clip, "grams_f64", lambda parts: grams.append(len(parts))
+                        or real_grams(parts))
     sq, sp = torch.zeros(B, dtype=torch.float64), torch.zeros(B, dtype=torch.float64)
     sizes = torch.full((len(a), B, 2), np.nan, dtype=torch.float64)
     _device_group_norms(a_t, [torch.from_numpy(v) for v in g], True, sq, sp, sizes)
-    assert len(upcasts) == (2 if gram else 0)     # one copy a shared run (cat_float64 else)
+    # A shared run forms its input's Gram once: Grams of 3 inputs (runs) and 6
+    # output gradients on the Gram route, none on the direct one; float32 rows
+    # go to the Gram kernel as they lie (no float64 copy).
+    assert sum(grams) == (9 if gram else 0)
+    assert torch.float32 not in upcasts or not gram
     ref = sum(_reference(u, v, True) for u, v in zip(a, g))
     tol = sum(_bound(u, v, True) for u, v in zip(a, g)) + (len(a) + 1) * U64 * ref
     ref_sp = sum(np.asarray(linear_spread(u, v, True), np.float64).reshape(B)

@@ -138,6 +138,8 @@ def test_every_launcher_has_a_cost_model_or_is_not_a_training_step():
         kw = {p: 0 for p in params}
         if name == "launch_finish_gaussian_segments":
             kw.update(count=[1], src_dtype=[0], dst_dtype=[0])
+        if name == "launch_gram_rows_f64":
+            kw.update(x=[0], sample_strides=[0], row_strides=[0])
         dm._ours(name, kw)       # raises for a launcher without a model
 
 

@@ -1016,3 +1016,28 @@ def test_cuda_norm_affine_grads_against_the_reference_and_the_cpu(require_cuda, 
     assert_norm_affine_close(w, b, x, g, shape[3], 1e-5, dtype)
     cw, cb = norm_affine_grads(x, g, run=shape[3], eps=1e-5)
     assert_norm_affine_close(cw, cb, x, g, shape[3], 1e-5, dtype)
+
+
+@pytest.mark.parametrize("shape", [(3, 70, 37), (2, 128, 768), (4, 9, 5), (1, 200, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_cuda_gram_kernel_against_the_reference_and_the_gemm(require_cuda, shape):
+    """The float64 Grams of float32 rows on the FP64 tensor cores (a GPU's
+    mma fragments, or their shuffle form on the emulated device): within
+    gamma_d of the reference, exactly symmetric, within 2 gamma_d of the
+    float64 copies' GEMM, and the device passed the kernel's own check (its
+    route is taken)."""
+    import torch
+    from test_gram_f64 import assert_grams_close, rows
+    from ncdp_fast._cuda import gram
+    x = rows(shape, 5)
+    t = _cuda(x, require_cuda)
+    assert gram.applies([t])
+    w = gram.grams_f64([t])
+    assert _on(w, require_cuda) and torch.equal(w, w.transpose(1, 2))
+    assert_grams_close(_host(w), x)
+    with gram.copies_route():
+        w_gemm = _host(gram.grams_f64([t]))
+    x64 = x.astype(np.float64)
+    mags = np.einsum("itk,isk->its", np.abs(x64), np.abs(x64))
+    d = shape[2]
+    assert np.all(np.abs(_host(w) - w_gemm) <= 2 * d * 2.0 ** -53 / (1 - d * 2.0 ** -53) * mags)

@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "clip/clip_rule.cuh"
 
@@ -160,6 +161,19 @@ void launch_norm_affine_grads(std::uintptr_t x,  // [B, rows, n], dtype, contigu
                               std::uintptr_t workspace,  // norm_affine_workspace_bytes
                               std::int64_t workspace_bytes, std::uintptr_t stream);
 
+// Float64 Gram matrices of float32 rows (clip/gram_f64.cu), the Gram route of
+// the per-sample norms without float64 copies: source s (0 <= s < count) holds
+// n samples of T rows of d contiguous float32 values, row t of sample i at
+// x_s + i sample_stride_s + t row_stride_s (strides in elements); out[s n + i]
+// = X X^T of that sample, every entry a float64 sum of the d exact products
+// in an order the tensor cores fix (within gamma_d of the sum of |products|).
+void launch_gram_rows_f64(const std::vector<std::uintptr_t>& x,  // float32, see above
+                          const std::vector<std::int64_t>& sample_strides,
+                          const std::vector<std::int64_t>& row_strides,
+                          std::int64_t n, std::int64_t T, std::int64_t d,
+                          std::uintptr_t out,  // [count n, T, T] float64, contiguous
+                          std::uintptr_t stream);
+
 // ---- Typed launchers (kernels + launch code in clip_noise.cu). They assume
 // validated arguments, the right current device, and enough workspace.
 namespace kernels {
@@ -286,6 +300,20 @@ void launch_clipped_linear_sum(const Real* acts,      // [B, T, d]
                                Real* gb,  // [K] or nullptr
                                void* workspace, std::int64_t workspace_bytes,
                                cudaStream_t stream);
+
+// clip/gram_f64.cu: up to kMaxGramSources sources of one shape a launch.
+constexpr int kMaxGramSources = 8;
+struct GramSources {
+  int count;
+  const float* x[kMaxGramSources];              // [n, T, d] with the strides below
+  std::int64_t sample_stride[kMaxGramSources];  // elements between samples
+  std::int64_t row_stride[kMaxGramSources];     // elements between rows (>= d)
+};
+
+void launch_gram_rows_f64(const GramSources& src, std::int64_t n, std::int64_t T,
+                          std::int64_t d,
+                          double* out,  // [count n, T, T]
+                          cudaStream_t stream);
 
 // clip/norm_affine.cu.
 template <typename Real>

@@ -368,3 +368,62 @@ void launch_norm_affine_grads(std::uintptr_t x, std::uintptr_t g, std::int64_t B
 }
 
 }  // namespace ncdp
+
+namespace ncdp {
+
+void launch_gram_rows_f64(const std::vector<std::uintptr_t>& x,
+                          const std::vector<std::int64_t>& sample_strides,
+                          const std::vector<std::int64_t>& row_strides, std::int64_t n,
+                          std::int64_t T, std::int64_t d, std::uintptr_t out,
+                          std::uintptr_t stream) {
+  require_non_negative(n, "n");
+  require_non_negative(T, "T");
+  require_non_negative(d, "d");
+  const std::size_t count = x.size();
+  if (count > static_cast<std::size_t>(kernels::kMaxGramSources)) {
+    throw std::invalid_argument("ncdp_fast: x: expected at most " +
+                                std::to_string(kernels::kMaxGramSources) +
+                                " sources a launch, got " + std::to_string(count));
+  }
+  if (sample_strides.size() != count || row_strides.size() != count) {
+    throw std::invalid_argument("ncdp_fast: sample_strides, row_strides: expected one of each "
+                                "per source (" + std::to_string(count) + "), got " +
+                                std::to_string(sample_strides.size()) + " and " +
+                                std::to_string(row_strides.size()));
+  }
+  const std::int64_t grams = checked_mul(static_cast<std::int64_t>(count), n, "sources * n");
+  const std::int64_t entries = checked_mul(grams, checked_mul(T, T, "T * T"), "out entries");
+  require_pointer(out, entries > 0, sizeof(double), "out");
+  kernels::GramSources src{};
+  src.count = static_cast<int>(count);
+  const bool values = checked_mul(checked_mul(n, T, "n * T"), d, "n * T * d") > 0;
+  for (std::size_t s = 0; s < count; ++s) {
+    const std::string name = "x[" + std::to_string(s) + "]";
+    require_pointer(x[s], values, sizeof(float), name.c_str());
+    // The kernel reads row t of sample i at i sample_stride + t row_stride,
+    // values 0..d-1: rows must not overlap within a sample (its Gram would
+    // still be defined, but no caller means that), and the strides must index
+    // inside int64.
+    if (values && (row_strides[s] < d || sample_strides[s] < 0)) {
+      throw std::invalid_argument("ncdp_fast: row_strides[" + std::to_string(s) +
+                                  "], sample_strides[" + std::to_string(s) +
+                                  "]: expected a row stride >= d = " + std::to_string(d) +
+                                  " and a non-negative sample stride, got " +
+                                  std::to_string(row_strides[s]) + " and " +
+                                  std::to_string(sample_strides[s]));
+    }
+    if (values) {
+      (void)checked_mul(n, sample_strides[s], "n * sample_stride");
+      (void)checked_mul(T, row_strides[s], "T * row_stride");
+    }
+    src.x[s] = typed<const float>(x[s]);
+    src.sample_stride[s] = sample_strides[s];
+    src.row_stride[s] = row_strides[s];
+  }
+  if (entries == 0) return;
+  DeviceGuard guard(out, "out");
+  kernels::launch_gram_rows_f64(src, n, T, d, typed<double>(out), as_stream(stream));
+  check_launch("gram_rows_f64");
+}
+
+}  // namespace ncdp

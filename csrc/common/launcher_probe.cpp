@@ -6,6 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -148,6 +149,26 @@ void probe_norm_affine_grads(Probe& probe) {
           1e-5, probe.buffer<Real>(B * C), probe.buffer<Real>(B * C),
           probe.buffer<double>(2 * B * rows), kLegacyStream);
       probe.check(sizes({{"B", B}, {"rows", rows}, {"n", n}, {"run", run}}));
+    }
+  }
+}
+
+// One tile (T 3) and a triangle of three (T 65, d past one staged step), two
+// sources; d = 0 writes zeros.
+void probe_gram_rows_f64(Probe& probe) {
+  const std::int64_t n = 2;
+  for (const std::int64_t T : {std::int64_t{3}, std::int64_t{65}}) {
+    for (const std::int64_t d : {std::int64_t{0}, std::int64_t{17}}) {
+      kernels::GramSources src{};
+      src.count = 2;
+      for (int s = 0; s < src.count; ++s) {
+        src.x[s] = probe.buffer<float>(n * T * std::max<std::int64_t>(d, 1));
+        src.sample_stride[s] = T * d;
+        src.row_stride[s] = d;
+      }
+      kernels::launch_gram_rows_f64(src, n, T, d, probe.buffer<double>(2 * n * T * T),
+                                    kLegacyStream);
+      probe.check(sizes({{"n", n}, {"T", T}, {"d", d}}));
     }
   }
 }
@@ -358,6 +379,7 @@ const std::vector<Entry>& registry() {
       {"row_sq_norms<float>", &probe_row_sq_norms<float>},
       {"row_sq_norms<double>", &probe_row_sq_norms<double>},
       {"clip_factors", &probe_clip_factors},
+      {"gram_rows_f64", &probe_gram_rows_f64},
       {"linear_norms_from_grams<float>", &probe_linear_norms_from_grams<float>},
       {"linear_norms_from_grams<double>", &probe_linear_norms_from_grams<double>},
       {"weighted_row_sum_noise<float,float>", &probe_weighted_row_sum_noise<float, float>},

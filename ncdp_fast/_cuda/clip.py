@@ -9,6 +9,7 @@ import numpy as np
 from .. import _arrays, _balance
 from ..reference.clip import GRAM32_MAX_LENGTH
 from ._common import dtype_code, ieee_float32_matmul, native, opt_ptr, ptr, stream, workspace
+from .gram import grams_f64
 # The finishing step of the layered clip's sums (ghost blocks, linear pairs, joined dense
 # blocks), as _numba.clip.
 from .rng import finish_gaussian_segments
@@ -134,10 +135,16 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None, gram32=
                          None if sizes is None else sizes[lo:hi], accumulate)
         return True
     per_sample = _norm_bytes(T, d, K, spread is not None or sizes is not None)
+    gram = 2 * T * T <= K * d
     for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
-        _norm_rows(_arrays.as_float64(a[lo:hi]), _arrays.as_float64(g[lo:hi]), bias, sq[lo:hi],
-                   accumulate, None if spread is None else spread[lo:hi],
-                   None if sizes is None else sizes[lo:hi], 1)
+        spread_c = None if spread is None else spread[lo:hi]
+        sizes_c = None if sizes is None else sizes[lo:hi]
+        if gram:
+            linear_norms_from_grams(grams_f64([a[lo:hi]]), grams_f64([g[lo:hi]]), bias,
+                                    sq[lo:hi], accumulate, spread_c, sizes_c, 1)
+        else:
+            _norm_rows(_arrays.as_float64(a[lo:hi]), _arrays.as_float64(g[lo:hi]), bias,
+                       sq[lo:hi], accumulate, spread_c, sizes_c, 1)
     return False
 
 
@@ -182,13 +189,14 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False,
             _gram32_rows(a_list[l0:l1], g_list[l0:l1], shared, bias, sq, spread,
                          sizes[l0:l1].reshape(n * B, 2), acc)
         elif shared:
-            # One input's copy and Grams serve its layers (q, k and v of an
-            # attention block): n - 1 copies and Gram products fewer.
-            a64 = _arrays.as_float64(a_list[l0])
-            g64 = _arrays.cat_float64(g_list[l0:l1])
-            linear_norms_from_grams(_arrays.bmm(a64, a64.swapaxes(1, 2)),
-                                    _arrays.bmm(g64, g64.swapaxes(1, 2)), bias, sq, acc, spread,
-                                    sizes[l0:l1].reshape(n * B, 2), n, shared_w=True)
+            # One input's Grams serve its layers (q, k and v of an attention
+            # block): n - 1 Gram products fewer.
+            linear_norms_from_grams(grams_f64([a_list[l0]]), grams_f64(g_list[l0:l1]), bias, sq,
+                                    acc, spread, sizes[l0:l1].reshape(n * B, 2), n,
+                                    shared_w=True)
+        elif 2 * T * T <= K * d:
+            linear_norms_from_grams(grams_f64(a_list[l0:l1]), grams_f64(g_list[l0:l1]), bias, sq,
+                                    acc, spread, sizes[l0:l1].reshape(n * B, 2), n)
         else:
             _norm_rows(_arrays.cat_float64(a_list[l0:l1]), _arrays.cat_float64(g_list[l0:l1]),
                        bias, sq, acc, spread, sizes[l0:l1].reshape(n * B, 2), n)
@@ -254,19 +262,13 @@ def _norm_bytes(T, d, K, extras):
 
 
 def _norm_rows(a64, g64, bias, sq, accumulate, spread, sizes, layers):
-    """The norms of ``layers`` layers' samples stacked along the batch, from
-    float64 (layers * B, T, d) and (layers * B, T, K) copies: per sample b of
-    sq (B,), over the layers in order, sq[b] (=|+=) ||g_i^T a_i||_F^2 (+ the
-    bias's), spread[b] += sum_t ||g_it|| (||a_it|| + [bias]) (where spread is
-    given), sizes[i] (layers * B, 2) = (||a_i||^2, ||g_i||^2) where given;
-    i = l * B + b.  Gram route when 2 T^2 <= K d (the two batched GEMMs, then
-    linear_norms_from_grams for the rest: two launches), else direct."""
-    T, d, K = a64.shape[1], a64.shape[2], g64.shape[2]
-    if 2 * T * T <= K * d:
-        w = _arrays.bmm(a64, a64.swapaxes(1, 2))
-        v = _arrays.bmm(g64, g64.swapaxes(1, 2))
-        linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes, layers)
-        return
+    """The direct route's norms (2 T^2 > K d) of ``layers`` layers' samples
+    stacked along the batch, from float64 (layers * B, T, d) and (layers * B,
+    T, K) copies: per sample b of sq (B,), over the layers in order, sq[b]
+    (=|+=) ||g_i^T a_i||_F^2 (+ the bias's), spread[b] += sum_t ||g_it||
+    (||a_it|| + [bias]) (where spread is given), sizes[i] (layers * B, 2) =
+    (||a_i||^2, ||g_i||^2) where given; i = l * B + b.  (The Gram route is
+    grams_f64 and linear_norms_from_grams.)"""
     B = sq.shape[0]
     if spread is not None or sizes is not None:
         sp = _spread_sizes((a64 * a64).sum(axis=2), (g64 * g64).sum(axis=2), bias,

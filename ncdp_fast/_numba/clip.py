@@ -582,6 +582,28 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
         finish_gaussian_segments(segments, seed, noise_std, inv_denom)
 
 
+@sized_kernel(lambda x, out: out.size * x.shape[2])
+def _gram_rows_f64(x, out):
+    n, T, d = x.shape
+    for i in prange(n):
+        for t in range(T):
+            for s in range(t, T):
+                acc = 0.0
+                for k in range(d):
+                    acc += np.float64(x[i, t, k]) * np.float64(x[i, s, k])
+                out[i, t, s] = acc
+                out[i, s, t] = acc
+
+
+def gram_rows_f64(x, out):
+    """The device kernel's per-sample Grams (reference.gram_rows_f64): out (n,
+    T, T) float64 = X_i X_i^T of x (n, T, d), float32 or float64, each entry
+    the float64 sum of the exact products in k order (no reassociation), the
+    upper triangle mirrored."""
+    if out.size:
+        _gram_rows_f64(x, out)
+
+
 @sized_kernel(lambda x, *_: x.size, fastmath=_FM)
 def _norm_affine_grads(x, g, run, eps, w, b):
     B, rows, n = x.shape

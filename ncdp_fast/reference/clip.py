@@ -184,6 +184,22 @@ def norm_affine_grads(x, g, run, eps):
     return ((g * xhat).reshape(B, C, run).sum(axis=2), g.reshape(B, C, run).sum(axis=2))
 
 
+def gram_rows_f64(x):
+    """Per-sample Gram matrices ``X_i X_i^T`` (n, T, T) float64 of rows ``x``
+    (n, T, d), any float dtype: every product exact in float64 (float32
+    values), summed over the d values in float64.  The device kernel
+    (csrc/clip/gram_f64.cu) sums in its own order, within gamma_d of the sum
+    of |products|."""
+    x = np.asarray(x, dtype=np.float64)
+    n, T, _ = x.shape
+    out = np.zeros((n, T, T))
+    for i in range(n):
+        for t in range(T):
+            for s in range(T):
+                out[i, t, s] = math.fsum(x[i, t] * x[i, s])
+    return out
+
+
 def linear_terms(d, K, T, bias=True):
     """``terms`` of :func:`clip_bound` for a linear block (either norm route)."""
     return d + K + T * T + T + (K if bias else 0)

@@ -34,6 +34,7 @@ from torch import nn
 from .. import _arrays
 from .._cuda import clip as clip_ops   # device-agnostic torch routes (CPU tensors too)
 from .._cuda._common import ieee_float32_matmul
+from .._cuda.gram import grams_f64
 from .._clip import GhostBlock
 from .layer_rules import _cat, _flat_positions, _lead, _rows_sq, embedding_rule, linear_rule
 from .layers import accumulation_dtype, rule_for
@@ -258,12 +259,15 @@ def _ghost(uses, shape, dtype, batch, gram32=False) -> GhostBlock:
                 clip_ops.linear_norms_from_grams(w, v, False, sq[lo:hi], True, spread[lo:hi],
                                                  None, 1, lengths=(D, V))
             elif a is not None:
-                A, G = a[lo:hi].double(), g[lo:hi].double()
                 if on_device:
-                    clip_ops.linear_norms_from_grams(A @ A.transpose(1, 2),
-                                                     G @ G.transpose(1, 2), False, sq[lo:hi],
-                                                     True, spread[lo:hi], None, 1)
+                    # The float64 Grams from the data dtype's rows (the Gram
+                    # kernel for float32: no float64 copy of the (B, T, V) head
+                    # gradient, GPT-2's 823 MB).
+                    clip_ops.linear_norms_from_grams(grams_f64([a[lo:hi]]), grams_f64([g[lo:hi]]),
+                                                     False, sq[lo:hi], True, spread[lo:hi],
+                                                     None, 1)
                 else:
+                    A, G = a[lo:hi].double(), g[lo:hi].double()
                     sq[lo:hi] += (A @ A.transpose(1, 2)).mul_(G @ G.transpose(1, 2)).sum((1, 2))
                     spread[lo:hi] += (torch.linalg.vector_norm(A, dim=2)
                                       * torch.linalg.vector_norm(G, dim=2)).sum(1)

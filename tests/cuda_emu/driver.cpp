@@ -244,6 +244,19 @@ void run(const Case& c) {
     }
     kernels::launch_finish_gaussian_segments(table, c.u("seed"), c.f("scale"), c.f("post"),
                                              stream);
+  } else if (c.op == "gram_rows_f64") {
+    // Source s: float32 buffer x<s> of n samples at sample_stride<s>,
+    // row_stride<s> (elements); out: [S n, T, T] float64.
+    kernels::GramSources src{};
+    src.count = static_cast<int>(c.i("S"));
+    for (int s = 0; s < src.count; ++s) {
+      const std::string k = std::to_string(s);
+      src.x[s] = c.ptr<const float>("x" + k);
+      src.sample_stride[s] = c.i("sample_stride" + k);
+      src.row_stride[s] = c.i("row_stride" + k);
+    }
+    kernels::launch_gram_rows_f64(src, c.i("n"), c.i("T"), c.i("d"), c.ptr<double>("out"),
+                                  stream);
   } else if (c.op == "clip_factors") {
     kernels::launch_clip_factors(
         c.ptr<double>("sq"), c.ptr<double>("spread"), c.i("B"),

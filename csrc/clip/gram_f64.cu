@@ -1,0 +1,176 @@
+// Float64 Gram matrices of float32 rows, W_i = X_i X_i^T per sample (clip
+// family: the per-sample norms' Gram route). The vendor's float64 GEMM needs
+// float64 operands, so that route first wrote float64 copies of a and g and
+// read them back (by bench/device_model.py 2.6 ms of a 63 ms BERT-base step
+// on an H200). Here the float32 rows are read once into shared memory, widened
+// there (exactly), and multiplied on the FP64 tensor cores (common/mma_f64.cuh);
+// only the upper triangle of 64 x 64 output tiles is formed, each off-diagonal
+// tile written to both of its places.
+#include <algorithm>
+
+#include "clip/clip_noise.h"
+#include "common/launch.cuh"
+#include "common/launch_config.h"
+#include "common/mma_f64.cuh"
+
+namespace ncdp {
+namespace kernels {
+namespace {
+
+constexpr int kGramTile = 64;     // output tile edge (positions)
+constexpr int kGramDepth = 16;    // values of a row staged per step
+// Row stride of the staged tiles in doubles: lane (g, q) of a fragment load
+// reads element (g, q) of an 8 x 4 block, in 4-byte bank 2 (S g + q) mod 32.
+// At S = 16 all eight g share a bank (eight passes); at 20 only g and g + 4
+// do, and a warp's 256 bytes take two passes anyway.
+constexpr int kGramStride = kGramDepth + 4;
+constexpr int kGramThreads = kBlockThreads;
+// Each thread stages kGramLoads values of each tile a step.
+constexpr int kGramLoads = kGramTile * kGramDepth / kGramThreads;
+static_assert(kGramLoads * kGramThreads == kGramTile * kGramDepth, "staging covers the tile");
+
+// Warps of a block: 2 x 4 over the 64 x 64 tile, 32 rows x 16 columns each,
+// 4 x 2 fragments of 8 x 8.
+constexpr int kWarpRows = 32;
+constexpr int kWarpCols = 16;
+constexpr int kFragRows = kWarpRows / 8;
+constexpr int kFragCols = kWarpCols / 8;
+
+// The (ti, tj) tile, ti <= tj, of triangle index t: row ti holds tiles
+// ti..nt-1, so rows before ti hold ti nt - ti (ti - 1) / 2 of them.
+__device__ __forceinline__ void triangle_tile(std::int64_t t, std::int64_t nt, std::int64_t* ti,
+                                              std::int64_t* tj) {
+  std::int64_t i = 0;
+  while (t >= nt - i) {
+    t -= nt - i;
+    ++i;
+  }
+  *ti = i;
+  *tj = i + t;
+}
+
+// Thread tid stages value tid % kGramDepth of rows tid / kGramDepth + 16 l,
+// l < kGramLoads, of a tile: consecutive threads read consecutive values of a
+// row. `row` points at the first of them (row r0 + tid / kGramDepth, value tid
+// % kGramDepth); rows past T and values past d read as zeros.
+static_assert(kGramThreads % kGramDepth == 0, "a thread keeps one value column");
+constexpr int kGramRowsPerPass = kGramThreads / kGramDepth;
+
+__device__ __forceinline__ void load_step(const float* __restrict__ row,
+                                          std::int64_t row_stride, int rows_left,
+                                          bool value_in, float v[kGramLoads]) {
+#pragma unroll
+  for (int l = 0; l < kGramLoads; ++l) {
+    v[l] = (value_in && kGramRowsPerPass * l < rows_left) ? row[kGramRowsPerPass * l * row_stride]
+                                                          : 0.0f;
+  }
+}
+
+__device__ __forceinline__ void store_step(const float v[kGramLoads],
+                                           double (*tile)[kGramStride]) {
+  const int r = static_cast<int>(threadIdx.x) / kGramDepth;
+  const int k = static_cast<int>(threadIdx.x) % kGramDepth;
+#pragma unroll
+  for (int l = 0; l < kGramLoads; ++l) tile[r + kGramRowsPerPass * l][k] = static_cast<double>(v[l]);
+}
+
+// One block per (sample, upper-triangle tile): the tile's float64 sums of
+// products over the d values of each pair of rows, the next step's values
+// loaded into registers while this step's are multiplied.
+__global__ void __launch_bounds__(kGramThreads) gram_rows_f64_kernel(
+    const GramSources src, std::int64_t n, std::int64_t T, std::int64_t d,
+    std::int64_t tiles,  // upper-triangle tiles a sample: nt (nt + 1) / 2
+    double* __restrict__ out) {  // [count n, T, T]
+  __shared__ double rows_i[kGramTile][kGramStride];
+  __shared__ double rows_j[kGramTile][kGramStride];
+  const std::int64_t nt = (T + kGramTile - 1) / kGramTile;
+  const std::int64_t total = static_cast<std::int64_t>(src.count) * n * tiles;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, q = lane % 4;
+  const int wr = (warp / 4) * kWarpRows, wc = (warp % 4) * kWarpCols;
+  for (std::int64_t job = blockIdx.x; job < total; job += gridDim.x) {
+    const std::int64_t sample = job / tiles;  // over all sources: source s holds n of them
+    const int s = static_cast<int>(sample / n);
+    std::int64_t ti, tj;
+    triangle_tile(job % tiles, nt, &ti, &tj);
+    const bool diagonal = ti == tj;
+    const float* x = src.x[s] + (sample % n) * src.sample_stride[s];
+    const std::int64_t row_stride = src.row_stride[s];
+    const std::int64_t ri = ti * kGramTile, rj = tj * kGramTile;
+    double acc[kFragRows][kFragCols][2];
+#pragma unroll
+    for (int m = 0; m < kFragRows; ++m) {
+#pragma unroll
+      for (int c = 0; c < kFragCols; ++c) acc[m][c][0] = acc[m][c][1] = 0.0;
+    }
+    // This thread's staged rows and value column (see load_step).
+    const int r_own = static_cast<int>(threadIdx.x) / kGramDepth;
+    const int k_own = static_cast<int>(threadIdx.x) % kGramDepth;
+    const int left_i = static_cast<int>(std::min<std::int64_t>(T - ri, kGramTile)) - r_own;
+    const int left_j = static_cast<int>(std::min<std::int64_t>(T - rj, kGramTile)) - r_own;
+    const float* pi = x + (ri + r_own) * row_stride + k_own;
+    const float* pj = x + (rj + r_own) * row_stride + k_own;
+    float vi[kGramLoads], vj[kGramLoads];
+    load_step(pi, row_stride, left_i, k_own < d, vi);
+    if (!diagonal) load_step(pj, row_stride, left_j, k_own < d, vj);
+    // A diagonal tile multiplies its rows by themselves: one staged copy.
+    double (*cols)[kGramStride] = diagonal ? rows_i : rows_j;
+    for (std::int64_t k0 = 0; k0 < d; k0 += kGramDepth) {
+      __syncthreads();  // the previous step's reads are done
+      store_step(vi, rows_i);
+      if (!diagonal) store_step(vj, rows_j);
+      __syncthreads();
+      if (k0 + kGramDepth < d) {
+        const bool in = k0 + kGramDepth + k_own < d;
+        load_step(pi + k0 + kGramDepth, row_stride, left_i, in, vi);
+        if (!diagonal) load_step(pj + k0 + kGramDepth, row_stride, left_j, in, vj);
+      }
+#pragma unroll
+      for (int kk = 0; kk < kGramDepth; kk += 4) {
+        double a[kFragRows], b[kFragCols];
+#pragma unroll
+        for (int m = 0; m < kFragRows; ++m) a[m] = rows_i[wr + 8 * m + g][kk + q];
+        // B = X_j^T: B[k][col] is row col's value k, held at [col][k].
+#pragma unroll
+        for (int c = 0; c < kFragCols; ++c) b[c] = cols[wc + 8 * c + g][kk + q];
+#pragma unroll
+        for (int m = 0; m < kFragRows; ++m) {
+#pragma unroll
+          for (int c = 0; c < kFragCols; ++c) {
+            mma_f64_8x8x4(acc[m][c][0], acc[m][c][1], a[m], b[c], acc[m][c][0], acc[m][c][1]);
+          }
+        }
+      }
+    }
+    double* w = out + sample * T * T;
+#pragma unroll
+    for (int m = 0; m < kFragRows; ++m) {
+      const std::int64_t r = ri + wr + 8 * m + g;
+#pragma unroll
+      for (int c = 0; c < kFragCols; ++c) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const std::int64_t col = rj + wc + 8 * c + 2 * q + h;
+          if (r < T && col < T) {
+            w[r * T + col] = acc[m][c][h];
+            if (!diagonal) w[col * T + r] = acc[m][c][h];
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void launch_gram_rows_f64(const GramSources& src, std::int64_t n, std::int64_t T,
+                          std::int64_t d, double* out, cudaStream_t stream) {
+  if (src.count <= 0 || n <= 0 || T <= 0) return;
+  const std::int64_t nt = ceil_div(T, kGramTile);
+  const std::int64_t tiles = nt * (nt + 1) / 2;
+  NCDP_LAUNCH(grid_blocks(static_cast<std::int64_t>(src.count) * n * tiles, 1), kGramThreads, 0,
+              stream, gram_rows_f64_kernel)(src, n, T, d, tiles, out);
+}
+
+}  // namespace kernels
+}  // namespace ncdp

@@ -1,0 +1,148 @@
+"""Per-sample float64 Grams of float32 rows on a device (csrc/clip/gram_f64.cu),
+the Gram route of the linear norms without float64 copies of a and g.
+
+:func:`grams_f64` is the route's one entry: the kernel where it applies (float32
+rows whose last axis is contiguous, on a device whose kernel passed its check),
+else the float64 copies and the vendor's batched GEMM, as before."""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+
+import numpy as np
+
+from .. import _arrays
+from ._common import native, ptr, stream
+
+_F32 = np.dtype(np.float32)
+_MAX_SOURCES = 8            # kernels::kMaxGramSources
+_CHECKED: dict = {}         # device -> whether its kernel passed the check
+_ENABLED = [True]
+
+
+@contextlib.contextmanager
+def copies_route():
+    """The float64 copies and batched GEMM for every Gram inside the block
+    (bench_linear_norms times both routes on one GPU)."""
+    _ENABLED.append(False)
+    try:
+        yield
+    finally:
+        _ENABLED.pop()
+
+
+def _strides(x) -> tuple:
+    if _arrays.is_torch(x):
+        return tuple(x.stride())
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def _fits(x) -> bool:
+    """A (B, T, d) float32 array the kernel reads as it lies: values along the
+    last axis contiguous, rows at least d apart."""
+    if len(x.shape) != 3 or _arrays.numpy_dtype(x) != _F32:
+        return False
+    B, T, d = x.shape
+    if B * T * d == 0:
+        return True         # nothing is read (empty arrays carry any strides)
+    s0, s1, s2 = _strides(x)
+    return (d == 1 or s2 == 1) and (T == 1 or s1 >= d) and (B == 1 or s0 >= 0)
+
+
+def applies(parts) -> bool:
+    """Whether :func:`grams_f64` takes the kernel for ``parts``."""
+    if not (_ENABLED[-1] and parts and all(_fits(x) for x in parts)):
+        return False
+    return _checked(parts[0])
+
+
+def _launch(parts, out):
+    """out (len(parts) B, T, T) float64 = the parts' Grams, sources in order."""
+    B, T, d = parts[0].shape
+    C = native(out)
+    for lo in range(0, len(parts), _MAX_SOURCES):
+        group = parts[lo:lo + _MAX_SOURCES]
+        strides = [_strides(x) for x in group]
+        # Strides that index nothing (one sample, one row, an empty array)
+        # are passed as a dense layout's.
+        C.launch_gram_rows_f64([ptr(x) for x in group],
+                               [s[0] if B > 1 and T * d else T * d for s in strides],
+                               [s[1] if T > 1 and d else d for s in strides], B, T, d,
+                               ptr(out[lo * B:(lo + len(group)) * B]), stream(out))
+
+
+def grams_f64(parts):
+    """(L B, T, T) float64 Grams ``X_i X_i^T`` of the samples of ``parts`` (L
+    arrays (B, T, d) of one dtype and device), part by part: each entry a
+    float64 sum of exact products (reference.gram_rows_f64, within gamma_d of
+    the sum of |products| in any order)."""
+    if applies(parts):
+        B, T, _ = parts[0].shape
+        out = _arrays.io_for(parts[0]).empty((len(parts) * B, T, T), np.float64)
+        _launch(parts, out)
+        return out
+    x = _arrays.as_float64(parts[0]) if len(parts) == 1 else _arrays.cat_float64(parts)
+    return _arrays.bmm(x, x.swapaxes(1, 2))
+
+
+def _check_rows(xp, like):
+    """A fixed (3, 70, 37) float32 input of full mantissas (no random stream:
+    it is a test of the device, not noise): two tiles of positions, a
+    diagonal and an off-diagonal one, and a partial staging step."""
+    i = np.arange(3 * 70 * 37, dtype=np.float64).reshape(3, 70, 37)
+    host = (np.sin(1.7 * i + 0.3) * (1.0 + (i % 7))).astype(np.float32)
+    if _arrays.is_torch(like):
+        import torch
+        return torch.as_tensor(host, device=like.device)
+    return xp.asarray(host)
+
+
+def _checked(like) -> bool:
+    """Whether the kernel passed :func:`_check` on like's device, asked once a
+    device (one host wait, the first time a process forms a Gram there): its
+    tensor-core fragments are read as PTX lays them out, which only the
+    hardware can confirm. A failed device gets a warning and the copies route
+    (its norms stay exact)."""
+    if _arrays.is_emulated(like):
+        return True         # the emulation tier checks the same source
+    key = str(like.device) if _arrays.is_torch(like) else f"cupy:{int(like.device.id)}"
+    if key not in _CHECKED:
+        _CHECKED[key] = _verdict(key, _check(like))
+    return _CHECKED[key]
+
+
+def _check(like) -> bool:
+    """The kernel's Grams of a fixed input on like's device against the float64
+    GEMM's, both within gamma_37 of the sum of |products|: 2 gamma apart."""
+    x = _check_rows(_arrays.module_of(like), like)
+    got = _arrays.io_for(x).empty((3, 70, 70), np.float64)
+    _launch([x], got)
+    x64 = _arrays.as_float64(x)
+    want = _arrays.bmm(x64, x64.swapaxes(1, 2))
+    mags = _arrays.bmm(abs(x64), abs(x64).swapaxes(1, 2))
+    gamma = 37 * 2.0 ** -53 / (1 - 37 * 2.0 ** -53)
+    return bool((abs(got - want) <= 2 * gamma * mags).all())
+
+
+def _verdict(key: str, ok: bool) -> bool:
+    if not ok:
+        warnings.warn(f"ncdp_fast: the float64 Gram kernel gave a wrong answer on {key}; its "
+                      "per-sample norms use float64 copies and the vendor's GEMM instead "
+                      "(please report this device)", RuntimeWarning, stacklevel=4)
+    return ok
+
+
+# The kernel's rate the models assume (bench/report.py, bench/device_model.py),
+# not measured yet: 45% of the H200's 67 TFLOP/s FP64 tensor-core peak, below
+# the vendor GEMM's 40 (a hand-written tile loop, one staged step, 3 blocks an
+# SM at 80 registers by ptxas); bench_linear_norms times it against the
+# float64 copies' route.
+MODEL_FLOPS_PER_S = 30e12
+
+
+def flops(n, T, d) -> float:
+    """Tensor-core FLOPs of one launch's n samples: the upper triangle of 64 x
+    64 tiles, each 2 * 64 * 64 * d (bench/device_model.py)."""
+    nt = math.ceil(T / 64)
+    return n * nt * (nt + 1) / 2 * 2.0 * 64 * 64 * d

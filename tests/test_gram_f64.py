@@ -1,0 +1,147 @@
+"""The float64 Gram kernel of float32 rows (csrc/clip/gram_f64.cu, ``_cuda.gram``)
+and its numba twin against ``reference.gram_rows_f64`` (each entry a correctly
+rounded float64 sum of exact products): every entry within gamma_d of the sum
+of |products| plus the reference's own rounding, over shapes that reach each
+path (one position, a tile's edge, two and three tiles of positions, a partial
+staging step, no values), strided views, more sources than one launch takes,
+the device check that guards the kernel, and the host wrapper's refusals. The
+sanitizer tier runs the same source in tests/test_cuda_emulation.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ncdp_fast import reference as R
+from ncdp_fast._numba import clip as numba_clip
+
+torch = pytest.importorskip("torch")
+
+U64 = 2.0 ** -53
+# (n, T, d): T = 64 is one tile, 65 and 130 two and three tiles of positions
+# (one and three off-diagonal tiles), d 16 one staging step, 17 and 40 partial.
+SHAPES = [(1, 1, 1), (3, 2, 5), (2, 63, 16), (2, 64, 17), (2, 65, 3), (1, 130, 40), (0, 4, 3),
+          (2, 5, 0)]
+
+
+def gamma(n):
+    return n * U64 / (1 - n * U64)
+
+
+def assert_grams_close(w, x):
+    x64 = np.asarray(x, np.float64)
+    ref = R.gram_rows_f64(x64)
+    mags = np.einsum("itk,isk->its", np.abs(x64), np.abs(x64))
+    bound = gamma(max(x.shape[2], 1)) * mags + U64 * np.abs(ref)
+    w = np.asarray(w)
+    assert w.shape == ref.shape and w.dtype == np.float64
+    assert np.all(np.abs(w - ref) <= bound)
+
+
+def rows(shape, seed=0):
+    # Magnitudes over 60 binades: cancellation and tiny products both occur.
+    rng = np.random.default_rng(seed + sum(shape))
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-30, 30, shape))
+    return x.astype(np.float32)
+
+
+@pytest.fixture
+def emulated():
+    from ncdp_fast import _arrays
+    saved = _arrays.set_emulation(True)
+    yield
+    _arrays.set_emulation(saved)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_numba_twin(shape):
+    x = rows(shape)
+    out = np.full((shape[0], shape[1], shape[1]), np.nan)
+    numba_clip.gram_rows_f64(x, out)
+    assert_grams_close(out, x)
+    assert np.array_equal(out, out.swapaxes(1, 2))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_device_kernel(emulated, shape):
+    from ncdp_fast._cuda import gram
+    x = rows(shape, 1)
+    t = torch.from_numpy(x)
+    assert gram.applies([t])
+    w = gram.grams_f64([t])
+    assert_grams_close(w.numpy(), x)
+    # An off-diagonal tile is written to both places: exactly symmetric.
+    assert torch.equal(w, w.transpose(1, 2))
+
+
+def test_device_kernel_strided_and_many_sources(emulated, monkeypatch):
+    """Views read as they lie (rows further apart than d, samples further
+    apart than T rows), and nine sources: two launches of at most eight."""
+    from ncdp_fast._cuda import gram
+    launches = []
+    real = gram._launch
+    monkeypatch.setattr(gram, "_launch", lambda parts, out: launches.append(len(parts))
+                        or real(parts, out))
+    base = torch.from_numpy(rows((6, 9, 23), 2))
+    view = base[::2, ::3, 2:13]                       # (3, 3, 11), strides (414, 69, 1)
+    assert gram.applies([view])
+    assert_grams_close(gram.grams_f64([view]).numpy(), view.numpy())
+    parts = [torch.from_numpy(rows((2, 7, 5), s)) for s in range(9)]
+    w = gram.grams_f64(parts)
+    assert launches == [1, 9]
+    assert_grams_close(w.numpy(), np.concatenate([p.numpy() for p in parts]))
+
+
+def test_copies_route_where_the_kernel_does_not_apply(emulated):
+    """float64 rows, a last axis that is not contiguous, and the bench's
+    switch take the float64 copies and the batched GEMM; the values agree."""
+    from ncdp_fast._cuda import gram
+    x = rows((2, 6, 7), 3)
+    t64 = torch.from_numpy(x.astype(np.float64))
+    transposed = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1))).transpose(1, 2)
+    assert not gram.applies([t64]) and not gram.applies([transposed])
+    assert_grams_close(gram.grams_f64([t64]).numpy(), x)
+    assert_grams_close(gram.grams_f64([transposed]).numpy(), x)
+    with gram.copies_route():
+        assert not gram.applies([torch.from_numpy(x)])
+    assert gram.applies([torch.from_numpy(x)])
+
+
+def test_device_check(emulated, monkeypatch):
+    """The once-a-device check passes the kernel's own answer and fails one
+    that is off by a relative 1e-10 in one entry; a failed device warns and
+    the copies route serves it."""
+    from ncdp_fast._cuda import gram
+    like = torch.zeros(1, dtype=torch.float32)
+    assert gram._check(like)
+    real = gram._launch
+
+    def off(parts, out):
+        real(parts, out)
+        out[1, 3, 5] *= 1 + 1e-10
+    monkeypatch.setattr(gram, "_launch", off)
+    assert not gram._check(like)
+    with pytest.warns(RuntimeWarning, match="wrong answer"):
+        assert not gram._verdict("cuda:7", False)
+    monkeypatch.setattr(gram, "_checked", lambda like: False)
+    x = rows((2, 6, 7), 4)
+    assert not gram.applies([torch.from_numpy(x)])
+    assert_grams_close(gram.grams_f64([torch.from_numpy(x)]).numpy(), x)
+
+
+def test_host_wrapper_refusals():
+    from ncdp_fast import _C_emu as C
+    x = np.zeros((2, 3, 4), np.float32)
+    out = np.zeros((2, 3, 3))
+    p, o = x.ctypes.data, out.ctypes.data
+    with pytest.raises(ValueError, match="at most 8 sources"):
+        C.launch_gram_rows_f64([p] * 9, [12] * 9, [4] * 9, 2, 3, 4, o, 0)
+    with pytest.raises(ValueError, match="one of each per source"):
+        C.launch_gram_rows_f64([p], [12, 12], [4], 2, 3, 4, o, 0)
+    with pytest.raises(ValueError, match="row stride >= d"):
+        C.launch_gram_rows_f64([p], [12], [3], 2, 3, 4, o, 0)
+    with pytest.raises(ValueError, match="out is a null pointer"):
+        C.launch_gram_rows_f64([p], [12], [4], 2, 3, 4, 0, 0)
+    with pytest.raises(ValueError, match="not aligned"):
+        C.launch_gram_rows_f64([p + 2], [12], [4], 2, 3, 4, o, 0)
+    with pytest.raises(ValueError, match="d must be non-negative"):
+        C.launch_gram_rows_f64([p], [12], [4], 2, 3, -1, o, 0)
