@@ -24,13 +24,24 @@ __device__ __forceinline__ void mma_f64_8x8x4(double& d0, double& d1, double a, 
 #else
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, q = lane % 4;
+  // A[g][k] lives in lane 4 g + k; B[k][col] in lane 4 col + k.
+#if defined(NCDP_CPU_EMULATION)
+  // Every lane's a and b in two exchanges (twelve shuffles would each be a
+  // rendezvous of the emulated warp).
+  double as[32], bs[32];
+  ::ncdp_emu::exchange_all(0xffffffffu, a, as, "mma_f64_8x8x4");
+  ::ncdp_emu::exchange_all(0xffffffffu, b, bs, "mma_f64_8x8x4");
+#endif
   double x0 = c0, x1 = c1;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    // A[g][k] lives in lane 4 g + k; B[k][col] in lane 4 col + k.
+#if defined(NCDP_CPU_EMULATION)
+    const double ak = as[4 * g + k], b0 = bs[4 * (2 * q) + k], b1 = bs[4 * (2 * q + 1) + k];
+#else
     const double ak = __shfl_sync(0xffffffffu, a, 4 * g + k);
     const double b0 = __shfl_sync(0xffffffffu, b, 4 * (2 * q) + k);
     const double b1 = __shfl_sync(0xffffffffu, b, 4 * (2 * q + 1) + k);
+#endif
     x0 = fma(ak, b0, x0);
     x1 = fma(ak, b1, x1);
   }

@@ -531,6 +531,19 @@ T exchange(unsigned mask, T value, int source, const char* what) {
   return out;
 }
 
+// Every lane's value of the warp, out[lane] (one rendezvous; a warp-wide
+// operation such as common/mma_f64.cuh's reads the lanes it needs from it).
+template <typename T>
+void exchange_all(unsigned mask, T value, T (&out)[kWarpSize], const char* what) {
+  static_assert(sizeof(T) <= sizeof(std::uint64_t) && std::is_trivially_copyable<T>::value,
+                "exchanged values are at most 8 bytes");
+  std::uint64_t mine = 0;
+  std::memcpy(&mine, &value, sizeof(T));
+  std::uint64_t words[kWarpSize];
+  exchange_words(mask, mine, words, what);
+  for (int lane = 0; lane < kWarpSize; ++lane) std::memcpy(&out[lane], &words[lane], sizeof(T));
+}
+
 inline void check_width(int width, const char* what) {
   if (width <= 0 || width > kWarpSize || (width & (width - 1)) != 0) {
     fatal("%s: width %d is not a power of two in 1..32", what, width);
