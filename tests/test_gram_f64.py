@@ -79,8 +79,8 @@ def test_device_kernel_strided_and_many_sources(emulated, monkeypatch):
     from ncdp_fast._cuda import gram
     launches = []
     real = gram._launch
-    monkeypatch.setattr(gram, "_launch", lambda parts, out: launches.append(len(parts))
-                        or real(parts, out))
+    monkeypatch.setattr(gram, "_launch", lambda parts, layouts, out:
+                        launches.append(len(parts)) or real(parts, layouts, out))
     base = torch.from_numpy(rows((6, 9, 23), 2))
     view = base[::2, ::3, 2:13]                       # (3, 3, 11), strides (414, 69, 1)
     assert gram.applies([view])
@@ -115,8 +115,8 @@ def test_device_check(emulated, monkeypatch):
     assert gram._check(like)
     real = gram._launch
 
-    def off(parts, out):
-        real(parts, out)
+    def off(parts, layouts, out):
+        real(parts, layouts, out)
         out[1, 3, 5] *= 1 + 1e-10
     monkeypatch.setattr(gram, "_launch", off)
     assert not gram._check(like)

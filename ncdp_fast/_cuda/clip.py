@@ -188,15 +188,12 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False,
         if gram32:
             _gram32_rows(a_list[l0:l1], g_list[l0:l1], shared, bias, sq, spread,
                          sizes[l0:l1].reshape(n * B, 2), acc)
-        elif shared:
-            # One input's Grams serve its layers (q, k and v of an attention
-            # block): n - 1 Gram products fewer.
-            linear_norms_from_grams(grams_f64([a_list[l0]]), grams_f64(g_list[l0:l1]), bias, sq,
-                                    acc, spread, sizes[l0:l1].reshape(n * B, 2), n,
-                                    shared_w=True)
         elif 2 * T * T <= K * d:
-            linear_norms_from_grams(grams_f64(a_list[l0:l1]), grams_f64(g_list[l0:l1]), bias, sq,
-                                    acc, spread, sizes[l0:l1].reshape(n * B, 2), n)
+            # A shared run (only on the Gram route: q, k and v of an attention
+            # block) forms its one input's Gram once: n - 1 products fewer.
+            a_parts = a_list[l0:l0 + 1] if shared else a_list[l0:l1]
+            linear_norms_from_grams(grams_f64(a_parts), grams_f64(g_list[l0:l1]), bias, sq, acc,
+                                    spread, sizes[l0:l1].reshape(n * B, 2), n, shared_w=shared)
         else:
             _norm_rows(_arrays.cat_float64(a_list[l0:l1]), _arrays.cat_float64(g_list[l0:l1]),
                        bias, sq, acc, spread, sizes[l0:l1].reshape(n * B, 2), n)

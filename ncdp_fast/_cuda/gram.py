@@ -32,44 +32,48 @@ def copies_route():
         _ENABLED.pop()
 
 
-def _strides(x) -> tuple:
-    if _arrays.is_torch(x):
-        return tuple(x.stride())
-    return tuple(s // x.itemsize for s in x.strides)
-
-
-def _fits(x) -> bool:
-    """A (B, T, d) float32 array the kernel reads as it lies: values along the
-    last axis contiguous, rows at least d apart."""
+def _layout(x):
+    """(sample stride, row stride) in elements of a (B, T, d) float32 array the
+    kernel reads as it lies (values along the last axis contiguous, rows at
+    least d apart), or None. Strides that index nothing (one sample, one row,
+    no values) are a dense layout's: empty arrays carry any strides."""
     if len(x.shape) != 3 or _arrays.numpy_dtype(x) != _F32:
-        return False
+        return None
     B, T, d = x.shape
     if B * T * d == 0:
-        return True         # nothing is read (empty arrays carry any strides)
-    s0, s1, s2 = _strides(x)
-    return (d == 1 or s2 == 1) and (T == 1 or s1 >= d) and (B == 1 or s0 >= 0)
+        return T * d, d
+    s0, s1, s2 = tuple(x.stride()) if _arrays.is_torch(x) else (
+        s // x.itemsize for s in x.strides)
+    if not ((d == 1 or s2 == 1) and (T == 1 or s1 >= d) and (B == 1 or s0 >= 0)):
+        return None
+    return (s0 if B > 1 else T * d), (s1 if T > 1 else d)
+
+
+def _layouts(parts):
+    """Every part's layout where the kernel takes ``parts``, else None."""
+    if not (_ENABLED[-1] and parts):
+        return None
+    layouts = [_layout(x) for x in parts]
+    if any(lay is None for lay in layouts) or not _checked(parts[0]):
+        return None
+    return layouts
 
 
 def applies(parts) -> bool:
     """Whether :func:`grams_f64` takes the kernel for ``parts``."""
-    if not (_ENABLED[-1] and parts and all(_fits(x) for x in parts)):
-        return False
-    return _checked(parts[0])
+    return _layouts(parts) is not None
 
 
-def _launch(parts, out):
+def _launch(parts, layouts, out):
     """out (len(parts) B, T, T) float64 = the parts' Grams, sources in order."""
     B, T, d = parts[0].shape
     C = native(out)
     for lo in range(0, len(parts), _MAX_SOURCES):
-        group = parts[lo:lo + _MAX_SOURCES]
-        strides = [_strides(x) for x in group]
-        # Strides that index nothing (one sample, one row, an empty array)
-        # are passed as a dense layout's.
-        C.launch_gram_rows_f64([ptr(x) for x in group],
-                               [s[0] if B > 1 and T * d else T * d for s in strides],
-                               [s[1] if T > 1 and d else d for s in strides], B, T, d,
-                               ptr(out[lo * B:(lo + len(group)) * B]), stream(out))
+        hi = lo + _MAX_SOURCES
+        C.launch_gram_rows_f64([ptr(x) for x in parts[lo:hi]],
+                               [lay[0] for lay in layouts[lo:hi]],
+                               [lay[1] for lay in layouts[lo:hi]], B, T, d,
+                               ptr(out[lo * B:min(hi, len(parts)) * B]), stream(out))
 
 
 def grams_f64(parts):
@@ -77,10 +81,11 @@ def grams_f64(parts):
     arrays (B, T, d) of one dtype and device), part by part: each entry a
     float64 sum of exact products (reference.gram_rows_f64, within gamma_d of
     the sum of |products| in any order)."""
-    if applies(parts):
+    layouts = _layouts(parts)
+    if layouts is not None:
         B, T, _ = parts[0].shape
         out = _arrays.io_for(parts[0]).empty((len(parts) * B, T, T), np.float64)
-        _launch(parts, out)
+        _launch(parts, layouts, out)
         return out
     x = _arrays.as_float64(parts[0]) if len(parts) == 1 else _arrays.cat_float64(parts)
     return _arrays.bmm(x, x.swapaxes(1, 2))
@@ -117,7 +122,7 @@ def _check(like) -> bool:
     GEMM's, both within gamma_37 of the sum of |products|: 2 gamma apart."""
     x = _check_rows(_arrays.module_of(like), like)
     got = _arrays.io_for(x).empty((3, 70, 70), np.float64)
-    _launch([x], got)
+    _launch([x], [_layout(x)], got)
     x64 = _arrays.as_float64(x)
     want = _arrays.bmm(x64, x64.swapaxes(1, 2))
     mags = _arrays.bmm(abs(x64), abs(x64).swapaxes(1, 2))

@@ -518,19 +518,6 @@ inline void exchange_words(unsigned mask, std::uint64_t mine, std::uint64_t (&ou
   NCDP_EMU_HIDDEN_END();
 }
 
-template <typename T>
-T exchange(unsigned mask, T value, int source, const char* what) {
-  static_assert(sizeof(T) <= sizeof(std::uint64_t) && std::is_trivially_copyable<T>::value,
-                "shuffled values are at most 8 bytes");
-  std::uint64_t mine = 0;
-  std::memcpy(&mine, &value, sizeof(T));
-  std::uint64_t words[kWarpSize];
-  exchange_words(mask, mine, words, what);
-  T out;
-  std::memcpy(&out, &words[source], sizeof(T));
-  return out;
-}
-
 // Every lane's value of the warp, out[lane] (one rendezvous; a warp-wide
 // operation such as common/mma_f64.cuh's reads the lanes it needs from it).
 template <typename T>
@@ -542,6 +529,14 @@ void exchange_all(unsigned mask, T value, T (&out)[kWarpSize], const char* what)
   std::uint64_t words[kWarpSize];
   exchange_words(mask, mine, words, what);
   for (int lane = 0; lane < kWarpSize; ++lane) std::memcpy(&out[lane], &words[lane], sizeof(T));
+}
+
+// Lane `source`'s value (a shuffle).
+template <typename T>
+T exchange(unsigned mask, T value, int source, const char* what) {
+  T all[kWarpSize];
+  exchange_all(mask, value, all, what);
+  return all[source];
 }
 
 inline void check_width(int width, const char* what) {
