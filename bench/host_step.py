@@ -10,9 +10,18 @@ transformer's at 21.3 against 9.7 ms, with little device work added.  What
 the host does per step is what this tool measures: a change to it is judged
 here, and the next GPU run checks the prediction.
 
-    python bench/host_step.py [--device emulated|cuda]
+    python bench/host_step.py [--device emulated|cuda] [--launches run|stub]
                               [--workloads linear,transformer,bert,gpt2,efficientnet]
                               [--rounds 15] [--out bench/results]
+
+``--launches stub`` (emulated device only) replaces every launch of ours but
+the clip factors' by a call that returns at once: no emulator work, so no
+cold caches after it either (the note below), and the host ms are the host's
+own.  Allocations are zero-filled for it (torch.empty and its kin become
+torch.zeros in both methods), so a stubbed kernel's output reads 0 (norms 0,
+factors 1, sums 0) instead of garbage, and every optimizer steps with a
+learning rate of 0, so that the stubbed sums cannot drift the model until a
+norm overflows.  The path a step takes is the same; its values are not.
 
 ``--device cuda`` runs the same steps on a real GPU (``make gpu-check`` runs
 it last, when its budget leaves time): at these widths the device idles and
@@ -55,6 +64,10 @@ HOST_SHAPES = {
     "efficientnet": ("finetune", dict(B=2, res=16, K=3, pretrained=False)),
 }
 METHODS = ("nonprivate", "ncdp_engine")
+STUB_NOTE = ["--launches stub: every launch of ours but the clip factors' returned at once "
+             "(none run, none pollutes the caches), allocations zero-filled and optimizers "
+             "stepping with a learning rate of 0, in both methods: the host ms are the host's "
+             "own, on the path a step takes (its values are not a step's)"]
 WARMUP = 3
 ROUND_SECONDS = 0.15        # each round times whole steps for about this long
 
@@ -98,6 +111,61 @@ def _build(name, method, device):
         return hf.workload_label(name, p), hf.build_step(p, method, device)[0]
     import test_bench_finetune as ft
     return ft.workload_label(name, p), ft.build_step(p, method, device)[0]
+
+
+class StubLaunches:
+    """``--launches stub``: every launch of ours but the clip factors' returns
+    at once (counted), allocations are zero-filled and optimizers step with
+    a learning rate of 0 (the module docstring says why).  :meth:`unstub`
+    puts the real launches back (the counting pass: its operators would
+    otherwise include the zero fills)."""
+
+    KEEP = ("launch_clip_factors",)     # the factors the step's host reads
+
+    def __init__(self):
+        import torch
+        self.clock = LaunchClock()      # times the kept launches, as in "run"
+        self.launches, self._torch, self._hook = 0, torch, None
+        self._allocs = {"empty": torch.empty, "empty_like": torch.empty_like}
+        self._new_empty = torch.Tensor.new_empty
+        self.stub()
+
+    @property
+    def seconds(self):
+        return self.clock.seconds
+
+    def stub(self):
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        torch = self._torch
+        for name in self.clock._saved:
+            if name not in self.KEEP:
+                setattr(self.clock._emu, name, self._counted)
+        torch.empty, torch.empty_like = torch.zeros, torch.zeros_like
+        torch.Tensor.new_empty = torch.Tensor.new_zeros
+
+        def still(optimizer, args, kwargs):
+            for group in optimizer.param_groups:
+                group["lr"] = 0.0
+        self._hook = register_optimizer_step_pre_hook(still)
+
+    def unstub(self):
+        for name, fn in self.clock._saved.items():
+            setattr(self.clock._emu, name, self.clock._timed(fn))
+        for name, fn in self._allocs.items():
+            setattr(self._torch, name, fn)
+        self._torch.Tensor.new_empty = self._new_empty
+        self._hook.remove()
+
+    def _counted(self, *args, **kwargs):
+        self.launches += 1
+
+    def reset(self):
+        self.launches = 0
+        self.clock.reset()
+
+    def remove(self):
+        self.unstub()
+        self.clock.remove()
 
 
 class _NoClock:
@@ -147,15 +215,17 @@ def _counts(step, clock):
     return Count.n, Count.kernels, calls, clock.launches
 
 
-def measure(names, rounds, device="emulated"):
+def measure(names, rounds, device="emulated", launches="run"):
     """The rows of the report: ``device`` "emulated" (CPU tensors on the
     emulated CUDA device, NCDP_CUDA_EMULATION=1 set before ncdp_fast was
-    imported) or "cuda" (a GPU; each round synchronised at both ends)."""
+    imported) or "cuda" (a GPU; each round synchronised at both ends);
+    ``launches`` "run" (the emulator runs each kernel, its time taken out)
+    or "stub" (:class:`StubLaunches`)."""
     import torch
     torch.set_num_threads(1)      # the host's own thread, as on a GPU
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    clock = _NoClock() if cuda else LaunchClock()
+    clock = _NoClock() if cuda else StubLaunches() if launches == "stub" else LaunchClock()
     rows = []
     try:
         for name in names:
@@ -182,8 +252,14 @@ def measure(names, rounds, device="emulated"):
                         step()
                     sync()
                     host[method].append(1e3 * (time.perf_counter() - t0 - clock.seconds) / n)
+            stub = isinstance(clock, StubLaunches)
             for method in METHODS:
-                ops, kernel_ops, calls, launches = _counts(steps[method], clock)
+                if stub:
+                    clock.unstub()          # counted as the step runs, not its stand-in
+                ops, kernel_ops, calls, launches = _counts(
+                    steps[method], clock.clock if stub else clock)
+                if stub:
+                    clock.stub()
                 rows.append(dict(workload=label, method=method, host_ms_min=min(host[method]),
                                  host_ms_median=statistics.median(host[method]),
                                  operators=ops, kernel_operators=kernel_ops, python_calls=calls,
@@ -200,10 +276,14 @@ def main(argv=None) -> int:
     from _common import cuda_missing, workload_names
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("emulated", "cuda"), default="emulated")
+    ap.add_argument("--launches", choices=("run", "stub"), default="run")
     ap.add_argument("--rounds", type=int, default=15)
     names, args = workload_names(ap, list(HOST_SHAPES), argv)
     if args.rounds < 1:
         ap.error(f"--rounds: expected an integer >= 1, got {args.rounds}")
+    if args.launches == "stub" and args.device != "emulated":
+        ap.error("--launches stub: expected --device emulated (a GPU's launches are its own), "
+                 f"got --device {args.device}")
     if args.device == "emulated":
         os.environ["NCDP_CUDA_EMULATION"] = "1"     # before ncdp_fast is imported
     else:
@@ -214,10 +294,12 @@ def main(argv=None) -> int:
     from report import run_meta
 
     from ncdp_fast._report import write_report
-    rows = measure(names, args.rounds, args.device)
+    rows = measure(names, args.rounds, args.device, args.launches)
     meta = run_meta("cuda" if args.device == "cuda" else "cpu", "host", args.rounds)
     if args.device == "emulated":
         meta["device"] += " (the emulated CUDA device: NCDP_CUDA_EMULATION=1)"
+        if args.launches == "stub":
+            meta["device"] += ", launches of ours stubbed (--launches stub)"
     write_report("host_step", args.out, meta, rows,
                  [("workload", "workload", None), ("method", "method", None),
                   ("host_ms_min", "host ms/step (fastest round)", "{:.3f}"),
@@ -247,7 +329,7 @@ def main(argv=None) -> int:
                         "multiply of 2.9 us took 9.3 us right after a launch of the row-norm "
                         "kernel, the launch's own time taken out, 2026-11-29), so "
                         "this host time overstates a launch's cost on a GPU; the counts do "
-                        "not depend on it"])
+                        "not depend on it"] + STUB_NOTE * (args.launches == "stub"))
     return 0
 
 

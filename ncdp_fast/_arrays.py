@@ -424,10 +424,18 @@ def same_view(x, y) -> bool:
 def current_stream(x) -> int:
     """The caller's current stream on x's device (torch tensor or CuPy array)."""
     if is_torch(x):
-        if x.device.type == "cpu":
+        device = x.device
+        if device.type == "cpu":
             return 0        # the emulated device: one queue, each launch synchronous
         import torch
-        return int(torch.cuda.current_stream(x.device).cuda_stream)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            # The handle itself, as torch's compiled kernels read it: the
+            # public call builds a torch.cuda.Stream object first, host time
+            # at every launch of a step (issue 36).  A tensor's CUDA device
+            # always has its index.
+            return int(raw(device.index))
+        return int(torch.cuda.current_stream(device).cuda_stream)
     import cupy
     # CuPy's current stream is per device; the launch runs on the array's
     # device (the native device guard), so read that device's stream.

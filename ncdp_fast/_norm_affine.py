@@ -10,6 +10,7 @@ rules call it on a device (``torch/layer_rules.py``, through
 from __future__ import annotations
 
 from . import _arrays, _backend
+from ._cuda import clip as device_clip
 from ._validate import check_int, check_nonneg
 
 __all__ = ["norm_affine_grads"]
@@ -65,7 +66,6 @@ def device_grads(x, g, run: int, eps: float, weight: bool, bias: bool):
     dispatch were some 100 Python calls of host time each, three times the
     torch composition they replace (issue 36)."""
     import torch
-    from ._cuda import clip as device_clip
     B, rows, n = x.shape
     C = channels(rows, n, run)
     w = torch.empty((B, C), dtype=x.dtype, device=x.device) if weight else None

@@ -51,6 +51,52 @@ def test_a_batch_norm_swapped_in_after_make_private_is_refused_before_it_runs():
     assert all(p.grad is None for p in model.parameters())
 
 
+def _deep():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(nn.Linear(4, 6), nn.Sequential(nn.Tanh())),
+                         nn.Linear(6, 3))
+
+
+class _LoudTanh(nn.Tanh):
+    pass
+
+
+def _add_deep(m):
+    m[0][1].add_module("bn", nn.BatchNorm1d(6, affine=False))
+
+
+def _remove_deep(m):
+    del m[0][1][0]
+
+
+def _swap_by_dict(m):
+    m[0][1]._modules["0"] = nn.ReLU()
+
+
+def _retype(m):
+    m[0][1][0].__class__ = _LoudTanh
+
+
+@pytest.mark.parametrize("change, added, removed", [
+    (_add_deep, r"\['0.1.bn \(BatchNorm1d\)'\]", "none"),
+    (_remove_deep, "none", r"\['0.1.0 \(Tanh\)'\]"),
+    (_swap_by_dict, r"\['0.1.0 \(ReLU\)'\]", r"\['0.1.0 \(Tanh\)'\]"),
+    (_retype, "none", "none")])
+def test_a_change_deep_in_the_tree_is_refused_by_name(change, added, removed):
+    """The per-forward check compares every module's children and class (not
+    a walk): a module added, removed or swapped two levels down, or a class
+    changed in place, is refused before the model runs, named as the walk
+    names it."""
+    model = _deep()
+    pm, popt, loader = _private(model)
+    change(model)
+    x, y = next(iter(loader))
+    with pytest.raises(ValueError, match=rf"modules changed after the clipper was built "
+                       rf"\(added: {added}; removed: {removed}\)"):
+        pm(x)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_max_norm_set_after_make_private_is_refused_before_the_rows_are_renormalised():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(20, 3))

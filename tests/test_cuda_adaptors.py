@@ -338,3 +338,32 @@ def test_cpu_tensors_take_the_cpu_path_outside_the_gpu_tests():
     assert "NCDP_CUDA_EMULATION" not in os.environ
     assert _arrays.io_for(torch.ones(2)).backend == "cpu"
     assert not _arrays.is_emulated(torch.ones(2))
+
+
+class _FakeCudaTensor:
+    """What current_stream reads of a torch tensor on CUDA device 2: its
+    type's module says torch, its device says cuda:2."""
+    __module__ = "torch.fake"
+
+    def __init__(self):
+        import torch
+        self.device = torch.device("cuda", 2)
+
+
+def test_stream_of_a_cuda_tensor_is_its_devices_raw_stream(monkeypatch):
+    """The launches' stream of a CUDA tensor: torch's raw current stream of the
+    tensor's device (no Stream object a launch), or, where this torch has no
+    such call, the public current_stream's handle; never another device's."""
+    torch = pytest.importorskip("torch")
+    x = _FakeCudaTensor()
+    asked = []
+
+    def raw(index):
+        asked.append(index)
+        return 1000 + index
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", raw, raising=False)
+    assert _arrays.current_stream(x) == 1002 and asked == [2]
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device: types.SimpleNamespace(cuda_stream=2000 + device.index))
+    assert _arrays.current_stream(x) == 2002

@@ -40,7 +40,10 @@ def test_host_step_reports_the_private_steps_extra_host_work(tmp_path):
 
 @pytest.mark.parametrize("args, what", [(["--workloads", "linear,resnet"], "--workloads"),
                                         (["--rounds", "0"], "--rounds"),
-                                        (["--device", "tpu"], "--device")])
+                                        (["--device", "tpu"], "--device"),
+                                        (["--launches", "none"], "--launches"),
+                                        (["--launches", "stub", "--device", "cuda"],
+                                         "--launches stub")])
 def test_host_step_refuses_bad_arguments(tmp_path, args, what):
     proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -61,3 +64,26 @@ def test_host_step_on_a_machine_without_a_gpu_says_why(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--device cuda" in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_host_step_with_stubbed_launches_counts_what_a_step_runs(tmp_path):
+    """--launches stub: the launches return at once in the timed rounds, and
+    the counts still come from a step with the real launches (the same
+    operators, calls and launches as without it), so the stand-in's zero
+    fills are not counted as the step's kernels."""
+    pytest.importorskip("torch")
+    got = {}
+    for mode in ("run", "stub"):
+        out = tmp_path / mode
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "linear", "--rounds",
+                               "1", "--launches", mode, "--out", str(out)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        (report,) = out.glob("host_step-cpu-*.json")
+        got[mode] = json.loads(report.read_text())
+    assert "stubbed" in got["stub"]["meta"]["device"]
+    assert "stubbed" not in got["run"]["meta"]["device"]
+    for run, stub in zip(got["run"]["rows"], got["stub"]["rows"]):
+        for key in ("operators", "kernel_operators", "launches"):
+            assert run[key] == stub[key], key
+        assert stub["host_ms_min"] > 0

@@ -43,6 +43,14 @@ class ModelSnapshot:
     def __init__(self, model: nn.Module, taps, patched):
         walked = _walk(model)
         self.tree = _tree(walked)
+        # Every module with its class and a copy of its children: the tree
+        # changes only through some module's _modules (an assignment, add_
+        # or register_module, a deletion) or a module's class, so comparing
+        # these finds any change without a walk, a generator frame a module
+        # every forward (EfficientNet-Lite0: some 1 900 Python calls a step,
+        # issue 36's host time).  The walk and its message follow a mismatch.
+        unique = {id(m): m for _, m in walked}.values()
+        self.nodes = [(m, type(m), dict(m._modules)) for m in unique]
         # The modules whose options the batch-mixing refusal reads: with the
         # tree unchanged (names, identities, classes), no other module can be
         # refused, so each forward re-runs it on these alone.
@@ -52,11 +60,18 @@ class ModelSnapshot:
         self.forwards = {id(t.module): _forward_of(t.module) for t in taps}
 
     def check(self, model: nn.Module, taps) -> None:
-        # One walk of the module tree serves the comparison and the refusals
-        # (it ran twice).  A module reached under two names is refused under
-        # its first either way.
-        walked = _walk(model)
-        tree = _tree(walked)
+        for m, cls, children in self.nodes:         # a loop: no frame a module
+            if m.__class__ is not cls or m._modules != children:
+                self._refuse_changed(model)
+                break
+        for name, module in self.mixing:
+            refuse_batch_mixing(name, module)
+        self._check_taps(taps)
+
+    def _refuse_changed(self, model: nn.Module) -> None:
+        """Refuse a module tree that differs from the one checked, naming what
+        was added and removed."""
+        tree = _tree(_walk(model))
         if tree != self.tree:
             before = {(n, i) for n, i, _ in self.tree}
             now = {(n, i) for n, i, _ in tree}
@@ -68,8 +83,8 @@ class ModelSnapshot:
                 f"(added: {added or 'none'}; removed: {removed or 'none'}); it checked only "
                 "those it was built with, so this forward is refused before any module runs. "
                 "Change the model first, then build the clipper (make_private)")
-        for name, module in self.mixing:
-            refuse_batch_mixing(name, module)
+
+    def _check_taps(self, taps) -> None:
         for tap in taps:
             refuse_unsupported(tap.name, tap.module)
             if _forward_of(tap.module) is not self.forwards[id(tap.module)]:
