@@ -18,9 +18,11 @@ torch = pytest.importorskip("torch")
 
 U64 = 2.0 ** -53
 # (n, T, d): T = 64 is one tile, 65 and 130 two and three tiles of positions
-# (one and three off-diagonal tiles), d 16 one staging step, 17 and 40 partial.
-SHAPES = [(1, 1, 1), (3, 2, 5), (2, 63, 16), (2, 64, 17), (2, 65, 3), (1, 130, 40), (0, 4, 3),
-          (2, 5, 0)]
+# (one and three off-diagonal tiles), d 16 one staging step, 17 and 40 partial;
+# T 9 and 36 (a convolution's positions) leave whole warps and some fragments
+# of a warp past T (skipped: their rows or columns hold only zeros).
+SHAPES = [(1, 1, 1), (3, 2, 5), (2, 9, 21), (2, 36, 16), (2, 63, 16), (2, 64, 17), (2, 65, 3),
+          (1, 130, 40), (0, 4, 3), (2, 5, 0)]
 
 
 def gamma(n):
@@ -92,18 +94,38 @@ def test_device_kernel_strided_and_many_sources(emulated, monkeypatch):
 
 
 def test_copies_route_where_the_kernel_does_not_apply(emulated):
-    """float64 rows, a last axis that is not contiguous, and the bench's
-    switch take the float64 copies and the batched GEMM; the values agree."""
+    """float64 rows and the bench's switch take the float64 copies and the
+    batched GEMM; the values agree."""
     from ncdp_fast._cuda import gram
     x = rows((2, 6, 7), 3)
     t64 = torch.from_numpy(x.astype(np.float64))
-    transposed = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1))).transpose(1, 2)
-    assert not gram.applies([t64]) and not gram.applies([transposed])
+    assert not gram.applies([t64])
     assert_grams_close(gram.grams_f64([t64]).numpy(), x)
-    assert_grams_close(gram.grams_f64([transposed]).numpy(), x)
     with gram.copies_route():
         assert not gram.applies([torch.from_numpy(x)])
     assert gram.applies([torch.from_numpy(x)])
+
+
+def test_transposed_parts_reach_the_kernel_through_a_row_major_copy(emulated, monkeypatch):
+    """A float32 part whose last axis is not contiguous (attention's key
+    gradient, a convolution's columns: transposed views) is copied row-major
+    for the kernel, in the same launch as the parts read as they lie, instead
+    of sending every part to the float64 copies; the caller's tensor is left
+    as it was."""
+    from ncdp_fast._cuda import gram
+    launches = []
+    real = gram._launch
+    monkeypatch.setattr(gram, "_launch", lambda parts, layouts, out: launches.append(
+        [tuple(x.stride()) for x in parts]) or real(parts, layouts, out))
+    x = rows((3, 37, 20), 5)
+    transposed = torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1))).transpose(1, 2)
+    assert transposed.stride() == (740, 1, 37) and gram.applies([transposed])
+    before = transposed.clone()
+    plain = [torch.from_numpy(rows((3, 37, 20), s)) for s in (6, 7)]
+    w = gram.grams_f64([plain[0], transposed, plain[1]])
+    assert launches == [[(740, 20, 1)] * 3]
+    assert_grams_close(w.numpy(), np.concatenate([plain[0].numpy(), x, plain[1].numpy()]))
+    assert torch.equal(transposed, before) and transposed.stride() == (740, 1, 37)
 
 
 def test_device_check(emulated, monkeypatch):

@@ -25,6 +25,9 @@ constexpr int kGramDepth = 16;    // values of a row staged per step
 // do, and a warp's 256 bytes take two passes anyway.
 constexpr int kGramStride = kGramDepth + 4;
 constexpr int kGramThreads = kBlockThreads;
+// Three blocks an SM (at most 85 registers a thread on sm_90): the warp
+// skip below otherwise let ptxas take 128 and two blocks.
+constexpr int kGramBlocksPerSm = 3;
 // Each thread stages kGramLoads values of each tile a step.
 constexpr int kGramLoads = kGramTile * kGramDepth / kGramThreads;
 static_assert(kGramLoads * kGramThreads == kGramTile * kGramDepth, "staging covers the tile");
@@ -77,7 +80,7 @@ __device__ __forceinline__ void store_step(const float v[kGramLoads],
 // One block per (sample, upper-triangle tile): the tile's float64 sums of
 // products over the d values of each pair of rows, the next step's values
 // loaded into registers while this step's are multiplied.
-__global__ void __launch_bounds__(kGramThreads) gram_rows_f64_kernel(
+__global__ void __launch_bounds__(kGramThreads, kGramBlocksPerSm) gram_rows_f64_kernel(
     const GramSources src, std::int64_t n, std::int64_t T, std::int64_t d,
     std::int64_t tiles,  // upper-triangle tiles a sample: nt (nt + 1) / 2
     double* __restrict__ out) {  // [count n, T, T]
@@ -115,6 +118,11 @@ __global__ void __launch_bounds__(kGramThreads) gram_rows_f64_kernel(
     if (!diagonal) load_step(pj, row_stride, left_j, k_own < d, vj);
     // A diagonal tile multiplies its rows by themselves: one staged copy.
     double (*cols)[kGramStride] = diagonal ? rows_i : rows_j;
+    // A warp whose rows or columns all lie past T holds only the staged
+    // zeros' products, never written: it stages with the block but neither
+    // loads fragments nor multiplies (warp-uniform). At small T (a
+    // convolution's 9 positions) most of a tile's warps are such.
+    const bool live = ri + wr < T && rj + wc < T;
     for (std::int64_t k0 = 0; k0 < d; k0 += kGramDepth) {
       __syncthreads();  // the previous step's reads are done
       store_step(vi, rows_i);
@@ -125,6 +133,7 @@ __global__ void __launch_bounds__(kGramThreads) gram_rows_f64_kernel(
         load_step(pi + k0 + kGramDepth, row_stride, left_i, in, vi);
         if (!diagonal) load_step(pj + k0 + kGramDepth, row_stride, left_j, in, vj);
       }
+      if (!live) continue;
 #pragma unroll
       for (int kk = 0; kk < kGramDepth; kk += 4) {
         double a[kFragRows], b[kFragCols];

@@ -2,8 +2,9 @@
 the Gram route of the linear norms without float64 copies of a and g.
 
 :func:`grams_f64` is the route's one entry: the kernel where it applies (float32
-rows whose last axis is contiguous, on a device whose kernel passed its check),
-else the float64 copies and the vendor's batched GEMM, as before."""
+rows, read as they lie where their last axis is contiguous, else from a
+row-major copy, on a device whose kernel passed its check), else the float64
+copies and the vendor's batched GEMM, as before."""
 from __future__ import annotations
 
 import contextlib
@@ -49,19 +50,26 @@ def _layout(x):
     return (s0 if B > 1 else T * d), (s1 if T > 1 else d)
 
 
-def _layouts(parts):
-    """Every part's layout where the kernel takes ``parts``, else None."""
+def _plan(parts):
+    """Every part's layout, or None for a float32 part whose last axis is not
+    contiguous (a transposed view: attention's key gradient, a convolution's
+    columns), which the kernel reads from a row-major copy; None where the
+    kernel does not take ``parts`` (float64 data, the bench's switch, a
+    device that failed its check)."""
     if not (_ENABLED[-1] and parts):
         return None
-    layouts = [_layout(x) for x in parts]
-    if any(lay is None for lay in layouts) or not _checked(parts[0]):
-        return None
-    return layouts
+    plan = []
+    for x in parts:
+        lay = _layout(x)
+        if lay is None and (len(x.shape) != 3 or _arrays.numpy_dtype(x) != _F32):
+            return None
+        plan.append(lay)
+    return plan if _checked(parts[0]) else None
 
 
 def applies(parts) -> bool:
     """Whether :func:`grams_f64` takes the kernel for ``parts``."""
-    return _layouts(parts) is not None
+    return _plan(parts) is not None
 
 
 def _launch(parts, layouts, out):
@@ -81,8 +89,18 @@ def grams_f64(parts):
     arrays (B, T, d) of one dtype and device), part by part: each entry a
     float64 sum of exact products (reference.gram_rows_f64, within gamma_d of
     the sum of |products| in any order)."""
-    layouts = _layouts(parts)
+    layouts = _plan(parts)
     if layouts is not None:
+        # A transposed float32 part is copied row-major (4 bytes a value
+        # written and read) for the kernel: the copies route wrote and read
+        # 8 of every part's values and formed whole Grams (BERT-base: the
+        # query, key and value gradients of each layer, the key's
+        # transposed, were 0.14 ms a layer that way by bench/device_model.py).
+        parts = list(parts)
+        for i, lay in enumerate(layouts):
+            if lay is None:
+                parts[i] = _arrays.io_for(parts[i]).to_kernel(parts[i])
+                layouts[i] = _layout(parts[i])
         B, T, _ = parts[0].shape
         out = _arrays.io_for(parts[0]).empty((len(parts) * B, T, T), np.float64)
         _launch(parts, layouts, out)
@@ -147,7 +165,14 @@ MODEL_FLOPS_PER_S = 30e12
 
 
 def flops(n, T, d) -> float:
-    """Tensor-core FLOPs of one launch's n samples: the upper triangle of 64 x
-    64 tiles, each 2 * 64 * 64 * d (bench/device_model.py)."""
+    """Tensor-core FLOPs of one launch's n samples (bench/device_model.py): the
+    upper triangle of 64 x 64 tiles, each warp's 32 x 16 block 2 * 32 * 16 * d
+    where its rows and columns start below T (a warp wholly past T skips its
+    products)."""
     nt = math.ceil(T / 64)
-    return n * nt * (nt + 1) / 2 * 2.0 * 64 * 64 * d
+    # Live warps of a tile: rows start below T in 2 blocks of 32, columns in
+    # 4 of 16, counted over the tile row (ti) and tile column (tj) edges.
+    rows = [sum(64 * t + r < T for r in (0, 32)) for t in range(nt)]
+    cols = [sum(64 * t + c < T for c in (0, 16, 32, 48)) for t in range(nt)]
+    live = sum(rows[i] * cols[j] for i in range(nt) for j in range(i, nt))
+    return n * live * 2.0 * 32 * 16 * d

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _arrays
+from .._cuda.gram import grams_f64
 from .._norm_affine import device_grads
 from .._clip import GhostBlock
 from .layers import _embedding_problem, accumulation_dtype, register_layer
@@ -293,8 +294,9 @@ def _rows_sq(idx: torch.Tensor, h: torch.Tensor, V: int) -> torch.Tensor:
     returns (B,) float64.  On the CPU: one scatter into each sample's distinct
     (sample, row) keys, summed in float64, O(B T D), nothing of size V*D per
     sample.  On a device, where ``unique`` would make the host wait (issue
-    36): sum_{t,s} [idx_t == idx_s] (h_t . h_s) from the batched float64 Gram,
-    O(B T^2 D) on the GEMM units, in chunks of samples.  Shared by the
+    36): sum_{t,s} [idx_t == idx_s] (h_t . h_s) from the float64 Grams of
+    ``_cuda.gram.grams_f64`` (float32 h read as it is, no float64 copy), O(B
+    T^2 D) on the FP64 tensor cores, in chunks of samples.  Shared by the
     Embedding rule and a tied weight's embedding uses (tied.py), so both round
     alike."""
     B, T = idx.shape
@@ -304,9 +306,10 @@ def _rows_sq(idx: torch.Tensor, h: torch.Tensor, V: int) -> torch.Tensor:
     if _arrays.is_cuda_array(idx):
         sq = torch.zeros(B, dtype=torch.float64, device=h.device)
         for lo, hi in _arrays.sample_chunks(B, 8 * (T * D + 2 * T * T), _ROWS_CHUNK_BYTES):
-            h64 = h[lo:hi].to(torch.float64)
+            # The Gram route's entry: float32 rows straight to the float64
+            # kernel (no float64 copy of h), float64 rows to the GEMM.
             same = idx[lo:hi].unsqueeze(2) == idx[lo:hi].unsqueeze(1)           # (b, T, T)
-            sq[lo:hi] = (h64 @ h64.transpose(1, 2)).mul_(same).sum((1, 2))
+            sq[lo:hi] = grams_f64([h[lo:hi]]).mul_(same).sum((1, 2))
         return sq
     sample = torch.arange(B, device=idx.device).unsqueeze(1).expand(B, T)
     keys, inverse = torch.unique(sample * V + idx, return_inverse=True)
