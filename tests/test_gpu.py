@@ -1041,3 +1041,22 @@ def test_cuda_gram_kernel_against_the_reference_and_the_gemm(require_cuda, shape
     mags = np.einsum("itk,isk->its", np.abs(x64), np.abs(x64))
     d = shape[2]
     assert np.all(np.abs(_host(w) - w_gemm) <= 2 * d * 2.0 ** -53 / (1 - d * 2.0 ** -53) * mags)
+
+
+def test_cuda_gram_kernel_takes_a_transposed_part_in_its_launch(require_cuda):
+    """A float32 part with a strided last axis (attention's key gradient as
+    autograd hands it over) goes to the kernel through a row-major copy, in
+    one launch with the parts read as they lie, on the device itself: each
+    part's Grams within gamma_d of the reference, the caller's view intact."""
+    import torch
+    from test_gram_f64 import assert_grams_close, rows
+    from ncdp_fast._cuda import gram
+    x = [rows((2, 70, 37), s) for s in (8, 9)]
+    plain = _cuda(x[0], require_cuda)
+    transposed = _cuda(x[1].transpose(0, 2, 1), require_cuda).transpose(1, 2)
+    assert transposed.stride(2) != 1 and gram.applies([plain, transposed])
+    before = transposed.clone()
+    w = gram.grams_f64([plain, transposed])
+    assert _on(w, require_cuda)
+    assert_grams_close(_host(w), np.concatenate(x))
+    assert torch.equal(transposed, before) and transposed.stride(2) != 1
