@@ -77,6 +77,16 @@ def _retype(m):
     m[0][1][0].__class__ = _LoudTanh
 
 
+class _EqualTanh(nn.Tanh):
+    """A module class whose == compares nothing but the class (as a dataclass
+    module's compares its fields): a replacement equals the original."""
+
+    def __eq__(self, other):
+        return type(other) is type(self)
+
+    __hash__ = nn.Tanh.__hash__
+
+
 @pytest.mark.parametrize("change, added, removed", [
     (_add_deep, r"\['0.1.bn \(BatchNorm1d\)'\]", "none"),
     (_remove_deep, "none", r"\['0.1.0 \(Tanh\)'\]"),
@@ -95,6 +105,21 @@ def test_a_change_deep_in_the_tree_is_refused_by_name(change, added, removed):
                        rf"\(added: {added}; removed: {removed}\)"):
         pm(x)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_module_swapped_for_one_that_compares_equal_is_refused():
+    """The check compares children by identity: a module class whose ==
+    holds for another instance (a dataclass module's field comparison) does
+    not hide a replacement."""
+    model = _deep()
+    model[0][1][0] = _EqualTanh()
+    pm, popt, loader = _private(model)
+    model[0][1][0] = _EqualTanh()
+    assert model[0][1]._modules == {"0": model[0][1][0]}
+    x, y = next(iter(loader))
+    with pytest.raises(ValueError, match=r"added: \['0.1.0 \(_EqualTanh\)'\]; "
+                       r"removed: \['0.1.0 \(_EqualTanh\)'\]"):
+        pm(x)
 
 
 def test_max_norm_set_after_make_private_is_refused_before_the_rows_are_renormalised():

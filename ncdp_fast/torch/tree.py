@@ -49,8 +49,13 @@ class ModelSnapshot:
         # these finds any change without a walk, a generator frame a module
         # every forward (EfficientNet-Lite0: some 1 900 Python calls a step,
         # issue 36's host time).  The walk and its message follow a mismatch.
+        # Children by name and identity (a module class may define __eq__: a
+        # dataclass module's compares fields, so a dict's == could take a
+        # replacement for the original).  Every child is itself a node, held
+        # here, so no identity is reused.
         unique = {id(m): m for _, m in walked}.values()
-        self.nodes = [(m, type(m), dict(m._modules)) for m in unique]
+        self.nodes = [(m, type(m), tuple(m._modules), tuple(map(id, m._modules.values())))
+                      for m in unique]
         # The modules whose options the batch-mixing refusal reads: with the
         # tree unchanged (names, identities, classes), no other module can be
         # refused, so each forward re-runs it on these alone.
@@ -60,8 +65,9 @@ class ModelSnapshot:
         self.forwards = {id(t.module): _forward_of(t.module) for t in taps}
 
     def check(self, model: nn.Module, taps) -> None:
-        for m, cls, children in self.nodes:         # a loop: no frame a module
-            if m.__class__ is not cls or m._modules != children:
+        for m, cls, names, ids in self.nodes:       # a loop: no frame a module
+            if (m.__class__ is not cls or tuple(m._modules) != names
+                    or tuple(map(id, m._modules.values())) != ids):
                 self._refuse_changed(model)
                 break
         for name, module in self.mixing:
