@@ -43,16 +43,15 @@ class ModelSnapshot:
     def __init__(self, model: nn.Module, taps, patched):
         walked = _walk(model)
         self.tree = _tree(walked)
-        # Every module with its class and a copy of its children: the tree
-        # changes only through some module's _modules (an assignment, add_
-        # or register_module, a deletion) or a module's class, so comparing
-        # these finds any change without a walk, a generator frame a module
-        # every forward (EfficientNet-Lite0: some 1 900 Python calls a step,
-        # issue 36's host time).  The walk and its message follow a mismatch.
-        # Children by name and identity (a module class may define __eq__: a
-        # dataclass module's compares fields, so a dict's == could take a
-        # replacement for the original).  Every child is itself a node, held
-        # here, so no identity is reused.
+        # Every module with its class and its children's names and
+        # identities: the tree changes only through some module's _modules
+        # (an assignment, add_ or register_module, a deletion) or a module's
+        # class, so comparing these finds any change without a walk, a
+        # generator frame a module every forward (EfficientNet-Lite0: some
+        # 1 900 Python calls a step, issue 36's host time); the walk and its
+        # message follow a mismatch.  Identities, not ==: a module class may
+        # define __eq__ (a dataclass module's compares fields).  Every child
+        # is itself a node, held here, so no identity is reused.
         unique = {id(m): m for _, m in walked}.values()
         self.nodes = [(m, type(m), tuple(m._modules), tuple(map(id, m._modules.values())))
                       for m in unique]
