@@ -329,7 +329,7 @@ def main(argv=None) -> int:
                         "multiply of 2.9 us took 9.3 us right after a launch of the row-norm "
                         "kernel, the launch's own time taken out, 2026-11-29), so "
                         "this host time overstates a launch's cost on a GPU; the counts do "
-                        "not depend on it"] + STUB_NOTE * (args.launches == "stub"))
+                        "not depend on it"] + (STUB_NOTE if args.launches == "stub" else []))
     return 0
 
 

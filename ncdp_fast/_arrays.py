@@ -421,20 +421,32 @@ def same_view(x, y) -> bool:
     return data_ptr(x) == data_ptr(y) and x.strides == y.strides
 
 
+_RAW_STREAM: list = []      # [torch's raw current-stream reader or None], once torch is in use
+
+
+def _raw_stream_reader():
+    """torch._C._cuda_getCurrentRawStream where this torch has it, else None;
+    looked up on the first CUDA launch, not at every one."""
+    if not _RAW_STREAM:
+        import torch
+        _RAW_STREAM.append(getattr(torch._C, "_cuda_getCurrentRawStream", None))
+    return _RAW_STREAM[0]
+
+
 def current_stream(x) -> int:
     """The caller's current stream on x's device (torch tensor or CuPy array)."""
     if is_torch(x):
         device = x.device
         if device.type == "cpu":
             return 0        # the emulated device: one queue, each launch synchronous
-        import torch
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        raw = _raw_stream_reader()
         if raw is not None:
             # The handle itself, as torch's compiled kernels read it: the
             # public call builds a torch.cuda.Stream object first, host time
             # at every launch of a step (issue 36).  A tensor's CUDA device
             # always has its index.
             return int(raw(device.index))
+        import torch
         return int(torch.cuda.current_stream(device).cuda_stream)
     import cupy
     # CuPy's current stream is per device; the launch runs on the array's

@@ -362,8 +362,10 @@ def test_stream_of_a_cuda_tensor_is_its_devices_raw_stream(monkeypatch):
         asked.append(index)
         return 1000 + index
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", raw, raising=False)
+    monkeypatch.setattr(_arrays, "_RAW_STREAM", [])        # looked up again: found
     assert _arrays.current_stream(x) == 1002 and asked == [2]
     monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
+    monkeypatch.setattr(_arrays, "_RAW_STREAM", [])        # looked up again: absent
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device: types.SimpleNamespace(cuda_stream=2000 + device.index))
     assert _arrays.current_stream(x) == 2002

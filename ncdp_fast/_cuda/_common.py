@@ -48,12 +48,6 @@ def workspace(like, nbytes: int):
     holds the buffer until the launch is queued."""
     if nbytes == 0:
         return None, 0
-    if _arrays.is_torch(like):
-        # A tensor's own allocator directly (a launch of a step asks here: no
-        # I/O object built for it, issue 36's host time).
-        import torch
-        buf = torch.empty((nbytes,), dtype=torch.uint8, device=like.device)
-        return buf, buf.data_ptr()
     buf = _arrays.io_for(like).empty((nbytes,), np.uint8)
     return buf, ptr(buf)
 
