@@ -6,9 +6,11 @@ elements of ``itemsize`` bytes on an H100/H200 (50 MiB of L2, 132 SMs).
 
     python bench/dense_traffic.py
 
-prints the table of docs/architecture.md, "Dense slab partials (derived
-traffic)". The sizing rules are restated from clip_noise.cu (kColumnsPerThread,
-kRowSumTargetThreads, kRowSumMinRowsPerSlab, kNormSegment, the L2/2 chunks, the L2/4 partials).
+prints the tables of docs/architecture.md, "Dense slab partials (derived
+traffic)" and "The dense op in one pass". The sizing rules are restated from
+clip_noise.cu (kColumnsPerThread, kRowSumTargetThreads, kRowSumMinRowsPerSlab,
+kDenseNormSegment, the L2/2 chunks, the L2/4 partials) and dense_one_pass.cu
+(plan_clip_noise_rows_one_pass).
 """
 from __future__ import annotations
 
@@ -75,6 +77,61 @@ def traffic(B: int, p: int, itemsize: int, partial_bytes: int = 8,
                 predicted_frac_of_read=data / READ_BYTES_PER_S / seconds)
 
 
+# The one-pass form (csrc/clip/dense_one_pass.cu): its plan restated, and the
+# L2's read rate it leans on, which no run of this project has measured: an
+# assumption, to be replaced by bench_clip_dense's "l2_torch_sum" row (torch.sum
+# over a 16 MB slice read 64 times, L2-resident) once a GPU run has one.
+ONE_PASS_MAX_COLUMNS = 256 * 4 * 4
+ONE_PASS_MIN_COLUMNS = 256 * 4
+ONE_PASS_MAX_ROWS = 32
+ONE_PASS_L2_SHARE = 16
+ONE_PASS_RESIDENT_BLOCKS = 132 * 2     # 128 registers x 256 threads: 2 blocks an SM (ptxas)
+L2_BYTES_PER_S = 7e12                  # assumed
+TICKET_S = 1e-9                        # assumed: one ticket an L2 atomic's turn on one address
+
+
+def one_pass_plan(B: int, p: int, itemsize: int, l2: int = H100_L2_BYTES,
+                  blocks: int = ONE_PASS_RESIDENT_BLOCKS):
+    """plan_clip_noise_rows_one_pass: (blocks, columns, rows, row blocks,
+    segments), or None where the rows are too wide for the grid (over 4096
+    columns a block) or too narrow for it (fewer than half its blocks)."""
+    if B <= 0 or p <= 0:
+        return None
+    wanted, blocks = blocks, min(blocks, _ceil_div(p, ONE_PASS_MIN_COLUMNS))
+    if 2 * blocks < wanted:
+        return None
+    columns = _ceil_div(_ceil_div(p, blocks), 4) * 4
+    if columns > ONE_PASS_MAX_COLUMNS:
+        return None
+    rows = max(1, min(ONE_PASS_MAX_ROWS, B, l2 // (ONE_PASS_L2_SHARE * p * itemsize)))
+    return (_ceil_div(p, columns), columns, rows, _ceil_div(B, rows),
+            max(1, _ceil_div(p, NORM_SEGMENT)))
+
+
+def one_pass(B: int, p: int, itemsize: int, l2: int = H100_L2_BYTES,
+             l2_bytes_per_s: float = L2_BYTES_PER_S) -> dict | None:
+    """The one-pass form's bytes per input byte and predicted seconds: the
+    gradients cross DRAM once (a row block, at most 1/16 of the L2, is read
+    again by the column blocks while about two more pass through the L2: the
+    grid's norm items in flight), every row crosses the L2 twice, the norm
+    partials, factors and float64 sums are small; the predicted time is the
+    slower of DRAM at the measured read limit and the L2 at ``l2_bytes_per_s``,
+    plus the ticket hand-outs one after another and 3 launches (flags, the
+    kernel, the finish)."""
+    plan = one_pass_plan(B, p, itemsize, l2)
+    if plan is None:
+        return None
+    _, _, _, row_blocks, segments = plan
+    data = B * p * itemsize
+    small = B * segments * 8 * 2 + B * 8 * 3 + p * 8 * 2 + p * itemsize
+    dram = data + small
+    l2_reads = 2 * data + small
+    seconds = (max(dram / READ_BYTES_PER_S, l2_reads / l2_bytes_per_s)
+               + row_blocks * segments * TICKET_S + 3 * LAUNCH_S)
+    return dict(plan=plan, dram_per_input_byte=dram / data, l2_per_input_byte=l2_reads / data,
+                predicted_s=seconds, predicted_frac_of_read=data / READ_BYTES_PER_S / seconds)
+
+
 SHAPES = [(64, 1_000_000), (256, 1_000_000), (1024, 100_000), (1024, 409_600), (512, 7680),
           (4096, 4096), (65536, 512)]
 
@@ -91,6 +148,20 @@ def main() -> None:
               f"{1e3 * f32['predicted_s']:.3f} | {f32['predicted_frac_of_read']:.2f} | "
               f"{one['dram_per_input_byte']:.3f} / {1e3 * one['predicted_s']:.3f} | "
               f"{f64['per_input_byte']:.3f} / {f64['partials_per_input_byte']:.3f} |")
+    print()
+    print("| B | p | one pass (fp32): blocks, columns, rows, row blocks, segments | DRAM / L2 "
+          "bytes per input byte | predicted H200 ms at L2 5.5 / 7 / 10 TB/s | fraction of read "
+          "limit at 7 TB/s |")
+    print("|---|---|---|---|---|---|")
+    for B, p in SHAPES:
+        runs = [one_pass(B, p, 4, l2_bytes_per_s=r) for r in (5.5e12, 7e12, 10e12)]
+        if runs[0] is None:
+            print(f"| {B} | {p} | too wide or too narrow for the grid: two passes | | | |")
+            continue
+        ms = " / ".join(f"{1e3 * r['predicted_s']:.3f}" for r in runs)
+        print(f"| {B} | {p} | {runs[1]['plan']} | {runs[1]['dram_per_input_byte']:.3f} / "
+              f"{runs[1]['l2_per_input_byte']:.3f} | {ms} | "
+              f"{runs[1]['predicted_frac_of_read']:.2f} |")
 
 
 if __name__ == "__main__":

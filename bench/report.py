@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ncdp_fast._report import git_commit, machine, write_report  # noqa: E402
+from dense_traffic import one_pass as dense_one_pass  # noqa: E402
 from dense_traffic import traffic as dense_traffic  # noqa: E402
 
 
@@ -99,6 +100,11 @@ def _shape_ints(label):
     return tuple(int(v) for v in label.split(")")[0].strip("(").split(","))
 
 
+def _one_pass_ms(B, p):
+    got = dense_one_pass(B, p, 4)
+    return None if got is None else 1e3 * got["predicted_s"]
+
+
 def clip_dense(family):
     rows = []
     for w, ms in family.items():
@@ -115,6 +121,11 @@ def clip_dense(family):
                        chunked_ms=1e3 * _t(ms, "ncdp_chunked") if "ncdp_chunked" in ms
                        else None,
                        predicted_chunked_ms=1e3 * dense_traffic(B, p, 4)["predicted_s"],
+                       one_pass_ms=1e3 * _t(ms, "ncdp_one_pass") if "ncdp_one_pass" in ms
+                       else None,
+                       predicted_one_pass_ms=_one_pass_ms(B, p),
+                       l2_gbs=(_x(ms, "l2_torch_sum", "bytes") / _t(ms, "l2_torch_sum") / 1e9
+                               if "l2_torch_sum" in ms else None),
                        speedup_vs_torch=peer / t, ncdp_gbs=nbytes / t / 1e9,
                        read_gbs=nbytes / read / 1e9, frac_of_read=read / t,
                        ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"),
@@ -128,6 +139,9 @@ def clip_dense(family):
          ("predicted_ms", "predicted H200 ms (CUDA op)", "{:.3f}"),
          ("chunked_ms", "L2-chunked ms (GPU)", "{:.3f}"),
          ("predicted_chunked_ms", "predicted H200 ms (L2-chunked)", "{:.3f}"),
+         ("one_pass_ms", "one-pass ms (GPU)", "{:.3f}"),
+         ("predicted_one_pass_ms", "predicted H200 ms (one pass)", "{:.3f}"),
+         ("l2_gbs", "L2 read GB/s (torch.sum, GPU)", "{:.1f}"),
          ("ncdp_mem_mb", "ncdp peak extra MB", "{:.1f}"),
          ("torch_mem_mb", "torch peak extra MB", "{:.1f}"), ("error", "error", None)],
         ["torch eager: the faster of float64-norm and float32-norm variants",
@@ -135,7 +149,10 @@ def clip_dense(family):
          "op's DRAM bytes at the 4.0 TB/s read limit the first GPU run measured, plus 5 us "
          "for each launch); the CUDA op: one chunk, two passes over DRAM and 4 launches; "
          "L2-chunked (GPU only): the same op with l2_bytes=-1, chunks of half the L2, a "
-         "pass from DRAM and one from L2, 3 launches a chunk",
+         "pass from DRAM and one from L2, 3 launches a chunk; one pass (GPU only): "
+         "csrc/clip/dense_one_pass.cu, each row read from DRAM once and from the L2 once, "
+         "predicted at an assumed L2 read rate of 7 TB/s (no run has measured it; the L2 "
+         "column measures it), blank where the rows do not fit its grid (two passes)",
          "read limit: the faster of torch.sum and (CPU) a numba parallel sum of the same array",
          "targets: CPU >= 1.5x torch eager and >= 0.70 of the read limit; "
          "GPU >= 0.80 of the read limit"])

@@ -67,7 +67,8 @@ def CASES(size, device):
     return {"test_clip_dense": cases(
                 "bench_clip_dense", dense, ["ncdp", "torch_eager", "torch_eager_f32norm",
                                             "read_torch_sum"]
-                + (["read_numba_sum"] if device == "cpu" else ["ncdp_chunked"])),
+                + (["read_numba_sum"] if device == "cpu"
+                   else ["ncdp_chunked", "ncdp_one_pass", "l2_torch_sum"])),
             "test_clip_step": cases("bench_clip_step", steps, STEP_METHODS, once=STEP_ONCE),
             "test_linear_norms": cases("bench_linear_norms", layers, norm_methods),
             "test_linear_sum": cases("bench_linear_sum", layers, sum_methods)}
@@ -244,23 +245,37 @@ def test_clip_dense(benchmark, case, bench_device):
     if method == "ncdp":
         def fn():
             return nf.clip_and_noise(arr, max_norm=C, noise_multiplier=sigma, seed=1).grad
-    elif method == "ncdp_chunked":
-        # The same CUDA op with its rows in chunks of half the device's L2
-        # (l2_bytes=-1: a pass from DRAM, one from L2, 3 launches a chunk)
-        # against the op's default, one chunk (two passes over DRAM, 4
-        # launches), so that a GPU run decides (bench/dense_traffic.py predicts
-        # both; ncdp_fast/_cuda/clip.py DENSE_L2_BYTES).
+    elif method in ("ncdp_chunked", "ncdp_one_pass"):
+        # The same CUDA op in its other forms, so that a GPU run decides
+        # between them (bench/dense_traffic.py predicts each; the op's
+        # defaults in ncdp_fast/_cuda/clip.py, DENSE_L2_BYTES and
+        # DENSE_ONE_PASS_BLOCKS, are one chunk, two passes over DRAM and 4
+        # launches): chunked, rows in chunks of half the device's L2
+        # (l2_bytes=-1: a pass from DRAM, one from L2, 3 launches a chunk); one
+        # pass (csrc/clip/dense_one_pass.cu: one launch reads each row from
+        # DRAM once, on as many blocks as the device holds).
         from ncdp_fast._cuda._common import native, ptr, stream, workspace
         lib = native(g)
         nbytes = lib.clip_noise_rows_workspace_bytes(B, p, 0)
         ws, ws_ptr = workspace(g, nbytes)
         out = torch.empty(p, dtype=g.dtype, device=g.device)
         norms = torch.empty(B, dtype=torch.float64, device=g.device)
+        one_pass = -1 if method == "ncdp_one_pass" else 0
 
         def fn():
             lib.launch_clip_noise_rows(ptr(g), B, p, 0, C, sigma * C, 1.0, 1, 0, ptr(out),
-                                       ptr(norms), ws_ptr, nbytes, stream(g), l2_bytes=-1)
+                                       ptr(norms), ws_ptr, nbytes, stream(g), l2_bytes=-1,
+                                       one_pass_blocks=one_pass)
             return out
+    elif method == "l2_torch_sum":
+        # The L2's read rate, which the one-pass prediction assumes: a 16 MB
+        # slice read 64 times by one torch.sum (stride 0: no copy), so every
+        # read after the first hits the L2 (50 MB on an H100/H200).
+        part = g.reshape(-1)[:min(g.numel(), 4 << 20)]
+        rep = part.expand(64, part.numel())
+
+        def fn():
+            return rep.sum()
     elif method == "torch_eager":
         def fn():
             norms = torch.linalg.vector_norm(g, dim=1, dtype=torch.float64)
@@ -288,8 +303,9 @@ def test_clip_dense(benchmark, case, bench_device):
             return psum(flat)
     else:
         raise ValueError(method)
+    nbytes = 64 * min(g.numel(), 4 << 20) * 4 if method == "l2_torch_sum" else g.numel() * 4
     measure(benchmark, case, fn, device=device, repeats=5 if B * p > 1e8 else 20, warmup=2,
-            min_time=0.5, bytes=g.numel() * 4)
+            min_time=0.5, bytes=nbytes)
 
 
 def _build_step(params, method, device, torch, nn):

@@ -80,12 +80,16 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
   m.def("clip_noise_rows_workspace_bytes", &ncdp::clip_noise_rows_workspace_bytes,
         "Workspace bytes of launch_clip_noise_rows.", py::arg("B"), py::arg("p"),
         py::arg("dtype"));
+  m.def("clip_noise_rows_one_pass_plan", &ncdp::clip_noise_rows_one_pass_plan,
+        "The one-pass form's split: (blocks, columns, rows, row_blocks, segments, flags_offset).",
+        py::arg("B"), py::arg("p"), py::arg("dtype"), py::arg("l2_bytes") = -1,
+        py::arg("one_pass_blocks") = -1);
   m.def("launch_clip_noise_rows", &ncdp::launch_clip_noise_rows,
         "Fused per-sample clipping with noise: norms [B] float64, out [p].", py::arg("g"),
         py::arg("B"), py::arg("p"), py::arg("dtype"), py::arg("max_norm"), py::arg("noise_std"),
         py::arg("inv_denom"), py::arg("seed"), py::arg("offset"), py::arg("out"),
         py::arg("norms"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
-        py::arg("l2_bytes") = -1);
+        py::arg("l2_bytes") = -1, py::arg("one_pass_blocks") = 0);
   m.def("launch_linear_sq_norms", &ncdp::launch_linear_sq_norms,
         "sq[i] (=, or +=) squared norm of the per-sample linear-layer gradient (+ bias); "
         "at T = 1 also sizes[i] = (||a_i||^2, ||g_i||^2) where sizes is given ([B, 2] float64).",

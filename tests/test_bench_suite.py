@@ -88,6 +88,33 @@ def test_report_from_recorded_json(tmp_path):
     assert "| (8, 64) float32 | 0.027 |" in md
 
 
+def test_report_one_pass_and_l2_columns(tmp_path):
+    # A GPU run's extra methods: the one-pass form beside its prediction, and
+    # the L2 read rate (which must not count as the read limit).
+    doc = _recorded_doc()
+    workload = "(1024, 409600) float32"
+    extra = [(4.2e-4, {"method": "ncdp_one_pass", "round": r, "bytes": 1024 * 409600 * 4})
+             for r in (1, 2)] + \
+            [(1.6e-4, {"method": "l2_torch_sum", "round": r, "bytes": 64 * (4 << 20) * 4})
+             for r in (1, 2)]
+    for b in doc["benchmarks"]:
+        b["group"] = b["group"].replace("(8, 64) float32", workload)
+        b["extra_info"]["workload"] = workload
+    doc["benchmarks"] += [{"group": f"bench_clip_dense {workload} cpu",
+                           "name": f"test_clip_dense[{workload}|{e['method']}|r{e['round']}]",
+                           "stats": {"median": median},
+                           "extra_info": dict(e, family="bench_clip_dense", workload=workload,
+                                              device="cpu")} for median, e in extra]
+    report.write_tables(doc, tmp_path, quiet=True)
+    (path,) = tmp_path.glob("*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["one_pass_ms"] == pytest.approx(0.42)
+    assert row["l2_gbs"] == pytest.approx(64 * (4 << 20) * 4 / 1.6e-4 / 1e9)
+    assert row["read_gbs"] == pytest.approx(2048 / 1.797e-06 / 1e9)     # read_torch_sum's
+    # dense_traffic's plan at this shape: 264 blocks, 2 rows a row block.
+    assert 0.4 < row["predicted_one_pass_ms"] < 0.7
+
+
 def test_report_marks_a_missing_method_as_an_error(tmp_path):
     doc = _recorded_doc()
     doc["benchmarks"] = [b for b in doc["benchmarks"]

@@ -17,6 +17,8 @@ differ from NumPy's by a few float64 ulps; sums follow Higham's bound
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -212,7 +214,8 @@ def test_clip_noise_rows(emu, dtype, B, p, shift, l2_rows):
     l2 = 2 * l2_rows * p * np.dtype(dtype).itemsize
     res = emu.run("clip_noise_rows",
                   dict(dtype=_dt(dtype), B=B, p=p, max_norm=C, noise_std=noise_std,
-                       inv_denom=inv_denom, seed=seed, offset=offset, l2_bytes=l2),
+                       inv_denom=inv_denom, seed=seed, offset=offset, l2_bytes=l2,
+                       one_pass_blocks=0),
                   {"grads": g, "out": np.zeros(p, dtype), "norms": np.zeros(B)},
                   misalign={"grads": _misalign(dtype, shift)})
     expected, scale, sq, _ = _expected_dense(g, C, noise_std, inv_denom, seed, offset)
@@ -222,6 +225,54 @@ def test_clip_noise_rows(emu, dtype, B, p, shift, l2_rows):
     # slab sum, noise and scaling in float64, one rounding to the dtype.
     assert_close(res["out"], expected, scale, B + 4, np.float64, dtype, "out",
                  atol=inv_denom * noise_std * NORMAL_ATOL)
+
+
+# The one-pass form (clip/dense_one_pass.cu): (B, p, base shift, blocks, rows
+# per row block, NaN rows).  Rows per row block are set through the L2 size
+# it is given (a row block is at most 1/16 of it).
+ONE_PASS_CASES = [
+    (1, 1, 0, 1, 1, ()),          # one row, one column, one block
+    (3, 5, 1, 1, 2, ()),          # p not a multiple of the vector width, unaligned base
+    (7, 2100, 0, 3, 2, ()),       # three column blocks, a last row block of one row
+    (5, 4097, 0, 2, 2, ()),       # two norm segments a row, the second of one column
+    (9, 4100, 1, 3, 4, (2, 7)),   # unaligned, 4-row groups with a partial last; NaN rows
+    (12, 3000, 0, 3, 32, ()),     # one row block (rows capped at B)
+    (6, 2049, 0, 2, 1, ()),       # one row a row block; a last block of one group
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,p,shift,blocks,rows,nan_rows", ONE_PASS_CASES)
+def test_clip_noise_rows_one_pass(emu, dtype, B, p, shift, blocks, rows, nan_rows):
+    g = _dense_case(B, p, dtype, seed=B * 1000 + p + 1)
+    g[list(nan_rows)] = np.nan
+    C, noise_std, inv_denom, seed, offset = 2.0, 0.7, 1.0 / 3.0, 99, 17
+    l2 = 16 * rows * p * np.dtype(dtype).itemsize
+    common = dict(dtype=_dt(dtype), B=B, p=p, max_norm=C, noise_std=noise_std,
+                  inv_denom=inv_denom, seed=seed, offset=offset, l2_bytes=l2)
+    buffers = {"grads": g, "out": np.zeros(p, dtype), "norms": np.zeros(B)}
+    misalign = {"grads": _misalign(dtype, shift)}
+    one = emu.run("clip_noise_rows", dict(common, one_pass_blocks=blocks), buffers,
+                  misalign=misalign)
+    two = emu.run("clip_noise_rows", dict(common, one_pass_blocks=0, l2_bytes=0), buffers,
+                  misalign=misalign)
+    # The same segments, per-thread order and block tree as the two-pass norms.
+    assert _same_bits(one["norms"], two["norms"])
+    kept = np.ones(B, bool)
+    kept[list(nan_rows)] = False
+    assert np.all(np.isnan(one["norms"][~kept]))
+    # A NaN row has factor 0 and is skipped: the sum of the rows without it,
+    # which the reference forms with the row as zeros.
+    expected, scale, sq, _ = _expected_dense(np.where(kept[:, None], g, 0), C, noise_std,
+                                             inv_denom, seed, offset)
+    assert_close(one["norms"][kept] ** 2, sq[kept], sq[kept], p + 3, np.float64, np.float64,
+                 "norms")
+    assert_close(one["out"], expected, scale, B + 4, np.float64, dtype, "out",
+                 atol=inv_denom * noise_std * NORMAL_ATOL)
+    if B <= 8:
+        # The two-pass form sums at least 8 rows a slab (one slab here): rows
+        # summed in the same order, finished by the same slab finish.
+        assert _same_bits(one["out"], two["out"])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -420,23 +471,24 @@ def test_clip_factors_match_the_reference_rule(emu, with_spread, scale):
 def test_clipped_contribution_never_exceeds_the_bound(emu, dtype, magnitudes):
     # Issue 13, item 3: with the factor cast to float32, a row of 3.65e22
     # contributed norm 1.87 > C = 1 and one of 4e22 nothing. Each row alone,
-    # without noise: the output is that row's contribution.
+    # without noise: the output is that row's contribution, in both forms of
+    # the op (one_pass_blocks 1: dense_one_pass.cu).
     C = 1.0
-    for magnitude in magnitudes:
-        for p in (1, 3, 8):
-            row = np.full((1, p), magnitude / np.sqrt(p), dtype=dtype)
-            out = emu.run("clip_noise_rows",
-                          dict(dtype=_dt(dtype), B=1, p=p, max_norm=C, noise_std=0.0,
-                               inv_denom=1.0, seed=1, offset=0, l2_bytes=0),
-                          {"grads": row, "out": np.zeros(p, dtype), "norms": np.zeros(1)})["out"]
-            norm = np.sqrt((out.astype(np.float64) ** 2).sum())
-            assert norm <= C, (magnitude, p, norm)
-            # ...and costs at most the rounding margin of the bound, unless the
-            # squared norm overflows float64 (then the row is dropped: factor 0).
-            with np.errstate(over="ignore"):
-                sq = (row.astype(np.float64) ** 2).sum()
-            floor = min(C, np.sqrt(sq)) * (1 - 4 * (p + 8) * unit_roundoff(dtype))
-            assert norm >= floor if np.isfinite(sq) else norm == 0.0, (magnitude, p, norm)
+    for magnitude, p, one_pass in itertools.product(magnitudes, (1, 3, 8), (0, 1)):
+        row = np.full((1, p), magnitude / np.sqrt(p), dtype=dtype)
+        out = emu.run("clip_noise_rows",
+                      dict(dtype=_dt(dtype), B=1, p=p, max_norm=C, noise_std=0.0,
+                           inv_denom=1.0, seed=1, offset=0, l2_bytes=0,
+                           one_pass_blocks=one_pass),
+                      {"grads": row, "out": np.zeros(p, dtype), "norms": np.zeros(1)})["out"]
+        norm = np.sqrt((out.astype(np.float64) ** 2).sum())
+        assert norm <= C, (magnitude, p, one_pass, norm)
+        # ...and costs at most the rounding margin of the bound, unless the
+        # squared norm overflows float64 (then the row is dropped: factor 0).
+        with np.errstate(over="ignore"):
+            sq = (row.astype(np.float64) ** 2).sum()
+        floor = min(C, np.sqrt(sq)) * (1 - 4 * (p + 8) * unit_roundoff(dtype))
+        assert norm >= floor if np.isfinite(sq) else norm == 0.0, (magnitude, p, norm)
 
 
 # ---------------------------------------------------------------------------

@@ -495,6 +495,70 @@ def test_cuda_dense_l2_chunks_match_cpu(require_cuda, dtype, p, monkeypatch):
                             f"cuda dense, {B} rows in chunks of {chunk}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_dense_one_pass_matches_two_passes(require_cuda, dtype, monkeypatch):
+    # The one-pass form (csrc/clip/dense_one_pass.cu) on as many blocks as the
+    # device holds: on a GPU its blocks run at once and hand rows over through
+    # flags (on the emulated device one block does it all), so the same call
+    # must give the same bits every time, the two-pass form's norms bit for
+    # bit, and its flags must show every row block finished.
+    import torch
+
+    from ncdp_fast._cuda import clip as device_clip
+    from ncdp_fast._cuda._common import native, ptr, stream, workspace
+    # Float32 rows 16-byte aligned; float64 rows of odd length (scalar tails).
+    p = (300000 if dtype == np.float32 else 150001) if not emulated(require_cuda) else (
+        4000 if dtype == np.float32 else 3001)
+    B = 45
+    C, sigma, E = 1.5, 0.7, B / 2
+    rng = np.random.default_rng(p)
+    g = rng.standard_normal((B, p), dtype=dtype)
+    g *= rng.uniform(0.0, 2 * C / np.sqrt(p), (B, 1)).astype(dtype)   # norms in (0, 2C)
+    g[1] = 0.0
+    gd = _cuda(g, require_cuda)
+    dt = 0 if dtype == np.float32 else 1
+    lib = native(gd)
+    blocks, columns, rows, row_blocks, segments, flags_at = lib.clip_noise_rows_one_pass_plan(
+        B, p, dt, -1, -1)
+    assert blocks > 0 and row_blocks > 1, (blocks, rows, row_blocks)
+    kw = dict(max_norm=C, noise_multiplier=sigma, seed=21, offset=3, reduction="mean",
+              expected_batch_size=E)
+    monkeypatch.setattr(device_clip, "DENSE_ONE_PASS_BLOCKS", 0)
+    two = nf.clip_and_noise(gd, **kw)
+    _replay()
+    monkeypatch.setattr(device_clip, "DENSE_ONE_PASS_BLOCKS", -1)
+    one = nf.clip_and_noise(gd, **kw)
+    _replay()
+    assert torch.equal(one.norms, two.norms)
+    assert one.num_clipped == two.num_clipped and 0 < two.num_clipped < B - 1
+    cpu = nf.clip_and_noise(g, **kw)
+    factors, _ = R.clip_factors(cpu.norms ** 2, C, unit=R.unit_roundoff(dtype), terms=p)
+    terms = (factors @ np.abs(g) + 6.7 * sigma * C) / E + np.abs(cpu.grad)
+    assert_within_sum_bound(one.grad.cpu().numpy(), cpu.grad, terms, B + 3, dtype,
+                            f"cuda dense one pass, {blocks} blocks, {rows} rows a row block")
+    # Launches of their own (the op refuses to repeat a noise range): the same
+    # bits each time, and the flags of each show every row block's items done
+    # and its factors ready.
+    nbytes = lib.clip_noise_rows_workspace_bytes(B, p, dt)
+    ws, ws_ptr = workspace(gd, nbytes)
+    outs = []
+    for _ in range(4):
+        ws.zero_()
+        out = torch.empty(p, dtype=gd.dtype, device=gd.device)
+        norms = torch.empty(B, dtype=torch.float64, device=gd.device)
+        lib.launch_clip_noise_rows(ptr(gd), B, p, dt, C, sigma * C, 1.0, 1, 0, ptr(out),
+                                   ptr(norms), ws_ptr, nbytes, stream(gd), l2_bytes=-1,
+                                   one_pass_blocks=-1)
+        words = ws[flags_at:flags_at + 4 * (2 * B + 2)].view(torch.int32).cpu().numpy()
+        assert np.all(words[:row_blocks] == segments) and np.all(words[B:B + row_blocks] == 1)
+        assert not words[row_blocks:B].any() and not words[B + row_blocks:2 * B].any()
+        tickets = int(words[2 * B:].view(np.uint64)[0])
+        assert row_blocks * segments <= tickets <= row_blocks * segments + blocks
+        assert torch.equal(norms, two.norms)
+        outs.append(out)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
 def _assert_mix_close(gpu, cpu, X, Y, m, sx, sy, dtype, what, extra_terms=0):
     """Both backends sum a row's (clipped) members in the features' dtype in
     sampler order and finish in float64: each is within gamma_{c+2} of the exact

@@ -15,11 +15,6 @@ namespace {
 // ---------------------------------------------------------------------------
 // Sizing constants.
 
-// The fused dense op splits each row into segments of this many elements for
-// its norms, so that a chunk of a few long rows still spreads over many blocks
-// (4096 elements = 16 per thread of a 256-thread block).
-constexpr std::int64_t kNormSegment = 4096;
-
 // Weighted row sums: each thread owns 4 consecutive columns (one 16-byte float4
 // load per row); rows are split into slabs until the grid holds about 4 waves
 // of resident threads on the target GPU, but never fewer than 8 rows per slab
@@ -685,14 +680,15 @@ void launch_weighted_row_sum_noise(const Real* grads, const double* factors, std
 
 ClipNoiseRowsLayout clip_noise_rows_layout(std::int64_t B, std::int64_t p) {
   ClipNoiseRowsLayout layout{};
-  layout.norm_segments = std::max<std::int64_t>(1, ceil_div(p, kNormSegment));
+  layout.norm_segments = std::max<std::int64_t>(1, ceil_div(p, kDenseNormSegment));
   layout.slabs = weighted_row_sum_slabs(B, p);
   layout.factors_offset = 0;
   layout.sq_partials_offset = layout.factors_offset + align_bytes(B * sizeof(double));
   layout.partials_offset =
       layout.sq_partials_offset + align_bytes(B * layout.norm_segments * sizeof(double));
-  layout.total_bytes =
+  layout.flags_offset =
       layout.partials_offset + align_bytes(layout.slabs * p * std::int64_t{sizeof(double)});
+  layout.total_bytes = layout.flags_offset + align_bytes(one_pass_flag_words(B) * 4);
   return layout;
 }
 
@@ -700,9 +696,16 @@ template <typename Real>
 void launch_clip_noise_rows(const Real* grads, std::int64_t B, std::int64_t p, double max_norm,
                             double noise_std, double inv_denom, std::uint64_t seed,
                             std::uint64_t offset, Real* out, double* norms, void* workspace,
-                            std::int64_t l2_bytes, cudaStream_t stream) {
+                            std::int64_t l2_bytes, std::int64_t one_pass_blocks,
+                            cudaStream_t stream) {
   const ClipNoiseRowsLayout layout = clip_noise_rows_layout(B, p);
   const ClipRule rule{max_norm, p, 1, unit_roundoff<Real>()};
+  if (one_pass_blocks != 0 &&
+      launch_clip_noise_rows_one_pass(grads, B, p, rule, noise_std, inv_denom, seed, offset, out,
+                                      norms, layout, workspace, l2_bytes, one_pass_blocks,
+                                      stream)) {
+    return;
+  }
   char* base = static_cast<char*>(workspace);
   double* factors = reinterpret_cast<double*>(base + layout.factors_offset);
   double* sq_partials = reinterpret_cast<double*>(base + layout.sq_partials_offset);
@@ -732,7 +735,7 @@ void launch_clip_noise_rows(const Real* grads, std::int64_t B, std::int64_t p, d
     const std::int64_t rows = std::min(chunk_rows, B - r0);
     NCDP_LAUNCH(grid_blocks(rows * layout.norm_segments, 1), kBlockThreads, 0, stream,
         row_sq_norms_kernel<Real>)(
-            grads + r0 * p, rows, p, layout.norm_segments, kNormSegment,
+            grads + r0 * p, rows, p, layout.norm_segments, kDenseNormSegment,
             sq_partials + r0 * layout.norm_segments, /*accumulate=*/false);
     NCDP_LAUNCH(grid_blocks(rows, kBlockThreads), kBlockThreads, 0, stream, clip_factors_kernel)(
         sq_partials + r0 * layout.norm_segments, nullptr, rows, layout.norm_segments, rule,
@@ -852,7 +855,7 @@ void launch_clipped_linear_sum(const Real* acts, const Real* grads, const double
   template void launch_clip_noise_rows<Real>(const Real*, std::int64_t, std::int64_t, double,  \
                                              double, double, std::uint64_t, std::uint64_t,     \
                                              Real*, double*, void*, std::int64_t,              \
-                                             cudaStream_t);                                    \
+                                             std::int64_t, cudaStream_t);                      \
   template void launch_linear_sq_norms<Real>(const Real*, const Real*, std::int64_t,           \
                                              std::int64_t, std::int64_t, std::int64_t, bool,   \
                                              double*, bool, double*, cudaStream_t);            \

@@ -92,11 +92,21 @@ void launch_weighted_row_sum_noise(std::uintptr_t g,  // [B, p], dtype
 
 std::int64_t clip_noise_rows_workspace_bytes(std::int64_t B, std::int64_t p, int dtype);
 
+// The one-pass form's split of launch_clip_noise_rows(..., l2_bytes,
+// one_pass_blocks) on the current device: (blocks, columns a block, rows a row
+// block, row blocks, norm segments a row, byte offset of its flags in the
+// workspace); blocks 0: the two-pass form runs instead.
+std::vector<std::int64_t> clip_noise_rows_one_pass_plan(std::int64_t B, std::int64_t p, int dtype,
+                                                        std::int64_t l2_bytes,
+                                                        std::int64_t one_pass_blocks);
+
 // The fused dense op: norms (pre-clip), clip factors (terms = p, the unit of
 // the dtype), and out = inv_denom * (sum_i factor_i g_i + noise_std * xi),
 // xi = normals offset .. offset+p-1, the sum in float64. l2_bytes < 0: rows
 // in chunks of half the device's L2; 0: one chunk (two passes over DRAM; the
 // benchmark's peer of the chunked form); > 0: chunks sized for that L2.
+// one_pass_blocks != 0: the one-pass form (kernels::launch_clip_noise_rows),
+// its row blocks sized by the device's L2 when l2_bytes < 0.
 void launch_clip_noise_rows(std::uintptr_t g,  // [B, p], dtype
                             std::int64_t B, std::int64_t p, int dtype, double max_norm,
                             double noise_std, double inv_denom, std::uint64_t seed,
@@ -105,7 +115,7 @@ void launch_clip_noise_rows(std::uintptr_t g,  // [B, p], dtype
                             std::uintptr_t norms,      // [B] float64
                             std::uintptr_t workspace,  // clip_noise_rows_workspace_bytes
                             std::int64_t workspace_bytes, std::uintptr_t stream,
-                            std::int64_t l2_bytes);
+                            std::int64_t l2_bytes, std::int64_t one_pass_blocks);
 
 // sq[i] (=, or += when accumulate) ||G_i||_F^2 (+ ||sum_t g_it||^2 with bias),
 // G_i = sum_t g_it a_it^T, in float64. T = 1 is the 2-D case; there (only)
@@ -243,20 +253,32 @@ void launch_weighted_row_sum_noise(const Real* grads,     // [B, p]
                                    void* workspace,  // weighted_row_sum_workspace_bytes
                                    cudaStream_t stream);
 
+// The dense op's rows are cut into segments of this many columns for their
+// norms (a chunk of a few long rows still spreads over many blocks: 16 values
+// a thread of a 256-thread block); both forms of the op use it, so their norms
+// agree bit for bit.
+constexpr std::int64_t kDenseNormSegment = 4096;
+
 // Byte offsets of the fused op's workspace regions (each 256-byte aligned):
 // factors [B] float64 | squared-norm partials [B, norm_segments] float64 |
-// slab partials [slabs, p] float64.
+// slab partials [slabs, p] float64 (the one-pass form: its float64 sums [p]) |
+// the one-pass form's flags (one_pass_flag_words(B) 32-bit words).
 struct ClipNoiseRowsLayout {
   std::int64_t norm_segments;
   std::int64_t slabs;
   std::int64_t factors_offset;
   std::int64_t sq_partials_offset;
   std::int64_t partials_offset;
+  std::int64_t flags_offset;
   std::int64_t total_bytes;
 };
 ClipNoiseRowsLayout clip_noise_rows_layout(std::int64_t B, std::int64_t p);
 
-// l2_bytes: the device's L2 size, which sets the rows per chunk (0: one chunk).
+// l2_bytes: the device's L2 size, which sets the rows per chunk (0: one chunk)
+// and the one-pass form's rows per row block. one_pass_blocks: 0 the two-pass
+// forms; > 0 the one-pass form (dense_one_pass.cu) on at most that many
+// blocks, < 0 on as many as the device holds at once; rows too wide for its
+// grid (more than 4096 columns a block) take the two-pass form.
 template <typename Real>
 void launch_clip_noise_rows(const Real* grads,  // [B, p]
                             std::int64_t B, std::int64_t p, double max_norm, double noise_std,
@@ -264,7 +286,42 @@ void launch_clip_noise_rows(const Real* grads,  // [B, p]
                             Real* out,       // [p]
                             double* norms,   // [B]
                             void* workspace,  // clip_noise_rows_layout(...).total_bytes
-                            std::int64_t l2_bytes, cudaStream_t stream);
+                            std::int64_t l2_bytes, std::int64_t one_pass_blocks,
+                            cudaStream_t stream);
+
+// The one-pass form's split: `blocks` blocks own `columns` columns each; row
+// blocks of `rows` rows; `segments` norm segments a row. blocks == 0: the rows
+// do not fit the grid (or there is nothing to sum).
+struct OnePassPlan {
+  std::int64_t blocks;
+  std::int64_t columns;
+  std::int64_t rows;
+  std::int64_t row_blocks;
+  std::int64_t segments;
+};
+OnePassPlan plan_clip_noise_rows_one_pass(std::int64_t B, std::int64_t p,
+                                          std::int64_t element_bytes, std::int64_t l2_bytes,
+                                          std::int64_t blocks);
+// The plan a launch takes: blocks < 0 as many as the device holds at once.
+template <typename Real>
+OnePassPlan resolve_clip_noise_rows_one_pass(std::int64_t B, std::int64_t p,
+                                             std::int64_t l2_bytes, std::int64_t blocks);
+// 32-bit words of the one-pass form's flags: done [B] | ready [B] | the ticket
+// counter (64-bit).
+std::int64_t one_pass_flag_words(std::int64_t B);
+
+// The one-pass form; false (nothing launched) where its plan has no blocks.
+template <typename Real>
+bool launch_clip_noise_rows_one_pass(const Real* grads,  // [B, p]
+                                     std::int64_t B, std::int64_t p, const ClipRule& rule,
+                                     double noise_std, double inv_denom, std::uint64_t seed,
+                                     std::uint64_t offset,
+                                     Real* out,      // [p]
+                                     double* norms,  // [B]
+                                     const ClipNoiseRowsLayout& layout,
+                                     void* workspace,  // layout.total_bytes
+                                     std::int64_t l2_bytes, std::int64_t blocks,
+                                     cudaStream_t stream);
 
 template <typename Real>
 void launch_linear_sq_norms(const Real* acts,   // [B, T, d]

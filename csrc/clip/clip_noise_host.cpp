@@ -194,12 +194,34 @@ std::int64_t clip_noise_rows_workspace_bytes(std::int64_t B, std::int64_t p, int
   return kernels::clip_noise_rows_layout(B, p).total_bytes;
 }
 
+// l2_bytes, or the current device's L2 size where it is negative.
+static std::int64_t resolved_l2_bytes(std::int64_t l2_bytes) {
+  if (l2_bytes >= 0) return l2_bytes;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  return l2_cache_bytes(device);
+}
+
+std::vector<std::int64_t> clip_noise_rows_one_pass_plan(std::int64_t B, std::int64_t p, int dtype,
+                                                        std::int64_t l2_bytes,
+                                                        std::int64_t one_pass_blocks) {
+  clip_noise_rows_workspace_bytes(B, p, dtype);  // validates B, p and dtype
+  const std::int64_t l2 = resolved_l2_bytes(l2_bytes);
+  const kernels::OnePassPlan plan =
+      one_pass_blocks == 0 ? kernels::OnePassPlan{}
+      : dtype == kDtypeFloat32
+          ? kernels::resolve_clip_noise_rows_one_pass<float>(B, p, l2, one_pass_blocks)
+          : kernels::resolve_clip_noise_rows_one_pass<double>(B, p, l2, one_pass_blocks);
+  return {plan.blocks, plan.columns, plan.rows, plan.row_blocks, plan.segments,
+          kernels::clip_noise_rows_layout(B, p).flags_offset};
+}
+
 void launch_clip_noise_rows(std::uintptr_t g, std::int64_t B, std::int64_t p, int dtype,
                             double max_norm, double noise_std, double inv_denom,
                             std::uint64_t seed, std::uint64_t offset, std::uintptr_t out,
                             std::uintptr_t norms, std::uintptr_t workspace,
                             std::int64_t workspace_bytes, std::uintptr_t stream,
-                            std::int64_t l2_bytes) {
+                            std::int64_t l2_bytes, std::int64_t one_pass_blocks) {
   const std::int64_t needed = clip_noise_rows_workspace_bytes(B, p, dtype);
   const std::size_t element = dtype_size(dtype);
   require_pointer(g, B * p > 0, element, "g");
@@ -208,17 +230,17 @@ void launch_clip_noise_rows(std::uintptr_t g, std::int64_t B, std::int64_t p, in
   require_workspace(workspace, workspace_bytes, needed, "clip_noise_rows");
   if (B == 0 && p == 0) return;
   DeviceGuard guard(first_pointer({B * p > 0 ? g : 0, out, norms}), "g");
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const std::int64_t l2 = l2_bytes < 0 ? l2_cache_bytes(device) : l2_bytes;
+  const std::int64_t l2 = resolved_l2_bytes(l2_bytes);
   if (dtype == kDtypeFloat32) {
     kernels::launch_clip_noise_rows(typed<const float>(g), B, p, max_norm, noise_std, inv_denom,
                                     seed, offset, typed<float>(out), typed<double>(norms),
-                                    typed<void>(workspace), l2, as_stream(stream));
+                                    typed<void>(workspace), l2, one_pass_blocks,
+                                    as_stream(stream));
   } else {
     kernels::launch_clip_noise_rows(typed<const double>(g), B, p, max_norm, noise_std, inv_denom,
                                     seed, offset, typed<double>(out), typed<double>(norms),
-                                    typed<void>(workspace), l2, as_stream(stream));
+                                    typed<void>(workspace), l2, one_pass_blocks,
+                                    as_stream(stream));
   }
   check_launch("clip_noise_rows");
 }

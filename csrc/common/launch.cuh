@@ -21,4 +21,25 @@
 #define NCDP_NAMED_BARRIER_ARRIVE(id, threads) \
   asm volatile("bar.arrive %0, %1;" : : "n"(id), "r"(threads) : "memory")
 
+// Flags handed between the blocks of one launch (clip/dense_one_pass.cu): a
+// load with acquire and a store with release semantics at GPU scope on a
+// 32-bit word in global memory. The block's other threads are ordered after
+// the loading thread by the __syncthreads that follows it, as CUTLASS's
+// semaphores do.
+#define NCDP_LOAD_ACQUIRE_GPU(ptr) ::ncdp::detail::load_acquire_gpu(ptr)
+#define NCDP_STORE_RELEASE_GPU(ptr, value) ::ncdp::detail::store_release_gpu((ptr), (value))
+
+namespace ncdp {
+namespace detail {
+__device__ __forceinline__ unsigned int load_acquire_gpu(const unsigned int* ptr) {
+  unsigned int value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+  return value;
+}
+__device__ __forceinline__ void store_release_gpu(unsigned int* ptr, unsigned int value) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" : : "l"(ptr), "r"(value) : "memory");
+}
+}  // namespace detail
+}  // namespace ncdp
+
 #endif

@@ -199,17 +199,36 @@ void probe_weighted_row_sum_noise(Probe& probe) {
 }
 
 template <typename Real>
-void probe_clip_noise_rows(Probe& probe) {
-  // l2_bytes = 0 is one chunk; room for 2 rows splits B = 3 into two chunks.
-  const std::int64_t l2_two_rows = 4 * 5 * static_cast<std::int64_t>(sizeof(Real));
-  const std::int64_t cases[][3] = {{3, 5, 0}, {20, 8, 0}, {3, 5, l2_two_rows}};
+void probe_clip_noise_rows_one_pass(Probe& probe) {
+  // Two blocks of columns (p = 2100), row blocks of one row; then one block.
+  const std::int64_t cases[][3] = {{3, 2100, 2}, {2, 9, 1}};
   for (const auto& c : cases) {
-    const std::int64_t B = c[0], p = c[1], l2 = c[2];
+    const std::int64_t B = c[0], p = c[1], blocks = c[2];
+    const auto layout = kernels::clip_noise_rows_layout(B, p);
+    const ClipRule rule{1.0, p, 1, unit_roundoff<Real>()};
+    kernels::launch_clip_noise_rows_one_pass<Real>(
+        probe.buffer<Real>(B * p), B, p, rule, 1.0, 0.5, kSeed, kOffset, probe.buffer<Real>(p),
+        probe.buffer<double>(B), layout, probe.bytes(layout.total_bytes), /*l2_bytes=*/0, blocks,
+        kLegacyStream);
+    probe.check(sizes({{"B", B}, {"p", p}, {"blocks", blocks}}));
+  }
+}
+
+template <typename Real>
+void probe_clip_noise_rows(Probe& probe) {
+  // l2_bytes = 0 is one chunk; room for 2 rows splits B = 3 into two chunks;
+  // one_pass_blocks 2 takes the one-pass form (p = 2100: two blocks of columns).
+  const std::int64_t l2_two_rows = 4 * 5 * static_cast<std::int64_t>(sizeof(Real));
+  const std::int64_t cases[][4] = {
+      {3, 5, 0, 0}, {20, 8, 0, 0}, {3, 5, l2_two_rows, 0}, {3, 2100, 0, 2}, {5, 7, 0, -1}};
+  for (const auto& c : cases) {
+    const std::int64_t B = c[0], p = c[1], l2 = c[2], one_pass = c[3];
     const auto layout = kernels::clip_noise_rows_layout(B, p);
     kernels::launch_clip_noise_rows<Real>(probe.buffer<Real>(B * p), B, p, 1.0, 1.0, 0.5, kSeed,
                                           kOffset, probe.buffer<Real>(p), probe.buffer<double>(B),
-                                          probe.bytes(layout.total_bytes), l2, kLegacyStream);
-    probe.check(sizes({{"B", B}, {"p", p}, {"l2_bytes", l2}}));
+                                          probe.bytes(layout.total_bytes), l2, one_pass,
+                                          kLegacyStream);
+    probe.check(sizes({{"B", B}, {"p", p}, {"l2_bytes", l2}, {"one_pass_blocks", one_pass}}));
   }
 }
 
@@ -387,6 +406,8 @@ const std::vector<Entry>& registry() {
       {"weighted_row_sum_noise<float,double>", &probe_weighted_row_sum_noise<float, double>},
       {"clip_noise_rows<float>", &probe_clip_noise_rows<float>},
       {"clip_noise_rows<double>", &probe_clip_noise_rows<double>},
+      {"clip_noise_rows_one_pass<float>", &probe_clip_noise_rows_one_pass<float>},
+      {"clip_noise_rows_one_pass<double>", &probe_clip_noise_rows_one_pass<double>},
       {"norm_affine_grads<float>", &probe_norm_affine_grads<float>},
       {"norm_affine_grads<double>", &probe_norm_affine_grads<double>},
       {"linear_sq_norms<float>", &probe_linear_sq_norms<float>},

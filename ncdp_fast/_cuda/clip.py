@@ -56,6 +56,12 @@ def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms, scale
 # against 0.88 ms at (1024, 409600) float32 at 5 us a launch; about even at
 # 2 us).  bench_clip_dense times both on a GPU ("ncdp_chunked"), which decides.
 DENSE_L2_BYTES = 0
+# The dense op's one-pass form (csrc/clip/dense_one_pass.cu: one launch, each
+# row read from DRAM once, its second read from the L2) is off (0) until a GPU
+# run measures it against the two-pass form: bench_clip_dense times it
+# ("ncdp_one_pass", -1: as many blocks as the device holds), with its
+# prediction beside it (bench/dense_traffic.py).
+DENSE_ONE_PASS_BLOCKS = 0
 
 
 def clip_noise_rows(g, max_norm, noise_std, inv_denom, seed, offset, out, norms, factors):
@@ -67,7 +73,8 @@ def clip_noise_rows(g, max_norm, noise_std, inv_denom, seed, offset, out, norms,
     ws, ws_ptr = workspace(g, nbytes)
     C.launch_clip_noise_rows(ptr(g), B, p, dt, float(max_norm), float(noise_std),
                               float(inv_denom), int(seed), int(offset), ptr(out), ptr(norms),
-                              ws_ptr, nbytes, stream(g), l2_bytes=DENSE_L2_BYTES)
+                              ws_ptr, nbytes, stream(g), l2_bytes=DENSE_L2_BYTES,
+                              one_pass_blocks=DENSE_ONE_PASS_BLOCKS)
 
 
 def weighted_row_sum_noise(g, factors, noise_std, inv_denom, seed, offset, out):

@@ -1036,6 +1036,19 @@ inline void __syncthreads() { ::ncdp_emu::syncthreads(); }
 // kernels (they order memory in the emulator), so the fence only has to stop
 // the compiler from moving accesses across it.
 inline void __threadfence_block() { std::atomic_signal_fence(std::memory_order_seq_cst); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline unsigned int atomicAdd(unsigned int* address, unsigned int value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_ACQ_REL);
+}
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_ACQ_REL);
+}
+// An L2 load on the device (past the SM's L1, which is not coherent across SMs).
+template <typename T>
+T __ldcg(const T* address) {
+  return *address;
+}
+inline void __nanosleep(unsigned int) {}
 
 template <typename T>
 T __shfl_sync(unsigned mask, T value, int src_lane, int width = 32) {
@@ -1064,5 +1077,11 @@ inline int __ffs(int x) { return __builtin_ffs(x); }
 // common/launch.cuh's hooks.
 #define NCDP_LAUNCH(grid, block, shared_bytes, stream, ...) \
   ::ncdp_emu::make_launch(&__VA_ARGS__, (grid), (block), (shared_bytes), (stream))
+// The blocks of a launch run one after another here, so a block never waits
+// on a flag another block has yet to set (clip/dense_one_pass.cu hands its
+// work out in ticket order for that reason); the flags and counters are still
+// atomics, so that the sanitizers see the hand-over within a block.
+#define NCDP_LOAD_ACQUIRE_GPU(ptr) __atomic_load_n((ptr), __ATOMIC_ACQUIRE)
+#define NCDP_STORE_RELEASE_GPU(ptr, value) __atomic_store_n((ptr), (value), __ATOMIC_RELEASE)
 #define NCDP_NAMED_BARRIER_SYNC(id, threads) ::ncdp_emu::named_barrier((id), (threads), true)
 #define NCDP_NAMED_BARRIER_ARRIVE(id, threads) ::ncdp_emu::named_barrier((id), (threads), false)

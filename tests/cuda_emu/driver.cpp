@@ -155,7 +155,7 @@ void run_typed(const Case& c) {
                                           c.f("max_norm"), c.f("noise_std"), c.f("inv_denom"),
                                           c.u("seed"), c.u("offset"), c.ptr<Real>("out"),
                                           c.ptr<double>("norms"), ws.data, c.i("l2_bytes"),
-                                          stream);
+                                          c.i("one_pass_blocks"), stream);
   } else if (c.op == "linear_sq_norms") {
     kernels::launch_linear_sq_norms<Real>(c.ptr<Real>("acts"), c.ptr<Real>("grads"), c.i("B"),
                                           c.i("T"), c.i("d"), c.i("K"), c.i("bias") != 0,
