@@ -85,6 +85,7 @@ ONE_PASS_MAX_COLUMNS = 256 * 4 * 4
 ONE_PASS_MIN_COLUMNS = 256 * 4
 ONE_PASS_MAX_ROWS = 32
 ONE_PASS_L2_SHARE = 16
+ONE_PASS_SEGMENTS_PER_ITEM = 4
 ONE_PASS_RESIDENT_BLOCKS = 132 * 2     # 128 registers x 256 threads: 2 blocks an SM (ptxas)
 L2_BYTES_PER_S = 7e12                  # assumed
 TICKET_S = 1e-9                        # assumed: one ticket an L2 atomic's turn on one address
@@ -93,7 +94,7 @@ TICKET_S = 1e-9                        # assumed: one ticket an L2 atomic's turn
 def one_pass_plan(B: int, p: int, itemsize: int, l2: int = H100_L2_BYTES,
                   blocks: int = ONE_PASS_RESIDENT_BLOCKS):
     """plan_clip_noise_rows_one_pass: (blocks, columns, rows, row blocks,
-    segments), or None where the rows are too wide for the grid (over 4096
+    segments, items), or None where the rows are too wide for the grid (over 4096
     columns a block) or too narrow for it (fewer than half its blocks)."""
     if B <= 0 or p <= 0:
         return None
@@ -104,8 +105,9 @@ def one_pass_plan(B: int, p: int, itemsize: int, l2: int = H100_L2_BYTES,
     if columns > ONE_PASS_MAX_COLUMNS:
         return None
     rows = max(1, min(ONE_PASS_MAX_ROWS, B, l2 // (ONE_PASS_L2_SHARE * p * itemsize)))
-    return (_ceil_div(p, columns), columns, rows, _ceil_div(B, rows),
-            max(1, _ceil_div(p, NORM_SEGMENT)))
+    segments = max(1, _ceil_div(p, NORM_SEGMENT))
+    return (_ceil_div(p, columns), columns, rows, _ceil_div(B, rows), segments,
+            _ceil_div(segments, ONE_PASS_SEGMENTS_PER_ITEM))
 
 
 def one_pass(B: int, p: int, itemsize: int, l2: int = H100_L2_BYTES,
@@ -121,13 +123,13 @@ def one_pass(B: int, p: int, itemsize: int, l2: int = H100_L2_BYTES,
     plan = one_pass_plan(B, p, itemsize, l2)
     if plan is None:
         return None
-    _, _, _, row_blocks, segments = plan
+    _, _, _, row_blocks, segments, items = plan
     data = B * p * itemsize
     small = B * segments * 8 * 2 + B * 8 * 3 + p * 8 * 2 + p * itemsize
     dram = data + small
     l2_reads = 2 * data + small
     seconds = (max(dram / READ_BYTES_PER_S, l2_reads / l2_bytes_per_s)
-               + row_blocks * segments * TICKET_S + 3 * LAUNCH_S)
+               + row_blocks * items * TICKET_S + 3 * LAUNCH_S)
     return dict(plan=plan, dram_per_input_byte=dram / data, l2_per_input_byte=l2_reads / data,
                 predicted_s=seconds, predicted_frac_of_read=data / READ_BYTES_PER_S / seconds)
 
@@ -149,7 +151,8 @@ def main() -> None:
               f"{one['dram_per_input_byte']:.3f} / {1e3 * one['predicted_s']:.3f} | "
               f"{f64['per_input_byte']:.3f} / {f64['partials_per_input_byte']:.3f} |")
     print()
-    print("| B | p | one pass (fp32): blocks, columns, rows, row blocks, segments | DRAM / L2 "
+    print("| B | p | one pass (fp32): blocks, columns, rows, row blocks, segments, items "
+          "| DRAM / L2 "
           "bytes per input byte | predicted H200 ms at L2 5.5 / 7 / 10 TB/s | fraction of read "
           "limit at 7 TB/s |")
     print("|---|---|---|---|---|---|")

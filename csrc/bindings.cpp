@@ -81,7 +81,8 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
         "Workspace bytes of launch_clip_noise_rows.", py::arg("B"), py::arg("p"),
         py::arg("dtype"));
   m.def("clip_noise_rows_one_pass_plan", &ncdp::clip_noise_rows_one_pass_plan,
-        "The one-pass form's split: (blocks, columns, rows, row_blocks, segments, flags_offset).",
+        "The one-pass form's split: (blocks, columns, rows, row_blocks, segments, items, "
+        "flags_offset).",
         py::arg("B"), py::arg("p"), py::arg("dtype"), py::arg("l2_bytes") = -1,
         py::arg("one_pass_blocks") = -1);
   m.def("launch_clip_noise_rows", &ncdp::launch_clip_noise_rows,

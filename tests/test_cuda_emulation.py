@@ -238,6 +238,7 @@ ONE_PASS_CASES = [
     (9, 4100, 1, 3, 4, (2, 7)),   # unaligned, 4-row groups with a partial last; NaN rows
     (12, 3000, 0, 3, 32, ()),     # one row block (rows capped at B)
     (6, 2049, 0, 2, 1, ()),       # one row a row block; a last block of one group
+    (3, 20000, 1, 5, 2, (1,)),    # five segments a row: two norm items a row block (4 + 1)
 ]
 
 

@@ -518,8 +518,8 @@ def test_cuda_dense_one_pass_matches_two_passes(require_cuda, dtype, monkeypatch
     gd = _cuda(g, require_cuda)
     dt = 0 if dtype == np.float32 else 1
     lib = native(gd)
-    blocks, columns, rows, row_blocks, segments, flags_at = lib.clip_noise_rows_one_pass_plan(
-        B, p, dt, -1, -1)
+    blocks, columns, rows, row_blocks, segments, items, flags_at = \
+        lib.clip_noise_rows_one_pass_plan(B, p, dt, -1, -1)
     assert blocks > 0 and row_blocks > 1, (blocks, rows, row_blocks)
     kw = dict(max_norm=C, noise_multiplier=sigma, seed=21, offset=3, reduction="mean",
               expected_batch_size=E)
@@ -553,7 +553,7 @@ def test_cuda_dense_one_pass_matches_two_passes(require_cuda, dtype, monkeypatch
         assert np.all(words[:row_blocks] == segments) and np.all(words[B:B + row_blocks] == 1)
         assert not words[row_blocks:B].any() and not words[B + row_blocks:2 * B].any()
         tickets = int(words[2 * B:].view(np.uint64)[0])
-        assert row_blocks * segments <= tickets <= row_blocks * segments + blocks
+        assert row_blocks * items <= tickets <= row_blocks * items + blocks
         assert torch.equal(norms, two.norms)
         outs.append(out)
     assert all(torch.equal(out, outs[0]) for out in outs[1:])

@@ -94,8 +94,8 @@ std::int64_t clip_noise_rows_workspace_bytes(std::int64_t B, std::int64_t p, int
 
 // The one-pass form's split of launch_clip_noise_rows(..., l2_bytes,
 // one_pass_blocks) on the current device: (blocks, columns a block, rows a row
-// block, row blocks, norm segments a row, byte offset of its flags in the
-// workspace); blocks 0: the two-pass form runs instead.
+// block, row blocks, norm segments a row, norm items a row block, byte offset
+// of its flags in the workspace); blocks 0: the two-pass form runs instead.
 std::vector<std::int64_t> clip_noise_rows_one_pass_plan(std::int64_t B, std::int64_t p, int dtype,
                                                         std::int64_t l2_bytes,
                                                         std::int64_t one_pass_blocks);
@@ -290,14 +290,16 @@ void launch_clip_noise_rows(const Real* grads,  // [B, p]
                             cudaStream_t stream);
 
 // The one-pass form's split: `blocks` blocks own `columns` columns each; row
-// blocks of `rows` rows; `segments` norm segments a row. blocks == 0: the rows
-// do not fit the grid (or there is nothing to sum).
+// blocks of `rows` rows; `segments` norm segments a row, taken `items` norm
+// items a row block (up to 4 segments an item). blocks == 0: the rows do not
+// fit the grid (or there is nothing to sum).
 struct OnePassPlan {
   std::int64_t blocks;
   std::int64_t columns;
   std::int64_t rows;
   std::int64_t row_blocks;
   std::int64_t segments;
+  std::int64_t items;
 };
 OnePassPlan plan_clip_noise_rows_one_pass(std::int64_t B, std::int64_t p,
                                           std::int64_t element_bytes, std::int64_t l2_bytes,

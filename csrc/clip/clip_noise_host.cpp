@@ -212,7 +212,8 @@ std::vector<std::int64_t> clip_noise_rows_one_pass_plan(std::int64_t B, std::int
       : dtype == kDtypeFloat32
           ? kernels::resolve_clip_noise_rows_one_pass<float>(B, p, l2, one_pass_blocks)
           : kernels::resolve_clip_noise_rows_one_pass<double>(B, p, l2, one_pass_blocks);
-  return {plan.blocks, plan.columns, plan.rows, plan.row_blocks, plan.segments,
+  return {plan.blocks,   plan.columns, plan.rows,
+          plan.row_blocks, plan.segments, plan.items,
           kernels::clip_noise_rows_layout(B, p).flags_offset};
 }
 

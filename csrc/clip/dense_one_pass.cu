@@ -4,10 +4,11 @@
 // three launches a chunk to keep the second read in L2. Here one launch does
 // both passes:
 //
-// - Norm items (row block k, norm segment s) are handed out in ticket order
-//   from a counter: a row block's R rows, one segment of 4096 columns, their
-//   squared sums into sq_partials[row, s], the same per-thread order and
-//   block tree as row_sq_norms_kernel (so the norms are its own, bit for bit).
+// - Norm items (row block k, up to 4 norm segments) are handed out in ticket
+//   order from a counter: a row block's R rows, segments of 4096 columns,
+//   each segment's squared sums into sq_partials[row, s], the same per-thread
+//   order and block tree as row_sq_norms_kernel (so the norms are its own,
+//   bit for bit).
 //   The block that completes a row block's last item forms its rows' norms
 //   and factors (as clip_factors_kernel: segments summed in order) and sets
 //   the row block's ready flag.
@@ -47,6 +48,9 @@ constexpr std::int64_t kOnePassMaxColumns = std::int64_t{kBlockThreads} * 4 * kO
 constexpr std::int64_t kOnePassMinColumns = std::int64_t{kBlockThreads} * 4;
 // Rows of a norm item reduced together (their loads in flight at once).
 constexpr int kOnePassRowsAtOnce = 4;
+// Segments of a norm item: a ticket's round trip to the L2 (a block waits for
+// it) is paid once for up to 4 R x 4096 values.
+constexpr std::int64_t kOnePassSegmentsPerItem = 4;
 // Rows of a row block: at most this many, and at most 1/kOnePassL2Share of the
 // L2 (a row block is read again while the norm items of about two more pass
 // through the L2: the grid's items in flight are some two row blocks' worth).
@@ -70,9 +74,10 @@ struct OnePassFlags {
   unsigned long long* next_ticket;  // the next norm item to hand out
 };
 
-// Norm item t: rows [k R, k R + R) of segment s, t = k M + s. Thread 0 writes
-// the partials; the block that finishes a row block's last item writes its
-// norms and factors and then its ready flag.
+// Norm item t: rows [k R, k R + R) of segments [4 i, 4 i + 4) (those below
+// M), t = k G + i, G = plan.items. Thread 0 writes the partials; the block
+// that finishes a row block's last segment writes its norms and factors and
+// then its ready flag.
 template <typename Real>
 __device__ void one_pass_norm_item(const Real* __restrict__ grads, std::int64_t B,
                                    std::int64_t p, const OnePassPlan& plan, const ClipRule& rule,
@@ -80,32 +85,36 @@ __device__ void one_pass_norm_item(const Real* __restrict__ grads, std::int64_t 
                                    double* __restrict__ factors, double* __restrict__ norms,
                                    const OnePassFlags& flags, double* scratch, int* last) {
   const int tid = static_cast<int>(threadIdx.x);
-  const std::int64_t k = t / plan.segments;
-  const std::int64_t s = t % plan.segments;
+  const std::int64_t k = t / plan.items;
+  const std::int64_t s0 = (t % plan.items) * kOnePassSegmentsPerItem;
+  const std::int64_t s1 = std::min(plan.segments, s0 + kOnePassSegmentsPerItem);
   const std::int64_t r0 = k * plan.rows;
   const std::int64_t r1 = std::min(B, r0 + plan.rows);
   const std::int64_t segment = kDenseNormSegment;  // by value: std::min takes references
-  const std::int64_t begin = s * segment;
-  const std::int64_t length = std::min(segment, p - begin);
-  for (std::int64_t rb = r0; rb < r1; rb += kOnePassRowsAtOnce) {
-    double sums[kOnePassRowsAtOnce];
-#pragma unroll
-    for (int j = 0; j < kOnePassRowsAtOnce; ++j) {
-      sums[j] = rb + j < r1 ? thread_sum_of_squares(grads + (rb + j) * p + begin, length, tid,
-                                                    kBlockThreads)
-                            : 0.0;
-    }
-    block_sums<kBlockThreads>(sums, scratch);
-    if (tid == 0) {
+  for (std::int64_t s = s0; s < s1; ++s) {
+    const std::int64_t begin = s * segment;
+    const std::int64_t length = std::min(segment, p - begin);
+    for (std::int64_t rb = r0; rb < r1; rb += kOnePassRowsAtOnce) {
+      double sums[kOnePassRowsAtOnce];
 #pragma unroll
       for (int j = 0; j < kOnePassRowsAtOnce; ++j) {
-        if (rb + j < r1) sq_partials[(rb + j) * plan.segments + s] = sums[j];
+        sums[j] = rb + j < r1 ? thread_sum_of_squares(grads + (rb + j) * p + begin, length, tid,
+                                                      kBlockThreads)
+                              : 0.0;
+      }
+      block_sums<kBlockThreads>(sums, scratch);
+      if (tid == 0) {
+#pragma unroll
+        for (int j = 0; j < kOnePassRowsAtOnce; ++j) {
+          if (rb + j < r1) sq_partials[(rb + j) * plan.segments + s] = sums[j];
+        }
       }
     }
   }
   if (tid == 0) {
     __threadfence();  // the partials before the count that publishes them
-    *last = atomicAdd(flags.done + k, 1u) + 1u == static_cast<unsigned int>(plan.segments);
+    const unsigned int here = static_cast<unsigned int>(s1 - s0);
+    *last = atomicAdd(flags.done + k, here) + here == static_cast<unsigned int>(plan.segments);
   }
   __syncthreads();
   if (*last) {
@@ -138,7 +147,7 @@ __device__ void one_pass_wait(std::int64_t k, const Real* __restrict__ grads, st
                               double* __restrict__ sq_partials, double* __restrict__ factors,
                               double* __restrict__ norms, const OnePassFlags& flags,
                               double* scratch, long long* ticket, int* last) {
-  const long long total = static_cast<long long>(plan.row_blocks * plan.segments);
+  const long long total = static_cast<long long>(plan.row_blocks * plan.items);
   for (;;) {
     if (threadIdx.x == 0) {
       long long t = -1;  // ready
@@ -281,6 +290,7 @@ OnePassPlan plan_clip_noise_rows_one_pass(std::int64_t B, std::int64_t p,
       1, std::min({kOnePassMaxRows, B, l2_bytes / (kOnePassL2Share * row_bytes)}));
   plan.row_blocks = ceil_div(B, plan.rows);
   plan.segments = ceil_div(p, kDenseNormSegment);
+  plan.items = ceil_div(plan.segments, kOnePassSegmentsPerItem);
   return plan;
 }
 
