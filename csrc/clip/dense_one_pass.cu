@@ -51,6 +51,10 @@ constexpr int kOnePassRowsAtOnce = 4;
 // Segments of a norm item: a ticket's round trip to the L2 (a block waits for
 // it) is paid once for up to 4 R x 4096 values.
 constexpr std::int64_t kOnePassSegmentsPerItem = 4;
+// Polls of a ready flag with no ticket left (each after a 256 ns sleep, so at
+// least 17 s) before the launch is failed with a trap: a hand-over that never
+// comes (a bug, or a device that stopped a block) is an error, not a hang.
+constexpr long long kOnePassMaxPolls = 1ll << 26;
 // Rows of a row block: at most this many, and at most 1/kOnePassL2Share of the
 // L2 (a row block is read again while the norm items of about two more pass
 // through the L2: the grid's items in flight are some two row blocks' worth).
@@ -148,6 +152,7 @@ __device__ void one_pass_wait(std::int64_t k, const Real* __restrict__ grads, st
                               double* __restrict__ norms, const OnePassFlags& flags,
                               double* scratch, long long* ticket, int* last) {
   const long long total = static_cast<long long>(plan.row_blocks * plan.items);
+  long long polls = 0;  // thread 0's
   for (;;) {
     if (threadIdx.x == 0) {
       long long t = -1;  // ready
@@ -158,6 +163,7 @@ __device__ void one_pass_wait(std::int64_t k, const Real* __restrict__ grads, st
                 : total;
         if (t >= total) {
           t = total;  // nothing left to take: another block holds the last items
+          if (++polls > kOnePassMaxPolls) __trap();
           __nanosleep(256);
         }
       }

@@ -1049,6 +1049,7 @@ T __ldcg(const T* address) {
   return *address;
 }
 inline void __nanosleep(unsigned int) {}
+[[noreturn]] inline void __trap() { ::ncdp_emu::fatal("a kernel trapped (__trap)"); }
 
 template <typename T>
 T __shfl_sync(unsigned mask, T value, int src_lane, int width = 32) {
