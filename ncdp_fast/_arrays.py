@@ -309,15 +309,28 @@ class CupyIO:
         return bool(cupy.isfinite(k).all())
 
 
+# The I/O objects hold nothing but their device: one a (device, emulation)
+# serves every call (building one cost some 4 us of host time, two dozen times
+# a transformer's private step; issue 36).
+_IO_OF_PLACE: dict = {}
+
+
 def io_for(x: Any):
     """The I/O object of x's library and device; a TypeError for arrays no op takes."""
     k = kind(x)
     if k == "torch":
-        if x.device.type == "cuda":
-            return TorchCudaIO(x.device)
-        if x.device.type != "cpu":
-            raise TypeError(f"torch tensors on {x.device} are not supported (CPU or CUDA only)")
-        return TorchEmulatedIO() if _EMULATION else TorchCpuIO()
+        device = x.device
+        io = _IO_OF_PLACE.get((device, _EMULATION))
+        if io is not None:
+            return io
+        if device.type == "cuda":
+            io = TorchCudaIO(device)
+        elif device.type != "cpu":
+            raise TypeError(f"torch tensors on {device} are not supported (CPU or CUDA only)")
+        else:
+            io = TorchEmulatedIO() if _EMULATION else TorchCpuIO()
+        _IO_OF_PLACE[(device, _EMULATION)] = io
+        return io
     if k == "cupy":
         return CupyIO(int(x.device.id))
     if k == "cuda":

@@ -3,6 +3,7 @@
 wrapper's argument validation (which runs before any CUDA call)."""
 from __future__ import annotations
 
+import copy
 import sys
 import types
 
@@ -315,7 +316,7 @@ def test_backend_select_tells_a_device_from_a_library(monkeypatch):
     real = _arrays.io_for
 
     def io_for(x):
-        io = real(x)
+        io = copy.copy(real(x))       # io_for's objects are shared: force a copy's place
         io.place = forced.get(id(x), io.place)
         return io
     monkeypatch.setattr(_arrays, "io_for", io_for)
