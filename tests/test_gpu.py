@@ -495,13 +495,15 @@ def test_cuda_dense_l2_chunks_match_cpu(require_cuda, dtype, p, monkeypatch):
                             f"cuda dense, {B} rows in chunks of {chunk}")
 
 
+@pytest.mark.parametrize("l2", [-1, 1])         # row blocks by the device's L2 / of one row
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_dense_one_pass_matches_two_passes(require_cuda, dtype, monkeypatch):
+def test_cuda_dense_one_pass_matches_two_passes(require_cuda, dtype, l2, monkeypatch):
     # The one-pass form (csrc/clip/dense_one_pass.cu) on as many blocks as the
     # device holds: on a GPU its blocks run at once and hand rows over through
     # flags (on the emulated device one block does it all), so the same call
     # must give the same bits every time, the two-pass form's norms bit for
-    # bit, and its flags must show every row block finished.
+    # bit, and its flags must show every row block finished. l2 = 1: rows of
+    # one, the most hand-overs (45 row blocks); the op itself takes -1.
     import torch
 
     from ncdp_fast._cuda import clip as device_clip
@@ -519,8 +521,8 @@ def test_cuda_dense_one_pass_matches_two_passes(require_cuda, dtype, monkeypatch
     dt = 0 if dtype == np.float32 else 1
     lib = native(gd)
     blocks, columns, rows, row_blocks, segments, items, flags_at = \
-        lib.clip_noise_rows_one_pass_plan(B, p, dt, -1, -1)
-    assert blocks > 0 and row_blocks > 1, (blocks, rows, row_blocks)
+        lib.clip_noise_rows_one_pass_plan(B, p, dt, l2, -1)
+    assert blocks > 0 and row_blocks > 1 and (l2 > 0) == (rows == 1), (blocks, rows, row_blocks)
     kw = dict(max_norm=C, noise_multiplier=sigma, seed=21, offset=3, reduction="mean",
               expected_batch_size=E)
     monkeypatch.setattr(device_clip, "DENSE_ONE_PASS_BLOCKS", 0)
@@ -547,7 +549,7 @@ def test_cuda_dense_one_pass_matches_two_passes(require_cuda, dtype, monkeypatch
         out = torch.empty(p, dtype=gd.dtype, device=gd.device)
         norms = torch.empty(B, dtype=torch.float64, device=gd.device)
         lib.launch_clip_noise_rows(ptr(gd), B, p, dt, C, sigma * C, 1.0, 1, 0, ptr(out),
-                                   ptr(norms), ws_ptr, nbytes, stream(gd), l2_bytes=-1,
+                                   ptr(norms), ws_ptr, nbytes, stream(gd), l2_bytes=l2,
                                    one_pass_blocks=-1)
         words = ws[flags_at:flags_at + 4 * (2 * B + 2)].view(torch.int32).cpu().numpy()
         assert np.all(words[:row_blocks] == segments) and np.all(words[B:B + row_blocks] == 1)

@@ -71,9 +71,12 @@ def clip_noise_rows(g, max_norm, noise_std, inv_denom, seed, offset, out, norms,
     C = native(g)
     nbytes = C.clip_noise_rows_workspace_bytes(B, p, dt)
     ws, ws_ptr = workspace(g, nbytes)
+    # The one-pass form sizes its row blocks by the device's L2 (-1); the
+    # two-pass form's 0 is "one chunk", which would give it rows of one.
     C.launch_clip_noise_rows(ptr(g), B, p, dt, float(max_norm), float(noise_std),
                               float(inv_denom), int(seed), int(offset), ptr(out), ptr(norms),
-                              ws_ptr, nbytes, stream(g), l2_bytes=DENSE_L2_BYTES,
+                              ws_ptr, nbytes, stream(g),
+                              l2_bytes=-1 if DENSE_ONE_PASS_BLOCKS else DENSE_L2_BYTES,
                               one_pass_blocks=DENSE_ONE_PASS_BLOCKS)
 
 
