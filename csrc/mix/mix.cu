@@ -456,13 +456,19 @@ __device__ __forceinline__ void fused_accumulate(const MixArgs<Real>& a, MixShar
         if (lane == 0) sh.norm_partials[parity][m][warp] = sq;
       }
       barrier_sync<kGatherBarrier>(kBlockThreads);
-#pragma unroll
-      for (int m = 0; m < kMembers; ++m) {
+      // Lane m of every warp forms member m's factor (the same sum, in warp
+      // order, and the same rule as every thread forming all of them: the
+      // same bits), and the warp shares it: a thread evaluates the rule once
+      // a step instead of kMembers times.
+      double mine = 1.0;
+      if (lane < kMembers) {
         double sq = 0.0;
 #pragma unroll
-        for (int w = 0; w < kGatherWarps; ++w) sq += sh.norm_partials[parity][m][w];
-        factor[m] = mix_clip_factor<Real>(sq, a.clip_x, a.d);
+        for (int w = 0; w < kGatherWarps; ++w) sq += sh.norm_partials[parity][lane][w];
+        mine = mix_clip_factor<Real>(sq, a.clip_x, a.d);
       }
+#pragma unroll
+      for (int m = 0; m < kMembers; ++m) factor[m] = __shfl_sync(kFullMask, mine, m);
       // The other buffer is next; this one is rewritten only after the next
       // step's barrier, which every thread reaches after reading it.
       parity ^= 1;
