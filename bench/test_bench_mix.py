@@ -8,7 +8,8 @@
    hierarchical with 3 classes per row).  The dense mask needs T*n*4 bytes (10 GB
    at the second size), so it is measured at the T that fits (``DENSE_MAX_GB``)
    and its time per row is extrapolated linearly in T (mask and matmul are both
-   linear in T); the report says which numbers are extrapolated.  Achieved gather
+   linear in T); the report says which numbers are extrapolated.  A third row
+   repeats the second with ``clip_x = 1`` (the kernel's clip path).  Achieved gather
    bandwidth: bytes of the selected feature rows read (sum |I_t| * d * itemsize)
    per second, against the machine's read limit measured by summing the features.
 2. ``test_poisson_batches`` (report ``bench_poisson_batches``, CPU only):
@@ -19,13 +20,20 @@ from __future__ import annotations
 
 from _common import cases, measure
 
+# The third row of each size is the second with a clip bound (clip_x = 1):
+# every member's norm and clip factor formed inside the gather (issue 36: the
+# kernel's clip path); the features already have norm <= 1, so the dense peer,
+# which does not clip, computes the same rows.
 MIX_SHAPES = {
     "full": [dict(n=10000, T=10000, d=512, K=10, m=64, classes_per_row=None),
-             dict(n=50000, T=50000, d=2048, K=100, m=64, classes_per_row=3)],
+             dict(n=50000, T=50000, d=2048, K=100, m=64, classes_per_row=3),
+             dict(n=50000, T=50000, d=2048, K=100, m=64, classes_per_row=3, clip_x=1.0)],
     "quick": [dict(n=4000, T=4000, d=256, K=10, m=64, classes_per_row=None),
-              dict(n=8000, T=8000, d=512, K=100, m=64, classes_per_row=3)],
+              dict(n=8000, T=8000, d=512, K=100, m=64, classes_per_row=3),
+              dict(n=8000, T=8000, d=512, K=100, m=64, classes_per_row=3, clip_x=1.0)],
     "smallest": [dict(n=200, T=200, d=16, K=10, m=8, classes_per_row=None),
-                 dict(n=200, T=200, d=16, K=10, m=8, classes_per_row=3)]}
+                 dict(n=200, T=200, d=16, K=10, m=8, classes_per_row=3),
+                 dict(n=200, T=200, d=16, K=10, m=8, classes_per_row=3, clip_x=1.0)]}
 BATCH_CFG = {"full": dict(n=10**6, q=1e-3, steps=1000), "quick": dict(n=10**5, q=1e-3, steps=200),
              "smallest": dict(n=1000, q=1e-2, steps=5)}
 DENSE_MAX_GB = 6.0          # the largest dense float mask (GB) the peer may allocate
@@ -34,7 +42,8 @@ DENSE_MAX_GB = 6.0          # the largest dense float mask (GB) the peer may all
 def mix_label(shape):
     return (f"n=T={shape['n']}, d={shape['d']}, K={shape['K']}, m={shape['m']}, "
             + ("Poisson" if shape["classes_per_row"] is None else
-               f"HS {shape['classes_per_row']} classes/row"))
+               f"HS {shape['classes_per_row']} classes/row")
+            + (f", clip_x={shape['clip_x']:g}" if shape.get("clip_x") else ""))
 
 
 def dense_rows(shape, max_gb):
@@ -74,7 +83,7 @@ def mix_fn(shape, method, T, device):
 
         def fn():
             r = nf.mix(arr, lab, num_samples=T, mixup_degree=m, noise_std_x=sx, noise_std_y=sy,
-                       num_classes=K, class_rate=rate, seed=1)
+                       num_classes=K, class_rate=rate, clip_x=shape.get("clip_x"), seed=1)
             info["selected"] = int(r.counts.sum())
             return r
     elif method == "dense_torch":
