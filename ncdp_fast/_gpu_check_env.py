@@ -83,8 +83,13 @@ def find_nvcc() -> str:
 
 def check_env(native: Path | None = None) -> dict:
     """The environment of every process the check starts: the checkout first
-    on the path (``python -m`` from ROOT) and, once built, the check's module."""
+    on the path and, once built, the check's module.  ``python -m`` from ROOT
+    puts the checkout on the path by itself, a script (bench/profile_step.py,
+    bench/host_step.py) does not: the 2026-11-30 H200 run lost its profile to
+    "No module named 'ncdp_fast'" where PYTHONPATH named other directories."""
     env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "")
+                                                        .split(os.pathsep) if p])
     env.pop(_NATIVE_ENV, None)
     if native is not None:
         env[_NATIVE_ENV] = str(native)

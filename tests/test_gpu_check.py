@@ -302,3 +302,14 @@ def test_the_profile_phase_runs_bench_profile_step(tmp_path):
     host = gpu_bench._command("py", gpu_bench.HOST, tmp_path, ["--rounds", "2"])
     assert host[1].endswith("bench/host_step.py") and host[host.index("--device") + 1] == "cuda"
     assert host[host.index("--out") + 1] == str(tmp_path)
+
+
+def test_check_env_puts_the_checkout_first_on_the_path(monkeypatch):
+    # bench/profile_step.py and bench/host_step.py run as scripts: the
+    # checkout must be on their path whatever PYTHONPATH the caller set.
+    import os
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/tmp/site", ""]))
+    env = gpu_env.check_env()
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(gpu_env.ROOT), "/tmp/site"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert gpu_env.check_env()["PYTHONPATH"] == str(gpu_env.ROOT)
