@@ -78,9 +78,11 @@ def traffic(B: int, p: int, itemsize: int, partial_bytes: int = 8,
 
 
 # The one-pass form (csrc/clip/dense_one_pass.cu): its plan restated, and the
-# L2's read rate it leans on, which no run of this project has measured: an
-# assumption, to be replaced by bench_clip_dense's "l2_torch_sum" row (torch.sum
-# over a 16 MB slice read 64 times, L2-resident) once a GPU run has one.
+# L2's read rate it leans on, assumed.  The H200 (2026-11-30) measured the
+# kernel at 1.662 ms where this model says 0.509 ms at (1024, 409600), and
+# bench_clip_dense's "l2_torch_sum" row (torch.sum over a 16 MB slice read 64
+# times) at 2.67 TB/s: the model's premise, a second read served by the L2
+# at this rate, did not hold.
 ONE_PASS_MAX_COLUMNS = 256 * 4 * 4
 ONE_PASS_MIN_COLUMNS = 256 * 4
 ONE_PASS_MAX_ROWS = 32
