@@ -234,12 +234,23 @@ def _ours(name, kw) -> tuple[float, int]:
         return b / BYTES_PER_S + KERNEL_FLOOR_S, b
     if name == "launch_gram_rows_f64":
         # The upper triangle of 64 x 64 tiles a sample on the FP64 tensor cores
-        # at the assumed MODEL_FLOPS_PER_S, each sample's float32 rows read from DRAM once
-        # (a tile's second read from L2) and its float64 Gram written.
-        from ncdp_fast._cuda.gram import MODEL_FLOPS_PER_S, flops
-        count = len(kw["x"]) * kw["n"]
-        b = count * (4 * kw["T"] * kw["d"] + 8 * kw["T"] ** 2)
-        return max(flops(count, kw["T"], kw["d"]) / MODEL_FLOPS_PER_S, b / BYTES_PER_S), b
+        # at the measured rate of each SM the launch keeps busy (its k-ranges
+        # counted: gram.launch_seconds), each sample's float32 rows read from
+        # DRAM once (a tile's second read from L2) and its float64 Gram written.
+        # A split launch's ranges write partial Grams that its second kernel
+        # reads and adds (one more launch).
+        from ncdp_fast._cuda.gram import launch_seconds, split
+        count, T = len(kw["x"]) * kw["n"], kw["T"]
+        b = count * (4 * T * kw["d"] + 8 * T ** 2)
+        nt = -(-T // 64)
+        ranges, _ = split(count * nt * (nt + 1) // 2, kw["d"])
+        tail = 0.0
+        if ranges > 1:
+            partials = 8 * ranges * count * T ** 2
+            b += 2 * partials
+            tail = 2 * partials / BYTES_PER_S + KERNEL_FLOOR_S
+        seconds = launch_seconds(len(kw["x"]), kw["n"], T, kw["d"])
+        return max(seconds, count * (4 * T * kw["d"] + 8 * T ** 2) / BYTES_PER_S) + tail, b
     raise ValueError(f"device_model: no cost model for {name}; add one from its kernel")
 
 
@@ -265,7 +276,8 @@ def _patch_launches(model):
     return emu, saved
 
 
-def _grams_on_host(x, sample_strides, row_strides, n, T, d, out, stream):
+def _grams_on_host(x, sample_strides, row_strides, n, T, d, out, workspace, workspace_bytes,
+                   stream):
     """launch_gram_rows_f64's Grams formed by the host's BLAS from the same
     memory (the emulated device's is the host's), for every step the model
     runs, warm-up included: the emulator meets the kernel's tensor-core
@@ -275,7 +287,7 @@ def _grams_on_host(x, sample_strides, row_strides, n, T, d, out, stream):
     import ctypes
 
     import numpy as np
-    del stream
+    del workspace, workspace_bytes, stream
     count = len(x) * n * T * T
     if count == 0:
         return None

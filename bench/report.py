@@ -179,8 +179,9 @@ GRAM_ROUTE_LAUNCHES = 6
 
 
 # The float32 Gram route at T > 1 (csrc/clip/gram_f64.cu): a Gram launch for a
-# and one for g, then linear_norms_from_grams' two; the kernel's rate is the
-# assumption of ncdp_fast/_cuda/gram.py (MODEL_FLOPS_PER_S), not measured yet.
+# and one for g (each with its k-ranges' sum where it splits d), then
+# linear_norms_from_grams' two; the kernel's rate a busy SM is the one the
+# H200 measured (ncdp_fast/_cuda/gram.py MODEL_FLOPS_PER_SM_S).
 GRAM_KERNEL_LAUNCHES = 4
 
 
@@ -195,13 +196,14 @@ def predicted_norm_ms(B, T, d, K) -> float:
 
 def predicted_gram_kernel_ms(B, T, d, K) -> float:
     """The Gram kernel's route: the upper triangle of 64 x 64 tiles of each
-    sample's two Grams at the assumed rate (_cuda.gram.MODEL_FLOPS_PER_S), a and g read once in
-    float32, both Grams written and read once by linear_norms_from_grams,
-    :data:`GRAM_KERNEL_LAUNCHES` launches."""
-    from ncdp_fast._cuda.gram import MODEL_FLOPS_PER_S, flops
+    sample's two Grams, a launch each, at the measured rate of each SM a
+    launch keeps busy (_cuda.gram.launch_seconds: its k-ranges counted), a and
+    g read once in float32, both Grams written and read once by
+    linear_norms_from_grams, :data:`GRAM_KERNEL_LAUNCHES` launches."""
+    from ncdp_fast._cuda.gram import launch_seconds
     m = GPU_MODEL
     traffic = 4 * B * T * (d + K) + 2 * 8 * 2 * B * T * T
-    return 1e3 * ((flops(B, T, d) + flops(B, T, K)) / MODEL_FLOPS_PER_S
+    return 1e3 * (launch_seconds(1, B, T, d) + launch_seconds(1, B, T, K)
                   + traffic / m["bytes_per_s"] + GRAM_KERNEL_LAUNCHES * m["launch_s"])
 
 

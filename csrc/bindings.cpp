@@ -106,11 +106,15 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
         py::arg("x"), py::arg("g"), py::arg("B"), py::arg("rows"), py::arg("n"), py::arg("run"),
         py::arg("dtype"), py::arg("eps"), py::arg("w"), py::arg("b"), py::arg("workspace"),
         py::arg("workspace_bytes"), py::arg("stream"));
+  m.def("gram_rows_f64_workspace_bytes", &ncdp::gram_rows_f64_workspace_bytes,
+        "Workspace bytes of launch_gram_rows_f64 (its k-ranges' partial Grams; 0: one range).",
+        py::arg("count"), py::arg("n"), py::arg("T"), py::arg("d"));
   m.def("launch_gram_rows_f64", &ncdp::launch_gram_rows_f64,
         "out[s n + i] = X X^T in float64 of sample i of float32 source s (T rows of d values "
         "at the given element strides), on the FP64 tensor cores; up to 8 sources.",
         py::arg("x"), py::arg("sample_strides"), py::arg("row_strides"), py::arg("n"),
-        py::arg("T"), py::arg("d"), py::arg("out"), py::arg("stream"));
+        py::arg("T"), py::arg("d"), py::arg("out"), py::arg("workspace"),
+        py::arg("workspace_bytes"), py::arg("stream"));
   m.def("clipped_linear_sum_workspace_bytes", &ncdp::clipped_linear_sum_workspace_bytes,
         "Workspace bytes that let launch_clipped_linear_sum split the B*T reduction.",
         py::arg("B"), py::arg("T"), py::arg("d"), py::arg("K"), py::arg("dtype"));

@@ -863,10 +863,12 @@ def test_norm_affine_grads(emu, dtype, shape, outputs):
 # Float64 Grams of float32 rows (clip/gram_f64.cu): the tensor-core fragments'
 # contract (common/mma_f64.cuh, met with shuffles here), a diagonal and
 # off-diagonal tiles, a partial staging step, two sources in one launch of
-# more samples than the grid's 3 blocks, rows further apart than d.
+# more samples than the grid's 3 blocks, rows further apart than d, and a
+# launch of two jobs whose 600 values split into two k-ranges (partial Grams
+# in the workspace, added by a second kernel).
 
 @pytest.mark.parametrize("n, T, d, row_stride", [(1, 1, 1, 1), (2, 5, 17, 17), (2, 65, 3, 4),
-                                                 (1, 66, 20, 20), (2, 4, 0, 0)])
+                                                 (1, 66, 20, 20), (2, 4, 0, 0), (1, 5, 600, 601)])
 def test_gram_rows_f64(emu, n, T, d, row_stride):
     from test_gram_f64 import assert_grams_close, rows
     x = [rows((n, T, max(row_stride, 1)), s) for s in range(2)]

@@ -61,14 +61,20 @@ def _bound(a, g, bias):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_gemm_norms_match_the_reference(shape, bias, dtype, chunked, monkeypatch):
     B, T, d, K = shape
-    if chunked:
-        # Chunks of 2 samples (the last one short where B is odd).
-        gram = 2 * T * T <= K * d
-        per_sample = 8 * (T * (d + K) + (2 * T * T if gram else K * d))
-        monkeypatch.setattr(device_clip, "GEMM_CHUNK_BYTES", 2 * per_sample + 1)
     rng = np.random.default_rng(B * 1000 + T * 10 + d)
     a = rng.standard_normal((B, T, d)).astype(dtype)
     g = (rng.standard_normal((B, T, K)) * 1e-3).astype(dtype)
+    if chunked:
+        # Chunks of 2 samples (the last one short where B is odd): the Gram
+        # route's temporaries (no copy where the kernel reads a part as it
+        # lies), the direct route's copies and K x d matrices.
+        import ncdp_fast._backend as be
+        gram = 2 * T * T <= K * d
+        with be.emulated_cuda():
+            per_sample = (device_clip.gram_sample_bytes(torch.from_numpy(a))
+                          + device_clip.gram_sample_bytes(torch.from_numpy(g)) if gram
+                          else 8 * (T * (d + K) + K * d))
+        monkeypatch.setattr(device_clip, "GEMM_CHUNK_BYTES", 2 * per_sample + 1)
     ref = _reference(a, g, bias)
     prior = rng.random(B)
     for accumulate in (False, True):
@@ -407,11 +413,14 @@ def test_group_norms_are_each_layers_norms_summed(shape, dtype, L, per_chunk, mo
     from ncdp_fast._numba import clip as numba_clip
     from ncdp_fast.reference import linear_spread
     B, T, d, K = shape
-    monkeypatch.setattr(device_clip, "GROUP_CHUNK_BYTES",
-                        (per_chunk or L) * B * device_clip._norm_bytes(T, d, K, True))
     rng = np.random.default_rng(B + T + d + K + L)
     a = [rng.standard_normal((B, T, d)).astype(dtype) for _ in range(L)]
     g = [(rng.standard_normal((B, T, K)) * 1e-3).astype(dtype) for _ in range(L)]
+    import ncdp_fast._backend as be
+    with be.emulated_cuda():
+        a_bytes, g_bytes, _ = device_clip._layer_bytes([torch.from_numpy(x) for x in a],
+                                                       [torch.from_numpy(y) for y in g], False)
+    monkeypatch.setattr(device_clip, "GROUP_CHUNK_BYTES", (per_chunk or L) * (a_bytes[0] + g_bytes[0]))
     ref = sum(_reference(x, y, True) for x, y in zip(a, g))
     tol = sum(_bound(x, y, True) for x, y in zip(a, g)) + (L + 1) * U64 * ref
     ref_sp = sum(np.asarray(linear_spread(x, y, True), np.float64).reshape(B)
@@ -471,13 +480,17 @@ def test_group_norms_share_one_inputs_copy_and_grams(shape, dtype, monkeypatch):
     a = [x, x, x, y, z, z]
     g = [(rng.standard_normal((B, T, K)) * 1e-3).astype(dtype) for _ in a]
     gram = 2 * T * T <= K * d
-    assert device_clip._group_chunks(a_t, B, T, d, K) == (
+    import ncdp_fast._backend as be
+    with be.emulated_cuda():
+        a_bytes, g_bytes, stack = device_clip._layer_bytes(a_t, [torch.from_numpy(v) for v in g],
+                                                           False)
+    assert device_clip._group_chunks(a_t, a_bytes, g_bytes, stack) == (
         [(0, 3, True), (3, 4, False), (4, 6, True)] if gram else [(0, 6, False)])
     # A budget for two of the shared run's layers: the run is cut, the rest alone.
-    two = 8 * B * (T * d + T * T) + 2 * 8 * B * (T * K + T * T)
-    monkeypatch.setattr(device_clip, "GROUP_CHUNK_BYTES", two)
+    monkeypatch.setattr(device_clip, "GROUP_CHUNK_BYTES", a_bytes[0] + 2 * g_bytes[0])
     if gram:
-        assert device_clip._group_chunks(a_t, B, T, d, K)[:2] == [(0, 2, True), (2, 3, False)]
+        assert device_clip._group_chunks(a_t, a_bytes, g_bytes, stack)[:2] == [
+            (0, 2, True), (2, 3, False)]
     monkeypatch.undo()
     upcasts, grams = [], []
     real, real_grams = _arrays.as_float64, device_clip.grams_f64

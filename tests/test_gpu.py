@@ -1084,14 +1084,20 @@ def test_cuda_norm_affine_grads_against_the_reference_and_the_cpu(require_cuda, 
     assert_norm_affine_close(cw, cb, x, g, shape[3], 1e-5, dtype)
 
 
-@pytest.mark.parametrize("shape", [(3, 70, 37), (2, 128, 768), (4, 9, 5), (1, 200, 1)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(3, 70, 37), (2, 128, 768), (4, 9, 5), (1, 200, 1),
+                                   (1, 66, 2000)], ids=lambda s: "x".join(map(str, s)))
 def test_cuda_gram_kernel_against_the_reference_and_the_gemm(require_cuda, shape):
     """The float64 Grams of float32 rows on the FP64 tensor cores (a GPU's
     mma fragments, or their shuffle form on the emulated device): within
     gamma_d of the reference, exactly symmetric, within 2 gamma_d of the
     float64 copies' GEMM, and the device passed the kernel's own check (its
-    route is taken)."""
+    route is taken).  (2, 128, 768) and (1, 66, 2000) are launches of 6 and 3
+    jobs, split into 3 and 7 k-ranges whose partial Grams a second kernel
+    adds."""
+    from ncdp_fast._cuda import gram as gram_plan
+    nt = -(-shape[1] // 64)
+    assert gram_plan.split(shape[0] * nt * (nt + 1) // 2, shape[2])[0] == {
+        (2, 128, 768): 3, (1, 66, 2000): 7}.get(shape, 1)
     import torch
     from test_gram_f64 import assert_grams_close, rows
     from ncdp_fast._cuda import gram

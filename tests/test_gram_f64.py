@@ -156,14 +156,78 @@ def test_host_wrapper_refusals():
     out = np.zeros((2, 3, 3))
     p, o = x.ctypes.data, out.ctypes.data
     with pytest.raises(ValueError, match="at most 8 sources"):
-        C.launch_gram_rows_f64([p] * 9, [12] * 9, [4] * 9, 2, 3, 4, o, 0)
+        C.launch_gram_rows_f64([p] * 9, [12] * 9, [4] * 9, 2, 3, 4, o, 0, 0, 0)
     with pytest.raises(ValueError, match="one of each per source"):
-        C.launch_gram_rows_f64([p], [12, 12], [4], 2, 3, 4, o, 0)
+        C.launch_gram_rows_f64([p], [12, 12], [4], 2, 3, 4, o, 0, 0, 0)
     with pytest.raises(ValueError, match="row stride >= d"):
-        C.launch_gram_rows_f64([p], [12], [3], 2, 3, 4, o, 0)
+        C.launch_gram_rows_f64([p], [12], [3], 2, 3, 4, o, 0, 0, 0)
     with pytest.raises(ValueError, match="out is a null pointer"):
-        C.launch_gram_rows_f64([p], [12], [4], 2, 3, 4, 0, 0)
+        C.launch_gram_rows_f64([p], [12], [4], 2, 3, 4, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="not aligned"):
-        C.launch_gram_rows_f64([p + 2], [12], [4], 2, 3, 4, o, 0)
+        C.launch_gram_rows_f64([p + 2], [12], [4], 2, 3, 4, o, 0, 0, 0)
     with pytest.raises(ValueError, match="d must be non-negative"):
-        C.launch_gram_rows_f64([p], [12], [4], 2, 3, -1, o, 0)
+        C.launch_gram_rows_f64([p], [12], [4], 2, 3, -1, o, 0, 0, 0)
+    with pytest.raises(ValueError, match="d must be non-negative"):
+        C.gram_rows_f64_workspace_bytes(1, 2, 3, -1)
+    # One sample of 600 values: two k-ranges, whose partials need room.
+    y = np.zeros((1, 2, 600), np.float32)
+    need = C.gram_rows_f64_workspace_bytes(1, 1, 2, 600)
+    assert need == 256
+    with pytest.raises(ValueError, match=f"gram_rows_f64 needs {need} workspace bytes, got 8"):
+        C.launch_gram_rows_f64([y.ctypes.data], [1200], [600], 1, 2, 600, o, o, 8, 0)
+    with pytest.raises(ValueError, match="workspace is a null pointer"):
+        C.launch_gram_rows_f64([y.ctypes.data], [1200], [600], 1, 2, 600, o, 0, need, 0)
+
+
+# (count, n, T, d): no ranges (many jobs, d under two ranges' minimum, no
+# values, no samples), 2 and 3 ranges, a range per resident block (one job),
+# and rounding to whole staging steps that leaves fewer ranges than wanted
+# (19 jobs want 20 ranges of 5130 values: 272 each, 19 of them), and rows
+# longer than a range may be (2^30 values: the kernel counts them in an int)
+# in a launch of many jobs.
+SPLIT_CASES = [(8, 32, 128, 768), (1, 1, 5, 511), (1, 1, 5, 0), (1, 0, 5, 600), (1, 1, 3, 600),
+               (2, 1, 5, 1000), (1, 1, 64, 10 ** 6), (1, 19, 64, 5130), (1, 16, 128, 50257),
+               (3, 32, 128, 768), (1, 32, 128, 3072), (8, 64, 1, 2 ** 31 + 5)]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_split_plan_is_the_launchers(case):
+    """_cuda.gram.split (the models' and the tests' plan) is the launcher's:
+    the workspace it asks for is a range's partial Grams each, and every
+    range holds values (the last the rest)."""
+    from ncdp_fast import _C_emu as C
+    from ncdp_fast._cuda import gram
+    count, n, T, d = case
+    nt = -(-T // 64)
+    jobs = count * n * nt * (nt + 1) // 2
+    ranges, depth = gram.split(jobs, d)
+    want = -(-8 * ranges * count * n * T * T // 256) * 256 if ranges > 1 else 0
+    assert C.gram_rows_f64_workspace_bytes(count, n, T, d) == want
+    assert ranges * jobs <= gram.TARGET_SMS * 3 or ranges == 1 or d > 2 ** 30
+    assert depth % 16 == 0 or ranges == 1
+    assert (ranges - 1) * depth < d <= ranges * depth or ranges == 1
+    assert depth <= 2 ** 30
+    if case == (1, 19, 64, 5130):
+        assert (ranges, depth) == (19, 272)
+    if case == (1, 16, 128, 50257):        # GPT-2's tied head, one launch: 8 ranges
+        assert ranges == 8
+    if case == (8, 64, 1, 2 ** 31 + 5):
+        assert ranges == 3
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 600), (1, 5, 1000), (2, 66, 530)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_device_kernel_k_ranges(emulated, shape):
+    """A launch of few jobs splits d into ranges whose partial Grams a second
+    kernel adds in range order: every entry within gamma_d of the reference,
+    exactly symmetric, and the same bits on a second run."""
+    from ncdp_fast._cuda import gram
+    n, T, d = shape
+    nt = -(-T // 64)
+    assert gram.split(n * nt * (nt + 1) // 2, d)[0] > 1
+    x = rows(shape, 9)
+    t = torch.from_numpy(x)
+    w = gram.grams_f64([t])
+    assert_grams_close(w.numpy(), x)
+    assert torch.equal(w, w.transpose(1, 2))
+    assert torch.equal(w, gram.grams_f64([t]))

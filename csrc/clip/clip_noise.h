@@ -177,12 +177,17 @@ void launch_norm_affine_grads(std::uintptr_t x,  // [B, rows, n], dtype, contigu
 // x_s + i sample_stride_s + t row_stride_s (strides in elements); out[s n + i]
 // = X X^T of that sample, every entry a float64 sum of the d exact products
 // in an order the tensor cores fix (within gamma_d of the sum of |products|).
+// A launch of few (sample, tile) jobs splits the d values into k-ranges whose
+// partial Grams it adds in a fixed order; they need workspace.
+std::int64_t gram_rows_f64_workspace_bytes(std::int64_t count, std::int64_t n, std::int64_t T,
+                                           std::int64_t d);
 void launch_gram_rows_f64(const std::vector<std::uintptr_t>& x,  // float32, see above
                           const std::vector<std::int64_t>& sample_strides,
                           const std::vector<std::int64_t>& row_strides,
                           std::int64_t n, std::int64_t T, std::int64_t d,
                           std::uintptr_t out,  // [count n, T, T] float64, contiguous
-                          std::uintptr_t stream);
+                          std::uintptr_t workspace,  // gram_rows_f64_workspace_bytes
+                          std::int64_t workspace_bytes, std::uintptr_t stream);
 
 // ---- Typed launchers (kernels + launch code in clip_noise.cu). They assume
 // validated arguments, the right current device, and enough workspace.
@@ -369,9 +374,22 @@ struct GramSources {
   std::int64_t row_stride[kMaxGramSources];     // elements between rows (>= d)
 };
 
+// A launch's k-ranges: `splits` ranges of `depth` values (the last: the rest).
+struct GramSplit {
+  std::int64_t splits;
+  std::int64_t depth;
+};
+// Of `jobs` (sample, tile) pairs of d values; a function of the shape alone
+// (the compile-time target's SMs), so a shape's Grams have the same bits on
+// every device.
+GramSplit gram_rows_f64_split(std::int64_t jobs, std::int64_t d);
+std::int64_t gram_rows_f64_workspace_bytes(std::int64_t count, std::int64_t n, std::int64_t T,
+                                           std::int64_t d);
+
 void launch_gram_rows_f64(const GramSources& src, std::int64_t n, std::int64_t T,
                           std::int64_t d,
-                          double* out,  // [count n, T, T]
+                          double* out,      // [count n, T, T]
+                          void* workspace,  // gram_rows_f64_workspace_bytes
                           cudaStream_t stream);
 
 // clip/norm_affine.cu.

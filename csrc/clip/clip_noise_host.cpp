@@ -8,6 +8,7 @@
 #include "clip/clip_noise.h"
 #include "common/cuda_check.h"
 #include "common/device_info.h"
+#include "common/launch_config.h"
 
 namespace ncdp {
 namespace {
@@ -394,10 +395,26 @@ void launch_norm_affine_grads(std::uintptr_t x, std::uintptr_t g, std::int64_t B
 
 namespace ncdp {
 
+std::int64_t gram_rows_f64_workspace_bytes(std::int64_t count, std::int64_t n, std::int64_t T,
+                                           std::int64_t d) {
+  require_non_negative(count, "count");
+  require_non_negative(n, "n");
+  require_non_negative(T, "T");
+  require_non_negative(d, "d");
+  // The partials' bytes, at most a range per resident block of the target,
+  // checked before the kernels' unchecked product.
+  const std::int64_t entries =
+      checked_mul(checked_mul(count, n, "count * n"), checked_mul(T, T, "T * T"), "Gram entries");
+  (void)checked_mul(entries, kTargetSMs * kResidentThreadsPerSM * std::int64_t{8},
+                    "partial Gram bytes");
+  return kernels::gram_rows_f64_workspace_bytes(count, n, T, d);
+}
+
 void launch_gram_rows_f64(const std::vector<std::uintptr_t>& x,
                           const std::vector<std::int64_t>& sample_strides,
                           const std::vector<std::int64_t>& row_strides, std::int64_t n,
                           std::int64_t T, std::int64_t d, std::uintptr_t out,
+                          std::uintptr_t workspace, std::int64_t workspace_bytes,
                           std::uintptr_t stream) {
   require_non_negative(n, "n");
   require_non_negative(T, "T");
@@ -443,9 +460,13 @@ void launch_gram_rows_f64(const std::vector<std::uintptr_t>& x,
     src.sample_stride[s] = sample_strides[s];
     src.row_stride[s] = row_strides[s];
   }
+  require_workspace(workspace, workspace_bytes,
+                    gram_rows_f64_workspace_bytes(static_cast<std::int64_t>(count), n, T, d),
+                    "gram_rows_f64");
   if (entries == 0) return;
   DeviceGuard guard(out, "out");
-  kernels::launch_gram_rows_f64(src, n, T, d, typed<double>(out), as_stream(stream));
+  kernels::launch_gram_rows_f64(src, n, T, d, typed<double>(out), typed<void>(workspace),
+                                as_stream(stream));
   check_launch("gram_rows_f64");
 }
 

@@ -6,6 +6,14 @@
 // there (exactly), and multiplied on the FP64 tensor cores (common/mma_f64.cuh);
 // only the upper triangle of 64 x 64 output tiles is formed, each off-diagonal
 // tile written to both of its places.
+//
+// A launch of few (sample, tile) jobs splits each job's d values into k-ranges
+// (gram_rows_f64_splits): the H200 profile of 2026-11-30 measured BERT-base's
+// launches at 96 jobs (one block on 96 of 132 SMs, 16.8 TFLOP/s) and GPT-2's
+// tied head (d = 50257) at 12 jobs a launch, 10.5 ms for 20 GFLOP. Each range
+// writes its own partial Grams and a second kernel adds them in range order:
+// a fixed order, no atomics, and every entry still a float64 sum of the d
+// exact products (within gamma_d in any order).
 #include <algorithm>
 
 #include "clip/clip_noise.h"
@@ -28,6 +36,10 @@ constexpr int kGramThreads = kBlockThreads;
 // Three blocks an SM (at most 85 registers a thread on sm_90): the warp
 // skip below otherwise let ptxas take 128 and two blocks.
 constexpr int kGramBlocksPerSm = 3;
+// The shortest k-range a split launch gives a block (gram_rows_f64_split),
+// and the longest any launch does (its count of values an int).
+constexpr std::int64_t kGramMinSplitDepth = 16 * kGramDepth;
+constexpr std::int64_t kGramMaxRangeDepth = std::int64_t{1} << 30;
 // Each thread stages kGramLoads values of each tile a step.
 constexpr int kGramLoads = kGramTile * kGramDepth / kGramThreads;
 static_assert(kGramLoads * kGramThreads == kGramTile * kGramDepth, "staging covers the tile");
@@ -77,27 +89,37 @@ __device__ __forceinline__ void store_step(const float v[kGramLoads],
   for (int l = 0; l < kGramLoads; ++l) tile[r + kGramRowsPerPass * l][k] = static_cast<double>(v[l]);
 }
 
-// One block per (sample, upper-triangle tile): the tile's float64 sums of
-// products over the d values of each pair of rows, the next step's values
-// loaded into registers while this step's are multiplied.
+// One block per (k-range, sample, upper-triangle tile): the tile's float64
+// sums of products over the range's values of each pair of rows, the next
+// step's values loaded into registers while this step's are multiplied.
 __global__ void __launch_bounds__(kGramThreads, kGramBlocksPerSm) gram_rows_f64_kernel(
     const GramSources src, std::int64_t n, std::int64_t T, std::int64_t d,
     std::int64_t tiles,  // upper-triangle tiles a sample: nt (nt + 1) / 2
-    double* __restrict__ out) {  // [count n, T, T]
+    std::int64_t split_depth,  // values a k-range (the last: the rest)
+    std::int64_t total,        // jobs: k-ranges x count n x tiles
+    double* __restrict__ out) {  // [ranges, count n, T, T]: range r's partial Grams at r count n T T
   __shared__ double rows_i[kGramTile][kGramStride];
   __shared__ double rows_j[kGramTile][kGramStride];
   const std::int64_t nt = (T + kGramTile - 1) / kGramTile;
-  const std::int64_t total = static_cast<std::int64_t>(src.count) * n * tiles;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, q = lane % 4;
   const int wr = (warp / 4) * kWarpRows, wc = (warp % 4) * kWarpCols;
   for (std::int64_t job = blockIdx.x; job < total; job += gridDim.x) {
-    const std::int64_t sample = job / tiles;  // over all sources: source s holds n of them
+    // Range r's Gram of sample i of source s is out's r count n + s n + i.
+    const std::int64_t gram = job / tiles;
+    const std::int64_t grams = static_cast<std::int64_t>(src.count) * n;
+    const std::int64_t range = gram / grams;
+    const std::int64_t sample = gram - range * grams;  // over all sources: source s holds n
     const int s = static_cast<int>(sample / n);
     std::int64_t ti, tj;
     triangle_tile(job % tiles, nt, &ti, &tj);
     const bool diagonal = ti == tj;
-    const float* x = src.x[s] + (sample % n) * src.sample_stride[s];
+    const std::int64_t k_begin = range * split_depth;
+    // At most kGramMaxRangeDepth (gram_rows_f64_split): a 32-bit count keeps
+    // the products' loop within the 80 registers of 3 blocks an SM.
+    const int depth = static_cast<int>(std::min(split_depth, d - k_begin));
+    const float* x = src.x[s] + (sample % n) * src.sample_stride[s] + k_begin;
+    double* w = out + gram * T * T;
     const std::int64_t row_stride = src.row_stride[s];
     const std::int64_t ri = ti * kGramTile, rj = tj * kGramTile;
     double acc[kFragRows][kFragCols][2];
@@ -114,8 +136,8 @@ __global__ void __launch_bounds__(kGramThreads, kGramBlocksPerSm) gram_rows_f64_
     const float* pi = x + (ri + r_own) * row_stride + k_own;
     const float* pj = x + (rj + r_own) * row_stride + k_own;
     float vi[kGramLoads], vj[kGramLoads];
-    load_step(pi, row_stride, left_i, k_own < d, vi);
-    if (!diagonal) load_step(pj, row_stride, left_j, k_own < d, vj);
+    load_step(pi, row_stride, left_i, k_own < depth, vi);
+    if (!diagonal) load_step(pj, row_stride, left_j, k_own < depth, vj);
     // A diagonal tile multiplies its rows by themselves: one staged copy.
     double (*cols)[kGramStride] = diagonal ? rows_i : rows_j;
     // A warp whose rows or columns all lie past T holds only the staged
@@ -123,13 +145,13 @@ __global__ void __launch_bounds__(kGramThreads, kGramBlocksPerSm) gram_rows_f64_
     // loads fragments nor multiplies (warp-uniform). At small T (a
     // convolution's 9 positions) most of a tile's warps are such.
     const bool live = ri + wr < T && rj + wc < T;
-    for (std::int64_t k0 = 0; k0 < d; k0 += kGramDepth) {
+    for (int k0 = 0; k0 < depth; k0 += kGramDepth) {
       __syncthreads();  // the previous step's reads are done
       store_step(vi, rows_i);
       if (!diagonal) store_step(vj, rows_j);
       __syncthreads();
-      if (k0 + kGramDepth < d) {
-        const bool in = k0 + kGramDepth + k_own < d;
+      if (k0 + kGramDepth < depth) {
+        const bool in = k0 + kGramDepth + k_own < depth;
         load_step(pi + k0 + kGramDepth, row_stride, left_i, in, vi);
         if (!diagonal) load_step(pj + k0 + kGramDepth, row_stride, left_j, in, vj);
       }
@@ -151,7 +173,6 @@ __global__ void __launch_bounds__(kGramThreads, kGramBlocksPerSm) gram_rows_f64_
         }
       }
     }
-    double* w = out + sample * T * T;
 #pragma unroll
     for (int m = 0; m < kFragRows; ++m) {
       const std::int64_t r = ri + wr + 8 * m + g;
@@ -170,15 +191,64 @@ __global__ void __launch_bounds__(kGramThreads, kGramBlocksPerSm) gram_rows_f64_
   }
 }
 
+// out[e] = the k-ranges' partial Grams at e added in range order (a fixed
+// order: the same bits on every run of a shape).
+__global__ void __launch_bounds__(kBlockThreads) sum_gram_ranges_kernel(
+    const double* __restrict__ partials,  // [splits, entries]
+    std::int64_t splits, std::int64_t entries,
+    double* __restrict__ out) {  // [entries]
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       e < entries; e += stride) {
+    double sum = partials[e];
+    for (std::int64_t r = 1; r < splits; ++r) sum += partials[r * entries + e];
+    out[e] = sum;
+  }
+}
+
 }  // namespace
 
+GramSplit gram_rows_f64_split(std::int64_t jobs, std::int64_t d) {
+  // Ranges while the jobs leave resident blocks of the target unused, none
+  // shorter than kGramMinSplitDepth values (each range writes its tile and
+  // the sum reads it back: 32 KB a tile against 16 staged steps of products).
+  std::int64_t want = 1;
+  if (jobs > 0) {
+    want = std::min(kTargetSMs * kGramBlocksPerSm / jobs, d / kGramMinSplitDepth);
+  }
+  want = std::max(want, ceil_div(d, kGramMaxRangeDepth));
+  if (want <= 1) return GramSplit{1, std::max<std::int64_t>(d, 0)};
+  // Whole staging steps a range (the last takes the rest); rounding up may
+  // leave fewer ranges than wanted, never an empty one.
+  const std::int64_t depth = ceil_div(ceil_div(d, want), kGramDepth) * kGramDepth;
+  return GramSplit{ceil_div(d, depth), depth};
+}
+
+std::int64_t gram_rows_f64_workspace_bytes(std::int64_t count, std::int64_t n, std::int64_t T,
+                                           std::int64_t d) {
+  const std::int64_t nt = ceil_div(T, kGramTile);
+  const GramSplit split = gram_rows_f64_split(count * n * (nt * (nt + 1) / 2), d);
+  return split.splits > 1 ? align_bytes(split.splits * count * n * T * T *
+                                        static_cast<std::int64_t>(sizeof(double)))
+                          : 0;
+}
+
 void launch_gram_rows_f64(const GramSources& src, std::int64_t n, std::int64_t T,
-                          std::int64_t d, double* out, cudaStream_t stream) {
+                          std::int64_t d, double* out, void* workspace, cudaStream_t stream) {
   if (src.count <= 0 || n <= 0 || T <= 0) return;
   const std::int64_t nt = ceil_div(T, kGramTile);
   const std::int64_t tiles = nt * (nt + 1) / 2;
-  NCDP_LAUNCH(grid_blocks(static_cast<std::int64_t>(src.count) * n * tiles, 1), kGramThreads, 0,
-              stream, gram_rows_f64_kernel)(src, n, T, d, tiles, out);
+  const std::int64_t jobs = static_cast<std::int64_t>(src.count) * n * tiles;
+  const GramSplit split = gram_rows_f64_split(jobs, d);
+  double* partials = split.splits > 1 ? static_cast<double*>(workspace) : out;
+  NCDP_LAUNCH(grid_blocks(split.splits * jobs, 1), kGramThreads, 0, stream,
+              gram_rows_f64_kernel)(src, n, T, d, tiles, split.depth, split.splits * jobs,
+                                    partials);
+  if (split.splits > 1) {
+    const std::int64_t entries = static_cast<std::int64_t>(src.count) * n * T * T;
+    NCDP_LAUNCH(grid_blocks(entries, kBlockThreads), kBlockThreads, 0, stream,
+                sum_gram_ranges_kernel)(partials, split.splits, entries, out);
+  }
 }
 
 }  // namespace kernels

@@ -154,11 +154,12 @@ void probe_norm_affine_grads(Probe& probe) {
 }
 
 // One tile (T 3) and a triangle of three (T 65, d past one staged step), two
-// sources; d = 0 writes zeros.
+// sources; d = 0 writes zeros; d = 600 splits into k-ranges (the ranges' sum
+// kernel launched too).
 void probe_gram_rows_f64(Probe& probe) {
   const std::int64_t n = 2;
   for (const std::int64_t T : {std::int64_t{3}, std::int64_t{65}}) {
-    for (const std::int64_t d : {std::int64_t{0}, std::int64_t{17}}) {
+    for (const std::int64_t d : {std::int64_t{0}, std::int64_t{17}, std::int64_t{600}}) {
       kernels::GramSources src{};
       src.count = 2;
       for (int s = 0; s < src.count; ++s) {
@@ -166,8 +167,9 @@ void probe_gram_rows_f64(Probe& probe) {
         src.sample_stride[s] = T * d;
         src.row_stride[s] = d;
       }
+      const std::int64_t ws = kernels::gram_rows_f64_workspace_bytes(src.count, n, T, d);
       kernels::launch_gram_rows_f64(src, n, T, d, probe.buffer<double>(2 * n * T * T),
-                                    kLegacyStream);
+                                    probe.buffer<double>(ws / 8 + 1), kLegacyStream);
       probe.check(sizes({{"n", n}, {"T", T}, {"d", d}}));
     }
   }

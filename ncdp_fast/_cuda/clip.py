@@ -10,6 +10,7 @@ from .. import _arrays, _balance
 from ..reference.clip import GRAM32_MAX_LENGTH
 from ._common import dtype_code, ieee_float32_matmul, native, opt_ptr, ptr, stream, workspace
 from .gram import grams_f64
+from .gram import sample_bytes as gram_sample_bytes
 # The finishing step of the layered clip's sums (ghost blocks, linear pairs, joined dense
 # blocks), as _numba.clip.
 from .rng import finish_gaussian_segments
@@ -144,8 +145,9 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None, gram32=
                          None if spread is None else spread[lo:hi],
                          None if sizes is None else sizes[lo:hi], accumulate)
         return True
-    per_sample = _norm_bytes(T, d, K, spread is not None or sizes is not None)
     gram = 2 * T * T <= K * d
+    per_sample = (gram_sample_bytes(a) + gram_sample_bytes(g) if gram
+                  else _norm_bytes(T, d, K, spread is not None or sizes is not None))
     for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
         spread_c = None if spread is None else spread[lo:hi]
         sizes_c = None if sizes is None else sizes[lo:hi]
@@ -185,15 +187,16 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False,
     L = len(a_list)
     B, T, d = a_list[0].shape
     K = g_list[0].shape[2]
-    per_layer = B * _norm_bytes(T, d, K, True)
-    if T == 1 or L == 1 or B == 0 or 2 * per_layer > GROUP_CHUNK_BYTES:
+    gram32 = gram32 and gram32_applies(a_list[0], T, d, K)
+    a_bytes, g_bytes, stack = _layer_bytes(a_list, g_list, gram32)
+    if (T == 1 or L == 1 or B == 0
+            or 2 * min(a_bytes[l] + g_bytes[l] for l in range(L)) > GROUP_CHUNK_BYTES):
         used = False
         for l in range(L):
             used |= linear_sq_norms(a_list[l], g_list[l], bias, sq, accumulate or l > 0,
                                     spread if T > 1 else None, sizes[l], gram32)
         return used
-    gram32 = gram32 and gram32_applies(a_list[0], T, d, K)
-    for l0, l1, shared in _group_chunks(a_list, B, T, d, K, 4 if gram32 else 8):
+    for l0, l1, shared in _group_chunks(a_list, a_bytes, g_bytes, stack):
         n, acc = l1 - l0, accumulate or l0 > 0
         if gram32:
             _gram32_rows(a_list[l0:l1], g_list[l0:l1], shared, bias, sq, spread,
@@ -226,33 +229,50 @@ def _gram32_rows(a_list, g_list, shared, bias, sq, spread, sizes, accumulate=Tru
                             shared_w=shared and n > 1, lengths=(d, K))
 
 
-def _group_chunks(a_list, B, T, d, K, item=8):
-    """(l0, l1, shared) runs of consecutive layers whose temporaries (copies
-    and Grams of ``item`` bytes a value: float64's, or float32's on the
-    float32 Gram route) fit GROUP_CHUNK_BYTES: on the Gram route, layers that
-    read one input (the same elements in the same layout) share its copy and
-    Grams (shared); other layers stack along the batch, each with its own."""
+def _layer_bytes(a_list, g_list, gram32):
+    """(a_bytes, g_bytes, stack): each layer's temporaries in bytes, its input's
+    and its output gradient's (a whole layer's in a_bytes, g_bytes 0, off the
+    Gram route), and whether layers of one input may share its Gram (the Gram
+    route only).  The float64 Gram route holds each Gram (8 T^2 a sample) and,
+    where the kernel does not read a part as it lies, that part's copy
+    (gram.sample_bytes: a float64 one, or a row-major float32 one of a
+    transposed part for the kernel); the float32 route its stacked float32
+    operands and Grams; the direct route its float64 copies and K x d
+    matrices (_norm_bytes)."""
+    B, T, d = a_list[0].shape
+    K = g_list[0].shape[2]
+    if 2 * T * T > K * d:
+        return [B * _norm_bytes(T, d, K, True)] * len(a_list), [0] * len(a_list), False
+    if gram32:
+        return [4 * B * (T * d + T * T)] * len(a_list), [4 * B * (T * K + T * T)] * len(g_list), True
+    return ([B * gram_sample_bytes(a) for a in a_list],
+            [B * gram_sample_bytes(g) for g in g_list], True)
+
+
+def _group_chunks(a_list, a_bytes, g_bytes, stack):
+    """(l0, l1, shared) runs of consecutive layers whose temporaries (each
+    layer's a_bytes + g_bytes, a shared run's input once: _layer_bytes) fit
+    GROUP_CHUNK_BYTES: on the Gram route (``stack``), layers that read one
+    input (the same elements in the same layout) share its copy and Grams
+    (shared); other layers stack along the batch, each with its own."""
     L = len(a_list)
-    gram = 2 * T * T <= K * d
-    per_layer = B * _norm_bytes(T, d, K, True) * item // 8
-    # A shared run holds the input's copy and Grams once, each layer's g's.
-    shared_base, shared_each = item * B * (T * d + T * T), item * B * (T * K + T * T)
 
     def shares(m, l):
-        return gram and _arrays.same_view(a_list[m], a_list[l])
+        return stack and _arrays.same_view(a_list[m], a_list[l])
 
     chunks, l = [], 0
     while l < L:
-        m = l + 1
-        while (m < L and shares(m, l)
-               and shared_base + (m + 1 - l) * shared_each <= GROUP_CHUNK_BYTES):
+        m, held = l + 1, a_bytes[l] + g_bytes[l]
+        while m < L and shares(m, l) and held + g_bytes[m] <= GROUP_CHUNK_BYTES:
+            held += g_bytes[m]
             m += 1
         if m - l > 1:
             chunks.append((l, m, True))
             l = m
             continue
-        while (m < L and (m + 1 - l) * per_layer <= GROUP_CHUNK_BYTES
+        while (m < L and held + a_bytes[m] + g_bytes[m] <= GROUP_CHUNK_BYTES
                and not (m + 1 < L and shares(m + 1, m))):
+            held += a_bytes[m] + g_bytes[m]
             m += 1
         chunks.append((l, m, False))
         l = m

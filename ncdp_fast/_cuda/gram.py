@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 
 from .. import _arrays
-from ._common import native, ptr, stream
+from ._common import native, ptr, stream, workspace
 
 _F32 = np.dtype(np.float32)
 _MAX_SOURCES = 8            # kernels::kMaxGramSources
@@ -72,16 +72,34 @@ def applies(parts) -> bool:
     return _plan(parts) is not None
 
 
+def sample_bytes(x) -> int:
+    """Bytes a sample of ``x`` (B, T, d) holds while :func:`grams_f64` forms
+    its Gram: the float64 Gram, and on the kernel's route a row-major float32
+    copy of a part it cannot read as it lies, else (the copies' route) a
+    float64 copy.  The k-ranges' partial Grams of a split launch are not
+    counted: a range per resident block of the target at most, each a tile's
+    share of its sample's Gram, under 26 MB on any shape."""
+    _, T, d = x.shape
+    plan = _plan([x])
+    if plan is None:
+        return 8 * (T * d + T * T)
+    return 8 * T * T + (4 * T * d if plan[0] is None else 0)
+
+
 def _launch(parts, layouts, out):
     """out (len(parts) B, T, T) float64 = the parts' Grams, sources in order."""
     B, T, d = parts[0].shape
     C = native(out)
     for lo in range(0, len(parts), _MAX_SOURCES):
-        hi = lo + _MAX_SOURCES
+        hi = min(lo + _MAX_SOURCES, len(parts))
+        # A launch of few (sample, tile) jobs splits d into ranges whose
+        # partial Grams need room (gram_f64.cu); held until queued.
+        nbytes = C.gram_rows_f64_workspace_bytes(hi - lo, B, T, d)
+        ws, ws_ptr = workspace(out, nbytes)
         C.launch_gram_rows_f64([ptr(x) for x in parts[lo:hi]],
                                [lay[0] for lay in layouts[lo:hi]],
                                [lay[1] for lay in layouts[lo:hi]], B, T, d,
-                               ptr(out[lo * B:min(hi, len(parts)) * B]), stream(out))
+                               ptr(out[lo * B:hi * B]), ws_ptr, nbytes, stream(out))
 
 
 def grams_f64(parts):
@@ -156,12 +174,45 @@ def _verdict(key: str, ok: bool) -> bool:
     return ok
 
 
-# The kernel's rate the models assume (bench/report.py, bench/device_model.py),
-# not measured yet: 45% of the H200's 67 TFLOP/s FP64 tensor-core peak, below
-# the vendor GEMM's 40 (a hand-written tile loop, one staged step, 3 blocks an
-# SM at 80 registers by ptxas); bench_linear_norms times it against the
-# float64 copies' route.
-MODEL_FLOPS_PER_S = 30e12
+# The kernel's rate, measured: the H200 profile of 2026-11-30 (BERT-base,
+# B 32, T 128) timed 99 launches at 7.76 ms for 130 GFLOP of tiles, 16.8
+# TFLOP/s, each launch of 96 jobs or so before the k-ranges: one block on
+# each of 96 SMs.  The models (bench/report.py, bench/device_model.py) charge
+# a busy SM this rate and no more, however many of its blocks are resident: a
+# prediction that the k-ranges fill the SMs a launch left idle and gain
+# nothing from a second block an SM (the lower bound of the gain).
+MODEL_FLOPS_PER_SM_S = 16.8e12 / 96
+TARGET_SMS = 132                # launch_config.h kTargetSMs
+_BLOCKS_PER_SM = 3              # gram_f64.cu kGramBlocksPerSm
+_TILE, _DEPTH, _MIN_SPLIT = 64, 16, 256     # kGramTile, kGramDepth, kGramMinSplitDepth
+_MAX_RANGE = 1 << 30                        # kGramMaxRangeDepth
+
+
+def split(jobs: int, d: int):
+    """(ranges, depth): the launch's k-ranges of ``jobs`` (sample, tile) pairs
+    of d values, as gram_f64.cu's gram_rows_f64_split (tests/test_gram_f64.py
+    holds the two together through the workspace each asks for)."""
+    want = min(TARGET_SMS * _BLOCKS_PER_SM // jobs, d // _MIN_SPLIT) if jobs > 0 else 1
+    want = max(want, _ceil_div(d, _MAX_RANGE))
+    if want <= 1:
+        return 1, max(d, 0)
+    depth = _ceil_div(_ceil_div(d, want), _DEPTH) * _DEPTH
+    return _ceil_div(d, depth), depth
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def launch_seconds(count, n, T, d) -> float:
+    """The model's time of one launch of ``count`` sources of n samples: its
+    tiles' tensor-core FLOPs (:func:`flops`) at MODEL_FLOPS_PER_SM_S on each
+    SM that holds a block (at most TARGET_SMS)."""
+    nt = _ceil_div(T, _TILE)
+    jobs = count * n * nt * (nt + 1) // 2
+    ranges, _ = split(jobs, d)
+    busy = min(TARGET_SMS, ranges * jobs)
+    return flops(count * n, T, d) / (MODEL_FLOPS_PER_SM_S * max(busy, 1))
 
 
 def flops(n, T, d) -> float:

@@ -35,6 +35,7 @@ from .. import _arrays
 from .._cuda import clip as clip_ops   # device-agnostic torch routes (CPU tensors too)
 from .._cuda._common import ieee_float32_matmul
 from .._cuda.gram import grams_f64
+from .._cuda.gram import sample_bytes as gram_sample_bytes
 from .._clip import GhostBlock
 from .layer_rules import _cat, _flat_positions, _lead, _rows_sq, embedding_rule, linear_rule
 from .layers import accumulation_dtype, rule_for
@@ -249,7 +250,15 @@ def _ghost(uses, shape, dtype, batch, gram32=False) -> GhostBlock:
         spread = torch.zeros(batch, dtype=torch.float64, device=device)
         # float64 copies of one chunk of samples at a time: the norms accumulate in
         # float64 as every layer's, without a float64 copy of the whole batch.
-        per_sample = 8 * (tl * (V + D) + te * D + (tl + te) * (tl + te))
+        # On a device the pairs' Grams hold no copy where the Gram kernel reads
+        # a and g as they lie: GPT-2's head then runs in one chunk, its 16
+        # samples' Grams one launch (it was four of 4 samples, 12 blocks each:
+        # 10.5 ms on the H200, 2026-11-30).
+        pairs_bytes = 8 * tl * (V + D)
+        if a is not None and on_device and not float32_grams:
+            # (and the float64 copy of a the cross terms read, with embedding rows)
+            pairs_bytes = gram_sample_bytes(a) + gram_sample_bytes(g) + (8 * tl * D if te else 0)
+        per_sample = pairs_bytes + 8 * (te * D + (tl + te) * (tl + te))
         for lo, hi in _arrays.sample_chunks(batch, per_sample, _CHUNK_BYTES):
             A = None
             if a is not None and float32_grams:

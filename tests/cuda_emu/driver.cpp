@@ -255,8 +255,9 @@ void run(const Case& c) {
       src.sample_stride[s] = c.i("sample_stride" + k);
       src.row_stride[s] = c.i("row_stride" + k);
     }
+    Workspace ws(kernels::gram_rows_f64_workspace_bytes(src.count, c.i("n"), c.i("T"), c.i("d")));
     kernels::launch_gram_rows_f64(src, c.i("n"), c.i("T"), c.i("d"), c.ptr<double>("out"),
-                                  stream);
+                                  ws.data, stream);
   } else if (c.op == "clip_factors") {
     kernels::launch_clip_factors(
         c.ptr<double>("sq"), c.ptr<double>("spread"), c.i("B"),
