@@ -418,9 +418,10 @@ def test_group_norms_are_each_layers_norms_summed(shape, dtype, L, per_chunk, mo
     g = [(rng.standard_normal((B, T, K)) * 1e-3).astype(dtype) for _ in range(L)]
     import ncdp_fast._backend as be
     with be.emulated_cuda():
-        a_bytes, g_bytes, _ = device_clip._layer_bytes([torch.from_numpy(x) for x in a],
-                                                       [torch.from_numpy(y) for y in g], False)
-    monkeypatch.setattr(device_clip, "GROUP_CHUNK_BYTES", (per_chunk or L) * (a_bytes[0] + g_bytes[0]))
+        a_bytes, g_bytes, _, _ = device_clip._layer_bytes([torch.from_numpy(x) for x in a],
+                                                          [torch.from_numpy(y) for y in g], False)
+    for budget in ("GROUP_CHUNK_BYTES", "GRAM_GROUP_CHUNK_BYTES"):
+        monkeypatch.setattr(device_clip, budget, (per_chunk or L) * (a_bytes[0] + g_bytes[0]))
     ref = sum(_reference(x, y, True) for x, y in zip(a, g))
     tol = sum(_bound(x, y, True) for x, y in zip(a, g)) + (L + 1) * U64 * ref
     ref_sp = sum(np.asarray(linear_spread(x, y, True), np.float64).reshape(B)
@@ -482,16 +483,18 @@ def test_group_norms_share_one_inputs_copy_and_grams(shape, dtype, monkeypatch):
     gram = 2 * T * T <= K * d
     import ncdp_fast._backend as be
     with be.emulated_cuda():
-        a_bytes, g_bytes, stack = device_clip._layer_bytes(a_t, [torch.from_numpy(v) for v in g],
-                                                           False)
-    assert device_clip._group_chunks(a_t, a_bytes, g_bytes, stack) == (
+        a_bytes, g_bytes, stack, budget = device_clip._layer_bytes(
+            a_t, [torch.from_numpy(v) for v in g], False)
+    # The kernel's route (float32 on the emulated device) has its own budget.
+    assert budget == (device_clip.GRAM_GROUP_CHUNK_BYTES if gram and dtype == np.float32
+                      else device_clip.GROUP_CHUNK_BYTES)
+    assert device_clip._group_chunks(a_t, a_bytes, g_bytes, stack, budget) == (
         [(0, 3, True), (3, 4, False), (4, 6, True)] if gram else [(0, 6, False)])
     # A budget for two of the shared run's layers: the run is cut, the rest alone.
-    monkeypatch.setattr(device_clip, "GROUP_CHUNK_BYTES", a_bytes[0] + 2 * g_bytes[0])
     if gram:
-        assert device_clip._group_chunks(a_t, a_bytes, g_bytes, stack)[:2] == [
+        assert device_clip._group_chunks(a_t, a_bytes, g_bytes, stack,
+                                         a_bytes[0] + 2 * g_bytes[0])[:2] == [
             (0, 2, True), (2, 3, False)]
-    monkeypatch.undo()
     upcasts, grams = [], []
     real, real_grams = _arrays.as_float64, device_clip.grams_f64
     monkeypatch.setattr(_arrays, "as_float64", lambda t: upcasts.append(t.dtype) or real(t))

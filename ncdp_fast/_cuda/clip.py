@@ -10,6 +10,7 @@ from .. import _arrays, _balance
 from ..reference.clip import GRAM32_MAX_LENGTH
 from ._common import dtype_code, ieee_float32_matmul, native, opt_ptr, ptr, stream, workspace
 from .gram import grams_f64
+from .gram import applies as gram_applies
 from .gram import sample_bytes as gram_sample_bytes
 # The finishing step of the layered clip's sums (ghost blocks, linear pairs, joined dense
 # blocks), as _numba.clip.
@@ -104,6 +105,14 @@ GEMM_CHUNK_BYTES = _arrays.CHUNK_BYTES
 # 3072) layer holds alone, so the norm phase's largest temporary does not grow
 # (the memory goal is 1.1x the non-private peak, 2486 MB on the H200).
 GROUP_CHUNK_BYTES = 128 << 20
+# On the Gram kernel's route (no float64 copies) a layer holds its Grams, 8 MB
+# at BERT-base's shapes, and a transposed part's row-major copy (its key
+# gradient, 12.6 MB): 32 MiB keep the norm phase's largest temporary within
+# 4 MiB of where it was when each layer ran alone (an attention block's
+# shared run, 28 MiB), for BERT-base's peak is in that phase by our count
+# (1.11x the non-private peak on the H200, 2026-11-30), while its (768, 3072)
+# layers stack four a launch.
+GRAM_GROUP_CHUNK_BYTES = 32 << 20
 
 
 def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None, gram32=False):
@@ -188,15 +197,15 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False,
     B, T, d = a_list[0].shape
     K = g_list[0].shape[2]
     gram32 = gram32 and gram32_applies(a_list[0], T, d, K)
-    a_bytes, g_bytes, stack = _layer_bytes(a_list, g_list, gram32)
+    a_bytes, g_bytes, stack, budget = _layer_bytes(a_list, g_list, gram32)
     if (T == 1 or L == 1 or B == 0
-            or 2 * min(a_bytes[l] + g_bytes[l] for l in range(L)) > GROUP_CHUNK_BYTES):
+            or 2 * min(a_bytes[l] + g_bytes[l] for l in range(L)) > budget):
         used = False
         for l in range(L):
             used |= linear_sq_norms(a_list[l], g_list[l], bias, sq, accumulate or l > 0,
                                     spread if T > 1 else None, sizes[l], gram32)
         return used
-    for l0, l1, shared in _group_chunks(a_list, a_bytes, g_bytes, stack):
+    for l0, l1, shared in _group_chunks(a_list, a_bytes, g_bytes, stack, budget):
         n, acc = l1 - l0, accumulate or l0 > 0
         if gram32:
             _gram32_rows(a_list[l0:l1], g_list[l0:l1], shared, bias, sq, spread,
@@ -230,29 +239,33 @@ def _gram32_rows(a_list, g_list, shared, bias, sq, spread, sizes, accumulate=Tru
 
 
 def _layer_bytes(a_list, g_list, gram32):
-    """(a_bytes, g_bytes, stack): each layer's temporaries in bytes, its input's
-    and its output gradient's (a whole layer's in a_bytes, g_bytes 0, off the
-    Gram route), and whether layers of one input may share its Gram (the Gram
-    route only).  The float64 Gram route holds each Gram (8 T^2 a sample) and,
-    where the kernel does not read a part as it lies, that part's copy
-    (gram.sample_bytes: a float64 one, or a row-major float32 one of a
-    transposed part for the kernel); the float32 route its stacked float32
-    operands and Grams; the direct route its float64 copies and K x d
-    matrices (_norm_bytes)."""
+    """(a_bytes, g_bytes, stack, budget): each layer's temporaries in bytes, its
+    input's and its output gradient's (a whole layer's in a_bytes, g_bytes 0,
+    off the Gram route), whether layers of one input may share its Gram (the
+    Gram route only), and the bytes a chunk may hold.  The float64 Gram route
+    holds each Gram (8 T^2 a sample) and, where the kernel does not read a
+    part as it lies, that part's copy (gram.sample_bytes: a float64 one, or a
+    row-major float32 one of a transposed part for the kernel; the kernel's
+    route has its own budget, GRAM_GROUP_CHUNK_BYTES); the float32 route its
+    stacked float32 operands and Grams; the direct route its float64 copies
+    and K x d matrices (_norm_bytes)."""
     B, T, d = a_list[0].shape
     K = g_list[0].shape[2]
+    L = len(a_list)
     if 2 * T * T > K * d:
-        return [B * _norm_bytes(T, d, K, True)] * len(a_list), [0] * len(a_list), False
+        return [B * _norm_bytes(T, d, K, True)] * L, [0] * L, False, GROUP_CHUNK_BYTES
     if gram32:
-        return [4 * B * (T * d + T * T)] * len(a_list), [4 * B * (T * K + T * T)] * len(g_list), True
+        return ([4 * B * (T * d + T * T)] * L, [4 * B * (T * K + T * T)] * L, True,
+                GROUP_CHUNK_BYTES)
+    budget = GRAM_GROUP_CHUNK_BYTES if gram_applies(a_list[:1]) else GROUP_CHUNK_BYTES
     return ([B * gram_sample_bytes(a) for a in a_list],
-            [B * gram_sample_bytes(g) for g in g_list], True)
+            [B * gram_sample_bytes(g) for g in g_list], True, budget)
 
 
-def _group_chunks(a_list, a_bytes, g_bytes, stack):
+def _group_chunks(a_list, a_bytes, g_bytes, stack, budget):
     """(l0, l1, shared) runs of consecutive layers whose temporaries (each
     layer's a_bytes + g_bytes, a shared run's input once: _layer_bytes) fit
-    GROUP_CHUNK_BYTES: on the Gram route (``stack``), layers that read one
+    ``budget``: on the Gram route (``stack``), layers that read one
     input (the same elements in the same layout) share its copy and Grams
     (shared); other layers stack along the batch, each with its own."""
     L = len(a_list)
@@ -263,14 +276,14 @@ def _group_chunks(a_list, a_bytes, g_bytes, stack):
     chunks, l = [], 0
     while l < L:
         m, held = l + 1, a_bytes[l] + g_bytes[l]
-        while m < L and shares(m, l) and held + g_bytes[m] <= GROUP_CHUNK_BYTES:
+        while m < L and shares(m, l) and held + g_bytes[m] <= budget:
             held += g_bytes[m]
             m += 1
         if m - l > 1:
             chunks.append((l, m, True))
             l = m
             continue
-        while (m < L and held + a_bytes[m] + g_bytes[m] <= GROUP_CHUNK_BYTES
+        while (m < L and held + a_bytes[m] + g_bytes[m] <= budget
                and not (m + 1 < L and shares(m + 1, m))):
             held += a_bytes[m] + g_bytes[m]
             m += 1
