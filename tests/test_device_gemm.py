@@ -71,9 +71,9 @@ def test_gemm_norms_match_the_reference(shape, bias, dtype, chunked, monkeypatch
         import ncdp_fast._backend as be
         gram = 2 * T * T <= K * d
         with be.emulated_cuda():
-            per_sample = (device_clip.gram_sample_bytes(torch.from_numpy(a))
-                          + device_clip.gram_sample_bytes(torch.from_numpy(g)) if gram
-                          else 8 * (T * (d + K) + K * d))
+            per_sample = (sum(device_clip.gram_sample_bytes(
+                [torch.from_numpy(a), torch.from_numpy(g)])[0]) if gram
+                else 8 * (T * (d + K) + K * d))
         monkeypatch.setattr(device_clip, "GEMM_CHUNK_BYTES", 2 * per_sample + 1)
     ref = _reference(a, g, bias)
     prior = rng.random(B)

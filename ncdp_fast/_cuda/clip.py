@@ -10,7 +10,6 @@ from .. import _arrays, _balance
 from ..reference.clip import GRAM32_MAX_LENGTH
 from ._common import dtype_code, ieee_float32_matmul, native, opt_ptr, ptr, stream, workspace
 from .gram import grams_f64
-from .gram import applies as gram_applies
 from .gram import sample_bytes as gram_sample_bytes
 # The finishing step of the layered clip's sums (ghost blocks, linear pairs, joined dense
 # blocks), as _numba.clip.
@@ -155,7 +154,7 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None, gram32=
                          None if sizes is None else sizes[lo:hi], accumulate)
         return True
     gram = 2 * T * T <= K * d
-    per_sample = (gram_sample_bytes(a) + gram_sample_bytes(g) if gram
+    per_sample = (sum(gram_sample_bytes([a, g])[0]) if gram
                   else _norm_bytes(T, d, K, spread is not None or sizes is not None))
     for lo, hi in _arrays.sample_chunks(B, per_sample, GEMM_CHUNK_BYTES):
         spread_c = None if spread is None else spread[lo:hi]
@@ -257,9 +256,10 @@ def _layer_bytes(a_list, g_list, gram32):
     if gram32:
         return ([4 * B * (T * d + T * T)] * L, [4 * B * (T * K + T * T)] * L, True,
                 GROUP_CHUNK_BYTES)
-    budget = GRAM_GROUP_CHUNK_BYTES if gram_applies(a_list[:1]) else GROUP_CHUNK_BYTES
-    return ([B * gram_sample_bytes(a) for a in a_list],
-            [B * gram_sample_bytes(g) for g in g_list], True, budget)
+    a_sizes, kernel = gram_sample_bytes(a_list)
+    g_sizes, _ = gram_sample_bytes(g_list)
+    return ([B * n for n in a_sizes], [B * n for n in g_sizes], True,
+            GRAM_GROUP_CHUNK_BYTES if kernel else GROUP_CHUNK_BYTES)
 
 
 def _group_chunks(a_list, a_bytes, g_bytes, stack, budget):

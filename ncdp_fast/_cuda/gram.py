@@ -72,18 +72,25 @@ def applies(parts) -> bool:
     return _plan(parts) is not None
 
 
-def sample_bytes(x) -> int:
-    """Bytes a sample of ``x`` (B, T, d) holds while :func:`grams_f64` forms
-    its Gram: the float64 Gram, and on the kernel's route a row-major float32
-    copy of a part it cannot read as it lies, else (the copies' route) a
-    float64 copy.  The k-ranges' partial Grams of a split launch are not
-    counted: a range per resident block of the target at most, each a tile's
-    share of its sample's Gram, under 26 MB on any shape."""
-    _, T, d = x.shape
-    plan = _plan([x])
-    if plan is None:
-        return 8 * (T * d + T * T)
-    return 8 * T * T + (4 * T * d if plan[0] is None else 0)
+def sample_bytes(parts):
+    """(bytes, kernel): the bytes a sample of each of ``parts`` (L arrays (B,
+    T, d)) holds while ``grams_f64(parts)`` forms their Grams -- its float64
+    Gram, and on the kernel's route a row-major float32 copy of a part the
+    kernel cannot read as it lies, else (the copies' route) a float64 copy --
+    and whether the kernel's route takes them (one plan for all: the host's
+    cost of a group's accounting is one call).  The k-ranges' partial Grams
+    of a split launch are not counted: a range per resident block of the
+    target at most, each a tile's share of its sample's Gram, under 26 MB on
+    any shape."""
+    plan = _plan(parts)
+    sizes = []
+    for i, x in enumerate(parts):
+        _, T, d = x.shape
+        if plan is None:
+            sizes.append(8 * (T * d + T * T))
+        else:
+            sizes.append(8 * T * T + (4 * T * d if plan[i] is None else 0))
+    return sizes, plan is not None
 
 
 def _launch(parts, layouts, out):

@@ -257,7 +257,7 @@ def _ghost(uses, shape, dtype, batch, gram32=False) -> GhostBlock:
         pairs_bytes = 8 * tl * (V + D)
         if a is not None and on_device and not float32_grams:
             # (and the float64 copy of a the cross terms read, with embedding rows)
-            pairs_bytes = gram_sample_bytes(a) + gram_sample_bytes(g) + (8 * tl * D if te else 0)
+            pairs_bytes = sum(gram_sample_bytes([a, g])[0]) + (8 * tl * D if te else 0)
         per_sample = pairs_bytes + 8 * (te * D + (tl + te) * (tl + te))
         for lo, hi in _arrays.sample_chunks(batch, per_sample, _CHUNK_BYTES):
             A = None
