@@ -19,7 +19,13 @@ writes two reports into ``--out``:
   (synchronisations and copies), and the operators the step dispatched;
 * ``profile_ops-<cpu|gpu>-<date>``: the private step's most expensive entries
   (kernels and operators by their own device time on a GPU, operators by their
-  own CPU time on the CPU).
+  own CPU time on the CPU);
+* ``profile_extra-<cpu|gpu>-<date>``: every entry of either step with the
+  private step's own time, the non-private step's and their difference, the
+  largest difference first (the Markdown shows the first 25 a workload, the
+  JSON all): where the private step's extra time goes, kernel by kernel (the
+  H200 run of 2026-11-30 kept only the private step's 15 largest entries, and
+  a BERT-base step's 14 extra ms were half unexplained).
 
 A workload that cannot be built or run here gets a row with its ``error``
 (which fails ``make gpu-check``).  ``make gpu-check`` runs it after bench_hf
@@ -38,7 +44,7 @@ sys.path.insert(0, str(BENCH))
 
 WORKLOADS = ("bert", "gpt2", "linear", "transformer", "efficientnet")
 METHODS = ("nonprivate", "ncdp_engine")
-WARMUP, TIMED, TOP = 3, 5, 15
+WARMUP, TIMED, TOP, EXTRA_TOP = 3, 5, 15, 25
 # CUDA runtime calls that make the host wait for the device (or copy across).
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
               "cudaMemcpy", "cudaMemcpyAsync")
@@ -72,7 +78,8 @@ def _own_cpu_us(e):
 
 
 def profile(step, torch, device):
-    """(summary, top entries) of one profiled ``step`` after warm-up and timing."""
+    """(summary, top entries, every entry's own ms by name) of one profiled
+    ``step`` after warm-up and timing."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     for _ in range(WARMUP):
@@ -108,7 +115,27 @@ def profile(step, torch, device):
     total = sum(map(own, avgs)) or 1.0
     top = [dict(entry=a.key[:120], calls=a.count, ms=own(a) / 1e3, share=own(a) / total)
            for a in avgs[:TOP]]
-    return summary, top
+    entries = {}
+    for a in avgs:                  # names cut to 120 characters may meet: summed
+        calls, ms = entries.get(a.key[:120], (0, 0.0))
+        entries[a.key[:120]] = (calls + a.count, ms + own(a) / 1e3)
+    return summary, top, entries
+
+
+def extra_rows(label, private, base):
+    """A row per entry of either step (``entries`` of :func:`profile`): its
+    calls and own ms in each, and the private step's extra ms, largest
+    first."""
+    rows = []
+    for name in set(private) | set(base):
+        pc, pm = private.get(name, (0, 0.0))
+        nc, nm = base.get(name, (0, 0.0))
+        rows.append(dict(workload=label, entry=name, private_calls=pc, private_ms=pm,
+                         nonprivate_calls=nc, nonprivate_ms=nm, extra_ms=pm - nm))
+    rows.sort(key=lambda r: r["extra_ms"], reverse=True)
+    for i, r in enumerate(rows):
+        r["rank"] = i + 1
+    return rows
 
 
 def run(device, size, names, out):
@@ -119,26 +146,28 @@ def run(device, size, names, out):
 
     from ncdp_fast._report import write_report
     meta = run_meta(device, size, 1)
-    steps, ops = [], []
+    steps, ops, extra = [], [], []
     for name in names:
         try:
             label, build = _workload(name, size, device)
         except Exception as exc:  # noqa: BLE001  -- the row says why
             steps.append(dict(workload=name, method="", error=exception_text(exc)))
             continue
-        base_ms = None                      # the non-private step's, METHODS[0]
+        base_ms = base_entries = None       # the non-private step's, METHODS[0]
         for method in METHODS:
             row = dict(workload=label, method=method)
             try:
-                summary, top = profile(build(method), torch, device)
+                summary, top, entries = profile(build(method), torch, device)
                 row.update(summary)
                 if method == "nonprivate":
-                    base_ms = summary["wall_ms"]
+                    base_ms, base_entries = summary["wall_ms"], entries
                 if base_ms is not None:
                     row["x_nonprivate"] = summary["wall_ms"] / base_ms
                 if method != "nonprivate":
                     ops += [dict(workload=label, method=method, rank=i + 1, **t)
                             for i, t in enumerate(top)]
+                    if base_entries is not None:
+                        extra += extra_rows(label, entries, base_entries)
             except Exception as exc:  # noqa: BLE001
                 row["error"] = exception_text(exc)
             steps.append(row)
@@ -169,6 +198,21 @@ def run(device, size, names, out):
                   ("share", f"share of the step's {what} time", "{:.3f}")],
                  notes=common + [f"the private step's {TOP} largest entries by their own "
                                  f"{what} time"])
+    extra_cols = [("workload", "workload", None), ("rank", "rank", None),
+                  ("entry", "kernel or operator", None),
+                  ("private_calls", "private calls", None),
+                  ("private_ms", f"private own {what} ms", "{:.3f}"),
+                  ("nonprivate_calls", "non-private calls", None),
+                  ("nonprivate_ms", f"non-private own {what} ms", "{:.3f}"),
+                  ("extra_ms", "extra ms", "{:.3f}")]
+    extra_notes = common + [
+        f"every kernel or operator of either step by its own {what} time in one profiled "
+        "step, the private step's extra time (private - non-private) largest first; a "
+        "kernel the private step runs in place of another (a GEMM of another tile shape) "
+        f"shows as one extra and one saving; the Markdown keeps {EXTRA_TOP} rows a workload, "
+        "the JSON every row"]
+    write_report("profile_extra", str(out), meta, extra, extra_cols, notes=extra_notes,
+                 md_rows=[r for r in extra if r["rank"] <= EXTRA_TOP])
     return steps
 
 

@@ -28,8 +28,9 @@ has to show before a GPU claim of this project is believed.
    writes nothing. A benchmark the budget leaves no time for, or cuts short,
    is listed as not run: slowness is reported, not failed. After the hf and
    finetune benchmarks, ``bench/profile_step.py`` profiles one step of each of
-   their workloads, private and not (``profile_step`` and ``profile_ops`` reports:
-   busy against wall time, kernels, host waits, the largest kernels); last,
+   their workloads, private and not (``profile_step``, ``profile_ops`` and
+   ``profile_extra`` reports: busy against wall time, kernels, host waits, the
+   largest kernels, every kernel's extra time in the private step); last,
    when the budget leaves time, ``bench/host_step.py --device cuda`` measures
    the host's share of a step on this machine's host (``host_step`` report).
 6. A summary of the phases in ``bench/results/gpu_check-gpu-<date>.{json,md}``.

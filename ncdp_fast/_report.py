@@ -56,10 +56,12 @@ def machine(torch_mod=None) -> dict:
 
 
 def write_report(name: str, out_dir: str, meta: dict, rows: list[dict], columns: list[tuple],
-                 notes: list[str] = (), quiet: bool = False) -> Path:
+                 notes: list[str] = (), quiet: bool = False, md_rows: list[dict] | None = None
+                 ) -> Path:
     """Write ``<name>-<device>-<date>.json`` and ``.md`` (a table of ``columns``:
-    (key, header, format)) and return the JSON path.  ``meta``'s own "date" and
-    "commit" (those of the measurement) win over now's."""
+    (key, header, format), of ``md_rows`` where given, else of every row) and
+    return the JSON path.  ``meta``'s own "date" and "commit" (those of the
+    measurement) win over now's."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     now = _dt.datetime.now(_dt.timezone.utc)
@@ -77,7 +79,7 @@ def write_report(name: str, out_dir: str, meta: dict, rows: list[dict], columns:
         lines.append("")
     lines.append("| " + " | ".join(h for _, h, _ in columns) + " |")
     lines.append("|" + "---|" * len(columns))
-    for r in rows:
+    for r in rows if md_rows is None else md_rows:
         cells = []
         for key, _, fmt in columns:
             v = r.get(key)

@@ -39,6 +39,20 @@ def test_profile_step_reports_each_workload_and_method(tmp_path):
     assert all(r["entry"].startswith("aten::") and 0 < r["share"] <= 1 for r in top)
     md = steps.with_suffix(".md").read_text()
     assert "busy / wall" in md and "| linear head" in md
+    # Every entry of either step, with the private step's extra time, largest first.
+    (extra,) = tmp_path.glob("profile_extra-cpu-*.json")
+    diff = json.loads(extra.read_text())["rows"]
+    assert diff and [r["rank"] for r in diff] == list(range(1, len(diff) + 1))
+    assert [r["extra_ms"] for r in diff] == sorted((r["extra_ms"] for r in diff), reverse=True)
+    for r in diff:
+        assert r["extra_ms"] == r["private_ms"] - r["nonprivate_ms"]
+        assert r["private_calls"] + r["nonprivate_calls"] > 0
+    names = {r["entry"] for r in diff}
+    assert {r["entry"] for r in top} <= names       # the private step's top entries among them
+    assert any(r["nonprivate_calls"] and r["private_calls"] for r in diff)
+    assert any(r["private_calls"] and not r["nonprivate_calls"] for r in diff)
+    md_extra = extra.with_suffix(".md").read_text()
+    assert md_extra.count("| linear head") == min(len(diff), 25)
 
 
 def test_profile_step_refuses_an_unknown_workload(tmp_path):
