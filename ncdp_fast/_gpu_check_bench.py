@@ -70,6 +70,10 @@ FIRST = ("hf", "finetune", "clip", "noise", "mix", "ntk", "tied", "conv", "norm"
 # the seven benchmarks above already fill most of the default budget.
 PROFILE = "profile"
 PROFILE_AFTER = 2
+# bench/dmma_rate.py: the FP64 tensor cores' rate per mma shape (the Gram
+# kernel's m8n8k4 against sm_90's m16n8 shapes), right after the profile: a
+# few seconds, and it decides whether that kernel's rewrite pays.
+DMMA = "dmma"
 # bench/host_step.py --device cuda: the host's share of a step measured on the
 # GPU machine's own host (the benchmarks' layers at tiny widths, so the device
 # idles), which the predictions made without a GPU scale from the 2-core VM's.
@@ -81,7 +85,7 @@ def check_order() -> list[str]:
     """The GPU benchmarks in the order the check runs them."""
     from .cli import GPU_BENCHES
     first = [n for n in FIRST if n in GPU_BENCHES]
-    return first[:PROFILE_AFTER] + [PROFILE] + first[PROFILE_AFTER:] + \
+    return first[:PROFILE_AFTER] + [PROFILE, DMMA] + first[PROFILE_AFTER:] + \
         [n for n in GPU_BENCHES if n not in FIRST] + [HOST]
 
 
@@ -90,6 +94,8 @@ def _command(python, name, out: Path, bench_args) -> list[str]:
         size = "quick" if "--quick" in bench_args else "full"
         return [python, str(ROOT / "bench" / "profile_step.py"), "--device", "cuda",
                 "--size", size, "--out", str(out)]
+    if name == DMMA:
+        return [python, str(ROOT / "bench" / "dmma_rate.py"), "--out", str(out)]
     if name == HOST:
         return [python, str(ROOT / "bench" / "host_step.py"), "--device", "cuda",
                 "--out", str(out)]
