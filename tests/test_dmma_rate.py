@@ -12,12 +12,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "dmma_rate.py"
-sys.path.insert(0, str(ROOT / "bench"))
+
+
+def _probe():
+    """bench/dmma_rate.py as a module, without leaving bench/ on this process's
+    path (its conftest.py would shadow the tests' own in every process spawned
+    later: the distributed tests' ranks import it by name)."""
+    import importlib.util
+    saved = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location("_dmma_rate_under_test", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
 
 
 @pytest.mark.parametrize("arch", ["90", "80"])
 def test_the_probe_compiles(arch, tmp_path):
-    import dmma_rate
+    dmma_rate = _probe()
     if dmma_rate.nvcc() is None:
         pytest.skip("no nvcc on this machine (the package's build is CPU-only here too)")
     exe = dmma_rate.compile_probe(arch, tmp_path)
@@ -25,7 +39,7 @@ def test_the_probe_compiles(arch, tmp_path):
 
 
 def test_the_parser_gives_rates_and_ratios():
-    import dmma_rate
+    dmma_rate = _probe()
     lines = [json.dumps(dict(sms=132, compute_capability="9.0")),
              json.dumps(dict(shape="m8n8k4", blocks_per_sm=1, warps_per_sm=8, flops=2e12,
                              ms=100.0)),
