@@ -239,11 +239,10 @@ def _ours(name, kw) -> tuple[float, int]:
         # DRAM once (a tile's second read from L2) and its float64 Gram written.
         # A split launch's ranges write partial Grams that its second kernel
         # reads and adds (one more launch).
-        from ncdp_fast._cuda.gram import launch_seconds, split
+        from ncdp_fast._cuda.gram import jobs, launch_seconds, split
         count, T = len(kw["x"]) * kw["n"], kw["T"]
         b = count * (4 * T * kw["d"] + 8 * T ** 2)
-        nt = -(-T // 64)
-        ranges, _ = split(count * nt * (nt + 1) // 2, kw["d"])
+        ranges, _ = split(jobs(len(kw["x"]), kw["n"], T), kw["d"])
         tail = 0.0
         if ranges > 1:
             partials = 8 * ranges * count * T ** 2

@@ -12,6 +12,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
+#include <string>
 
 namespace {
 
@@ -22,13 +24,14 @@ constexpr int kChains8 = 8;
 constexpr int kChains16 = 4;
 constexpr int kWarps = 8;      // warps a block
 
-#define CHECK(call)                                                              \
-  do {                                                                           \
-    cudaError_t err = (call);                                                    \
-    if (err != cudaSuccess) {                                                    \
-      std::fprintf(stderr, "dmma_rate: %s: %s\n", #call, cudaGetErrorString(err)); \
-      std::exit(1);                                                              \
-    }                                                                            \
+// A failed CUDA call throws; main reports it and returns 1 (no exit or abort
+// in host code).
+#define CHECK(call)                                                                   \
+  do {                                                                                \
+    cudaError_t err = (call);                                                         \
+    if (err != cudaSuccess) {                                                         \
+      throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorString(err));  \
+    }                                                                                 \
   } while (0)
 
 __global__ void m8n8k4(long long iters, double seed, double* out) {  // out: [threads, 2]
@@ -133,8 +136,7 @@ void measure(const char* shape, double flops_per_mma, int chains, Kernel kernel,
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  const long long iters = argc > 1 ? std::atoll(argv[1]) : 1000;
+int run(long long iters) {
   int dev = 0, sms = 0, major = 0, minor = 0;
   CHECK(cudaGetDevice(&dev));
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
@@ -151,4 +153,14 @@ int main(int argc, char** argv) {
     }
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  const long long iters = argc > 1 ? std::atoll(argv[1]) : 1000;
+  try {
+    return run(iters);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dmma_rate: %s\n", e.what());
+    return 1;
+  }
 }

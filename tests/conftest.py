@@ -27,6 +27,25 @@ if EMULATION:
     _arrays.set_emulation(False)
 
 
+def bench_script(name: str, as_name: str | None = None):
+    """bench/<name>.py as a module, loaded by path, without leaving bench/ on
+    this process's path: its conftest.py would shadow the tests' own in every
+    process spawned later (the gloo ranks import "conftest" by name), and its
+    modules the tests' imports."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    saved = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location(as_name or f"_{name}_under_test", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
 def unit_roundoff(dtype) -> float:
     return float(np.finfo(dtype).eps) / 2
 

@@ -136,6 +136,41 @@ def test_linear_contribution_never_exceeds_C_with_float32_grams(require_cuda, bi
     _check_contribution([w.cpu().numpy()] + ([b.cpu().numpy()] if bias else []), res, C)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [True, False])
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])   # one device throughout
+@given(seed=st.integers(0, 2 ** 32 - 1), T=st.sampled_from([2, 3]), d=st.integers(512, 700),
+       K=st.integers(512, 700), cancel=st.booleans(), C=C_VALUES)
+def test_linear_contribution_never_exceeds_C_through_split_grams(require_cuda, bias, seed, T, d,
+                                                                 K, cancel, C):
+    """The float64 norms through the Gram kernel's k-ranges (a launch of few
+    jobs splits d into ranges whose partial Grams a second kernel adds): float32
+    values log-uniform from the smallest denormal to the largest finite, some
+    positions cancelling, so a range's partial sum and the order of the
+    ranges' addition matter; each sample's contribution stays within C."""
+    import torch
+    from ncdp_fast._cuda import gram
+    assert gram.split(gram.jobs(1, 1, T), min(d, K))[0] > 1       # the ranges are taken
+    rng = np.random.default_rng(seed)
+    fi = np.finfo(np.float32)
+    lo, hi = math.log2(float(fi.smallest_subnormal)), math.log2(float(fi.max)) - 0.01
+
+    def values(shape):
+        x = rng.choice([-1.0, 1.0], shape) * np.exp2(rng.uniform(lo, hi, shape))
+        x[rng.random(shape) < 0.05] = 0.0
+        return x.astype(np.float32)
+    a, g = values((1, T, d)), values((1, T, K))
+    if cancel:
+        a[0, 1] = -a[0, 0] * np.float32(1 + 2 ** -10)
+        g[0, 1] = g[0, 0]
+    res = nf.clip_and_noise_layers(
+        [(torch.from_numpy(a).to(require_cuda), torch.from_numpy(g).to(require_cuda), bias)],
+        max_norm=C, noise_multiplier=0.0, nan_policy="zero")
+    w, b = res.grads[0]
+    _check_contribution([w.cpu().numpy()] + ([b.cpu().numpy()] if bias else []), res, C)
+
+
 def _denormal_factor_worst(make, rounds=300):
     """The largest contribution / C over rows whose clip factor takes g among
     float32's denormals (f g ~ 2^-131 with a ~ 2^120 and C = 1e-3), where a

@@ -8,24 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import bench_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "device_model.py"
 
 
 def _module():
-    """bench/device_model.py as a module, without leaving bench/ on this
-    process's path (its conftest.py would shadow the tests' own for every
-    process spawned later, and its modules the tests' imports)."""
-    import importlib.util
-    saved = list(sys.path)
-    try:
-        spec = importlib.util.spec_from_file_location("_device_model_under_test", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved
-    return module
+    return bench_script("device_model")
 
 
 def test_device_model_reports_each_workloads_predicted_device_time(tmp_path):

@@ -9,24 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import bench_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "dmma_rate.py"
 
 
 def _probe():
-    """bench/dmma_rate.py as a module, without leaving bench/ on this process's
-    path (its conftest.py would shadow the tests' own in every process spawned
-    later: the distributed tests' ranks import it by name)."""
-    import importlib.util
-    saved = list(sys.path)
-    try:
-        spec = importlib.util.spec_from_file_location("_dmma_rate_under_test", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved
-    return module
+    return bench_script("dmma_rate")
 
 
 @pytest.mark.parametrize("arch", ["90", "80"])

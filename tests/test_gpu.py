@@ -1095,8 +1095,7 @@ def test_cuda_gram_kernel_against_the_reference_and_the_gemm(require_cuda, shape
     jobs, split into 3 and 7 k-ranges whose partial Grams a second kernel
     adds."""
     from ncdp_fast._cuda import gram as gram_plan
-    nt = -(-shape[1] // 64)
-    assert gram_plan.split(shape[0] * nt * (nt + 1) // 2, shape[2])[0] == {
+    assert gram_plan.split(gram_plan.jobs(1, shape[0], shape[1]), shape[2])[0] == {
         (2, 128, 768): 3, (1, 66, 2000): 7}.get(shape, 1)
     import torch
     from test_gram_f64 import assert_grams_close, rows

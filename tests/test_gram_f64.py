@@ -200,6 +200,7 @@ def test_split_plan_is_the_launchers(case):
     count, n, T, d = case
     nt = -(-T // 64)
     jobs = count * n * nt * (nt + 1) // 2
+    assert gram.jobs(count, n, T) == jobs
     ranges, depth = gram.split(jobs, d)
     want = -(-8 * ranges * count * n * T * T // 256) * 256 if ranges > 1 else 0
     assert C.gram_rows_f64_workspace_bytes(count, n, T, d) == want
@@ -223,8 +224,7 @@ def test_device_kernel_k_ranges(emulated, shape):
     exactly symmetric, and the same bits on a second run."""
     from ncdp_fast._cuda import gram
     n, T, d = shape
-    nt = -(-T // 64)
-    assert gram.split(n * nt * (nt + 1) // 2, d)[0] > 1
+    assert gram.split(gram.jobs(1, n, T), d)[0] > 1
     x = rows(shape, 9)
     t = torch.from_numpy(x)
     w = gram.grams_f64([t])

@@ -3,20 +3,15 @@ sm_90, from ``ptxas -v`` (bench/kernel_resources.py): no GPU needed, nvcc is.
 The parser and the occupancy formula are checked on fixed inputs; the table is
 built from the real sources, and the kernels whose spills were removed must
 stay spill-free."""
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
+from conftest import bench_script
 
 ROOT = Path(__file__).resolve().parent.parent
-# Loaded by path: putting bench/ on sys.path would let its conftest and report
-# modules shadow the tests' own.
-_spec = importlib.util.spec_from_file_location("kernel_resources",
-                                               ROOT / "bench" / "kernel_resources.py")
-kr = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kr)
+kr = bench_script("kernel_resources", "kernel_resources")
 
 LOG = """\
 ptxas info    : 0 bytes gmem

@@ -293,12 +293,10 @@ def _group_chunks(a_list, a_bytes, g_bytes, stack, budget):
 
 
 def _norm_bytes(T, d, K, extras):
-    """Float64 bytes a sample's norms hold at once (copies, Grams or K x d
-    matrices, and the direct route's squares when a spread or sizes are
-    formed)."""
-    gram = 2 * T * T <= K * d
-    per_sample = 8 * (T * (d + K) + (2 * T * T if gram else K * d))
-    return per_sample + (8 * T * max(d, K) if extras and not gram else 0)
+    """Float64 bytes a sample's norms hold at once on the direct route (2 T^2 >
+    K d: copies, the K x d matrix, and the squares when a spread or sizes are
+    formed); the Gram route's are gram.sample_bytes'."""
+    return 8 * (T * (d + K) + K * d) + (8 * T * max(d, K) if extras else 0)
 
 
 def _norm_rows(a64, g64, bias, sq, accumulate, spread, sizes, layers):

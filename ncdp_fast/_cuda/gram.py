@@ -211,14 +211,20 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def jobs(count, n, T) -> int:
+    """The (sample, upper-triangle tile) jobs of a launch of ``count`` sources
+    of n samples of T rows."""
+    nt = _ceil_div(T, _TILE)
+    return count * n * nt * (nt + 1) // 2
+
+
 def launch_seconds(count, n, T, d) -> float:
     """The model's time of one launch of ``count`` sources of n samples: its
     tiles' tensor-core FLOPs (:func:`flops`) at MODEL_FLOPS_PER_SM_S on each
     SM that holds a block (at most TARGET_SMS)."""
-    nt = _ceil_div(T, _TILE)
-    jobs = count * n * nt * (nt + 1) // 2
-    ranges, _ = split(jobs, d)
-    busy = min(TARGET_SMS, ranges * jobs)
+    launch_jobs = jobs(count, n, T)
+    ranges, _ = split(launch_jobs, d)
+    busy = min(TARGET_SMS, ranges * launch_jobs)
     return flops(count * n, T, d) / (MODEL_FLOPS_PER_SM_S * max(busy, 1))
 
 
