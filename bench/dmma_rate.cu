@@ -1,8 +1,8 @@
 // The FP64 tensor cores' rate per mma shape (bench/dmma_rate.py): the Gram
-// kernel (csrc/clip/gram_f64.cu) multiplies with mma.m8n8k4, the one f64 shape
-// before sm_90; sm_90 added m16n8k4, m16n8k8 and m16n8k16. The H200 measured
-// that kernel at 34% of an SM's FP64 tensor-core peak with one block an SM;
-// whether a larger shape issues the same work faster decides its rewrite.
+// kernel (csrc/clip/gram_f64.cu) multiplied with mma.m8n8k4, the one f64 shape
+// before sm_90, when the H200 measured it at 34% of an SM's FP64 tensor-core
+// peak with one block an SM; sm_90 added m16n8k4, m16n8k8 and m16n8k16, and
+// the kernel takes m16n8k4 there now. The rates say what each shape is worth.
 //
 // Each warp runs `iters` rounds of kChains independent mma chains on
 // register operands (no memory traffic, no dependence within a round), then

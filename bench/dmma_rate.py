@@ -1,14 +1,16 @@
 """The FP64 tensor cores' rate per mma shape on this GPU (bench/dmma_rate.cu).
 
-The Gram kernel of the per-sample norms (csrc/clip/gram_f64.cu) multiplies
-with ``mma.m8n8k4.f64``, the only f64 shape before sm_90; sm_90 added m16n8k4,
-m16n8k8 and m16n8k16.  The H200 run of 2026-11-30 measured the kernel at 16.8
-TFLOP/s with one block on each of 96 SMs, 34% of an SM's share of the 67 TFLOP/s
-peak.  This probe says how much of that is the shape: register operands only,
-independent chains, 1 to 4 blocks of 8 warps an SM, each shape's TFLOP/s and
-its ratio to m8n8k4's at the same occupancy.  If a larger shape issues the same
-products markedly faster, the kernel's rewrite to it pays; if not, its
-staging (shared memory, barriers) is what holds it back.
+The Gram kernel of the per-sample norms (csrc/clip/gram_f64.cu) multiplied
+with ``mma.m8n8k4.f64``, the only f64 shape before sm_90, when the H200 run of
+2026-11-30 measured it at 16.8 TFLOP/s with one block on each of 96 SMs, 34% of
+an SM's share of the 67 TFLOP/s peak; sm_90 added m16n8k4, m16n8k8 and
+m16n8k16, and the kernel now takes m16n8k4 there (the same products in half
+the mma instructions, no more registers).  This probe says what the shape is
+worth: register operands only, independent chains, 1 to 4 blocks of 8 warps an
+SM, each shape's TFLOP/s and its ratio to m8n8k4's at the same occupancy.  If
+m16n8k4 issues the products markedly faster than m8n8k4, the move paid; if
+k8 or k16 is faster still, the next step is theirs (more fragment registers);
+if none is, the kernel's staging (shared memory, barriers) holds it back.
 
     python bench/dmma_rate.py [--out bench/results] [--iters N]
     python bench/dmma_rate.py --compile-only --arch 90     # nvcc only (CI)

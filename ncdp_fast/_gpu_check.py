@@ -32,8 +32,8 @@ has to show before a GPU claim of this project is believed.
    ``profile_extra`` reports: busy against wall time, kernels, host waits, the
    largest kernels, every kernel's extra time in the private step), then
    ``bench/dmma_rate.py`` measures the FP64 tensor cores' rate per mma shape
-   (``dmma_rate`` report: the Gram kernel's m8n8k4 against sm_90's m16n8
-   shapes, seconds); last,
+   (``dmma_rate`` report: m8n8k4, sm_80's, against sm_90's m16n8 shapes, the
+   Gram kernel's m16n8k4 among them, seconds); last,
    when the budget leaves time, ``bench/host_step.py --device cuda`` measures
    the host's share of a step on this machine's host (``host_step`` report).
 6. A summary of the phases in ``bench/results/gpu_check-gpu-<date>.{json,md}``.

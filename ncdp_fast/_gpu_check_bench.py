@@ -70,9 +70,9 @@ FIRST = ("hf", "finetune", "clip", "noise", "mix", "ntk", "tied", "conv", "norm"
 # the seven benchmarks above already fill most of the default budget.
 PROFILE = "profile"
 PROFILE_AFTER = 2
-# bench/dmma_rate.py: the FP64 tensor cores' rate per mma shape (the Gram
-# kernel's m8n8k4 against sm_90's m16n8 shapes), right after the profile: a
-# few seconds, and it decides whether that kernel's rewrite pays.
+# bench/dmma_rate.py: the FP64 tensor cores' rate per mma shape (sm_80's
+# m8n8k4 against sm_90's m16n8 shapes, the Gram kernel's m16n8k4 among them),
+# right after the profile: a few seconds, and it says what the shape is worth.
 DMMA = "dmma"
 # bench/host_step.py --device cuda: the host's share of a step measured on the
 # GPU machine's own host (the benchmarks' layers at tiny widths, so the device

@@ -45,11 +45,24 @@ constexpr int kGramLoads = kGramTile * kGramDepth / kGramThreads;
 static_assert(kGramLoads * kGramThreads == kGramTile * kGramDepth, "staging covers the tile");
 
 // Warps of a block: 2 x 4 over the 64 x 64 tile, 32 rows x 16 columns each,
-// 4 x 2 fragments of 8 x 8.
+// 4 x 2 fragments of 8 x 8, rows in pairs: a pair's two fragments are one
+// m16n8k4 product (common/mma_f64.cuh).
 constexpr int kWarpRows = 32;
 constexpr int kWarpCols = 16;
 constexpr int kFragRows = kWarpRows / 8;
 constexpr int kFragCols = kWarpCols / 8;
+constexpr int kFragPairs = kFragRows / 2;
+static_assert(kFragPairs * 2 == kFragRows, "row fragments pair into m16n8k4 products");
+
+// sm_90's m16n8k4 products keep their accumulators in place only in a loop
+// that is not unrolled: unrolled, ptxas renamed them (124 registers, 140
+// bytes spilled at the 85 of 3 blocks an SM); the other warps of the SM hide
+// the fragment loads' latency instead. The m8n8k4 loop stays unrolled.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(NCDP_CPU_EMULATION)
+#define NCDP_GRAM_STEP_UNROLL _Pragma("unroll 1")
+#else
+#define NCDP_GRAM_STEP_UNROLL _Pragma("unroll")
+#endif
 
 // The (ti, tj) tile, ti <= tj, of triangle index t: row ti holds tiles
 // ti..nt-1, so rows before ti hold ti nt - ti (ti - 1) / 2 of them.
@@ -119,14 +132,14 @@ __global__ void __launch_bounds__(kGramThreads, kGramBlocksPerSm) gram_rows_f64_
     // the products' loop within the 80 registers of 3 blocks an SM.
     const int depth = static_cast<int>(std::min(split_depth, d - k_begin));
     const float* x = src.x[s] + (sample % n) * src.sample_stride[s] + k_begin;
-    double* w = out + gram * T * T;
     const std::int64_t row_stride = src.row_stride[s];
     const std::int64_t ri = ti * kGramTile, rj = tj * kGramTile;
-    double acc[kFragRows][kFragCols][2];
+    // acc[p][c]: the 16 x 8 fragment of row pair p, column c (mma_f64_16x8x4's d0..d3).
+    double acc[kFragPairs][kFragCols][4];
 #pragma unroll
-    for (int m = 0; m < kFragRows; ++m) {
+    for (int p = 0; p < kFragPairs; ++p) {
 #pragma unroll
-      for (int c = 0; c < kFragCols; ++c) acc[m][c][0] = acc[m][c][1] = 0.0;
+      for (int c = 0; c < kFragCols; ++c) acc[p][c][0] = acc[p][c][1] = acc[p][c][2] = acc[p][c][3] = 0.0;
     }
     // This thread's staged rows and value column (see load_step).
     const int r_own = static_cast<int>(threadIdx.x) / kGramDepth;
@@ -156,23 +169,30 @@ __global__ void __launch_bounds__(kGramThreads, kGramBlocksPerSm) gram_rows_f64_
         if (!diagonal) load_step(pj + k0 + kGramDepth, row_stride, left_j, in, vj);
       }
       if (!live) continue;
-#pragma unroll
+      NCDP_GRAM_STEP_UNROLL
       for (int kk = 0; kk < kGramDepth; kk += 4) {
-        double a[kFragRows], b[kFragCols];
+        double a[kFragPairs][2], b[kFragCols];
 #pragma unroll
-        for (int m = 0; m < kFragRows; ++m) a[m] = rows_i[wr + 8 * m + g][kk + q];
+        for (int p = 0; p < kFragPairs; ++p) {
+          a[p][0] = rows_i[wr + 16 * p + g][kk + q];
+          a[p][1] = rows_i[wr + 16 * p + 8 + g][kk + q];
+        }
         // B = X_j^T: B[k][col] is row col's value k, held at [col][k].
 #pragma unroll
         for (int c = 0; c < kFragCols; ++c) b[c] = cols[wc + 8 * c + g][kk + q];
 #pragma unroll
-        for (int m = 0; m < kFragRows; ++m) {
+        for (int p = 0; p < kFragPairs; ++p) {
 #pragma unroll
           for (int c = 0; c < kFragCols; ++c) {
-            mma_f64_8x8x4(acc[m][c][0], acc[m][c][1], a[m], b[c], acc[m][c][0], acc[m][c][1]);
+            mma_f64_16x8x4(acc[p][c][0], acc[p][c][1], acc[p][c][2], acc[p][c][3], a[p][0],
+                           a[p][1], b[c]);
           }
         }
       }
     }
+    // Formed here, not before the loop: live across it, it took the register
+    // that sm_90's loop needs (4 bytes spilled at 80).
+    double* w = out + gram * T * T;
 #pragma unroll
     for (int m = 0; m < kFragRows; ++m) {
       const std::int64_t r = ri + wr + 8 * m + g;
@@ -181,9 +201,10 @@ __global__ void __launch_bounds__(kGramThreads, kGramBlocksPerSm) gram_rows_f64_
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const std::int64_t col = rj + wc + 8 * c + 2 * q + h;
+          const double value = acc[m / 2][c][2 * (m % 2) + h];
           if (r < T && col < T) {
-            w[r * T + col] = acc[m][c][h];
-            if (!diagonal) w[col * T + r] = acc[m][c][h];
+            w[r * T + col] = value;
+            if (!diagonal) w[col * T + r] = value;
           }
         }
       }

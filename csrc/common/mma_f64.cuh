@@ -50,4 +50,28 @@ __device__ __forceinline__ void mma_f64_8x8x4(double& d0, double& d1, double a, 
 #endif
 }
 
+// D (16x8) = A (16x4) B (4x8) + C on sm_90's larger FP64 shape (PTX
+// mma.sync.m16n8k4 .f64): two m8n8k4 products stacked in m that share B.
+// Lane l = 4 g + q holds a0 = A[g][q], a1 = A[g + 8][q], b = B[q][g], and
+// d0, d1 = D[g][2q], D[g][2q + 1], d2, d3 = D[g + 8][2q], D[g + 8][2q + 1]
+// (PTX's fragment layout; CuTe's SM90_16x8x4_F64F64F64F64_TN reads the same),
+// accumulated in place. Why: the H200 ran the Gram kernel's m8n8k4 at 34% of
+// an SM's FP64 tensor-core peak; sm_90 issues the same products in half the
+// mma instructions (bench/dmma_rate.py measures each shape's rate). Below
+// sm_90, and in the CPU emulation, it is the two m8n8k4 products it stands
+// for, so the contract is met (and tested) everywhere; the order of a
+// product's four terms is the hardware's own either way.
+__device__ __forceinline__ void mma_f64_16x8x4(double& d0, double& d1, double& d2, double& d3,
+                                               double a0, double a1, double b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(NCDP_CPU_EMULATION)
+  asm volatile("mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5}, "
+               "{%6}, {%0, %1, %2, %3};"
+               : "+d"(d0), "+d"(d1), "+d"(d2), "+d"(d3)
+               : "d"(a0), "d"(a1), "d"(b));
+#else
+  mma_f64_8x8x4(d0, d1, a0, b, d0, d1);
+  mma_f64_8x8x4(d2, d3, a1, b, d2, d3);
+#endif
+}
+
 }  // namespace ncdp
