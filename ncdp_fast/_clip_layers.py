@@ -284,6 +284,9 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     for i, layer in enumerate(layers):
         if layer.kind == "pair":
             groups.setdefault((layer.T, layer.d, layer.K, layer.bias), []).append(i)
+    # The setup loops' name held their last layer, and with it its operands,
+    # until the op returned (release: the op holds the only references).
+    del layer
     pairs = [i for members in groups.values() for i in members]
     # Factors, norms, the checks' flags and the pairs' operand sizes side by
     # side: the step's one transfer reads them all.
@@ -332,12 +335,16 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     host_factors = host[:B]
     balance = [True] * len(layers)
     if pairs:
-        ps = [layers[i] for i in pairs]
+        # The pairs' shapes only: a list of the layers themselves would keep
+        # every pair's operands alive through the sums below, which free each
+        # layer's once its own sum is formed (release).
+        shapes = [(layers[i].T, layers[i].d, layers[i].K) for i in pairs]
         # The weights as the device formed them (one IEEE product each).
         host_weights = host_factors * grad_scale if grad_scale != 1.0 else host_factors
         need = _balance.layers_needing_balancing(
             host_weights, host[2 * B + len(checks):].reshape(len(pairs), B, 2),
-            [p.T * p.d for p in ps], [p.T * p.K for p in ps], [p.K <= p.d for p in ps],
+            [T * d for T, d, _ in shapes], [T * K for T, _, K in shapes],
+            [K <= d for _, d, K in shapes],
             # A float32 Gram's zero trace may be an underflow, not a zero operand.
             dtype == np.float32 and not gram32)
         for i, flag in zip(pairs, need):
@@ -347,8 +354,8 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     acc.update(seed=seed, offset=offset)
     if acc["num_nonfinite"]:
         bad = np.flatnonzero(host_factors == 0)
-        for layer in layers:
-            layer.drop_rows(be.io, bad)
+        for unit in layers:     # the sums' own name: rebound (let go) by their loop
+            unit.drop_rows(be.io, bad)
     order = range(len(layers))
     if release:
         # Most memory freed first: a layer's sum allocates `draws` values and
