@@ -55,6 +55,24 @@ def workload_names(ap, known, argv=None) -> tuple[list, object]:
     return names, args
 
 
+def emulated_model_args(doc, known, argv, device) -> tuple[list, object, dict]:
+    """(workloads, parsed arguments, report meta) of a model run on the
+    emulated CUDA device (bench/device_model.py, bench/memory_model.py):
+    --size picks the GPU run's shapes; NCDP_CUDA_EMULATION is set before
+    ncdp_fast is imported; ``device`` names the model in the report."""
+    import argparse
+    import os
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--size", choices=("full", "quick", "smallest"), default="full",
+                    help="the GPU run's stated shapes (full), or smaller ones for a check")
+    names, args = workload_names(ap, known, argv)
+    os.environ["NCDP_CUDA_EMULATION"] = "1"
+    from report import run_meta
+    meta = run_meta("cpu", args.size, 1)
+    meta["device"] = device
+    return names, args, meta
+
+
 def exception_text(exc, limit=400) -> str:
     """"Type: message" of an exception on one line, at most ``limit`` characters:
     what a table's error cell shows."""

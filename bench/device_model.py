@@ -34,10 +34,8 @@ most, against the non-private step's same operators).
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -404,18 +402,12 @@ def _measure(names, size, rows, ops):
 
 
 def main(argv=None) -> int:
-    from _common import workload_names
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", choices=("full", "quick", "smallest"), default="full",
-                    help="the GPU run's stated shapes (full), or smaller ones for a check")
-    names, args = workload_names(ap, list(WORKLOADS), argv)
-    os.environ["NCDP_CUDA_EMULATION"] = "1"        # before ncdp_fast is imported
-    from report import run_meta
-
+    from _common import emulated_model_args
+    names, args, meta = emulated_model_args(
+        __doc__, list(WORKLOADS), argv,
+        "H200 model (bench/device_model.py), operators from the emulated CUDA device")
     from ncdp_fast._report import write_report
     rows, ops = measure(names, args.size)
-    meta = run_meta("cpu", args.size, 1)
-    meta["device"] = "H200 model (bench/device_model.py), operators from the emulated CUDA device"
     notes = [f"GEMM rates {', '.join(f'{k} {v / 1e12:g}' for k, v in GEMM_FLOPS.items())} "
              f"TFLOP/s in 128 x 128 tiles over {SMS} SMs; {BYTES_PER_S / 1e12:g} TB/s; "
              f"noise {NORMALS_PER_S / 1e9:g} G normals/s; {KERNEL_FLOOR_S * 1e6:g} us at least "

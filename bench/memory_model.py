@@ -1,0 +1,259 @@
+"""A step's peak GPU memory predicted without a GPU, from the allocations it makes.
+
+The benchmarks' workloads (bench_hf's BERT-base and GPT-2, bench_finetune's
+linear head, transformer and EfficientNet-Lite0) run one step at the GPU
+run's stated shapes on the emulated CUDA device (NCDP_CUDA_EMULATION=1: CPU
+tensors take the CUDA route, the same tensors allocated and freed in the same
+order as on a GPU).  torch's profiler records every allocation and free of
+the step; their running sum, each size rounded up to the CUDA caching
+allocator's 512-byte blocks, is the memory the CUDA allocator would hand out,
+and its largest growth over the step's start is what the benchmarks report
+as "peak extra MB" on a GPU (``torch.cuda.max_memory_allocated`` from a state
+with no gradients).
+
+Two of the CPU's kernels keep more for backward than a GPU's do, so the
+model runs the GPU's forms instead (:func:`gpu_forms`):
+
+* attention: torch's CPU ``scaled_dot_product_attention`` keeps the (B, H, T,
+  T) probabilities (and a dropout mask); a GPU's memory-efficient kernel keeps
+  q, k, v, its output and a log-sum-exp per row, and recomputes the rest in
+  backward (:func:`gpu_sdpa`; no attention dropout, which that kernel draws
+  again from its seed);
+* dropout: the CPU's ``F.dropout`` multiplies by a float mask and keeps it (4
+  bytes a value); a GPU's fused kernel keeps a bool mask (:func:`gpu_dropout`,
+  ``torch.native_dropout``).
+
+The first comparison with a GPU (BERT-base, H200, 2026-11-30, before the
+clip op let go of each layer's operands as its sum formed): non-private
+2606 MB here against 2488 MB measured, the private step's peak (in its
+optimizer step) 2759 MB against 2770 MB.  A model, not a measurement: the next
+GPU run checks it.
+
+    python bench/memory_model.py [--workloads bert,gpt2,linear,transformer,efficientnet]
+                                 [--size full|quick|smallest] [--out bench/results]
+
+writes ``memory_model-cpu-<date>.{json,md}``: per workload and method the
+predicted peak extra MB, the phase of the step it falls in (forward, backward
+or optimizer step), the live MB the backward leaves to the optimizer step, and
+the private row's ratio to the non-private one.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+WORKLOADS = ("bert", "gpt2", "linear", "transformer", "efficientnet")
+METHODS = ("nonprivate", "ncdp_engine")
+# The CUDA caching allocator hands out multiples of 512 bytes (its small and
+# large pools alike); max_memory_allocated counts those.
+BLOCK_BYTES = 512
+PHASES = ("forward", "backward", "optimizer step")
+
+
+class EfficientAttention(torch.autograd.Function):
+    """Attention keeping for backward what a GPU's memory-efficient kernel
+    keeps (q, k, v, the output, a log-sum-exp a row), the probabilities
+    recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        with torch.no_grad():
+            s = (q @ k.transpose(-2, -1)) * scale
+            if mask is not None:
+                s = s + mask
+            lse = torch.logsumexp(s, -1, keepdim=True)
+            out = torch.exp(s - lse) @ v
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.scale = mask, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        s = (q @ k.transpose(-2, -1)) * ctx.scale
+        if ctx.mask is not None:
+            s = s + ctx.mask
+        p = torch.exp(s - lse)
+        del s
+        dv = p.transpose(-2, -1) @ grad
+        ds = p * (grad @ v.transpose(-2, -1) - (grad * out).sum(-1, keepdim=True))
+        del p
+        ds = ds * ctx.scale
+        return ds @ k, ds.transpose(-2, -1) @ q, dv, None, None
+
+
+def gpu_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+    """``F.scaled_dot_product_attention`` through :class:`EfficientAttention`:
+    the same values, without attention dropout (the GPU kernel keeps no mask
+    for it: it draws it again from its seed)."""
+    del dropout_p, enable_gqa
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    mask = attn_mask
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~mask, float("-inf"))
+    return EfficientAttention.apply(q, k, v, mask, scale)
+
+
+def gpu_dropout(input, p=0.5, training=True, inplace=False):
+    """``F.dropout`` as a GPU runs it: the fused kernel, its mask kept as bool."""
+    del inplace
+    if not training or p == 0.0:
+        return input
+    return torch.native_dropout(input, p, True)[0]
+
+
+class gpu_forms:
+    """Context: :func:`gpu_sdpa` and :func:`gpu_dropout` in place of torch's
+    (``torch.nn.functional``'s names, which torch's own modules and
+    transformers' models look up at each call)."""
+
+    def __enter__(self):
+        F = torch.nn.functional
+        self._saved = F.scaled_dot_product_attention, F.dropout
+        F.scaled_dot_product_attention, F.dropout = gpu_sdpa, gpu_dropout
+        return self
+
+    def __exit__(self, *exc):
+        F = torch.nn.functional
+        F.scaled_dot_product_attention, F.dropout = self._saved
+
+
+def _build(name, method, size):
+    """(label, step, release) of ``method`` on workload ``name`` at ``size``."""
+    import device_model as dm
+    family, p = dm._shapes(name, size)
+    if family == "hf":
+        import test_bench_hf as hf
+        step, release, _ = hf.build_step(p, method, "cpu")
+        return hf.workload_label(name, p), step, release
+    import test_bench_finetune as ft
+    step, release, _ = ft.build_step(p, method, "cpu")
+    return ft.workload_label(name, p), step, release
+
+
+def live_curve(timeline) -> list:
+    """(time ns, live bytes grown since the start) after each allocation or
+    free of a profiler memory timeline (``MemoryProfile.timeline``), sizes in
+    the allocator's blocks; tensors alive before the step count only when
+    freed (negative growth)."""
+    from torch.profiler._memory_profiler import Action
+    live, points = 0, []
+    for t, action, _key, size in timeline:
+        if t < 0:               # alive before the profile: not the step's
+            continue
+        rounded = -(-size // BLOCK_BYTES) * BLOCK_BYTES
+        if action == Action.CREATE:
+            live += rounded
+        elif action == Action.DESTROY:
+            live -= rounded
+        else:
+            continue
+        points.append((t, live))
+    return points
+
+
+def peak_by_phase(points, marks) -> dict:
+    """The peak growth and the phase it falls in, and the growth left when
+    the optimizer step starts.  ``marks``: the phases' start times (ns, the
+    profiler's clock), ``{"forward": t0, "backward": t1, "optimizer step": t2}``."""
+    peak, when = 0, PHASES[0]
+    at_step = 0
+    for t, live in points:
+        phase = max((p for p in PHASES if marks.get(p, math.inf) <= t),
+                    key=lambda p: marks[p], default=PHASES[0])
+        if live > peak:
+            peak, when = live, phase
+        if t < marks.get("optimizer step", math.inf):
+            at_step = live
+    return dict(peak_mb=peak / 2**20, peak_phase=when, at_step_mb=at_step / 2**20)
+
+
+def measure_step(step, release) -> dict:
+    """One step of ``step`` (after a warm-up and ``release``), profiled."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfile
+    step()
+    marks = {}
+
+    def at_backward(*args, _run=torch.autograd._engine_run_backward, **kwargs):
+        marks.setdefault("backward", time.time_ns())
+        return _run(*args, **kwargs)
+    def at_step(*args):
+        marks.setdefault("optimizer step", time.time_ns())
+    hook = register_optimizer_step_pre_hook(at_step)
+    saved, torch.autograd._engine_run_backward = torch.autograd._engine_run_backward, at_backward
+    try:
+        release()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            marks["forward"] = time.time_ns()
+            step()
+    finally:
+        torch.autograd._engine_run_backward = saved
+        hook.remove()
+    return peak_by_phase(live_curve(MemoryProfile(prof.profiler.kineto_results).timeline), marks)
+
+
+def measure(names, size="full") -> list:
+    import device_model as dm
+    import ncdp_fast._C_emu as emu
+    torch.manual_seed(0)
+    rows = []
+    # The Gram kernel's values from the host's BLAS (device_model: the
+    # emulator's tensor-core contract takes minutes a step); the same memory.
+    kernel, emu.launch_gram_rows_f64 = emu.launch_gram_rows_f64, dm._grams_on_host
+    try:
+        with gpu_forms():
+            for name in names:
+                plain = None
+                for method in METHODS:
+                    label, step, release = _build(name, method, size)
+                    row = dict(workload=label, method=method, **measure_step(step, release))
+                    if plain is None:
+                        plain = row["peak_mb"]
+                    else:
+                        row["x_nonprivate"] = row["peak_mb"] / plain if plain else None
+                    rows.append(row)
+                    del step, release
+    finally:
+        emu.launch_gram_rows_f64 = kernel
+    return rows
+
+
+def main(argv=None) -> int:
+    from _common import emulated_model_args
+    names, args, meta = emulated_model_args(
+        __doc__, list(WORKLOADS), argv,
+        "GPU memory model (bench/memory_model.py), allocations of the emulated CUDA device")
+    from ncdp_fast._report import write_report
+    rows = measure(names, args.size)
+    notes = [f"one step after one warm-up, at the GPU run's {args.size} shapes, from a state "
+             "with no gradients; each allocation rounded up to the CUDA allocator's "
+             f"{BLOCK_BYTES}-byte blocks; attention and dropout in their GPU forms "
+             "(memory-efficient attention, bool dropout masks: the module docstring)",
+             "peak extra MB: the largest growth of the allocated bytes over the step's start, "
+             "what the benchmarks' GPU tables report (torch.cuda.max_memory_allocated); "
+             "at the optimizer step: the growth the forward and backward leave to it",
+             "a model, not a measurement: the next GPU run checks it (bench/README.md)"]
+    write_report("memory_model", args.out, meta, rows,
+                 [("workload", "workload", None), ("method", "method", None),
+                  ("peak_mb", "predicted peak extra MB", "{:.2f}"),
+                  ("peak_phase", "peak in", None),
+                  ("at_step_mb", "at the optimizer step MB", "{:.2f}"),
+                  ("x_nonprivate", "× non-private", "{:.3f}")], notes=notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
