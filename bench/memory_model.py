@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.utils._python_dispatch
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
@@ -113,18 +114,104 @@ def gpu_dropout(input, p=0.5, training=True, inplace=False):
     return torch.native_dropout(input, p, True)[0]
 
 
+# Operands of more bytes than this, of mixed dtypes, are cast a chunk at a time.
+CAST_CHUNK_BYTES = 1 << 20
+
+
+class GpuCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """A CUDA element-wise kernel or reduction casts its operands as it loads
+    them; the CPU's first copies an operand of another dtype whole:
+    ``torch.mul`` of a float32 array by float64 factors into a float32 result
+    (``_arrays.scale_rows``) made two float64 temporaries of the array's size,
+    a float64 sum of a float32 array (``_arrays.sum_float64``) one, and GPT-2's
+    (16, 128, 50257) head gradient is 785 MB in float64.  Here such an op runs
+    a chunk of its output at a time, its temporaries a chunk's: element-wise
+    ops (torch's pointwise tag) cut along their output's first axis (the same
+    values), float64 sums of float32 along a kept axis (the same up to the
+    order of their float64 additions)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if tensors and max(t.numel() * t.element_size() for t in tensors) > CAST_CHUNK_BYTES:
+            floats = {t.dtype for t in tensors if t.is_floating_point()}
+            if torch.Tag.pointwise in func.tags and len(floats) > 1:
+                return self._pointwise(func, args, kwargs)
+            dtype = kwargs.get("dtype")
+            if func is torch.ops.aten.sum.dim_IntList and dtype not in (None, args[0].dtype):
+                return self._sum(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _rows(n, row_bytes):
+        step = max(1, CAST_CHUNK_BYTES // max(row_bytes, 1))
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+    def _pointwise(self, func, args, kwargs):
+        first = func._schema.arguments[0].alias_info
+        inplace = first is not None and first.is_write      # add_, mul_: the first operand
+        out = args[0] if inplace else kwargs.get("out")
+        given = out is not None
+        shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, torch.Tensor)))
+        if len(shape) == 0 or shape[0] < 2:
+            return func(*args, **kwargs)
+
+        def cut(a, lo, hi):
+            # Only operands that carry the output's first axis are cut.
+            if isinstance(a, torch.Tensor) and a.dim() == len(shape) and a.shape[0] > 1:
+                return a[lo:hi]
+            return a
+        row_bytes = math.prod(shape[1:]) * 8
+        for lo, hi in self._rows(shape[0], row_bytes):
+            part = [cut(a, lo, hi) for a in args]
+            if inplace:
+                func(*part, **kwargs)
+            elif given:
+                func(*part, **dict(kwargs, out=out[lo:hi]))
+            else:
+                got = func(*part, **kwargs)
+                if out is None:
+                    out = torch.empty((shape[0],) + tuple(got.shape[1:]), dtype=got.dtype,
+                                      device=got.device)
+                out[lo:hi].copy_(got)
+        return out
+
+    def _sum(self, func, args, kwargs):
+        x, dims = args[0], args[1]
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        dims = [d % x.dim() for d in (dims or range(x.dim()))]
+        kept = [d for d in range(x.dim()) if d not in dims]
+        if not kept:
+            return func(*args, **kwargs)
+        k = max(kept, key=lambda d: x.shape[d])
+        at = k if keepdim else k - sum(d < k for d in dims)
+        result = None
+        row_bytes = x.numel() // max(x.shape[k], 1) * 8
+        for lo, hi in self._rows(x.shape[k], row_bytes):
+            part = func(x.narrow(k, lo, hi - lo), *args[1:], **kwargs)
+            if result is None:
+                shape = list(part.shape)
+                shape[at] = x.shape[k]
+                result = torch.empty(shape, dtype=part.dtype, device=part.device)
+            result.narrow(at, lo, hi - lo).copy_(part)
+        return result
+
+
 class gpu_forms:
     """Context: :func:`gpu_sdpa` and :func:`gpu_dropout` in place of torch's
     (``torch.nn.functional``'s names, which torch's own modules and
-    transformers' models look up at each call)."""
+    transformers' models look up at each call), and :class:`GpuCasts`."""
 
     def __enter__(self):
         F = torch.nn.functional
         self._saved = F.scaled_dot_product_attention, F.dropout
         F.scaled_dot_product_attention, F.dropout = gpu_sdpa, gpu_dropout
+        self._casts = GpuCasts()
+        self._casts.__enter__()
         return self
 
     def __exit__(self, *exc):
+        self._casts.__exit__(*exc)
         F = torch.nn.functional
         F.scaled_dot_product_attention, F.dropout = self._saved
 

@@ -59,9 +59,12 @@ def test_gpu_dropout_keeps_a_bool_mask():
 def test_gpu_forms_are_put_back():
     F = torch.nn.functional
     before = F.scaled_dot_product_attention, F.dropout
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
     with mm.gpu_forms():
         assert (F.scaled_dot_product_attention, F.dropout) == (mm.gpu_sdpa, mm.gpu_dropout)
+        assert isinstance(_get_current_dispatch_mode(), mm.GpuCasts)
     assert (F.scaled_dot_product_attention, F.dropout) == before
+    assert _get_current_dispatch_mode() is None
 
 
 def test_live_curve_and_peak_by_phase():
@@ -102,3 +105,39 @@ def test_memory_model_reports_each_workloads_peak(tmp_path):
         assert private["x_nonprivate"] == pytest.approx(private["peak_mb"] / plain["peak_mb"])
         # The backward of a step with gradients released holds more than nothing.
         assert plain["at_step_mb"] > 0
+
+
+def _peak_mb(fn):
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    points = mm.live_curve(MemoryProfile(prof.profiler.kineto_results).timeline)
+    return max(live for _, live in points) / 2**20, out
+
+
+def test_gpu_casts_cut_mixed_dtype_ops_without_changing_them():
+    """The CPU's float32-by-float64 product into float32 holds two float64
+    copies of the array, its float64 sum one; under GpuCasts each holds a
+    chunk's (1 MiB), as a CUDA kernel holds none; element-wise results are
+    the same bits, sums within their float64 rounding."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 50, 400, generator=g)                 # 4.9 MiB of float32
+    f = torch.rand(64, generator=g, dtype=torch.float64).reshape(-1, 1, 1)
+    size = x.numel() * 4 / 2**20
+    plain, want = _peak_mb(lambda: torch.mul(x, f, out=torch.empty_like(x)))
+    assert plain >= 4 * size                                  # the result and two float64 copies
+    with mm.GpuCasts():
+        peak, got = _peak_mb(lambda: torch.mul(x, f, out=torch.empty_like(x)))
+        assert peak <= size + 3 * mm.CAST_CHUNK_BYTES / 2**20 and torch.equal(got, want)
+        peak, got = _peak_mb(lambda: x * f)                   # a float64 result, as on a GPU
+        assert peak <= 2 * size + 3 and torch.equal(got, x.double() * f)
+        y = x.clone()
+        y.mul_(f)
+        assert torch.equal(y, want)
+        for dim in (0, 1):
+            flat = x.reshape(64 * 50, 400) if dim == 0 else x.reshape(64, -1)
+            peak, got = _peak_mb(lambda: flat.sum(dim, dtype=torch.float64))
+            ref = flat.double().sum(dim)
+            assert peak <= 3 * mm.CAST_CHUNK_BYTES / 2**20 + ref.numel() * 8 / 2**20
+            assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12)
