@@ -139,7 +139,10 @@ __global__ void __launch_bounds__(kGramThreads, kGramBlocksPerSm) gram_rows_f64_
 #pragma unroll
     for (int p = 0; p < kFragPairs; ++p) {
 #pragma unroll
-      for (int c = 0; c < kFragCols; ++c) acc[p][c][0] = acc[p][c][1] = acc[p][c][2] = acc[p][c][3] = 0.0;
+      for (int c = 0; c < kFragCols; ++c) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[p][c][e] = 0.0;
+      }
     }
     // This thread's staged rows and value column (see load_step).
     const int r_own = static_cast<int>(threadIdx.x) / kGramDepth;
