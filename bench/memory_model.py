@@ -61,16 +61,18 @@ PHASES = ("forward", "backward", "optimizer step")
 class EfficientAttention(torch.autograd.Function):
     """Attention keeping for backward what a GPU's memory-efficient kernel
     keeps (q, k, v, the output, a log-sum-exp a row), the probabilities
-    recomputed in backward."""
+    recomputed in backward; both passes a few samples at a time, since the
+    GPU kernel holds its score tiles on chip, not the (B, H, T, S) scores."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):
+        out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+        lse = q.new_empty(q.shape[:-1] + (1,))
         with torch.no_grad():
-            s = (q @ k.transpose(-2, -1)) * scale
-            if mask is not None:
-                s = s + mask
-            lse = torch.logsumexp(s, -1, keepdim=True)
-            out = torch.exp(s - lse) @ v
+            for lo, hi in _attention_rows(q, k):
+                s = _scores(q[lo:hi], k[lo:hi], _rows_of(mask, q, lo, hi), scale)
+                lse[lo:hi] = torch.logsumexp(s, -1, keepdim=True)
+                out[lo:hi] = torch.exp(s - lse[lo:hi]) @ v[lo:hi]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.scale = mask, scale
         return out
@@ -78,16 +80,38 @@ class EfficientAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        s = (q @ k.transpose(-2, -1)) * ctx.scale
-        if ctx.mask is not None:
-            s = s + ctx.mask
-        p = torch.exp(s - lse)
-        del s
-        dv = p.transpose(-2, -1) @ grad
-        ds = p * (grad @ v.transpose(-2, -1) - (grad * out).sum(-1, keepdim=True))
-        del p
-        ds = ds * ctx.scale
-        return ds @ k, ds.transpose(-2, -1) @ q, dv, None, None
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for lo, hi in _attention_rows(q, k):
+            p = torch.exp(_scores(q[lo:hi], k[lo:hi], _rows_of(ctx.mask, q, lo, hi), ctx.scale)
+                          - lse[lo:hi])
+            g = grad[lo:hi]
+            dv[lo:hi] = p.transpose(-2, -1) @ g
+            ds = p * (g @ v[lo:hi].transpose(-2, -1) - (g * out[lo:hi]).sum(-1, keepdim=True))
+            del p
+            ds = ds * ctx.scale
+            dq[lo:hi] = ds @ k[lo:hi]
+            dk[lo:hi] = ds.transpose(-2, -1) @ q[lo:hi]
+        return dq, dk, dv, None, None
+
+
+def _attention_rows(q, k):
+    """Slices of the leading (batch) axis whose scores hold about
+    CAST_CHUNK_BYTES (one sample at least)."""
+    per = math.prod(q.shape[1:-1]) * k.shape[-2] * q.element_size()
+    step = max(1, CAST_CHUNK_BYTES // max(per, 1))
+    return [(lo, min(q.shape[0], lo + step)) for lo in range(0, q.shape[0], step)]
+
+
+def _rows_of(mask, q, lo, hi):
+    """The mask's rows lo:hi where it has the batch axis, else all of it."""
+    if mask is not None and mask.dim() == q.dim() and mask.shape[0] == q.shape[0] > 1:
+        return mask[lo:hi]
+    return mask
+
+
+def _scores(q, k, mask, scale):
+    s = (q @ k.transpose(-2, -1)) * scale
+    return s if mask is None else s + mask
 
 
 def gpu_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -16,11 +16,14 @@ SCRIPT = ROOT / "bench" / "memory_model.py"
 mm = bench_script("memory_model")
 
 
-@pytest.mark.parametrize("mask", ["none", "float", "bool", "causal"])
-def test_gpu_attention_is_torchs_and_keeps_no_probabilities(mask):
+@pytest.mark.parametrize("chunk", [1, 1 << 20])
+@pytest.mark.parametrize("mask", ["none", "float", "bool", "causal", "per_sample"])
+def test_gpu_attention_is_torchs_and_keeps_no_probabilities(mask, chunk, monkeypatch):
     """The same values and gradients as torch's attention (float64, no
-    dropout: within a few float64 roundings of its sums), and nothing of
-    size T x S kept for backward but the additive mask the caller made."""
+    dropout: within a few float64 roundings of its sums), a sample at a time
+    (chunk 1 byte) or all at once, and nothing of size T x S kept for
+    backward but the additive mask the caller made."""
+    monkeypatch.setattr(mm, "CAST_CHUNK_BYTES", chunk)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 3, 7, 4, generator=g, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
@@ -32,6 +35,8 @@ def test_gpu_attention_is_torchs_and_keeps_no_probabilities(mask):
         kw["attn_mask"].fill_diagonal_(True)       # no row without a key
     elif mask == "causal":
         kw["is_causal"] = True
+    elif mask == "per_sample":                     # a key-padding mask (B, 1, 1, S)
+        kw["attn_mask"] = torch.randn(2, 1, 1, 7, generator=g, dtype=torch.float64)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
     out = mm.gpu_sdpa(q, k, v, **kw)
     assert torch.allclose(out, ref, rtol=1e-12, atol=1e-13)
