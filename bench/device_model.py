@@ -35,6 +35,7 @@ most, against the non-private step's same operators).
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -74,12 +75,17 @@ def _shapes(name, size):
 
 
 def _build(name, method, size="full"):
+    """(label, step, release) of ``method`` on workload ``name`` at ``size``
+    (``release``: frees what a step leaves behind, bench_hf's and
+    bench_finetune's)."""
     family, p = _shapes(name, size)
     if family == "hf":
         import test_bench_hf as hf
-        return hf.workload_label(name, p), hf.build_step(p, method, "cpu")[0]
+        step, release, _ = hf.build_step(p, method, "cpu")
+        return hf.workload_label(name, p), step, release
     import test_bench_finetune as ft
-    return ft.workload_label(name, p), ft.build_step(p, method, "cpu")[0]
+    step, release, _ = ft.build_step(p, method, "cpu")
+    return ft.workload_label(name, p), step, release
 
 
 def _tensors(x):
@@ -363,17 +369,25 @@ def by_operator(rows) -> dict:
     return agg
 
 
+@contextlib.contextmanager
+def grams_on_host():
+    """The emulated Gram kernel replaced by :func:`_grams_on_host` inside the
+    block (the models' steps: the same path and memory, minutes less)."""
+    import ncdp_fast._C_emu as emu
+    kernel, emu.launch_gram_rows_f64 = emu.launch_gram_rows_f64, _grams_on_host
+    try:
+        yield
+    finally:
+        emu.launch_gram_rows_f64 = kernel
+
+
 def measure(names, size="full"):
     """(rows, operator rows) of the report for the workloads ``names``."""
     import torch
     torch.manual_seed(0)
     rows, ops = [], []
-    import ncdp_fast._C_emu as emu
-    kernel, emu.launch_gram_rows_f64 = emu.launch_gram_rows_f64, _grams_on_host
-    try:
+    with grams_on_host():
         return _measure(names, size, rows, ops)
-    finally:
-        emu.launch_gram_rows_f64 = kernel
 
 
 def _measure(names, size, rows, ops):
@@ -381,7 +395,7 @@ def _measure(names, size, rows, ops):
         per = {}
         methods = METHODS + (HF_GPU_METHODS if _shapes(name, size)[0] == "hf" else ())
         for method in methods:
-            label, step = _build(name, method, size)
+            label, step, _ = _build(name, method, size)
             step()                          # warm-up: the steady state is modelled
             per[method] = model_step(step)
             rows.append(dict(workload=label, method=method, **summarize(per[method])))

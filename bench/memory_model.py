@@ -240,19 +240,6 @@ class gpu_forms:
         F.scaled_dot_product_attention, F.dropout = self._saved
 
 
-def _build(name, method, size):
-    """(label, step, release) of ``method`` on workload ``name`` at ``size``."""
-    import device_model as dm
-    family, p = dm._shapes(name, size)
-    if family == "hf":
-        import test_bench_hf as hf
-        step, release, _ = hf.build_step(p, method, "cpu")
-        return hf.workload_label(name, p), step, release
-    import test_bench_finetune as ft
-    step, release, _ = ft.build_step(p, method, "cpu")
-    return ft.workload_label(name, p), step, release
-
-
 def live_curve(timeline) -> list:
     """(time ns, live bytes grown since the start) after each allocation or
     free of a profiler memory timeline (``MemoryProfile.timeline``), sizes in
@@ -281,10 +268,10 @@ def peak_by_phase(points, marks) -> dict:
     peak, when = 0, PHASES[0]
     at_step = 0
     for t, live in points:
-        phase = max((p for p in PHASES if marks.get(p, math.inf) <= t),
-                    key=lambda p: marks[p], default=PHASES[0])
         if live > peak:
-            peak, when = live, phase
+            peak = live
+            when = max((p for p in PHASES if marks.get(p, math.inf) <= t),
+                       key=lambda p: marks[p], default=PHASES[0])
         if t < marks.get("optimizer step", math.inf):
             at_step = live
     return dict(peak_mb=peak / 2**20, peak_phase=when, at_step_mb=at_step / 2**20)
@@ -301,6 +288,7 @@ def measure_step(step, release) -> dict:
     def at_backward(*args, _run=torch.autograd._engine_run_backward, **kwargs):
         marks.setdefault("backward", time.time_ns())
         return _run(*args, **kwargs)
+
     def at_step(*args):
         marks.setdefault("optimizer step", time.time_ns())
     hook = register_optimizer_step_pre_hook(at_step)
@@ -318,27 +306,21 @@ def measure_step(step, release) -> dict:
 
 def measure(names, size="full") -> list:
     import device_model as dm
-    import ncdp_fast._C_emu as emu
     torch.manual_seed(0)
     rows = []
-    # The Gram kernel's values from the host's BLAS (device_model: the
-    # emulator's tensor-core contract takes minutes a step); the same memory.
-    kernel, emu.launch_gram_rows_f64 = emu.launch_gram_rows_f64, dm._grams_on_host
-    try:
-        with gpu_forms():
-            for name in names:
-                plain = None
-                for method in METHODS:
-                    label, step, release = _build(name, method, size)
-                    row = dict(workload=label, method=method, **measure_step(step, release))
-                    if plain is None:
-                        plain = row["peak_mb"]
-                    else:
-                        row["x_nonprivate"] = row["peak_mb"] / plain if plain else None
-                    rows.append(row)
-                    del step, release
-    finally:
-        emu.launch_gram_rows_f64 = kernel
+    # The Gram kernel's values from the host's BLAS: the same allocations.
+    with dm.grams_on_host(), gpu_forms():
+        for name in names:
+            plain = None
+            for method in METHODS:
+                label, step, release = dm._build(name, method, size)
+                row = dict(workload=label, method=method, **measure_step(step, release))
+                if plain is None:
+                    plain = row["peak_mb"]
+                else:
+                    row["x_nonprivate"] = row["peak_mb"] / plain if plain else None
+                rows.append(row)
+                del step, release
     return rows
 
 
@@ -351,8 +333,9 @@ def main(argv=None) -> int:
     rows = measure(names, args.size)
     notes = [f"one step after one warm-up, at the GPU run's {args.size} shapes, from a state "
              "with no gradients; each allocation rounded up to the CUDA allocator's "
-             f"{BLOCK_BYTES}-byte blocks; attention and dropout in their GPU forms "
-             "(memory-efficient attention, bool dropout masks: the module docstring)",
+             f"{BLOCK_BYTES}-byte blocks; attention, dropout and mixed-dtype operations in "
+             "their GPU forms (memory-efficient attention, bool dropout masks, operands cast "
+             "a chunk at a time: the module docstring)",
              "peak extra MB: the largest growth of the allocated bytes over the step's start, "
              "what the benchmarks' GPU tables report (torch.cuda.max_memory_allocated); "
              "at the optimizer step: the growth the forward and backward leave to it",

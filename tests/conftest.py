@@ -46,6 +46,17 @@ def bench_script(name: str, as_name: str | None = None):
     return module
 
 
+def run_bench_script(name: str, *args: str, timeout: float = 600):
+    """``python bench/<name>.py *args`` from the repository root, its output
+    captured (a CompletedProcess)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, str(root / "bench" / f"{name}.py"), *args], cwd=root,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def unit_roundoff(dtype) -> float:
     return float(np.finfo(dtype).eps) / 2
 

@@ -3,15 +3,12 @@ emulated device) in CI: the smallest shapes of two workloads end to end, the
 FLOP and tile formulas against hand counts, and refusals by name."""
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import bench_script
+from conftest import bench_script, run_bench_script
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "device_model.py"
 
 
 def _module():
@@ -20,9 +17,8 @@ def _module():
 
 def test_device_model_reports_each_workloads_predicted_device_time(tmp_path):
     pytest.importorskip("torch")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "linear,transformer",
-                           "--size", "smallest", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_bench_script("device_model", "--workloads", "linear,transformer",
+                            "--size", "smallest", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (report,) = tmp_path.glob("device_model-cpu-*.json")
     rows = json.loads(report.read_text())["rows"]
@@ -136,6 +132,5 @@ def test_every_launcher_has_a_cost_model_or_is_not_a_training_step():
 @pytest.mark.parametrize("args, what", [(["--workloads", "linear,resnet"], "--workloads"),
                                         (["--size", "huge"], "--size")])
 def test_device_model_refuses_bad_arguments(tmp_path, args, what):
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_bench_script("device_model", *args, "--out", str(tmp_path), timeout=120)
     assert proc.returncode == 2 and what in proc.stderr

@@ -3,16 +3,11 @@ allocations on the emulated device) in CI: the GPU forms of attention and
 dropout against torch's own, the timeline arithmetic on fixed inputs, and
 the smallest shapes of two workloads end to end."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import bench_script
+from conftest import bench_script, run_bench_script
 
 torch = pytest.importorskip("torch")
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "memory_model.py"
 mm = bench_script("memory_model")
 
 
@@ -95,9 +90,8 @@ def test_live_curve_and_peak_by_phase():
 
 
 def test_memory_model_reports_each_workloads_peak(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "linear,bert",
-                           "--size", "smallest", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_bench_script("memory_model", "--workloads", "linear,bert", "--size", "smallest",
+                            "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (report,) = tmp_path.glob("memory_model-cpu-*.json")
     rows = json.loads(report.read_text())["rows"]
