@@ -25,8 +25,11 @@ _F64 = np.dtype(np.float64)
 
 
 def _as_pair(activations, backprops, where=""):
-    sa = _arrays.shape(activations, f"activations{where}")
-    sg = _arrays.shape(backprops, f"backprops{where}")
+    try:        # the names are formatted only for an error (host time a layer, issue 36)
+        sa, sg = tuple(map(int, activations.shape)), tuple(map(int, backprops.shape))
+    except AttributeError:
+        sa = _arrays.shape(activations, f"activations{where}")
+        sg = _arrays.shape(backprops, f"backprops{where}")
     if len(sa) not in (2, 3) or len(sg) != len(sa):
         raise ValueError(f"activations{where}, backprops{where}: expected shapes (B, d) and (B, K), "
                          f"or (B, T, d) and (B, T, K); got {sa} and {sg}")
@@ -43,6 +46,18 @@ def _as_3d(x, B, T):
     """x (B, T, n) as it is, or (B, n) as (B, 1, n): a reshape only where one
     is needed (each is an op of host time on a device, issue 36)."""
     return x if len(x.shape) == 3 else x.reshape(B, T, x.shape[-1])
+
+
+def _check_dtype(be, x, dtype, name, where, whose=" of the other inputs"):
+    """Refuse ``x`` (named ``name + where``) unless a float of ``dtype``; the
+    name is formatted only for the error."""
+    try:
+        if be.io.dtype_of(x) == dtype:      # dtype is a float dtype: so is x's
+            return
+    except (TypeError, KeyError):           # no NumPy twin (half): check_float says so
+        pass
+    be.check_float(x, f"{name}{where}")
+    raise TypeError(f"{name}{where}: dtype {be.io.dtype_of(x)} differs from {dtype}{whose}")
 
 
 class _Layer:
@@ -79,9 +94,7 @@ class _Layer:
             self.bias = bool(spec[2]) if len(spec) == 3 else True
             sa, sg = _as_pair(a, g, where)
             for name, x in (("activations", a), ("backprops", g)):
-                if be.check_float(x, f"{name}{where}") != dtype:
-                    raise TypeError(f"{name}{where}: dtype {be.io.dtype_of(x)} differs from {dtype} "
-                                    "of the other inputs")
+                _check_dtype(be, x, dtype, name, where)
             B, T = sa[0], (sa[1] if len(sa) == 3 else 1)
             # Operands of the library's own operations (GEMMs, reductions; no
             # launcher of ours reads them): any strides on a torch device.
@@ -97,8 +110,7 @@ class _Layer:
             if len(s) < 2:
                 raise ValueError(f"layers{where}: expected a per-sample gradient of shape (B, ...), "
                                  f"got {s}")
-            if be.check_float(spec, f"layers{where}") != dtype:
-                raise TypeError(f"layers{where}: dtype {be.io.dtype_of(spec)} differs from {dtype}")
+            _check_dtype(be, spec, dtype, "layers", where, "")
             B = s[0]
             # Row-major only where the block stays a unit of its own
             # (_clip_layers): a joined unit's copy reads any strides.

@@ -280,6 +280,33 @@ def test_the_mode_leaves_at_the_step_only_once_the_backward_was_caught():
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_the_graph_is_let_go_once_the_loss_is_checked():
+    """The check reads the forward's graph at the backward and keeps none of
+    it after: the graph dies with the caller's loss, as without the clipper
+    (held to the step, freeing it was the step's host time)."""
+    import weakref
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    with GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                      expected_batch_size=B) as clipper:
+        out = model(torch.randn(B, 4))
+        assert clipper._loss.sources and clipper._layouts._walk is None
+        loss = out.pow(2).sum()
+        # A tensor only the graph holds (retained by the backward below):
+        # tanh's output, saved by its node, below the last layer's output.
+        tanh = out.grad_fn.next_functions[1][0]
+        assert type(tanh).__name__ == "TanhBackward0"
+        saved = weakref.ref(tanh._saved_result)
+        del tanh
+        loss.backward(retain_graph=True)
+        assert clipper._loss.checked
+        assert not clipper._loss.sources and not clipper._loss.constants
+        del out, loss
+        assert saved() is None
+        clipper.privatize_()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 @pytest.mark.parametrize("rows, accepted", [("arange", True), ("flip", False)])
 def test_one_entry_of_each_sample_is_accepted_only_in_order(rows, accepted):
     """``logits[arange(B), j]`` (the pooled logits of a decoder's sequence

@@ -77,6 +77,12 @@ def _retype(m):
     m[0][1][0].__class__ = _LoudTanh
 
 
+def _grow_leaf(m):
+    # A module without children when the clipper was built gains one (the
+    # check tests such leaves apart from the modules with children).
+    m[0][1][0].add_module("bn", nn.BatchNorm1d(6, affine=False))
+
+
 class _EqualTanh(nn.Tanh):
     """A module class whose == compares nothing but the class (as a dataclass
     module's compares its fields): a replacement equals the original."""
@@ -91,7 +97,8 @@ class _EqualTanh(nn.Tanh):
     (_add_deep, r"\['0.1.bn \(BatchNorm1d\)'\]", "none"),
     (_remove_deep, "none", r"\['0.1.0 \(Tanh\)'\]"),
     (_swap_by_dict, r"\['0.1.0 \(ReLU\)'\]", r"\['0.1.0 \(Tanh\)'\]"),
-    (_retype, "none", "none")])
+    (_retype, "none", "none"),
+    (_grow_leaf, r"\['0.1.0.bn \(BatchNorm1d\)'\]", "none")])
 def test_a_change_deep_in_the_tree_is_refused_by_name(change, added, removed):
     """The per-forward check compares every module's children and class (not
     a walk): a module added, removed or swapped two levels down, or a class

@@ -418,7 +418,7 @@ def test_group_norms_are_each_layers_norms_summed(shape, dtype, L, per_chunk, mo
     g = [(rng.standard_normal((B, T, K)) * 1e-3).astype(dtype) for _ in range(L)]
     import ncdp_fast._backend as be
     with be.emulated_cuda():
-        a_bytes, g_bytes, _, _ = device_clip._layer_bytes([torch.from_numpy(x) for x in a],
+        a_bytes, g_bytes, *_ = device_clip._layer_bytes([torch.from_numpy(x) for x in a],
                                                           [torch.from_numpy(y) for y in g], False)
     for budget in ("GROUP_CHUNK_BYTES", "GRAM_GROUP_CHUNK_BYTES"):
         monkeypatch.setattr(device_clip, budget, (per_chunk or L) * (a_bytes[0] + g_bytes[0]))
@@ -438,8 +438,8 @@ def test_group_norms_are_each_layers_norms_summed(shape, dtype, L, per_chunk, mo
     # in place; float64 ones are joined inside it), the direct one copies.
     if gram:
         real_grams = device_clip.grams_f64
-        monkeypatch.setattr(device_clip, "grams_f64", lambda parts: stacked.append(len(parts))
-                            or real_grams(parts))
+        monkeypatch.setattr(device_clip, "grams_f64", lambda parts, *route:
+                            stacked.append(len(parts)) or real_grams(parts, *route))
     else:
         real_cat = _arrays.cat_float64
         monkeypatch.setattr(_arrays, "cat_float64", lambda parts: stacked.append(len(parts))
@@ -483,7 +483,7 @@ def test_group_norms_share_one_inputs_copy_and_grams(shape, dtype, monkeypatch):
     gram = 2 * T * T <= K * d
     import ncdp_fast._backend as be
     with be.emulated_cuda():
-        a_bytes, g_bytes, stack, budget = device_clip._layer_bytes(
+        a_bytes, g_bytes, stack, budget, _ = device_clip._layer_bytes(
             a_t, [torch.from_numpy(v) for v in g], False)
     # The kernel's route (float32 on the emulated device) has its own budget.
     assert budget == (device_clip.GRAM_GROUP_CHUNK_BYTES if gram and dtype == np.float32
@@ -498,8 +498,8 @@ def test_group_norms_share_one_inputs_copy_and_grams(shape, dtype, monkeypatch):
     upcasts, grams = [], []
     real, real_grams = _arrays.as_float64, device_clip.grams_f64
     monkeypatch.setattr(_arrays, "as_float64", lambda t: upcasts.append(t.dtype) or real(t))
-    monkeypatch.setattr(device_clip, "grams_f64", lambda parts: grams.append(len(parts))
-                        or real_grams(parts))
+    monkeypatch.setattr(device_clip, "grams_f64", lambda parts, *route:
+                        grams.append(len(parts)) or real_grams(parts, *route))
     sq, sp = torch.zeros(B, dtype=torch.float64), torch.zeros(B, dtype=torch.float64)
     sizes = torch.full((len(a), B, 2), np.nan, dtype=torch.float64)
     _device_group_norms(a_t, [torch.from_numpy(v) for v in g], True, sq, sp, sizes)

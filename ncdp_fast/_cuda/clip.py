@@ -10,6 +10,7 @@ from .. import _arrays, _balance
 from ..reference.clip import GRAM32_MAX_LENGTH
 from ._common import dtype_code, ieee_float32_matmul, native, opt_ptr, ptr, stream, workspace
 from .gram import grams_f64
+from .gram import plan as gram_plan
 from .gram import sample_bytes as gram_sample_bytes
 # The finishing step of the layered clip's sums (ghost blocks, linear pairs, joined dense
 # blocks), as _numba.clip.
@@ -196,7 +197,7 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False,
     B, T, d = a_list[0].shape
     K = g_list[0].shape[2]
     gram32 = gram32 and gram32_applies(a_list[0], T, d, K)
-    a_bytes, g_bytes, stack, budget = _layer_bytes(a_list, g_list, gram32)
+    a_bytes, g_bytes, stack, budget, (a_route, g_route) = _layer_bytes(a_list, g_list, gram32)
     if (T == 1 or L == 1 or B == 0
             or 2 * min(a_bytes[l] + g_bytes[l] for l in range(L)) > budget):
         used = False
@@ -212,9 +213,11 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False,
         elif 2 * T * T <= K * d:
             # A shared run (only on the Gram route: q, k and v of an attention
             # block) forms its one input's Gram once: n - 1 products fewer.
-            a_parts = a_list[l0:l0 + 1] if shared else a_list[l0:l1]
-            linear_norms_from_grams(grams_f64(a_parts), grams_f64(g_list[l0:l1]), bias, sq, acc,
-                                    spread, sizes[l0:l1].reshape(n * B, 2), n, shared_w=shared)
+            a_to = l0 + 1 if shared else l1
+            linear_norms_from_grams(grams_f64(a_list[l0:a_to], _part(a_route, l0, a_to)),
+                                    grams_f64(g_list[l0:l1], _part(g_route, l0, l1)), bias, sq,
+                                    acc, spread, sizes[l0:l1].reshape(n * B, 2), n,
+                                    shared_w=shared)
         else:
             _norm_rows(_arrays.cat_float64(a_list[l0:l1]), _arrays.cat_float64(g_list[l0:l1]),
                        bias, sq, acc, spread, sizes[l0:l1].reshape(n * B, 2), n)
@@ -237,8 +240,13 @@ def _gram32_rows(a_list, g_list, shared, bias, sq, spread, sizes, accumulate=Tru
                             shared_w=shared and n > 1, lengths=(d, K))
 
 
+def _part(route, lo, hi):
+    """The Gram plan (gram.plan) of parts lo..hi from the plan of them all."""
+    return None if route is None else route[lo:hi]
+
+
 def _layer_bytes(a_list, g_list, gram32):
-    """(a_bytes, g_bytes, stack, budget): each layer's temporaries in bytes, its
+    """(a_bytes, g_bytes, stack, budget, routes): each layer's temporaries in bytes, its
     input's and its output gradient's (a whole layer's in a_bytes, g_bytes 0,
     off the Gram route), whether layers of one input may share its Gram (the
     Gram route only), and the bytes a chunk may hold.  The float64 Gram route
@@ -247,19 +255,23 @@ def _layer_bytes(a_list, g_list, gram32):
     row-major float32 one of a transposed part for the kernel; the kernel's
     route has its own budget, GRAM_GROUP_CHUNK_BYTES); the float32 route its
     stacked float32 operands and Grams; the direct route its float64 copies
-    and K x d matrices (_norm_bytes)."""
+    and K x d matrices (_norm_bytes); routes: the Gram route's plans of the
+    inputs and of the output gradients (gram.plan; (None, None) elsewhere),
+    for grams_f64 to take as they are."""
     B, T, d = a_list[0].shape
     K = g_list[0].shape[2]
     L = len(a_list)
     if 2 * T * T > K * d:
-        return [B * _norm_bytes(T, d, K, True)] * L, [0] * L, False, GROUP_CHUNK_BYTES
+        return [B * _norm_bytes(T, d, K, True)] * L, [0] * L, False, GROUP_CHUNK_BYTES, \
+            (None, None)
     if gram32:
         return ([4 * B * (T * d + T * T)] * L, [4 * B * (T * K + T * T)] * L, True,
-                GROUP_CHUNK_BYTES)
-    a_sizes, kernel = gram_sample_bytes(a_list)
-    g_sizes, _ = gram_sample_bytes(g_list)
+                GROUP_CHUNK_BYTES, (None, None))
+    routes = gram_plan(a_list), gram_plan(g_list)
+    a_sizes, kernel = gram_sample_bytes(a_list, routes[0])
+    g_sizes, _ = gram_sample_bytes(g_list, routes[1])
     return ([B * n for n in a_sizes], [B * n for n in g_sizes], True,
-            GRAM_GROUP_CHUNK_BYTES if kernel else GROUP_CHUNK_BYTES)
+            GRAM_GROUP_CHUNK_BYTES if kernel else GROUP_CHUNK_BYTES, routes)
 
 
 def _group_chunks(a_list, a_bytes, g_bytes, stack, budget):

@@ -72,17 +72,30 @@ def applies(parts) -> bool:
     return _plan(parts) is not None
 
 
-def sample_bytes(parts):
+def plan(parts):
+    """The route :func:`grams_f64` takes for ``parts``: each part's layout for
+    the kernel (None for one it reads from a row-major copy), or None for the
+    copies' route.  A caller that asks :func:`sample_bytes` first hands the
+    same plan to both (the host's cost of a plan is a few calls a part, and
+    a BERT-base step forms some 150 parts' Grams)."""
+    return _plan(parts)
+
+
+_ASK = object()     # no plan given: grams_f64 and sample_bytes form their own
+
+
+def sample_bytes(parts, route=_ASK):
     """(bytes, kernel): the bytes a sample of each of ``parts`` (L arrays (B,
     T, d)) holds while ``grams_f64(parts)`` forms their Grams -- its float64
     Gram, and on the kernel's route a row-major float32 copy of a part the
     kernel cannot read as it lies, else (the copies' route) a float64 copy --
     and whether the kernel's route takes them (one plan for all: the host's
-    cost of a group's accounting is one call).  The k-ranges' partial Grams
+    cost of a group's accounting is one call; ``route``: :func:`plan`'s of
+    ``parts``, where the caller has it).  The k-ranges' partial Grams
     of a split launch are not counted: a range per resident block of the
     target at most, each a tile's share of its sample's Gram, under 26 MB on
     any shape."""
-    plan = _plan(parts)
+    plan = _plan(parts) if route is _ASK else route
     sizes = []
     for i, x in enumerate(parts):
         _, T, d = x.shape
@@ -109,12 +122,13 @@ def _launch(parts, layouts, out):
                                ptr(out[lo * B:hi * B]), ws_ptr, nbytes, stream(out))
 
 
-def grams_f64(parts):
+def grams_f64(parts, route=_ASK):
     """(L B, T, T) float64 Grams ``X_i X_i^T`` of the samples of ``parts`` (L
     arrays (B, T, d) of one dtype and device), part by part: each entry a
     float64 sum of exact products (reference.gram_rows_f64, within gamma_d of
-    the sum of |products| in any order)."""
-    layouts = _plan(parts)
+    the sum of |products| in any order).  ``route``: :func:`plan`'s of
+    ``parts``, where the caller has it."""
+    layouts = _plan(parts) if route is _ASK else (None if route is None else list(route))
     if layouts is not None:
         # A transposed float32 part is copied row-major (4 bytes a value
         # written and read) for the kernel: the copies route wrote and read

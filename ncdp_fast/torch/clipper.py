@@ -255,8 +255,10 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
                 # sees: a subclass may pad in its own forward first (TF "SAME").
                 self._patch(tap.module, "_conv_forward", conv_forward(tap, self._marker(tap)))
             else:
+                # Its capture and its restore in one hook.
                 self._handles.append(tap.module.register_forward_hook(
                     self._forward_hook(tap), always_call=True))
+                continue
             self._handles.append(tap.module.register_forward_hook(
                 self._restore_hook(tap), always_call=True))
         # The model as checked; every recorded forward is checked against it

@@ -33,7 +33,7 @@ from torch import nn
 
 __all__ = ["Call", "register_layer", "register_layer_by_name", "rule_for",
            "RULES", "RULES_BY_NAME", "RULE_FINDERS",
-           "refuse_unsupported", "HALF",
+           "refuse_unsupported", "option_check", "refuse_options", "HALF",
            "accumulation_dtype"]
 
 HALF = (torch.float16, torch.bfloat16)
@@ -210,6 +210,21 @@ def refuse_unsupported(name: str, module: nn.Module) -> None:
     """Raise ValueError naming the layer when a trainable layer's options leave no
     exact per-sample gradient for its rule (checked at construction; the rule
     checks again at each step, the options being mutable)."""
+    refuse_options(name, module, option_check(module))
+
+
+def option_check(module: nn.Module):
+    """The check of ``module``'s options registered with its rule's class
+    (``register_layer_by_name``'s ``check``), or None."""
+    _, base = rule_for(module)
+    return CHECKS_BY_NAME.get(_qualified(base)) if base is not None else None
+
+
+def refuse_options(name: str, module: nn.Module, check) -> None:
+    """:func:`refuse_unsupported` with the layer's :func:`option_check` given:
+    the model check before each forward passes the one found when the clipper
+    was built (the classes cannot change while the module tree is unchanged),
+    not a look-up a layer each forward (issue 36's host time)."""
     if isinstance(module, nn.Embedding):
         problem = _embedding_problem(module)
         if problem is not None:
@@ -223,8 +238,6 @@ def refuse_unsupported(name: str, module: nn.Module) -> None:
                 "length (the issue-35 audit: one sample moved the clipped sum by 2.40 C, 7.58 C "
                 "with only the tables trainable). Freeze it: "
                 f"model.get_submodule({name!r}).requires_grad_(False)")
-    _, base = rule_for(module)
-    check = CHECKS_BY_NAME.get(_qualified(base)) if base is not None else None
     problem = check(module) if check is not None else None
     if problem is not None:
         raise ValueError(f"GhostClipper: layer {name!r} ({type(module).__name__}): {problem}")

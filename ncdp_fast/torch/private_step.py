@@ -121,20 +121,23 @@ class PrivateStep:
         else:
             result, entries = self._per_layer(entries, blocks, scale)
         writes = []
+        accumulated = self._accumulated
         for tap, n, g in per_parameter(entries, result.grads):
             p = tap.params[n]
-            g = fold_in(self._accumulated, tap.full(n), g, self.loss_reduction,
-                        self.expected_batch_size)
+            if accumulated:
+                g = fold_in(accumulated, tap.full(n), g, self.loss_reduction,
+                            self.expected_batch_size)
             # A half parameter's gradient was summed and noised in float32:
             # rounded here, once.
-            writes.append((tap, n, p, g.to(p.dtype)))
+            writes.append((tap, n, p, g if g.dtype == p.dtype else g.to(p.dtype)))
         # Spent with this step's noise, whether it is written or refused.
         self._accumulated.clear()
         centered, self._centered = self._centered, 0.0
         self._refuse_overflow(writes)
+        wrote = self._released.wrote
         for _, _, p, g in writes:
             p.grad = g
-            self._released.wrote(p, p.grad)
+            wrote(p, g)
         self.clear()
         if self.adaptive is not None:
             # After the step's noise, at the logical step: the next logical

@@ -20,9 +20,28 @@ from .layers import HALF, Call
 from .layout import batch_dim, broadcast_rows, rows_error, to_batch_first
 from .precision import cast_block, upcast
 from .recompute import count_call, in_backward
-from .taps import CaptureGrad, Record, Tap, ignore, switch_back, switch_off
+from .taps import CaptureGrad, Record, Tap, ignore, switch_back, switch_off, trainable_now
 
 __all__ = ["LayerRecorder"]
+
+
+def _detached(inputs: tuple) -> tuple[tuple, tuple]:
+    """(the inputs with each tensor detached, their versions: a tensor's
+    ``_version``, 0 for anything else), a layer's one input without a
+    generator's frames (every recorded call asks, issue 36's host time)."""
+    if len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
+        x = inputs[0]
+        return (x.detach(),), (x._version,)
+    return (tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs),
+            _versions(inputs))
+
+
+def _versions(inputs: tuple) -> tuple:
+    """Each input's ``_version`` (a detached tensor shares its source's), 0
+    for what is not a tensor."""
+    if len(inputs) == 1:
+        return (getattr(inputs[0], "_version", 0),)
+    return tuple(getattr(x, "_version", 0) for x in inputs)
 
 
 class LayerRecorder:
@@ -55,6 +74,7 @@ class LayerRecorder:
         if compiling():
             return
         if self._capturing() and not in_backward():
+            self._layouts.end_forward()
             self._loss.arm(self._batch.known())
 
     def _pre_hook(self, tap: Tap):
@@ -70,7 +90,7 @@ class LayerRecorder:
                 if self.enabled and self.model.training:
                     tap.nograd = self._pass
                 return
-            active = frozenset(n for n, p in tap.params.items() if p.requires_grad)
+            active = trainable_now(tap)
             if not active and not tap.records:
                 # Every parameter frozen since attach: an ordinary frozen layer.
                 tap.recording = False
@@ -98,11 +118,15 @@ class LayerRecorder:
         def hook(module, inputs, output):
             if compiling():
                 return
-            tap.recording = tap.replaying = False
-            if tap.saved is not None:        # always_call=True: restored even on error
-                switch_back(tap, tap.saved)
-                tap.saved = None
+            self._restore(tap)
         return hook
+
+    @staticmethod
+    def _restore(tap: Tap) -> None:
+        tap.recording = tap.replaying = False
+        if tap.saved is not None:        # always_call=True: restored even on error
+            switch_back(tap, tap.saved)
+            tap.saved = None
 
     def _outside_hook(self, name: str, tap: Tap):
         def hook(p):
@@ -131,7 +155,7 @@ class LayerRecorder:
                 f"{type(output).__name__}, expected one tensor (its rule is given the "
                 "gradient of that output); return one tensor from the layer, or put the "
                 "trainable parameters in a sub-module that does")
-        if any(r.got for r in tap.records):
+        if tap.records and any(r.got for r in tap.records):
             raise RuntimeError(
                 f"GhostClipper: layer {tap.name!r} runs forward again after a backward pass "
                 "reached it; call privatize_() (optimizer.step()) before the next forward "
@@ -140,8 +164,8 @@ class LayerRecorder:
         # The layout first: where the graph shows the samples, it names the cause.
         self._check_layout(tap, inputs, output, dim)
         self._check_rows(tap, output, dim)
-        inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
-        rec = Record(inputs, slot, tuple(getattr(x, "_version", 0) for x in inputs))
+        inputs, versions = _detached(inputs)
+        rec = Record(inputs, slot, versions)
         tap.records.append(rec)
         tap.recorded_in = self._pass
         def on_grad(grad):
@@ -196,7 +220,8 @@ class LayerRecorder:
             return
         # Outside a double backward the gradient is already outside autograd.
         rec.grad, rec.got = (grad.detach() if grad.requires_grad else grad), True
-        if all(r.got for r in tap.records):
+        records = tap.records
+        if (len(records) == 1 and records[0] is rec) or all(r.got for r in records):
             # The layer's last output gradient: run its rule now, inside backward,
             # and let go of its inputs and gradients (instantiated blocks are the
             # size of the parameters; the rest is freed as backward goes on).
@@ -205,7 +230,7 @@ class LayerRecorder:
     def _evaluate(self, tap: Tap) -> None:
         batch, source = self._batch.get(tap.name)
         for rec in tap.records:
-            if any(getattr(x, "_version", 0) != v for x, v in zip(rec.inputs, rec.versions)):
+            if _versions(rec.inputs) != rec.versions:
                 raise RuntimeError(
                     f"GhostClipper: the input of layer {tap.name!r} was modified in place "
                     "after the layer ran (an inplace op on a tensor the layer read); its "
@@ -248,14 +273,21 @@ class LayerRecorder:
             rec.inputs = rec.grad = None
 
     def _forward_hook(self, tap: Tap):
+        """A plain layer's one forward hook (always_call: it runs when the
+        forward raised too, output None): the capture, then the restore of
+        :meth:`_restore_hook` whatever the capture did (one hook a layer, not
+        two: torch's dispatch of each is host time, issue 36)."""
         def hook(module, inputs, output):
             if compiling():
                 return None
-            got = output
-            if tap.recording:       # position ids (1, T): one row per sample
-                inputs, got = broadcast_rows(module, inputs, output, tap.batch_first,
-                                             self._batch.known())
-            out = self._capture(tap, None, inputs, got)
+            try:
+                got = output
+                if tap.recording:       # position ids (1, T): one row per sample
+                    inputs, got = broadcast_rows(module, inputs, output, tap.batch_first,
+                                                 self._batch.known())
+                out = self._capture(tap, None, inputs, got)
+            finally:
+                self._restore(tap)
             return None if out is output else out
         return hook
 

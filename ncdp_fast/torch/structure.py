@@ -35,6 +35,11 @@ class LayoutByGraph:
         self._walk = None
         self._calls = {}
 
+    def end_forward(self) -> None:
+        """At the end of the model's forward: the walk's memo (this forward's
+        graph nodes) let go, so that the graph dies with the caller's loss."""
+        self._walk = None
+
     def sample_dim(self, name: str, x, sources: dict, batch: int | None, anchor):
         """The dimension of ``x`` (a layer's input) that carries the samples by
         structure, or None where the graph does not tell."""

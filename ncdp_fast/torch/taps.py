@@ -8,6 +8,8 @@ graph when nothing trainable below it would."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import attrgetter
 
 import torch
 from torch import nn
@@ -18,7 +20,7 @@ from .layers import HALF, accumulation_dtype, rule_for
 from .rnn import replacement, torch_rnn_error
 
 __all__ = ["CaptureGrad", "Record", "Tap", "layer_rule", "step_entries", "ignore",
-           "per_parameter", "switch_off", "switch_back"]
+           "per_parameter", "switch_off", "switch_back", "trainable_now"]
 
 
 class CaptureGrad(torch.autograd.Function):
@@ -94,7 +96,7 @@ class Tap:
         optimizer skips it); for a layer unused this step, those that do now."""
         if self.active is not None:
             return self.active
-        return frozenset(n for n, p in self.params.items() if p.requires_grad)
+        return trainable_now(self)
 
     def clear(self):
         self.records.clear()
@@ -202,10 +204,21 @@ def ignore(grad):
     pass
 
 
+_REQUIRES_GRAD = attrgetter("requires_grad")
+
+
+def trainable_now(tap: Tap) -> frozenset:
+    """The names of the layer's parameters that require grad now (C-level
+    maps: each recorded forward asks, issue 36's host time)."""
+    params = tap.params
+    return frozenset(compress(params, map(_REQUIRES_GRAD, params.values())))
+
+
 def switch_off(tap: Tap) -> tuple:
     """Switch the layer's parameters' requires_grad off; returns the previous flags."""
-    saved = tuple(p.requires_grad for p in tap.params.values())
-    for p in tap.params.values():
+    values = tap.params.values()
+    saved = tuple(map(_REQUIRES_GRAD, values))
+    for p in values:
         p.requires_grad_(False)
     return saved
 

@@ -12,12 +12,17 @@ is written.
 """
 from __future__ import annotations
 
+from operator import attrgetter, is_not
+
 from torch import nn
 
 from .coupling import may_mix_the_batch, refuse_batch_mixing
-from .layers import refuse_unsupported
+from .layers import option_check, refuse_options
 
 __all__ = ["ModelSnapshot"]
+
+
+_children = attrgetter("_modules")
 
 
 def _walk(model: nn.Module) -> list:
@@ -53,8 +58,13 @@ class ModelSnapshot:
         # define __eq__ (a dataclass module's compares fields).  Every child
         # is itself a node, held here, so no identity is reused.
         unique = {id(m): m for _, m in walked}.values()
+        # Leaves (most modules) apart: a leaf is unchanged while its class is
+        # and it has no children, tested over all leaves at once in C (map over
+        # builtins: no Python frame or bytecode a module).
+        self.leaves = [m for m in unique if not m._modules]
+        self.leaf_classes = [type(m) for m in self.leaves]
         self.nodes = [(m, type(m), tuple(m._modules), tuple(map(id, m._modules.values())))
-                      for m in unique]
+                      for m in unique if m._modules]
         # The modules whose options the batch-mixing refusal reads: with the
         # tree unchanged (names, identities, classes), no other module can be
         # refused, so each forward re-runs it on these alone.
@@ -62,8 +72,22 @@ class ModelSnapshot:
         # (module id, attribute) of the clipper's own instance patches.
         self.patched = patched
         self.forwards = {id(t.module): _forward_of(t.module) for t in taps}
+        # Each layer's option check as its rule's class registered it, and
+        # whether it is an embedding (whose options refuse_options reads): while
+        # the tree is unchanged the classes are, so neither the rule's look-up
+        # (an MRO walk, a qualified name) nor a call for a layer with no
+        # options to read is repeated each forward (issue 36's host time).
+        self.option_checks = {}
+        for t in taps:
+            check = option_check(t.module)
+            if check is not None or isinstance(t.module, nn.Embedding):
+                self.option_checks[id(t.module)] = check
 
     def check(self, model: nn.Module, taps) -> None:
+        leaves = self.leaves
+        if any(map(is_not, map(type, leaves), self.leaf_classes)) or \
+                any(map(_children, leaves)):
+            self._refuse_changed(model)
         for m, cls, names, ids in self.nodes:       # a loop: no frame a module
             if (m.__class__ is not cls or tuple(m._modules) != names
                     or tuple(map(id, m._modules.values())) != ids):
@@ -90,18 +114,21 @@ class ModelSnapshot:
                 "Change the model first, then build the clipper (make_private)")
 
     def _check_taps(self, taps) -> None:
+        checks, forwards = self.option_checks, self.forwards
         for tap in taps:
-            refuse_unsupported(tap.name, tap.module)
-            if _forward_of(tap.module) is not self.forwards[id(tap.module)]:
+            module = tap.module
+            if id(module) in checks:
+                refuse_options(tap.name, module, checks[id(module)])
+            own = module.__dict__.get("forward")
+            if (own if own is not None else type(module).forward) is not forwards[id(module)]:
                 raise ValueError(
-                    f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) runs another "
+                    f"GhostClipper: layer {tap.name!r} ({type(module).__name__}) runs another "
                     "forward than the one its rule was chosen for (its forward was replaced "
                     "after the clipper was built); the rule's gradient would not be this "
                     "forward's. Build the clipper after changing the layer")
-            own = tap.module.__dict__.get("forward")
-            if own is not None and (id(tap.module), "forward") not in self.patched:
+            if own is not None and (id(module), "forward") not in self.patched:
                 raise ValueError(
-                    f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) has an "
+                    f"GhostClipper: layer {tap.name!r} ({type(module).__name__}) has an "
                     "instance-level forward: the rule computes the class's per-sample gradient, "
                     "not this function's. Register a rule for a subclass instead "
                     "(ncdp_fast.torch.register_layer)")
