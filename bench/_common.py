@@ -91,6 +91,46 @@ def cuda_missing() -> str | None:
     return None
 
 
+def dense_torch_eager(g, C, sigma):
+    """bench_clip_dense's torch peer on g (B, p): float64 norms, the factors in
+    g's dtype, one einsum and torch.normal's noise (a callable)."""
+    import torch
+    p = g.shape[1]
+
+    def eager():
+        norms = torch.linalg.vector_norm(g, dim=1, dtype=torch.float64)
+        f = (C / norms).clamp(max=1.0).to(g.dtype)
+        return torch.einsum("i,ij->j", f, g) + torch.normal(0.0, sigma * C, (p,),
+                                                              device=g.device)
+    return eager
+
+
+def dense_rows_launch(g, C, sigma, one_pass: bool):
+    """The dense op's CUDA launcher on g (B, p) in its other forms (a
+    callable, holding its workspace): ``one_pass`` the one-pass kernel
+    (csrc/clip/dense_one_pass.cu, on as many blocks as the device holds), else
+    rows in chunks of half the device's L2 (l2_bytes=-1: a pass from DRAM,
+    one from L2)."""
+    import torch
+
+    from ncdp_fast._cuda._common import native, ptr, stream, workspace
+    B, p = g.shape
+    lib = native(g)
+    dtype = 0 if g.dtype == torch.float32 else 1
+    nbytes = lib.clip_noise_rows_workspace_bytes(B, p, dtype)
+    ws, ws_ptr = workspace(g, nbytes)
+    out = torch.empty(p, dtype=g.dtype, device=g.device)
+    norms = torch.empty(B, dtype=torch.float64, device=g.device)
+
+    def launch():
+        # ws named here: the closure holds the workspace the pointer points into.
+        lib.launch_clip_noise_rows(ptr(g), B, p, dtype, C, sigma * C, 1.0, 1, 0, ptr(out),
+                                   ptr(norms), ws_ptr if ws is not None else 0, nbytes,
+                                   stream(g), l2_bytes=-1, one_pass_blocks=-1 if one_pass else 0)
+        return out
+    return launch
+
+
 def current_rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

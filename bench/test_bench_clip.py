@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-from _common import cases, measure
+from _common import cases, dense_rows_launch, dense_torch_eager, measure
 
 DENSE_SHAPES = {"full": [(512, 7680), (1024, 409600)], "quick": [(512, 7680), (256, 65536)],
                 "smallest": [(8, 64)]}
@@ -250,23 +250,10 @@ def test_clip_dense(benchmark, case, bench_device):
         # between them (bench/dense_traffic.py predicts each; the op's
         # defaults in ncdp_fast/_cuda/clip.py, DENSE_L2_BYTES and
         # DENSE_ONE_PASS_BLOCKS, are one chunk, two passes over DRAM and 4
-        # launches): chunked, rows in chunks of half the device's L2
-        # (l2_bytes=-1: a pass from DRAM, one from L2, 3 launches a chunk); one
-        # pass (csrc/clip/dense_one_pass.cu: one launch reads each row from
-        # DRAM once, on as many blocks as the device holds).
-        from ncdp_fast._cuda._common import native, ptr, stream, workspace
-        lib = native(g)
-        nbytes = lib.clip_noise_rows_workspace_bytes(B, p, 0)
-        ws, ws_ptr = workspace(g, nbytes)
-        out = torch.empty(p, dtype=g.dtype, device=g.device)
-        norms = torch.empty(B, dtype=torch.float64, device=g.device)
-        one_pass = -1 if method == "ncdp_one_pass" else 0
-
-        def fn():
-            lib.launch_clip_noise_rows(ptr(g), B, p, 0, C, sigma * C, 1.0, 1, 0, ptr(out),
-                                       ptr(norms), ws_ptr, nbytes, stream(g), l2_bytes=-1,
-                                       one_pass_blocks=one_pass)
-            return out
+        # launches): chunked, rows in chunks of half the device's L2 (a pass
+        # from DRAM, one from L2, 3 launches a chunk); one pass (one launch
+        # reads each row from DRAM once, on as many blocks as the device holds).
+        fn = dense_rows_launch(g, C, sigma, one_pass=method == "ncdp_one_pass")
     elif method == "l2_torch_sum":
         # The L2's read rate, which the one-pass prediction assumes: a 16 MB
         # slice read 64 times by one torch.sum (stride 0: no copy), so every
@@ -277,11 +264,7 @@ def test_clip_dense(benchmark, case, bench_device):
         def fn():
             return rep.sum()
     elif method == "torch_eager":
-        def fn():
-            norms = torch.linalg.vector_norm(g, dim=1, dtype=torch.float64)
-            f = (C / norms).clamp(max=1.0).to(g.dtype)
-            return torch.einsum("i,ij->j", f, g) + torch.normal(0.0, sigma * C, (p,),
-                                                                  device=g.device)
+        fn = dense_torch_eager(g, C, sigma)
     elif method == "torch_eager_f32norm":
         def fn():
             f = (C / g.norm(dim=1)).clamp(max=1.0)

@@ -33,7 +33,10 @@ has to show before a GPU claim of this project is believed.
    largest kernels, every kernel's extra time in the private step), then
    ``bench/dmma_rate.py`` measures the FP64 tensor cores' rate per mma shape
    (``dmma_rate`` report: m8n8k4, sm_80's, against sm_90's m16n8 shapes, the
-   Gram kernel's m16n8k4 among them, seconds); last,
+   Gram kernel's m16n8k4 among them, seconds), then ``bench/ncu_kernels.py``
+   reads Nsight Compute's counters on the noise, the Gram kernel and the dense
+   clip (``ncu_kernels`` report, within 100 s of its own; a machine without
+   counters is reported in its rows, not failed); last,
    when the budget leaves time, ``bench/host_step.py --device cuda`` measures
    the host's share of a step on this machine's host (``host_step`` report).
 6. A summary of the phases in ``bench/results/gpu_check-gpu-<date>.{json,md}``.

@@ -74,6 +74,13 @@ PROFILE_AFTER = 2
 # m8n8k4 against sm_90's m16n8 shapes, the Gram kernel's m16n8k4 among them),
 # right after the profile: a few seconds, and it says what the shape is worth.
 DMMA = "dmma"
+# bench/ncu_kernels.py: Nsight Compute's counters on one launch of each kernel
+# the H200 runs left below its model (the noise, the Gram kernel, the dense
+# clip's routes) and of their torch peers, right after the mma probe; its own
+# budget (NCU_BUDGET_S) keeps it from eating the benchmarks' time, and a
+# machine without counters is reported in its rows, not failed.
+NCU = "ncu"
+NCU_BUDGET_S = 100
 # bench/host_step.py --device cuda: the host's share of a step measured on the
 # GPU machine's own host (the benchmarks' layers at tiny widths, so the device
 # idles), which the predictions made without a GPU scale from the 2-core VM's.
@@ -85,7 +92,7 @@ def check_order() -> list[str]:
     """The GPU benchmarks in the order the check runs them."""
     from .cli import GPU_BENCHES
     first = [n for n in FIRST if n in GPU_BENCHES]
-    return first[:PROFILE_AFTER] + [PROFILE, DMMA] + first[PROFILE_AFTER:] + \
+    return first[:PROFILE_AFTER] + [PROFILE, DMMA, NCU] + first[PROFILE_AFTER:] + \
         [n for n in GPU_BENCHES if n not in FIRST] + [HOST]
 
 
@@ -96,6 +103,10 @@ def _command(python, name, out: Path, bench_args) -> list[str]:
                 "--size", size, "--out", str(out)]
     if name == DMMA:
         return [python, str(ROOT / "bench" / "dmma_rate.py"), "--out", str(out)]
+    if name == NCU:
+        size = "smallest" if "--quick" in bench_args else "full"
+        return [python, str(ROOT / "bench" / "ncu_kernels.py"), "--out", str(out), "--size",
+                size, "--budget", str(NCU_BUDGET_S)]
     if name == HOST:
         return [python, str(ROOT / "bench" / "host_step.py"), "--device", "cuda",
                 "--out", str(out)]

@@ -182,13 +182,15 @@ def test_benchmarks_the_budget_leaves_out_are_listed_not_failed(tmp_path, monkey
     monkeypatch.setattr(gpu_bench, "missing_modules", lambda python, names, env=None: [])
     # No time left: none starts.
     rows = gpu_bench.run_benches(sys.executable, tmp_path, [], deadline=0.0)
-    assert [r["status"] for r in rows] == [gpu_bench.NOT_RUN] * (len(GPU_BENCHES) + 3)
+    assert [r["status"] for r in rows] == [gpu_bench.NOT_RUN] * (len(GPU_BENCHES) + 4)
     order = gpu_bench.check_order()
     assert sorted(order) == sorted(GPU_BENCHES + [gpu_bench.PROFILE, gpu_bench.DMMA,
-                                                  gpu_bench.HOST])
+                                                  gpu_bench.NCU, gpu_bench.HOST])
     # The profile right after the benchmarks of the workloads it profiles, the
-    # mma probe after it (seconds); the host's share last (what the budget leaves).
-    assert order[:5] == ["hf", "finetune", gpu_bench.PROFILE, gpu_bench.DMMA, "clip"]
+    # mma probe and the counters after it (their own budgets); the host's share
+    # last (what the budget leaves).
+    assert order[:6] == ["hf", "finetune", gpu_bench.PROFILE, gpu_bench.DMMA, gpu_bench.NCU,
+                         "clip"]
     # The convolution attribution after the goal rows' benchmarks.
     assert order.index("conv") == order.index("tied") + 1
     assert order[-1] == gpu_bench.HOST
@@ -222,7 +224,8 @@ def test_a_benchmark_without_what_it_is_built_from_is_not_run(tmp_path, monkeypa
     for name in ("hf", gpu_bench.PROFILE, gpu_bench.HOST):
         assert rows[name]["status"] == gpu_bench.NOT_RUN
         assert "transformers not installed" in rows[name]["detail"]
-    assert "hf" not in started and set(started) == set(GPU_BENCHES) - {"hf"} | {"dmma_rate"}
+    assert "hf" not in started and \
+        set(started) == set(GPU_BENCHES) - {"hf"} | {"dmma_rate", "ncu_kernels"}
     # The real query: this interpreter has torch, and no module of that name.
     assert real(sys.executable, ("torch", "no_such_module_xyz")) == [
         "no_such_module_xyz"]
@@ -303,6 +306,11 @@ def test_the_profile_phase_runs_bench_profile_step(tmp_path):
         "--only", "mix", "--rounds", "2"]
     dmma = gpu_bench._command("py", gpu_bench.DMMA, tmp_path, ["--rounds", "2"])
     assert dmma[1].endswith("bench/dmma_rate.py") and dmma[dmma.index("--out") + 1] == str(tmp_path)
+    ncu = gpu_bench._command("py", gpu_bench.NCU, tmp_path, ["--rounds", "2"])
+    assert ncu[1].endswith("bench/ncu_kernels.py") and ncu[ncu.index("--size") + 1] == "full"
+    assert float(ncu[ncu.index("--budget") + 1]) == gpu_bench.NCU_BUDGET_S
+    quick = gpu_bench._command("py", gpu_bench.NCU, tmp_path, ["--quick", "--rounds", "1"])
+    assert quick[quick.index("--size") + 1] == "smallest"
     host = gpu_bench._command("py", gpu_bench.HOST, tmp_path, ["--rounds", "2"])
     assert host[1].endswith("bench/host_step.py") and host[host.index("--device") + 1] == "cuda"
     assert host[host.index("--out") + 1] == str(tmp_path)
