@@ -26,17 +26,18 @@ has to show before a GPU claim of this project is believed.
    ``bench/results/<report>-gpu-<date>.{json,md}`` and fails the check if
    pytest fails, a table reports an error row (a method with no result) or it
    writes nothing. A benchmark the budget leaves no time for, or cuts short,
-   is listed as not run: slowness is reported, not failed. After the hf and
-   finetune benchmarks, ``bench/profile_step.py`` profiles one step of each of
-   their workloads, private and not (``profile_step``, ``profile_ops`` and
+   is listed as not run: slowness is reported, not failed. After the six
+   benchmarks of the goal rows (hf, finetune, clip, noise, mix, ntk),
+   ``bench/profile_step.py`` profiles one step of each of the hf and finetune
+   workloads, private and not (``profile_step``, ``profile_ops`` and
    ``profile_extra`` reports: busy against wall time, kernels, host waits, the
    largest kernels, every kernel's extra time in the private step), then
    ``bench/dmma_rate.py`` measures the FP64 tensor cores' rate per mma shape
    (``dmma_rate`` report: m8n8k4, sm_80's, against sm_90's m16n8 shapes, the
    Gram kernel's m16n8k4 among them, seconds), then ``bench/ncu_kernels.py``
    reads Nsight Compute's counters on the noise, the Gram kernel and the dense
-   clip (``ncu_kernels`` report, within 100 s of its own; a machine without
-   counters is reported in its rows, not failed); last,
+   clip (``ncu_kernels`` report, within 100 s of its own or what the budget
+   leaves; a machine without counters is reported in its rows, not failed); last,
    when the budget leaves time, ``bench/host_step.py --device cuda`` measures
    the host's share of a step on this machine's host (``host_step`` report).
 6. A summary of the phases in ``bench/results/gpu_check-gpu-<date>.{json,md}``.

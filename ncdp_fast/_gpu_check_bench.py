@@ -66,21 +66,26 @@ FIRST = ("hf", "finetune", "clip", "noise", "mix", "ntk", "tied", "conv", "norm"
 
 # bench/profile_step.py: where a step's time goes (kernels, host waits, busy
 # against wall time), private against non-private, on the workloads of the
-# first two benchmarks, right after them: at the stated shapes the tests and
-# the seven benchmarks above already fill most of the default budget.
+# first two benchmarks; after the six benchmarks whose rows are issue 36's
+# goals (hf to ntk), which the issue asks every run to measure within the
+# default budget: with the profile, the mma probe and the counters before
+# them, the 2026-11-30 timings (tests 118 s, hf 56, finetune 35, clip 125)
+# left noise, mix and ntk no time at a 480 s budget.
 PROFILE = "profile"
-PROFILE_AFTER = 2
+PROFILE_AFTER = FIRST.index("ntk") + 1
 # bench/dmma_rate.py: the FP64 tensor cores' rate per mma shape (sm_80's
 # m8n8k4 against sm_90's m16n8 shapes, the Gram kernel's m16n8k4 among them),
 # right after the profile: a few seconds, and it says what the shape is worth.
 DMMA = "dmma"
 # bench/ncu_kernels.py: Nsight Compute's counters on one launch of each kernel
 # the H200 runs left below its model (the noise, the Gram kernel, the dense
-# clip's routes) and of their torch peers, right after the mma probe; its own
-# budget (NCU_BUDGET_S) keeps it from eating the benchmarks' time, and a
-# machine without counters is reported in its rows, not failed.
+# clip's routes) and of their torch peers, right after the mma probe, within
+# its own budget: NCU_BUDGET_S, or what the check's leaves less NCU_MARGIN_S
+# (its report written before the check's deadline); a machine without
+# counters is reported in its rows, not failed.
 NCU = "ncu"
 NCU_BUDGET_S = 100
+NCU_MARGIN_S = 15
 # bench/host_step.py --device cuda: the host's share of a step measured on the
 # GPU machine's own host (the benchmarks' layers at tiny widths, so the device
 # idles), which the predictions made without a GPU scale from the 2-core VM's.
@@ -96,7 +101,9 @@ def check_order() -> list[str]:
         [n for n in GPU_BENCHES if n not in FIRST] + [HOST]
 
 
-def _command(python, name, out: Path, bench_args) -> list[str]:
+def _command(python, name, out: Path, bench_args, left: float = float("inf")) -> list[str]:
+    """The command of benchmark or phase ``name``; ``left``: the seconds the
+    check's budget leaves it."""
     if name == PROFILE:
         size = "quick" if "--quick" in bench_args else "full"
         return [python, str(ROOT / "bench" / "profile_step.py"), "--device", "cuda",
@@ -105,8 +112,9 @@ def _command(python, name, out: Path, bench_args) -> list[str]:
         return [python, str(ROOT / "bench" / "dmma_rate.py"), "--out", str(out)]
     if name == NCU:
         size = "smallest" if "--quick" in bench_args else "full"
+        budget = max(1.0, min(NCU_BUDGET_S, left - NCU_MARGIN_S))
         return [python, str(ROOT / "bench" / "ncu_kernels.py"), "--out", str(out), "--size",
-                size, "--budget", str(NCU_BUDGET_S)]
+                size, "--budget", f"{budget:.0f}", "--timeout", f"{min(60.0, budget):.0f}"]
     if name == HOST:
         return [python, str(ROOT / "bench" / "host_step.py"), "--device", "cuda",
                 "--out", str(out)]
@@ -137,7 +145,7 @@ def run_benches(python, out: Path, bench_args, deadline, env=None) -> list[dict]
         started = time.time()
         t0 = time.monotonic()
         _say(f"{name} ({left:.0f} s of the budget left)")
-        rc = _run_until(_command(python, name, out, bench_args), deadline, env)
+        rc = _run_until(_command(python, name, out, bench_args, left), deadline, env)
         row["seconds"] = time.monotonic() - t0
         written = sorted(p for p in out.glob("*-gpu-*.json") if p.stat().st_mtime >= started)
         row["reports"] = ", ".join(p.stem for p in written)

@@ -186,11 +186,11 @@ def test_benchmarks_the_budget_leaves_out_are_listed_not_failed(tmp_path, monkey
     order = gpu_bench.check_order()
     assert sorted(order) == sorted(GPU_BENCHES + [gpu_bench.PROFILE, gpu_bench.DMMA,
                                                   gpu_bench.NCU, gpu_bench.HOST])
-    # The profile right after the benchmarks of the workloads it profiles, the
-    # mma probe and the counters after it (their own budgets); the host's share
-    # last (what the budget leaves).
-    assert order[:6] == ["hf", "finetune", gpu_bench.PROFILE, gpu_bench.DMMA, gpu_bench.NCU,
-                         "clip"]
+    # The goal rows' benchmarks first (issue 36: every run measures them), then
+    # the profile, the mma probe and the counters; the host's share last (what
+    # the budget leaves).
+    assert order[:9] == ["hf", "finetune", "clip", "noise", "mix", "ntk", gpu_bench.PROFILE,
+                         gpu_bench.DMMA, gpu_bench.NCU]
     # The convolution attribution after the goal rows' benchmarks.
     assert order.index("conv") == order.index("tied") + 1
     assert order[-1] == gpu_bench.HOST
@@ -311,6 +311,9 @@ def test_the_profile_phase_runs_bench_profile_step(tmp_path):
     assert float(ncu[ncu.index("--budget") + 1]) == gpu_bench.NCU_BUDGET_S
     quick = gpu_bench._command("py", gpu_bench.NCU, tmp_path, ["--quick", "--rounds", "1"])
     assert quick[quick.index("--size") + 1] == "smallest"
+    # Its budget within what the check's leaves, its report written before.
+    short = gpu_bench._command("py", gpu_bench.NCU, tmp_path, [], left=55.0)
+    assert short[short.index("--budget") + 1] == "40" == short[short.index("--timeout") + 1]
     host = gpu_bench._command("py", gpu_bench.HOST, tmp_path, ["--rounds", "2"])
     assert host[1].endswith("bench/host_step.py") and host[host.index("--device") + 1] == "cuda"
     assert host[host.index("--out") + 1] == str(tmp_path)
