@@ -192,9 +192,30 @@ def launches_a_kernel(func) -> bool:
     return not func.is_view and not func.name().startswith(NO_KERNEL)
 
 
+def python_opcodes(step) -> int:
+    """The Python bytecode instructions one call of ``step`` executes (a trace
+    of opcode events: the interpreter's work, machine-independent, where the
+    host ms of this shared VM vary by some 10% between runs)."""
+    n = [0]
+
+    def tracer(frame, event, arg):
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        if event == "opcode":
+            n[0] += 1
+        return tracer
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        step()
+    finally:
+        sys.settrace(previous)
+    return n[0]
+
+
 def _counts(step, clock):
     """(operators dispatched, those that launch a kernel, Python calls,
-    launches of ours) of one step."""
+    launches of ours, Python opcodes) of one step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -212,7 +233,7 @@ def _counts(step, clock):
     step()
     prof.disable()
     calls = sum(v[1] for v in pstats.Stats(prof).stats.values())
-    return Count.n, Count.kernels, calls, clock.launches
+    return Count.n, Count.kernels, calls, clock.launches, python_opcodes(step)
 
 
 def measure(names, rounds, device="emulated", launches="run"):
@@ -256,14 +277,14 @@ def measure(names, rounds, device="emulated", launches="run"):
             for method in METHODS:
                 if stub:
                     clock.unstub()          # counted as the step runs, not its stand-in
-                ops, kernel_ops, calls, launches = _counts(
+                ops, kernel_ops, calls, launches, opcodes = _counts(
                     steps[method], clock.clock if stub else clock)
                 if stub:
                     clock.stub()
                 rows.append(dict(workload=label, method=method, host_ms_min=min(host[method]),
                                  host_ms_median=statistics.median(host[method]),
                                  operators=ops, kernel_operators=kernel_ops, python_calls=calls,
-                                 launches=launches))
+                                 python_opcodes=opcodes, launches=launches))
             base, priv = rows[-2], rows[-1]
             priv["extra_ms_min"] = priv["host_ms_min"] - base["host_ms_min"]
             priv["x_nonprivate_min"] = priv["host_ms_min"] / base["host_ms_min"]
@@ -309,6 +330,7 @@ def main(argv=None) -> int:
                   ("operators", "torch operators a step", None),
                   ("kernel_operators", "of them launching a kernel", None),
                   ("python_calls", "Python calls a step", None),
+                  ("python_opcodes", "Python opcodes a step", None),
                   ("launches", "kernel launches a step", None)],
                  notes=[f"bench/host_step.py: {WARMUP} warm-up steps, then {args.rounds} "
                         "interleaved rounds of whole steps (about "
@@ -323,7 +345,8 @@ def main(argv=None) -> int:
                         "counts (one step each): torch operators as a TorchDispatchMode sees "
                         "them (views included), those of them that launch a kernel on a GPU "
                         "(not a view, an allocation or a profiler marker), Python function "
-                        "calls as cProfile counts them, emulated kernel launches of ours",
+                        "calls as cProfile counts them, Python bytecode instructions "
+                        "executed (a trace of opcode events), emulated kernel launches of ours",
                         "on the emulated device a launch of ours also slows the host code "
                         "after it (the emulator's CPU work leaves the caches cold: a torch "
                         "multiply of 2.9 us took 9.3 us right after a launch of the row-norm "

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
-import os
 import shutil
 import subprocess
 import sys
@@ -121,7 +120,9 @@ def build_case(case: str, size: str, device):
 
     import ncdp_fast as nf
     shape = CASES[case][1][size]
-    torch.manual_seed(0)        # drawn on the device: 420 M host normals took seconds
+    # Drawn on the device (420 M host normals took seconds), from a generator
+    # of its own: the process's default one is left as it was.
+    gen = torch.Generator(device=device).manual_seed(0)
     if case in ("noise_add", "torch_randn"):
         n = shape[0]
         if case == "torch_randn":
@@ -137,10 +138,10 @@ def build_case(case: str, size: str, device):
         return add
     if case == "gram":
         from ncdp_fast._cuda.gram import grams_f64
-        a = torch.randn(*shape, device=device)
+        a = torch.randn(*shape, device=device, generator=gen)
         return lambda: grams_f64([a])
     B, p = shape
-    g = torch.randn(B, p, dtype=torch.float32, device=device)
+    g = torch.randn(B, p, dtype=torch.float32, device=device, generator=gen)
     C, sigma = 1.0, 1.0
     if case == "dense_clip":
         return lambda: nf.clip_and_noise(g, max_norm=C, noise_multiplier=sigma, seed=1).grad
@@ -151,14 +152,13 @@ def build_case(case: str, size: str, device):
 
 def run_target(case: str, size: str) -> int:
     """What ncu runs: a warm-up call, then the profiled one between the CUDA
-    profiler's start and stop (on the emulated device, the same calls without
-    the profiler: CI runs every case this way)."""
+    profiler's start and stop (without a GPU, the same calls on CPU tensors
+    without the profiler: the tests run every case so on the emulated device,
+    which they turn on for the call; nothing here sets NCDP_CUDA_EMULATION,
+    which processes started later would inherit)."""
     import torch
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    if not cuda:
-        os.environ.setdefault("NCDP_CUDA_EMULATION", "1")
-    fn = build_case(case, size, device)
+    fn = build_case(case, size, "cuda" if cuda else "cpu")
     fn()
     if cuda:
         torch.cuda.synchronize()

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import bench_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "host_step.py"
@@ -34,6 +35,7 @@ def test_host_step_reports_the_private_steps_extra_host_work(tmp_path):
     assert private["operators"] > plain["operators"]
     assert private["kernel_operators"] > plain["kernel_operators"]
     assert private["python_calls"] > plain["python_calls"]
+    assert private["python_opcodes"] > plain["python_opcodes"] > plain["python_calls"]
     assert private["extra_ms_min"] == pytest.approx(private["host_ms_min"] - plain["host_ms_min"])
     assert "| linear head" in report.with_suffix(".md").read_text()
 
@@ -87,3 +89,25 @@ def test_host_step_with_stubbed_launches_counts_what_a_step_runs(tmp_path):
         for key in ("operators", "kernel_operators", "launches"):
             assert run[key] == stub[key], key
         assert stub["host_ms_min"] > 0
+
+
+def test_python_opcodes_counts_the_interpreters_work_and_restores_the_trace():
+    host_step = bench_script("host_step")
+
+    def loop(n):
+        total = 0
+        for i in range(n):
+            total += i
+        return total
+    one, ten = host_step.python_opcodes(lambda: loop(1)), host_step.python_opcodes(lambda: loop(10))
+    assert 0 < one < ten          # the same code, more iterations: more opcodes
+    assert host_step.python_opcodes(lambda: loop(10)) == ten        # deterministic
+    import sys
+    seen = []
+    sys.settrace(lambda *a: seen.append(a) or None)
+    try:
+        host_step.python_opcodes(lambda: None)
+        assert sys.gettrace() is not None      # the caller's trace put back
+    finally:
+        sys.settrace(None)
+

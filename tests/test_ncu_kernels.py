@@ -79,8 +79,19 @@ def test_a_text_value_stays_text():
                                   "dense_torch", "gram"])
 def test_each_case_runs_on_the_device(case, require_cuda):
     # What ncu runs, at the smallest shape (on the emulated device the same
-    # calls without the CUDA profiler's start and stop).
+    # calls without the CUDA profiler's start and stop), leaving this process
+    # as it was: no emulation switched on for the processes later tests start
+    # (a resumed run in a subprocess took the device route and its parameters
+    # differed in their last bits), the default generator's state kept.
+    import os
+
+    import torch
+    before = torch.random.get_rng_state()
     assert bench_script("ncu_kernels").run_target(case, "smallest") == 0
+    assert "NCDP_CUDA_EMULATION" not in os.environ
+    if case not in ("torch_randn", "dense_torch"):    # the peers draw from the default one
+        assert torch.equal(torch.random.get_rng_state(), before)
+    torch.random.set_rng_state(before)
 
 
 def test_the_command_leaves_the_clocks_and_profiles_only_the_marked_launch():
