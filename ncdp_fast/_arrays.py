@@ -368,6 +368,11 @@ def all_finite(x: Any) -> bool:
 
 def numpy_dtype(x: Any) -> np.dtype:
     """x's dtype as NumPy's (torch's bfloat16 and friends, which have none, as |V2 / |V)."""
+    # A torch dtype met before is a key of the cache (NumPy's dtypes never
+    # are): one look-up for the launches' many asks, no library dispatch.
+    found = _NUMPY_OF_TORCH_DTYPE.get(x.dtype)
+    if found is not None:
+        return found
     return _torch_to_numpy_dtype(x.dtype) if is_torch(x) else np.dtype(x.dtype)
 
 
@@ -410,7 +415,9 @@ def _numpy_to_torch_dtype(dtype):
 
 def data_ptr(x) -> int:
     """Device address of a torch tensor or CuPy array."""
-    if _KIND_OF_TYPE.get(type(x)) == "torch" or is_torch(x):     # the cache first: every launch
+    if _KIND_OF_TYPE.get(type(x)) == "torch":     # the cache first: every launch asks
+        return x.data_ptr()
+    if is_torch(x):
         return int(x.data_ptr())
     return int(x.__cuda_array_interface__["data"][0])
 

@@ -38,13 +38,16 @@ def _layout(x):
     kernel reads as it lies (values along the last axis contiguous, rows at
     least d apart), or None. Strides that index nothing (one sample, one row,
     no values) are a dense layout's: empty arrays carry any strides."""
-    if len(x.shape) != 3 or _arrays.numpy_dtype(x) != _F32:
+    shape = x.shape
+    if len(shape) != 3:
         return None
-    B, T, d = x.shape
+    torch_x = _arrays.is_torch(x)
+    if (_arrays.numpy_dtype(x) if torch_x else np.dtype(x.dtype)) != _F32:
+        return None
+    B, T, d = shape
     if B * T * d == 0:
         return T * d, d
-    s0, s1, s2 = tuple(x.stride()) if _arrays.is_torch(x) else (
-        s // x.itemsize for s in x.strides)
+    s0, s1, s2 = x.stride() if torch_x else (s // x.itemsize for s in x.strides)
     if not ((d == 1 or s2 == 1) and (T == 1 or s1 >= d) and (B == 1 or s0 >= 0)):
         return None
     return (s0 if B > 1 else T * d), (s1 if T > 1 else d)

@@ -33,12 +33,15 @@ def _flat_positions(x: torch.Tensor, width: int, features: int = 1) -> torch.Ten
     """(B, ..., f_1, ..., f_k) -> (B, T, width), the last ``features`` = k dimensions
     (``width`` = their product) the features and the rest positions; explicit T
     so that B = 0 reshapes too."""
-    T = 1
-    for s in x.shape[1:x.dim() - features]:
-        T *= s
-    if x.dim() == 3 and x.shape[1] == T and x.shape[2] == width:
+    shape = x.shape
+    if features == 1 and len(shape) == 3 and shape[2] == width:
         return x        # already (B, T, width): no view op (host time a layer)
-    return x.reshape(x.shape[0], T, width)
+    T = 1
+    for s in shape[1:len(shape) - features]:
+        T *= s
+    if len(shape) == 3 and shape[1] == T and shape[2] == width:
+        return x
+    return x.reshape(shape[0], T, width)
 
 
 def _lead(x: torch.Tensor, k: int) -> torch.Tensor:
