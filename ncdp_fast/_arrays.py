@@ -92,12 +92,13 @@ def is_cuda_array(x: Any) -> bool:
     return k in ("cupy", "cuda")
 
 
-def shape(x: Any, name: str) -> tuple[int, ...]:
-    """x's shape as ints; a TypeError naming ``name`` for what is not an array."""
+def shape(x: Any, name: str, where: str = "") -> tuple[int, ...]:
+    """x's shape as ints; a TypeError naming ``name + where`` for what is not
+    an array (joined only then: a hot caller passes its parts)."""
     try:
         return tuple(map(int, x.shape))     # map: no generator frame a dimension
     except AttributeError:
-        raise TypeError(f"{name}: expected an array (NumPy, torch or CuPy), "
+        raise TypeError(f"{name}{where}: expected an array (NumPy, torch or CuPy), "
                         f"got {type(x).__name__}") from None
 
 
@@ -415,10 +416,8 @@ def _numpy_to_torch_dtype(dtype):
 
 def data_ptr(x) -> int:
     """Device address of a torch tensor or CuPy array."""
-    if _KIND_OF_TYPE.get(type(x)) == "torch":     # the cache first: every launch asks
+    if _KIND_OF_TYPE.get(type(x)) == "torch" or is_torch(x):     # the cache first: every launch
         return x.data_ptr()
-    if is_torch(x):
-        return int(x.data_ptr())
     return int(x.__cuda_array_interface__["data"][0])
 
 

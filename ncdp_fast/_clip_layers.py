@@ -25,11 +25,9 @@ _F64 = np.dtype(np.float64)
 
 
 def _as_pair(activations, backprops, where=""):
-    try:        # the names are formatted only for an error (host time a layer, issue 36)
-        sa, sg = tuple(map(int, activations.shape)), tuple(map(int, backprops.shape))
-    except AttributeError:
-        sa = _arrays.shape(activations, f"activations{where}")
-        sg = _arrays.shape(backprops, f"backprops{where}")
+    # The names joined only for an error (host time a layer, issue 36).
+    sa = _arrays.shape(activations, "activations", where)
+    sg = _arrays.shape(backprops, "backprops", where)
     if len(sa) not in (2, 3) or len(sg) != len(sa):
         raise ValueError(f"activations{where}, backprops{where}: expected shapes (B, d) and (B, K), "
                          f"or (B, T, d) and (B, T, K); got {sa} and {sg}")
@@ -106,7 +104,7 @@ class _Layer:
             self.terms = self.d + self.K + T * T + T + (self.K if self.bias else 0)
             self.draws = self.K * self.d + (self.K if self.bias else 0)
         else:
-            s = _arrays.shape(spec, f"layers{where}")
+            s = _arrays.shape(spec, "layers", where)
             if len(s) < 2:
                 raise ValueError(f"layers{where}: expected a per-sample gradient of shape (B, ...), "
                                  f"got {s}")

@@ -38,50 +38,39 @@ def _layout(x):
     kernel reads as it lies (values along the last axis contiguous, rows at
     least d apart), or None. Strides that index nothing (one sample, one row,
     no values) are a dense layout's: empty arrays carry any strides."""
-    shape = x.shape
-    if len(shape) != 3:
+    if len(x.shape) != 3 or _arrays.numpy_dtype(x) != _F32:
         return None
-    torch_x = _arrays.is_torch(x)
-    if (_arrays.numpy_dtype(x) if torch_x else np.dtype(x.dtype)) != _F32:
-        return None
-    B, T, d = shape
+    B, T, d = x.shape
     if B * T * d == 0:
         return T * d, d
-    s0, s1, s2 = x.stride() if torch_x else (s // x.itemsize for s in x.strides)
+    s0, s1, s2 = x.stride() if _arrays.is_torch(x) else (s // x.itemsize for s in x.strides)
     if not ((d == 1 or s2 == 1) and (T == 1 or s1 >= d) and (B == 1 or s0 >= 0)):
         return None
     return (s0 if B > 1 else T * d), (s1 if T > 1 else d)
 
 
-def _plan(parts):
+def plan(parts):
     """Every part's layout, or None for a float32 part whose last axis is not
     contiguous (a transposed view: attention's key gradient, a convolution's
     columns), which the kernel reads from a row-major copy; None where the
     kernel does not take ``parts`` (float64 data, the bench's switch, a
-    device that failed its check)."""
+    device that failed its check).  A caller that asks :func:`sample_bytes`
+    first hands the same plan to :func:`grams_f64` (a BERT-base step forms
+    some 150 parts' Grams)."""
     if not (_ENABLED[-1] and parts):
         return None
-    plan = []
+    layouts = []
     for x in parts:
         lay = _layout(x)
         if lay is None and (len(x.shape) != 3 or _arrays.numpy_dtype(x) != _F32):
             return None
-        plan.append(lay)
-    return plan if _checked(parts[0]) else None
+        layouts.append(lay)
+    return layouts if _checked(parts[0]) else None
 
 
 def applies(parts) -> bool:
     """Whether :func:`grams_f64` takes the kernel for ``parts``."""
-    return _plan(parts) is not None
-
-
-def plan(parts):
-    """The route :func:`grams_f64` takes for ``parts``: each part's layout for
-    the kernel (None for one it reads from a row-major copy), or None for the
-    copies' route.  A caller that asks :func:`sample_bytes` first hands the
-    same plan to both (the host's cost of a plan is a few calls a part, and
-    a BERT-base step forms some 150 parts' Grams)."""
-    return _plan(parts)
+    return plan(parts) is not None
 
 
 _ASK = object()     # no plan given: grams_f64 and sample_bytes form their own
@@ -98,15 +87,15 @@ def sample_bytes(parts, route=_ASK):
     of a split launch are not counted: a range per resident block of the
     target at most, each a tile's share of its sample's Gram, under 26 MB on
     any shape."""
-    plan = _plan(parts) if route is _ASK else route
+    route = plan(parts) if route is _ASK else route
     sizes = []
     for i, x in enumerate(parts):
         _, T, d = x.shape
-        if plan is None:
+        if route is None:
             sizes.append(8 * (T * d + T * T))
         else:
-            sizes.append(8 * T * T + (4 * T * d if plan[i] is None else 0))
-    return sizes, plan is not None
+            sizes.append(8 * T * T + (4 * T * d if route[i] is None else 0))
+    return sizes, route is not None
 
 
 def _launch(parts, layouts, out):
@@ -131,7 +120,7 @@ def grams_f64(parts, route=_ASK):
     float64 sum of exact products (reference.gram_rows_f64, within gamma_d of
     the sum of |products| in any order).  ``route``: :func:`plan`'s of
     ``parts``, where the caller has it."""
-    layouts = _plan(parts) if route is _ASK else (None if route is None else list(route))
+    layouts = plan(parts) if route is _ASK else (None if route is None else list(route))
     if layouts is not None:
         # A transposed float32 part is copied row-major (4 bytes a value
         # written and read) for the kernel: the copies route wrote and read

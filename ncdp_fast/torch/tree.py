@@ -119,14 +119,14 @@ class ModelSnapshot:
             module = tap.module
             if id(module) in checks:
                 refuse_options(tap.name, module, checks[id(module)])
-            own = module.__dict__.get("forward")
-            if (own if own is not None else type(module).forward) is not forwards[id(module)]:
+            if _forward_of(module) is not forwards[id(module)]:
                 raise ValueError(
                     f"GhostClipper: layer {tap.name!r} ({type(module).__name__}) runs another "
                     "forward than the one its rule was chosen for (its forward was replaced "
                     "after the clipper was built); the rule's gradient would not be this "
                     "forward's. Build the clipper after changing the layer")
-            if own is not None and (id(module), "forward") not in self.patched:
+            if module.__dict__.get("forward") is not None and \
+                    (id(module), "forward") not in self.patched:
                 raise ValueError(
                     f"GhostClipper: layer {tap.name!r} ({type(module).__name__}) has an "
                     "instance-level forward: the rule computes the class's per-sample gradient, "
