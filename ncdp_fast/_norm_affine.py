@@ -57,18 +57,20 @@ def channels(rows: int, n: int, run: int) -> int:
     return n if run == 0 else rows * (n // run)
 
 
-def device_grads(x, g, run: int, eps: float, weight: bool, bias: bool):
+def device_grads(x, g, dims, run: int, eps: float, weight: bool, bias: bool):
     """:func:`norm_affine_grads` for the torch drop-in's rules on a device
     (``torch/layer_rules.py``), without the op's checks, which those rules
     make themselves (torch tensors of one CUDA or emulated device, one dtype,
-    float32 or float64, one non-empty shape (B, rows, n), ``run`` dividing n):
-    a rule runs once a normalisation layer a step, and the op's validation and
-    dispatch were some 100 Python calls of host time each, three times the
-    torch composition they replace (issue 36)."""
+    float32 or float64, of one non-empty shape, read as ``dims`` = (B, rows,
+    n) in their row-major order, ``run`` dividing n: the rule passes the
+    dimensions, not a (B, rows, n) view of each, an op each): a rule runs
+    once a normalisation layer a step, and the op's validation and dispatch
+    were some 100 Python calls of host time each, three times the torch
+    composition they replace (issue 36)."""
     import torch
-    B, rows, n = x.shape
+    B, rows, n = dims
     C = channels(rows, n, run)
     w = torch.empty((B, C), dtype=x.dtype, device=x.device) if weight else None
     b = torch.empty((B, C), dtype=x.dtype, device=x.device) if bias else None
-    device_clip.norm_affine_grads(x.contiguous(), g.contiguous(), run, eps, w, b)
+    device_clip.norm_affine_grads(x.contiguous(), g.contiguous(), run, eps, w, b, dims)
     return w, b

@@ -365,8 +365,9 @@ def _rank1_sq_norms(a, g, bias, sq, accumulate, sizes):
     K = g.shape[2]
     io = _arrays.io_for(sq)
     # The kernel reads rows of d and K values one after another (the operands
-    # may come with any strides: the clip op's to_operand).
-    a2, g2 = io.to_kernel(a.reshape(B, d)), io.to_kernel(g.reshape(B, K))
+    # may come with any strides: the clip op's to_operand); a row-major (B, 1,
+    # d) array is such rows as it is (no (B, d) view: an op each).
+    a2, g2 = io.to_kernel(a), io.to_kernel(g)
     out = sizes
     if sizes is not None and not _arrays.is_c_contiguous(sizes):
         out = io.empty((B, 2), _F64)
@@ -483,11 +484,12 @@ def _refuse_cupy_tf32(x):
             "unset it, or pass torch tensors (TF32 is turned off for the call there)")
 
 
-def norm_affine_grads(x, g, run, eps, w, b):
-    # x, g (B, rows, n) contiguous, one dtype; w, b (B, C) in it, or None
-    # (csrc/clip/clip_noise.h: each row normalised in float64, float64 sums,
-    # one rounding).
-    B, rows, n = x.shape
+def norm_affine_grads(x, g, run, eps, w, b, dims=None):
+    # x, g (B, rows, n) contiguous, one dtype, or of any shape with ``dims``
+    # (B, rows, n), their row-major values read as that; w, b (B, C) in it,
+    # or None (csrc/clip/clip_noise.h: each row normalised in float64,
+    # float64 sums, one rounding).
+    B, rows, n = x.shape if dims is None else dims
     C = native(x)
     nbytes = C.norm_affine_workspace_bytes(B, rows)
     ws, ws_ptr = workspace(x, nbytes)

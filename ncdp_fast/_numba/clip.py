@@ -645,11 +645,15 @@ def _norm_affine_grads(x, g, run, eps, w, b):
                 b[i, e] = sb
 
 
-def norm_affine_grads(x, g, run, eps, w, b):
+def norm_affine_grads(x, g, run, eps, w, b, dims=None):
     """The device kernel's per-sample affine gradients of a normalisation layer
     (reference.norm_affine_grads): x, g (B, rows, n) C-contiguous float32 or
-    float64; w, b (B, C) in their dtype, or None (not formed).  Rows are
-    normalised in float64 and the sums formed in float64, rounded once."""
+    float64 (or of any shape, read as ``dims`` = (B, rows, n) in row-major
+    order, as the device's signature); w, b (B, C) in their dtype, or None
+    (not formed).  Rows are normalised in float64 and the sums formed in
+    float64, rounded once."""
+    if dims is not None:
+        x, g = x.reshape(dims), g.reshape(dims)
     B, _, n = x.shape
     C = n if run == 0 else x.shape[1] * (n // run)
     ww = np.empty((B, C)) if w is None or w.dtype != np.float64 else w

@@ -87,18 +87,21 @@ def _fused_affine(calls, rows_of, run_of, eps, trainable):
     call's input and output gradient are non-empty float32/float64 arrays of
     the device (CUDA, or the emulated one) with one dtype; None elsewhere (the
     torch composition then runs: on the CPU, in half precision, for empty
-    inputs).  ``rows_of(t)``: t as (B, rows, n); ``run_of(x)``: the kernel's
-    ``run`` (0: the layer normalises each row of features, LayerNorm)."""
+    inputs).  ``rows_of(x)``: the (B, rows, n) the kernel reads x (and its
+    gradient, of x's shape) as, values in x's row-major order (the kernel
+    takes the dimensions, not a view: an op each, issue 36's host time);
+    ``run_of(x)``: the kernel's ``run`` (0: the layer normalises each row of
+    features, LayerNorm)."""
     for c in calls:
         x, g = c.inputs[0], c.grad
         if not (x.dtype == g.dtype and x.dtype in _FUSED_DTYPES and x.numel()
-                and _arrays.is_cuda_array(x)):
+                and x.shape == g.shape and _arrays.is_cuda_array(x)):
             return None
     weight, bias = "weight" in trainable, "bias" in trainable
     w = b = None
     for c in calls:
-        cw, cb = device_grads(rows_of(c.inputs[0]), rows_of(c.grad), run_of(c.inputs[0]), eps,
-                              weight, bias)
+        x = c.inputs[0]
+        cw, cb = device_grads(x, c.grad, rows_of(x), run_of(x), eps, weight, bias)
         w = cw if w is None else w + cw
         b = cb if b is None else b + cb
     out = []
@@ -260,23 +263,27 @@ def conv_rule(module, calls, trainable):
     grouped convolutions, large L) the per-sample gradient (B, *weight.shape)
     (:func:`_conv_per_sample`), whose size is that of the kernel, small."""
     C_out = module.out_channels
-    gs = [_lead(c.grad, 2) for c in calls]                         # (B, C_out, L) per call
-    L = sum(g.shape[2] for g in gs)
-    B = gs[0].shape[0]
+    L = sum(math.prod(c.grad.shape[2:]) for c in calls)            # output positions
+    B = calls[0].grad.shape[0]
+
+    def gs():
+        # (B, C_out, L) per call, formed only where read (a view each: host
+        # time, issue 36; a depthwise layer without bias reads none)
+        return _cat([_lead(c.grad, 2) for c in calls], 2)
     out = []
     if "weight" in trainable:
         bias = "bias" in trainable
         names = ("weight", "bias") if bias else ("weight",)
         if module.groups == 1 and 2 * L * L <= module.weight.numel():
             cols = _cat([_conv_columns(module, c.inputs[0]) for c in calls], dim=2)
-            return [(names, (cols.transpose(1, 2), _cat(gs, 2).transpose(1, 2), bias))]
+            return [(names, (cols.transpose(1, 2), gs().transpose(1, 2), bias))]
         gw = None
         for c in calls:
             part = _conv_per_sample(module, c.inputs[0], c.grad)
             gw = part if gw is None else gw + part
         out.append((("weight",), gw))
     if "bias" in trainable:
-        out.append((("bias",), _cat(gs, 2).sum(2) if B else gs[0].new_zeros((0, C_out))))
+        out.append((("bias",), gs().sum(2) if B else calls[0].grad.new_zeros((0, C_out))))
     return out
 
 
@@ -369,8 +376,8 @@ def layer_norm_rule(module: nn.LayerNorm, calls, trainable):
     width = math.prod(module.normalized_shape)
     k = len(module.normalized_shape)
     shape = tuple(module.normalized_shape)
-    blocks = _fused_affine(calls, lambda t: _flat_positions(t, width, k), lambda x: 0,
-                           module.eps, trainable)
+    blocks = _fused_affine(calls, lambda x: (x.shape[0], x.numel() // (x.shape[0] * width), width),
+                           lambda x: 0, module.eps, trainable)
     if blocks is None:
         xs, gs = [], []
         for c in calls:
@@ -404,7 +411,7 @@ def rms_norm_rule(module: nn.RMSNorm, calls, trainable):
 def group_norm_rule(module: nn.GroupNorm, calls, trainable):
     """y = w_c * xhat + b_c per channel c, xhat normalised over (group, positions)."""
     groups = module.num_groups
-    blocks = _fused_affine(calls, lambda t: t.reshape(t.shape[0], groups, -1),
+    blocks = _fused_affine(calls, lambda x: (x.shape[0], groups, x.numel() // (x.shape[0] * groups)),
                            _positions, module.eps, trainable)
     if blocks is not None:
         return blocks
@@ -424,7 +431,8 @@ def instance_norm_rule(module, calls, trainable):
     if module.track_running_stats and module.training:
         raise ValueError(f"{type(module).__name__} with track_running_stats=True mixes samples "
                          "through its running statistics; use track_running_stats=False")
-    blocks = _fused_affine(calls, lambda t: t.reshape(t.shape[0], t.shape[1], -1),
+    blocks = _fused_affine(calls, lambda x: (x.shape[0], x.shape[1],
+                                             x.numel() // (x.shape[0] * x.shape[1])),
                            _positions, module.eps, trainable)
     if blocks is not None:
         return blocks
