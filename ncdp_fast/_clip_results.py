@@ -95,6 +95,10 @@ class GhostBlock:
     unmasked_sum: None, or a callable like ``clipped_sum`` that the op calls
         instead when no row of the step is dropped (every factor above 0, all
         data finite): it may skip masking dropped rows.
+    reads: the tensors ``clipped_sum`` reads at the step that are a layer's
+        inputs (an embedding's indices): the torch drop-in refuses a step in
+        which one was changed in place after its backward (the norms would be
+        one batch's, the sums another's).
     """
     sq_norms: Any
     clipped_sum: Any
@@ -105,6 +109,7 @@ class GhostBlock:
     seq_len: int = 1
     float64_norms: Any = None
     unmasked_sum: Any = None
+    reads: tuple = ()
 
 
 # ------------------------------------------------------------------ accounting

@@ -486,6 +486,15 @@ def test_audit_errors_are_clear_and_early():
                            expected_batch_size=4)
     out = model(torch.randn(4, 3)).sum()
     out.backward(retain_graph=True)
+    # Refused inside the second backward (only the first was read by the loss
+    # check); with the check off, at the step.
+    with pytest.raises(RuntimeError, match="a second backward after the one the loss check read"):
+        out.backward()
+    clipper.remove()
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                           expected_batch_size=4, check_loss=False)
+    out = model(torch.randn(4, 3)).sum()
+    out.backward(retain_graph=True)
     out.backward()
     with pytest.raises(RuntimeError, match="twice through the same recorded forward"):
         clipper.privatize_()

@@ -245,3 +245,72 @@ def test_softmax_over_the_batch_of_a_sequence_first_input_is_refused():
     clipper.declare_batch_size(5)
     assert seq(torch.randn(5, 4)).shape == (5, 3)      # (B, d): the class dimension
     clipper.remove()
+
+
+# ---------------------------------------------------------------------------
+# The fourth audit (2026-11-30): samples combined between layers, where only a
+# layer's input shows it.  The loss check reads the graph from the loss down
+# to the last layers' outputs; below them each layer's input was followed
+# (structure.py) for its layout only, and a proof of mixing found there was
+# taken as "unknown".  Each case was accepted with no error.
+
+class _Centred(nn.Module):
+    """Centres the first layer's output over the batch (a batch norm by hand)."""
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h - h.mean(0))
+
+
+class _Positions(nn.Module):
+    """nanoGPT's idiom: positions looked up with a 1-D arange(T), broadcast."""
+    def __init__(self, vocab=10, d=8):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(16, d)
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, 3)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        return self.head(self.ln(x)).mean(1)
+
+
+class _SharedTable(nn.Module):
+    """A trainable norm applied to a frozen parameter table (DeBERTa-v2's
+    normalised relative embeddings), the table's rows as many as the batch."""
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(4, 6), requires_grad=False)
+        self.norm, self.lin = nn.LayerNorm(6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(x + self.norm(self.table).sum(0))
+
+
+@pytest.mark.parametrize("case", ["centred", "positions", "shared table"])
+def test_samples_combined_between_layers_are_refused_at_the_forward(case):
+    """``h - h.mean(0)`` between two layers moved every sample's gradient with
+    the batch; a position table looked up with a 1-D arange(T) at T == B had
+    its T positions clipped as the B samples (GPT-2 with position_ids =
+    arange(T): relative error 0.07); a norm layer on a frozen (B, d) table,
+    its rows clipped as samples.  Each is refused by name at the forward,
+    before anything is written."""
+    torch.manual_seed(0)
+    B = 4
+    if case == "centred":
+        model, x = _Centred(), torch.randn(B, 4)
+        match = r"layer 'b' gets an input \(shape \(4, 6\)\) that combines the samples"
+    elif case == "positions":
+        model, x = _Positions(), torch.randint(0, 10, (B, B))
+        match = r"layer 'ln' gets an input \(shape \(4, 4, 8\)\) that combines the samples"
+    else:
+        model, x = _SharedTable(), torch.randn(B, 6)
+        match = r"layer 'norm' \(LayerNorm\) runs on a parameter \(shape \(4, 6\)\)"
+    with GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                      expected_batch_size=B) as clipper:
+        with pytest.raises(ValueError, match=match):
+            F.cross_entropy(model(x), torch.arange(B) % 3).backward()
+            clipper.privatize_()
+        assert all(p.grad is None for p in model.parameters())

@@ -327,3 +327,74 @@ def test_one_entry_of_each_sample_is_accepted_only_in_order(rows, accepted):
             with pytest.raises(LossRefused, match="not 0, 1, ..., B-1"):
                 clipper.privatize_()
             assert model.weight.grad is None
+
+
+# ---------------------------------------------------------------------------
+# The fourth audit (2026-11-30).
+
+@pytest.mark.parametrize("loss", [
+    lambda o, y: torch.minimum(F.cross_entropy(o, y), torch.tensor(0.5)),
+    lambda o, y: torch.maximum(F.cross_entropy(o, y), torch.tensor(1.5)),
+    lambda o, y: torch.where(torch.tensor(True), F.cross_entropy(o, y), torch.tensor(0.0)),
+    lambda o, y: F.cross_entropy(o, y) ** torch.tensor(2.0),
+    lambda o, y: torch.tensor(2.0) ** F.cross_entropy(o, y),
+    lambda o, y: torch.xlogy(torch.tensor(1.0), F.cross_entropy(o, y)),
+], ids=["minimum", "maximum", "where", "pow", "rpow", "xlogy"])
+def test_a_nonlinear_two_operand_function_of_the_batch_loss_is_refused(loss):
+    """A function of the batch's summed loss and a constant tensor was taken
+    as linear whatever it was: min(L, c) let neighbouring batches' private
+    sums differ by 0.30 at C = 0.1 (the audit's repro).  Only adding,
+    subtracting, and scaling (whose scalar is checked) keep a sum a sum."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 5))
+    x, y = torch.randn(B, 4), torch.randint(0, 5, (B,))
+    with GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                      expected_batch_size=B) as clipper:
+        with pytest.raises(LossRefused, match="a nonlinear function is applied to a value "
+                                              "summed over the batch"):
+            loss(model(x), y).backward()
+            clipper.privatize_()
+        assert all(p.grad is None for p in model.parameters())
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 3), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+def test_a_second_backward_after_the_checked_one_is_refused():
+    """Only the first backward after a forward was read: once it reached a
+    layer the check went quiet, and a second backward reaching other layers
+    with a loss that couples the samples ((o - o.mean(0))^2 here) went
+    through unread (the audit: 0.366 between neighbouring batches at C =
+    0.2).  A layer's gradient from any backward but the checked one is now
+    refused inside that backward; the two losses summed into one backward
+    are read (and this one refused), and one backward after the other, each
+    after its own forward, is accepted."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    x, y = torch.randn(B, 5), torch.randint(0, 3, (B,))
+    with GhostClipper(model, max_grad_norm=0.2, noise_multiplier=0.0, expected_batch_size=B,
+                      loss_reduction="sum") as clipper:
+        oa, ob = model(x)
+        F.cross_entropy(oa, y, reduction="sum").backward()
+        with pytest.raises(RuntimeError, match="a second backward after the one the loss "
+                                               "check read"):
+            ((ob - ob.mean(0)) ** 2).sum().backward()
+        clipper.clear()
+        assert all(p.grad is None for p in model.parameters())
+        oa, ob = model(x)
+        with pytest.raises(LossRefused, match=REFUSED):
+            (F.cross_entropy(oa, y, reduction="sum") + ((ob - ob.mean(0)) ** 2).sum()).backward()
+        clipper.clear()
+        # A second backward that reaches no layer (an unrelated graph) is harmless.
+        oa, ob = model(x)
+        (F.cross_entropy(oa, y, reduction="sum") + ob.pow(2).sum()).backward()
+        w = torch.ones(2, requires_grad=True)
+        (w * 3).sum().backward()
+        clipper.privatize_()
+    assert all(p.grad is not None for p in model.parameters())

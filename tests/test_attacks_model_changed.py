@@ -286,3 +286,147 @@ def test_batch_mixing_options_set_after_make_private_are_refused_before_the_mode
         pm(x)
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+# ---------------------------------------------------------------------------
+# The fourth audit (2026-11-30): changes a forward's per-forward check did not
+# read.  Each gave wrong gradients with no error (relative errors 0.07 to 0.45
+# against the per-sample reference); each is now refused before the model
+# runs, or handled exactly.
+
+def _per_sample_reference(model, x, y, C, E):
+    """sum_i min(1, C / ||g_i||) g_i / E over the samples' own cross-entropy
+    gradients (torch.func on ``model``, a copy without a clipper)."""
+    from torch.func import functional_call, grad, vmap
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ps = vmap(grad(lambda p, xi, yi: F.cross_entropy(functional_call(model, p, (xi[None],)),
+                                                      yi[None])), in_dims=(None, 0, 0))(params, x, y)
+    flat = torch.cat([ps[k].reshape(len(x), -1) for k in params], dim=1)
+    return torch.einsum("i,ij->j", (C / flat.norm(dim=1)).clamp(max=1.0), flat) / E
+
+
+def _step_error(model, clipper, reference, x, y, C=0.3):
+    ref = _per_sample_reference(reference, x, y, C, len(x))
+    F.cross_entropy(model(x), y).backward()
+    clipper.privatize_()
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return float((got - ref).norm() / ref.norm())
+
+
+def _double(module, inputs, output):
+    return output * 2
+
+
+@pytest.mark.parametrize("when", ["before the clipper", "prepended after", "global"])
+def test_a_forward_hook_that_runs_before_the_capture_is_handled_or_refused(when):
+    """A hook returning a changed output (x 2 here), run before the clipper's
+    own capture, handed the rules the gradient of the changed output: relative
+    error 0.30.  The capture is now the first hook of each layer (one
+    registered before the clipper runs after it: exact); a hook put before it
+    later, or a global module forward hook (run before every module's own),
+    is refused before the model runs."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    model, plain, hooked = make(), make(), make()
+    hooked[0].register_forward_hook(_double)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=g)
+    handles = []
+    if when == "before the clipper":
+        handles.append(model[0].register_forward_hook(_double))
+    clipper = GhostClipper(model, max_grad_norm=0.3, noise_multiplier=0.0, expected_batch_size=6)
+    try:
+        if when == "before the clipper":
+            assert _step_error(model, clipper, hooked, x, y) < 1e-12
+            return
+        if when == "prepended after":
+            handles.append(model[0].register_forward_hook(_double, prepend=True))
+            match = r"layer '0' \(Linear\) has a forward hook that runs before the clipper's"
+        else:
+            handles.append(nn.modules.module.register_module_forward_hook(
+                lambda m, i, o: o * 2 if m is model[0] else None))
+            match = "a global module forward hook"
+        with pytest.raises(ValueError, match=match):
+            model(x)
+        assert all(p.grad is None for p in model.parameters())
+        for h in handles:
+            h.remove()
+        handles = []
+        clipper.clear()
+        assert _step_error(model, clipper, plain, x, y) < 1e-12    # the hook gone: accepted
+    finally:
+        for h in handles:
+            h.remove()
+        clipper.remove()
+
+
+def test_a_parameter_replaced_after_the_clipper_was_built_is_refused():
+    """``layer.weight = nn.Parameter(...)`` after construction: the clipper
+    privatized the old object, and the new one's .grad was the ordinary batch
+    gradient, unclipped and without noise, with no error.  Refused at the
+    next forward, before the model runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=6)
+    model[2].weight = nn.Parameter(model[2].weight.detach().clone())
+    with pytest.raises(ValueError, match=r"parameters changed after the clipper was built"):
+        model(torch.randn(6, 4))
+    assert all(p.grad is None for p in model.parameters())
+    model[2].weight = clipper.taps[1].params["weight"]   # the one it was built with
+    model(torch.randn(6, 4)).sum().backward()
+    clipper.privatize_()
+    model[1].register_parameter("extra", nn.Parameter(torch.ones(1)))   # a module without any
+    with pytest.raises(ValueError, match=r"parameters changed after the clipper was built"):
+        model(torch.randn(6, 4))
+    clipper.remove()
+
+
+def test_batch_first_flipped_after_the_clipper_was_built_is_refused():
+    """Each layer's layout is set at construction; batch_first flipped later
+    (a sequence-first layer read as batch-first) mixed the samples' positions
+    silently where B == T (relative error 0.31).  Refused before the model
+    runs, at any B and T."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = nn.Sequential(layer, nn.Flatten(), nn.Linear(24, 3))
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=3)
+    x = torch.randn(3, 3, 8)
+    model(x).sum().backward()
+    clipper.privatize_()
+    layer.self_attn.batch_first = False
+    with pytest.raises(ValueError, match=r"'0.self_attn' \(MultiheadAttention\) batch_first was "
+                                         r"True when the clipper was built, is False now"):
+        model(x)
+    clipper.remove()
+
+
+@pytest.mark.parametrize("kind", ["pre", "full", "global"])
+def test_a_module_backward_hook_is_refused_before_the_model_runs(kind):
+    """A module's backward (pre-)hook may change the gradient flowing to the
+    layers below it (here: grad_output centred over the batch on a middle
+    layer, whose rows then mix every sample) where the loss check cannot read
+    it: the layer's node is unknown to the graph reader, which took it as
+    unknown below the last layers.  Refused before the model runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=6)
+    centre = lambda m, go: (go[0] - go[0].mean(0),)   # noqa: E731
+    if kind == "pre":
+        handle = model[1].register_full_backward_pre_hook(centre)
+        match = r"a module backward hook is registered \(\['1'\]\)"
+    elif kind == "full":
+        handle = model[0].register_full_backward_hook(lambda m, gi, go: None)
+        match = r"a module backward hook is registered \(\['0'\]\)"
+    else:
+        handle = nn.modules.module.register_module_full_backward_pre_hook(centre)
+        match = "a module backward hook is registered .a global one"
+    try:
+        with pytest.raises(ValueError, match=match):
+            model(torch.randn(6, 4))
+    finally:
+        handle.remove()
+    model(torch.randn(6, 4)).sum().backward()
+    clipper.privatize_()
+    clipper.remove()

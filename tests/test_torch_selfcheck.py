@@ -65,8 +65,10 @@ def test_shared_arguments_go_to_every_call():
 
 
 def test_samples_mixed_inside_a_forward_fail():
-    """x - x.mean(0) in a forward: the clipper cannot see it (docs/torch.md,
-    'The loss contract'); the check does, at the gradient's own order."""
+    """x - x.mean(0) in a forward: the clipper refuses it where the graph
+    between two recorded layers shows it (docs/torch.md, 'The loss
+    contract'); the check, which measures instead, finds it at the
+    gradient's own order."""
     report = check_exact(_mlp(_Center()), _batch(), _ce_sum)
     assert not report.passed and report.max_rel_error > 0.1
 

@@ -220,6 +220,10 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
         # ordinary gradient: a step over those is refused, naming the cause.
         self._uncaptured: set[str] = set()
         self._uncaptured_grads: dict[str, str] = {}
+        # (tensor, its _version at the backward, layer name) of the layers'
+        # inputs their blocks read at the step (recorder._evaluate): one changed
+        # in place since is refused there (taps.refuse_changed).
+        self._kept: list = []
         # Registered before the layers' hooks: the batch is known before any
         # layer (the model itself may be one) records.
         self._handles = [model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True)]
@@ -246,6 +250,7 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
             for n, p in tap.owned.items():
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     self._outside_hook(tap.full(n), tap)))
+        captures = []       # (module, hook id): the captures that run as forward hooks
         for tap in self.taps:
             self._handles.append(tap.module.register_forward_pre_hook(self._pre_hook(tap)))
             if isinstance(tap.module, nn.MultiheadAttention):
@@ -255,9 +260,13 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
                 # sees: a subclass may pad in its own forward first (TF "SAME").
                 self._patch(tap.module, "_conv_forward", conv_forward(tap, self._marker(tap)))
             else:
-                # Its capture and its restore in one hook.
-                self._handles.append(tap.module.register_forward_hook(
-                    self._forward_hook(tap), always_call=True))
+                # Its capture and its restore in one hook, the first of the
+                # layer's (a hook registered earlier may change the output:
+                # the capture must see the layer's own, tree.py holds it so).
+                handle = tap.module.register_forward_hook(self._forward_hook(tap),
+                                                          always_call=True, prepend=True)
+                self._handles.append(handle)
+                captures.append((tap.module, handle.id))
                 continue
             self._handles.append(tap.module.register_forward_hook(
                 self._restore_hook(tap), always_call=True))
@@ -267,7 +276,7 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
         # may itself be a layer).
         self._handles.append(model.register_forward_hook(self._model_hook))
         self._snapshot = ModelSnapshot(model, self.taps,
-                                       {(id(m), attr) for m, attr in self._forwards})
+                                       {(id(m), attr) for m, attr in self._forwards}, captures)
         self._snapshot.check(model, self.taps)
         # A script's clip_grad_norm_ after backward sees no gradient: warned (grad_norm.py).
         watch_grad_norm(self, [p for t in self.taps for p in t.owned.values()])
@@ -349,6 +358,7 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
         and the step's batch size."""
         for tap in self.taps:
             tap.clear()
+        self._kept.clear()
         self._outside.clear()
         self._uncaptured.clear()
         self._uncaptured_grads.clear()

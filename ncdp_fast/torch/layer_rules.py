@@ -364,7 +364,7 @@ def embedding_rule(module: nn.Embedding, calls, trainable):
     spread = torch.linalg.vector_norm(g.to(torch.float64), dim=2).sum(1)
     terms = rows_sq_terms(T, D, _arrays.is_cuda_array(idx))
     return [(("weight",), GhostBlock(sq, clipped_sum, (V, D), terms, dtype=dtype,
-                                     spread=spread, seq_len=T))]
+                                     spread=spread, seq_len=T, reads=(idx,)))]
 
 
 @register_layer(nn.LayerNorm)

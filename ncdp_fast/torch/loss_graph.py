@@ -40,6 +40,17 @@ class LossRefused(ValueError):
     """The loss is not (provably) a sum of per-sample terms."""
 
 
+class SamplesMixed(LossRefused):
+    """Proof, not doubt: the graph combines the samples (a value reduced over
+    the batch, or two tensors whose samples lie along different dimensions).
+    Read below a layer's input (structure.py), where a doubt leaves the
+    layer to its own checks, this refuses the layer."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
+
+
 class Out(NamedTuple):
     dim: int        # the dimension running over samples
     k: int = 1      # index j of that dimension belongs to sample (j // k) % B
@@ -62,6 +73,11 @@ DEFERRED = "deferred"
 def _refuse(node, why: str):
     raise LossRefused(f"GhostClipper: the loss is not a sum of per-sample terms: "
                       f"{node.name()}: {why}; {FIX}")
+
+
+def _mixed(node, why: str):
+    raise SamplesMixed(f"GhostClipper: the loss is not a sum of per-sample terms: "
+                       f"{node.name()}: {why}; {FIX}", f"{node.name()}: {why}")
 
 
 class ValueCheck(NamedTuple):
@@ -215,14 +231,14 @@ class _Walk:
         if name in _LINEAR or (name in _ELEMENTWISE and isinstance(v0, Out)):
             return v0 if len(live) == 1 else self._binary(node, name, ins, edges)
         if name in _ELEMENTWISE:
-            _refuse(node, "a nonlinear function is applied to a value summed over the batch")
+            _mixed(node, "a nonlinear function is applied to a value summed over the batch")
         if name in _BINARY:
             return self._binary(node, name, ins, edges)
         if isinstance(v0, Summed):
             if name in ("SumBackward0", "SumBackward1", "MeanBackward0", "MeanBackward1",
                         "ExpandBackward0") or name in _VIEWS:
                 return Summed()
-            _refuse(node, "a value summed over the batch goes through an operation that is not "
+            _mixed(node, "a value summed over the batch goes through an operation that is not "
                           "linear")
         if len(live) > 1 and name not in ("CatBackward0", "StackBackward0", "MmBackward0",
                                           "AddmmBackward0") and \
@@ -284,7 +300,7 @@ class _Walk:
             return v
         if name == "NativeLayerNormBackward0":
             if b >= len(in_shape) - len(node._saved_normalized_shape):
-                _refuse(node, "a layer norm normalises over the batch dimension")
+                _mixed(node, "a layer norm normalises over the batch dimension")
             return v
         if name in _BATCHED:
             lives = {(x.dim, x.k) for x in ins if isinstance(x, Out)}
@@ -315,7 +331,7 @@ class _Walk:
                 dims = _dims(node, len(in_shape)) if hasattr(node, "_saved_dim") else \
                     tuple(range(len(in_shape)))
             if b in dims:
-                _refuse(node, "a nonlinear function runs along the batch dimension, mixing "
+                _mixed(node, "a nonlinear function runs along the batch dimension, mixing "
                               "samples")
             keep = len(out_shape) == len(in_shape)
             return Out(b if keep else b - sum(d < b for d in dims), v.k)
@@ -416,18 +432,18 @@ class _Walk:
             if isinstance(x, Out):
                 seen.add(self._broadcast(node, x, _shape(nf, nr), out_shape))
             elif isinstance(x, Summed):
-                _refuse(node, "combines per-sample values with a value reduced over the "
+                _mixed(node, "combines per-sample values with a value reduced over the "
                               "batch (as x - x.mean()): each sample's term depends on the "
                               "others")
         if len(seen) > 1:
-            _refuse(node, "combines tensors whose samples lie along different dimensions")
+            _mixed(node, "combines tensors whose samples lie along different dimensions")
         return seen.pop() if seen else None
 
     def _join(self, node, name, ins):
         d = _signed(node._saved_dim)
         lives = {(x.dim, x.k) for x in ins if isinstance(x, Out)}
         if len(lives) != 1 or any(isinstance(x, Summed) for x in ins):
-            _refuse(node, "joins tensors whose samples lie along different dimensions")
+            _mixed(node, "joins tensors whose samples lie along different dimensions")
         b, k = lives.pop()
         ndim = len(_shape(node))
         d %= ndim
@@ -451,16 +467,16 @@ class _Walk:
         data_side = [i for i, (nf, _) in enumerate(edges) if nf is None]
         if len(live) == 2:
             if len(summed) == 1:
-                _refuse(node, "combines per-sample values with a value reduced over the batch "
+                _mixed(node, "combines per-sample values with a value reduced over the batch "
                               "(as x - x.mean()): each sample's term depends on the others")
             if summed:
                 if name in ("AddBackward0", "SubBackward0"):
                     return Summed()
-                _refuse(node, "multiplies two values summed over the batch")
+                _mixed(node, "multiplies two values summed over the batch")
             return self._aligned(node, ins, edges)
         v = live[0]
         if name == "DivBackward0" and ins[0] is None and isinstance(v, Summed):
-            _refuse(node, "divides by a value summed over the batch")
+            _mixed(node, "divides by a value summed over the batch")
         # A per-sample value scaled by a shared scalar is taken as scaled by a
         # constant: Python numbers inside the model's forward (logit
         # soft-capping, Granite's logits_scaling) reach autograd as 0-d tensors
@@ -476,7 +492,14 @@ class _Walk:
                 _refuse(node, "scales a value summed over the batch by a tensor the check "
                               "cannot read")
         if isinstance(v, Summed):
-            return Summed(v.terms if name in ("MulBackward0", "DivBackward0") else None)
+            if name in ("MulBackward0", "DivBackward0"):
+                return Summed(v.terms)
+            # A constant added or subtracted moves no gradient; any other
+            # function of the summed value and a constant (min(L, c), where,
+            # L ** c, xlogy) weighs the samples' terms by the whole batch.
+            if name in ("AddBackward0", "SubBackward0", "RsubBackward0"):
+                return Summed()
+            _mixed(node, "a nonlinear function is applied to a value summed over the batch")
         return self._aligned(node, ins, edges)
 
     @staticmethod

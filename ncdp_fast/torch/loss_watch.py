@@ -55,13 +55,21 @@ class _Catch(TorchFunctionMode):
         super().__init__()
         self.watch = watch
         self.active = False
+        self.running = 0        # backward calls under way through this mode
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.active and func in _BACKWARDS:
             self.watch.on_backward(_roots(func, args, kwargs))
+            # A backward called inside this one (a reentrant checkpoint's
+            # recomputation) is part of it, not a later one.
+            self.running += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.running -= 1
         out = func(*args, **kwargs)
-        if self.active and func in _SCALINGS and len(args) == 2 and \
+        if self.active and not self.watch.checked and func in _SCALINGS and len(args) == 2 and \
                 isinstance(args[1], (int, float)) and isinstance(out, torch.Tensor) and \
                 out.grad_fn is not None:
             self.watch.constants.add(out.grad_fn)
@@ -95,6 +103,9 @@ class LossWatch:
         self.checked = False
         self.pending: list = []
         self.constants: set = set()     # nodes scaling by a Python number
+        # A backward after the checked one (the same forward's): unread, so a
+        # layer gradient it delivers is refused (require).
+        self.later = False
         self._catch = _Catch(self)
 
     def source(self, t: torch.Tensor, dim: int, batch: int | None) -> None:
@@ -112,11 +123,18 @@ class LossWatch:
         checked."""
         if not self.enabled:
             return
-        self.batch, self.checked = batch, False
+        self.batch, self.checked, self.later = batch, False, False
         self._catch.active = True
         _restack(self._catch)
 
     def on_backward(self, roots) -> None:
+        if self.checked:
+            # The mode stays armed after the checked backward until the step
+            # or the next forward: any later backward is seen, and a layer
+            # gradient it delivers refused (only the first was read); one
+            # inside the checked one is its own (reentrant checkpointing).
+            self.later = self.later or not self._catch.running
+            return
         try:
             if self.batch == 0:
                 reached, pending = True, []
@@ -129,7 +147,6 @@ class LossWatch:
         if reached:
             self.checked = True
             self.pending += pending
-            self._catch.active = False
             # The check is done with the forward's graph: let go of its nodes,
             # so that the graph dies with the caller's loss, as it does without
             # the clipper (held until the step, freeing it cost the step's
@@ -141,7 +158,18 @@ class LossWatch:
         """Inside backward, at a layer's gradient: refuse a backward the check
         did not see (a layer run outside the model's forward is refused by
         its own check)."""
-        if self.enabled and model_ran and not self.checked:
+        if (self.later or not self.checked) and self.enabled and model_ran:
+            self._refuse_unread()
+
+    def _refuse_unread(self) -> None:
+        if self.later:
+            raise RuntimeError(
+                "GhostClipper: a layer's gradient arrived from a second backward after the one "
+                "the loss check read (one forward, two backward calls): only the first "
+                "backward's loss was checked to be a sum of per-sample terms, so this one is "
+                "refused. Sum the losses and call backward once, or run a forward for each "
+                "(docs/torch.md, 'The loss contract')")
+        if not self.checked:
             raise RuntimeError(
                 "GhostClipper: a gradient reached the model through a backward the loss check "
                 "did not see (the model's forward ran without gradients, as in a reentrant "
@@ -161,7 +189,7 @@ class LossWatch:
         (``clip_and_noise_layers``'s ``_checks``: one host wait a step instead
         of two, issue 36); a value on a device other than the first's is moved
         to it."""
-        if not self._catch.active:
+        if self.checked or not self._catch.active:
             # The backward was caught: the mode would only pass the step's
             # calls through (a Python frame each, a parameter's .grad read
             # included: 100 a step on the 4-layer transformer).
@@ -205,5 +233,5 @@ class LossWatch:
         self.sources.clear()
         self.constants.clear()
         self.pending = []
-        self.checked = False
+        self.checked = self.later = False
         self.unstack()

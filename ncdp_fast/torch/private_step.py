@@ -13,7 +13,7 @@ from .memory import add_clipped, check_same_parameters, fold_in, refuse_across_r
 from .compiled import compiled_error
 from .per_layer import clip_per_layer
 from .precision import overflow_error, overflowing
-from .taps import per_parameter, step_entries
+from .taps import per_parameter, refuse_changed, step_entries
 from .unprivatized import refuse_uncaptured
 
 __all__ = ["PrivateStep"]
@@ -52,6 +52,7 @@ class PrivateStep:
                 "skip the step")
         refuse_uncaptured(self.taps, self.param_names, self._uncaptured, self._uncaptured_grads)
         batch = self._batch.of_step(self.taps)
+        refuse_changed(self._kept)
         self._refuse_outside_terms()
         entries = step_entries(self.taps, self._tied, batch,
                                self.group is None and self.gram_precision == "float32")

@@ -20,7 +20,8 @@ from .layers import HALF, Call
 from .layout import batch_dim, broadcast_rows, rows_error, to_batch_first
 from .precision import cast_block, upcast
 from .recompute import count_call, in_backward
-from .taps import CaptureGrad, Record, Tap, ignore, switch_back, switch_off, trainable_now
+from .taps import (CaptureGrad, Record, Tap, ignore, step_reads, switch_back, switch_off,
+                   trainable_now)
 
 __all__ = ["LayerRecorder"]
 
@@ -203,10 +204,35 @@ class LayerRecorder:
         the layers before it, in another dimension than its layout reads
         (structure.py); a layer that changes the rank is left to its rule."""
         x = inputs[0] if inputs else None
-        if not isinstance(x, torch.Tensor) or x.ndim != output.ndim:
+        if not isinstance(x, torch.Tensor):
             return
-        found = self._layouts.sample_dim(tap.name, x, self._loss.sources, self._batch.known(),
-                                         self._anchor)
+        base = x._base
+        # issubclass, not isinstance: Parameter's metaclass checks instances in
+        # Python (host time a layer, issue 36).
+        if issubclass(type(x), nn.Parameter) or (base is not None and
+                                                 issubclass(type(base), nn.Parameter)):
+            # A parameter (or a view of one) as the input: the output is the
+            # same for every sample, so its rows are not the samples (where
+            # their count equals the batch, nothing else would tell).
+            tap.recording = False
+            raise ValueError(
+                f"GhostClipper: layer {tap.name!r} ({type(tap.module).__name__}) runs on a "
+                f"parameter (shape {tuple(x.shape)}), not on the samples: its output is shared "
+                "by every sample, so its rows are not the samples and it has no per-sample "
+                "gradient of the form the rules compute. Freeze the layer (and the table it "
+                "reads), or compute the shared table outside a trainable layer")
+        if x.ndim != output.ndim:
+            return
+        try:
+            found = self._layouts.sample_dim(tap.name, x, self._loss.sources, self._batch.known(),
+                                             self._anchor)
+        except ValueError:
+            # Samples combined, read with the layout's batch dimension: where
+            # the layer's rows are not the batch, the layout is the likelier
+            # cause, and the rows' refusal says how to state it.
+            self._check_rows(tap, output, rule)
+            tap.recording = False
+            raise
         if found is not None and found != rule:
             tap.recording = False
             raise self._layouts.error(tap.name, tap.module, x, found, rule, tap.batch_first)
@@ -269,6 +295,13 @@ class LayerRecorder:
             tap, calls, [(names, cast_block(tap, names, block)) for names, block in got], batch,
             self._tied)
         tap.batch = batch
+        kept = self._kept
+        for _, block in tap.blocks:
+            kind = type(block)
+            if kind is tuple:           # a pair: the step reads its activations
+                kept.append((block[0], block[0]._version, tap.name))
+            elif kind is not torch.Tensor:
+                kept += [(t, t._version, tap.name) for t in step_reads(block)]
         for rec in tap.records:
             rec.inputs = rec.grad = None
 

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import torch
 
-from .loss_graph import LossRefused, Out, walker
+from .loss_graph import LossRefused, Out, SamplesMixed, Summed, walker
 
 __all__ = ["LayoutByGraph"]
 
 
 class LayoutByGraph:
     def __init__(self):
+        # False (check_exact's clipper, which measures instead of refusing):
+        # samples proven combined below a layer are left to the measurement.
+        self.strict = True
         self._seen: dict = {}       # (layer, call, input shape, batch) -> sample dim or None
         self._walk = None
         self._calls: dict = {}      # layer name -> calls in this forward
@@ -53,10 +56,27 @@ class LayoutByGraph:
                 self._walk = walker(sources, batch, anchor)
             try:
                 v = self._walk.value(x.grad_fn, x.output_nr)
+            except SamplesMixed as e:
+                if self.strict:
+                    raise self.mixed(name, x, e.why) from None
+                v = None
             except LossRefused:
                 v = None
+            if isinstance(v, Summed) and self.strict:
+                raise self.mixed(name, x, "it is a value summed over the batch")
             self._seen[key] = v.dim if isinstance(v, Out) and v.k == 1 else None
         return self._seen[key]
+
+    @staticmethod
+    def mixed(name: str, x, why: str) -> ValueError:
+        return ValueError(
+            f"GhostClipper: layer {name!r} gets an input (shape {tuple(x.shape)}) that combines "
+            f"the samples, followed through the graph from the layers before it ({why}): its "
+            "rows' gradients would not be each sample's own. Statistics over the batch "
+            "between layers (a batch norm written by hand, x - x.mean(0)) are refused; so is "
+            "a layer whose rows are not the samples (a position table looked up with a 1-D "
+            "arange(T), broadcast over the batch) where its row count equals the batch size: "
+            "look positions up per sample, with ids of shape (B, T) or (1, T)")
 
     @staticmethod
     def error(name: str, module, x, found: int, rule: int, batch_first: bool) -> ValueError:

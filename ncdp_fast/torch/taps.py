@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import compress
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 import torch
 from torch import nn
@@ -102,6 +102,36 @@ class Tap:
         self.records.clear()
         self.blocks, self.batch, self.active = None, None, None
         self.calls, self.replays, self.replaying = 0, 0, False
+
+
+def step_reads(block) -> tuple:
+    """The tensors of a rule's block that the step reads and a caller could
+    still change in place: a linear pair's activations (the layer's input, or
+    a view of it), a ghost block's ``reads``; a dense block is the rule's own
+    result."""
+    if type(block) is tuple:
+        return block[:1]
+    return getattr(block, "reads", ())
+
+
+_VERSION = attrgetter("_version")
+
+
+def refuse_changed(kept) -> None:
+    """Refuse a step whose layers' inputs, read by their blocks at the step
+    (``kept``: (tensor, its _version at the backward, layer name)), were
+    changed in place since (a loader's buffer refilled with the next batch):
+    the step would clip and sum other values than those whose gradients the
+    backward gave (the fourth audit: relative error 0.45, no error)."""
+    if not kept or list(map(_VERSION, map(itemgetter(0), kept))) == \
+            list(map(itemgetter(1), kept)):
+        return
+    name = next(n for t, v, n in kept if t._version != v)
+    raise RuntimeError(
+        f"GhostClipper: the input of layer {name!r} was modified in place after the backward "
+        "(an in-place op, or a buffer refilled with the next batch, before the step); the "
+        "step reads it, so its per-sample gradients would be wrong. Refill input buffers "
+        "after optimizer.step(), or call clear() to discard this step")
 
 
 def overridden(module: nn.Module, base: type) -> list[str]:

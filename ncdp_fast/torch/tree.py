@@ -12,9 +12,11 @@ is written.
 """
 from __future__ import annotations
 
+from itertools import chain
 from operator import attrgetter, is_not
 
 from torch import nn
+from torch.nn.modules import module as _module
 
 from .coupling import may_mix_the_batch, refuse_batch_mixing
 from .layers import option_check, refuse_options
@@ -23,6 +25,22 @@ __all__ = ["ModelSnapshot"]
 
 
 _children = attrgetter("_modules")
+_parameters = attrgetter("_parameters")
+_forward_hooks = attrgetter("_forward_hooks")
+_backward_hooks = attrgetter("_backward_hooks")
+_backward_pre_hooks = attrgetter("_backward_pre_hooks")
+
+
+def _parameter_ids(modules) -> list:
+    """The identities of every module's parameters (a None slot's too), in
+    order, in C (maps over builtins: no Python frame a module)."""
+    return list(map(id, chain.from_iterable(map(dict.values, map(_parameters, modules)))))
+
+
+def _first_hooks(modules) -> list:
+    """The id of each module's first forward hook (a module with none ends the
+    list early: StopIteration ends a map)."""
+    return list(map(next, map(iter, map(_forward_hooks, modules))))
 
 
 def _walk(model: nn.Module) -> list:
@@ -45,7 +63,7 @@ class ModelSnapshot:
     and each layer's forward; :meth:`check` refuses any difference and re-runs
     the refusals that read options (which are mutable)."""
 
-    def __init__(self, model: nn.Module, taps, patched):
+    def __init__(self, model: nn.Module, taps, patched, captures=()):
         walked = _walk(model)
         self.tree = _tree(walked)
         # Every module with its class and its children's names and
@@ -65,6 +83,31 @@ class ModelSnapshot:
         self.leaf_classes = [type(m) for m in self.leaves]
         self.nodes = [(m, type(m), tuple(m._modules), tuple(map(id, m._modules.values())))
                       for m in unique if m._modules]
+        # Every module's parameters, by identity: a Parameter assigned after
+        # construction (``layer.weight = nn.Parameter(...)``, or one registered
+        # on a module that had none) is not one the clipper privatizes, and
+        # its ordinary gradient would be applied raw.  The objects are held,
+        # so no identity is reused.
+        self.modules = list(unique)
+        self.params = list(chain.from_iterable(map(dict.values, map(_parameters,
+                                                                    self.modules))))
+        self.param_ids = list(map(id, self.params))
+        # Each layer's layout was set from batch_first where a module has one
+        # (layout.set_layouts): flipped later, a sequence-first call would be
+        # read batch-first (silently where B == T).
+        names = {}
+        for name, m in walked:
+            names.setdefault(id(m), name)
+        self.batch_firsts = [(names[id(m)], m, m.batch_first) for m in unique
+                             if isinstance(getattr(m, "batch_first", None), bool)]
+        # (module, hook id) of the layers whose output a forward hook captures:
+        # the capture must be the first hook to see the output (one run
+        # before it may return a changed output, whose gradient is not the
+        # layer's), and no global module forward hook may run (those run
+        # before every module's own).
+        self.capture_modules = [m for m, _ in captures]
+        self.capture_ids = [i for _, i in captures]
+        self.capture_names = {id(t.module): t.name for t in taps}
         # The modules whose options the batch-mixing refusal reads: with the
         # tree unchanged (names, identities, classes), no other module can be
         # refused, so each forward re-runs it on these alone.
@@ -95,7 +138,67 @@ class ModelSnapshot:
                 break
         for name, module in self.mixing:
             refuse_batch_mixing(name, module)
+        if _parameter_ids(self.modules) != self.param_ids:
+            self._refuse_parameters(model)
+        for name, m, batch_first in self.batch_firsts:
+            if m.batch_first is not batch_first:
+                raise ValueError(
+                    f"GhostClipper: module {name or '<model>'!r} ({type(m).__name__}) "
+                    f"batch_first was {batch_first} when the clipper was built, is "
+                    f"{m.batch_first} now: each layer's batch dimension was set from it, so "
+                    "this forward is refused before any module runs. Set batch_first before "
+                    "building the clipper (make_private)")
+        if self.capture_modules and (_module._global_forward_hooks or
+                                     _first_hooks(self.capture_modules) != self.capture_ids):
+            self._refuse_hooks()
+        if any(map(bool, map(_backward_hooks, self.modules))) or \
+                any(map(bool, map(_backward_pre_hooks, self.modules))) or \
+                _module._global_backward_hooks or _module._global_backward_pre_hooks:
+            self._refuse_backward_hooks(model)
         self._check_taps(taps)
+
+    def _refuse_parameters(self, model: nn.Module) -> None:
+        before = {id(p) for p in self.params if p is not None}
+        changed = sorted(name or "<model>" for name, p in model.named_parameters(
+            remove_duplicate=False) if id(p) not in before)
+        raise ValueError(
+            "GhostClipper: the model's parameters changed after the clipper was built "
+            f"(new or replaced: {changed or 'none'}; or one was removed): the clipper "
+            "privatizes the parameters it was built with, and a new one's ordinary gradient "
+            "would be applied raw, so this forward is refused before any module runs. Change "
+            "the parameters first, then build the clipper (make_private), or copy new values "
+            "into the existing ones (load_state_dict, p.data.copy_)")
+
+    def _refuse_backward_hooks(self, model: nn.Module) -> None:
+        hooked = sorted(name or "<model>" for name, m in model.named_modules()
+                        if m._backward_hooks or m._backward_pre_hooks)
+        raise ValueError(
+            "GhostClipper: a module backward hook is registered "
+            f"({hooked or 'a global one: register_module_full_backward_hook'}): it may change "
+            "the gradients flowing to the layers (mixing the samples, as a normalisation of "
+            "grad_output over the batch would) where the loss check cannot read it, so this "
+            "forward is refused before any module runs. Remove it during private training; "
+            "a tensor hook (Tensor.register_hook) that only reads is not affected")
+
+    def _refuse_hooks(self) -> None:
+        if _module._global_forward_hooks:
+            raise ValueError(
+                "GhostClipper: a global module forward hook is registered "
+                "(torch.nn.modules.module.register_module_forward_hook, as module trackers "
+                "and FLOP counters do): it runs before each layer's own hooks and may change "
+                "a layer's output before the clipper captures it, whose gradient would then "
+                "not be the layer's, so this forward is refused before any module runs. "
+                "Remove it during private training")
+        firsts = _first_hooks(self.capture_modules)
+        for k, m in enumerate(self.capture_modules):
+            if k >= len(firsts) or firsts[k] != self.capture_ids[k]:
+                raise ValueError(
+                    f"GhostClipper: layer {self.capture_names[id(m)]!r} ({type(m).__name__}) "
+                    "has a forward hook that runs before the clipper's capture (registered "
+                    "with prepend=True after the clipper was built, or the capture removed): "
+                    "it may change the layer's output, whose gradient would then not be the "
+                    "layer's, so this forward is refused before any module runs. Register "
+                    "the hook without prepend (it then runs after the capture, which is exact)")
 
     def _refuse_changed(self, model: nn.Module) -> None:
         """Refuse a module tree that differs from the one checked, naming what
