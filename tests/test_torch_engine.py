@@ -349,3 +349,40 @@ def test_collate_with_empty_pickles_for_spawned_workers():
     fn = pickle.loads(pickle.dumps(collate_with_empty(ds)))
     x, y = fn([])
     assert x.shape == (0, 3) and y.shape == (0,) and y.dtype == torch.int64
+
+
+def test_a_step_without_noise_stays_in_the_history_and_the_state_dict():
+    """The fourth audit: a step at noise_multiplier 0 (a noise scheduler that
+    reached it) made get_epsilon inf but left no trace in the accountant's
+    history or state_dict, so an accountant loaded from it (Opacus's resume:
+    accountant.load_state_dict of the checkpoint's key) answered a finite
+    epsilon.  It is recorded now, and a plain Accountant refuses the state."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        data = TensorDataset(torch.randn(20, 3), torch.randint(0, 2, (20,)))
+        engine = PrivacyEngine(accountant="rdp")
+        pm, opt, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=5), noise_multiplier=1.0,
+            max_grad_norm=1.0, seed=1)
+        return engine, pm, opt, loader
+
+    engine, pm, opt, loader = make()
+    for sigma, (x, y) in zip((1.0, 0.0, 1.0), loader):
+        opt.noise_multiplier = sigma
+        nn.functional.cross_entropy(pm(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert [e.noise_multiplier for e in engine.accountant.history] == [1.0, 0.0, 1.0]
+    assert engine.get_epsilon(1e-5) == float("inf")
+    state = engine.accountant.state_dict()
+    other, *_ = make()
+    other.accountant.load_state_dict(state)
+    assert other.get_epsilon(1e-5) == float("inf")
+    assert other.accountant.history == engine.accountant.history
+    with pytest.raises(ValueError, match="unbounded: the history holds a step without noise"):
+        privacy.Accountant.from_dict(state)
+    with pytest.raises(ValueError, match=r"events\[1\].noise_multiplier: 0 .* not marked "
+                                         "unbounded"):
+        other.accountant.load_state_dict(dict(state, unbounded=False))

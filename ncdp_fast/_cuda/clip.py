@@ -416,8 +416,9 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     if gb is not None:
         if scaled is not None:
             # The GEMM's own f_i g_it, each rounded once: summed in float64 they
-            # are the numba twin's bias (one reduction instead of two ops).
-            accb = _arrays.sum_float64(scaled.reshape(B * T, K), 0)
+            # are the numba twin's bias (one reduction over the B T rows, no
+            # (B T, K) view: an op of host time a layer).
+            accb = _arrays.sum_float64(scaled, (0, 1))
         else:
             accb = _arrays.sum_float64(g, 1).T @ factors
         # Finished from the float64 sum straight into gb: one rounding.

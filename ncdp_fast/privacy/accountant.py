@@ -322,6 +322,10 @@ class Accountant:
             raise ValueError(f"format: expected {_FORMAT!r}, got {data.get('format')!r}")
         if data.get("version") != _VERSION:
             raise ValueError(f"version: expected {_VERSION}, got {data.get('version')!r}")
+        if data.get("unbounded"):
+            raise ValueError("unbounded: the history holds a step without noise (no finite "
+                             "epsilon); load it into the PrivacyEngine's accountant "
+                             "(engine.accountant.load_state_dict), which answers inf")
         rel = data.get("neighboring_relation", "add_or_remove_one")
         if rel != "add_or_remove_one":
             raise ValueError(f"neighboring_relation: expected 'add_or_remove_one', got {rel!r}")

@@ -16,11 +16,11 @@ import warnings
 
 import torch
 
-from .. import privacy
 from .._mix import poisson_batches
 from .._stream import NoiseReuseWarning
 from .._validate import check_positive
 from . import mechanism as _mechanism    # imports this module: used at call time
+from .accounting import EngineAccountant
 
 __all__ = ["ResumesPass", "save", "load"]
 
@@ -324,7 +324,9 @@ def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
                              f"has {value!r}; call make_private with the checkpoint's "
                              "configuration (and the same data loader) to resume it")
     bound = _clip_bound(run, eng, path)
-    accountant = privacy.Accountant.from_dict(ckpt.get(_ACCOUNTANT))   # validated before use
+    # Validated before use (a step without noise is the engine's accountant's).
+    accountant = EngineAccountant(engine.accountant.mechanism())
+    accountant.load_state_dict(ckpt.get(_ACCOUNTANT))
     check_steps_accounted(eng["noise"]["steps"], accountant, bool(eng.get("unbounded")), "path")
     tag = eng.get("tag")
     if not isinstance(tag, str) or not hmac.compare_digest(

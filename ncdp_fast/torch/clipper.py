@@ -224,6 +224,10 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
         # inputs their blocks read at the step (recorder._evaluate): one changed
         # in place since is refused there (taps.refuse_changed).
         self._kept: list = []
+        # Set by a DPOptimizer for one step: called with the step's batch size
+        # before anything is written (its logical-batch check); the size kept.
+        self._step_check = None
+        self._last_batch = 0
         # Registered before the layers' hooks: the batch is known before any
         # layer (the model itself may be one) records.
         self._handles = [model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True)]

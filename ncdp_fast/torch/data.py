@@ -1,6 +1,8 @@
 """Poisson batches for torch DataLoaders, empty batches included."""
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 from torch.utils.data import default_collate
 
@@ -31,6 +33,10 @@ class PoissonBatchSampler(ResumesPass, UsesNoiseStream):
         # Called as each pass begins (the optimizer ends a logical batch left
         # unfinished, which must not be noised with a batch of the new pass).
         self._pass_hooks: list = []
+        # The sizes of this pass's batches as yielded, oldest first: under the
+        # skip-step queue, each released step must be one of them whole (the
+        # optimizer pops them, DPOptimizer._check_logical).
+        self._drawn: deque = deque()
 
     @property
     def steps(self) -> int:
@@ -43,8 +49,10 @@ class PoissonBatchSampler(ResumesPass, UsesNoiseStream):
     def __iter__(self):
         for hook in self._pass_hooks:
             hook()
+        self._drawn.clear()
         self._steps += 1
         for batch in self._pass(self.n):
+            self._drawn.append(len(batch))
             yield batch.tolist()
 
 

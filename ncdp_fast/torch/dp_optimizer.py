@@ -98,6 +98,11 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
         # step); the manager's tags replace the queue there.
         self._managed = False
         self._awaiting: bool | None = None
+        # Under the skip-step queue (signal_skip_step seen this pass): samples
+        # accumulated by skipped steps since the last release, which with the
+        # released step's must be one Poisson batch whole (_check_logical).
+        self._queued = False
+        self._pending = 0
         for sampler in self._samplers:
             hooks = getattr(sampler, "_pass_hooks", None)
             if hooks is not None:
@@ -112,6 +117,44 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
                                "decides each step from the physical batch the loop received; "
                                "expected no skip signals there")
         self._step_skip_queue.append(do_skip)
+        self._queued = True
+
+    def _drawn(self):
+        """The sizes of the private loader's batches not yet released (None
+        without a Poisson sampler of ours)."""
+        for sampler in self._samplers:
+            drawn = getattr(sampler, "_drawn", None)
+            if drawn is not None:
+                return drawn
+        return None
+
+    def _check_logical(self, batch: int) -> None:
+        """Under the skip-step queue, a released step (``batch`` its physical
+        batch's samples) with the skipped ones before it must be the private
+        loader's next Poisson batch whole: decisions out of step with the
+        batches (a guard skipping an empty batch's step under Opacus's
+        BatchMemoryManager, whose queued decision the next step then takes; or
+        skips signalled by hand across batches) would release one step for
+        several Poisson batches, or part of one, and the accountant would
+        record one step at the sampling rate for it (the fourth audit:
+        epsilon 5.97 reported where 9.40 at least was spent)."""
+        drawn = self._drawn()
+        if drawn is None:
+            return
+        total = self._pending + batch
+        want = drawn[0] if drawn else None
+        if want != total:
+            self._end_logical_batches()
+            raise RuntimeError(
+                f"DPOptimizer.step: the released step covers {total} sample(s) (its physical "
+                f"batch and the skipped steps' before it), but the private loader's next "
+                f"Poisson batch has {want if want is not None else 'none drawn'}: the skip "
+                "decisions (signal_skip_step) are out of step with the loader's batches (a "
+                "guard such as `if len(x) == 0: continue` under Opacus's BatchMemoryManager, "
+                "or skips signalled across batches), so one release would not be one Poisson "
+                "batch and the accountant's record would be wrong. Step every physical batch, "
+                "or use ncdp_fast.torch.BatchMemoryManager (same arguments), which refuses "
+                "such a loop by name; the logical batch was discarded, nothing of it released")
 
     def _manage_physical(self, on: bool) -> bool:
         """BatchMemoryManager's context starts (on) or ends; returns whether a
@@ -158,6 +201,7 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
         """Forget queued decisions and any unfinished logical batch (a loop left
         early): nothing of it was released, so nothing is accounted."""
         self._step_skip_queue.clear()
+        self._queued, self._pending = False, 0
         self._awaiting = None
         self._is_last_step_skipped = False
         self.clipper.discard_accumulated()
@@ -209,11 +253,22 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
         if skip:
             self.clipper.accumulate_(self.original_optimizer)
             self._consume_decision()
+            self._pending += self.clipper._last_batch
             self._is_last_step_skipped = True
             return None
         # The wrapped optimizer's parameters are checked too: one added by
         # add_param_group, or never in the model, would otherwise step raw.
-        self.clipper.privatize_(self.original_optimizer)
+        queued = self._queued and not self._managed
+        self.clipper._step_check = self._check_logical if queued else None
+        try:
+            self.clipper.privatize_(self.original_optimizer)
+        finally:
+            self.clipper._step_check = None
+        if queued:
+            drawn = self._drawn()
+            if drawn:
+                drawn.popleft()
+            self._pending = 0
         self._consume_decision()
         self._is_last_step_skipped = False
         self._on_step()

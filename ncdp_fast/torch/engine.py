@@ -223,11 +223,9 @@ class PrivacyEngine:
         self.sample_rate = sample_rate
 
         def on_step():
-            if clipper.noise_multiplier > 0:
-                self.accountant.step(noise_multiplier=clipper.noise_multiplier,
-                                     sample_rate=sample_rate)
-            else:
-                self._unbounded = True
+            # noise_multiplier 0 is recorded too (and sets unbounded).
+            self.accountant.step(noise_multiplier=clipper.noise_multiplier,
+                                 sample_rate=sample_rate)
         private = PrivateModule(module, clipper) if wrap_model else module
         dp_opt = DPOptimizer(optimizer, clipper, on_step, samplers=[loader.batch_sampler],
                              engine=self)

@@ -52,6 +52,9 @@ class PrivateStep:
                 "skip the step")
         refuse_uncaptured(self.taps, self.param_names, self._uncaptured, self._uncaptured_grads)
         batch = self._batch.of_step(self.taps)
+        if self._step_check is not None:
+            self._step_check(batch)
+        self._last_batch = batch
         refuse_changed(self._kept)
         self._refuse_outside_terms()
         entries = step_entries(self.taps, self._tied, batch,
