@@ -518,3 +518,20 @@ def test_skips_signalled_across_poisson_batches_are_refused():
             nn.functional.cross_entropy(pm(x), y).backward()
             popt.step()
     assert engine.accountant.total_steps == 0
+
+
+def test_sums_accumulated_behind_the_optimizer_are_refused_at_its_step():
+    """The fourth audit: the clipper's accumulate_ called directly between the
+    engine optimizer's steps accumulated Poisson batches the optimizer never
+    saw, released as one accounted step.  Refused at the release, the sums
+    discarded."""
+    engine, pm, popt, ploader = _private(40, 10, 3)
+    batches = iter(ploader)
+    x, y = next(batches)
+    nn.functional.cross_entropy(pm(x), y).backward()
+    pm.clipper.accumulate_()
+    x, y = next(batches)
+    nn.functional.cross_entropy(pm(x), y).backward()
+    with pytest.raises(RuntimeError, match="accumulated by calling the clipper's accumulate_"):
+        popt.step()
+    assert engine.accountant.total_steps == 0 and not pm.clipper._accumulated

@@ -259,6 +259,17 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
         # The wrapped optimizer's parameters are checked too: one added by
         # add_param_group, or never in the model, would otherwise step raw.
         queued = self._queued and not self._managed
+        if self.clipper._accumulated and not (queued or self._managed) and self._drawn() is not None:
+            # Physical batches accumulated behind the optimizer's back (the
+            # clipper's accumulate_ called directly): its steps would not know
+            # how many Poisson batches this release holds.
+            self._end_logical_batches()
+            raise RuntimeError(
+                "DPOptimizer.step: clipped sums were accumulated by calling the clipper's "
+                "accumulate_() directly, not through the optimizer's skip-step protocol or "
+                "BatchMemoryManager: the release could hold several Poisson batches while "
+                "the accountant records one step. Use ncdp_fast.torch.BatchMemoryManager for "
+                "physical batches; the accumulated sums were discarded, nothing released")
         self.clipper._step_check = self._check_logical if queued else None
         try:
             self.clipper.privatize_(self.original_optimizer)
