@@ -37,8 +37,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple, Union
 
-from .._validate import (check_choice, check_delta, check_nonneg, check_pos_int, check_positive,
-                         check_probability)
+from .._validate import (check_bool, check_choice, check_delta, check_nonneg, check_pos_int,
+                         check_positive, check_probability)
 from ._validate import check_discretization_interval, import_dp_accounting
 from .subsampled import (
     DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
@@ -128,15 +128,17 @@ class Accountant:
         Returns:
             self (calls chain). Merged into the previous event when (sigma, q) match.
         """
-        s = check_positive(noise_multiplier, "noise_multiplier")
-        q = check_probability(sample_rate, "sample_rate")
-        t = check_pos_int(steps, "steps")
+        self._record(check_positive(noise_multiplier, "noise_multiplier"),
+                     check_probability(sample_rate, "sample_rate"), check_pos_int(steps, "steps"))
+        return self
+
+    def _record(self, s: float, q: float, t: int) -> None:
+        """Append t Gaussian steps (s, q), merged into the last event when equal."""
         last = self._events[-1] if self._events else None
         if isinstance(last, GaussianEvent) and last.noise_multiplier == s and last.sample_rate == q:
             self._events[-1] = GaussianEvent(s, q, last.steps + t)
         else:
             self._events.append(GaussianEvent(s, q, t))
-        return self
 
     def add_zcdp(self, rho, count=1) -> "Accountant":
         r"""Record ``count`` mechanisms, each :math:`\rho`-zCDP (add/remove one).
@@ -314,15 +316,18 @@ class Accountant:
         return json.dumps(self.to_dict(), **kwargs)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Accountant":
-        """Rebuild from :meth:`to_dict` output, validating every field."""
+    def from_dict(cls, data: dict, *, allow_unbounded: bool = False) -> "Accountant":
+        """Rebuild from :meth:`to_dict` output, validating every field.
+        ``allow_unbounded`` (the PrivacyEngine's accountant): a history marked
+        ``unbounded`` may hold steps with noise multiplier 0."""
         if not isinstance(data, dict):
             raise TypeError(f"data: expected a dict, got {type(data).__name__}")
         if data.get("format") != _FORMAT:
             raise ValueError(f"format: expected {_FORMAT!r}, got {data.get('format')!r}")
         if data.get("version") != _VERSION:
             raise ValueError(f"version: expected {_VERSION}, got {data.get('version')!r}")
-        if data.get("unbounded"):
+        unbounded = check_bool(data.get("unbounded", False), "unbounded")
+        if unbounded and not allow_unbounded:
             raise ValueError("unbounded: the history holds a step without noise (no finite "
                              "epsilon); load it into the PrivacyEngine's accountant "
                              "(engine.accountant.load_state_dict), which answers inf")
@@ -338,9 +343,14 @@ class Accountant:
                 raise TypeError(f"events[{i}]: expected an object, got {ev!r}")
             kind = ev.get("type")
             if kind == "poisson_gaussian":
+                s = ev.get("noise_multiplier")
+                if s == 0 and not isinstance(s, bool) and not unbounded:
+                    raise ValueError(f"events[{i}].noise_multiplier: 0 (a step without noise) "
+                                     "in a history not marked unbounded")
                 acc._events.append(
                     GaussianEvent(
-                        check_positive(ev.get("noise_multiplier"), f"events[{i}].noise_multiplier"),
+                        0.0 if s == 0 and not isinstance(s, bool) else
+                        check_positive(s, f"events[{i}].noise_multiplier"),
                         check_probability(ev.get("sample_rate"), f"events[{i}].sample_rate"),
                         check_pos_int(ev.get("steps"), f"events[{i}].steps"),
                     )

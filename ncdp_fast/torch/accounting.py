@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 
 from .. import privacy
-from .._validate import check_bool, check_delta, check_pos_int, check_probability
-from ..privacy.accountant import GaussianEvent
+from .._validate import check_delta, check_pos_int, check_probability
 
 __all__ = ["EngineAccountant"]
 
@@ -55,15 +54,9 @@ class EngineAccountant(privacy.Accountant):
         scheduler that reached it) is recorded as such and makes every later
         answer inf (``unbounded``)."""
         if isinstance(noise_multiplier, (int, float)) and noise_multiplier == 0:
-            q = check_probability(sample_rate, "sample_rate")
-            t = check_pos_int(steps, "steps")
+            self._record(0.0, check_probability(sample_rate, "sample_rate"),
+                         check_pos_int(steps, "steps"))
             self.unbounded = True
-            last = self._events[-1] if self._events else None
-            if isinstance(last, GaussianEvent) and last.noise_multiplier == 0.0 and \
-                    last.sample_rate == q:
-                self._events[-1] = GaussianEvent(0.0, q, last.steps + t)
-            else:
-                self._events.append(GaussianEvent(0.0, q, t))
             return self
         super().step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps)
         return self
@@ -84,31 +77,10 @@ class EngineAccountant(privacy.Accountant):
     def load_state_dict(self, state_dict: dict) -> None:
         """Replace the history by the one of :meth:`state_dict` (validated
         first: nothing changes when it is refused); steps without noise are
-        accepted only with ``unbounded`` set, and set it."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict: expected a dict, got {type(state_dict).__name__}")
-        unbounded = check_bool(state_dict.get("unbounded", False), "state_dict['unbounded']")
-        events = state_dict.get("events")
-        zero = {}
-        if isinstance(events, list):
-            for i, ev in enumerate(events):
-                if isinstance(ev, dict) and ev.get("type") == "poisson_gaussian" and \
-                        ev.get("noise_multiplier") == 0:
-                    if not unbounded:
-                        raise ValueError(f"events[{i}].noise_multiplier: 0 (a step without "
-                                         "noise) in a history not marked unbounded")
-                    zero[i] = GaussianEvent(0.0, check_probability(
-                        ev.get("sample_rate"), f"events[{i}].sample_rate"),
-                        check_pos_int(ev.get("steps"), f"events[{i}].steps"))
-        rest = dict(state_dict, events=[ev for i, ev in enumerate(events) if i not in zero]) \
-            if zero else state_dict
-        rest = {k: v for k, v in rest.items() if k != "unbounded"}
-        parsed = list(privacy.Accountant.from_dict(rest)._events)
-        merged = []
-        for i in range(len(parsed) + len(zero)):
-            merged.append(zero[i] if i in zero else parsed.pop(0))
-        self._events = merged
-        self.unbounded = unbounded
+        accepted only in a history marked ``unbounded``, which sets it."""
+        parsed = privacy.Accountant.from_dict(state_dict, allow_unbounded=True)
+        self._events = list(parsed._events)
+        self.unbounded = bool(state_dict.get("unbounded", False))
 
     def get_epsilon(self, delta) -> float:
         """epsilon at ``delta`` of the steps recorded (0 before the first; inf

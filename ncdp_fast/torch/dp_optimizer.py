@@ -259,7 +259,8 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
         # The wrapped optimizer's parameters are checked too: one added by
         # add_param_group, or never in the model, would otherwise step raw.
         queued = self._queued and not self._managed
-        if self.clipper._accumulated and not (queued or self._managed) and self._drawn() is not None:
+        if self.clipper._accumulated and not (queued or self._managed) and \
+                self._drawn() is not None:
             # Physical batches accumulated behind the optimizer's back (the
             # clipper's accumulate_ called directly): its steps would not know
             # how many Poisson batches this release holds.

@@ -411,7 +411,8 @@ def rms_norm_rule(module: nn.RMSNorm, calls, trainable):
 def group_norm_rule(module: nn.GroupNorm, calls, trainable):
     """y = w_c * xhat + b_c per channel c, xhat normalised over (group, positions)."""
     groups = module.num_groups
-    blocks = _fused_affine(calls, lambda x: (x.shape[0], groups, x.numel() // (x.shape[0] * groups)),
+    blocks = _fused_affine(calls, lambda x: (x.shape[0], groups,
+                                             x.numel() // (x.shape[0] * groups)),
                            _positions, module.eps, trainable)
     if blocks is not None:
         return blocks

@@ -71,13 +71,15 @@ DEFERRED = "deferred"
 
 
 def _refuse(node, why: str):
-    raise LossRefused(f"GhostClipper: the loss is not a sum of per-sample terms: "
-                      f"{node.name()}: {why}; {FIX}")
+    raise LossRefused(_message(node, why))
 
 
 def _mixed(node, why: str):
-    raise SamplesMixed(f"GhostClipper: the loss is not a sum of per-sample terms: "
-                       f"{node.name()}: {why}; {FIX}", f"{node.name()}: {why}")
+    raise SamplesMixed(_message(node, why), f"{node.name()}: {why}")
+
+
+def _message(node, why: str) -> str:
+    return f"GhostClipper: the loss is not a sum of per-sample terms: {node.name()}: {why}; {FIX}"
 
 
 class ValueCheck(NamedTuple):

@@ -20,8 +20,7 @@ from .layers import HALF, Call
 from .layout import batch_dim, broadcast_rows, rows_error, to_batch_first
 from .precision import cast_block, upcast
 from .recompute import count_call, in_backward
-from .taps import (CaptureGrad, Record, Tap, ignore, step_reads, switch_back, switch_off,
-                   trainable_now)
+from .taps import CaptureGrad, Record, Tap, ignore, switch_back, switch_off, trainable_now
 
 __all__ = ["LayerRecorder"]
 
@@ -200,9 +199,10 @@ class LayerRecorder:
                          tap.layout, batch, source)
 
     def _check_layout(self, tap: Tap, inputs: tuple, output, rule: int) -> None:
-        """Refuse a layer whose input carries the samples, by the graph from
-        the layers before it, in another dimension than its layout reads
-        (structure.py); a layer that changes the rank is left to its rule."""
+        """Refuse a layer whose input is a parameter, combines the samples, or
+        carries them, by the graph from the layers before it, in another
+        dimension than its layout reads (structure.py); a layer that changes
+        the rank is left to its rule."""
         x = inputs[0] if inputs else None
         if not isinstance(x, torch.Tensor):
             return
@@ -295,13 +295,16 @@ class LayerRecorder:
             tap, calls, [(names, cast_block(tap, names, block)) for names, block in got], batch,
             self._tied)
         tap.batch = batch
+        # The layer's inputs its blocks read at the step, and a caller could
+        # still change in place: a pair's activations (the input, or a view of
+        # it), a ghost block's reads; a dense block is the rule's own result.
         kept = self._kept
         for _, block in tap.blocks:
             kind = type(block)
-            if kind is tuple:           # a pair: the step reads its activations
+            if kind is tuple:
                 kept.append((block[0], block[0]._version, tap.name))
             elif kind is not torch.Tensor:
-                kept += [(t, t._version, tap.name) for t in step_reads(block)]
+                kept += [(t, t._version, tap.name) for t in getattr(block, "reads", ())]
         for rec in tap.records:
             rec.inputs = rec.grad = None
 

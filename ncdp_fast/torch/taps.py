@@ -104,16 +104,6 @@ class Tap:
         self.calls, self.replays, self.replaying = 0, 0, False
 
 
-def step_reads(block) -> tuple:
-    """The tensors of a rule's block that the step reads and a caller could
-    still change in place: a linear pair's activations (the layer's input, or
-    a view of it), a ghost block's ``reads``; a dense block is the rule's own
-    result."""
-    if type(block) is tuple:
-        return block[:1]
-    return getattr(block, "reads", ())
-
-
 _VERSION = attrgetter("_version")
 
 
