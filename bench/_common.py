@@ -131,6 +131,28 @@ def dense_rows_launch(g, C, sigma, one_pass: bool):
     return launch
 
 
+def whole_batch_draw(loader, rows: int):
+    """``draw()``: the next batch of ``loader``'s Poisson sampler, drawn
+    without collating it.  The benchmarks hand ``make_private`` a loader of
+    length 1 over the timed batch: sample rate 1, so every Poisson batch is the
+    whole dataset, rows 0..rows-1 in order -- the fixed batch the step is
+    timed on.  ``DPOptimizer.step`` accepts only a step on the loader's next
+    batch (the accountant's record), so each timed private step draws it
+    first; the draw is the sampler's work every private run pays, the
+    collation (the same for every method) is left out."""
+    sampler = loader.batch_sampler
+    if len(sampler) != 1 or sampler.sample_rate != 1.0:
+        raise ValueError(f"loader: expected a loader of length 1 (sample rate 1), got "
+                         f"{len(sampler)} batches at rate {sampler.sample_rate}")
+
+    def draw():
+        for batch in sampler:
+            if batch != list(range(rows)):
+                raise RuntimeError(f"whole_batch_draw: expected rows 0..{rows - 1} at sample "
+                                   f"rate 1, got {len(batch)} rows")
+    return draw
+
+
 def current_rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

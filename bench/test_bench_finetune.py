@@ -79,7 +79,8 @@ import os
 import time
 import warnings
 
-from _common import Issue35Timer, StepTimer, cases, measure, record_memory
+from _common import (Issue35Timer, StepTimer, cases, measure, record_memory,
+                     whole_batch_draw)
 
 SHAPES = {
     "full": dict(linear=dict(B=1024, d=4096, K=100),
@@ -171,8 +172,9 @@ def _network(p, torch, nn):
 
 def _loader(x, y, torch):
     """What make_private wants: a loader whose len() is 1 (sample rate 1, expected
-    batch size B).  The step is timed on the fixed batch (x, y), not on the
-    loader's Poisson batches, so every method sees exactly B rows."""
+    batch size B).  The step is timed on the fixed batch (x, y), which at rate 1
+    is the Poisson batch (``whole_batch_draw``), so every method sees exactly B
+    rows."""
     from torch.utils.data import DataLoader, TensorDataset
     return DataLoader(TensorDataset(x, y), batch_size=x.shape[0])
 
@@ -295,13 +297,15 @@ def build_step(p, method, device="cpu", engine_timer=None):
     elif method == "ncdp_engine":
         from ncdp_fast.torch import PrivacyEngine
         engine = PrivacyEngine(accountant="prv")
-        model, opt, _ = engine.make_private(
+        model, opt, ploader = engine.make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
             data_loader=_loader(x, y, torch), noise_multiplier=SIGMA, max_grad_norm=C, seed=1)
         if engine_timer is not None:
             engine_timer.attach(model, opt)
+        draw = whole_batch_draw(ploader, B)
 
         def step():
+            draw()
             opt.zero_grad(set_to_none=True)
             crit(model(x), y).backward()
             opt.step()

@@ -72,7 +72,8 @@ from __future__ import annotations
 import os
 import warnings
 
-from _common import Issue35Timer, cases, exception_text, measure, record_memory
+from _common import (Issue35Timer, cases, exception_text, measure, record_memory,
+                     whole_batch_draw)
 
 SHAPES = {
     "full": dict(gpt2=dict(B=4, T=128, d=768, heads=12, layers=2, vocab=50257),
@@ -167,15 +168,18 @@ def build_step(p, method, device="cpu"):
     weights_mb = sum(q.numel() * q.element_size() for q in model.parameters()
                      if q.requires_grad) / 2**20
     # make_private wants a loader: len() 1 gives sample rate 1 (expected batch B);
-    # the step itself runs on the fixed batch, so every method sees exactly B rows.
+    # the step itself runs on the fixed batch, which at rate 1 is the Poisson
+    # batch (whole_batch_draw), so every method sees exactly B rows.
     loader = DataLoader(TensorDataset(ids, target), batch_size=ids.shape[0])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    draw = None
     if method in ("ncdp_engine", "ncdp_engine_gram32"):
         from ncdp_fast.torch import PrivacyEngine
-        model, opt, _ = PrivacyEngine(accountant="prv").make_private(
+        model, opt, ploader = PrivacyEngine(accountant="prv").make_private(
             module=model, optimizer=opt, data_loader=loader, noise_multiplier=SIGMA,
             max_grad_norm=C, seed=1,
             gram_precision="float32" if method == "ncdp_engine_gram32" else "float64")
+        draw = whole_batch_draw(ploader, ids.shape[0])
     elif method in OPACUS:
         from opacus import PrivacyEngine
         from opacus.validators import ModuleValidator
@@ -194,6 +198,8 @@ def build_step(p, method, device="cpu"):
         raise ValueError(method)
 
     def step():
+        if draw is not None:
+            draw()
         opt.zero_grad(set_to_none=True)
         loss(model, crit).backward()
         opt.step()

@@ -57,6 +57,28 @@ def run_bench_script(name: str, *args: str, timeout: float = 600):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def loader_batches(loader):
+    """A private loader's batches, pass after pass, as a training loop reads
+    them: ``DPOptimizer.step()`` expects each step on the next batch of the
+    loader make_private returned (empty batches included)."""
+    while True:
+        yield from loader
+
+
+def in_new_process(module: str, function: str, *args, timeout: float = 300) -> None:
+    """``tests/<module>.py``'s ``function(*args)`` (strings) in a fresh
+    interpreter, as a new process of a resumed run would run it; fails the
+    calling test with its stderr if it fails."""
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, sys.argv[1]); import {module} as t; "
+            f"t.{function}(*sys.argv[2:])")
+    proc = subprocess.run([sys.executable, "-c", code, tests, *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def unit_roundoff(dtype) -> float:
     return float(np.finfo(dtype).eps) / 2
 

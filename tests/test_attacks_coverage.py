@@ -16,6 +16,8 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from conftest import loader_batches  # noqa: E402
+
 from ncdp_fast.torch import (FusedDPOptimizer, GhostClipper, PrivacyEngine,  # noqa: E402
                              register_layer)
 from ncdp_fast.torch.layer_rules import linear_rule  # noqa: E402
@@ -49,18 +51,24 @@ def _unchanged(before, *modules_or_params):
     return all(torch.equal(b, a) for b, a in zip(before, _snapshot(*modules_or_params)))
 
 
-def _private(model, optimizer, sigma=1.0, C=1.0):
-    """make_private on a loader of 8 samples (sample rate 1/2, E = 4 = B)."""
+def _private(model, optimizer, sigma=1.0, C=1.0, data=None):
+    """make_private on a loader of the B samples ``data`` (default ``_batch()``)
+    in one batch (sample rate 1, E = 4 = B): each Poisson batch is ``data``
+    whole, so every step (DPOptimizer.step expects each on the private
+    loader's next batch) is on a full batch.  Also returns those batches."""
     engine = PrivacyEngine(accountant="rdp")
-    data = TensorDataset(torch.zeros(8, 6, dtype=torch.float64), torch.zeros(8, dtype=torch.long))
-    module, opt, _ = engine.make_private(module=model, optimizer=optimizer,
-                                         data_loader=DataLoader(data, batch_size=4),
-                                         noise_multiplier=sigma, max_grad_norm=C, seed=None)
-    return engine, module, opt
+    data = TensorDataset(*(_batch() if data is None else data))
+    module, opt, ploader = engine.make_private(module=model, optimizer=optimizer,
+                                               data_loader=DataLoader(data, batch_size=B),
+                                               noise_multiplier=sigma, max_grad_norm=C,
+                                               seed=None)
+    return engine, module, opt, loader_batches(ploader)
 
 
-def _step(module, opt, extra=None):
-    x, y = _batch()
+def _step(module, opt, batch, extra=None):
+    """A step on ``batch`` (the private loader's next; a refused step leaves it
+    the next one expected)."""
+    x, y = batch
     opt.zero_grad()
     loss = F.cross_entropy(module(x), y)
     if extra is not None:
@@ -74,23 +82,23 @@ def _step(module, opt, extra=None):
 def test_layer_unfrozen_after_make_private_is_refused_and_nothing_steps():
     model = _mlp()
     model[0].requires_grad_(False)
-    engine, module, opt = _private(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    engine, module, opt, batches = _private(model, torch.optim.SGD(model.parameters(), lr=1.0))
     model[0].requires_grad_(True)
     before = _snapshot(model)
     with pytest.raises(ValueError, match=r"'0\.weight'.*did not produce.*frozen when the "
                                          r"clipper was built.*make_private"):
-        _step(module, opt)
+        _step(module, opt, next(batches))
     assert _unchanged(before, model) and len(engine.accountant) == 0
 
 
 def test_add_param_group_after_make_private_is_refused():
     model = _mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine, module, opt = _private(model, sgd)
+    engine, module, opt, batches = _private(model, sgd)
     head = nn.Linear(3, 3).double()
     sgd.add_param_group({"params": head.parameters()})
     before = _snapshot(model, head)
-    x, y = _batch()
+    x, y = next(batches)
     with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\].*add_param_group"):
         F.cross_entropy(head(module(x)), y).backward()
         opt.step()
@@ -100,10 +108,11 @@ def test_add_param_group_after_make_private_is_refused():
 def test_extra_parameter_given_to_the_optimizer_is_refused():
     model = _mlp()
     extra = nn.Parameter(torch.zeros(3, dtype=torch.float64))
-    engine, module, opt = _private(model, torch.optim.SGD([*model.parameters(), extra], lr=1.0))
+    engine, module, opt, batches = _private(model,
+                                            torch.optim.SGD([*model.parameters(), extra], lr=1.0))
     before = _snapshot(model, extra)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[4\].*extra parameter"):
-        x, y = _batch()
+        x, y = next(batches)
         F.cross_entropy(module(x) + extra, y).backward()
         opt.step()
     assert _unchanged(before, model, extra) and len(engine.accountant) == 0
@@ -158,12 +167,12 @@ def test_frozen_with_a_stale_private_gradient_is_not_refused():
     """zero_grad(set_to_none=False) keeps the released tensors: a layer frozen
     then still holds its own private (zeroed) gradient, which may be applied."""
     model = _mlp()
-    engine, module, opt = _private(model, torch.optim.SGD(model.parameters(), lr=1.0))
-    _step(module, opt)
+    engine, module, opt, batches = _private(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    _step(module, opt, next(batches))
     model[0].requires_grad_(False)
     opt.zero_grad(set_to_none=False)
     before = _snapshot(model[0])
-    x, y = _batch()
+    x, y = next(batches)
     F.cross_entropy(module(x), y).backward()
     opt.step()
     assert _unchanged(before, model[0]) and module.clipper.steps == 2
@@ -235,10 +244,12 @@ class TiedLM(nn.Module):
 def test_tied_weight_used_outside_its_layer_is_refused():
     torch.manual_seed(0)
     model = TiedLM().double()
-    engine, module, opt = _private(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    data = torch.randint(0, 7, (B, 3)), torch.randint(0, 7, (B,))
+    engine, module, opt, batches = _private(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                                            data=data)
     before = _snapshot(model)
-    idx = torch.randint(0, 7, (B, 3))
-    F.cross_entropy(module(idx), torch.randint(0, 7, (B,))).backward()
+    idx, y = next(batches)
+    F.cross_entropy(module(idx), y).backward()
     with pytest.raises(RuntimeError, match=r"'emb\.weight' \(Embedding\).*outside the layer"
                                            r".*F\.linear.*tie weights by calling the layer"):
         opt.step()
@@ -250,16 +261,18 @@ def test_tied_weight_used_outside_its_layer_is_refused():
 
 def test_l2_penalty_in_the_loss_is_refused_and_weight_decay_is_the_fix():
     model = _mlp()
-    engine, module, opt = _private(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    engine, module, opt, batches = _private(model, torch.optim.SGD(model.parameters(), lr=1.0))
     before = _snapshot(model)
     penalty = 1e-3 * sum(p.square().sum() for p in model.parameters())
+    batch = next(batches)
     with pytest.raises(RuntimeError, match=r"'0\.weight' \(Linear\).*penalty.*weight_decay"):
-        _step(module, opt, extra=penalty)
+        _step(module, opt, batch, extra=penalty)
     assert _unchanged(before, model) and len(engine.accountant) == 0
-    # After clear(), a step with the decay in the optimizer is accepted.
+    # After clear(), a step with the decay in the optimizer is accepted: on the
+    # same batch, which the refused step left the next one expected.
     module.clipper.clear()
     opt.original_optimizer.param_groups[0]["weight_decay"] = 1e-3
-    _step(module, opt)
+    _step(module, opt, batch)
     assert len(engine.accountant) == 1
 
 

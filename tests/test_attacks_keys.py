@@ -207,11 +207,12 @@ def test_clipper_last_result_carries_no_key():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
         torch.randn(8, 5), torch.arange(8) % 3), batch_size=4)
-    pm, popt, _ = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader,
-                                               noise_multiplier=1.0, max_grad_norm=1.0,
-                                               seed=SEED)
-    x = torch.randn(4, 5)
-    torch.nn.functional.cross_entropy(pm(x), torch.arange(4) % 3).backward()
+    pm, popt, ploader = PrivacyEngine().make_private(module=model, optimizer=opt,
+                                                     data_loader=loader, noise_multiplier=1.0,
+                                                     max_grad_norm=1.0, seed=SEED)
+    # The step is on the private loader's first batch (DPOptimizer.step expects it).
+    x, y = next(iter(ploader))
+    torch.nn.functional.cross_entropy(pm(x), y).backward()
     popt.step()
     r = pm.clipper.last_result
     assert r.seed == SEED

@@ -24,7 +24,7 @@ from torch.nn import functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import ncdp_fast as nf  # noqa: E402
-from conftest import on_host  # noqa: E402
+from conftest import loader_batches, on_host  # noqa: E402
 from host_sync import HostSyncCounter  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::ncdp_fast.NoiseReuseWarning")]
@@ -344,24 +344,29 @@ def _hf_step(require_cuda, name):
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(data, batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
         seed=3)
-    xb, yb = next(b for b in loader if len(b[0]))
+    # Each step on the loader's next batch (the optimizer expects it), drawn
+    # by the caller: the loader's own work is not the step's.
+    batches = loader_batches(loader)
 
-    def step():
+    def step(batch):
+        xb, yb = batch
+        assert len(xb), "seed 3 should not give an empty batch (P = (7/8)^64 per step)"
         opt.zero_grad()
         logits = pm(input_ids=xb).logits
         loss = F.cross_entropy(logits, yb) if name == "bert" else causal_lm_loss(logits, xb)
         loss.backward()
         opt.step()
-    step()              # the first step's one-time work (layouts, caches) is not counted
-    return step
+    step(next(batches))     # the first step's one-time work (layouts, caches) is not counted
+    return step, batches
 
 
 @pytest.mark.parametrize("name", sorted(HF_STEP_SYNCS))
 def test_a_hugging_face_step_synchronises_the_host_only_where_documented(require_cuda, name):
     from conftest import emulated
-    step = _hf_step(require_cuda, name)
+    step, batches = _hf_step(require_cuda, name)
+    batch = next(batches)
     with HostSyncCounter() as counter:
-        step()
+        step(batch)
     expected = dict(HF_STEP_SYNCS[name])
     if emulated(require_cuda):
         expected.update(HF_EMULATED_ONLY.get(name, {}))

@@ -224,9 +224,12 @@ def test_ghost_clipper_steps_with_float32_grams(require_cuda):
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=DataLoader(data, batch_size=8), noise_multiplier=0.0,
             max_grad_norm=0.05, seed=3, gram_precision=precision)
+        # The private loader's batch (the step must be on it): one batch a
+        # pass, q = 1, so the whole data in index order in both runs.
+        xb, yb = next(iter(loader))
+        assert torch.equal(xb, data.tensors[0]) and torch.equal(yb, data.tensors[1])
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(pm(ids.to(require_cuda)).mean(1), y.to(require_cuda)) \
-            .backward()
+        torch.nn.functional.cross_entropy(pm(xb).mean(1), yb).backward()
         opt.step()
         return [p.detach().clone() for p in model.parameters()]
 

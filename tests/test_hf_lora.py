@@ -171,25 +171,20 @@ def test_privacy_engine_one_poisson_epoch_of_a_gpt2_lora_model():
     """One Poisson epoch through make_private, as is (dropout on).  An empty
     batch cannot run through transformers' forward (its attention reshapes
     zero rows with -1): ``declare_batch_size(0)`` and the step is pure noise,
-    the stream's draws times sigma C / E (checked on a forced empty step)."""
+    the stream's draws times sigma C / E (checked on the epoch's empty steps:
+    a batch of one sample expected, q = 1/12, so that the loader draws empty
+    batches; a step must be on the loader's next batch, none can be forced)."""
     model = _gpt2(dropout=0.1)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, V, (12, T), generator=g)
     mask = torch.ones_like(ids)
-    loader = DataLoader(TensorDataset(ids, mask), batch_size=4)
+    loader = DataLoader(TensorDataset(ids, mask), batch_size=1)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     engine = PrivacyEngine()
     pm, popt, ploader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
                                             noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
-    pm.clipper.declare_batch_size(0)
-    popt.step()
-    res = pm.clipper.last_result
-    draws = nf.gaussian(res.draws, seed=0, offset=res.offset, dtype=np.float64)
-    noise = torch.cat([p.grad.reshape(-1) for p in _trainable(model).values()])
-    assert res.draws == noise.numel()
-    torch.testing.assert_close(noise, torch.as_tensor(draws) * 1.0 * 1.0 / 4, rtol=1e-15, atol=0)
-    steps = 0
+    steps, empty = 0, 0
     for x, m in ploader:
         popt.zero_grad()
         if x.shape[0]:
@@ -198,7 +193,16 @@ def test_privacy_engine_one_poisson_epoch_of_a_gpt2_lora_model():
             pm.clipper.declare_batch_size(0)
         popt.step()
         steps += 1
+        if not x.shape[0]:
+            empty += 1
+            res = pm.clipper.last_result
+            draws = nf.gaussian(res.draws, seed=0, offset=res.offset, dtype=np.float64)
+            noise = torch.cat([p.grad.reshape(-1) for p in _trainable(model).values()])
+            assert res.draws == noise.numel()
+            torch.testing.assert_close(noise, torch.as_tensor(draws) * 1.0 * 1.0
+                                       / popt.expected_batch_size, rtol=1e-15, atol=0)
+    assert empty, "seed 0 should give an empty batch (P = (11/12)^12 per step)"
     assert steps == len(loader) and 0 < engine.get_epsilon(1e-5) < float("inf")
-    assert sum(h[2] for h in engine.accountant.history) == steps + 1   # the empty step counted
+    assert sum(h[2] for h in engine.accountant.history) == steps   # the empty steps counted
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) != p.requires_grad, n   # only the adapters moved

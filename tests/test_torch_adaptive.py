@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import ncdp_fast as nf  # noqa: E402
 from ncdp_fast.torch import GhostClipper, PrivacyEngine  # noqa: E402
 from ncdp_fast.torch.adaptive import AdaptiveClip  # noqa: E402
+from conftest import loader_batches  # noqa: E402
 from test_torch_schedulers import _per_sample_grads  # noqa: E402
 
 EPS64 = 2.0 ** -53
@@ -28,6 +29,8 @@ ADA = dict(target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipb
 
 def _setup(n=24, batch=6, clipping="adaptive", max_grad_norm=1.0, seed=None,
            noise_multiplier=Z, **kw):
+    """(engine, model, optimizer, the private loader's batches pass after pass,
+    the dataset's x and y): each step is on the loader's next batch."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 5, generator=g, dtype=torch.float64) * \
         torch.linspace(0.1, 3.0, n, dtype=torch.float64)[:, None]
@@ -37,31 +40,39 @@ def _setup(n=24, batch=6, clipping="adaptive", max_grad_norm=1.0, seed=None,
     _setup.plain = copy.deepcopy(model)
     engine = PrivacyEngine(accountant="rdp")
     args = dict(ADA, **kw) if clipping == "adaptive" else kw
-    pm, popt, _ = engine.make_private(
+    pm, popt, ploader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
         data_loader=DataLoader(TensorDataset(x, y), batch_size=batch),
         noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=clipping,
         seed=seed, **args)
-    return engine, pm, popt, x, y
+    return engine, pm, popt, loader_batches(ploader), x, y
 
 
-def _step(pm, popt, x, y):
+def _step(pm, popt, batches):
+    """One step on the private loader's next batch (possibly empty: a noise-only
+    step), which it returns."""
+    xb, yb = next(batches)
     popt.zero_grad()
-    F.cross_entropy(pm(x), y).backward()
+    F.cross_entropy(pm(xb), yb).backward()
     popt.step()
+    return xb, yb
 
 
 def test_gradient_and_count_noise_are_the_streams_draws_and_the_bound_follows_the_update():
-    engine, pm, popt, x, y = _setup()
-    xb, yb = x[:6], y[:6]
-    G = _per_sample_grads(_setup.plain, xb, yb)
-    norms = G.norm(dim=1)
+    """Each step on the private loader's next Poisson batch (q = 6/24, E = 6; its
+    realized size varies, an empty batch has no per-sample gradients): lr 0, so
+    the plain copy gives each batch's per-sample gradients."""
+    engine, pm, popt, batches, _, _ = _setup()
+    P = sum(p.numel() for p in _setup.plain.parameters())
     E = popt.expected_batch_size
     z_grad = 1.0 / math.sqrt(Z ** -2 - (2 * SIGMA_B) ** -2)
     moved = set()
     for _ in range(5):
         c = popt.max_grad_norm
-        _step(pm, popt, xb, yb)
+        xb, yb = _step(pm, popt, batches)
+        G = _per_sample_grads(_setup.plain, xb, yb) if len(xb) else \
+            torch.zeros(0, P, dtype=torch.float64)
+        norms = G.norm(dim=1)
         res = pm.clipper.last_result
         noisy = torch.cat([p.grad.reshape(-1) for p in pm.parameters()])
         scale = torch.clamp(c / norms, max=1.0)
@@ -84,9 +95,9 @@ def test_gradient_and_count_noise_are_the_streams_draws_and_the_bound_follows_th
 def test_epsilon_equals_a_fixed_bound_run_at_the_same_z():
     runs = []
     for clipping in ("adaptive", "flat"):
-        engine, pm, popt, x, y = _setup(clipping=clipping)
+        engine, pm, popt, batches, _, _ = _setup(clipping=clipping)
         for _ in range(3):
-            _step(pm, popt, x[:6], y[:6])
+            _step(pm, popt, batches)
         runs.append(engine.get_epsilon(1e-5))
     assert runs[0] == runs[1]
 
@@ -95,13 +106,15 @@ def test_bound_moves_to_the_target_quantile():
     """64 samples, the full batch each step (q = 1, E = 64), target 0.5: from a
     bound 4x the largest norm, after 100 steps the fraction of norms <= C is
     within [0.3, 0.7]. The count noise's std over E is 2/64; with the key
-    fixed the run is deterministic."""
-    engine, pm, popt, x, y = _setup(n=64, batch=64, seed=8231, max_grad_norm=1.0,
-                                    max_clipbound=1e3)
+    fixed the run is deterministic. Each batch of the private loader (of length
+    1) is the whole dataset in index order."""
+    engine, pm, popt, batches, x, y = _setup(n=64, batch=64, seed=8231, max_grad_norm=1.0,
+                                             max_clipbound=1e3)
     norms = _per_sample_grads(_setup.plain, x, y).norm(dim=1)
     popt.max_grad_norm = 4 * float(norms.max())
     for _ in range(100):
-        _step(pm, popt, x, y)
+        xb, yb = _step(pm, popt, batches)
+        assert torch.equal(xb, x) and torch.equal(yb, y)
     frac = float((norms <= popt.max_grad_norm).double().mean())
     assert 0.3 <= frac <= 0.7, (frac, popt.max_grad_norm)
 
@@ -186,7 +199,7 @@ def _setup_missing():
 
 
 def test_noise_multiplier_that_leaves_the_count_nothing_is_refused_unchanged():
-    _, _, popt, _, _ = _setup()
+    _, _, popt, *_ = _setup()
     with pytest.raises(ValueError, match=r"unclipped_num_std: expected > noise_multiplier / 2"):
         popt.noise_multiplier = 4.0
     assert popt.noise_multiplier == Z

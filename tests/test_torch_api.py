@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import ncdp_fast as nf  # noqa: E402
 from ncdp_fast import privacy  # noqa: E402
 from ncdp_fast.torch import DPLSTM, GhostClipper, PrivacyEngine  # noqa: E402
+from conftest import loader_batches  # noqa: E402
 
 warnings.filterwarnings("ignore", module="opacus")
 
@@ -43,6 +44,9 @@ def _private(model, loader, sigma=1.0, lr=0.1, seed=None, engine=None, **kw):
 
 
 def _step(pm, popt, x, y):
+    """One step on ``(x, y)``: the private loader's next batch (the
+    optimizer refuses a step on any other, and the accountant records each
+    step as one Poisson batch at rate Q = 1 / len(loader))."""
     popt.zero_grad()
     nn.functional.cross_entropy(pm(x), y).backward()
     popt.step()
@@ -58,12 +62,13 @@ def _same(a, b):
 
 # ------------------------------------------------------------------ accountant
 def test_accountant_answers_opacus_calls():
-    model, x, y, loader = _setup()
-    engine, pm, popt, _ = _private(model, loader)
+    model, _, _, loader = _setup()
+    engine, pm, popt, ploader = _private(model, loader)
     assert engine.accountant.get_epsilon(1e-5) == 0.0 and len(engine.accountant) == 0
     assert engine.accountant.history == [] and engine.accountant.mechanism() == "rdp"
+    batches = loader_batches(ploader)
     for _ in range(3):
-        _step(pm, popt, x[:BATCH], y[:BATCH])
+        _step(pm, popt, *next(batches))
     acc = engine.accountant
     # Opacus's format: a list of (noise_multiplier, sample_rate, num_steps), one
     # entry per run of equal steps; len() counts entries.
@@ -88,9 +93,9 @@ def test_gaussian_events_read_as_opacus_history_tuples():
 
 
 def test_noise_free_step_makes_the_accountant_infinite():
-    model, x, y, loader = _setup()
-    engine, pm, popt, _ = _private(model, loader, sigma=0.0)
-    _step(pm, popt, x[:BATCH], y[:BATCH])
+    model, _, _, loader = _setup()
+    engine, pm, popt, ploader = _private(model, loader, sigma=0.0)
+    _step(pm, popt, *next(loader_batches(ploader)))
     assert engine.accountant.get_epsilon(1e-5) == engine.get_epsilon(1e-5) == math.inf
 
 
@@ -98,14 +103,15 @@ def test_noise_free_step_makes_the_accountant_infinite():
 def test_set_noise_multiplier_noises_and_accounts_each_step_at_its_own_sigma():
     """Each step's noise equals the reference draws of its stream slice times
     that step's sigma * C / E, and the accountant holds each step at its sigma."""
-    model, x, y, loader = _setup()
+    model, _, _, loader = _setup()
     ref = copy.deepcopy(model)
-    engine, pm, popt, _ = _private(model, loader, lr=0.0)    # lr 0: the batch's gradient stays
+    engine, pm, popt, ploader = _private(model, loader, lr=0.0)   # lr 0: the models stay equal
     ref_clipper = GhostClipper(ref, max_grad_norm=C, noise_multiplier=0.0,
                                expected_batch_size=popt.expected_batch_size)
     E = popt.expected_batch_size
-    xb, yb = x[:BATCH], y[:BATCH]
+    batches = loader_batches(ploader)
     for sigma in (1.0, 1.0, 0.25, 3.0):
+        xb, yb = next(batches)                  # the reference clips the same batch
         popt.noise_multiplier = sigma
         assert popt.noise_multiplier == sigma == pm.clipper.noise_multiplier
         _step(pm, popt, xb, yb)
@@ -136,15 +142,18 @@ def test_set_noise_multiplier_noises_and_accounts_each_step_at_its_own_sigma():
 def test_any_sigma_schedule_is_recorded_step_by_step_on_fresh_noise(sigmas):
     """Property: whatever the schedule, the history is its run-length encoding
     (each step at the sigma it was noised with) and each step's noise is the
-    next unused range of the stream."""
-    model, x, y, loader = _setup()
-    engine, pm, popt, _ = _private(model, loader)
+    next unused range of the stream (the loader draws each pass's batches from
+    the same stream as the pass begins, so the range starts after them)."""
+    model, _, _, loader = _setup()
+    engine, pm, popt, ploader = _private(model, loader)
     P = sum(p.numel() for p in model.parameters())
-    start = pm.clipper.offset
-    for i, sigma in enumerate(sigmas):
+    batches = loader_batches(ploader)
+    for sigma in sigmas:
         popt.noise_multiplier = sigma
-        _step(pm, popt, x[:BATCH], y[:BATCH])
-        assert pm.clipper.last_result.offset == start + i * P
+        xb, yb = next(batches)
+        start = pm.clipper.offset
+        _step(pm, popt, xb, yb)
+        assert pm.clipper.last_result.offset == start and pm.clipper.offset == start + P
     runs = []
     for sigma in sigmas:
         if runs and runs[-1][0] == sigma:
@@ -156,11 +165,12 @@ def test_any_sigma_schedule_is_recorded_step_by_step_on_fresh_noise(sigmas):
 
 def test_opacus_noise_scheduler_drives_the_optimizer():
     schedulers = pytest.importorskip("opacus.schedulers")
-    model, x, y, loader = _setup()
-    engine, pm, popt, _ = _private(model, loader, sigma=2.0)
+    model, _, _, loader = _setup()
+    engine, pm, popt, ploader = _private(model, loader, sigma=2.0)
     scheduler = schedulers.ExponentialNoise(popt, gamma=0.5)
+    batches = loader_batches(ploader)
     for _ in range(2):
-        _step(pm, popt, x[:BATCH], y[:BATCH])
+        _step(pm, popt, *next(batches))
         scheduler.step()
     assert popt.noise_multiplier == 0.5
     assert engine.accountant.history == [(2.0, Q, 1), (1.0, Q, 1)]
@@ -239,13 +249,16 @@ def test_get_compatible_module_is_compatible_and_validate():
 
 # ------------------------------------------------------- hooks off, eval mode
 def test_disabled_hooks_give_ordinary_gradients_and_the_step_is_refused():
-    model, x, y, loader = _setup()
+    """The refused step is on the loader's next batch, which it leaves awaiting
+    its step: the step after enable_hooks() is on that batch again."""
+    model, _, _, loader = _setup()
     plain = copy.deepcopy(model)
-    engine, pm, popt, _ = _private(model, loader)
+    engine, pm, popt, ploader = _private(model, loader)
+    xb, yb = next(loader_batches(ploader))
     pm.disable_hooks()
     popt.zero_grad()
-    nn.functional.cross_entropy(pm(x[:BATCH]), y[:BATCH]).backward()
-    nn.functional.cross_entropy(plain(x[:BATCH]), y[:BATCH]).backward()
+    nn.functional.cross_entropy(pm(xb), yb).backward()
+    nn.functional.cross_entropy(plain(xb), yb).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(),
                                                            plain.parameters()))
     before, offset = _params(model), pm.clipper.offset
@@ -254,28 +267,31 @@ def test_disabled_hooks_give_ordinary_gradients_and_the_step_is_refused():
     assert _same(before, model.parameters()) and pm.clipper.offset == offset
     assert len(engine.accountant) == 0
     pm.enable_hooks()
-    _step(pm, popt, x[:BATCH], y[:BATCH])
+    _step(pm, popt, xb, yb)
     assert not _same(before, model.parameters()) and len(engine.accountant) == 1
 
 
 def test_eval_forward_with_grad_records_nothing_and_training_goes_on():
     model, x, y, loader = _setup()
-    engine, pm, popt, _ = _private(model, loader)
+    engine, pm, popt, ploader = _private(model, loader)
     pm.eval()
     nn.functional.cross_entropy(pm(x), y)           # an evaluation loss, no backward
     pm.train()
-    _step(pm, popt, x[:BATCH], y[:BATCH])
+    _step(pm, popt, *next(loader_batches(ploader)))
     assert len(engine.accountant) == 1
 
 
 @pytest.mark.parametrize("wrap_model", [True, False])
 def test_step_after_an_eval_mode_backward_is_refused_naming_eval(wrap_model):
-    model, x, y, loader = _setup()
-    engine, pm, popt, _ = _private(model, loader, wrap_model=wrap_model)
+    """The refused steps are on the loader's next batch, which they leave
+    awaiting its step: the step that goes through is on that batch again."""
+    model, _, _, loader = _setup()
+    engine, pm, popt, ploader = _private(model, loader, wrap_model=wrap_model)
     clipper = popt.clipper
+    xb, yb = next(loader_batches(ploader))
     pm.eval()
     popt.zero_grad()
-    nn.functional.cross_entropy(pm(x[:BATCH]), y[:BATCH]).backward()
+    nn.functional.cross_entropy(pm(xb), yb).backward()
     before, offset = _params(model), clipper.offset
     with pytest.raises(RuntimeError, match=r"ran in eval mode .*model\.eval\(\)"):
         popt.step()
@@ -284,12 +300,12 @@ def test_step_after_an_eval_mode_backward_is_refused_naming_eval(wrap_model):
     # The same with a training step after the eval backward: its gradient is
     # still held, so the step is still refused.
     pm.train()
-    nn.functional.cross_entropy(pm(x[:BATCH]), y[:BATCH]).backward()
+    nn.functional.cross_entropy(pm(xb), yb).backward()
     with pytest.raises(RuntimeError, match="ran in eval mode"):
         popt.step()
     assert _same(before, model.parameters()) and len(engine.accountant) == 0
     # Discarded, training goes on.
     popt.zero_grad()
     clipper.clear()
-    _step(pm, popt, x[:BATCH], y[:BATCH])
+    _step(pm, popt, xb, yb)
     assert len(engine.accountant) == 1

@@ -4,9 +4,6 @@ the noise draw from, the loader's pass and the states, so that a run resumed
 in a new process reports the epsilon of the uninterrupted run and reaches its
 parameters.  Before: epsilon restarted from zero (2.85 reported for 3.59)."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given, settings
@@ -17,6 +14,7 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from conftest import in_new_process  # noqa: E402
 from ncdp_fast import _stream, privacy  # noqa: E402
 from ncdp_fast.torch import PrivacyEngine  # noqa: E402
 
@@ -58,7 +56,7 @@ def _resume(path, out, steps):
     (the checkpoint's key replaces it), load, train on."""
     engine, pm, popt, ploader = _training(seed=None)
     extra = engine.load_checkpoint(path=path, module=pm, optimizer=popt)
-    _train(pm, popt, ploader, steps)
+    _train(pm, popt, ploader, int(steps))
     torch.save({"eps": engine.get_epsilon(DELTA), "epoch": extra["epoch"],
                 "params": [p.detach().clone() for p in pm.parameters()]}, out)
 
@@ -72,12 +70,7 @@ def test_resume_in_a_new_process_matches_the_uninterrupted_run(tmp_path):
     _train(pm, popt, ploader, k)
     path, out = tmp_path / "ckpt.pt", tmp_path / "out.pt"
     engine.save_checkpoint(path=path, module=pm, optimizer=popt, checkpoint_dict={"epoch": 1})
-    tests = os.path.dirname(os.path.abspath(__file__))
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_torch_checkpoint as t; "
-            "t._resume(sys.argv[2], sys.argv[3], int(sys.argv[4]))")
-    proc = subprocess.run([sys.executable, "-c", code, tests, str(path), str(out), str(n - k)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    in_new_process("test_torch_checkpoint", "_resume", path, out, n - k)
     _stream._LEDGER.clear()                       # the uninterrupted run, as its own process
     engine_u, pm_u, popt_u, ploader_u = _training(SEED)
     _train(pm_u, popt_u, ploader_u, n)

@@ -214,11 +214,15 @@ def test_privacy_engine_step_equals_the_step_without_checkpointing():
         model = MLP(mode=mode).double()
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         loader = DataLoader(TensorDataset(x, y), batch_size=8)
-        pm, popt, _ = PrivacyEngine().make_private(
+        pm, popt, ploader = PrivacyEngine().make_private(
             module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
             max_grad_norm=0.2, poisson_sampling=True, seed=11)
+        # The private loader's batch (the step must be on it): one batch a
+        # pass, q = 1, so x and y whole, in index order, in both runs.
+        xb, yb = next(iter(ploader))
+        assert torch.equal(xb, x) and torch.equal(yb, y)
         popt.zero_grad()
-        ce(pm, x, y, "mean").backward()
+        ce(pm, xb, yb, "mean").backward()
         popt.step()
         results.append({k: p.detach().clone() for k, p in model.named_parameters()})
     got, plain = results

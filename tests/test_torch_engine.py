@@ -13,6 +13,7 @@ import ncdp_fast as nf  # noqa: E402
 from ncdp_fast import privacy  # noqa: E402
 from ncdp_fast.torch import (DPOptimizer, PoissonBatchSampler, PrivacyEngine,  # noqa: E402
                              PrivateModule, fix_batchnorm)
+from conftest import loader_batches  # noqa: E402
 
 warnings.filterwarnings("ignore", module="opacus")
 
@@ -97,17 +98,28 @@ def test_poisson_loader_and_empty_batches():
     assert empty, "seed 11 should give an empty batch (P = 0.9^10 per step)"
     x, y, _ = batches[empty[0]]
     assert x.shape == (0, 5) and x.dtype == torch.float32 and y.shape == (0,)
-    popt.zero_grad()
-    nn.functional.cross_entropy(pm(x), y).backward()
-    popt.step()
-    assert all(float(p.grad.abs().max()) == 0.0 for p in model.parameters())
-    assert pm.clipper.last_result.num_clipped == 0
-    # With noise: an empty step's gradient is the noise alone (std sigma C / E).
+    # Each batch of the pass takes its step, in order (the optimizer expects
+    # the loader's next batch): the empty one's step, noise 0, is zero.
+    for k, (xb, yb, _) in enumerate(batches):
+        popt.zero_grad()
+        nn.functional.cross_entropy(pm(xb), yb).backward()
+        popt.step()
+        if k == empty[0]:
+            assert all(float(p.grad.abs().max()) == 0.0 for p in model.parameters())
+            assert pm.clipper.last_result.num_clipped == 0
+    # With noise: an empty step's gradient is the noise alone (std sigma C / E),
+    # at the first empty batch of the second engine's loader.
     model, opt, loader = _setup(n=10, batch_size=1)
-    pm, popt, _ = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader,
-                                               noise_multiplier=2.0, max_grad_norm=0.5, seed=12)
-    nn.functional.cross_entropy(pm(x), y).backward()
-    popt.step()
+    pm, popt, ploader = PrivacyEngine().make_private(
+        module=model, optimizer=opt, data_loader=loader, noise_multiplier=2.0,
+        max_grad_norm=0.5, seed=12)
+    for x, y in ploader:
+        popt.zero_grad()
+        nn.functional.cross_entropy(pm(x), y).backward()
+        popt.step()
+        if len(y) == 0:
+            break
+    assert len(y) == 0, "seed 12 should give an empty batch"
     res = pm.clipper.last_result
     noise = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
     xi = nf.gaussian(res.draws, seed=12, offset=res.offset, dtype=np.float32)
@@ -288,8 +300,8 @@ def test_state_dict_round_trip_continues_the_noise_stream():
     before the checkpoint), and epsilon is the run's."""
     from ncdp_fast import _stream
     engine, model, pm, popt, ploader = _state_dict_run()
-    x, y = next(iter(ploader))
-    first = [_state_dict_step(pm, popt, x, y) for _ in range(2)]
+    batches = loader_batches(ploader)
+    first = [_state_dict_step(pm, popt, *next(batches)) for _ in range(2)]
     state, history = popt.state_dict(), engine.accountant.state_dict()
     assert set(state["ncdp_noise"]) == {"seed", "offset", "steps"}
     assert state["ncdp_noise"]["offset"] == first[-1].next_offset == pm.clipper.offset
@@ -317,9 +329,9 @@ def test_optimizer_state_without_the_accountant_is_refused_before_anything_is_lo
     the optimizer and the stream untouched."""
     from ncdp_fast import _stream
     engine, model, pm, popt, ploader = _state_dict_run()
-    x, y = next(iter(ploader))
+    batches = loader_batches(ploader)
     for _ in range(3):
-        _state_dict_step(pm, popt, x, y)
+        _state_dict_step(pm, popt, *next(batches))
     state = popt.state_dict()
     _stream._LEDGER.clear()
     engine2, model2, pm2, popt2, ploader2 = _state_dict_run()

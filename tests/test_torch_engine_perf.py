@@ -11,6 +11,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ncdp_fast.torch import GhostClipper, PrivacyEngine  # noqa: E402
+from conftest import loader_batches  # noqa: E402
 
 warnings.filterwarnings("ignore", module="opacus")
 
@@ -24,11 +25,12 @@ def _setup(sigma=1.0, lr=0.1):
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
     engine = PrivacyEngine(accountant="rdp")
-    pm, popt, _ = engine.make_private(
+    pm, popt, ploader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
         data_loader=DataLoader(TensorDataset(x, y), batch_size=BATCH),
         noise_multiplier=sigma, max_grad_norm=1.0, seed=7)
-    return engine, pm, popt, x[:BATCH], y[:BATCH]
+    # A step is taken on the private loader's next batch only (DPOptimizer.step).
+    return engine, pm, popt, loader_batches(ploader)
 
 
 def _step(pm, popt, x, y):
@@ -42,11 +44,11 @@ def test_engine_noise_multiplier_follows_an_opacus_noise_scheduler():
     engine's attribute shows the same sigma (it was make_private's value
     forever before), and the accountant records each step at its own sigma."""
     schedulers = pytest.importorskip("opacus.schedulers")
-    engine, pm, popt, x, y = _setup(sigma=2.0)
+    engine, pm, popt, batches = _setup(sigma=2.0)
     sched = schedulers.ExponentialNoise(popt, gamma=0.5)
     seen = []
     for _ in range(3):
-        _step(pm, popt, x, y)
+        _step(pm, popt, *next(batches))
         seen.append(engine.noise_multiplier)
         sched.step()
     assert seen == [2.0, 1.0, 0.5]
@@ -56,13 +58,13 @@ def test_engine_noise_multiplier_follows_an_opacus_noise_scheduler():
 
 
 def test_engine_noise_multiplier_set_goes_to_the_optimizer_checked():
-    engine, pm, popt, x, y = _setup()
+    engine, pm, popt, batches = _setup()
     engine.noise_multiplier = 1.5
     assert popt.noise_multiplier == pm.clipper.noise_multiplier == 1.5
     with pytest.raises(ValueError, match="noise_multiplier"):
         engine.noise_multiplier = -1.0
     assert engine.noise_multiplier == 1.5          # a refused value changes nothing
-    _step(pm, popt, x, y)
+    _step(pm, popt, *next(batches))
     assert engine.accountant.history[-1].noise_multiplier == 1.5
 
 
@@ -81,8 +83,11 @@ def test_foreign_gradient_on_an_optimizer_only_parameter_is_refused_every_step()
     """A parameter the optimizer holds outside the model (added by
     add_param_group after make_private) with a raw gradient is refused at each
     step, before anything is written; the model's gradients stay as backward
-    left them (none: the clipper switches them off)."""
-    engine, pm, popt, x, y = _setup()
+    left them (none: the clipper switches them off). The refused steps are on
+    the loader's next batch, which they leave awaiting its step: the step that
+    goes through is on that batch again."""
+    engine, pm, popt, batches = _setup()
+    x, y = next(batches)
     extra = nn.Parameter(torch.ones(2))
     popt.original_optimizer.add_param_group({"params": [extra]})
     for _ in range(2):
@@ -123,15 +128,17 @@ def test_foreign_gradient_on_a_model_parameter_unfrozen_after_construction_is_re
 
 def test_released_gradient_passes_and_a_replaced_one_is_refused():
     """The gradient the step released passes the next step's check (identity);
-    the same values in a new tensor do not."""
-    engine, pm, popt, x, y = _setup()
-    _step(pm, popt, x, y)
+    the same values in a new tensor do not (each step on the loader's next batch)."""
+    engine, pm, popt, batches = _setup()
+    _step(pm, popt, *next(batches))
     layer = pm._module[0]
     layer.weight.requires_grad_(False)     # left out of the next step: its released grad stays
     popt.zero_grad(set_to_none=False)      # zeroed in place: the same tensors
+    x, y = next(batches)
     nn.functional.cross_entropy(pm(x), y).backward()
     popt.step()
     layer.weight.grad = layer.weight.grad.clone()   # equal values, not the released tensor
+    x, y = next(batches)
     nn.functional.cross_entropy(pm(x), y).backward()
     with pytest.raises(ValueError, match=r"'0\.weight'.*frozen when this step's forward ran"):
         popt.step()

@@ -6,9 +6,6 @@ states under Opacus's keys, and a resumed scheduled run equals the
 uninterrupted one."""
 import copy
 import math
-import os
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -22,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import ncdp_fast as nf  # noqa: E402
 from ncdp_fast import _stream  # noqa: E402
 from ncdp_fast.torch import PrivacyEngine  # noqa: E402
+from conftest import in_new_process, loader_batches  # noqa: E402
 from test_torch_checkpoint import DELTA, SEED, _refused, _train, _training  # noqa: E402
 
 warnings.filterwarnings("ignore", module="opacus")
@@ -38,11 +36,12 @@ def _setup(clipping="flat", max_grad_norm=1.0):
     model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
     _setup.plain = copy.deepcopy(model)         # the same weights, without the clipper
     engine = PrivacyEngine(accountant="rdp")
-    pm, popt, _ = engine.make_private(
+    pm, popt, ploader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
         data_loader=DataLoader(TensorDataset(x, y), batch_size=BATCH),
         noise_multiplier=SIGMA, max_grad_norm=max_grad_norm, clipping=clipping)
-    return engine, pm, popt, x[:BATCH], y[:BATCH]
+    # A step is taken on the private loader's next batch only (DPOptimizer.step).
+    return engine, pm, popt, loader_batches(ploader)
 
 
 def _per_sample_grads(model, x, y):
@@ -52,6 +51,9 @@ def _per_sample_grads(model, x, y):
         model.zero_grad()
         F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
         rows.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    if not rows:                                # an empty Poisson batch: (0, P)
+        return torch.zeros(0, sum(p.numel() for p in model.parameters()),
+                           dtype=torch.float64)
     return torch.stack(rows)
 
 
@@ -59,12 +61,15 @@ def test_set_max_grad_norm_clips_and_noises_at_the_new_bound():
     """After optimizer.max_grad_norm = C, the step's gradient equals the sum of
     the per-sample gradients each scaled to norm <= C, plus the stream's
     reference draws times sigma * C / E; the accountant records sigma only."""
-    engine, pm, popt, xb, yb = _setup()
+    engine, pm, popt, batches = _setup()
     ref = _setup.plain                          # lr 0: the parameters never move
-    G = _per_sample_grads(ref, xb, yb)
-    norms = G.norm(dim=1)
     E = popt.expected_batch_size
+    seen = []
     for c in (1.0, 0.05, 0.3, 4.0):
+        xb, yb = next(batches)
+        G = _per_sample_grads(ref, xb, yb)
+        norms = G.norm(dim=1)
+        seen.append(norms)
         popt.max_grad_norm = c
         assert popt.max_grad_norm == pm.clipper.max_grad_norm == c
         popt.zero_grad()
@@ -84,6 +89,7 @@ def test_set_max_grad_norm_clips_and_noises_at_the_new_bound():
         # of each term, bounded by 64 ulps of the sum of absolute terms.
         tol = 64 * EPS64 * ((G.abs() * scale[:, None]).sum(0) / E + noise.abs() + noisy.abs())
         assert ((noisy - clipped.sum(0) / E - noise).abs() <= tol).all()
+    norms = torch.cat(seen)
     assert (norms > 0.05).all() and (norms < 4.0).all()    # the bounds were binding, then not
     assert engine.accountant.history == [(SIGMA, BATCH / N, 4)]
 
@@ -97,7 +103,7 @@ def test_set_max_grad_norm_clips_and_noises_at_the_new_bound():
     ("2", TypeError, r"max_grad_norm: expected"),
 ])
 def test_bad_max_grad_norm_is_refused_and_changes_nothing(value, error, match):
-    _, pm, popt, _, _ = _setup()
+    _, pm, popt, _ = _setup()
     with pytest.raises(error, match=match):
         popt.max_grad_norm = value
     with pytest.raises(error, match=match):
@@ -128,7 +134,7 @@ def test_fused_optimizer_max_grad_norm_is_checked_and_clips_at_the_new_bound():
 
 
 def test_max_grad_norm_change_with_per_layer_clipping_is_refused():
-    _, pm, popt, _, _ = _setup(clipping="per_layer", max_grad_norm=[0.5, 0.5, 0.5, 0.5])
+    _, pm, popt, _ = _setup(clipping="per_layer", max_grad_norm=[0.5, 0.5, 0.5, 0.5])
     before = pm.clipper.max_grad_norm
     popt.max_grad_norm = before             # unchanged: allowed (a scheduler's first step)
     with pytest.raises(ValueError, match=r"max_grad_norm: expected 1.0 \(fixed with "
@@ -141,7 +147,8 @@ def test_max_grad_norm_change_with_per_layer_clipping_is_refused():
 def test_max_grad_norm_change_inside_a_logical_batch_is_refused():
     """A physical batch accumulated (BatchMemoryManager's skipped step) was
     clipped at the old bound; the logical step's noise must cover it."""
-    _, pm, popt, xb, yb = _setup()
+    _, pm, popt, batches = _setup()
+    xb, yb = next(batches)
     F.cross_entropy(pm(xb), yb).backward()
     pm.clipper.accumulate_(popt.original_optimizer)
     popt.max_grad_norm = 1.0                # unchanged: allowed
@@ -161,7 +168,7 @@ def test_opacus_grad_clip_schedulers_set_the_bound():
             (lambda o: schedulers.ExponentialGradClip(o, gamma=0.5), [0.5, 0.25, 0.125]),
             (lambda o: schedulers.LambdaGradClip(o, scheduler_function=lambda e: e + 1),
              [2.0, 3.0, 4.0])):
-        _, pm, popt, _, _ = _setup()
+        _, pm, popt, _ = _setup()
         sched = make(popt)
         got = []
         for _ in expected:
@@ -219,12 +226,7 @@ def test_resume_with_schedulers_in_a_new_process_matches_the_uninterrupted_run(t
                                                    "last_epoch": 1}
     assert saved["grad_clip_scheduler_state_dict"] == {"step_size": 1, "gamma": 0.5,
                                                        "last_epoch": 1}
-    tests = os.path.dirname(os.path.abspath(__file__))
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_torch_schedulers as t; "
-            "t._resume_scheduled(sys.argv[2], sys.argv[3])")
-    proc = subprocess.run([sys.executable, "-c", code, tests, str(path), str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    in_new_process("test_torch_schedulers", "_resume_scheduled", path, out)
     _stream._LEDGER.clear()                       # the uninterrupted run, as its own process
     engine_u, pm_u, popt_u, ploader_u = _training(SEED)
     _epochs(pm_u, popt_u, ploader_u, _schedulers(popt_u), [4, 4, 4])

@@ -37,6 +37,10 @@ class PoissonBatchSampler(ResumesPass, UsesNoiseStream):
         # skip-step queue, each released step must be one of them whole (the
         # optimizer pops them, DPOptimizer._check_logical).
         self._drawn: deque = deque()
+        # Batches at the start of the next pass handed out only to be skipped
+        # by the caller, stepped on before a checkpoint (the Hugging Face
+        # Trainer's skip of a resumed pass): not recorded as drawn.
+        self._replayed = 0
 
     @property
     def steps(self) -> int:
@@ -51,8 +55,12 @@ class PoissonBatchSampler(ResumesPass, UsesNoiseStream):
             hook()
         self._drawn.clear()
         self._steps += 1
+        replayed, self._replayed = self._replayed, 0
         for batch in self._pass(self.n):
-            self._drawn.append(len(batch))
+            if replayed:
+                replayed -= 1
+            else:
+                self._drawn.append(len(batch))
             yield batch.tolist()
 
 

@@ -129,32 +129,54 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
         return None
 
     def _check_logical(self, batch: int) -> None:
-        """Under the skip-step queue, a released step (``batch`` its physical
-        batch's samples) with the skipped ones before it must be the private
-        loader's next Poisson batch whole: decisions out of step with the
-        batches (a guard skipping an empty batch's step under Opacus's
-        BatchMemoryManager, whose queued decision the next step then takes; or
-        skips signalled by hand across batches) would release one step for
-        several Poisson batches, or part of one, and the accountant would
-        record one step at the sampling rate for it (the fourth audit:
-        epsilon 5.97 reported where 9.40 at least was spent)."""
+        """A released step (``batch`` its physical batch's samples) with the
+        skipped ones before it must be the private loader's next Poisson
+        batch whole, or the accountant's record (one step at the loader's
+        sampling rate) is wrong:
+
+        * batches from another loader (the original shuffled one, or a fixed
+          batch stepped on again and again) are not Poisson batches at that
+          rate (the fifth audit: epsilon 7.30 reported for 16.55 spent);
+        * under the skip-step queue, decisions out of step with the batches
+          (a guard skipping an empty batch's step under Opacus's
+          BatchMemoryManager, whose queued decision the next step then takes;
+          or skips signalled by hand across batches) release one step for
+          several Poisson batches, or part of one (the fourth audit: epsilon
+          5.97 reported where 9.40 at least was spent);
+        * a batch of the loader left without its step (``if len(x) == 0:
+          continue``): the number of releases would depend on the realized
+          batch sizes, which the accountant does not model."""
         drawn = self._drawn()
         if drawn is None:
             return
         total = self._pending + batch
         want = drawn[0] if drawn else None
-        if want != total:
-            self._end_logical_batches()
+        if want == total:
+            return
+        logical = self._queued or self._managed
+        self._end_logical_batches()
+        if logical:
             raise RuntimeError(
                 f"DPOptimizer.step: the released step covers {total} sample(s) (its physical "
                 f"batch and the skipped steps' before it), but the private loader's next "
-                f"Poisson batch has {want if want is not None else 'none drawn'}: the skip "
-                "decisions (signal_skip_step) are out of step with the loader's batches (a "
-                "guard such as `if len(x) == 0: continue` under Opacus's BatchMemoryManager, "
-                "or skips signalled across batches), so one release would not be one Poisson "
-                "batch and the accountant's record would be wrong. Step every physical batch, "
-                "or use ncdp_fast.torch.BatchMemoryManager (same arguments), which refuses "
-                "such a loop by name; the logical batch was discarded, nothing of it released")
+                f"Poisson batch has {want if want is not None else 'none drawn'}: the skip decisions (signal_skip_step) are out of "
+                "step with the loader's batches (a guard such as `if len(x) == 0: continue` "
+                "under Opacus's BatchMemoryManager, or skips signalled across batches), so one "
+                "release would not be one Poisson batch and the accountant's record would be "
+                "wrong. Step every physical batch, or use ncdp_fast.torch.BatchMemoryManager "
+                "(same arguments), which refuses such a loop by name; the logical batch was "
+                "discarded, nothing of it released")
+        awaits = f"its next batch has {want} sample(s)" if want is not None else \
+            "none of its batches awaits a step"
+        raise RuntimeError(
+            f"DPOptimizer.step: expected a step on the next batch of the Poisson loader "
+            f"make_private returned ({awaits}), got a batch of {total}: the accountant "
+            "records each step as one Poisson batch drawn at the loader's sampling rate, so "
+            "a batch from another loader (the original one, or a batch stepped on again) or "
+            "a loader batch left without its step (`if len(x) == 0: continue`; an empty "
+            "Poisson batch takes its noise-only step) would make the reported epsilon wrong. "
+            "Iterate make_private's data_loader and step once per batch; nothing was written "
+            "or drawn")
 
     def _manage_physical(self, on: bool) -> bool:
         """BatchMemoryManager's context starts (on) or ends; returns whether a
@@ -271,16 +293,15 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
                 "BatchMemoryManager: the release could hold several Poisson batches while "
                 "the accountant records one step. Use ncdp_fast.torch.BatchMemoryManager for "
                 "physical batches; the accumulated sums were discarded, nothing released")
-        self.clipper._step_check = self._check_logical if queued else None
+        drawn = self._drawn()
+        self.clipper._step_check = None if drawn is None else self._check_logical
         try:
             self.clipper.privatize_(self.original_optimizer)
         finally:
             self.clipper._step_check = None
-        if queued:
-            drawn = self._drawn()
-            if drawn:
-                drawn.popleft()
-            self._pending = 0
+        if drawn:
+            drawn.popleft()
+        self._pending = 0
         self._consume_decision()
         self._is_last_step_skipped = False
         self._on_step()

@@ -269,6 +269,9 @@ class DPTrainer(transformers.Trainer):
                              f"({saved!r}) does not reach the Trainer's step {step}")
         if saved is not None:
             sampler.resume_pass({"plan_offset": saved[0], "done": 0})
+            # Stepped on and accounted before the checkpoint: the optimizer's
+            # step must not expect them.
+            sampler._replayed = skip
 
 
 def _loss_kind(model) -> str:
