@@ -34,7 +34,7 @@ from pathlib import Path
 
 from . import _stream, _validate
 
-__all__ = ["ENV", "ledger_dir", "claim_range"]
+__all__ = ["ENV", "ledger_dir", "claim_range", "record_used", "claim_resume"]
 
 ENV = "NCDP_FAST_LEDGER_DIR"
 _VERSION = 1
@@ -183,3 +183,35 @@ def claim_range(seed: int, draws: int, offset: int | None = None, *,
         keys[tag] = used.ranges(tag)
         _write(path, keys, _salt_id(salt))
     return start
+
+
+def _update(seed: int, start: int, end: int, directory: Path | None) -> bool:
+    """Record [start, end) of ``seed``'s stream as used (merged with what is
+    there); True if it overlapped a recorded range."""
+    directory = ledger_dir() if directory is None else Path(directory)
+    with _locked(directory):
+        salt, keys = _open_ledger(directory)
+        tag = _tag(seed, salt)
+        used = _stream._Ledger({tag: keys.get(tag, [])})
+        overlap = used.record(tag, start, end - start)
+        keys[tag] = used.ranges(tag)
+        _write(directory / "ranges.json", keys, _salt_id(salt))
+    return overlap
+
+
+def record_used(seed: int, start: int, end: int, *, directory: Path | None = None) -> None:
+    """A private training checkpoint at draw ``end`` of ``seed``'s stream: the
+    draws [start, end) its run used since its last checkpoint (or its start,
+    or its resume) are recorded, so that a later resume from an earlier
+    checkpoint of the same key is seen (:func:`claim_resume`)."""
+    if end > start:
+        _update(seed, start, end, directory)
+
+
+def claim_resume(seed: int, position: int, *, directory: Path | None = None) -> bool:
+    """A run resumes ``seed``'s stream at draw ``position`` (a checkpoint
+    loaded): records the draw there as used and returns True if it already
+    was -- the same checkpoint resumed before, or a later checkpoint of the
+    key recorded (:func:`record_used`): the noise from ``position`` on was
+    drawn by another continuation of the run."""
+    return _update(seed, position, position + 1, directory)

@@ -205,7 +205,10 @@ def test_resume_continues_epsilon_the_noise_stream_and_the_pass(tmp_path):
     DPTrainer with another key resumes from it: the checkpoint's key, stream
     position, accountant and pass come back, so epsilon, the stream position
     and the parameters equal those of the uninterrupted run (no noise drawn
-    twice, none skipped)."""
+    twice, none skipped).  The key ledger knows that the full run went on to
+    checkpoint-6: resuming checkpoint-3 repeats the noise of steps 4-6, and
+    says so (a NoiseReuseWarning, once, though the Trainer loads the stream
+    twice: the engine's file and optimizer.pt)."""
     full = _resumable(tmp_path / "a", seed=5)
     full.train()
     with pytest.raises(RuntimeError, match="one train"):
@@ -214,7 +217,9 @@ def test_resume_continues_epsilon_the_noise_stream_and_the_pass(tmp_path):
     assert (ckpt / ENGINE_FILE).is_file()
     _stream._LEDGER.clear()       # as a new process: the resumed run redraws steps 4-6
     resumed = _resumable(tmp_path / "b", seed=None)
-    resumed.train(resume_from_checkpoint=str(ckpt))
+    with pytest.warns(_stream.NoiseReuseWarning, match="was continued before") as caught:
+        resumed.train(resume_from_checkpoint=str(ckpt))
+    assert sum(w.category is _stream.NoiseReuseWarning for w in caught) == 1
     assert resumed.privacy_engine.accountant.total_steps == 6
     assert resumed.epsilon() == full.epsilon() == \
         privacy.epsilon_poisson_gaussian(1.0, 0.25, 6, DELTA, "rdp")

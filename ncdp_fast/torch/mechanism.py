@@ -3,11 +3,12 @@ gradients, the checked DP arguments, the one fused clip-and-noise call and the
 check that every gradient a step would apply is one they released."""
 from __future__ import annotations
 
+import warnings
 import weakref
 
-from .. import _stream
+from .. import _key_ledger, _stream
 from .._clip import LayersClipResult, clip_and_noise_layers
-from .._stream import NoiseStream
+from .._stream import NoiseReuseWarning, NoiseStream
 from .._validate import check_choice, check_nonneg, check_positive
 from ..distributed._group import GroupRef, check_same_config, resolve_group
 from .ranks import agree_stream, broadcast_state, reduce_clip_and_noise, state_tensors
@@ -25,6 +26,9 @@ class UsesNoiseStream:
     def _init_stream(self, seed, offset):
         self._stream = _stream.resolve(seed, offset)
         self._steps = 0
+        # The first draw since the last checkpoint written or read: the range a
+        # checkpoint records in the key ledger (_key_ledger.record_used).
+        self._checkpointed = self._stream.position
 
     @property
     def seed(self) -> int:
@@ -41,15 +45,71 @@ class UsesNoiseStream:
         return self._steps
 
     def noise_state(self) -> dict:
-        """``{"seed", "offset", "steps"}``: secret, for private checkpoints only."""
-        return dict(self._stream.state(), steps=self._steps)
+        """``{"seed", "offset", "steps"}``: secret, for private checkpoints only.
+
+        The draws used since the last checkpoint are recorded in the key
+        ledger (:mod:`ncdp_fast._key_ledger`; rank 0 only), so that resuming an
+        earlier checkpoint of this run later is seen (:meth:`load_noise_state`)."""
+        state = dict(self._stream.state(), steps=self._steps)
+        if self._keeps_ledger():
+            _ledger_call(_key_ledger.record_used, state["seed"], self._checkpointed,
+                         state["offset"])
+        self._checkpointed = state["offset"]
+        return state
 
     def load_noise_state(self, state: dict) -> None:
+        """Continue the stream of a checkpoint's ``noise_state()``.
+
+        A checkpoint is continued once (docs/privacy.md): a second continuation
+        draws the same noise for other steps, and the two runs' outputs
+        together cancel it.  The key ledger sees a resume of a position that
+        was resumed before, or of one a later checkpoint of the run has passed
+        (in any process of this machine and user): a NoiseReuseWarning then
+        says so.  Not refused: a run preempted before its next checkpoint is
+        resumed from the same one again, its lost continuation never
+        released."""
         if not isinstance(state, dict) or not {"seed", "offset", "steps"} <= set(state):
             raise ValueError(f"state: expected a dict with seed, offset and steps (from "
                              f"noise_state()), got {state!r}")
-        self._stream = NoiseStream.restore(state)
+        stream = NoiseStream.restore(state)
+        resume = (stream.seed, stream.position)
+        # One resume loads the stream twice at most (the engine's checkpoint,
+        # then the optimizer's state_dict, as the Hugging Face Trainer does).
+        if getattr(self, "_resumed", None) != resume and self._keeps_ledger() and \
+                _ledger_call(_key_ledger.claim_resume, *resume):
+            warnings.warn(
+                f"load_noise_state: this checkpoint's noise stream (draw {stream.position}) "
+                "was continued before: resumed already, or passed by a later checkpoint of "
+                "the same run (the key ledger). The noise of the steps from here repeats "
+                "that continuation's; if the outputs of both are released (two runs resumed "
+                "from one checkpoint, a rollback whose first branch was published, a record "
+                "deleted and the run redone), their difference cancels the noise. Release "
+                "at most one continuation, or start a new run (a fresh key) on the data",
+                NoiseReuseWarning, stacklevel=3)
+        self._resumed = resume
+        self._stream = stream
         self._steps = int(state["steps"])
+        self._checkpointed = stream.position
+
+    def _keeps_ledger(self) -> bool:
+        """One process writes a run's ledger entries: rank 0 of a group (every
+        rank holds the same stream)."""
+        group = getattr(self, "group", None)
+        if group is None:
+            return True
+        import torch.distributed as dist
+        return dist.get_rank(group) == 0
+
+
+def _ledger_call(fn, *args):
+    try:
+        return fn(*args)
+    except OSError as e:
+        raise RuntimeError(
+            f"the key ledger ({_key_ledger.ledger_dir()}) could not be written ({e}): it "
+            "records the noise a checkpointed run used, so that a checkpoint resumed twice "
+            f"is seen; point {_key_ledger.ENV} at a private directory this process can "
+            "write") from e
 
 
 class CheckpointsNoise:
@@ -205,6 +265,7 @@ class ClippedGaussianStep(UsesNoiseStream):
                               group, what)
             self._stream = agree_stream(seed, offset, group, what)
             self._steps = 0
+            self._checkpointed = self._stream.position
             broadcast_state([t for _, t in named], group)
         # The last step's result without its gradients (see keep_result).
         self.last_result: LayersClipResult | None = None
