@@ -5,7 +5,8 @@ tests/test_distributed_exit.py (gloo, 127.0.0.1).
 aborted with SIGABRT at interpreter shutdown).  ``frozen OUT``: a model whose
 trainable and frozen parameters and buffer are initialised differently on each
 rank, trained by DP-SGD across the ranks; each rank writes its final state and
-the refusals of a DDP-wrapped model to OUT/rank<r>.npz.  ``per_layer OUT``:
+the refusals of a DDP-wrapped model and of a step on a batch its loader did
+not draw (``wrong_batch``) to OUT/rank<r>.npz.  ``per_layer OUT``:
 the same training with per-layer clipping (its state only).
 """
 import sys
@@ -79,6 +80,35 @@ def refusals(group):
     return out
 
 
+def wrong_batch(group):
+    """make_private across the ranks, rank 1 stepping on the whole data set
+    (more rows than any shard of its loader's batch): every rank refuses the
+    step together, before any noise is drawn, and nothing is accounted.
+    Returns (message, stream position unchanged, steps accounted)."""
+    import torch.distributed as dist
+    from ncdp_fast.torch import PrivacyEngine
+    x, y = data()
+    m = model(0)
+    engine = PrivacyEngine(accountant="rdp")
+    pm, opt, loader = engine.make_private(
+        module=m, optimizer=torch.optim.SGD([p for p in m.parameters() if p.requires_grad],
+                                            lr=0.1),
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
+                                                batch_size=4),
+        noise_multiplier=SIGMA, max_grad_norm=C, group=group)
+    xb, yb = next(iter(loader))
+    if dist.get_rank(group) == 1:
+        xb, yb = x, y
+    position = pm.clipper.offset
+    try:
+        nn.functional.cross_entropy(pm(xb), yb).backward()
+        opt.step()
+        message = "stepped"
+    except RuntimeError as e:
+        message = str(e)
+    return message, pm.clipper.offset == position, engine.accountant.total_steps
+
+
 def main():
     import torch.distributed as dist
     from ncdp_fast.torch import DistributedPoissonBatchSampler, GhostClipper
@@ -95,8 +125,11 @@ def main():
             np.savez(f"{sys.argv[2]}/rank{rank}.npz", **state)
         else:
             state = train(model(100 + rank), sampler, group)
+            message, unmoved, accounted = wrong_batch(group)
             np.savez(f"{sys.argv[2]}/rank{rank}.npz", **state,
-                     **{f"refusal:{k}": np.array(v) for k, v in refusals(group).items()})
+                     **{f"refusal:{k}": np.array(v) for k, v in refusals(group).items()},
+                     wrong_batch=np.array(message), wrong_batch_unmoved=np.array(unmoved),
+                     wrong_batch_accounted=np.array(accounted))
     dist.destroy_process_group()
 
 

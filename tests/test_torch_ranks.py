@@ -258,7 +258,9 @@ def test_frozen_state_is_broadcast_under_torchrun(tmp_path):
     from rank 0's whole state (as DDP does), so the frozen layer and the buffer end
     equal to one process's bit for bit and DP-SGD matches one process.  A model
     wrapped in DDP is refused by GhostClipper and make_private alike, with or
-    without group=."""
+    without group=.  A make_private step with rank 1 on a batch its loader did
+    not draw is refused on both ranks together (each would otherwise be
+    accounted as the Poisson batch), before any noise is drawn."""
     import _ranks_script as S
     from _distributed import torchrun
     assert not torch.equal(S.model(100)[1].weight, S.model(101)[1].weight)  # differ per rank
@@ -274,6 +276,14 @@ def test_frozen_state_is_broadcast_under_torchrun(tmp_path):
                 np.testing.assert_array_equal(got[k], v, err_msg=k)
             else:
                 np.testing.assert_allclose(got[k], v, rtol=0, atol=tol, err_msg=k)
+        assert bool(got["wrong_batch_unmoved"]) and int(got["wrong_batch_accounted"]) == 0
+        wrong = str(got["wrong_batch"])
+        if rank == 1:
+            assert wrong.startswith("DPOptimizer.step: expected a step on the next batch of the "
+                                    "Poisson loader make_private returned"), wrong
+            assert f"got a batch of {S.N}" in wrong, wrong
+        else:
+            assert wrong.startswith("the step was refused on 1 other rank(s) of the 2"), wrong
         refusals = {k.split(":", 1)[1]: str(got[k]) for k in got.files if k.startswith("refusal:")}
         assert len(refusals) == 4, refusals
         for key, msg in refusals.items():

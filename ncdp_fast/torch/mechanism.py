@@ -353,7 +353,8 @@ class ClippedGaussianStep(UsesNoiseStream):
                 blocks, group=self.group, stream=self._stream, max_norm=c,
                 noise_multiplier=self._grad_noise_multiplier() * self.max_grad_norm / c,
                 reduction=self.loss_reduction, expected_batch_size=self.expected_batch_size,
-                nan_policy=self.nan_policy, grad_scale=grad_scale)
+                nan_policy=self.nan_policy, grad_scale=grad_scale,
+                refusal=getattr(self, "_rank_refusal", None))
         else:
             result = clip_and_noise_layers(
                 blocks, max_norm=c,

@@ -52,8 +52,15 @@ class PrivateStep:
                 "skip the step")
         refuse_uncaptured(self.taps, self.param_names, self._uncaptured, self._uncaptured_grads)
         batch = self._batch.of_step(self.taps)
+        self._rank_refusal = None
         if self._step_check is not None:
-            self._step_check(batch)
+            try:
+                self._step_check(batch)
+            except RuntimeError as refusal:
+                if self.group is None:
+                    raise
+                # Raised with the other ranks in the reduction, before any noise.
+                self._rank_refusal = refusal
         self._last_batch = batch
         refuse_changed(self._kept)
         self._refuse_outside_terms()

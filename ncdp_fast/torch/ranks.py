@@ -18,6 +18,8 @@ A sharded step is the one-process step cut into pieces (docs/architecture.md,
 """
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 # torch.distributed.nn.functional binds group.WORLD as default arguments when it is
@@ -136,14 +138,20 @@ class DistributedPoissonBatchSampler(ResumesPass):
         self.rank, self.world = rank_world(group)
         self.lo, self.hi = shard_bounds(self.n, self.rank, self.world)
         self.passes = 0
+        # The sizes of this rank's shards as yielded, oldest first: each step
+        # of the optimizer must be the next one (DPOptimizer._check_logical).
+        self._drawn: deque = deque()
 
     def __len__(self) -> int:
         return self.batches
 
     def __iter__(self):
         self.passes += 1
+        self._drawn.clear()
         for batch in self._pass(self.n):
-            yield batch[(batch >= self.lo) & (batch < self.hi)].tolist()
+            shard = batch[(batch >= self.lo) & (batch < self.hi)].tolist()
+            self._drawn.append(len(shard))
+            yield shard
 
 
 def _flatten(grads) -> list:
@@ -174,12 +182,17 @@ def _unflatten(flat, like) -> list:
 
 
 def reduce_clip_and_noise(blocks, *, group, stream, max_norm, noise_multiplier, reduction,
-                          expected_batch_size, nan_policy, grad_scale) -> LayersClipResult:
+                          expected_batch_size, nan_policy, grad_scale,
+                          refusal: Exception | None = None) -> LayersClipResult:
     """One private step of a sharded batch: this rank's ``blocks`` (its samples)
     clipped and summed locally, the sums all-reduced, the noise of the one-process
     step added slice by slice (rank r draws entries [lo_r, hi_r) of the flattened
     gradient, at the one-process draws ``offset + lo_r ...``), the slices gathered.
-    Norms are this rank's samples'; ``num_clipped``/``num_nonfinite`` are global."""
+    Norms are this rank's samples'; ``num_clipped``/``num_nonfinite`` are global.
+
+    ``refusal``: this rank's reason to refuse the step, raised on every rank
+    (another rank's reason named by count) before any noise is drawn, so that
+    no rank waits on one that left the step."""
     dist = _dist()
     rank, world = rank_world(group)
     local = clip_and_noise_layers(blocks, max_norm=max_norm, noise_multiplier=0.0,
@@ -187,8 +200,14 @@ def reduce_clip_and_noise(blocks, *, group, stream, max_norm, noise_multiplier, 
                                   nan_policy="zero", grad_scale=grad_scale)
     parts = _flatten(local.grads)
     flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-    counts = torch.tensor([local.num_clipped, local.num_nonfinite], dtype=torch.int64)
+    counts = torch.tensor([local.num_clipped, local.num_nonfinite, refusal is not None],
+                          dtype=torch.int64)
     dist.all_reduce(counts, group=group)
+    if counts[2] > 0:
+        if refusal is not None:
+            raise refusal
+        raise RuntimeError(f"the step was refused on {int(counts[2])} other rank(s) of the "
+                           f"{world} (each raised why); nothing was written or drawn")
     if nan_policy == "raise" and counts[1] > 0:
         raise ValueError(f"per-sample gradients of {int(counts[1])} samples (over all {world} "
                          "ranks) are not finite; fix the model or pass nan_policy='zero'")
