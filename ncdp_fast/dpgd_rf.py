@@ -10,6 +10,7 @@ moments-accountant bound are reported too.  Derivation: docs/theory.md, section 
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -22,6 +23,14 @@ from .privacy import dp_to_zcdp, epsilon_poisson_gaussian
 from .privacy.truncation import ideal_delta, zcdp_epsilon
 
 __all__ = ["DPGDRegressor"]
+
+
+def _rf_seed(key: int, offset: int) -> int:
+    """The random features' seed from the noise key and the first draw: a
+    one-way function (recovering the key from it is a 2^64 search)."""
+    digest = hashlib.sha256(b"ncdp_fast rf weights" + key.to_bytes(8, "little")
+                            + offset.to_bytes(8, "little")).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 class DPGDRegressor:
@@ -46,8 +55,10 @@ class DPGDRegressor:
             zCDP: sigma = sqrt(eta T / (2 rho)), rho = dp_to_zcdp(eps, delta).
         seed: the noise key -- None (OS), an int or a :class:`ncdp_fast.NoiseStream`;
             never stored.  The feature weights V (public randomness) use their own
-            seed, ``rf_seed_``, derived one-way from the key's first draw position
-            and the key (SeedSequence hashing).
+            seed, ``rf_seed_``, derived one-way from the key and the first draw
+            position (SHA-256: a published ``rf_seed_`` must not give the key away,
+            which NumPy's SeedSequence mixing, invertible word by word, does not
+            promise).
         offset: first draw (None: the next unused draw of ``seed``'s stream).
 
     After ``fit``: theta_ (p,), privacy_ (dict: rho_zcdp, epsilon_zcdp, epsilon_pld,
@@ -127,8 +138,7 @@ class DPGDRegressor:
         self.offset_ = stream.position
         if self.features == "rf":
             # V is public randomness, independent of the noise and of the data.
-            self.rf_seed_ = int(np.random.SeedSequence([stream.seed, self.offset_, 1])
-                                .generate_state(1, np.uint64)[0])
+            self.rf_seed_ = _rf_seed(stream.seed, self.offset_)
             self.V_, _ = draw_rf_weights(self.num_features, x.shape[1], self.scale,
                                           self.rf_seed_)
         Phi = self.transform(x)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _backend
+from . import _stream
+from ._rng import gaussian
 from ._validate import as_matrix, as_targets, check_nonneg, check_pos_int, check_positive
 
 __all__ = ["SCHEDULES", "schedule_lr", "sigma_tilde_sq", "noise_schedule", "realized_rho",
@@ -95,7 +96,9 @@ class DPSGDResult:
     caller must guarantee by a public norm bound; it is reported, not enforced);
     times, excess_risk: the path 1/2 (theta-theta*)^T Sigma (theta-theta*) at
     t = k/n (when theta_star was given), the last entry after the final noise;
-    clip_fraction: fraction of steps whose gradient was clipped; seed.
+    clip_fraction: fraction of steps whose gradient was clipped; offset,
+    next_offset: the noise stream's draws used, [offset, next_offset).  The key
+    is not kept: whoever holds it subtracts the noise from ``theta``.
     """
     theta: np.ndarray
     eta: np.ndarray
@@ -103,7 +106,8 @@ class DPSGDResult:
     rho: float
     contractive: bool
     clip_norm: float
-    seed: int
+    offset: int
+    next_offset: int
     clip_fraction: float
     times: np.ndarray = field(default_factory=lambda: np.empty(0))
     excess_risk: np.ndarray = field(default_factory=lambda: np.empty(0))
@@ -128,8 +132,9 @@ def _schedule_eta(n, d, schedule, lr0, rho, c1, c2, c3):
     return schedule_lr(t, schedule, lr0=lr0, gamma=d / n, rho=rho, c1=c1, c2=c2, c3=c3) / n
 
 
-def dpsgd_linear_regression(x, y, *, clip, schedule, rho, seed=None, lr0=None, c1=2.0, c2=4.0,
-                            c3=4.0, theta_star=None, cov=None, record_every=None):
+def dpsgd_linear_regression(x, y, *, clip, schedule, rho, seed=None, offset=None, lr0=None,
+                            c1=2.0, c2=4.0, c3=4.0, theta_star=None, cov=None,
+                            record_every=None):
     """One-pass DP-SGD with per-sample clipping for linear regression (slides "DP-SGD
     with clipping: settings"), square loss 1/2 (y - x.theta)^2, theta_0 = 0:
 
@@ -144,7 +149,12 @@ def dpsgd_linear_regression(x, y, *, clip, schedule, rho, seed=None, lr0=None, c
         y: (n,).
         clip: c > 0.   schedule: "output", "constant" or "optimal".
         rho: target rho > 0 (the slides' rho: (rho^2/2)-zCDP).
-        seed: noise seed (None: 64 bits from the OS; kept in the result).
+        seed: the noise key (None: 64 bits from the OS), or a
+            :class:`ncdp_fast.NoiseStream`; secret, never in the result.
+        offset: first draw (None: the next unused draw of ``seed``'s stream,
+            so two calls with one int seed never share noise; an explicit
+            offset overlapping a range drawn in this process warns with
+            NoiseReuseWarning).
         lr0: eta~(0) of "output"/"constant" (required for them).
         c1, c2, c3: the optimal schedule's constants (see :func:`schedule_lr`).
         theta_star, cov: (d,), (d, d) (None: identity) to record the excess risk
@@ -158,8 +168,8 @@ def dpsgd_linear_regression(x, y, *, clip, schedule, rho, seed=None, lr0=None, c
     eta = _schedule_eta(n, d, schedule, lr0, rho, c1, c2, c3)
     sigma = noise_schedule(eta, rho)
     C = c * math.sqrt(d)
-    seed = _backend.resolve_seed(seed)
-    rng = np.random.default_rng(seed)
+    stream = _stream.resolve(seed, offset)
+    first = stream.position
     sq = np.einsum("ij,ij->i", x, x)
     contractive = bool(np.max(eta * sq) <= 2.0)
     track = theta_star is not None
@@ -191,14 +201,16 @@ def dpsgd_linear_regression(x, y, *, clip, schedule, rho, seed=None, lr0=None, c
         if sigma[k] > 0:
             # Fresh Gaussian noise, drawn in blocks of the steps that need it.
             if noise_buf is None or k >= buf_start + block:
-                buf_start = k
-                noise_buf = rng.standard_normal((min(block, n - k), d))
+                buf_start, rows = k, min(block, n - k)
+                noise_buf = gaussian(rows * d, seed=stream.seed, offset=stream.take(rows * d),
+                                     dtype=np.float64).reshape(rows, d)
             theta += (2.0 * C * sigma[k]) * noise_buf[k - buf_start]
         if track and ((k + 1) % every == 0 or k == n - 1):
             times.append((k + 1) / n)
             risks.append(risk(theta))
     out = DPSGDResult(theta=theta, eta=eta, sigma=sigma, rho=realized_rho(eta, sigma),
-                      contractive=contractive, clip_norm=C, seed=seed, clip_fraction=clipped / n)
+                      contractive=contractive, clip_norm=C, offset=first,
+                      next_offset=stream.position, clip_fraction=clipped / n)
     if track:
         out.times, out.excess_risk = np.array(times), np.array(risks)
     return out

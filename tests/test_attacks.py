@@ -332,6 +332,52 @@ def test_fitted_shapes_do_not_reveal_a_record():
 
 # ------------------------------------------ noise shared across components
 
+def test_one_pass_dpsgd_draws_fresh_noise_and_its_result_holds_no_key():
+    """The fifth audit: dpsgd_linear_regression drew its noise from
+    np.random.default_rng(seed), restarted at every call, and kept the seed
+    (the OS key for seed=None) in its result.  Two calls with one seed on data
+    sets differing in the last record differed by exactly the noiseless
+    difference (the noise cancelled); one result gave its key away.  Now the
+    noise is the stream's next range and the result holds offsets only."""
+    import dataclasses
+    import pickle
+    from ncdp_fast.theory import dpsgd_linear_regression
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((40, 4)), rng.standard_normal(40)
+    x2 = x.copy()
+    x2[-1] *= -1.0                                   # a neighbour: the last record replaced
+    kw = dict(clip=1.0, schedule="output", rho=0.5, lr0=0.5)
+    a = dpsgd_linear_regression(x, y, seed=1234, **kw)
+    b = dpsgd_linear_regression(x2, y, seed=1234, **kw)
+    assert b.offset == a.next_offset > a.offset
+    clean_a = dpsgd_linear_regression(x, y, seed=77, **dict(kw, rho=1e300)).theta
+    clean_b = dpsgd_linear_regression(x2, y, seed=77, **dict(kw, rho=1e300)).theta
+    noise_gap = (a.theta - b.theta) - (clean_a - clean_b)
+    # The noise std on theta is 2 C sigma_{n-1} = 2 C eta / rho (output
+    # perturbation): fresh noise leaves a gap of that order, reused noise 0.
+    assert np.linalg.norm(noise_gap) > 0.1 * 2 * a.clip_norm * a.eta[-1] / 0.5
+    for r in (a, dpsgd_linear_regression(x, y, **kw)):
+        fields = dataclasses.asdict(r)
+        assert "seed" not in fields and not hasattr(r, "seed")
+    with pytest.warns(nf.NoiseReuseWarning):
+        dpsgd_linear_regression(x, y, seed=1234, offset=a.offset, **kw)
+    assert pickle.loads(pickle.dumps(a)).offset == a.offset
+
+
+def test_random_features_seed_is_a_one_way_function_of_the_key():
+    """The fifth audit: rf_seed_ (published with the fitted regressor) was
+    NumPy's SeedSequence of (key, offset), whose mixing is invertible word by
+    word: no promise that it hides the key.  Now SHA-256 of both."""
+    import hashlib
+    from ncdp_fast.theory import DPGDRegressor
+    X, y = np.random.default_rng(1).standard_normal((20, 3)), np.zeros(20)
+    r = DPGDRegressor(num_features=8, clip=1.0, lr=0.1, steps=1, sigma=1.0,
+                      seed=nf.NoiseStream(5, 7)).fit(X, y)
+    want = hashlib.sha256(b"ncdp_fast rf weights" + (5).to_bytes(8, "little")
+                          + (7).to_bytes(8, "little")).digest()[:8]
+    assert r.offset_ == 7 and r.rf_seed_ == int.from_bytes(want, "little")
+
+
 def test_components_given_one_seed_draw_disjoint_noise():
     """Every noisy component handed the same explicit seed draws its own range:
     the audit found Centering and NoisyGD noise with correlation 1.0."""
@@ -360,6 +406,11 @@ def test_components_given_one_seed_draw_disjoint_noise():
     ranges.append((key["offset"], key["offset"] + key["draws"]))
     res = nf.clip_and_noise(X, max_norm=1.0, noise_multiplier=1.0, seed=S)
     ranges.append((res.offset, res.next_offset))
+    from ncdp_fast.theory import dpsgd_linear_regression
+    for _ in range(2):
+        lin = dpsgd_linear_regression(X, y.astype(float), clip=1.0, schedule="constant",
+                                      rho=1.0, lr0=1.0, seed=S)
+        ranges.append((lin.offset, lin.next_offset))
     ranges.sort()
     for (a0, a1), (b0, b1) in zip(ranges, ranges[1:]):
         assert a0 < a1 <= b0 < b1, ranges

@@ -237,8 +237,12 @@ def test_released_asdict_and_copies_carry_no_key(tmp_path):
     sh = release_sharded(NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=4, accountant="clt",
                                      seed=SEED), X, np.arange(30) % 3, num_classes=3)
     assert sh._noise_key["seed"] == SEED
-    _no_key_in(SEED, repr(sh), dataclasses.asdict(sh), pickle.dumps(sh))
+    # vars(): the fifth audit found the sharded release's key there (a logger of
+    # __dict__ wrote it; Released had been mended by the issue-35 audit).
+    _no_key_in(SEED, repr(sh), dataclasses.asdict(sh), pickle.dumps(sh), repr(vars(sh)),
+               repr(vars(rel)))
     assert copy.copy(sh)._noise_key is None
+    assert sh._released(sh.x, sh.y)._noise_key["seed"] == SEED      # its audit copy
 
 
 def test_a_field_is_public_or_secret_not_both():
@@ -365,3 +369,56 @@ def test_a_ledger_without_a_salt_id_is_read_and_gets_one(tmp_path):
     path.write_text(json.dumps({"version": 1, "keys": data["keys"]}))
     assert _key_ledger.claim_range(SEED, 5, directory=directory) == 10
     assert json.loads(path.read_text())["salt"] == data["salt"]
+
+
+def _release_in_child(mech, X, y, queue):
+    rel = mech.release(X, y, num_classes=3)
+    queue.put(rel.x)
+
+
+def test_an_os_key_copied_by_fork_is_replaced_in_each_child():
+    """The fifth audit: a NeuroMixGDP (seed=None) made before a multiprocessing
+    Pool (fork) released, in two workers, two data sets differing in record 0:
+    both drew the parent's key at the same offset, and m (x_a - x_b) on the
+    11 differing rows gave record 0 to 1.6e-15.  A child now draws its own OS
+    key: the same data released in two forked children gives different rows."""
+    import multiprocessing as mp
+    from ncdp_fast.release import NeuroMixGDP
+    ctx = mp.get_context("fork")
+    X = np.random.default_rng(0).standard_normal((30, 4))
+    y = np.arange(30) % 3
+    mech = NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=4, accountant="clt")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_release_in_child, args=(mech, X, y, queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    a, b = queue.get(timeout=120), queue.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert a.shape == b.shape and not np.array_equal(a, b)
+
+
+def _take_in_child(stream, queue):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = stream.take(3)
+    queue.put((start, [str(w.message) for w in caught
+                       if issubclass(w.category, nf.NoiseReuseWarning)]))
+
+
+def test_an_explicit_key_used_in_a_forked_child_warns():
+    """An explicit key is the caller's to keep or change: its first use in a
+    child that inherited it warns, naming the fork (the parent and each child
+    would draw the same range)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    stream = nf.NoiseStream(SEED, 0)
+    queue = ctx.Queue()
+    p = ctx.Process(target=_take_in_child, args=(stream, queue))
+    p.start()
+    start, warned = queue.get(timeout=120)
+    p.join(timeout=60)
+    assert start == 0 and len(warned) == 1 and "forked process" in warned[0]
+    assert stream.take(3) == 0                  # the parent's own stream is unchanged

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .._stream import SecretSlot
 from ..release.released import Released
 from ..release.report import PrivacyReport
 from ._group import rank_world, shard_bounds
@@ -67,17 +68,17 @@ class ShardedRelease:
     stats: dict = field(default_factory=dict, repr=False)
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc)
                          .strftime("%Y-%m-%dT%H:%M:%SZ"))
-    # Init-only, kept in the instance's __dict__ alone: not a field, so never in repr,
-    # ==, dataclasses.asdict/astuple; __getstate__ drops it from pickles and copies.
+    # Init-only and kept off the instance's __dict__ (_stream.SecretSlot), as
+    # Released's: never in repr, ==, dataclasses.asdict/astuple, vars() (the
+    # fifth audit found it there: a logged vars() gave the noise away), pickles
+    # or copies.
     _noise_key: InitVar[Any] = None
 
     def __post_init__(self, _noise_key):
-        object.__setattr__(self, "_noise_key", _noise_key)
+        _NOISE_KEY.put(self, _noise_key)
 
     def __getstate__(self):
-        state = {k: v for k, v in self.__dict__.items() if k != "_noise_key"}
-        state["group"] = None
-        return state
+        return dict(self.__dict__, group=None)
 
     def __setstate__(self, state):
         for k, v in state.items():
@@ -207,3 +208,10 @@ class ShardedRelease:
             if writer is not None:
                 writer.abort()
             raise
+
+
+# Added after the class is made: a property named like the InitVar would be its default.
+_NOISE_KEY = SecretSlot()
+ShardedRelease._noise_key = property(lambda self: _NOISE_KEY.get(self),
+                                     doc="The secret noise key of this release (this "
+                                         "rank's object only).")
