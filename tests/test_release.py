@@ -122,6 +122,27 @@ def test_hs_with_all_classes_kept_is_poisson():
     assert clt == pytest.approx(gdp_to_dp(poisson_gdp_mu(0.8, 0.01, 2000), 1e-5), rel=1e-12)
 
 
+@pytest.mark.parametrize("change, error, match", [
+    (dict(num_samples=0.29 * 100), TypeError, "num_samples: expected an integer >= 1, got float"),
+    (dict(num_samples="29"), TypeError, "num_samples: expected an integer"),
+    (dict(num_samples=0), ValueError, "num_samples: expected an integer >= 1"),
+    (dict(n=1000.5), TypeError, "n: expected an integer"),
+    (dict(mixup_degree=-1.0), ValueError, "mixup_degree"),
+    (dict(value_discretization_interval=5.0), ValueError, "value_discretization_interval"),
+    (dict(value_discretization_interval=0.0), ValueError, "value_discretization_interval")])
+def test_hs_accounting_refuses_counts_it_would_truncate(change, error, match):
+    """The fifth audit: int(num_samples) made 0.29 * 100 = 28.999999999999996
+    rows into 28 (epsilon 1.8417 reported for 29 rows' 1.8583), and a string or
+    an out-of-range discretisation was accepted.  Both functions now check."""
+    kw = dict(mixup_degree=10, n=1000, num_samples=29, delta=1e-5, class_rates=np.ones(3))
+    kw.update(change)
+    with pytest.raises(error, match=match):
+        hs_epsilon(0.8, **kw)
+    kw.pop("delta")
+    with pytest.raises(error, match=match):
+        hs_noise_multiplier(1.0, 1e-5, accountant="pld", **kw)
+
+
 def test_hs_accounting_is_worse_than_the_papers_claim():
     # Revealed class selection: mu^2 grows by 1/p relative to Poisson at rate m/n.
     kw = dict(mixup_degree=10, n=1000, num_samples=2000, delta=1e-5)
