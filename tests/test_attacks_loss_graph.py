@@ -9,6 +9,7 @@ of 2.17x to 6.05x the bound) and must now be refused before anything is
 written; the per-sample losses stay accepted and exact; ``check_loss=False``
 is the documented opt-out."""
 import inspect
+import warnings
 
 import pytest
 
@@ -398,3 +399,37 @@ def test_a_second_backward_after_the_checked_one_is_refused():
         (w * 3).sum().backward()
         clipper.privatize_()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("reduction, loss, warns", [
+    ("sum", lambda o, y: F.cross_entropy(o, y), "mean"),
+    ("sum", lambda o, y: F.cross_entropy(o, y, reduction="none").mean(), "mean"),
+    ("mean", lambda o, y: F.cross_entropy(o, y, reduction="sum"), "sum"),
+    ("mean", lambda o, y: F.mse_loss(o, F.one_hot(y, 3).to(o.dtype), reduction="sum"), "sum"),
+    ("mean", lambda o, y: F.cross_entropy(o, y), None),
+    ("sum", lambda o, y: F.cross_entropy(o, y, reduction="none").sum(), None),
+    ("mean", lambda o, y: (F.cross_entropy(o, y, reduction="none") / len(y)).sum(), None),
+    ("mean", lambda o, y: 0.5 * F.cross_entropy(o, y, reduction="sum"), None)])
+def test_a_loss_reduction_other_than_the_graphs_warns(reduction, loss, warns):
+    """The fifth audit: a mean loss with loss_reduction="sum" (or the
+    reverse) took each sample's gradient as 1/B (B times) what it is, with no
+    word: private either way (each clipped contribution <= C), but not the
+    step asked for (relative error 0.4 to 1.7).  Where the graph shows the
+    reduction over the batch with no product or division around it, the
+    other one warns; a scaled loss is taken on trust."""
+    from ncdp_fast.torch import LossReductionWarning
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=5,
+                           loss_reduction=reduction)
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss(model(x), y).backward()
+    got = [str(w.message) for w in caught if issubclass(w.category, LossReductionWarning)]
+    if warns is None:
+        assert got == []
+    else:
+        assert len(got) == 1 and f"loss_reduction={reduction!r}, but the loss is the {warns}" \
+            in got[0] and f"pass loss_reduction={warns!r}" in got[0], got
+    clipper.privatize_()

@@ -63,6 +63,7 @@ from .engine import DPOptimizer, PrivacyEngine, PrivateModule
 from .fix import fix_batchnorm
 from .rnn import DPGRU, DPLSTM, DPRNN
 from .losses import TokenCrossEntropyLoss, causal_lm_loss, per_sample_token_loss
+from .loss_graph import LossReductionWarning
 from .memory import BatchMemoryManager
 from .layer_rules import factored_or_instantiated  # (and registers the rules of torch's layers)
 from .layers import Call, register_layer
@@ -76,4 +77,5 @@ __all__ = ["PrivacyEngine", "DPOptimizer", "PrivateModule", "BatchMemoryManager"
            "register_layer", "Call", "factored_or_instantiated", "fix_batchnorm",
            "PoissonBatchSampler", "DistributedPoissonBatchSampler", "collate_with_empty",
            "TokenCrossEntropyLoss", "per_sample_token_loss", "causal_lm_loss", "ModuleValidator",
-           "DPLSTM", "DPGRU", "DPRNN", "check_exact", "ExactnessReport"]
+           "DPLSTM", "DPGRU", "DPRNN", "check_exact", "ExactnessReport",
+           "LossReductionWarning"]

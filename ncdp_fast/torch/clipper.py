@@ -210,6 +210,7 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
         # The loss, checked at its backward to be a sum of per-sample terms
         # (loss_graph.py); check_loss=False is the user's documented opt-out.
         self._loss = LossWatch(self._anchor, check_bool(check_loss, "check_loss"), self.clear)
+        self._loss.reduction = self.loss_reduction
         # Each layer's batch dimension, where the graph from earlier layers shows it.
         self._layouts = LayoutByGraph()
         self._batch = StepBatch(self.batch_first)

@@ -22,13 +22,14 @@ the step, so backward adds no host synchronisation.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable, NamedTuple
 
 import torch
 
 from .._arrays import is_emulated
 
-__all__ = ["LossRefused", "analyse", "walker"]
+__all__ = ["LossRefused", "LossReductionWarning", "analyse", "walker"]
 
 FIX = ("compute the loss as a sum or mean of per-sample terms: for tokens, "
         "ncdp_fast.torch.causal_lm_loss / per_sample_token_loss / TokenCrossEntropyLoss "
@@ -38,6 +39,11 @@ FIX = ("compute the loss as a sum or mean of per-sample terms: for tokens, "
 
 class LossRefused(ValueError):
     """The loss is not (provably) a sum of per-sample terms."""
+
+
+class LossReductionWarning(RuntimeWarning):
+    """The loss's graph shows a mean over the batch where the clipper was told
+    "sum", or the reverse: private either way, not the step asked for."""
 
 
 class SamplesMixed(LossRefused):
@@ -533,7 +539,47 @@ def walker(outputs: dict, batch: int, anchor) -> _Walk:
     return _Walk(outputs, batch, anchor, frozenset())
 
 
-def analyse(roots, outputs: dict, batch: int, anchor, constants=frozenset()):
+# Nodes that pass a scalar loss on unchanged (no scaling): what lies between a
+# loss's reduction over the batch and the tensor handed to backward.
+_UNSCALED = {"CloneBackward0", "ToCopyBackward0", "AliasBackward0", "ContiguousBackward0",
+             "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+             "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
+             "SqueezeBackward3", "SqueezeBackward4"}
+
+
+_SCALING = {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "DivBackward2",
+            "DivBackward3"}
+
+
+def _reduction_of(walk, node) -> tuple[str, str] | None:
+    """``("mean" or "sum", the node's name)``: how the loss at ``node`` reduces the
+    per-sample terms over the batch, where the graph shows it with nothing
+    scaling it afterwards; None where it does not (a constant factor, a sum of
+    two losses, a division by a count: then the clipper's loss_reduction is
+    taken on trust, as before).  Nor where any product or division lies
+    between the layers' outputs and the loss: ``(l / B).sum()`` is a mean
+    written as a sum, and a constant cannot be told from a scale there."""
+    if any(type(n).__name__ in _SCALING for n in walk.memo):
+        return None
+    while type(node).__name__ in _UNSCALED:
+        edges = [(nf, nr) for nf, nr in node.next_functions if nf is not None]
+        if len(edges) != 1:
+            return None
+        node = edges[0][0]
+    name = type(node).__name__
+    edges = [(nf, nr) for nf, nr in node.next_functions if nf is not None]
+    if not edges or not isinstance(walk.value(*edges[0]), Out):
+        return None
+    if name in ("MeanBackward0", "MeanBackward1", "SumBackward0", "SumBackward1"):
+        return ("mean" if name.startswith("Mean") else "sum"), node.name()
+    if name in ("NllLossBackward0", "NllLoss2DBackward0") or name in _ELEMENT_LOSSES:
+        kind = {1: "mean", 2: "sum"}.get(node._saved_reduction)
+        return None if kind is None else (kind, node.name())
+    return None
+
+
+def analyse(roots, outputs: dict, batch: int, anchor, constants=frozenset(),
+            reduction: str | None = None):
     """Check the graph from each ``(tensor, gradient or None)`` root down to
     the recorded layers' outputs (``outputs``: grad_fn node -> {output_nr:
     batch dim}, None where the layer's own check refuses the step);
@@ -541,7 +587,9 @@ def analyse(roots, outputs: dict, batch: int, anchor, constants=frozenset()):
     bypasses the outputs).  Returns ``(reached, pending)``: whether some root
     depends on an output, and the value checks to read at the step
     ((device bool, message) pairs); ``constants`` the Mul/Div nodes known to
-    scale by a Python number.  Raises :class:`LossRefused`."""
+    scale by a Python number; ``reduction`` the clipper's loss_reduction (a
+    loss whose graph shows the other one warns, :class:`LossReductionWarning`).
+    Raises :class:`LossRefused`."""
     walk = _Walk(outputs, batch, anchor, constants)
     reached = False
     for t, grad in roots:
@@ -564,4 +612,18 @@ def analyse(roots, outputs: dict, batch: int, anchor, constants=frozenset()):
                           "gradient")
         if isinstance(grad, torch.Tensor) and grad.numel() == 1 and isinstance(v, Summed):
             walk._scalar_factor(node, "MulBackward0", grad, v)
+        if reduction is not None and grad is None and isinstance(v, Summed):
+            found = _reduction_of(walk, node)
+            if found is not None and found[0] != reduction:
+                # Privacy holds either way (each clipped contribution stays <= C):
+                # a warning, not a refusal -- but the step is not the one asked for.
+                kind, at = found
+                effect = ("1/B of what it is (too little clipped, the noise B times too strong "
+                          "for it)" if kind == "mean" else
+                          "B times what it is (every sample clipped)")
+                warnings.warn(
+                    f"GhostClipper: loss_reduction={reduction!r}, but the loss is the {kind} of "
+                    f"per-sample terms over the batch ({at}): each sample's gradient is taken "
+                    f"as {effect}; pass loss_reduction={kind!r} to make_private / GhostClipper",
+                    LossReductionWarning, stacklevel=2)
     return reached, walk.pending

@@ -103,6 +103,8 @@ class LossWatch:
         self.checked = False
         self.pending: list = []
         self.constants: set = set()     # nodes scaling by a Python number
+        # The clipper's loss_reduction: a loss whose graph shows the other warns.
+        self.reduction: str | None = None
         # A backward after the checked one (the same forward's): unread, so a
         # layer gradient it delivers is refused (require).
         self.later = False
@@ -140,7 +142,7 @@ class LossWatch:
                 reached, pending = True, []
             else:
                 reached, pending = analyse(roots, self.sources, self.batch, self.anchor,
-                                           self.constants)
+                                           self.constants, self.reduction)
         except LossRefused:
             self.on_refuse()
             raise
