@@ -104,6 +104,11 @@ def test_catches_a_view_folding_samples_into_the_batch(monkeypatch):
     get = torch_layout.StepBatch.get
     monkeypatch.setattr(torch_layout.StepBatch, "get",
                         lambda self, layer: (get(self, layer)[0] * views, "folded"))
+    # The pre-fix engine had no check of the step's rows against the loader's
+    # batch either (DPOptimizer._check_logical, the fifth audit), which would
+    # refuse the folded rows before the auditor sees them.
+    from ncdp_fast.torch.dp_optimizer import DPOptimizer
+    monkeypatch.setattr(DPOptimizer, "_check_logical", lambda self, batch: None)
     _assert_caught(audit_dpsgd(canaries=300, epsilon=CLAIM, epochs=2, seed=23))
 
 
