@@ -45,7 +45,7 @@ from .subsampled import (
     gaussian_event,
 )
 from . import truncation
-from .truncation import epsilon_with_truncation, gdp_epsilon, zcdp_epsilon
+from .truncation import beyond_truncation, epsilon_with_truncation, gdp_epsilon, zcdp_epsilon
 
 __all__ = ["Accountant", "GaussianEvent", "ZCDPEvent"]
 
@@ -291,6 +291,9 @@ class Accountant:
                         return math.inf
                     mu2 += q * q * t * math.expm1(x)
             return gdp_epsilon(math.sqrt(mu2), d, self._noise_pairs())
+        if accountant == "pld" and beyond_truncation(self._grouped_gaussian(), d,
+                                                     self._noise_pairs()):
+            return math.inf      # before a PLD that would not fit in memory
         dpa = import_dp_accounting()
         rel = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
         if accountant == "pld":

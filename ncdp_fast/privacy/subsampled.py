@@ -40,7 +40,7 @@ import warnings
 from .._validate import check_choice, check_delta, check_pos_int, check_positive, check_probability
 from ._validate import check_discretization_interval, check_epsilon_rtol, import_dp_accounting
 from .gdp import clt_noise_multiplier, dp_to_gdp, poisson_gdp_mu
-from .truncation import epsilon_with_truncation, gdp_epsilon, ideal_delta
+from .truncation import beyond_truncation, epsilon_with_truncation, gdp_epsilon, ideal_delta
 
 __all__ = [
     "DEFAULT_VALUE_DISCRETIZATION_INTERVAL",
@@ -97,6 +97,8 @@ def _epsilon(sigma, q, steps, delta, accountant, interval) -> float:
     if accountant == "gdp":
         mu = math.sqrt(steps) / sigma if q == 1.0 else poisson_gdp_mu(sigma, q, steps)
         return gdp_epsilon(mu, delta)
+    if accountant == "pld" and beyond_truncation([(sigma, q)], delta):
+        return math.inf          # before a PLD that would not fit in memory
     dpa = import_dp_accounting()
     event = gaussian_event(dpa, sigma, q, steps)
     of = _pld_epsilon_of(event, interval) if accountant == "pld" else _rdp_epsilon_of(event)

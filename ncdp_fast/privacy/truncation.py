@@ -47,7 +47,7 @@ from .gdp import gdp_to_dp
 from .zcdp import zcdp_to_dp
 
 __all__ = ["PAIRS_PER_KEY", "truncation_mass", "truncation_delta", "ideal_delta",
-           "epsilon_with_truncation", "gdp_epsilon", "zcdp_epsilon"]
+           "epsilon_with_truncation", "gdp_epsilon", "zcdp_epsilon", "beyond_truncation"]
 
 #: Box-Muller pairs one key's stream can produce: 2^64 draws, two per pair.
 PAIRS_PER_KEY = 2 ** 63
@@ -166,3 +166,38 @@ def zcdp_epsilon(rho, delta, pairs=None) -> float:
     """epsilon at ``delta`` of a rho-zCDP accounting of the sampler as implemented:
     the tight conversion (:func:`zcdp_to_dp`) with the tails charged."""
     return epsilon_with_truncation(lambda d: zcdp_to_dp(rho, d), delta, pairs)
+
+
+def _one_step_delta(sigma: float, q: float, epsilon: float) -> float:
+    """The ideal delta at ``epsilon`` of ONE Poisson-subsampled Gaussian step
+    (noise multiplier sigma, rate q), removal direction: q * delta_G(e') with
+    e' = log(1 + (e^epsilon - 1) / q) and delta_G(e) = Phi(1/(2 sigma) - e sigma)
+    - e^e Phi(-1/(2 sigma) - e sigma) (Balle and Wang 2018, sensitivity 1).
+    A lower bound on any composition's delta at epsilon (dropping the other
+    steps' outputs is post-processing).  Computed in logs, the difference as
+    -e^A expm1(B - A), so that no term overflows or cancels."""
+    from scipy.special import log_ndtr
+    e1 = epsilon if q == 1.0 else math.log(math.expm1(epsilon) + q) - math.log(q)
+    a = float(log_ndtr(0.5 / sigma - e1 * sigma))
+    b = e1 + float(log_ndtr(-0.5 / sigma - e1 * sigma))
+    return q * -math.exp(a) * math.expm1(min(b - a, 0.0))
+
+
+def beyond_truncation(steps, delta, pairs=None, *, mass=None) -> bool:
+    """Whether the answer at ``delta`` is ``inf`` whatever the composition:
+    some step (sigma, q) of ``steps`` alone has an ideal delta above ``delta``
+    at the epsilon where the truncation charge reaches ``delta`` (so no
+    epsilon fits, :func:`epsilon_with_truncation`).  Closed form: the PLD of
+    such a run (sigma 0.05 at q = 1, or 1e-3) filled the memory before its
+    answer, inf, came (the fifth audit).  Checked with a factor 2 margin on
+    the closed form's own rounding; a run near the edge is left to the
+    accountant."""
+    tau = truncation_mass(pairs, mass)
+    if tau >= 1.0:
+        return True
+    ratio = float(delta) * (1.0 - tau) / tau - 1.0
+    if not ratio > 0.0:
+        return True
+    edge = math.log(ratio)        # truncation_delta(edge) == delta
+    return any(_one_step_delta(float(s), float(q), edge) > 2.0 * float(delta)
+               for s, q in steps if s > 0)
