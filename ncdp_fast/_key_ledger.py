@@ -147,6 +147,22 @@ def _open_ledger(directory: Path) -> tuple[bytes, dict]:
     return salt, keys
 
 
+@contextmanager
+def _key_ranges(seed: int, directory: Path | None):
+    """``(ranges, tag, directory)`` of ``seed`` under the ledger's lock: the
+    key's recorded ranges as a :class:`_stream._Ledger` (its interval
+    arithmetic serves here too), written back when the block ends without an
+    exception (a refusal records nothing)."""
+    directory = ledger_dir() if directory is None else Path(directory)
+    with _locked(directory):
+        salt, keys = _open_ledger(directory)
+        tag = _tag(seed, salt)
+        used = _stream._Ledger({tag: keys.get(tag, [])})
+        yield used, tag, directory
+        keys[tag] = used.ranges(tag)
+        _write(directory / "ranges.json", keys, _salt_id(salt))
+
+
 def claim_range(seed: int, draws: int, offset: int | None = None, *,
                 directory: Path | None = None) -> int:
     """Reserve ``draws`` draws of ``seed``'s stream for this run; returns the first.
@@ -160,13 +176,7 @@ def claim_range(seed: int, draws: int, offset: int | None = None, *,
     draws = _validate.check_uint64(draws, "draws")
     if offset is not None:
         offset = _validate.check_uint64(offset, "--offset")
-    directory = ledger_dir() if directory is None else Path(directory)
-    with _locked(directory):
-        salt, keys = _open_ledger(directory)
-        tag = _tag(seed, salt)
-        path = directory / "ranges.json"
-        # The in-process interval arithmetic of _stream serves here too.
-        used = _stream._Ledger({tag: keys.get(tag, [])})
+    with _key_ranges(seed, directory) as (used, tag, directory):
         if offset is None:
             start = used.next_free(tag)
         elif used.overlaps(tag, offset, draws):
@@ -180,23 +190,14 @@ def claim_range(seed: int, draws: int, offset: int | None = None, *,
             start = offset
         _validate.check_draw_range(start, draws, "--offset")
         used.record(tag, start, draws)
-        keys[tag] = used.ranges(tag)
-        _write(path, keys, _salt_id(salt))
     return start
 
 
 def _update(seed: int, start: int, end: int, directory: Path | None) -> bool:
     """Record [start, end) of ``seed``'s stream as used (merged with what is
     there); True if it overlapped a recorded range."""
-    directory = ledger_dir() if directory is None else Path(directory)
-    with _locked(directory):
-        salt, keys = _open_ledger(directory)
-        tag = _tag(seed, salt)
-        used = _stream._Ledger({tag: keys.get(tag, [])})
-        overlap = used.record(tag, start, end - start)
-        keys[tag] = used.ranges(tag)
-        _write(directory / "ranges.json", keys, _salt_id(salt))
-    return overlap
+    with _key_ranges(seed, directory) as (used, tag, _):
+        return used.record(tag, start, end - start)
 
 
 def record_used(seed: int, start: int, end: int, *, directory: Path | None = None) -> None:

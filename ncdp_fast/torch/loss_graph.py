@@ -556,11 +556,9 @@ def _reduction_of(walk, node) -> tuple[str, str] | None:
     per-sample terms over the batch, where the graph shows it with nothing
     scaling it afterwards; None where it does not (a constant factor, a sum of
     two losses, a division by a count: then the clipper's loss_reduction is
-    taken on trust, as before).  Nor where any product or division lies
-    between the layers' outputs and the loss: ``(l / B).sum()`` is a mean
-    written as a sum, and a constant cannot be told from a scale there."""
-    if any(type(n).__name__ in _SCALING for n in walk.memo):
-        return None
+    taken on trust, as before).  :func:`analyse` also trusts it where any
+    product or division (``_SCALING``) lies between the layers' outputs and
+    the loss: ``(l / B).sum()`` is a mean written as a sum."""
     while type(node).__name__ in _UNSCALED:
         edges = [(nf, nr) for nf, nr in node.next_functions if nf is not None]
         if len(edges) != 1:
@@ -614,7 +612,10 @@ def analyse(roots, outputs: dict, batch: int, anchor, constants=frozenset(),
             walk._scalar_factor(node, "MulBackward0", grad, v)
         if reduction is not None and grad is None and isinstance(v, Summed):
             found = _reduction_of(walk, node)
-            if found is not None and found[0] != reduction:
+            # The graph's nodes are scanned for a factor only on a mismatch: the
+            # common step, whose reduction agrees, pays for the walk up the root.
+            if found is not None and found[0] != reduction and \
+                    not any(type(n).__name__ in _SCALING for n in walk.memo):
                 # Privacy holds either way (each clipped contribution stays <= C):
                 # a warning, not a refusal -- but the step is not the one asked for.
                 kind, at = found
