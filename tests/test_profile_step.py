@@ -62,3 +62,21 @@ def test_profile_step_refuses_an_unknown_workload(tmp_path):
     assert proc.returncode == 2
     assert "--workloads: unknown ['resnet']" in proc.stderr
     assert not list(tmp_path.glob("*"))
+
+
+def test_host_cprofile_reports_each_method_with_its_profile():
+    """bench/host_cprofile.py (the H200's host profile of 2026-11-30): a block a
+    method, its wall and CPU ms, and the private methods' cProfile tables
+    naming the clip op."""
+    pytest.importorskip("torch")
+    from conftest import run_bench_script
+    proc = run_bench_script("host_cprofile", "cpu", "linear", "2", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    heads = [line for line in proc.stdout.splitlines() if line.startswith("=====")]
+    assert [h.split(":")[0] for h in heads] == [
+        "===== linear nonprivate", "===== linear ncdp_ghost", "===== linear ncdp_engine"]
+    for h in heads:
+        wall, cpu = (float(h.split(what)[1].split()[0]) for what in ("wall ", "process cpu "))
+        assert wall > 0 and cpu > 0
+    blocks = proc.stdout.split("=====")[2:]
+    assert all("clip_and_noise_layers" in b for b in blocks)
