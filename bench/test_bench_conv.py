@@ -11,9 +11,13 @@ Methods, interleaved in one process (bench/README.md), float32:
   the input by the gradient, the rest by the weight-gradient kernel with the
   batch folded into the groups.
 * ``folded``: every layer by the weight-gradient kernel with the batch folded
-  into the groups (the rule's only route before 2026-11-29).
+  into the groups (the rule's only route before 2026-11-29), with TF32 off as
+  the rule runs it (``ieee_float32_products``; ``unfold_bmm`` likewise): the
+  H200 run of 2026-11-30 ran it in cuDNN's default TF32, outside the accuracy
+  check's float32 bound at the (144, 24) 1x1 layer.
 * ``summed``: the non-private backward's weight gradient of the same layer (the
-  batch summed; what the private step does not run): the floor.
+  batch summed; what the private step does not run), under the process's TF32
+  settings as non-private training runs it: the floor.
 * ``opacus``: Opacus's conv grad sampler (unfold, then einsum), what a user of
   Opacus's per-sample modes gets.
 * ``unfold_bmm``: im2col columns and one batched GEMM per (sample, group),
@@ -71,6 +75,7 @@ def test_conv_grads(benchmark, case, bench_device):
     import torch
     from torch import nn
 
+    from ncdp_fast._cuda._common import ieee_float32_products
     from ncdp_fast.torch import layer_rules
     B, layer = case.params["B"], case.params["layer"]
     cin, cout, k, s, p, G, size = layer
@@ -86,9 +91,10 @@ def test_conv_grads(benchmark, case, bench_device):
             return layer_rules._conv_per_sample(module, x, g)
     elif method == "folded":
         def fn():
-            gw = torch.nn.grad.conv2d_weight(
-                x.reshape(1, B * cin, size, size), (B * cout, cin // G, k, k),
-                g.reshape(1, B * cout, L, L), stride=s, padding=p, groups=B * G)
+            with ieee_float32_products(x):
+                gw = torch.nn.grad.conv2d_weight(
+                    x.reshape(1, B * cin, size, size), (B * cout, cin // G, k, k),
+                    g.reshape(1, B * cout, L, L), stride=s, padding=p, groups=B * G)
             return gw.reshape(B, *module.weight.shape)
     elif method == "summed":
         def fn():
@@ -98,7 +104,8 @@ def test_conv_grads(benchmark, case, bench_device):
         def fn():
             cols = torch.nn.functional.unfold(x, k, padding=p, stride=s)    # (B, C_in k^2, L^2)
             cols = cols.reshape(B * G, (cin // G) * k * k, L * L)
-            gw = torch.bmm(g.reshape(B * G, cout // G, L * L), cols.transpose(1, 2))
+            with ieee_float32_products(x):
+                gw = torch.bmm(g.reshape(B * G, cout // G, L * L), cols.transpose(1, 2))
             return gw.reshape(B, *module.weight.shape)
     else:
         conv_sampler = pytest.importorskip("opacus.grad_sample.conv")

@@ -142,3 +142,69 @@ def test_conv_under_autocast_is_the_sum_of_its_per_sample_gradients(layer):
         # noise's add (of zeros): a few roundings more than B L.
         assert_within_sum_bound(got.double().numpy(), expected.numpy(),
                                 magnitude.numpy(), B * L + 4, np.float32, name)
+
+
+# One layer a route, with enough channels a product that TF32's 10-bit
+# mantissas would leave the float32 bound on a GPU (the H200 run of 2026-11-30:
+# a (144 -> 24) weight-gradient kernel in TF32 outside it).
+TF32_LAYERS = [(144, 24, 1, 0, 1, 12, "gemm"), (96, 96, 3, 1, 96, 12, "forward"),
+               (64, 32, 3, 1, 1, 20, "folded")]
+
+
+def _legacy_tf32_flags():
+    """(matmul, cudnn) TF32 flags through the legacy API, or None where a test
+    before set the new one (reading the legacy flag then raises)."""
+    try:
+        return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    except RuntimeError:
+        return None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", TF32_LAYERS, ids=lambda c: c[-1])
+def test_per_sample_conv_products_run_in_ieee_float32_whatever_the_caller_set(
+        require_cuda, layer, monkeypatch):
+    """The caller has TF32 on for both cuBLAS and cuDNN (cuDNN's is torch's
+    default): each GEMM and convolution forming a per-sample gradient (whose
+    norm decides the clip factor) runs with both off, the caller's flags are
+    back afterwards, and the values are within the float32 rounding bound of
+    the float64 sum (on a GPU; on the emulated device the flags alone)."""
+    from ncdp_fast import _arrays
+    before = _legacy_tf32_flags()
+    if before is None:
+        pytest.skip("a test before set the new precision API; the legacy flags are unreadable")
+    cin, cout, k, p, G, size, route = layer
+    torch.manual_seed(cin)
+    module = nn.Conv2d(cin, cout, k, padding=p, groups=G, bias=False).to(require_cuda)
+    x = torch.randn(4, cin, size, size, device=require_cuda)
+    g = torch.randn(4, cout, size, size, device=require_cuda)
+    assert _arrays.is_cuda_array(x)
+    seen = []
+
+    def watched(fn):
+        def call(*a, **kw):
+            seen.append((fn.__name__, _legacy_tf32_flags()))
+            return fn(*a, **kw)
+        return call
+    for owner, name in [(torch, "bmm"), (torch.nn.functional, "conv2d"),
+                        (torch.nn.grad, "conv2d_weight")]:
+        monkeypatch.setattr(owner, name, watched(getattr(owner, name)))
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        got = layer_rules._conv_per_sample(module, x, g)
+        after = _legacy_tf32_flags()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    monkeypatch.undo()
+    assert layer_rules.per_sample_route(G, (k, k), (p, p), size * size) == route
+    assert seen and all(flags == (False, False) for _, flags in seen), seen
+    assert after == (True, True)
+    m64 = nn.Conv2d(cin, cout, k, padding=p, groups=G, bias=False).double().to(require_cuda)
+    x64, g64 = x.double(), g.double()
+    expected = torch.nn.grad.conv2d_weight  # the float64 per-sample sums, sample by sample
+    ref = torch.stack([expected(x64[b:b + 1], m64.weight.shape, g64[b:b + 1], padding=p,
+                                groups=G)[None] for b in range(4)]).squeeze(1)
+    mag = torch.stack([expected(x64[b:b + 1].abs(), m64.weight.shape, g64[b:b + 1].abs(),
+                                padding=p, groups=G)[None] for b in range(4)]).squeeze(1)
+    assert_within_sum_bound(got.double().cpu().numpy(), ref.cpu().numpy(), mag.cpu().numpy(),
+                            size * size, np.float32, f"{route} route")

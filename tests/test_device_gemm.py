@@ -518,3 +518,58 @@ def test_group_norms_share_one_inputs_copy_and_grams(shape, dtype, monkeypatch):
     assert np.all(np.abs(sq.numpy() - ref) <= tol)
     assert np.all(np.abs(sp.numpy() - ref_sp) <= 2 * (d + K + T + 4 + len(a)) * U64 * ref_sp)
     assert np.all(np.abs(sizes.numpy() - sizes_ref) <= (T * max(d, K) + 2) * U64 * sizes_ref)
+
+
+def test_tf32_switch_for_convolutions_turns_both_backends_off_and_restores_them():
+    """ieee_float32_products (the per-sample gradients' GEMMs and convolutions):
+    on a device array cuBLAS's and cuDNN's TF32 are off inside, nested entries
+    only count, the caller's flags come back after (also after an error); on a
+    host array it touches neither."""
+    from ncdp_fast._cuda._common import ieee_float32_matmul, ieee_float32_products
+    import ncdp_fast._backend as be
+    m, c = torch.backends.cuda.matmul, torch.backends.cudnn
+    try:
+        before = (m.allow_tf32, c.allow_tf32)
+    except RuntimeError:
+        pytest.skip("a test before set the new precision API; the legacy flags are unreadable")
+    m.allow_tf32 = c.allow_tf32 = True
+    try:
+        with ieee_float32_products(torch.zeros(1)):
+            assert (m.allow_tf32, c.allow_tf32) == (True, True)      # a host array
+        with be.emulated_cuda():
+            device = torch.zeros(1)
+            with ieee_float32_products(device):
+                assert (m.allow_tf32, c.allow_tf32) == (False, False)
+                with ieee_float32_matmul():
+                    pass
+                assert (m.allow_tf32, c.allow_tf32) == (False, False)   # an inner exit
+                with pytest.raises(ZeroDivisionError):
+                    with ieee_float32_products(device):
+                        1 / 0
+                assert (m.allow_tf32, c.allow_tf32) == (False, False)
+            assert (m.allow_tf32, c.allow_tf32) == (True, True)
+    finally:
+        m.allow_tf32, c.allow_tf32 = before
+
+
+def test_tf32_switch_for_convolutions_works_under_torchs_new_precision_api():
+    """A caller who set cuDNN's convolution precision through ``fp32_precision``
+    (reading the legacy ``allow_tf32`` then raises): the switch sets and
+    restores that one."""
+    from ncdp_fast._cuda._common import ieee_float32_products
+    import ncdp_fast._backend as be
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is None or not hasattr(conv, "fp32_precision"):
+        pytest.skip("this torch has no cudnn.conv.fp32_precision")
+    rnn = torch.backends.cudnn.rnn
+    before = conv.fp32_precision, rnn.fp32_precision
+    # conv and rnn set apart: the legacy flag, shared by both, is unreadable.
+    conv.fp32_precision, rnn.fp32_precision = "tf32", "ieee"
+    try:
+        with pytest.raises(RuntimeError):
+            torch.backends.cudnn.allow_tf32
+        with be.emulated_cuda(), ieee_float32_products(torch.zeros(1)):
+            assert conv.fp32_precision == "ieee"
+        assert (conv.fp32_precision, rnn.fp32_precision) == ("tf32", "ieee")
+    finally:
+        conv.fp32_precision, rnn.fp32_precision = before

@@ -2,6 +2,7 @@
 stream and workspaces."""
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -52,36 +53,47 @@ def workspace(like, nbytes: int):
     return buf, ptr(buf)
 
 
-# The flag is the process's: calls on several threads share one save and
-# restore (the first in saves, the last out restores), so no thread's exit
-# turns TF32 back on under another's products or loses the caller's setting.
+# The flags are the process's: calls on several threads share one save and
+# restore per flag (the first in saves, the last out restores), so no thread's
+# exit turns TF32 back on under another's products or loses the caller's setting.
 _TF32_LOCK = threading.Lock()
-_TF32_STATE = {"depth": 0, "saved": None, "name": None}
+_TF32_STATE = {kind: {"depth": 0, "saved": None} for kind in ("matmul", "conv")}
 
 
-class _IeeeFloat32Matmul:
-    """The context of :func:`ieee_float32_matmul`: a class, not a generator,
-    and the API probe only on the outermost entry, because the clip op enters
-    it once a linear layer (a few microseconds of host time each, issue 36)."""
+class _IeeeFloat32:
+    """The context of :func:`ieee_float32_matmul` and :func:`ieee_float32_products`:
+    a class, not a generator, and the API probe only on the outermost entry of
+    each flag, because the clip op enters it once a linear layer (a few
+    microseconds of host time each, issue 36)."""
+
+    def __init__(self, kinds):
+        self.kinds = kinds
 
     def __enter__(self):
         with _TF32_LOCK:
-            if _TF32_STATE["depth"] == 0:
-                import torch
-                m = torch.backends.cuda.matmul
-                name, off = _tf32_switch(m)
-                _TF32_STATE["saved"], _TF32_STATE["name"] = getattr(m, name), name
-                setattr(m, name, off)
-            _TF32_STATE["depth"] += 1
+            for kind in self.kinds:
+                state = _TF32_STATE[kind]
+                if state["depth"] == 0:
+                    owner, name, off = _tf32_switch(kind)
+                    state["saved"] = (owner, name, getattr(owner, name))
+                    setattr(owner, name, off)
+                state["depth"] += 1
         return self
 
     def __exit__(self, *exc):
         with _TF32_LOCK:
-            _TF32_STATE["depth"] -= 1
-            if _TF32_STATE["depth"] == 0:
-                import torch
-                setattr(torch.backends.cuda.matmul, _TF32_STATE["name"], _TF32_STATE["saved"])
+            for kind in self.kinds:
+                state = _TF32_STATE[kind]
+                state["depth"] -= 1
+                if state["depth"] == 0:
+                    owner, name, value = state["saved"]
+                    setattr(owner, name, value)
         return False
+
+
+_MATMUL = _IeeeFloat32(("matmul",))
+_PRODUCTS = _IeeeFloat32(("matmul", "conv"))
+_NO_SWITCH = contextlib.nullcontext()
 
 
 def ieee_float32_matmul():
@@ -93,13 +105,30 @@ def ieee_float32_matmul():
     set the new ``fp32_precision``) that one -- setting the other would leave
     the two in the mixed state torch refuses to read.  Nested entries (a
     step's sums inside the clip op's one) only count."""
-    return _IeeeFloat32Matmul()
+    return _MATMUL
 
 
-def _tf32_switch(matmul_backend):
-    """(attribute, its IEEE float32 value) of the TF32 API in use."""
+def ieee_float32_products(like):
+    """:func:`ieee_float32_matmul` for cuDNN's convolutions too, whose TF32 is
+    on by torch's default (``torch.backends.cudnn.allow_tf32``), where ``like``
+    is a device array (the emulated device's included, so that CI runs the
+    switch); a context that does nothing for a host array (no TF32 there).
+    Around the per-sample gradients the torch drop-in's rules form with GEMMs
+    and convolutions (``torch/layer_rules.py``, ``torch/hf_layers.py``,
+    ``torch/tied.py``), whose norms decide the clip factors (issue 36: no TF32
+    there; the H200 run of 2026-11-30 ran a folded weight-gradient kernel in
+    TF32, its values outside the float32 rounding bound of the float64 sum)."""
+    return _PRODUCTS if _arrays.is_cuda_array(like) else _NO_SWITCH
+
+
+def _tf32_switch(kind):
+    """(owner, attribute, its IEEE float32 value) of the TF32 API in use for
+    ``kind``: "matmul" (cuBLAS) or "conv" (cuDNN's convolutions)."""
+    import torch
+    legacy = torch.backends.cuda.matmul if kind == "matmul" else torch.backends.cudnn
     try:
-        matmul_backend.allow_tf32
+        legacy.allow_tf32
     except RuntimeError:
-        return "fp32_precision", "ieee"
-    return "allow_tf32", False
+        return (legacy if kind == "matmul" else torch.backends.cudnn.conv), "fp32_precision", \
+            "ieee"
+    return legacy, "allow_tf32", False

@@ -31,6 +31,7 @@ import textwrap
 import torch
 from torch import nn
 
+from .._cuda._common import ieee_float32_products
 from .layer_rules import (_cat, _flat_positions, embedding_rule, factored_or_instantiated,
                           linear_rule)
 from .layers import RULE_FINDERS, RULES_BY_NAME, accumulation_dtype, register_layer_by_name
@@ -102,7 +103,8 @@ def scale_rule(name: str, unit: float = 1.0):
             zs.append(_flat_positions(z, p.numel(), p.dim()))
             gs.append(_flat_positions(c.grad, p.numel(), p.dim()))
         z, g = _cat(zs), _cat(gs)
-        per_sample = torch.einsum("btw,btw->bw", g, z.to(g.dtype))
+        with ieee_float32_products(g):
+            per_sample = torch.einsum("btw,btw->bw", g, z.to(g.dtype))
         return [((name,), per_sample.reshape(per_sample.shape[0], *p.shape))]
     rule.__name__ = rule.__qualname__ = f"scale_rule_{name}"
     return rule

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _arrays
+from .._cuda._common import ieee_float32_products
 from .._cuda.gram import grams_f64
 from .._norm_affine import device_grads
 from .._clip import GhostBlock
@@ -72,7 +73,8 @@ def factored_or_instantiated(a: torch.Tensor, g: torch.Tensor, names: tuple, bia
     K = g.shape[2]
     if 2 * T * T <= K * d or T == 1:
         return [(names, (a, g, bias))]
-    out = [((names[0],), torch.bmm(g.transpose(1, 2), a))]
+    with ieee_float32_products(a):
+        out = [((names[0],), torch.bmm(g.transpose(1, 2), a))]
     if bias:
         out.append(((names[1],), g.sum(1)))
     return out
@@ -201,7 +203,13 @@ def _conv_per_sample(module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     - otherwise the convolution's weight-gradient kernel with the batch folded
       into the groups.
 
-    Each value is one sum over the sample's output positions, in the data dtype."""
+    Each value is one sum over the sample's output positions, in the data
+    dtype (IEEE: TF32 off for cuDNN and cuBLAS on a device)."""
+    with ieee_float32_products(x):
+        return _conv_per_sample_routes(module, x, g)
+
+
+def _conv_per_sample_routes(module, x, g):
     x, padding, two = _conv_input(module, x)
     B = x.shape[0]
     w = module.weight
@@ -403,7 +411,8 @@ def rms_norm_rule(module: nn.RMSNorm, calls, trainable):
         xhat = F.rms_norm(c.inputs[0], module.normalized_shape, None, module.eps)
         xs.append(_flat_positions(xhat, width, k))
         gs.append(_flat_positions(c.grad, width, k))
-    w = torch.einsum("btw,btw->bw", _cat(gs), _cat(xs))
+    with ieee_float32_products(xs[0]):
+        w = torch.einsum("btw,btw->bw", _cat(gs), _cat(xs))
     return [(("weight",), w.reshape(w.shape[0], *module.normalized_shape))]
 
 

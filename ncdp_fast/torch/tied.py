@@ -33,7 +33,7 @@ from torch import nn
 
 from .. import _arrays
 from .._cuda import clip as clip_ops   # device-agnostic torch routes (CPU tensors too)
-from .._cuda._common import ieee_float32_matmul
+from .._cuda._common import ieee_float32_matmul, ieee_float32_products
 from .._cuda.gram import grams_f64
 from .._cuda.gram import sample_bytes as gram_sample_bytes
 from .._clip import GhostBlock
@@ -211,7 +211,8 @@ def combine(uses, shape: tuple, dtype: torch.dtype, batch: int, gram32: bool = F
 
 def _dense(use, shape, batch):
     if isinstance(use, PairUse):
-        return torch.bmm(use.g.transpose(1, 2), use.a)
+        with ieee_float32_products(use.a):
+            return torch.bmm(use.g.transpose(1, 2), use.a)
     if isinstance(use, IndexUse):
         V, D = shape
         sample = torch.arange(batch, device=use.idx.device).unsqueeze(1)
