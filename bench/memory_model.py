@@ -143,15 +143,12 @@ CAST_CHUNK_BYTES = 1 << 20
 
 
 class GpuCasts(torch.utils._python_dispatch.TorchDispatchMode):
-    """A CUDA element-wise kernel casts its operands as it loads them; the
-    CPU's first copies an operand of another dtype whole: ``torch.mul`` of a
-    float32 array by float64 factors into a float32 result
+    """A CUDA element-wise kernel or reduction casts its operands as it loads
+    them; the CPU's first copies an operand of another dtype whole:
+    ``torch.mul`` of a float32 array by float64 factors into a float32 result
     (``_arrays.scale_rows``) made two float64 temporaries of the array's size,
-    and GPT-2's (16, 128, 50257) head gradient is 785 MB in float64.  (A float64
-    sum of a float32 array copies it whole to float64 on either device -- the
-    H200 run of 2026-11-30 counted 84 such copies in a BERT-base step -- so the
-    clip op sums with its own kernel instead; the chunking below stays for
-    any such sum.)  Here such an op runs
+    a float64 sum of a float32 array (``_arrays.sum_float64``) one, and GPT-2's
+    (16, 128, 50257) head gradient is 785 MB in float64.  Here such an op runs
     a chunk of its output at a time, its temporaries a chunk's: element-wise
     ops (torch's pointwise tag) cut along their output's first axis (the same
     values), float64 sums of float32 along a kept axis (the same up to the

@@ -71,8 +71,8 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
         "Workspace bytes of launch_weighted_row_sum_noise.", py::arg("B"), py::arg("p"),
         py::arg("dtype"));
   m.def("launch_weighted_row_sum_noise", &ncdp::launch_weighted_row_sum_noise,
-        "out = inv_denom * (sum_i factors[i] g[i] + noise_std * normals(seed, offset)) "
-        "(factors 0: every weight 1); deterministic.",
+        "out = inv_denom * (sum_i factors[i] g[i] + noise_std * normals(seed, offset)); "
+        "deterministic.",
         py::arg("g"), py::arg("B"), py::arg("p"), py::arg("dtype"), py::arg("factors"),
         py::arg("noise_std"), py::arg("inv_denom"), py::arg("seed"), py::arg("offset"),
         py::arg("out"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),

@@ -513,6 +513,12 @@ def _float64_of(x):
     return np.float64
 
 
+def sum_float64(x, axis):
+    """x summed over ``axis`` in float64 (float32 values widened inside the
+    reduction, no float64 copy of x), by x's library (torch or CuPy)."""
+    return x.sum(axis, dtype=_float64_of(x))
+
+
 def cat_float64(parts):
     """The arrays of ``parts`` (one library, one device, equal trailing shapes)
     joined along axis 0 into one new float64 array, each cast inside the copy

@@ -294,31 +294,6 @@ def test_weighted_row_sum_skips_dropped_rows(emu, dtype):
     assert_close(res["out"], expected, scale, B + 4, np.float64, dtype, "out")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,p", [(3, 20), (1, 8), (7, 27), (0, 5), (600, 4)])
-@pytest.mark.parametrize("unit", [True, False])
-def test_weighted_row_sum_of_a_bias(emu, dtype, B, p, unit):
-    """A linear layer's bias, the samples' (T, K) blocks as rows (the clip op's
-    device route): every weight 1 (no factors buffer: the GEMM's scaled
-    rows), or each sample's factor (0 drops a row, which may hold NaN); the
-    float64 sum of the rows' float64 products within the rounding of B + 4
-    float64 additions, p not a multiple of the vector width included."""
-    g = _dense_case(B, p, dtype, seed=B + p)
-    factors = np.random.default_rng(6).uniform(0, 1, B)
-    if not unit and B > 1:
-        factors[1] = 0.0
-        g[1] = np.nan
-    res = emu.run("weighted_row_sum_noise",
-                  dict(dtype=_dt(dtype), B=B, p=p, noise_std=0.0, inv_denom=1.0, seed=1,
-                       offset=0, out64=1),
-                  {"grads": g, "factors": None if unit else factors,
-                   "out": np.full(p, np.nan)})
-    expected, scale, _, _ = _expected_dense(g, 1.0, 0.0, 1.0, 1, 0,
-                                            factors=np.ones(B) if unit else factors)
-    assert np.all(np.isfinite(res["out"]))
-    assert_close(res["out"], expected, scale, B + 4, np.float64, np.float64, "out")
-
-
 @pytest.mark.parametrize("B,p", [(30, 11), (1, 1), (0, 5), (600, 3)])
 def test_weighted_row_sum_float64_sum_then_finish_is_the_fused_kernel(emu, B, p):
     """float32 rows summed into float64 (out_dtype 1, noise 0: the clip op's

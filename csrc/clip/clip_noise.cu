@@ -218,17 +218,14 @@ __global__ void __launch_bounds__(kBlockThreads) clip_factors_kernel(
 
 // partials[s, j] (=, or += across chunks) sum over the rows r of slab s of
 // factors[r] * grads[r, j], in float64 (the factor may be far below the
-// smallest normal float); factors null: every weight 1, each value widened
-// inside the sum (a linear layer's bias, which torch's sum(dtype=float64)
-// would first copy whole to float64). Block (x, s)
-// covers 256 column groups of 4 columns of slab s; a thread walks its slab's
-// rows down its 4 columns, so each row read is coalesced. kAligned: every
-// group of 4 starts on a 16-byte boundary (base aligned and p a multiple of
-// the vector width).
+// smallest normal float). Block (x, s) covers 256 column groups of
+// 4 columns of slab s; a thread walks its slab's rows down its 4 columns, so
+// each row read is coalesced. kAligned: every group of 4 starts on a 16-byte
+// boundary (base aligned and p a multiple of the vector width).
 template <typename Real, bool kAligned>
 __global__ void __launch_bounds__(kBlockThreads) weighted_row_sum_partials_kernel(
     const Real* __restrict__ grads,      // [rows, p]
-    const double* __restrict__ factors,  // [rows], or null
+    const double* __restrict__ factors,  // [rows]
     std::int64_t rows, std::int64_t p, std::int64_t rows_per_slab,
     double* __restrict__ partials,  // [slabs, p], slabs = gridDim.y
     bool accumulate) {
@@ -252,7 +249,7 @@ __global__ void __launch_bounds__(kBlockThreads) weighted_row_sum_partials_kerne
     for (int q = 0; q < 4; ++q) acc[q] = (accumulate && q < width) ? dst[q] : 0.0;
 #pragma unroll 4
     for (std::int64_t r = row_begin; r < row_end; ++r) {
-      const double factor = factors == nullptr ? 1.0 : factors[r];
+      const double factor = factors[r];
       // Rows with factor 0 are dropped, not multiplied: they may hold NaN.
       const bool keep = factor != 0.0;
       const Real* src = grads + r * p + column;
@@ -275,7 +272,7 @@ __global__ void __launch_bounds__(kBlockThreads) weighted_row_sum_partials_kerne
 
 template <typename Real>
 void launch_weighted_row_sum_partials(const Real* grads,      // [rows, p]
-                                      const double* factors,  // [rows], or null
+                                      const double* factors,  // [rows]
                                       std::int64_t rows, std::int64_t p, std::int64_t slabs,
                                       double* partials,  // [slabs, p]
                                       bool accumulate, cudaStream_t stream) {

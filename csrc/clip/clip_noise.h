@@ -76,14 +76,13 @@ void launch_clip_factors(std::uintptr_t sq,      // [B] float64
 std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p, int dtype);
 
 // out[j] = inv_denom * (sum_i factors[i] * g[i, j] + noise_std * normal(seed, offset + j)),
-// every factor 1 where factors is 0 (the null pointer: a linear layer's bias
-// from the clipped GEMM's scaled rows), the sum in float64, rounded once to
-// out_dtype (-1: dtype; or 1, float64: the sum before its finish, which the
-// clip op adds with other blocks' in one launch,
-// launch_finish_gaussian_segments). Consumes p draws. B = 0 gives pure noise.
+// the sum in float64, rounded once to out_dtype (-1: dtype; or 1, float64: the
+// sum before its finish, which the clip op adds with other blocks' in one
+// launch, launch_finish_gaussian_segments). Consumes p draws. B = 0 gives pure
+// noise.
 void launch_weighted_row_sum_noise(std::uintptr_t g,  // [B, p], dtype
                                    std::int64_t B, std::int64_t p, int dtype,
-                                   std::uintptr_t factors,  // [B] float64, or 0
+                                   std::uintptr_t factors,  // [B] float64
                                    double noise_std, double inv_denom, std::uint64_t seed,
                                    std::uint64_t offset,
                                    std::uintptr_t out,        // [p], out_dtype
@@ -252,7 +251,7 @@ std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p);
 // Out: Real, or double (the float64 sum, for a later finish).
 template <typename Real, typename Out>
 void launch_weighted_row_sum_noise(const Real* grads,     // [B, p]
-                                   const double* factors,  // [B], or null
+                                   const double* factors,  // [B]
                                    std::int64_t B, std::int64_t p, double noise_std,
                                    double inv_denom, std::uint64_t seed, std::uint64_t offset,
                                    Out* out,   // [p]

@@ -163,7 +163,7 @@ void launch_weighted_row_sum_noise(std::uintptr_t g, std::int64_t B, std::int64_
                                 "or 1 (float64), got " + std::to_string(out_dtype));
   }
   require_pointer(g, B * p > 0, element, "g");
-  require_pointer(factors, false, sizeof(double), "factors");  // 0: every weight 1
+  require_pointer(factors, B > 0 && p > 0, sizeof(double), "factors");
   require_pointer(out, p > 0, dtype_size(out_dtype), "out");
   require_workspace(workspace, workspace_bytes, needed, "weighted_row_sum_noise");
   if (p == 0) return;

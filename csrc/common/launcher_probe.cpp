@@ -197,11 +197,6 @@ void probe_weighted_row_sum_noise(Probe& probe) {
         probe.buffer<Real>(B * p), probe.buffer<double>(B), B, p, 1.0, 0.5, kSeed, kOffset,
         probe.buffer<Out>(p), probe.bytes(workspace), kLegacyStream);
     probe.check(sizes({{"B", B}, {"p", p}}));
-    // Every weight 1 (null factors): a bias from the clipped GEMM's scaled rows.
-    kernels::launch_weighted_row_sum_noise<Real, Out>(
-        probe.buffer<Real>(B * p), nullptr, B, p, 0.0, 1.0, kSeed, kOffset,
-        probe.buffer<Out>(p), probe.bytes(workspace), kLegacyStream);
-    probe.check(sizes({{"B", B}, {"p", p}, {"unit weights", 1}}));
   }
 }
 

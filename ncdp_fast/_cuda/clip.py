@@ -85,17 +85,12 @@ def clip_noise_rows(g, max_norm, noise_std, inv_denom, seed, offset, out, norms,
 def weighted_row_sum_noise(g, factors, noise_std, inv_denom, seed, offset, out):
     # out in g's dtype, or float64 (the sum before its finish: the clip op's
     # joined dense blocks, finished with the other blocks' in one launch).
-    # factors None: every row weighs 1.
-    _weighted_row_sum(g, factors, noise_std, inv_denom, seed, offset, out)
-
-
-def _weighted_row_sum(g, factors, noise_std, inv_denom, seed, offset, out):
     B, p = g.shape
     dt = dtype_code(g)
     C = native(g)
     nbytes = C.weighted_row_sum_workspace_bytes(B, p, dt)
     ws, ws_ptr = workspace(g, nbytes)
-    C.launch_weighted_row_sum_noise(ptr(g), B, p, dt, opt_ptr(factors), float(noise_std),
+    C.launch_weighted_row_sum_noise(ptr(g), B, p, dt, ptr(factors), float(noise_std),
                                      float(inv_denom), int(seed), int(offset), ptr(out),
                                      ws_ptr, nbytes, stream(g), dtype_code(out))
 
@@ -419,22 +414,13 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     segments = [] if finish is None else finish
     segments.append((gw, gw, offset))               # contiguous: no flat view
     if gb is not None:
-        # The bias in float64 by the weighted row sum over the samples' (T, K)
-        # blocks, each value widened inside it, then over T: torch's
-        # sum(dtype=float64) first copies its whole operand to float64 (the
-        # H200 run of 2026-11-30: 84 such copies and 73 reductions, 2.8 ms of
-        # a BERT-base step's device time).  A sample's block as one row keeps
-        # the rows few and wide, the shape the kernel's slabs are cut for.
-        io = _arrays.io_for(g)
-        acc = io.empty((T * K,), np.float64)
         if scaled is not None:
             # The GEMM's own f_i g_it, each rounded once: summed in float64 they
-            # are the numba twin's bias.
-            _weighted_row_sum(scaled.reshape(B, T * K), None, 0.0, 1.0, 0, 0, acc)
+            # are the numba twin's bias (one reduction over the B T rows, no
+            # (B T, K) view: an op of host time a layer).
+            accb = _arrays.sum_float64(scaled, (0, 1))
         else:
-            # The true factors, each product formed in float64.
-            _weighted_row_sum(io.to_kernel(g).reshape(B, T * K), factors, 0.0, 1.0, 0, 0, acc)
-        accb = acc.reshape(T, K).sum(0) if T != 1 else acc
+            accb = _arrays.sum_float64(g, 1).T @ factors
         # Finished from the float64 sum straight into gb: one rounding.
         segments.append((gb, accb, offset + K * d))
     if finish is None:

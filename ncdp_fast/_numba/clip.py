@@ -194,10 +194,8 @@ def clip_noise_rows(g, max_norm, noise_std, inv_denom, seed, offset, out, norms,
 
 
 def weighted_row_sum_noise(g, factors, noise_std, inv_denom, seed, offset, out):
-    """``out = inv_denom * (sum_i factors[i] g_i + noise_std * xi)`` with given
-    factors (every one 1 for None, as the device's)."""
+    """``out = inv_denom * (sum_i factors[i] g_i + noise_std * xi)`` with given factors."""
     B, p = g.shape
-    factors = np.ones(B) if factors is None else factors
     acc = _slab_buffer(B, p, g.dtype)
     _slab_sums(g, factors, False, 0.0, 0.0, factors, acc)
     _finish(acc, B, noise_std, inv_denom, seed, offset, out)

@@ -140,7 +140,6 @@ void run_typed(const Case& c) {
                                        c.ptr<double>("sq"), c.i("accumulate") != 0, stream);
   } else if (c.op == "weighted_row_sum_noise") {
     Workspace ws(kernels::weighted_row_sum_workspace_bytes(c.i("B"), c.i("p")));
-    // No factors buffer: every weight 1 (a bias from the GEMM's scaled rows).
     if (c.ints.count("out64") != 0 && c.i("out64") != 0) {   // the float64 sum
       kernels::launch_weighted_row_sum_noise<Real>(
           c.ptr<Real>("grads"), c.ptr<double>("factors"), c.i("B"), c.i("p"), c.f("noise_std"),
