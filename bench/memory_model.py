@@ -147,8 +147,10 @@ class GpuCasts(torch.utils._python_dispatch.TorchDispatchMode):
     them; the CPU's first copies an operand of another dtype whole:
     ``torch.mul`` of a float32 array by float64 factors into a float32 result
     (``_arrays.scale_rows``) made two float64 temporaries of the array's size,
-    a float64 sum of a float32 array (``_arrays.sum_float64``) one, and GPT-2's
-    (16, 128, 50257) head gradient is 785 MB in float64.  Here such an op runs
+    a float64 sum of a float32 array one (as on a GPU, where torch's reduction
+    copies it too: the H200 run of 2026-11-30; the clip op's biases now sum in
+    the data dtype), and GPT-2's (16, 128, 50257) head gradient is 785 MB in
+    float64.  Here such an op runs
     a chunk of its output at a time, its temporaries a chunk's: element-wise
     ops (torch's pointwise tag) cut along their output's first axis (the same
     values), float64 sums of float32 along a kept axis (the same up to the
