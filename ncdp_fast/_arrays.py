@@ -513,6 +513,14 @@ def _float64_of(x):
     return np.float64
 
 
+def sum_float64(x, axis):
+    """x summed over ``axis`` in float64, by x's library (torch or CuPy): no
+    partial sum overflows or loses bits to the data dtype.  torch copies a
+    float32 x whole to float64 first (on the CPU and on a GPU), so the clip
+    ops call it only where a data-dtype sum could overflow."""
+    return x.sum(axis, dtype=_float64_of(x))
+
+
 def sum_into(x, axis, out):
     """``out`` = x summed over ``axis`` in x's dtype, by x's library (torch or
     CuPy). A float64 sum of float32 values is not offered: torch's

@@ -192,10 +192,10 @@ def _sum_bound(a, g, f, inv, bias, dtype):
     fl(f_i g_itk) a_itj in the data dtype (the factor's rounding, the
     product's, n - 1 additions: gamma_{n+1} of the sum of their absolute
     values), then x inv in float64, rounded once (u of the value); the bias
-    likewise: the device sums its B T products (or each sample's T rows, then
-    their factor-weighted float64 sum) in the data dtype, the numba twin its
-    products in float64 (its products rounded to the data dtype first: half
-    the smallest denormal where one underflows)."""
+    likewise: the device sums its B T products in the data dtype where the
+    factor went into g (else g's rows in float64, then their factor-weighted
+    sum), the numba twin its products in float64 (its products rounded to the
+    data dtype first: half the smallest denormal where one underflows)."""
     B, T, d = a.shape
     K = g.shape[2]
     flat = per_sample_linear_grads(a, g, bias) * f[:, None]
@@ -237,14 +237,13 @@ def test_gemm_clipped_sum_within_the_data_dtype_gemm_bound(shape, bias, dtype, b
         assert np.all(np.abs(got - exact) <= tol), np.abs(got - exact) / np.maximum(tol, 1e-300)
 
 
-@pytest.mark.parametrize("K, d", [(4, 6), (6, 4)])
-def test_gemm_clipped_sum_sums_the_bias_without_widening_its_operand(K, d):
-    """Both bias branches (the factor in g, whose scaled rows are summed, and
-    in a, each sample's rows summed, then weighted by the true factors) sum
-    g's B T rows in the data dtype: no torch sum(dtype=float64) of a float32
-    operand, which copies it whole to float64 first on the CPU and on a GPU
-    (the profiler's allocation below; 84 such copies in a BERT-base step on
-    the H200, 2026-11-30); within the GEMM bound."""
+def test_gemm_clipped_sum_sums_the_bias_without_widening_its_operand():
+    """With the factor in g (K <= d, no power moved) the bias is the GEMM's
+    scaled rows summed in the data dtype: no torch sum(dtype=float64) of a
+    float32 operand, which copies it whole to float64 first on the CPU and on
+    a GPU (the profiler's allocation below; 84 such copies in a BERT-base step
+    on the H200, 2026-11-30); within the GEMM bound."""
+    K, d = 4, 6
     from torch.utils._python_dispatch import TorchDispatchMode
     B, T = 3, 5
     rng = np.random.default_rng(K)

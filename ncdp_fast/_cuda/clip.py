@@ -399,12 +399,11 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     every such power would be 1 (``_balance.layers_needing_balancing``).
     Noise: the weight's draws offset + k*d + j, added to gw in float64 with
     the division by the expected batch and rounded once (``add_gaussian``),
-    then the bias's.  The bias is summed in the data dtype: where the GEMM's
-    scaled operand is g with no power moved, those products (each rounded
-    once) over the B T rows, like the weight's GEMM; else each sample's T rows
-    (the rounding the clip rule's spread allows), then their factor-weighted
-    sum in float64 with the true factors.  (The numba twin sums its products
-    in float64; both are within the GEMM's bound.)  ``matmul`` is the CPU
+    then the bias's.  Where the GEMM's scaled operand is g with no power
+    moved, the bias is those products (each rounded once) summed over the B T
+    rows in the data dtype, like the weight's GEMM (the numba twin sums them
+    in float64; both within the GEMM's bound); else each sample's T rows in
+    float64, then their factor-weighted sum with the true factors.  ``matmul`` is the CPU
     path's BLAS hook, unused.  ``finish``: a list, or None; given, the noise is not added
     here: the weight's and the bias's finishes are appended to it as
     ``finish_gaussian_segments`` segments (the bias's from its float64 sum),
@@ -416,20 +415,23 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     segments = [] if finish is None else finish
     segments.append((gw, gw, offset))               # contiguous: no flat view
     if gb is not None:
-        # The bias is summed in the data dtype like the weight's GEMM: torch's
-        # sum(dtype=float64) copied its float32 operand whole to float64 first
-        # (the H200 run of 2026-11-30: 84 copies, 1.6 ms, and 73 float64
-        # reductions, 1.2 ms, of a BERT-base step).
         if scaled is not None:
             # The GEMM's own f_i g_it, each rounded once, summed over the B T
-            # rows into gb (one reduction, no (B T, K) view), finished in place.
+            # rows in the data dtype into gb like the weight's GEMM (one
+            # reduction, no (B T, K) view), finished in place.  No partial sum
+            # overflows: the factor bounds f_i sum_t ||g_it|| through the clip
+            # rule's spread E.  (torch's sum(dtype=float64) copies its float32
+            # operand whole to float64 first: the H200 run of 2026-11-30 had 84
+            # such copies, 1.6 ms, and 73 float64 reductions, 1.2 ms, in a
+            # BERT-base step.)
             _arrays.sum_into(scaled, (0, 1), gb)
             segments.append((gb, gb, offset + K * d))
         else:
-            # Each sample's T rows summed in the data dtype (the clip rule's
-            # spread E allows that rounding), weighted by the true factors in
-            # float64 and finished from that float64 sum: one rounding more.
-            accb = _arrays.as_float64(g.sum(1)).T @ factors
+            # Unscaled g (the factor went into a, or a power of two moved):
+            # its rows may be near the data dtype's largest and cancel, so
+            # each sample's T rows are summed in float64, then weighted by the
+            # true factors, and finished from that float64 sum.
+            accb = _arrays.sum_float64(g, 1).T @ factors
             segments.append((gb, accb, offset + K * d))
     if finish is None:
         finish_gaussian_segments(segments, seed, noise_std, inv_denom)

@@ -358,21 +358,39 @@ def embedding_rule(module: nn.Embedding, calls, trainable):
     sq = _rows_sq(idx, g, V)
     dtype = accumulation_dtype(module.weight.dtype)
 
-    def clipped_sum(factors):
+    def clipped_sum(factors, masked=True):
         # A factor of 0 (a dropped sample, whose data may be NaN: 0 * NaN is
         # NaN) adds exact zeros; masked rather than selected, so no
-        # value-shaped index makes a device wait for the host.
-        f = factors.view(-1, 1, 1)
-        scaled = (g.to(torch.float64) * f).masked_fill_(f == 0, 0.0).to(dtype)
+        # value-shaped index makes a device wait for the host.  Unmasked when
+        # the op says no row was dropped (unmasked_sum).
         out = torch.zeros((V, D), dtype=dtype, device=g.device)
-        out.index_add_(0, idx.reshape(-1), scaled.reshape(-1, D))
+        out.index_add_(0, idx.reshape(-1), scaled_rows(g, factors, dtype, masked).reshape(-1, D))
         return out
     # clipped_sum adds up to T rows per sample in the data dtype: their norms
     # are the scale of its rounding (reference.clip_bound's E).
     spread = torch.linalg.vector_norm(g.to(torch.float64), dim=2).sum(1)
     terms = rows_sq_terms(T, D, _arrays.is_cuda_array(idx))
     return [(("weight",), GhostBlock(sq, clipped_sum, (V, D), terms, dtype=dtype,
-                                     spread=spread, seq_len=T, reads=(idx,)))]
+                                     spread=spread, seq_len=T, reads=(idx,),
+                                     unmasked_sum=lambda f: clipped_sum(f, masked=False)))]
+
+
+def scaled_rows(h: torch.Tensor, factors: torch.Tensor, dtype: torch.dtype,
+                masked: bool) -> torch.Tensor:
+    """fl(f_i h_it) in ``dtype`` for h (B, T, D) and factors (B,) float64: each
+    product formed in float64 and rounded once, by one element-wise kernel
+    where h is in ``dtype`` (``_arrays.scale_rows``; the float64 copy, product,
+    mask and cast it replaces were four passes over a BERT embedding's
+    gradient); with ``masked``, a dropped sample's rows (factor 0, its data
+    possibly NaN) are exact zeros.  Shared by the Embedding rule and a tied
+    weight's embedding uses (tied.py), so both round alike."""
+    if h.dtype == dtype:
+        out = _arrays.scale_rows(h, factors)
+    else:
+        out = (h.to(torch.float64) * factors.view(-1, 1, 1)).to(dtype)
+    if masked:
+        out.masked_fill_((factors == 0).view(-1, 1, 1), 0.0)
+    return out
 
 
 @register_layer(nn.LayerNorm)

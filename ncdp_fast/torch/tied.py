@@ -37,7 +37,8 @@ from .._cuda._common import ieee_float32_matmul, ieee_float32_products
 from .._cuda.gram import grams_f64
 from .._cuda.gram import sample_bytes as gram_sample_bytes
 from .._clip import GhostBlock
-from .layer_rules import _cat, _flat_positions, _lead, _rows_sq, embedding_rule, linear_rule
+from .layer_rules import (_cat, _flat_positions, _lead, _rows_sq, embedding_rule, linear_rule,
+                          scaled_rows)
 from .layers import accumulation_dtype, rule_for
 
 __all__ = ["PairUse", "IndexUse", "as_use", "combine", "ghost_cheaper", "layer_params",
@@ -311,10 +312,8 @@ def _ghost(uses, shape, dtype, batch, gram32=False) -> GhostBlock:
             clip_ops.clipped_gemm(a.masked_fill(drop, 0) if masked else a,
                                   g.masked_fill(drop, 0) if masked else g, factors, out)
         if idx is not None:
-            hs = h.double() * factors.view(-1, 1, 1)
-            if masked:
-                hs.masked_fill_(drop, 0)
-            out.index_add_(0, idx.reshape(-1), hs.to(dtype).reshape(-1, D))
+            rows = scaled_rows(h, factors, dtype, masked)
+            out.index_add_(0, idx.reshape(-1), rows.reshape(-1, D))
         return out
 
     terms = V + D + (tl + te) ** 2 + te * D + 2 * (tl + te) + 4
