@@ -523,10 +523,9 @@ def sum_float64(x, axis):
 
 def sum_into(x, axis, out):
     """``out`` = x summed over ``axis`` in x's dtype, by x's library (torch or
-    CuPy). A float64 sum of float32 values is not offered: torch's
-    ``sum(dtype=float64)`` copies its float32 operand whole to float64 first,
-    on the CPU and on a GPU (the H200 run of 2026-11-30: 84 copies, 1.6 ms of
-    a BERT-base step)."""
+    CuPy): one read of x, where :func:`sum_float64` of a float32 x writes and
+    reads a float64 copy of it first (the H200 run of 2026-11-30: 84 such
+    copies, 1.6 ms of a BERT-base step)."""
     return module_of(x).sum(x, axis, out=out)
 
 

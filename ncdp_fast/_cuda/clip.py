@@ -403,11 +403,12 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     moved, the bias is those products (each rounded once) summed over the B T
     rows in the data dtype, like the weight's GEMM (the numba twin sums them
     in float64; both within the GEMM's bound); else each sample's T rows in
-    float64, then their factor-weighted sum with the true factors.  ``matmul`` is the CPU
-    path's BLAS hook, unused.  ``finish``: a list, or None; given, the noise is not added
-    here: the weight's and the bias's finishes are appended to it as
-    ``finish_gaussian_segments`` segments (the bias's from its float64 sum),
-    for the caller to run with its other layers' in one launch.
+    float64, then their factor-weighted sum with the true factors.
+    ``matmul`` is the CPU path's BLAS hook, unused.  ``finish``: a list, or
+    None; given, the noise is not added here: the weight's and the bias's
+    finishes are appended to it as ``finish_gaussian_segments`` segments (the
+    bias's in place, or from its float64 sum), for the caller to run with its
+    other layers' in one launch.
     """
     B, T, d = a.shape
     K = g.shape[2]
