@@ -583,6 +583,7 @@ def test_numba_clip_factors_fold_the_grad_scale_as_the_device(scale, with_spread
 # a group, one value a channel, runs past a warp's 32 lanes, more channels a
 # group than a block has warps).
 NORM_AFFINE_SHAPES = [(3, 5, 7, 0), (1, 1, 1, 0), (2, 0, 5, 0), (0, 3, 4, 0), (2, 40, 300, 0),
+                      (2, 131, 33, 0),   # every row group over two unrolled steps, a partial tile
                       (2, 4, 12, 3), (2, 3, 6, 6), (1, 3, 64, 1), (2, 2, 600, 300),
                       (1, 2, 90, 2)]
 
