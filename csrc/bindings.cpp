@@ -46,6 +46,10 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
         "sq[i] (=, or +=) sum_j g[i, j]^2 in float64; g [B, p], sq [B] float64.", py::arg("g"),
         py::arg("B"), py::arg("p"), py::arg("dtype"), py::arg("sq"), py::arg("accumulate"),
         py::arg("stream"));
+  m.def("launch_scale_rows", &ncdp::launch_scale_rows,
+        "out[i, j] = x[i, j] * factors[i] in float64, rounded once; x, out [B, m], factors [B] "
+        "float64.", py::arg("x"), py::arg("B"), py::arg("m"), py::arg("dtype"),
+        py::arg("factors"), py::arg("out"), py::arg("stream"));
   m.def("linear_norms_from_grams_workspace_bytes",
         &ncdp::linear_norms_from_grams_workspace_bytes,
         "Workspace bytes of launch_linear_norms_from_grams.", py::arg("B"), py::arg("layers"),

@@ -317,6 +317,29 @@ def test_weighted_row_sum_float64_sum_then_finish_is_the_fused_kernel(emu, B, p)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,m,shift", [(3, 8, 0), (3, 5, 0), (1, 1, 0), (0, 4, 0), (4, 12, 1),
+                                       (2, 1027, 0)])
+def test_scale_rows_rounds_each_float64_product_once(emu, dtype, B, m, shift):
+    """out[i] = x[i] * f[i], the product formed in float64 and rounded once to
+    the dtype, bit for bit as NumPy forms it (the clipped GEMM's scaled
+    operand): the vector path (m a multiple of the width, aligned), the
+    element path (m = 5, or a base shifted off the 16-byte boundary), factors
+    0, 1, far below float32's denormals and above 1, values across the
+    dtype's range."""
+    rng = np.random.default_rng(B * 100 + m)
+    fi = np.finfo(dtype)
+    x = (rng.choice([-1.0, 1.0], (B, m))
+         * np.exp2(rng.uniform(np.log2(float(fi.smallest_subnormal)), np.log2(float(fi.max)) - 1,
+                               (B, m)))).astype(dtype)
+    f = np.array([0.0, 1.0, 2.0 ** -140, 0.37, 2.0 ** 30, 1e-300][:B] + [0.5] * max(0, B - 6))
+    res = emu.run("scale_rows", dict(dtype=_dt(dtype), B=B, m=m),
+                  {"x": x, "factors": f, "out": np.full((B, m), np.nan, dtype)},
+                  misalign={"x": _misalign(dtype, shift), "out": _misalign(dtype, shift)})
+    want = (x.astype(np.float64) * f[:, None]).astype(dtype)
+    assert np.array_equal(res["out"].reshape(B, m), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_row_sq_norms_and_clip_factors(emu, dtype):
     B, p = 7, 13
     g = _dense_case(B, p, dtype, seed=5)

@@ -273,6 +273,29 @@ def test_gemm_clipped_sum_sums_the_bias_without_widening_its_operand():
                for e in prof.events())
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_device_scale_rows_is_the_libraries_multiply_bit_for_bit(dtype, monkeypatch):
+    """The clipped GEMM's scaled operand on the emulated device: the kernel for
+    a row-major operand, torch's multiply for a strided view (it reads any
+    strides); both the float64 product rounded once, as NumPy forms it."""
+    import ncdp_fast._backend as be
+    from ncdp_fast import _arrays
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 3, 6)).astype(dtype)
+    f = np.array([0.0, 2.0 ** -140, 0.3, 1.0])
+    want = (x.astype(np.float64) * f[:, None, None]).astype(dtype)
+    launched = []
+    real = _arrays.scale_rows
+    monkeypatch.setattr(_arrays, "scale_rows", lambda *a: launched.append("torch") or real(*a))
+    with be.emulated_cuda():
+        t, ft = torch.from_numpy(x), torch.from_numpy(f)
+        dense = device_clip.scale_rows(t, ft)
+        strided = device_clip.scale_rows(t.transpose(1, 2), ft)
+    assert launched == ["torch"]                      # the view only
+    assert np.array_equal(dense.numpy(), want)
+    assert np.array_equal(strided.numpy(), want.transpose(0, 2, 1))
+
+
 def test_gemm_clipped_sum_uses_ieee_float32_products(monkeypatch):
     """The GEMM runs with TF32 off whatever the caller set (TF32 would keep
     10 mantissa bits, outside the clip rule's (1 + 4u) margin), and the

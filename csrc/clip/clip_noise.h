@@ -27,6 +27,16 @@ void launch_row_sq_norms(std::uintptr_t g,  // [B, p], dtype, row-major contiguo
                          std::uintptr_t sq,  // [B] float64
                          bool accumulate, std::uintptr_t stream);
 
+// out[i, j] = x[i, j] * factors[i], each product formed in float64 and rounded
+// once to dtype (the clipped GEMM's scaled operand, the numba twin's
+// _scale_rows value for value): one read of x and one write of out, 16-byte
+// accesses where both are aligned.
+void launch_scale_rows(std::uintptr_t x,        // [B, m], dtype, row-major contiguous
+                       std::int64_t B, std::int64_t m, int dtype,
+                       std::uintptr_t factors,  // [B] float64
+                       std::uintptr_t out,      // [B, m], dtype, row-major contiguous
+                       std::uintptr_t stream);
+
 std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_t layers,
                                                      std::int64_t T);
 
@@ -198,6 +208,13 @@ void launch_row_sq_norms(const Real* grads,  // [B, p]
                          std::int64_t B, std::int64_t p,
                          double* sq,  // [B]
                          bool accumulate, cudaStream_t stream);
+
+template <typename Real>
+void launch_scale_rows(const Real* x,          // [B, m]
+                       const double* factors,  // [B]
+                       std::int64_t B, std::int64_t m,
+                       Real* out,  // [B, m]
+                       cudaStream_t stream);
 
 // Row slices of each sample in the norms from Grams; 0 when there is nothing to sum.
 std::int64_t linear_norm_slices(std::int64_t B, std::int64_t layers, std::int64_t T);

@@ -57,6 +57,27 @@ void launch_row_sq_norms(std::uintptr_t g, std::int64_t B, std::int64_t p, int d
   check_launch("row_sq_norms");
 }
 
+void launch_scale_rows(std::uintptr_t x, std::int64_t B, std::int64_t m, int dtype,
+                       std::uintptr_t factors, std::uintptr_t out, std::uintptr_t stream) {
+  require_non_negative(B, "B");
+  require_non_negative(m, "m");
+  const std::size_t element = dtype_size(dtype);
+  const bool values = checked_mul(B, m, "B * m") > 0;
+  require_pointer(x, values, element, "x");
+  require_pointer(factors, values, sizeof(double), "factors");
+  require_pointer(out, values, element, "out");
+  if (!values) return;
+  DeviceGuard guard(out, "out");
+  if (dtype == kDtypeFloat32) {
+    kernels::launch_scale_rows(typed<const float>(x), typed<const double>(factors), B, m,
+                               typed<float>(out), as_stream(stream));
+  } else {
+    kernels::launch_scale_rows(typed<const double>(x), typed<const double>(factors), B, m,
+                               typed<double>(out), as_stream(stream));
+  }
+  check_launch("scale_rows");
+}
+
 std::int64_t linear_norms_from_grams_workspace_bytes(std::int64_t B, std::int64_t layers,
                                                      std::int64_t T) {
   require_non_negative(B, "B");

@@ -113,6 +113,17 @@ void probe_row_sq_norms(Probe& probe) {
   probe.check(sizes({{"B", B}, {"p", p}}));
 }
 
+// m % 4 == 0 takes the vector kernel, m = 5 the element one.
+template <typename Real>
+void probe_scale_rows(Probe& probe) {
+  for (const std::int64_t m : {std::int64_t{8}, std::int64_t{5}}) {
+    const std::int64_t B = 3;
+    kernels::launch_scale_rows<Real>(probe.buffer<Real>(B * m), probe.buffer<double>(B), B, m,
+                                     probe.buffer<Real>(B * m), kLegacyStream);
+    probe.check(sizes({{"B", B}, {"m", m}}));
+  }
+}
+
 // T = 3 with 2 layers and both optional outputs (both passes), with W per
 // layer and shared, float64 and float32 Grams; T = 0 (no positions: the
 // finish alone) too.
@@ -399,6 +410,8 @@ const std::vector<Entry>& registry() {
   static const std::vector<Entry> entries = {
       {"row_sq_norms<float>", &probe_row_sq_norms<float>},
       {"row_sq_norms<double>", &probe_row_sq_norms<double>},
+      {"scale_rows<float>", &probe_scale_rows<float>},
+      {"scale_rows<double>", &probe_scale_rows<double>},
       {"clip_factors", &probe_clip_factors},
       {"gram_rows_f64", &probe_gram_rows_f64},
       {"linear_norms_from_grams<float>", &probe_linear_norms_from_grams<float>},

@@ -19,6 +19,7 @@ from torch import nn
 
 from .. import _arrays
 from .._cuda._common import ieee_float32_products
+from .._cuda.clip import scale_rows
 from .._cuda.gram import grams_f64
 from .._norm_affine import device_grads
 from .._clip import GhostBlock
@@ -379,13 +380,13 @@ def scaled_rows(h: torch.Tensor, factors: torch.Tensor, dtype: torch.dtype,
                 masked: bool) -> torch.Tensor:
     """fl(f_i h_it) in ``dtype`` for h (B, T, D) and factors (B,) float64: each
     product formed in float64 and rounded once, by one element-wise kernel
-    where h is in ``dtype`` (``_arrays.scale_rows``; the float64 copy, product,
+    where h is in ``dtype`` (``_cuda.clip.scale_rows``; the float64 copy, product,
     mask and cast it replaces were four passes over a BERT embedding's
     gradient); with ``masked``, a dropped sample's rows (factor 0, its data
     possibly NaN) are exact zeros.  Shared by the Embedding rule and a tied
     weight's embedding uses (tied.py), so both round alike."""
     if h.dtype == dtype:
-        out = _arrays.scale_rows(h, factors)
+        out = scale_rows(h, factors)
     else:
         out = (h.to(torch.float64) * factors.view(-1, 1, 1)).to(dtype)
     if masked:

@@ -135,6 +135,9 @@ void run_typed(const Case& c) {
     kernels::launch_fill_gaussian<Real>(c.ptr<Real>("out"), c.i("count"), c.u("seed"),
                                         c.u("offset"), c.f("scale"), c.f("post"),
                                         c.i("accumulate") != 0, stream);
+  } else if (c.op == "scale_rows") {
+    kernels::launch_scale_rows<Real>(c.ptr<Real>("x"), c.ptr<double>("factors"), c.i("B"),
+                                     c.i("m"), c.ptr<Real>("out"), stream);
   } else if (c.op == "row_sq_norms") {
     kernels::launch_row_sq_norms<Real>(c.ptr<Real>("grads"), c.i("B"), c.i("p"),
                                        c.ptr<double>("sq"), c.i("accumulate") != 0, stream);
