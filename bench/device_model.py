@@ -214,6 +214,11 @@ def _ours(name, kw) -> tuple[float, int]:
         return b / BYTES_PER_S + kw["p"] / NORMALS_PER_S, b
     if name == "launch_clip_factors":
         return 0.0, 0
+    if name == "launch_scale_rows":
+        # x read once and the products written once (16-byte accesses), the
+        # (B,) factors beside them.
+        b = 2 * kw["B"] * kw["m"] * _ITEMSIZE[kw["dtype"]] + 8 * kw["B"]
+        return b / BYTES_PER_S, b
     if name == "launch_norm_affine_grads":
         # The rows' statistics (x read once; its second pass from cache), then
         # x again and g once and the (B, C) outputs: two kernels.
