@@ -28,17 +28,23 @@ def dtype_code(x) -> int:
 _TORCH_DTYPE_CODES: dict = {}
 
 
+def torch_dtype_code(dtype) -> int:
+    """:func:`dtype_code` of a torch dtype, without a library dispatch (the
+    launchers a step calls per layer read their arguments from the tensor)."""
+    if not _TORCH_DTYPE_CODES:             # _DTYPE_CODES, keyed by torch's dtypes
+        _TORCH_DTYPE_CODES.update({_arrays._numpy_to_torch_dtype(k): v
+                                   for k, v in _DTYPE_CODES.items()})
+    return _TORCH_DTYPE_CODES[dtype]
+
+
 def pointers_sizes_codes(arrays) -> tuple[list, list, list]:
     """(pointers, element counts, dtype codes) of device arrays of one library:
     a launcher's per-segment vectors.  Torch tensors are read directly (no
     per-array library dispatch: a BERT-base step finishes some 150 segments,
     each several calls of ptr() and dtype_code() -- issue 36's host time)."""
     if arrays and _arrays.is_torch(arrays[0]):
-        if not _TORCH_DTYPE_CODES:         # _DTYPE_CODES, keyed by torch's dtypes
-            _TORCH_DTYPE_CODES.update({_arrays._numpy_to_torch_dtype(k): v
-                                       for k, v in _DTYPE_CODES.items()})
         return ([x.data_ptr() for x in arrays], [x.numel() for x in arrays],
-                [_TORCH_DTYPE_CODES[x.dtype] for x in arrays])
+                [torch_dtype_code(x.dtype) for x in arrays])
     return ([ptr(x) for x in arrays], [int(np.prod(x.shape, dtype=np.int64)) for x in arrays],
             [dtype_code(x) for x in arrays])
 

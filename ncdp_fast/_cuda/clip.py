@@ -9,7 +9,8 @@ import numpy as np
 
 from .. import _arrays, _balance
 from ..reference.clip import GRAM32_MAX_LENGTH
-from ._common import dtype_code, ieee_float32_matmul, native, opt_ptr, ptr, stream, workspace
+from ._common import (dtype_code, ieee_float32_matmul, native, opt_ptr, ptr, stream,
+                      torch_dtype_code, workspace)
 from .gram import grams_f64
 from .gram import plan as gram_plan
 from .gram import sample_bytes as gram_sample_bytes
@@ -447,38 +448,23 @@ def scale_rows(x, f):
     (2026-11-30); else by the library's multiply (a host array, a strided
     view).  x: (B, ...) float32/float64; f: (B,) float64, contiguous."""
     if _arrays.is_torch(x):
-        # The step's common case, in few Python calls (issue 36's host time).
-        if not (x.is_contiguous() and f.is_contiguous() and (x.is_cuda or _arrays.is_emulated(x))):
+        # The step's common case, read from the tensor directly (issue 36's
+        # host time: a launch a linear layer).
+        if not ((x.is_cuda or _arrays.is_emulated(x)) and x.is_contiguous()
+                and f.is_contiguous()):
             return _arrays.scale_rows(x, f)
-        out = x.new_empty(x.shape)
-        B = x.shape[0]
-        native(x).launch_scale_rows(x.data_ptr(), B, x.numel() // B if B else 0,
-                                    _TORCH_DTYPE_CODE[x.dtype], f.data_ptr(), out.data_ptr(),
-                                    stream(x))
-        return out
-    if not (_arrays.is_cuda_array(x) and _arrays.is_c_contiguous(x)
-            and _arrays.is_c_contiguous(f)):
-        return _arrays.scale_rows(x, f)
+        out, code = x.new_empty(x.shape), torch_dtype_code(x.dtype)
+        pointers = x.data_ptr(), f.data_ptr(), out.data_ptr()
+    else:
+        if not (_arrays.is_cuda_array(x) and _arrays.is_c_contiguous(x)
+                and _arrays.is_c_contiguous(f)):
+            return _arrays.scale_rows(x, f)
+        out, code = _arrays.io_for(x).empty(tuple(x.shape), _arrays.numpy_dtype(x)), dtype_code(x)
+        pointers = ptr(x), ptr(f), ptr(out)
     B = x.shape[0]
-    out = _arrays.io_for(x).empty(tuple(x.shape), _arrays.numpy_dtype(x))
-    native(x).launch_scale_rows(ptr(x), B, math.prod(x.shape[1:]) if B else 0, dtype_code(x),
-                                ptr(f), ptr(out), stream(x))
+    native(x).launch_scale_rows(pointers[0], B, math.prod(x.shape[1:]) if B else 0, code,
+                                pointers[1], pointers[2], stream(x))
     return out
-
-
-class _TorchDtypeCodes(dict):
-    """torch dtype -> the launchers' dtype code, filled at first use (no torch
-    import for the package)."""
-
-    def __missing__(self, dtype):
-        import torch
-        self.update({torch.float32: 0, torch.float64: 1})
-        if dtype not in self:
-            raise TypeError(f"scale_rows: x must be float32 or float64, got {dtype}")
-        return self[dtype]
-
-
-_TORCH_DTYPE_CODE = _TorchDtypeCodes()
 
 
 def clipped_gemm(a, g, factors, out, balance=True):
