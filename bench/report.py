@@ -343,9 +343,10 @@ def linear_norms(family):
 # the 2026-11-28 run; assumed sustained on these K x d outputs over a long B T
 # inner dimension: 45 TFLOP/s.
 SUM_FP32_FLOPS = 45e12
-# scale the narrower operand, the GEMM, the weight's noise, the bias's row
-# sums, their weighted sum, its noise, its cast
-SUM_LAUNCHES = 7
+# scale the narrower operand, the GEMM, the bias (the scaled g's column sums;
+# or, the factor in a, the weights repeated over T and one GEMV of g), the
+# weight's and the bias's noise in one launch
+SUM_LAUNCHES = 5
 
 
 def predicted_sum_ms(B, T, d, K) -> float:
@@ -383,7 +384,7 @@ def linear_sum(family):
          "the device route run by torch on the CPU",
          "Opacus-style einsum: float32 (TF32 as torch is set) plus torch.normal",
          "predicted H200 ms: a model, not a measurement (bench/report.py: 45 TFLOP/s "
-         "float32, GPU_MODEL's 3.5 TB/s, 7 launches of 5 us); the float64 route it "
+         "float32, GPU_MODEL's 3.5 TB/s, 5 launches of 5 us); the float64 route it "
          "replaced measured 0.321 / 0.638 / 0.687 / 7.91 ms at these shapes on the H200 "
          "(2026-11-28)"])
 

@@ -118,9 +118,13 @@ def test_linear_sum(benchmark, case, bench_device):
         ctx = be.emulated_cuda if device == "cpu" else contextlib.nullcontext
 
         def fn():
+            # As a step's op calls it: with the scan off, weights in range
+            # (f uniform in [0, 1)), so an unscaled g's bias is the GEMV (a
+            # new dict a call: the weights repeated each time, as a step does once).
             with ctx():
                 device_clip.clipped_linear_sum(a, g, f, sigma, inv, 1, 0, gw, gb,
-                                               balance=balance)
+                                               balance=balance,
+                                               bias_gemv=None if balance else {})
             return gw
     elif method == "torch_mm_f32":
         # The non-private backward's weight gradient of the same layer, IEEE

@@ -67,6 +67,16 @@ def layers_needing_balancing(factors, sizes, n_a, n_g, into_g, float32):
     return (need & ~zero).any(axis=1)
 
 
+def weights_in_range(weights) -> bool:
+    """Whether every weight (the host's (B,) float64 copy) is 0 or within
+    [2^-40, 2^40]: rounded to float32 each is then within u of itself, and its
+    products with an operand the norms prove well scaled stay normal or 0,
+    so a clipped sum may weigh g's rows by the weights in the data dtype
+    (``_cuda.clip.clipped_linear_sum``'s ``bias_gemv``)."""
+    w = np.asarray(weights, np.float64)
+    return bool(np.all((w == 0.0) | ((w >= 1.0 / BALANCED) & (w <= BALANCED))))
+
+
 def exponents(xp, u, v):
     """k_i = floor((log2 v_i - log2 u_i) / 2), the power of two that brings the
     scaled operand's max u_i and the other's v_i to the same exponent, where

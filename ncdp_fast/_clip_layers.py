@@ -189,7 +189,7 @@ class _Layer:
             self.g[rows] = 0
 
     def reduce(self, be, dtype, factors, noise_std, inv_denom, seed, offset, balance, finish,
-               kept_all=False):
+               kept_all=False, bias_gemv=None):
         """The block's clipped sum (a joined unit's: its members' list); the
         noise of a ghost block, a linear pair and a joined unit's members is
         not added here but appended to ``finish`` (segments of
@@ -242,7 +242,8 @@ class _Layer:
         gw = be.io.empty((self.K, self.d), dtype)
         gb = be.io.empty((self.K,), dtype) if self.bias else None
         be.kernels.clipped_linear_sum(self.a, self.g, factors, noise_std, inv_denom, seed, offset,
-                                      gw, gb, matmul=be.io.matmul, balance=balance, finish=finish)
+                                      gw, gb, matmul=be.io.matmul, balance=balance, finish=finish,
+                                      bias_gemv=bias_gemv)
         return be.io.to_user(gw), (None if gb is None else be.io.to_user(gb))
 
 
@@ -367,6 +368,7 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
                                 by_factors=True)
     host_factors = host[:B]
     balance = [True] * len(layers)
+    bias_gemv = None
     if pairs:
         # The pairs' shapes only: a list of the layers themselves would keep
         # every pair's operands alive through the sums below, which free each
@@ -382,6 +384,8 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
             dtype == np.float32 and not gram32)
         for i, flag in zip(pairs, need):
             balance[i] = bool(flag)
+        # The step's repeated weights, shared by its layers' GEMV biases.
+        bias_gemv = {} if _balance.weights_in_range(host_weights) else None
     # Claimed once nothing can refuse any more: a refused step takes no range.
     seed, offset = _stream.claim(seed, offset, draws)
     acc.update(seed=seed, offset=offset)
@@ -401,7 +405,7 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
             unit = layers[i]
             got = unit.reduce(be, dtype, weights, noise_std, inv_denom, seed,
                               offset + unit.start, balance[i], finish,
-                              kept_all=not acc["num_nonfinite"])
+                              kept_all=not acc["num_nonfinite"], bias_gemv=bias_gemv)
             if unit.members:
                 for m, g in zip(unit.members, got):
                     grads[m.index] = g

@@ -114,3 +114,22 @@ def test_all_layers_at_once_equal_each_layer_alone():
                  for l in range(9)]
         assert together.tolist() == alone
         assert not together[2] and together.any()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.just(0.0), st.floats(-70, 70).map(lambda e: 2.0 ** e)),
+                min_size=0, max_size=6))
+def test_weights_in_range_means_each_rounds_relatively_in_float32(w):
+    """The GEMV bias's condition (``_cuda.clip.clipped_linear_sum``): every
+    weight 0 or within [2^-40, 2^40]; where it holds, each rounds to float32
+    within u = 2^-24 of itself, and stays a normal float32 after a product
+    with an operand maximum in [2^-40, 2^40] (the balance flag's proof)."""
+    w = np.asarray(w, np.float64)
+    inside = all(x == 0.0 or 2.0 ** -40 <= x <= 2.0 ** 40 for x in w)
+    assert _balance.weights_in_range(w) == inside
+    if inside:
+        w32 = w.astype(np.float32).astype(np.float64)
+        assert np.all(np.abs(w32 - w) <= 2.0 ** -24 * w)
+        for m in (2.0 ** -40, 2.0 ** 40):
+            p = w32[w32 > 0] * m
+            assert np.all((p >= np.finfo(np.float32).tiny) & (p <= np.finfo(np.float32).max))

@@ -173,7 +173,7 @@ def test_embedding_rows_device_route_matches_the_scatter(B, T, V, D, dtype, chun
 
 
 # ---------------------------------------------------------------- clipped sum
-def _device_sum(a, g, f, noise_std, inv_denom, seed, offset, bias, balance=True):
+def _device_sum(a, g, f, noise_std, inv_denom, seed, offset, bias, balance=True, bias_gemv=None):
     """The device adaptor on the emulated device (its noise kernel is _C_emu's)."""
     import ncdp_fast._backend as be
     K, d = g.shape[2], a.shape[2]
@@ -182,7 +182,7 @@ def _device_sum(a, g, f, noise_std, inv_denom, seed, offset, bias, balance=True)
         gb = torch.empty((K,), dtype=gw.dtype) if bias else None
         device_clip.clipped_linear_sum(torch.from_numpy(a), torch.from_numpy(g),
                                        torch.from_numpy(f), noise_std, inv_denom, seed, offset,
-                                       gw, gb, balance=balance)
+                                       gw, gb, balance=balance, bias_gemv=bias_gemv)
     return gw.numpy(), (gb.numpy() if bias else None)
 
 
@@ -193,9 +193,11 @@ def _sum_bound(a, g, f, inv, bias, dtype):
     product's, n - 1 additions: gamma_{n+1} of the sum of their absolute
     values), then x inv in float64, rounded once (u of the value); the bias
     likewise: the device sums its B T products in the data dtype where the
-    factor went into g (else g's rows in float64, then their factor-weighted
-    sum), the numba twin its products in float64 (its products rounded to the
-    data dtype first: half the smallest denormal where one underflows)."""
+    factor went into g, or into a with ``bias_gemv`` (g's rows against the
+    factors rounded to the data dtype: that rounding, the product's, n - 1
+    additions), else g's rows in float64, then their factor-weighted sum; the
+    numba twin its products in float64 (its products rounded to the data
+    dtype first: half the smallest denormal where one underflows)."""
     B, T, d = a.shape
     K = g.shape[2]
     flat = per_sample_linear_grads(a, g, bias) * f[:, None]
@@ -213,12 +215,13 @@ def _sum_bound(a, g, f, inv, bias, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("balance", [True, False])
-def test_gemm_clipped_sum_within_the_data_dtype_gemm_bound(shape, bias, dtype, balance):
+@pytest.mark.parametrize("balance,gemv", [(True, False), (False, False), (False, True)])
+def test_gemm_clipped_sum_within_the_data_dtype_gemm_bound(shape, bias, dtype, balance, gemv):
     """Noise off: each twin's entries are the exact sum of f_i g_it a_it^T
     divided by the expected batch, to within the rounding of one GEMM in the
     data dtype (``_sum_bound``), with the rebalancing scan run or skipped,
-    factors into either operand (K <= d and K > d both occur)."""
+    factors into either operand (K <= d and K > d both occur), and the
+    device's bias of an unscaled g by its float64 sum or its GEMV."""
     from ncdp_fast._numba import clip as numba_clip
     B, T, d, K = shape
     rng = np.random.default_rng(7 + B + T + d)
@@ -227,7 +230,7 @@ def test_gemm_clipped_sum_within_the_data_dtype_gemm_bound(shape, bias, dtype, b
     f = rng.uniform(0.0, 1.0, B)
     inv = 1 / 3
     exact, tol = _sum_bound(a, g, f, inv, bias, dtype)
-    gw, gb = _device_sum(a, g, f, 0.0, inv, 1, 0, bias, balance)
+    gw, gb = _device_sum(a, g, f, 0.0, inv, 1, 0, bias, balance, {} if gemv else None)
     nw, nb = np.empty((K, d), dtype), (np.empty((K,), dtype) if bias else None)
     numba_clip.clipped_linear_sum(a, g, f, 0.0, inv, np.uint64(1), np.uint64(0), nw, nb,
                                   balance=balance)
@@ -237,13 +240,16 @@ def test_gemm_clipped_sum_within_the_data_dtype_gemm_bound(shape, bias, dtype, b
         assert np.all(np.abs(got - exact) <= tol), np.abs(got - exact) / np.maximum(tol, 1e-300)
 
 
-def test_gemm_clipped_sum_sums_the_bias_without_widening_its_operand():
+@pytest.mark.parametrize("K,d,gemv", [(4, 6, False), (6, 4, True), (6, 4, False)])
+def test_gemm_clipped_sum_sums_the_bias_without_widening_its_operand(K, d, gemv):
     """With the factor in g (K <= d, no power moved) the bias is the GEMM's
-    scaled rows summed in the data dtype: no torch sum(dtype=float64) of a
-    float32 operand, which copies it whole to float64 first on the CPU and on
-    a GPU (the profiler's allocation below; 84 such copies in a BERT-base step
-    on the H200, 2026-11-30); within the GEMM bound."""
-    K, d = 4, 6
+    scaled rows summed in the data dtype, and with the factor in a (K > d)
+    and ``bias_gemv`` one GEMV of g against the factors in the data dtype:
+    no torch sum(dtype=float64) of a float32 operand, which copies it whole
+    to float64 first on the CPU and on a GPU (the profiler's allocation
+    below; 84 such copies in a BERT-base step on the H200, 2026-11-30, 12 of
+    them still after the scaled rows: its FF1 layers'); within the GEMM
+    bound.  Without ``bias_gemv`` an unscaled g is still widened."""
     from torch.utils._python_dispatch import TorchDispatchMode
     B, T = 3, 5
     rng = np.random.default_rng(K)
@@ -260,8 +266,9 @@ def test_gemm_clipped_sum_sums_the_bias_without_widening_its_operand():
                 widened.append(tuple(args[0].shape))
             return func(*args, **kwargs)
     with Sums():
-        gw, gb = _device_sum(a, g, f, 0.0, 1.0, 1, 0, True, balance=False)
-    assert widened == []
+        gw, gb = _device_sum(a, g, f, 0.0, 1.0, 1, 0, True, balance=False,
+                             bias_gemv={} if gemv else None)
+    assert widened == ([] if K <= d or gemv else [(B, T, K)])
     exact, tol = _sum_bound(a, g, f, 1.0, True, np.float32)
     assert np.all(np.abs(np.concatenate([gw.ravel(), gb]) - exact) <= tol)
     # What the test guards against, measured here: torch's widening sum
@@ -630,3 +637,40 @@ def test_tf32_switch_for_convolutions_works_under_torchs_new_precision_api():
         assert (conv.fp32_precision, rnn.fp32_precision) == ("tf32", "ieee")
     finally:
         conv.fp32_precision, rnn.fp32_precision = before
+
+
+@pytest.mark.parametrize("scale,C,gemv", [(1.0, 1e-3, True), (2.0 ** 35, 1.0, False)])
+def test_clip_op_takes_the_gemv_bias_only_for_weights_in_range(scale, C, gemv, monkeypatch):
+    """The clip op reads the step's weights on the host and lets the device
+    form an unscaled g's bias (K > d) as a GEMV only where each is 0 or
+    within [2^-40, 2^40] (``_balance.weights_in_range``): rows of norm ~2^72
+    clipped to 1 give factors near 2^-74, whose float32 rounding need not be
+    relative, and take the float64 sum, though their operands are well
+    scaled (no power would move: the balance flag is off in both cases, so
+    the weights' range alone decides).  Both within C; the GEMV's result
+    within the GEMM bound of the factors it was given."""
+    import ncdp_fast as nf
+    import ncdp_fast._backend as be
+    from ncdp_fast import _arrays
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal((3, 4, 2)) * scale).astype(np.float32)
+    g = (rng.standard_normal((3, 4, 5)) * scale).astype(np.float32)
+    from ncdp_fast import _balance
+    taken, flags = [], []
+    real, need = _arrays.repeat_each, _balance.layers_needing_balancing
+    monkeypatch.setattr(_arrays, "repeat_each",
+                        lambda *x: taken.append((x[1], x[0].numpy().copy())) or real(*x))
+    monkeypatch.setattr(_balance, "layers_needing_balancing",
+                        lambda *x: flags.append(need(*x)) or flags[-1])
+    with be.emulated_cuda():
+        res = nf.clip_and_noise_layers([(torch.from_numpy(a), torch.from_numpy(g), True)],
+                                       max_norm=C, noise_multiplier=0.0)
+    assert [f.tolist() for f in flags] == [[False]]
+    assert res.num_clipped == 3
+    assert [T for T, _ in taken] == ([4] if gemv else [])
+    w, b = res.grads[0]
+    got = np.concatenate([w.numpy().ravel(), b.numpy()]).astype(np.float64)
+    assert 0 < np.sqrt(np.sum(got ** 2)) <= C * 3     # B = 3 samples, each within C
+    if gemv:
+        exact, tol = _sum_bound(a, g, taken[0][1], 1.0, True, np.float32)
+        assert np.all(np.abs(got - exact) <= tol)

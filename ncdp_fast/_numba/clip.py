@@ -520,7 +520,7 @@ def float32_gemm_scope(like):
 
 
 def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb,
-                       matmul=np.matmul, balance=True, finish=None):
+                       matmul=np.matmul, balance=True, finish=None, bias_gemv=None):
     """gw [K, d] = inv_denom*(sum_{i,t} f_i g_it a_it^T + noise_std*xi_w), and
     gb [K] likewise from ``sum_{i,t} f_i g_it`` (skipped when gb is None).
 
@@ -537,7 +537,8 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     ``finish``: a list, or None; given, the noise is not added here: the
     weight's and the bias's finishes are appended to it as
     ``finish_gaussian_segments`` segments, for the caller to run with its
-    other layers' (the CUDA twin's one launch).
+    other layers' (the CUDA twin's one launch).  ``bias_gemv``: the CUDA
+    twin's (its GEMV bias); here every bias is summed in float64.
     """
     B, T, d = a.shape
     K = g.shape[2]
