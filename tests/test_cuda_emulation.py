@@ -359,10 +359,12 @@ def _grams(n, T, seed):
 
 
 # (B, layers, T): no samples, no positions, one of each, one slice of T * T
-# cells past the block's 256 threads, three stacked layers, and four row slices
-# of 18 rows with a shorter last one (T * T / 1024 cells bounds the slices).
+# cells past the block's 256 threads, three stacked layers, four row slices
+# of 18 rows with a shorter last one (T * T / 1024 cells bounds the slices),
+# 39 slices (the finish's warp a sample takes two turns on 7 lanes), and 9
+# samples (two blocks of the finish's 8 warps).
 @pytest.mark.parametrize("B,layers,T", [(0, 1, 4), (2, 2, 0), (1, 1, 1), (3, 1, 17), (2, 3, 20),
-                                        (1, 1, 70)])
+                                        (1, 1, 70), (1, 1, 200), (9, 2, 5)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_norms_from_grams_match_the_reference(emu, B, layers, T, bias):
     w, v = _grams(layers * B, T, seed=B + 7 * T + layers)
