@@ -421,8 +421,10 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
     a's scaled operand, which the rule's spread E already counts (its
     ``+ bias``), instead of g copied whole to float64 (a BERT-base FF1
     layer's 50 MB read, 100 MB written and read again, 12 a step).  In range,
-    a weight's float32 rounding is relative (u) and, with the norms proving g
-    within [2^-40, 2^40] (``balance`` off), no product is lost to denormals.
+    a weight's float32 rounding is relative (u); where some weight is below 1
+    the norms prove g within [2^-40, 2^40] (``balance`` off), so no product
+    is lost to denormals, and where none is, each product is at least as
+    large as g's value (as in the scaled rows of the K <= d case).
     """
     B, T, d = a.shape
     K = g.shape[2]
