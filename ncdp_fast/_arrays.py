@@ -529,16 +529,16 @@ def sum_into(x, axis, out):
     return module_of(x).sum(x, axis, out=out)
 
 
-def repeat_each(x, n, dtype):
+def repeat_each(x, n, like):
     """(B * n,) array of x's library: each x[i] n times in a row, rounded once
-    to ``dtype`` (a NumPy float dtype), one copy kernel."""
+    to the dtype of ``like`` (an array of that library), one copy kernel."""
     B = x.shape[0]
     if is_torch(x):
         import torch
-        out = torch.empty((B, n), dtype=_numpy_to_torch_dtype(dtype), device=x.device)
+        out = torch.empty((B, n), dtype=like.dtype, device=x.device)
         out.copy_(x[:, None].expand(B, n))
         return out.reshape(B * n)
-    out = module_of(x).empty((B, n), dtype=dtype)
+    out = module_of(x).empty((B, n), dtype=like.dtype)
     out[...] = x[:, None]
     return out.reshape(B * n)
 

@@ -446,7 +446,7 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
         elif bias_gemv is not None and not balance:
             rows = bias_gemv.get(T)
             if rows is None:
-                rows = bias_gemv[T] = _arrays.repeat_each(factors, T, _arrays.numpy_dtype(g))
+                rows = bias_gemv[T] = _arrays.repeat_each(factors, T, g)
             with _float32_gemm(g):
                 _arrays.module_of(gb).matmul(g.reshape(B * T, K).T, rows, out=gb)
             segments.append((gb, gb, offset + K * d))
