@@ -9,7 +9,7 @@ a row is from its goal (the first H200 run's profile found the norm kernel at
                                  [--workloads bert,gpt2,linear,transformer,efficientnet]
                                  [--out bench/results]
 
-writes two reports into ``--out``:
+writes four reports into ``--out``:
 
 * ``profile_step-<cpu|gpu>-<date>``: a row per (workload, method): the step's
   wall time (median of timed steps, the device synchronised), the device's busy
@@ -20,6 +20,11 @@ writes two reports into ``--out``:
 * ``profile_ops-<cpu|gpu>-<date>``: the private step's most expensive entries
   (kernels and operators by their own device time on a GPU, operators by their
   own CPU time on the CPU);
+* ``profile_idle-<cpu|gpu>-<date>``: the profiled step's phases (forward,
+  backward, the optimizer's step before and after the clip op's host
+  transfer, ...) with the host's ms in each and the device's idle ms there,
+  and the longest idle gaps with the host operator running at their middle
+  (bench/step_idle.py): where the host, not the device, sets the pace;
 * ``profile_extra-<cpu|gpu>-<date>``: every entry of either step with the
   private step's own time, the non-private step's and their difference, the
   largest difference first (the Markdown shows the first 25 a workload, the
@@ -41,6 +46,8 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+
+import step_idle  # noqa: E402  (bench/ on the path first)
 
 WORKLOADS = ("bert", "gpt2", "linear", "transformer", "efficientnet")
 METHODS = ("nonprivate", "ncdp_engine")
@@ -93,10 +100,15 @@ def profile(step, torch, device):
         times.append(time.perf_counter() - t0)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with torch.profiler.profile(activities=acts) as prof:
-        step()
+        with step_idle.markers(torch):
+            with torch.profiler.record_function(step_idle.STEP):
+                step()
         _sync(torch, device)
     events = prof.events()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    # Kernels and copies; not the device-side ranges of user annotations
+    # (an optimizer's step: the 2026-12-01 run counted them, busy > wall).
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]
     ops = [e for e in events if e.name.startswith("aten::") and
            (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
     busy_ms = sum(map(_own_device_us, kernels)) / 1e3 if device == "cuda" else None
@@ -105,7 +117,7 @@ def profile(step, torch, device):
                    busy_fraction=None if busy_ms is None else busy_ms / wall_ms,
                    kernels=len(kernels) if device == "cuda" else None,
                    host_waits=sum(1 for e in events if e.name in HOST_WAITS),
-                   operators=len(ops))
+                   operators=len(ops), idle=step_idle.analyse(events, DeviceType.CUDA))
     # On a GPU kernels and operators by their own device time; on the CPU the
     # operators by their own CPU time.
     own = _own_device_us if device == "cuda" else _own_cpu_us
@@ -146,7 +158,7 @@ def run(device, size, names, out):
 
     from ncdp_fast._report import write_report
     meta = run_meta(device, size, 1)
-    steps, ops, extra = [], [], []
+    steps, ops, extra, idle = [], [], [], []
     for name in names:
         try:
             label, build = _workload(name, size, device)
@@ -158,6 +170,7 @@ def run(device, size, names, out):
             row = dict(workload=label, method=method)
             try:
                 summary, top, entries = profile(build(method), torch, device)
+                idle += idle_rows(label, method, summary.pop("idle"))
                 row.update(summary)
                 if method == "nonprivate":
                     base_ms, base_entries = summary["wall_ms"], entries
@@ -187,7 +200,9 @@ def run(device, size, names, out):
                   ("busy_fraction", "busy / wall", "{:.2f}"),
                   ("kernels", "kernels", None), ("host_waits", "host waits", None),
                   ("operators", "operators dispatched", None), ("error", "error", None)],
-                 notes=common + ["device busy: the sum of the profiled step's kernel durations; "
+                 notes=common + ["device busy: the sum of the profiled step's kernel and copy durations "
+                                 "(not the device-side ranges of user annotations, as the "
+                                 "optimizer's step); "
                                  "busy / wall well under 1: the host sets the pace",
                                  "host waits: CUDA runtime synchronisations and copies seen "
                                  f"by the profiler ({', '.join(HOST_WAITS)}; none on the CPU)"])
@@ -213,7 +228,42 @@ def run(device, size, names, out):
         "the JSON every row"]
     write_report("profile_extra", str(out), meta, extra, extra_cols, notes=extra_notes,
                  md_rows=[r for r in extra if r["rank"] <= EXTRA_TOP])
+    write_report("profile_idle", str(out), meta, idle,
+                 [("workload", "workload", None), ("method", "method", None),
+                  ("entry", "phase, or an idle gap", None),
+                  ("host_ms", "host ms", "{:.3f}"),
+                  ("idle_ms", "device idle ms", "{:.3f}"),
+                  ("device_ms", "device busy ms", "{:.3f}"),
+                  ("host_op", "host operator at the gap's middle", None)],
+                 notes=common + [
+                     "the profiled step's host phases laid over the device's busy intervals "
+                     "(bench/step_idle.py): device idle ms in a phase is time the host set "
+                     "the pace there; drain: the device still busy after the step returned; "
+                     "step: the whole step (device busy ms: its merged kernel intervals)",
+                     f"gaps: the {step_idle.TOP_GAPS} longest device idle gaps of at least "
+                     f"{step_idle.GAP_US:.0f} µs and the innermost host operator running at "
+                     "their middle (none: Python between operators)",
+                     "under the profiler each host operator costs more than without it: the "
+                     "idle times are upper bounds; on the CPU no device, host ms only"])
     return steps
+
+
+def idle_rows(label, method, idle) -> list:
+    """The ``profile_idle`` rows of one step's :func:`step_idle.analyse`."""
+    if idle is None:
+        return []
+    rows = [dict(workload=label, method=method, entry=name, host_ms=idle[name]["host_ms"],
+                 idle_ms=idle[name]["idle_ms"]) for name in step_idle.PHASES]
+    rows.append(dict(workload=label, method=method, entry="drain",
+                     device_ms=idle["drain"]["device_ms"]))
+    known = [r["idle_ms"] for r in rows if r.get("idle_ms") is not None]
+    rows.append(dict(workload=label, method=method, entry="step",
+                     host_ms=sum(r.get("host_ms") or 0.0 for r in rows),
+                     idle_ms=sum(known) if known else None, device_ms=idle["busy_ms"]))
+    rows += [dict(workload=label, method=method, entry=f"gap in {g['phase']}",
+                  idle_ms=g["length_us"] / 1e3, host_op=g["host"] or "none")
+             for g in idle["gaps"]]
+    return rows
 
 
 def main(argv=None) -> int:

@@ -31,7 +31,8 @@ has to show before a GPU claim of this project is believed.
    ``bench/profile_step.py`` profiles one step of each of the hf and finetune
    workloads, private and not (``profile_step``, ``profile_ops`` and
    ``profile_extra`` reports: busy against wall time, kernels, host waits, the
-   largest kernels, every kernel's extra time in the private step), then
+   largest kernels, every kernel's extra time in the private step; and
+   ``profile_idle``: the device's idle time in each host phase of the step), then
    ``bench/dmma_rate.py`` measures the FP64 tensor cores' rate per mma shape
    (``dmma_rate`` report: m8n8k4, sm_80's, against sm_90's m16n8 shapes, the
    Gram kernel's m16n8k4 among them, seconds), then ``bench/ncu_kernels.py``

@@ -53,6 +53,22 @@ def test_profile_step_reports_each_workload_and_method(tmp_path):
     assert any(r["private_calls"] and not r["nonprivate_calls"] for r in diff)
     md_extra = extra.with_suffix(".md").read_text()
     assert md_extra.count("| linear head") == min(len(diff), 25)
+    # The step's phases (bench/step_idle.py): found by their markers in both
+    # steps, the private one's transfer among them; no device, no idle time.
+    (idle,) = tmp_path.glob("profile_idle-cpu-*.json")
+    phases = {(r["method"], r["entry"]): r for r in json.loads(idle.read_text())["rows"]}
+    for method in ("nonprivate", "ncdp_engine"):
+        assert phases[method, "forward"]["host_ms"] > 0
+        assert phases[method, "backward"]["host_ms"] > 0
+        assert phases[method, "after transfer"]["host_ms"] > 0     # the optimizer's step
+        assert all(r.get("idle_ms") is None for (m, _), r in phases.items() if m == method)
+        total = sum(phases[method, p]["host_ms"] for p in
+                    ("forward", "backward", "to optimizer", "before transfer", "transfer",
+                     "after transfer", "after optimizer"))
+        assert phases[method, "step"]["host_ms"] == pytest.approx(total)
+    assert phases["nonprivate", "transfer"]["host_ms"] == 0
+    assert phases["ncdp_engine", "transfer"]["host_ms"] > 0
+    assert phases["ncdp_engine", "before transfer"]["host_ms"] > 0
 
 
 def test_profile_step_refuses_an_unknown_workload(tmp_path):
