@@ -82,6 +82,15 @@ class _Layer:
             self.spread = None if spec.spread is None else be.io.to_kernel(spec.spread)
             self.draws = math.prod(self.param_shape)
             self.terms = int(spec.terms)
+            self.gemm = None
+            if spec.gemm_sizes is not None:
+                sizes, T, d, K = spec.gemm_sizes
+                if tuple(_arrays.shape(sizes, f"layers{where}.gemm_sizes[0]")) != (self.B, 2) \
+                        or be.io.dtype_of(sizes) != _F64:
+                    raise ValueError(f"layers{where}.gemm_sizes[0]: expected a ({self.B}, 2) "
+                                     f"float64 array, got {tuple(_arrays.shape(sizes, ''))} "
+                                     f"{be.io.dtype_of(sizes)}")
+                self.gemm = (be.io.to_kernel(sizes), int(T), int(d), int(K))
             return
         if isinstance(spec, (tuple, list)):
             self.kind = "pair"
@@ -200,7 +209,10 @@ class _Layer:
             clipped_sum = self.spec.clipped_sum
             if kept_all and self.spec.unmasked_sum is not None:
                 clipped_sum = self.spec.unmasked_sum
-            out = clipped_sum(be.io.to_user(factors))
+            if self.gemm is None:
+                out = clipped_sum(be.io.to_user(factors))
+            else:       # its GEMM's rebalancing decided from its sizes (the op's transfer)
+                out = clipped_sum(be.io.to_user(factors), balance=balance)
             if tuple(_arrays.shape(out, "clipped_sum()")) != self.param_shape:
                 raise ValueError(f"clipped_sum(): expected shape {self.param_shape}, got "
                                  f"{tuple(_arrays.shape(out, 'clipped_sum()'))}")
@@ -322,11 +334,17 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     # until the op returned (release: the op holds the only references).
     del layer
     pairs = [i for members in groups.values() for i in members]
-    # Factors, norms, the checks' flags and the pairs' operand sizes side by
-    # side: the step's one transfer reads them all.
-    buf, factors, norms, extra = step_buffer(be.io, B, len(checks), 2 * len(pairs) * B)
-    sizes = extra.reshape(len(pairs), B, 2) if pairs else None
-    slot = {i: j for j, i in enumerate(pairs)}
+    # Ghost blocks whose sum is one clipped GEMM (a tied head) decide its
+    # rebalancing from their operand sizes as the pairs do, after them.
+    gemms = [i for i, unit in enumerate(layers) if unit.kind == "ghost" and unit.gemm is not None]
+    balanced = pairs + gemms
+    # Factors, norms, the checks' flags and those operand sizes side by side:
+    # the step's one transfer reads them all.
+    buf, factors, norms, extra = step_buffer(be.io, B, len(checks), 2 * len(balanced) * B)
+    sizes = extra.reshape(len(balanced), B, 2) if balanced else None
+    slot = {i: j for j, i in enumerate(balanced)}
+    for i in gemms:
+        _arrays.assign(sizes[slot[i]], layers[i].gemm[0])
     terms = sum(layer.terms for layer in layers) + (2 if grad_scale != 1.0 else 0)
     # The blocks hold gradients / s: the sample's norm is s times theirs and its
     # weight in the sums s times its factor (two more float64 roundings, s^2 sq
@@ -369,20 +387,21 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     host_factors = host[:B]
     balance = [True] * len(layers)
     bias_gemv = None
-    if pairs:
+    if balanced:
         # The pairs' shapes only: a list of the layers themselves would keep
         # every pair's operands alive through the sums below, which free each
         # layer's once its own sum is formed (release).
-        shapes = [(layers[i].T, layers[i].d, layers[i].K) for i in pairs]
+        shapes = ([(layers[i].T, layers[i].d, layers[i].K) for i in pairs]
+                  + [layers[i].gemm[1:] for i in gemms])
         # The weights as the device formed them (one IEEE product each).
         host_weights = host_factors * grad_scale if grad_scale != 1.0 else host_factors
         need = _balance.layers_needing_balancing(
-            host_weights, host[2 * B + len(checks):].reshape(len(pairs), B, 2),
+            host_weights, host[2 * B + len(checks):].reshape(len(balanced), B, 2),
             [T * d for T, d, _ in shapes], [T * K for T, _, K in shapes],
             [K <= d for _, d, K in shapes],
             # A float32 Gram's zero trace may be an underflow, not a zero operand.
             dtype == np.float32 and not gram32)
-        for i, flag in zip(pairs, need):
+        for i, flag in zip(balanced, need):
             balance[i] = bool(flag)
         # The step's repeated weights, shared by its layers' GEMV biases.
         bias_gemv = {} if _balance.weights_in_range(host_weights) else None

@@ -99,6 +99,15 @@ class GhostBlock:
         inputs (an embedding's indices): the torch drop-in refuses a step in
         which one was changed in place after its backward (the norms would be
         one batch's, the sums another's).
+    gemm_sizes: None, or, where ``clipped_sum`` forms its sum as one clipped
+        GEMM of a (B, T, d) and g (B, T, K) (a tied weight's head,
+        ``torch/tied.py``), ``(sizes, T, d, K)``: sizes (B, 2) float64, each
+        sample's ||a_i||^2 and ||g_i||^2 summed in float64 from the data
+        dtype's values.  The op then decides that GEMM's exponent rebalancing
+        from them, as a linear pair's (``_balance``, read in the step's one
+        transfer), and calls ``clipped_sum(factors, balance=flag)`` (and
+        ``unmasked_sum`` so): False only where no sample could need a power
+        of two moved.
     """
     sq_norms: Any
     clipped_sum: Any
@@ -110,6 +119,7 @@ class GhostBlock:
     float64_norms: Any = None
     unmasked_sum: Any = None
     reads: tuple = ()
+    gemm_sizes: Any = None
 
 
 # ------------------------------------------------------------------ accounting

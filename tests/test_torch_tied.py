@@ -607,3 +607,61 @@ def test_whole_transformers_models_with_tied_heads_in_each_form(name, form):
     pytest.importorskip("transformers")
     from test_hf_models import test_float64_private_gradient_equals_per_sample_clipping as check
     check(name, "mean")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_the_head_rebalances_only_where_its_norms_say_a_sample_may_need_it(require_cuda, dtype):
+    """On a device the ghost form hands the op each sample's squared operand
+    norms (GhostBlock.gemm_sizes), and the op decides the head GEMM's
+    exponent rebalancing from them as it does a linear pair's
+    (_balance.layers_needing_balancing, in the step's one transfer): no scan
+    of a and g (GPT-2's g: a 412 MB read, and a 412 MB write where scaled) in
+    an ordinary step; the scan where a factor could take an operand towards
+    the denormals.  Skipping it is exact: with no power moved the scan's
+    operands are the same bits (test_balance.py proves "no flag" means every
+    exponent is 0), so the step's gradients are the same bits either way."""
+    from ncdp_fast import _balance
+    from ncdp_fast._cuda import clip as clip_ops
+    dev = require_cuda
+    idx, y = (t.to(dev) for t in _tokens())
+    seen, scans = [], []
+    real_gemm, real_rebalanced = clip_ops.clipped_gemm, clip_ops._rebalanced
+
+    def gemm(a, g, factors, out, balance=True):
+        if a.shape[-1] == D and g.shape[-1] == V:       # the head's GEMM
+            seen.append(balance)
+        return real_gemm(a, g, factors, out, balance=balance)
+
+    def rebalanced(a, g, f, into_g):
+        scans.append(g.shape[-1])
+        return real_rebalanced(a, g, f, into_g)
+
+    def step(C, force_scan=False):
+        model = _lm().to(dtype).to(dev)
+        seen.clear()
+        scans.clear()
+        real_need = _balance.layers_needing_balancing
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tied, "ghost_cheaper", lambda uses, shape: True)
+            mp.setattr(clip_ops, "clipped_gemm", gemm)
+            mp.setattr(clip_ops, "_rebalanced", rebalanced)
+            if force_scan:
+                mp.setattr(_balance, "layers_needing_balancing",
+                           lambda *a: np.ones_like(real_need(*a)))
+            got, res, _ = private_grads(model, lambda m: lm_loss(m, idx, y), C=C, E=B)
+        return got, res, list(seen), list(scans)
+
+    # Ordinary data, every sample clipped (factors below 1): no scan.
+    got, res, seen_, scans_ = step(1e-3)
+    assert res.num_clipped == B and seen_ == [False] and V not in scans_
+    forced, _, seen_f, scans_f = step(1e-3, force_scan=True)
+    assert seen_f == [True] and V in scans_f
+    for name in got:
+        assert torch.equal(got[name], forced[name]), name
+    # A factor of about 2^-45 takes the head's scaled operand below 2^-40: the
+    # norms flag the head and the GEMM scans (and moves a power).
+    got, res, seen_, scans_ = step(2.0 ** -45)
+    assert seen_ == [True] and V in scans_
+    flat = torch.cat([g.reshape(-1).to(F64) for g in got.values()])
+    assert torch.isfinite(flat).all() and float(flat.norm()) > 0

@@ -241,6 +241,14 @@ def _ghost(uses, shape, dtype, batch, gram32=False) -> GhostBlock:
     on_device = a is not None and _arrays.is_cuda_array(a)
     gram32 = gram32 and on_device and tl > 1 and clip_ops.gram32_applies(a, tl, D, V)
 
+    # Each sample's ||a_i||^2 and ||g_i||^2 (the float64 Grams' traces): the
+    # op decides the clipped GEMM's rebalancing from them in its one transfer,
+    # as a linear pair's, instead of a scan of a and g every step (GPT-2's g
+    # is (16, 128, 50257): a 412 MB read and, scaled, a 412 MB write).
+    gemm_sizes = None
+    if a is not None and on_device and not gram32:
+        gemm_sizes = (torch.empty((batch, 2), dtype=torch.float64, device=device), tl, D, V)
+
     def norms(float32_grams):
         """(sq, spread) of the block; float32_grams: the pairs' Grams as
         float32 GEMMs with their rounding bound (docs/privacy.md)."""
@@ -274,9 +282,9 @@ def _ghost(uses, shape, dtype, batch, gram32=False) -> GhostBlock:
                     # The float64 Grams from the data dtype's rows (the Gram
                     # kernel for float32: no float64 copy of the (B, T, V) head
                     # gradient, GPT-2's 823 MB).
-                    clip_ops.linear_norms_from_grams(grams_f64([a[lo:hi]]), grams_f64([g[lo:hi]]),
-                                                     False, sq[lo:hi], True, spread[lo:hi],
-                                                     None, 1)
+                    clip_ops.linear_norms_from_grams(
+                        grams_f64([a[lo:hi]]), grams_f64([g[lo:hi]]), False, sq[lo:hi], True,
+                        spread[lo:hi], None if gemm_sizes is None else gemm_sizes[0][lo:hi], 1)
                 else:
                     A, G = a[lo:hi].double(), g[lo:hi].double()
                     sq[lo:hi] += (A @ A.transpose(1, 2)).mul_(G @ G.transpose(1, 2)).sum((1, 2))
@@ -296,7 +304,7 @@ def _ghost(uses, shape, dtype, batch, gram32=False) -> GhostBlock:
 
     sq, spread = norms(gram32)
 
-    def clipped_sum(factors, masked=True):
+    def clipped_sum(factors, masked=True, balance=True):
         # A dropped sample's data may be NaN (0 * NaN is NaN): its rows are
         # masked, unless the op says no row was dropped (``unmasked_sum``: it
         # read the factors with its counts; a copy of the (B, T, V) gradient
@@ -307,10 +315,12 @@ def _ghost(uses, shape, dtype, batch, gram32=False) -> GhostBlock:
             # The linear layers' clipped GEMM: the factor rounded once into the
             # narrower operand, powers of two moved where an operand would near
             # the denormals, TF32 off (before: g * factor in float32 under the
-            # caller's TF32 setting).  It rebalances without asking the norms:
-            # one read of a and g, small against this GEMM.
+            # caller's TF32 setting).  ``balance``: the op's decision from
+            # gemm_sizes (False: no sample could need a power moved); without
+            # them, True: the GEMM scans a and g itself.
             clip_ops.clipped_gemm(a.masked_fill(drop, 0) if masked else a,
-                                  g.masked_fill(drop, 0) if masked else g, factors, out)
+                                  g.masked_fill(drop, 0) if masked else g, factors, out,
+                                  balance=balance)
         if idx is not None:
             rows = scaled_rows(h, factors, dtype, masked)
             out.index_add_(0, idx.reshape(-1), rows.reshape(-1, D))
@@ -320,5 +330,7 @@ def _ghost(uses, shape, dtype, batch, gram32=False) -> GhostBlock:
     return GhostBlock(sq, clipped_sum, tuple(shape), terms, dtype=dtype, spread=spread,
                       seq_len=tl + te + 1,
                       float64_norms=(lambda: norms(False)) if gram32 else None,
-                      unmasked_sum=lambda factors: clipped_sum(factors, masked=False))
+                      unmasked_sum=lambda factors, balance=True: clipped_sum(
+                          factors, masked=False, balance=balance),
+                      gemm_sizes=gemm_sizes)
 
