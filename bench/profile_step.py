@@ -84,6 +84,21 @@ def _own_cpu_us(e):
     return e.self_cpu_time_total
 
 
+# The caching allocator's calls to the driver in a warm step, from
+# torch.cuda.memory_stats: a cudaFree makes the host wait for the device (a
+# retry frees every cached block first), so a steady step should make none;
+# the 2026-12-01 run's GPT-2 step varied from 1.17x to 1.55x non-private.
+ALLOCATOR_COUNTS = {"num_device_alloc": "device mallocs", "num_device_free": "device frees",
+                    "num_alloc_retries": "alloc retries"}
+
+
+def _allocator_counts(torch, device):
+    if device != "cuda":
+        return None
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTS}
+
+
 def profile(step, torch, device):
     """(summary, top entries, every entry's own ms by name) of one profiled
     ``step`` after warm-up and timing."""
@@ -92,12 +107,14 @@ def profile(step, torch, device):
     for _ in range(WARMUP):
         step()
     _sync(torch, device)
+    before = _allocator_counts(torch, device)
     times = []
     for _ in range(TIMED):
         t0 = time.perf_counter()
         step()
         _sync(torch, device)
         times.append(time.perf_counter() - t0)
+    after = _allocator_counts(torch, device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with torch.profiler.profile(activities=acts) as prof:
         with step_idle.markers(torch):
@@ -117,7 +134,9 @@ def profile(step, torch, device):
                    busy_fraction=None if busy_ms is None else busy_ms / wall_ms,
                    kernels=len(kernels) if device == "cuda" else None,
                    host_waits=sum(1 for e in events if e.name in HOST_WAITS),
-                   operators=len(ops), idle=step_idle.analyse(events, DeviceType.CUDA))
+                   operators=len(ops), idle=step_idle.analyse(events, DeviceType.CUDA),
+                   **{k: None if before is None else (after[k] - before[k]) / TIMED
+                      for k in ALLOCATOR_COUNTS})
     # On a GPU kernels and operators by their own device time; on the CPU the
     # operators by their own CPU time.
     own = _own_device_us if device == "cuda" else _own_cpu_us
@@ -199,13 +218,19 @@ def run(device, size, names, out):
                   ("busy_ms", "device busy ms", "{:.2f}"),
                   ("busy_fraction", "busy / wall", "{:.2f}"),
                   ("kernels", "kernels", None), ("host_waits", "host waits", None),
-                  ("operators", "operators dispatched", None), ("error", "error", None)],
+                  ("operators", "operators dispatched", None),
+                  *[(k, f"{name} / step", "{:.1f}") for k, name in ALLOCATOR_COUNTS.items()],
+                  ("error", "error", None)],
                  notes=common + ["device busy: the sum of the profiled step's kernel and copy durations "
                                  "(not the device-side ranges of user annotations, as the "
                                  "optimizer's step); "
                                  "busy / wall well under 1: the host sets the pace",
                                  "host waits: CUDA runtime synchronisations and copies seen "
-                                 f"by the profiler ({', '.join(HOST_WAITS)}; none on the CPU)"])
+                                 f"by the profiler ({', '.join(HOST_WAITS)}; none on the CPU)",
+                                 "device mallocs, frees, alloc retries: the CUDA caching "
+                                 "allocator's calls to the driver a timed step "
+                                 "(torch.cuda.memory_stats over the timed steps; a free makes "
+                                 "the host wait for the device; none on the CPU)"])
     write_report("profile_ops", str(out), meta, ops,
                  [("workload", "workload", None), ("method", "method", None),
                   ("rank", "rank", None), ("entry", "kernel or operator", None),

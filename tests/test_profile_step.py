@@ -27,6 +27,7 @@ def test_profile_step_reports_each_workload_and_method(tmp_path):
     for r in rows:
         assert "error" not in r and r["wall_ms"] > 0 and r["operators"] > 0
         assert r["busy_ms"] is None and r["kernels"] is None      # no device on the CPU
+        assert r["num_device_alloc"] is None and r["num_alloc_retries"] is None
         assert r["host_waits"] == 0
     assert rows[0]["x_nonprivate"] == 1.0
     # The private step dispatches more operators than the plain one.
