@@ -375,6 +375,25 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         return used
 
     gram32 = form_factors(gram_precision == "float32" and dtype == np.float32)
+    # What the sums need that the transfer does not bring, formed while the
+    # device still works towards it: after the transfer the device waits for
+    # the host until the first sum is launched (72 layers' order and shapes:
+    # some 0.15 ms of a BERT-base step on the 2-core VM).  The pairs' shapes
+    # only: a list of the layers themselves would keep every pair's operands
+    # alive through the sums below, which free each layer's once its own sum
+    # is formed (release).
+    shapes = ([(layers[i].T, layers[i].d, layers[i].K) for i in pairs]
+              + [layers[i].gemm[1:] for i in gemms])
+    # Each balanced operand pair's values per sample (T d, T K) and whether
+    # the factor goes to g (K <= d): _balance.layers_needing_balancing's.
+    dims = ([T * d for T, d, _ in shapes], [T * K for T, _, K in shapes],
+            [K <= d for _, d, K in shapes])
+    order = range(len(layers))
+    if release:
+        # Most memory freed first: a layer's sum allocates `draws` values and
+        # dropping it frees its (B, T, d) and (B, T, K) arrays (drop_rows below
+        # copies them, at their shapes).
+        order = sorted(order, key=lambda i: layers[i].draws - layers[i].held())
     acc, host = _accounting(be, buf, B, max_norm, "zero" if gram32 else nan_policy, None, None,
                             draws, by_factors=True, checks=checks)
     if gram32 and acc["num_nonfinite"]:
@@ -388,17 +407,10 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     balance = [True] * len(layers)
     bias_gemv = None
     if balanced:
-        # The pairs' shapes only: a list of the layers themselves would keep
-        # every pair's operands alive through the sums below, which free each
-        # layer's once its own sum is formed (release).
-        shapes = ([(layers[i].T, layers[i].d, layers[i].K) for i in pairs]
-                  + [layers[i].gemm[1:] for i in gemms])
         # The weights as the device formed them (one IEEE product each).
         host_weights = host_factors * grad_scale if grad_scale != 1.0 else host_factors
         need = _balance.layers_needing_balancing(
-            host_weights, host[2 * B + len(checks):].reshape(len(balanced), B, 2),
-            [T * d for T, d, _ in shapes], [T * K for T, _, K in shapes],
-            [K <= d for _, d, K in shapes],
+            host_weights, host[2 * B + len(checks):].reshape(len(balanced), B, 2), *dims,
             # A float32 Gram's zero trace may be an underflow, not a zero operand.
             dtype == np.float32 and not gram32)
         for i, flag in zip(balanced, need):
@@ -412,11 +424,6 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         bad = np.flatnonzero(host_factors == 0)
         for unit in layers:     # the sums' own name: rebound (let go) by their loop
             unit.drop_rows(be.io, bad)
-    order = range(len(layers))
-    if release:
-        # Most memory freed first: a layer's sum allocates `draws` values and
-        # dropping it frees its (B, T, d) and (B, T, K) arrays.
-        order = sorted(order, key=lambda i: layers[i].draws - layers[i].held())
     grads = [None] * n_given
     finish, ghosts = [], []
     with be.kernels.float32_gemm_scope(sq):
