@@ -438,6 +438,45 @@ def test_ghost_block_equals_the_dense_block_and_needs_a_dtype_alone():
         nf.clip_and_noise_layers([g], max_norm=1.0, noise_multiplier=0.0, grad_scale=0.0)
 
 
+def test_a_ghost_block_with_gemm_sizes_is_told_whether_to_rebalance():
+    """A GhostBlock whose sum is one clipped GEMM hands the op its operands'
+    per-sample squared norms (gemm_sizes); the op decides the GEMM's
+    rebalancing from them with the linear pairs' (_balance, read in its one
+    transfer) and passes it as ``balance=``: "no" for ordinary data, "yes"
+    where a factor takes the scaled operand under 2^-40.  A malformed sizes
+    array is refused by name."""
+    rng = np.random.default_rng(5)
+    B, T, d, K = 3, 2, 4, 6
+    a = rng.normal(size=(B, T, d))
+    g = rng.normal(size=(B, T, K))
+    per_sample = np.einsum("btk,btd->bkd", g, a)
+    sq = (per_sample ** 2).sum((1, 2))
+    sizes = np.stack([(a ** 2).sum((1, 2)), (g ** 2).sum((1, 2))], axis=1)
+    told = []
+
+    def clipped_sum(f, balance=True):
+        told.append(balance)
+        return np.einsum("b,bkd->kd", f, per_sample)
+
+    def run(max_norm, gemm_sizes):
+        told.clear()
+        block = nf.GhostBlock(sq, clipped_sum, (K, d), K * d, dtype=np.float64,
+                              gemm_sizes=gemm_sizes)
+        out = nf.clip_and_noise_layers([block], max_norm=max_norm, noise_multiplier=0.0)
+        return out, list(told)
+    out, seen = run(0.5 * np.sqrt(sq.min()), (sizes, T, d, K))
+    assert seen == [False] and out.num_clipped == B
+    f = np.minimum(1.0, 0.5 * np.sqrt(sq.min()) / np.sqrt(sq))
+    np.testing.assert_allclose(out.grads[0], np.einsum("b,bkd->kd", f, per_sample), rtol=1e-14)
+    _, seen = run(2.0 ** -45 * np.sqrt(sq.min()), (sizes, T, d, K))
+    assert seen == [True]
+    _, seen = run(2.0 ** -45, None)          # no sizes: the block's own default
+    assert seen == [True]
+    for bad in (sizes[:2], sizes.astype(np.float32), sizes.reshape(-1)):
+        with pytest.raises(ValueError, match=r"layers\[0\]\.gemm_sizes\[0\]"):
+            run(1.0, (bad, T, d, K))
+
+
 def test_ghost_blocks_returning_one_array_are_refused():
     """The op adds each ghost block's noise in place to what its clipped_sum
     returns, after every block's sum: two blocks handing back one array (or
