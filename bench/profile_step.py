@@ -99,6 +99,17 @@ def _allocator_counts(torch, device):
     return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTS}
 
 
+def _idle(events, device_type):
+    """step_idle.analyse of the profiled step, or {"error": ...}: a fault of
+    the phase analysis is its report's error row, not the loss of the step's
+    other reports."""
+    from _common import exception_text
+    try:
+        return step_idle.analyse(events, device_type)
+    except Exception as exc:  # noqa: BLE001  -- the row says why
+        return {"error": exception_text(exc)}
+
+
 def profile(step, torch, device):
     """(summary, top entries, every entry's own ms by name) of one profiled
     ``step`` after warm-up and timing."""
@@ -134,7 +145,7 @@ def profile(step, torch, device):
                    busy_fraction=None if busy_ms is None else busy_ms / wall_ms,
                    kernels=len(kernels) if device == "cuda" else None,
                    host_waits=sum(1 for e in events if e.name in HOST_WAITS),
-                   operators=len(ops), idle=step_idle.analyse(events, DeviceType.CUDA),
+                   operators=len(ops), idle=_idle(events, DeviceType.CUDA),
                    **{k: None if before is None else (after[k] - before[k]) / TIMED
                       for k in ALLOCATOR_COUNTS})
     # On a GPU kernels and operators by their own device time; on the CPU the
@@ -259,7 +270,8 @@ def run(device, size, names, out):
                   ("host_ms", "host ms", "{:.3f}"),
                   ("idle_ms", "device idle ms", "{:.3f}"),
                   ("device_ms", "device busy ms", "{:.3f}"),
-                  ("host_op", "host operator at the gap's middle", None)],
+                  ("host_op", "host operator at the gap's middle", None),
+                  ("error", "error", None)],
                  notes=common + [
                      "the profiled step's host phases laid over the device's busy intervals "
                      "(bench/step_idle.py): device idle ms in a phase is time the host set "
@@ -277,6 +289,8 @@ def idle_rows(label, method, idle) -> list:
     """The ``profile_idle`` rows of one step's :func:`step_idle.analyse`."""
     if idle is None:
         return []
+    if "error" in idle:
+        return [dict(workload=label, method=method, entry="step", error=idle["error"])]
     rows = [dict(workload=label, method=method, entry=name, host_ms=idle[name]["host_ms"],
                  idle_ms=idle[name]["idle_ms"]) for name in step_idle.PHASES]
     rows.append(dict(workload=label, method=method, entry="drain",

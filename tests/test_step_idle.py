@@ -111,3 +111,14 @@ def test_analyse_without_a_device_or_a_marked_step():
     assert got["forward"] == dict(host_ms=0.010, idle_ms=None) and got["gaps"] == []
     assert got["busy_ms"] is None
     assert step_idle.analyse([_event("aten::mm", 1, 2)], CUDA) is None
+
+
+def test_a_fault_of_the_analysis_is_its_reports_error_row_only():
+    """bench/profile_step.py keeps the step's other reports when the phase
+    analysis fails: the idle report gets one row with the error."""
+    import profile_step
+    got = profile_step._idle([SimpleNamespace(name=step_idle.STEP)], CUDA)   # no time_range
+    assert "AttributeError" in got["error"]
+    rows = profile_step.idle_rows("w", "m", got)
+    assert rows == [dict(workload="w", method="m", entry="step", error=got["error"])]
+    assert profile_step.idle_rows("w", "m", None) == []
