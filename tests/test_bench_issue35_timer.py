@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+# Appended, not prepended: bench/conftest.py must not shadow tests/conftest.py
+# for the gloo ranks other tests spawn (they inherit this sys.path).
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
 from _common import Issue35Timer  # noqa: E402
 
 from ncdp_fast.torch import GhostClipper, loss_watch, tree  # noqa: E402

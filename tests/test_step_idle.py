@@ -7,7 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+# Appended, not prepended: bench/conftest.py must not shadow tests/conftest.py
+# for the gloo ranks other tests spawn (they inherit this sys.path).
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
 import step_idle  # noqa: E402
 
 CPU, CUDA = "cpu", "cuda"
@@ -116,7 +118,11 @@ def test_analyse_without_a_device_or_a_marked_step():
 def test_a_fault_of_the_analysis_is_its_reports_error_row_only():
     """bench/profile_step.py keeps the step's other reports when the phase
     analysis fails: the idle report gets one row with the error."""
-    import profile_step
+    saved = list(sys.path)
+    try:
+        import profile_step     # it puts bench/ first on the path: put back (see above)
+    finally:
+        sys.path[:] = saved
     got = profile_step._idle([SimpleNamespace(name=step_idle.STEP)], CUDA)   # no time_range
     assert "AttributeError" in got["error"]
     rows = profile_step.idle_rows("w", "m", got)
