@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+# Appended, not prepended: bench/conftest.py must not shadow tests/conftest.py
+# for the gloo ranks other tests spawn (they inherit this sys.path).
+sys.path.append(str(ROOT / "bench"))
 
 import report  # noqa: E402  (bench/report.py)
 
