@@ -335,9 +335,13 @@ class StepTimer:
         self.steps = 0
         self._saved = []
 
-    def _timed(self, fn, attr="seconds"):
+    def _timed(self, fn, attr="seconds", count=None):
+        """``fn`` with each call's time added to ``self.<attr>`` (and, given
+        ``count``, each call counted in ``self.<count>``)."""
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            if count is not None:
+                setattr(self, count, getattr(self, count) + 1)
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -391,15 +395,6 @@ class Issue35Timer(StepTimer):
         self.timed_calls = 0
         self.per_timed_call = 0.0
 
-    def _timed_counted(self, fn):
-        timed = self._timed(fn)
-
-        @functools.wraps(fn)
-        def counted(*args, **kwargs):
-            self.timed_calls += 1
-            return timed(*args, **kwargs)
-        return counted
-
     def install(self) -> "Issue35Timer":
         from ncdp_fast.torch import loss_watch, recorder, tree
         W = loss_watch.LossWatch
@@ -407,7 +402,7 @@ class Issue35Timer(StepTimer):
                             (recorder.LayerRecorder, "_check_layout"), (W, "source"), (W, "arm"),
                             (W, "on_backward"), (W, "require"), (W, "settle"),
                             (W, "unstack"), (W, "clear")):
-            self._patch(owner, name, self._timed_counted(owner.__dict__[name]))
+            self._patch(owner, name, self._timed(owner.__dict__[name], count="timed_calls"))
         self.per_timed_call = self._wrapper_seconds()
         mode = loss_watch._Catch
         passing = mode.__dict__["__torch_function__"]
@@ -426,7 +421,7 @@ class Issue35Timer(StepTimer):
         class Probe:
             def noop(self, x):
                 return x
-        probe, wrapped = Probe(), self._timed_counted(Probe.noop)
+        probe, wrapped = Probe(), self._timed(Probe.noop, count="timed_calls")
         saved = self.seconds, self.timed_calls
 
         def run(fn):

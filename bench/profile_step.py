@@ -133,10 +133,7 @@ def profile(step, torch, device):
                 step()
         _sync(torch, device)
     events = prof.events()
-    # Kernels and copies; not the device-side ranges of user annotations
-    # (an optimizer's step: the 2026-12-01 run counted them, busy > wall).
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA
-               and not getattr(e, "is_user_annotation", False)]
+    kernels = step_idle.device_events(events, DeviceType.CUDA)
     ops = [e for e in events if e.name.startswith("aten::") and
            (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
     busy_ms = sum(map(_own_device_us, kernels)) / 1e3 if device == "cuda" else None

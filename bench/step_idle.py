@@ -98,26 +98,33 @@ def phase_bounds(step, backward, optimizer, transfer) -> list:
     return [(name, cuts[i], cuts[i + 1]) for i, name in enumerate(PHASES)]
 
 
-def idle_by_phase(phases, kernels) -> dict:
+def device_events(events, device_type) -> list:
+    """The device's kernels and copies of ``prof.events()``: not the
+    device-side ranges of user annotations (an optimizer's step, which the
+    2026-12-01 run counted as busy time, busy > wall)."""
+    return [e for e in events
+            if e.device_type == device_type and not getattr(e, "is_user_annotation", False)]
+
+
+def idle_by_phase(phases, busy) -> dict:
     """Per phase the host's ms and the device's idle ms in it, the drain (the
     device busy after the step returned) and the device's busy ms in the
-    window; ``kernels`` are (start, end) µs."""
-    busy = merge(kernels)
+    window; ``busy``: the kernels' (start, end) µs, :func:`merge`d."""
     out = {}
     for name, a, b in phases:
         out[name] = dict(host_ms=(b - a) / 1e3, idle_ms=(b - a - covered(busy, a, b)) / 1e3)
     end = phases[-1][2]
     last = max((e for _, e in busy), default=end)
-    out["drain"] = dict(host_ms=0.0, idle_ms=0.0, device_ms=max(0.0, last - end) / 1e3)
+    out["drain"] = dict(device_ms=max(0.0, last - end) / 1e3)
     out["busy_ms"] = sum(e - s for s, e in busy) / 1e3
     return out
 
 
-def gaps(phases, kernels, min_us=GAP_US) -> list:
+def gaps(phases, busy, min_us=GAP_US) -> list:
     """The device's idle gaps of at least ``min_us`` inside the step's host
-    span: (start, length µs, phase), longest first.  The span's start counts
-    as the end of a busy interval (the device idles until the first kernel)."""
-    busy = merge(kernels)
+    span (``busy`` :func:`merge`d): (start, length µs, phase), longest first.
+    The span's start counts as the end of a busy interval (the device idles
+    until the first kernel)."""
     a, b = phases[0][1], phases[-1][2]
     found, t = [], a
     for s, e in busy:
@@ -154,8 +161,8 @@ def analyse(events, device_type) -> dict | None:
     events: the phases' host ms only, idle None), or None where the profile
     has no marked step."""
     step = next((e for e in events if e.name == STEP), None)
-    kernels = [(e.time_range.start, e.time_range.end) for e in events
-               if e.device_type == device_type and not getattr(e, "is_user_annotation", False)]
+    busy = merge((e.time_range.start, e.time_range.end)
+                 for e in device_events(events, device_type))
     if step is None:
         return None
     thread = step.thread
@@ -173,9 +180,9 @@ def analyse(events, device_type) -> dict | None:
                           span([r[:3] for r in every], lambda n: n.startswith(BACKWARD_PREFIX)),
                           span(host, lambda n: n.startswith(OPTIMIZER_PREFIX)),
                           span(host, lambda n: n == TRANSFER))
-    result = idle_by_phase(phases, kernels)
-    if not kernels:
-        for name in (*PHASES, "drain"):
+    result = idle_by_phase(phases, busy)
+    if not busy:
+        for name in PHASES:
             result[name]["idle_ms"] = None
         result["busy_ms"] = result["drain"]["device_ms"] = None
         result["gaps"] = []
@@ -183,5 +190,5 @@ def analyse(events, device_type) -> dict | None:
     named = [(n, s, e) for n, s, e, _ in every
              if n not in (STEP, TRANSFER) and not n.startswith(OPTIMIZER_PREFIX)]
     result["gaps"] = [dict(length_us=length, phase=phase, host=innermost(named, start + length / 2))
-                      for start, length, phase in gaps(phases, kernels)[:TOP_GAPS]]
+                      for start, length, phase in gaps(phases, busy)[:TOP_GAPS]]
     return result

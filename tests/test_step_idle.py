@@ -50,16 +50,17 @@ def test_idle_by_phase_and_gaps_on_a_known_timeline():
     # 85..95 (after the transfer), and run past the step's end to 120.
     phases = step_idle.phase_bounds((0, 100), (40, 70), (75, 95), (80, 85))
     kernels = [(10, 30), (40, 75), (70, 80), (80, 85), (95, 120)]
-    got = step_idle.idle_by_phase(phases, kernels)
+    busy = step_idle.merge(kernels)
+    got = step_idle.idle_by_phase(phases, busy)
     assert got["forward"] == dict(host_ms=0.040, idle_ms=0.020)
     assert got["backward"]["idle_ms"] == 0.0 and got["to optimizer"]["idle_ms"] == 0.0
     assert got["after transfer"] == dict(host_ms=0.010, idle_ms=0.010)
     assert got["after optimizer"]["idle_ms"] == pytest.approx(0.0)
     assert got["drain"]["device_ms"] == pytest.approx(0.020)
     assert got["busy_ms"] == pytest.approx(0.020 + 0.045 + 0.025)      # merged: 40..85 once
-    gaps = step_idle.gaps(phases, kernels, min_us=5)
+    gaps = step_idle.gaps(phases, busy, min_us=5)
     assert gaps == [(0, 10, "forward"), (30, 10, "forward"), (85, 10, "after transfer")]
-    assert step_idle.gaps(phases, kernels, min_us=11) == []
+    assert step_idle.gaps(phases, busy, min_us=11) == []
 
 
 def test_innermost_names_the_narrowest_covering_range():
