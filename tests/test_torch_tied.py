@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
@@ -665,3 +665,36 @@ def test_the_head_rebalances_only_where_its_norms_say_a_sample_may_need_it(requi
     assert seen_ == [True] and V in scans_
     flat = torch.cat([g.reshape(-1).to(F64) for g in got.values()])
     assert torch.isfinite(flat).all() and float(flat.norm()) > 0
+
+
+@pytest.mark.gpu
+# require_cuda is the same device for every example (nothing of it to reset).
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1), log_c=st.integers(-40, 1), exponent=st.integers(-30, 25),
+       case=st.sampled_from(sorted(CASES)))
+def test_device_ghost_head_contribution_within_C_where_the_norms_decide(require_cuda, seed,
+                                                                        log_c, exponent, case):
+    """The device route's tied head takes its rebalancing decision from its
+    norms (GhostBlock.gemm_sizes) instead of always scanning: at float32 loss
+    scales 10^-30..10^25 and bounds C = 10^-40..10 (factors far below 2^-40,
+    where the decision must say "scan"), one sample's clipped contribution
+    stays within C (1 + gamma_{n+2}) over all n parameters."""
+    model, batch = _flex(case, seed % 1000, torch.float32)
+    model = model.to(require_cuda)
+    batch = [x.to(require_cuda) for x in batch]
+    C = 10.0 ** log_c
+    clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=1,
+                           loss_reduction="sum", seed=0)
+    real = tied.ghost_cheaper
+    tied.ghost_cheaper = lambda uses, shape: True
+    try:
+        model.zero_grad()
+        (_flex_loss(model, *[x[:1] for x in batch], reduction="sum") * 10.0 ** exponent).backward()
+        clipper.privatize_()
+        flat = torch.cat([p.grad.reshape(-1).to(F64) for p in model.parameters()])
+        assert torch.isfinite(flat).all()
+        assert float(flat.norm()) <= C * (1 + gamma(flat.numel() + 2, np.float64))
+    finally:
+        tied.ghost_cheaper = real
+        clipper.remove()
