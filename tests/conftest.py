@@ -165,6 +165,29 @@ def require_cuda():
         yield torch.device("cpu")
 
 
+@pytest.fixture
+def tf32_on_matmuls(monkeypatch):
+    """TF32 switched on globally for the test (a caller's setting), and the
+    list of ``allow_tf32`` values each ``torch.matmul`` call saw; the setting
+    is restored afterwards (and checked still on: the op under test gives the
+    caller's back)."""
+    torch = pytest.importorskip("torch")
+    seen, real = [], torch.matmul
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return real(*args, **kwargs)
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    monkeypatch.setattr(torch, "matmul", spy)
+    try:
+        yield seen
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def emulated(device) -> bool:
     """Whether require_cuda's device is the emulated one."""
     return device.type == "cpu"

@@ -303,27 +303,13 @@ def test_device_scale_rows_is_the_libraries_multiply_bit_for_bit(dtype, monkeypa
     assert np.array_equal(strided.numpy(), want.transpose(0, 2, 1))
 
 
-def test_gemm_clipped_sum_uses_ieee_float32_products(monkeypatch):
+def test_gemm_clipped_sum_uses_ieee_float32_products(tf32_on_matmuls):
     """The GEMM runs with TF32 off whatever the caller set (TF32 would keep
     10 mantissa bits, outside the clip rule's (1 + 4u) margin), and the
-    caller's setting is back afterwards."""
-    seen = []
-    real = torch.matmul
-
-    def spy(*args, **kwargs):
-        seen.append(torch.backends.cuda.matmul.allow_tf32)
-        return real(*args, **kwargs)
-
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        monkeypatch.setattr(torch, "matmul", spy)
-        a, g = np.ones((2, 3, 4), np.float32), np.ones((2, 3, 5), np.float32)
-        _device_sum(a, g, np.array([0.5, 1.0]), 0.0, 1.0, 1, 0, True, True)
-        assert seen == [False]
-        assert torch.backends.cuda.matmul.allow_tf32 is True
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+    caller's setting is back afterwards (the fixture checks it)."""
+    a, g = np.ones((2, 3, 4), np.float32), np.ones((2, 3, 5), np.float32)
+    _device_sum(a, g, np.array([0.5, 1.0]), 0.0, 1.0, 1, 0, True, True)
+    assert tf32_on_matmuls == [False]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

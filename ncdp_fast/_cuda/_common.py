@@ -84,6 +84,8 @@ class _IeeeFloat32:
                     state["saved"] = (owner, name, getattr(owner, name))
                     setattr(owner, name, off)
                 state["depth"] += 1
+            if "matmul" in self.kinds:
+                _HELD.matmul = getattr(_HELD, "matmul", 0) + 1
         return self
 
     def __exit__(self, *exc):
@@ -94,7 +96,23 @@ class _IeeeFloat32:
                 if state["depth"] == 0:
                     owner, name, value = state["saved"]
                     setattr(owner, name, value)
+            if "matmul" in self.kinds:
+                _HELD.matmul -= 1
         return False
+
+
+# Entries of the matmul flag's context held by this thread: while one is, no
+# other thread's exit can turn TF32 back on (the flag's count includes it), so
+# a GEMM of this thread needs no entry of its own (the clip op's sums run
+# inside its one entry: a lock and a count a layer saved, issue 36).
+_HELD = threading.local()
+
+
+def ieee_float32_matmul_held() -> bool:
+    """Whether this thread is inside :func:`ieee_float32_matmul` (or
+    :func:`ieee_float32_products`): TF32 is off for its torch GEMMs until it
+    leaves."""
+    return getattr(_HELD, "matmul", 0) > 0
 
 
 _MATMUL = _IeeeFloat32(("matmul",))

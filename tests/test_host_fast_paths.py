@@ -1,0 +1,108 @@
+"""The host-time shortcuts of issue 36 behave as the calls they replace: a
+recorded layer output's gradient hook entered without ``Tensor.register_hook``
+(recorder._add_grad_hook), and the clip op's GEMMs run without a TF32 context
+of their own inside the op's one (``ieee_float32_matmul_held``)."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from ncdp_fast._cuda import _common  # noqa: E402
+from ncdp_fast.torch.recorder import _add_grad_hook  # noqa: E402
+
+
+def _output():
+    x = torch.randn(3, 4, requires_grad=True)
+    return x, x * 2.0
+
+
+def test_grad_hook_fires_with_the_gradient_as_register_hook_does():
+    """Ours and a user's register_hook, either order, on a non-leaf: both see
+    the same gradient, and a hook that returns a value replaces it for what
+    follows, as with two register_hook calls."""
+    for ours_first in (True, False):
+        x, y = _output()
+        seen = []
+        if ours_first:
+            _add_grad_hook(y, lambda g: seen.append(("ours", g.clone())))
+            y.register_hook(lambda g: seen.append(("user", g.clone())) or g * 3.0)
+        else:
+            y.register_hook(lambda g: seen.append(("user", g.clone())) or g * 3.0)
+            _add_grad_hook(y, lambda g: seen.append(("ours", g.clone())))
+        y.sum().backward()
+        names = [n for n, _ in seen]
+        assert names == (["ours", "user"] if ours_first else ["user", "ours"])
+        first, second = seen[0][1], seen[1][1]
+        assert torch.equal(first, torch.ones(3, 4))
+        # the user's hook multiplies by 3 what later hooks and x see
+        assert torch.equal(second, torch.ones(3, 4) * (1.0 if ours_first else 3.0))
+        assert torch.equal(x.grad, torch.full((3, 4), 6.0))
+
+
+def test_grad_hook_keys_are_the_handles_so_a_user_handle_removes_only_its_own():
+    """Our entry takes a key from the handles' counter: a user's hook
+    registered next gets another key, and removing it leaves ours."""
+    x, y = _output()
+    seen = []
+    _add_grad_hook(y, lambda g: seen.append("ours"))
+    handle = y.register_hook(lambda g: seen.append("user"))
+    assert len(y._backward_hooks) == 2
+    handle.remove()
+    y.sum().backward()
+    assert seen == ["ours"]
+
+
+def test_grad_hook_goes_through_register_hook_where_torch_would_dispatch():
+    """Under an active torch-function mode (``with torch.device(...)`` is one)
+    the mode sees Tensor.register_hook, as it does for a plain call."""
+    called = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            called.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    x, y = _output()
+    seen = []
+    with Spy():
+        _add_grad_hook(y, lambda g: seen.append(g.shape))
+    assert "register_hook" in called
+    y.sum().backward()
+    assert seen == [torch.Size([3, 4])]
+
+
+def test_matmul_held_is_this_threads_and_nests():
+    assert not _common.ieee_float32_matmul_held()
+    with _common.ieee_float32_matmul():
+        assert _common.ieee_float32_matmul_held()
+        with _common.ieee_float32_matmul():
+            assert _common.ieee_float32_matmul_held()
+        assert _common.ieee_float32_matmul_held()
+        other = []
+        t = threading.Thread(target=lambda: other.append(_common.ieee_float32_matmul_held()))
+        t.start()
+        t.join()
+        assert other == [False]
+    assert not _common.ieee_float32_matmul_held()
+
+
+@pytest.mark.parametrize("K, d", [(3, 5), (5, 3)])
+def test_clip_op_gemms_run_without_tf32_inside_its_entry(tf32_on_matmuls, K, d):
+    """The layered op on the emulated device with TF32 on globally: every
+    torch GEMM of its sums (weight and GEMV bias, both sides of K <= d) sees
+    TF32 off, and the caller's setting is back afterwards (the fixture)."""
+    import ncdp_fast._backend as be
+    from ncdp_fast import clip_and_noise_layers
+    rng = np.random.default_rng(3)
+    layers = [(torch.from_numpy(rng.standard_normal((4, 2, d)).astype(np.float32)),
+               torch.from_numpy(rng.standard_normal((4, 2, K)).astype(np.float32)), True)
+              for _ in range(2)]
+    with be.emulated_cuda():
+        r = clip_and_noise_layers(layers, max_norm=1.0, noise_multiplier=0.0, seed=1)
+    assert len(r.grads) == 2 and tf32_on_matmuls and not any(tf32_on_matmuls)
