@@ -204,13 +204,19 @@ def python_opcodes(step) -> int:
         if event == "opcode":
             n[0] += 1
         return tracer
+    run_traced(step, tracer)
+    return n[0]
+
+
+def run_traced(step, tracer) -> None:
+    """One call of ``step`` under the trace function ``tracer`` (the one
+    in force before is put back)."""
     previous = sys.gettrace()
     sys.settrace(tracer)
     try:
         step()
     finally:
         sys.settrace(previous)
-    return n[0]
 
 
 def _counts(step, clock):

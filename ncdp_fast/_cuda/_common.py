@@ -74,6 +74,7 @@ class _IeeeFloat32:
 
     def __init__(self, kinds):
         self.kinds = kinds
+        self.matmul = "matmul" in kinds     # counted per thread (ieee_float32_matmul_held)
 
     def __enter__(self):
         with _TF32_LOCK:
@@ -84,7 +85,7 @@ class _IeeeFloat32:
                     state["saved"] = (owner, name, getattr(owner, name))
                     setattr(owner, name, off)
                 state["depth"] += 1
-            if "matmul" in self.kinds:
+            if self.matmul:
                 _HELD.matmul = getattr(_HELD, "matmul", 0) + 1
         return self
 
@@ -96,7 +97,7 @@ class _IeeeFloat32:
                 if state["depth"] == 0:
                     owner, name, value = state["saved"]
                     setattr(owner, name, value)
-            if "matmul" in self.kinds:
+            if self.matmul:
                 _HELD.matmul -= 1
         return False
 
