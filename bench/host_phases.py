@@ -30,6 +30,7 @@ non-private one per phase, and (JSON, and the Markdown's second table) the
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections import Counter
@@ -186,9 +187,9 @@ def main(argv=None) -> int:
         lines += [f"| {f['workload']} | {f['phase']} | {f['rank']} | {f['opcodes']} | "
                   f"{f['function']} |" for f in functions]
         md.write_text(md.read_text() + "\n".join(lines) + "\n")
-        data = __import__("json").loads(path.read_text())
+        data = json.loads(path.read_text())
         data["functions"] = functions
-        path.write_text(__import__("json").dumps(data, indent=2))
+        path.write_text(json.dumps(data, indent=2))
     print(path)
     return 0
 

@@ -481,17 +481,25 @@ def test_every_clipped_contribution_of_the_ghost_form_is_within_C(seed, C, expon
     the sample's clipped contribution, of norm <= C (1 + gamma_{n+2}) over all
     n parameters (the norm's own float64 rounding), at loss scales 10^-8..10^8."""
     model, batch = _flex(case, seed % 1000, dtype)
-    scale = 10.0 ** exponent
+    _assert_ghost_contributions_within_C(model, batch, C, 10.0 ** exponent, samples=2)
+
+
+def _assert_ghost_contributions_within_C(model, batch, C, scale, samples):
+    """The ghost form forced; each of the first ``samples`` rows of ``batch``
+    alone, its loss (sum reduction) times ``scale``, no noise: the private
+    gradient is that sample's clipped contribution, finite and of norm <= C
+    (1 + gamma_{n+2}) over all n parameters (the norm's own float64 rounding)."""
     clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=1,
                            loss_reduction="sum", seed=0)
     real = tied.ghost_cheaper
     tied.ghost_cheaper = lambda uses, shape: True
     try:
-        for i in range(2):
+        for i in range(samples):
             model.zero_grad()
             (_flex_loss(model, *[x[i:i + 1] for x in batch], reduction="sum") * scale).backward()
             clipper.privatize_()
             flat = torch.cat([p.grad.reshape(-1).to(F64) for p in model.parameters()])
+            assert torch.isfinite(flat).all()
             assert float(flat.norm()) <= C * (1 + gamma(flat.numel() + 2, np.float64))
     finally:
         tied.ghost_cheaper = real
@@ -681,20 +689,6 @@ def test_device_ghost_head_contribution_within_C_where_the_norms_decide(require_
     where the decision must say "scan"), one sample's clipped contribution
     stays within C (1 + gamma_{n+2}) over all n parameters."""
     model, batch = _flex(case, seed % 1000, torch.float32)
-    model = model.to(require_cuda)
-    batch = [x.to(require_cuda) for x in batch]
-    C = 10.0 ** log_c
-    clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=1,
-                           loss_reduction="sum", seed=0)
-    real = tied.ghost_cheaper
-    tied.ghost_cheaper = lambda uses, shape: True
-    try:
-        model.zero_grad()
-        (_flex_loss(model, *[x[:1] for x in batch], reduction="sum") * 10.0 ** exponent).backward()
-        clipper.privatize_()
-        flat = torch.cat([p.grad.reshape(-1).to(F64) for p in model.parameters()])
-        assert torch.isfinite(flat).all()
-        assert float(flat.norm()) <= C * (1 + gamma(flat.numel() + 2, np.float64))
-    finally:
-        tied.ghost_cheaper = real
-        clipper.remove()
+    _assert_ghost_contributions_within_C(model.to(require_cuda),
+                                         [x.to(require_cuda) for x in batch], 10.0 ** log_c,
+                                         10.0 ** exponent, samples=1)

@@ -9,8 +9,8 @@ import numpy as np
 
 from .. import _arrays, _balance
 from ..reference.clip import GRAM32_MAX_LENGTH
-from ._common import (dtype_code, ieee_float32_matmul, ieee_float32_matmul_held, native, opt_ptr, ptr, stream,
-                      torch_dtype_code, workspace)
+from ._common import (dtype_code, ieee_float32_matmul, ieee_float32_matmul_held, native,
+                      opt_ptr, ptr, stream, torch_dtype_code, workspace)
 from .gram import grams_f64
 from .gram import plan as gram_plan
 from .gram import sample_bytes as gram_sample_bytes
@@ -447,12 +447,7 @@ def clipped_linear_sum(a, g, factors, noise_std, inv_denom, seed, offset, gw, gb
             rows = bias_gemv.get(T)
             if rows is None:
                 rows = bias_gemv[T] = _arrays.repeat_each(factors, T, g)
-            if _arrays.is_torch(g) and ieee_float32_matmul_held():
-                import torch        # inside the clip op's entry: as clipped_gemm's
-                torch.matmul(g.reshape(B * T, K).T, rows, out=gb)
-            else:
-                with _float32_gemm(g):
-                    _arrays.module_of(gb).matmul(g.reshape(B * T, K).T, rows, out=gb)
+            _ieee_matmul(g.reshape(B * T, K).T, rows, gb)
             segments.append((gb, gb, offset + K * d))
         else:
             # Unscaled g (the factor went into a, or a power of two moved):
@@ -505,8 +500,7 @@ def clipped_gemm(a, g, factors, out, balance=True):
     moved (``balance`` off), else None."""
     B, T, d = a.shape
     K = g.shape[2]
-    on_torch = _arrays.is_torch(a)
-    if not on_torch:
+    if not _arrays.is_torch(a):
         _refuse_cupy_tf32(a)
     into_g = K <= d      # the factor goes to the narrower operand
     f = factors
@@ -516,15 +510,25 @@ def clipped_gemm(a, g, factors, out, balance=True):
         x, y = scale_rows(g, f), a
     else:
         x, y = g, scale_rows(a, f)
-    if on_torch and ieee_float32_matmul_held():
-        # Inside the clip op's one entry (TF32 already off on this thread):
-        # torch's GEMM directly (a context and a dispatch a layer, issue 36).
-        import torch
-        torch.matmul(x.reshape(B * T, K).T, y.reshape(B * T, d), out=out)
-    else:
-        with _float32_gemm(a):
-            _arrays.module_of(out).matmul(x.reshape(B * T, K).T, y.reshape(B * T, d), out=out)
+    _ieee_matmul(x.reshape(B * T, K).T, y.reshape(B * T, d), out)
     return x if into_g and f is factors else None
+
+
+def _ieee_matmul(x, y, out):
+    """out = x @ y by the library's GEMM with TF32 off (CuPy's TF32 is refused
+    by the callers' _refuse_cupy_tf32).  Inside an entry of
+    :func:`ieee_float32_matmul` this thread holds (the clip op's one entry
+    around its sums) torch's GEMM is called directly: no context or dispatch
+    a layer (issue 36's host time)."""
+    if not _arrays.is_torch(out):
+        _arrays.module_of(out).matmul(x, y, out=out)
+        return
+    import torch
+    if ieee_float32_matmul_held():
+        torch.matmul(x, y, out=out)
+        return
+    with ieee_float32_matmul():
+        torch.matmul(x, y, out=out)
 
 
 def _rebalanced(a, g, f, into_g):
