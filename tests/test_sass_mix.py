@@ -79,7 +79,7 @@ def test_the_normals_common_path_is_shorter_than_the_measured_trees(tmp_path):
         pytest.fail(f"{e.cmd[0]} failed: {e.stderr}")
     base, work = rows
     # The constants come from the table: one uniform load each, not two moves.
-    assert work["umov"] < base["umov"] / 4 and work["uldc"] >= 40, work
+    assert work["umov"] < base["umov"] / 4 and work["uldc"] > base["uldc"], (base, work)
     # The quadrant's selects and the exponent trick took conversions and float64 ops out.
     assert work["conversions"] < base["conversions"] and work["fp64"] < base["fp64"], work
     assert work["instructions"] < base["instructions"], (base, work)

@@ -400,16 +400,31 @@ NCDP_HOST_DEVICE void box_muller_pair(std::uint64_t seed, std::uint64_t pair,
 // The four normals of stream indices 4*block .. 4*block+3 (pairs 2*block and
 // 2*block+1, whose draws are one Philox block); kernels that need consecutive
 // normals use this so that the main and companion blocks are computed once.
+// The two pairs go through each stage side by side: on the device each float64
+// constant is then loaded once for both (a uniform register holds it), and the
+// fill and finish kernels fit their 48 registers without a spill (pair by pair,
+// the slab kernels spilled 4 bytes).
 NCDP_HOST_DEVICE void normals_of_block(std::uint64_t seed, std::uint64_t block, double z[4]) {
   const PairBlocks blocks = pair_blocks(seed, block);
+  double u1[2], u2[2], radius[2], c[2], s[2];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int h = 0; h < 2; ++h) pair_uniforms(seed, 2 * block + h, blocks, &u1[h], &u2[h]);
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int h = 0; h < 2; ++h) radius[h] = detail::sqrt_rn(detail::mul(-2.0, log_normal(u1[h])));
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int h = 0; h < 2; ++h) cos_sin_2pi(u2[h], &c[h], &s[h]);
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
   for (int h = 0; h < 2; ++h) {
-    double radius, c, s;
-    box_muller_pair(seed, 2 * block + h, blocks, &radius, &c, &s);
-    z[2 * h] = detail::mul(radius, c);
-    z[2 * h + 1] = detail::mul(radius, s);
+    z[2 * h] = detail::mul(radius[h], c[h]);
+    z[2 * h + 1] = detail::mul(radius[h], s[h]);
   }
 }
 
