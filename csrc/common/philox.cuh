@@ -29,6 +29,23 @@ struct Block {
   std::uint32_t w[4];
 };
 
+// The 64-bit product of two words as (high, low) words. On the device from
+// __umulhi and a 32-bit multiply, which ptxas fuses into one IMAD.WIDE.U32:
+// written as a uint64_t product, the front end widened the whole round to
+// 64-bit multiplies, xors and adds, and ptxas kept an add of a zero high word
+// per product (two of a round's six instructions).
+NCDP_HOST_DEVICE void mul_wide(std::uint32_t a, std::uint32_t b, std::uint32_t* hi,
+                               std::uint32_t* lo) {
+#if defined(__CUDA_ARCH__) && !defined(NCDP_CPU_EMULATION)
+  *hi = __umulhi(a, b);
+  *lo = a * b;
+#else
+  const std::uint64_t p = static_cast<std::uint64_t>(a) * b;
+  *hi = static_cast<std::uint32_t>(p >> 32);
+  *lo = static_cast<std::uint32_t>(p);
+#endif
+}
+
 // Philox4x32-10 of counter (c0..c3) under key (k0, k1).
 NCDP_HOST_DEVICE Block philox4x32_10(std::uint32_t k0, std::uint32_t k1, std::uint32_t c0,
                                      std::uint32_t c1, std::uint32_t c2, std::uint32_t c3) {
@@ -40,13 +57,9 @@ NCDP_HOST_DEVICE Block philox4x32_10(std::uint32_t k0, std::uint32_t k1, std::ui
       k0 += kW0;
       k1 += kW1;
     }
-    // A 32x32->64 product; nvcc lowers it to mul.lo/mul.hi, so no __umulhi branch is needed.
-    const std::uint64_t p0 = static_cast<std::uint64_t>(kM0) * c0;
-    const std::uint64_t p1 = static_cast<std::uint64_t>(kM1) * c2;
-    const std::uint32_t hi0 = static_cast<std::uint32_t>(p0 >> 32);
-    const std::uint32_t lo0 = static_cast<std::uint32_t>(p0);
-    const std::uint32_t hi1 = static_cast<std::uint32_t>(p1 >> 32);
-    const std::uint32_t lo1 = static_cast<std::uint32_t>(p1);
+    std::uint32_t hi0, lo0, hi1, lo1;
+    mul_wide(kM0, c0, &hi0, &lo0);
+    mul_wide(kM1, c2, &hi1, &lo1);
     const std::uint32_t n0 = hi1 ^ c1 ^ k0;
     const std::uint32_t n2 = hi0 ^ c3 ^ k1;
     c0 = n0;
