@@ -43,8 +43,11 @@ from pathlib import Path
 from ncdp_fast._gpu_check_env import nvcc_path
 from ncdp_fast._report import write_report
 
-ROOT = Path(__file__).resolve().parent.parent
-NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]  # CMakeLists.txt's codegen flags
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+from kernel_resources import NVCC_FLAGS, nvcc_version  # noqa: E402  (CMakeLists.txt's codegen flags)
+
+ROOT = BENCH.parent
 
 PROBE = r"""
 #include "common/philox.cuh"
@@ -167,10 +170,8 @@ def rows_for(nvcc: str, cuobjdump: str, baseline: str) -> list[dict]:
 
 
 def write(rows: list[dict], out_dir: str, nvcc: str) -> Path:
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    release = re.search(r"release ([\d.]+)", version)
     meta = dict(device="sm_90 (compiled, no GPU: cuobjdump -sass)", device_tag="sm90",
-                nvcc=release[1] if release else "?", nvcc_flags=" ".join(NVCC_FLAGS),
+                nvcc=nvcc_version(nvcc), nvcc_flags=" ".join(NVCC_FLAGS),
                 model=dict(sms=SMS, sub_partitions=SUB_PARTITIONS, clock_hz=CLOCK_HZ,
                            normals=NORMALS, measured=MEASURED))
     cols = [("tree", "tree", None), ("instructions", "instructions", None),

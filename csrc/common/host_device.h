@@ -12,3 +12,11 @@
 #else
 #define NCDP_HOST_DEVICE inline
 #endif
+
+// NCDP_UNROLL: `#pragma unroll` where nvcc compiles device code; nothing in the
+// host and emulated builds (g++ warns on the unknown pragma).
+#if defined(__CUDA_ARCH__)
+#define NCDP_UNROLL _Pragma("unroll")
+#else
+#define NCDP_UNROLL
+#endif

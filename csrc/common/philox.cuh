@@ -49,9 +49,7 @@ NCDP_HOST_DEVICE void mul_wide(std::uint32_t a, std::uint32_t b, std::uint32_t* 
 // Philox4x32-10 of counter (c0..c3) under key (k0, k1).
 NCDP_HOST_DEVICE Block philox4x32_10(std::uint32_t k0, std::uint32_t k1, std::uint32_t c0,
                                      std::uint32_t c1, std::uint32_t c2, std::uint32_t c3) {
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
+NCDP_UNROLL
   for (int round = 0; round < kRounds; ++round) {
     if (round > 0) {
       k0 += kW0;
@@ -216,17 +214,6 @@ NCDP_HOST_DEVICE double substream_uniform(std::uint64_t seed, std::uint64_t sid,
 // Only exact bit manipulation and correctly rounded +, -, *, / in the order
 // written (detail::, above).
 
-// ln 2 = kLn2Hi + kLn2Lo; kLn2Hi ends in 21 zero bits, so k * kLn2Hi is exact.
-constexpr double kLn2Hi = 6.93147180369123816490e-01;  // 0x3fe62e42fee00000
-constexpr double kLn2Lo = 1.90821492927058770002e-10;  // 0x3dea39ef35793c76
-// R(z) = Lg1 z + ... + Lg7 z^7 ~ (log(1+f) - 2s) / s, z = s^2 (fdlibm's Remez fit).
-constexpr double kLg1 = 6.666666666666735130e-01;
-constexpr double kLg2 = 3.999999999940941908e-01;
-constexpr double kLg3 = 2.857142874366239149e-01;
-constexpr double kLg4 = 2.222219843214978396e-01;
-constexpr double kLg5 = 1.818357216161805012e-01;
-constexpr double kLg6 = 1.531383769920937332e-01;
-constexpr double kLg7 = 1.479819860511658591e-01;
 constexpr double kTwoPow54 = 18014398509481984.0;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -237,36 +224,37 @@ constexpr std::int64_t kMantissaMask = (std::int64_t{1} << 52) - 1;
 constexpr std::int64_t kSqrt2Mantissa = 0x6a09c00000000;
 
 constexpr std::int64_t kExpOne = std::int64_t{0x3FF} << 52;
-// Cody-Waite reduction by pi/2 (a two-part constant) and the kernel
-// polynomials of sin and cos on [-pi/4, pi/4] (fdlibm's).
-constexpr double kPio2Hi = 1.57079632673412561417e+00;
-constexpr double kPio2Lo = 6.07710050650619224932e-11;
-constexpr double kInvPio2 = 6.36619772367581382433e-01;
-constexpr double kS1 = -1.66666666666666324348e-01;
-constexpr double kS2 = 8.33333333332248946124e-03;
-constexpr double kS3 = -1.98412698298579493134e-04;
-constexpr double kS4 = 2.75573137070700676789e-06;
-constexpr double kS5 = -2.50507602534068634195e-08;
-constexpr double kS6 = 1.58969099521155010221e-10;
-constexpr double kC1 = 4.16666666666666019037e-02;
-constexpr double kC2 = -1.38888888888741095749e-03;
-constexpr double kC3 = 2.48015872894767294178e-05;
-constexpr double kC4 = -2.75573143513906633035e-07;
-constexpr double kC5 = 2.08757232129817482790e-09;
-constexpr double kC6 = -1.13596475577881948265e-11;
 
-// The float64 constants above whose low word is not zero. As literals each
-// costs the device two uniform moves at every use (ptxas rematerialises them:
-// there are too many to keep); from a __constant__ table one uniform load.
-// The host and the emulated device read the same values from the constexpr.
+// The float64 constants of the log, sine and cosine (fdlibm's, the numba
+// twin's; all have a non-zero low word). As literals each cost the device two
+// uniform moves at every use (ptxas rematerialises them: there are too many to
+// keep); from a __constant__ table one uniform load. The host and the emulated
+// device read the constexpr.
 struct RoundedConstants {
-  double ln2_hi, ln2_lo, lg[7];
-  double two_pi, inv_pio2, pio2_hi, pio2_lo, sin[6], cos[6];
+  // ln 2 = ln2_hi + ln2_lo; ln2_hi ends in 21 zero bits, so k * ln2_hi is exact.
+  double ln2_hi, ln2_lo;
+  // R(z) = Lg1 z + ... + Lg7 z^7 ~ (log(1+f) - 2s) / s, z = s^2 (e_log.c's Remez fit).
+  double lg[7];
+  // fl(2 pi) as reference.py forms it, and the Cody-Waite reduction by pi/2 (a
+  // two-part constant).
+  double two_pi, inv_pio2, pio2_hi, pio2_lo;
+  // The kernel polynomials of sin and cos on [-pi/4, pi/4] (k_sin.c, k_cos.c).
+  double sin[6], cos[6];
 };
 constexpr RoundedConstants kRoundedConstants = {
-    kLn2Hi, kLn2Lo, {kLg1, kLg2, kLg3, kLg4, kLg5, kLg6, kLg7},
-    kTwoPi, kInvPio2, kPio2Hi, kPio2Lo, {kS1, kS2, kS3, kS4, kS5, kS6},
-    {kC1, kC2, kC3, kC4, kC5, kC6}};
+    6.93147180369123816490e-01,  // 0x3fe62e42fee00000
+    1.90821492927058770002e-10,  // 0x3dea39ef35793c76
+    {6.666666666666735130e-01, 3.999999999940941908e-01, 2.857142874366239149e-01,
+     2.222219843214978396e-01, 1.818357216161805012e-01, 1.531383769920937332e-01,
+     1.479819860511658591e-01},
+    kTwoPi,
+    6.36619772367581382433e-01,
+    1.57079632673412561417e+00,
+    6.07710050650619224932e-11,
+    {-1.66666666666666324348e-01, 8.33333333332248946124e-03, -1.98412698298579493134e-04,
+     2.75573137070700676789e-06, -2.50507602534068634195e-08, 1.58969099521155010221e-10},
+    {4.16666666666666019037e-02, -1.38888888888741095749e-03, 2.48015872894767294178e-05,
+     -2.75573143513906633035e-07, 2.08757232129817482790e-09, -1.13596475577881948265e-11}};
 #if defined(__CUDACC__) && !defined(NCDP_CPU_EMULATION)
 // One copy per translation unit (internal linkage), as the literals were.
 static __constant__ RoundedConstants kDeviceRoundedConstants = kRoundedConstants;
@@ -399,6 +387,11 @@ NCDP_HOST_DEVICE void cos_sin_2pi(double u2, double* c, double* s) {
   *s = ((k >> 1) & 1) != 0 ? -b : b;
 }
 
+// The Box-Muller radius sqrt(-2 ln u1).
+NCDP_HOST_DEVICE double radius_of(double u1) {
+  return detail::sqrt_rn(detail::mul(-2.0, log_normal(u1)));
+}
+
 // Radius sqrt(-2 ln u1) and (cos, sin)(2 pi u2) of pair `pair` (blocks as in
 // pair_uniforms).
 NCDP_HOST_DEVICE void box_muller_pair(std::uint64_t seed, std::uint64_t pair,
@@ -406,7 +399,7 @@ NCDP_HOST_DEVICE void box_muller_pair(std::uint64_t seed, std::uint64_t pair,
                                       double* s) {
   double u1, u2;
   pair_uniforms(seed, pair, blocks, &u1, &u2);
-  *radius = detail::sqrt_rn(detail::mul(-2.0, log_normal(u1)));
+  *radius = radius_of(u1);
   cos_sin_2pi(u2, c, s);
 }
 
@@ -420,21 +413,13 @@ NCDP_HOST_DEVICE void box_muller_pair(std::uint64_t seed, std::uint64_t pair,
 NCDP_HOST_DEVICE void normals_of_block(std::uint64_t seed, std::uint64_t block, double z[4]) {
   const PairBlocks blocks = pair_blocks(seed, block);
   double u1[2], u2[2], radius[2], c[2], s[2];
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
+NCDP_UNROLL
   for (int h = 0; h < 2; ++h) pair_uniforms(seed, 2 * block + h, blocks, &u1[h], &u2[h]);
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-  for (int h = 0; h < 2; ++h) radius[h] = detail::sqrt_rn(detail::mul(-2.0, log_normal(u1[h])));
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
+NCDP_UNROLL
+  for (int h = 0; h < 2; ++h) radius[h] = radius_of(u1[h]);
+NCDP_UNROLL
   for (int h = 0; h < 2; ++h) cos_sin_2pi(u2[h], &c[h], &s[h]);
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
+NCDP_UNROLL
   for (int h = 0; h < 2; ++h) {
     z[2 * h] = detail::mul(radius[h], c[h]);
     z[2 * h + 1] = detail::mul(radius[h], s[h]);
