@@ -33,10 +33,12 @@ struct Block {
 // __umulhi and a 32-bit multiply, which ptxas fuses into one IMAD.WIDE.U32:
 // written as a uint64_t product, the front end widened the whole round to
 // 64-bit multiplies, xors and adds, and ptxas kept an add of a zero high word
-// per product (two of a round's six instructions).
+// per product (two of a round's six instructions). The emulated device runs
+// the device form (its __umulhi, tests/cuda_emu), the host build the other:
+// both are held to the numba twin's words.
 NCDP_HOST_DEVICE void mul_wide(std::uint32_t a, std::uint32_t b, std::uint32_t* hi,
                                std::uint32_t* lo) {
-#if defined(__CUDA_ARCH__) && !defined(NCDP_CPU_EMULATION)
+#if defined(__CUDA_ARCH__) || defined(NCDP_CPU_EMULATION)
   *hi = __umulhi(a, b);
   *lo = a * b;
 #else

@@ -1074,6 +1074,10 @@ inline unsigned __ballot_sync(unsigned mask, int predicate) {
 // ---- Arithmetic intrinsics: host versions of the device intrinsics the
 // kernels call.
 inline int __ffs(int x) { return __builtin_ffs(x); }
+// The high word of a 32 x 32-bit product (Philox's rounds, common/philox.cuh).
+inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+  return static_cast<unsigned int>((static_cast<unsigned long long>(a) * b) >> 32);
+}
 
 // common/launch.cuh's hooks.
 #define NCDP_LAUNCH(grid, block, shared_bytes, stream, ...) \
