@@ -251,12 +251,35 @@ class _Layer:
             be.kernels.weighted_row_sum_noise(self.g, factors, noise_std, inv_denom, seed, offset,
                                               out)
             return be.io.to_user(out.reshape(self.param_shape))
-        gw = be.io.empty((self.K, self.d), dtype)
-        gb = be.io.empty((self.K,), dtype) if self.bias else None
+        K, d = self.K, self.d
+        flat = None
+        if be.name == "cuda" and self.bias:
+            # The weight's and the bias's sums in one allocation, the bias
+            # after the weight as their noise ranges lie: where both are
+            # finished in place, one finish segment (each an allocation and a
+            # segment's host time a layer on a device, issue 36).
+            flat = be.io.empty((K * d + K,), dtype)
+            gw, gb = _arrays.split_sizes(flat, (K * d, K))
+            gw = gw.reshape(K, d)
+        else:
+            gw = be.io.empty((K, d), dtype)
+            gb = be.io.empty((K,), dtype) if self.bias else None
+        n = len(finish)
         be.kernels.clipped_linear_sum(self.a, self.g, factors, noise_std, inv_denom, seed, offset,
                                       gw, gb, matmul=be.io.matmul, balance=balance, finish=finish,
                                       bias_gemv=bias_gemv)
+        if flat is not None and _in_place_pair(finish[n:], gw, gb, offset, K * d):
+            finish[n:] = [(flat, flat, offset)]
         return be.io.to_user(gw), (None if gb is None else be.io.to_user(gb))
+
+
+def _in_place_pair(added, gw, gb, offset, weight_draws) -> bool:
+    """Whether the finish segments a pair's sum ``added`` are its weight's and
+    its bias's, each finished in place at the offsets that make them one
+    range: the same draws, divisions and roundings as one segment over both."""
+    return (len(added) == 2 and added[0][0] is gw and added[0][1] is gw
+            and added[0][2] == offset and added[1][0] is gb and added[1][1] is gb
+            and added[1][2] == offset + weight_draws)
 
 
 def _runs(members):

@@ -1,9 +1,11 @@
 """The host-time shortcuts of issue 36 behave as the calls they replace: a
 recorded layer output's gradient hook entered without ``Tensor.register_hook``
-(recorder._add_grad_hook), and the clip op's GEMMs run without a TF32 context
-of their own inside the op's one (``ieee_float32_matmul_held``)."""
+(recorder._add_grad_hook), the clip op's GEMMs run without a TF32 context
+of their own inside the op's one (``ieee_float32_matmul_held``), and a linear
+pair's weight and bias sums share one allocation and one noise segment."""
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -13,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
+from ncdp_fast import NoiseReuseWarning  # noqa: E402
 from ncdp_fast._cuda import _common  # noqa: E402
 from ncdp_fast.torch.recorder import _add_grad_hook  # noqa: E402
 
@@ -106,3 +109,60 @@ def test_clip_op_gemms_run_without_tf32_inside_its_entry(tf32_on_matmuls, K, d):
     with be.emulated_cuda():
         r = clip_and_noise_layers(layers, max_norm=1.0, noise_multiplier=0.0, seed=1)
     assert len(r.grads) == 2 and tf32_on_matmuls and not any(tf32_on_matmuls)
+
+
+# (T, d, K, bias): both sides of K <= d (the factor in g: the bias from the
+# GEMM's scaled rows; in a: the bias by the GEMV, or from float64 sums where a
+# weight is out of range), T = 1 and T > 1, a pair without a bias.
+PAIRS = [(1, 5, 3, True), (3, 5, 3, True), (3, 3, 5, True), (2, 4, 6, False)]
+
+
+@pytest.mark.parametrize("weights", ["in range", "one tiny"])
+def test_pair_sums_share_one_allocation_and_one_finish_segment(monkeypatch, weights):
+    """On the (emulated) device a linear pair's weight and bias sums are one
+    allocation, finished as one noise segment where both are finished in
+    place: the same bits as two segments (the same draws at the same
+    offsets), one segment fewer for each such pair, and the bias a view
+    right after the weight."""
+    import ncdp_fast._backend as be
+    import ncdp_fast._clip_layers as cl
+    from ncdp_fast import clip_and_noise_layers
+    from ncdp_fast._cuda import clip as device_clip
+    rng = np.random.default_rng(11)
+    layers = []
+    for T, d, K, bias in PAIRS:
+        a = rng.standard_normal((4, T, d)).astype(np.float32)
+        g = rng.standard_normal((4, T, K)).astype(np.float32)
+        layers.append((torch.from_numpy(a), torch.from_numpy(g), bias))
+    # A tiny weight (a sample's factor below 2^-40) sends a GEMV bias to its
+    # float64 sums: that bias is finished from a float64 source, not merged.
+    scale = 1e-13 if weights == "one tiny" else 1.0
+    layers[0][1][0] *= 1.0 / scale
+    counts = []
+    finish = device_clip.finish_gaussian_segments
+
+    def counted(segments, *args):
+        counts.append(len(segments))
+        return finish(segments, *args)
+
+    monkeypatch.setattr(device_clip, "finish_gaussian_segments", counted)
+    runs = []
+    for merge in (True, False):
+        if not merge:
+            monkeypatch.setattr(cl, "_in_place_pair", lambda *args: False)
+        with be.emulated_cuda(), (contextlib.nullcontext() if merge else
+                                  pytest.warns(NoiseReuseWarning)):     # the same draws again
+            runs.append(clip_and_noise_layers(list(layers), max_norm=1.0, noise_multiplier=1.3,
+                                              seed=7, offset=5).grads)
+    merged, separate = runs
+    for (gw, gb), (sw, sb) in zip(merged, separate):
+        assert torch.equal(gw, sw) and (gb is None and sb is None or torch.equal(gb, sb))
+    with_bias = [(gw, gb) for gw, gb in merged if gb is not None]
+    for gw, gb in with_bias:
+        assert gb.untyped_storage().data_ptr() == gw.untyped_storage().data_ptr()
+        assert gb.data_ptr() == gw.data_ptr() + gw.numel() * gw.element_size()
+    fewer = counts[1] - counts[0]
+    if weights == "in range":       # every bias finished in place: every pair merges
+        assert fewer == len(with_bias) == 3, counts
+    else:                           # at least the GEMV side's bias from float64 sums
+        assert 0 <= fewer < len(with_bias), counts
