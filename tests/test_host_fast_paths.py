@@ -1,8 +1,10 @@
 """The host-time shortcuts of issue 36 behave as the calls they replace: a
 recorded layer output's gradient hook entered without ``Tensor.register_hook``
 (recorder._add_grad_hook), the clip op's GEMMs run without a TF32 context
-of their own inside the op's one (``ieee_float32_matmul_held``), and a linear
-pair's weight and bias sums share one allocation and one noise segment."""
+of their own inside the op's one (``ieee_float32_matmul_held``), a linear
+pair's weight and bias sums share one allocation and one noise segment, and
+the clip ops' argument checks are kept for plain values that passed them
+(``_clip_checks._check_common``) without letting any other value through."""
 from __future__ import annotations
 
 import contextlib
@@ -166,3 +168,50 @@ def test_pair_sums_share_one_allocation_and_one_finish_segment(monkeypatch, weig
         assert fewer == len(with_bias) == 3, counts
     else:                           # at least the GEMV side's bias from float64 sums
         assert 0 <= fewer < len(with_bias), counts
+
+
+def test_kept_checks_return_the_checks_result_and_never_pass_a_bad_value(monkeypatch):
+    """A kept key returns what the checks return; a value of another type,
+    a zero, a non-plain value and a failing value are checked every time
+    (a failing one still raises after a passing one was kept)."""
+    from ncdp_fast import _clip_checks as cc
+    monkeypatch.setattr(cc, "_PASSED", {})
+    calls = []
+    real = cc._checked_common
+
+    def counted(*key):
+        calls.append(key)
+        return real(*key)
+    monkeypatch.setattr(cc, "_checked_common", counted)
+    good = (1.5, 2.0, "mean", 64.0, "raise")
+    assert cc._check_common(*good) == real(*good) == (1.5, 3.0, 1.0 / 64.0)
+    assert cc._check_common(*good) == real(*good)
+    assert len(calls) == 1                          # the second call was kept
+    # 1.5 == 1.5 but 2 is not 2.0's type: checked and kept anew.
+    assert cc._check_common(1.5, 2, "mean", 64.0, "raise") == (1.5, 3.0, 1.0 / 64.0)
+    assert len(calls) == 2
+    # A zero, a NumPy float (a float subclass) and a 0-d array: never kept.
+    held = np.array(1.5)
+    for key in [(1.5, 0.0, "sum", None, "raise"), (1.5, -0.0, "sum", None, "raise"),
+                (np.float64(1.5), 2.0, "sum", None, "raise"), (held, 2.0, "sum", None, "raise")]:
+        n = len(calls)
+        cc._check_common(*key)
+        cc._check_common(*key)
+        assert len(calls) == n + 2, key
+    held[()] = 4.0                                  # changed in place: checked anew
+    assert cc._check_common(held, 2.0, "sum", None, "raise") == (4.0, 8.0, 1.0)
+    noise = cc._check_common(1.5, -0.0, "sum", None, "raise")[1]
+    assert str(noise) == "-0.0"                     # -0.0 * 1.5, not a kept +0.0
+    for bad, match in [((-1.0, 2.0, "sum", None, "raise"), "max_norm"),
+                       ((1.5, 2.0, "mean", None, "raise"), "expected_batch_size"),
+                       ((1.5, 2.0, "avg", None, "raise"), "reduction"),
+                       ((1.5, 2.0, "sum", None, "skip"), "nan_policy"),
+                       ((float("nan"), 2.0, "sum", None, "raise"), "max_norm"),
+                       ((True, 2.0, "sum", None, "raise"), "max_norm")]:
+        for _ in range(2):
+            with pytest.raises((ValueError, TypeError), match=match):
+                cc._check_common(*bad)
+    # Bounded: the kept keys never exceed _PASSED_MAX.
+    for i in range(3 * cc._PASSED_MAX):
+        cc._check_common(1.0 + i, 1.0, "sum", None, "raise")
+    assert 0 < len(cc._PASSED) <= cc._PASSED_MAX

@@ -199,9 +199,13 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False,
     B, T, d = a_list[0].shape
     K = g_list[0].shape[2]
     gram32 = gram32 and gram32_applies(a_list[0], T, d, K)
-    a_bytes, g_bytes, stack, budget, (a_route, g_route) = _layer_bytes(a_list, g_list, gram32)
-    if (T == 1 or L == 1 or B == 0
-            or 2 * min(a_bytes[l] + g_bytes[l] for l in range(L)) > budget):
+    alone = T == 1 or L == 1 or B == 0
+    if not alone:
+        # The chunks' sizes only where layers may share a chunk (a lone
+        # layer's plan is its own call's: host time, issue 36).
+        a_bytes, g_bytes, stack, budget, (a_route, g_route) = _layer_bytes(a_list, g_list, gram32)
+        alone = 2 * min(a_bytes[l] + g_bytes[l] for l in range(L)) > budget
+    if alone:
         used = False
         for l in range(L):
             used |= linear_sq_norms(a_list[l], g_list[l], bias, sq, accumulate or l > 0,
