@@ -611,7 +611,10 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
     ``shape[1:]`` for a dense block, ``(grad_weight, grad_bias)`` for a pair, an
     array of ``shape`` for a ghost block.
     """
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
+    # A list first: typing's Sequence check runs the ABC machinery (host time
+    # a step, issue 36).
+    if not (type(layers) is list or (not isinstance(layers, (str, bytes))
+                                     and isinstance(layers, Sequence))) or not layers:
         raise TypeError(f"layers: expected a non-empty list of arrays or (activations, backprops) "
                         f"tuples, got {type(layers).__name__}")
     arrays = {}
@@ -624,9 +627,8 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
         else:
             arrays[f"layers[{i}]"] = spec
     del spec                    # with release_blocks, the op holds the only references
-    grad_scale = check_positive(grad_scale, "grad_scale")
-    if not np.isfinite(grad_scale):
-        raise ValueError(f"grad_scale: expected a finite number > 0, got {grad_scale!r}")
+    if type(grad_scale) is not float or not 0.0 < grad_scale < math.inf:
+        grad_scale = check_positive(grad_scale, "grad_scale")   # finite, > 0
     check_choice(gram_precision, "gram_precision", ("float64", "float32"))
     grads, acc = _clip_layers(layers, arrays, max_norm, noise_multiplier, seed, offset, reduction,
                               expected_batch_size, nan_policy, grad_scale,

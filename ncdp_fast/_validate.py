@@ -127,6 +127,10 @@ def check_delta(value: Any, name: str = "delta") -> float:
 
 def check_choice(value: Any, name: str, choices) -> Any:
     """One of ``choices``; a non-string where the choices are strings is a TypeError."""
+    if isinstance(value, str) and value in choices:
+        # The common case, without forming the message (a clip op checks
+        # its choices every step: issue 36's host time).
+        return value
     expected = f"one of {sorted(choices)!r}"
     if all(isinstance(c, str) for c in choices) and not isinstance(value, str):
         raise _type_error(value, name, expected)
