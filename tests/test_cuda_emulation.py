@@ -18,6 +18,8 @@ differ from NumPy's by a few float64 ulps; sums follow Higham's bound
 from __future__ import annotations
 
 import itertools
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -825,6 +827,11 @@ def test_tier_reports_a_removed_syncthreads(built, tmp_path):
     ("divergent", "deadlock"),
     ("mismatched", "this phase expects"),
     ("launch", "invalid launch"),
+    # 64 KiB of dynamic shared memory without cudaFuncSetAttribute raising the
+    # kernel's 48 KiB limit first, as the hardware refuses it.
+    ("dynamic_limit", "invalid launch"),
+    ("async_misaligned", "16-byte aligned"),
+    ("async_global", "not shared memory"),
 ])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tier_aborts_on_undefined_barrier_use(built, variant, mode, message):
@@ -835,14 +842,15 @@ def test_tier_aborts_on_undefined_barrier_use(built, variant, mode, message):
 # Issue 24: the tier must see races between blocks, shared memory a block did not
 # write, and a shared-memory hand-off ordered only by a shuffle (tier_probe.cpp).
 
-@pytest.mark.parametrize("mode", ["blocks_exact", "handoff_barrier", "shared_written"])
+@pytest.mark.parametrize("mode", ["blocks_exact", "handoff_barrier", "shared_written",
+                                  "dynamic_written", "async_waited", "async_pipeline"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tier_runs_the_correct_variants_cleanly(built, variant, mode):
     rc, stderr = run_program([str(BUILD / f"tier-probe-{variant}"), mode], timeout=120)
     assert rc == 0 and "Sanitizer" not in stderr, stderr[-3000:]
 
 
-@pytest.mark.parametrize("mode", ["blocks_racy", "handoff_shuffle"])
+@pytest.mark.parametrize("mode", ["blocks_racy", "handoff_shuffle", "async_no_barrier"])
 def test_tier_reports_races_the_hardware_allows(built, mode):
     # blocks_racy: three blocks add into one total without atomics; they run one
     # after another, so the total is right, but nothing orders them. handoff_shuffle:
@@ -859,6 +867,52 @@ def test_tier_poisons_shared_memory_a_block_did_not_write(built, variant):
     rc, stderr = run_program([str(BUILD / f"tier-probe-{variant}"), "shared_unwritten"],
                              timeout=120)
     assert rc == 1 and "read unwritten shared memory: sum -nan" in stderr, stderr[-3000:]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tier_poisons_dynamic_shared_memory_a_block_did_not_write(built, variant):
+    # The launch's 64 KiB buffer is poisoned before every block, as the statics are.
+    rc, stderr = run_program([str(BUILD / f"tier-probe-{variant}"), "dynamic_unwritten"],
+                             timeout=120)
+    assert rc == 1 and "read unwritten shared memory: sum -nan" in stderr, stderr[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["async_unwaited", "async_early"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tier_shows_cp_async_data_read_before_its_wait(built, variant, mode):
+    # The hardware may complete a cp.async at any time before its wait_group:
+    # the tier completes it at the wait and poisons its destination until then,
+    # so a kernel that reads it early (no wait; a wait that leaves the group
+    # pending) reads NaN and its result is wrong.
+    rc, stderr = run_program([str(BUILD / f"tier-probe-{variant}"), mode], timeout=120)
+    assert rc == 1 and " is -nan, expected " in stderr and "Sanitizer" not in stderr, \
+        stderr[-3000:]
+
+
+def test_cp_async_and_dynamic_shared_compile_for_the_device(tmp_path):
+    """The CUDA branch of common/launch.cuh's cp.async and dynamic shared memory,
+    compiled by nvcc for the extension's architectures (the tier runs only the
+    emulator's): the probe's kernels assemble, and their SASS holds the
+    asynchronous copies (LDGSTS) and their waits (DEPBAR) on sm_80 and sm_90."""
+    from conftest import bench_script
+    sm = bench_script("sass_mix")   # finds cuobjdump where the Makefile installs it
+    nvcc, cuobjdump = sm.nvcc_path(), sm.find_cuobjdump()
+    if nvcc is None or cuobjdump is None:
+        pytest.skip("nvcc or cuobjdump not found (make installs nvidia-cuda-cuobjdump)")
+    for arch in ("sm_80", "sm_90"):
+        cubin = tmp_path / f"probe-{arch}.cubin"
+        proc = subprocess.run([nvcc, "-x", "cu", f"-arch={arch}", "-cubin", "-O3", "-std=c++17",
+                               "--expt-relaxed-constexpr", f"-I{ROOT_CSRC}", "-o", str(cubin),
+                               str(ROOT_CSRC.parent / "tests" / "cuda_emu" / "tier_probe.cpp")],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True,
+                              text=True, timeout=120)
+        assert sass.returncode == 0, sass.stderr[-3000:]
+        # The pipeline kernel's own listing: from its header to the next one.
+        pipelined = sass.stdout[sass.stdout.index("pipelined_sums"):]
+        pipelined = pipelined.split("Function :")[0]
+        assert "LDGSTS" in pipelined and "DEPBAR" in pipelined, (arch, pipelined[:3000])
 
 
 # ---------------------------------------------------------------------------

@@ -16,7 +16,18 @@
 // __shared__ variables are function statics; before each block the launcher
 // fills them all with 0xff bytes (NaN in every float and double,
 // -1 in every integer), so a read of shared memory the block did not write
-// yields a poisoned value instead of a zero or the previous block's data.
+// yields a poisoned value instead of a zero or the previous block's data. The
+// launch's dynamic shared memory (NCDP_DYNAMIC_SHARED) is one buffer of the
+// launch's size, poisoned the same way before each block; a launch asking for
+// more than 48 KiB fails unless cudaFuncSetAttribute raised its kernel's limit
+// (up to sm_90's 227 KiB), as on the hardware.
+//
+// cp.async (common/async_copy.cuh) is deferred as the hardware may defer it:
+// its 16 destination bytes are poisoned when the copy is issued (the source is
+// read then) and written when a cp_async_wait leaves at most N of the thread's
+// committed groups pending; copies not yet committed wait for their commit.
+// So a read of the destination before its wait sees the poison, and a read by
+// another thread without a __syncthreads after the wait is a data race.
 //
 // Under ThreadSanitizer the emulator adds no ordering the hardware does not
 // give: its own locks and the pool's hand-off are hidden from the race
@@ -224,7 +235,17 @@ struct Barrier {
   char tokens[4] = {};
 };
 
+// One cp.async: its destination and the 16 source bytes read at its issue.
+struct PendingCopy {
+  unsigned char* destination;
+  unsigned char bytes[16];
+};
+
 struct ThreadState {
+  // This thread's cp.async copies: issued since the last commit, then the
+  // committed groups, oldest first.
+  std::vector<PendingCopy> open_copies;
+  std::vector<std::vector<PendingCopy>> committed_copies;
   dim3 thread_idx;
   dim3 block_idx;
   dim3 block_dim;
@@ -728,14 +749,98 @@ NCDP_EMU_UNSANITIZED inline void poison_shared_memory() {
   }
 }
 
+// ---- Dynamic shared memory and cp.async.
+
+// The running launch's dynamic shared memory (one launch runs at a time):
+// written by the launcher before a block's start, which its threads acquire.
+struct DynamicShared {
+  unsigned char* base = nullptr;
+  std::size_t bytes = 0;
+};
+inline DynamicShared& dynamic_shared() {
+  static DynamicShared memory;
+  return memory;
+}
+
+// Fills the launch's dynamic shared memory with kSharedPoison before a block.
+NCDP_EMU_UNSANITIZED inline void poison_dynamic_shared() {
+  const DynamicShared& memory = dynamic_shared();
+  if (memory.bytes == 0) return;
+#if defined(NCDP_EMU_COOPERATIVE)
+  std::memset(memory.base, kSharedPoison, memory.bytes);
+#else
+  forget_accesses(reinterpret_cast<char*>(memory.base), memory.bytes);
+  volatile unsigned char* byte = memory.base;
+  for (std::size_t i = 0; i < memory.bytes; ++i) byte[i] = kSharedPoison;
+#endif
+}
+
+// Whether [address, address + bytes) is shared memory: the launch's dynamic
+// buffer or a __shared__ variable (a cp.async destination must be).
+inline bool is_shared_range(const void* address, std::size_t bytes) {
+  const auto* begin = static_cast<const unsigned char*>(address);
+  const DynamicShared& memory = dynamic_shared();
+  if (memory.bytes != 0 && begin >= memory.base && begin + bytes <= memory.base + memory.bytes) {
+    return true;
+  }
+  for (const SharedVariable& variable : shared_variables()) {
+    const auto* start = reinterpret_cast<const unsigned char*>(variable.address);
+    if (begin >= start && begin + bytes <= start + variable.bytes) return true;
+  }
+  return false;
+}
+
+// cp.async.cg.shared.global of 16 bytes: the source read now, the destination
+// poisoned now and written at the cp_async_wait that completes its group.
+inline void cp_async16(void* destination, const void* source) {
+  if (reinterpret_cast<std::uintptr_t>(destination) % 16 != 0 ||
+      reinterpret_cast<std::uintptr_t>(source) % 16 != 0) {
+    fatal("cp.async of 16 bytes from %p to %p: both addresses must be 16-byte aligned", source,
+          destination);
+  }
+  if (!is_shared_range(destination, 16)) {
+    fatal("cp.async to %p: the destination is not shared memory", destination);
+  }
+  PendingCopy copy;
+  copy.destination = static_cast<unsigned char*>(destination);
+  std::memcpy(copy.bytes, source, sizeof(copy.bytes));
+  volatile unsigned char* byte = copy.destination;
+  for (std::size_t i = 0; i < sizeof(copy.bytes); ++i) byte[i] = kSharedPoison;
+  t_state->open_copies.push_back(copy);
+}
+
+// cp.async.commit_group: the copies issued since the last commit become a group
+// (an empty one if there were none, as in PTX).
+inline void cp_async_commit() {
+  ThreadState& state = *t_state;
+  state.committed_copies.push_back(std::move(state.open_copies));
+  state.open_copies.clear();
+}
+
+// cp.async.wait_group `pending`: the thread's oldest committed groups complete
+// until at most `pending` remain.
+inline void cp_async_wait(int pending) {
+  ThreadState& state = *t_state;
+  std::vector<std::vector<PendingCopy>>& groups = state.committed_copies;
+  std::size_t done = 0;
+  while (groups.size() - done > static_cast<std::size_t>(pending)) {
+    for (const PendingCopy& copy : groups[done]) {
+      std::memcpy(copy.destination, copy.bytes, sizeof(copy.bytes));
+    }
+    ++done;
+  }
+  groups.erase(groups.begin(), groups.begin() + static_cast<std::ptrdiff_t>(done));
+}
+
 // ---- Launches.
 
-inline bool check_launch_shape(const dim3& grid, const dim3& block, std::size_t shared_bytes) {
+inline bool check_launch_shape(const dim3& grid, const dim3& block, std::size_t shared_bytes,
+                               std::size_t shared_limit) {
   const std::uint64_t threads = static_cast<std::uint64_t>(block.x) * block.y * block.z;
   const bool ok = grid.x >= 1 && grid.y >= 1 && grid.z >= 1 && grid.x <= 2147483647u &&
                   grid.y <= 65535u && grid.z <= 65535u && block.x >= 1 && block.y >= 1 &&
                   block.z >= 1 && block.x <= 1024u && block.y <= 1024u && block.z <= 64u &&
-                  threads <= 1024u && shared_bytes <= 48u * 1024u;
+                  threads <= 1024u && shared_bytes <= shared_limit;
   if (!ok) {
 #if defined(NCDP_EMU_MODULE)
     // The emulated device of the Python module reports it as the hardware
@@ -744,8 +849,8 @@ inline bool check_launch_shape(const dim3& grid, const dim3& block, std::size_t 
     return false;
 #else
     fatal("invalid launch: grid (%u, %u, %u), block (%u, %u, %u), %zu bytes of dynamic shared "
-          "memory",
-          grid.x, grid.y, grid.z, block.x, block.y, block.z, shared_bytes);
+          "memory (the kernel's limit: %zu)",
+          grid.x, grid.y, grid.z, block.x, block.y, block.z, shared_bytes, shared_limit);
 #endif
   }
   return true;
@@ -909,12 +1014,23 @@ class Fibers {
 // in a random order.
 template <typename Body>
 void run_grid(const dim3& grid, const dim3& block_dim, std::size_t shared_bytes,
-              const Body& body) {
-  if (!check_launch_shape(grid, block_dim, shared_bytes)) return;
+              std::size_t shared_limit, const Body& body) {
+  if (!check_launch_shape(grid, block_dim, shared_bytes, shared_limit)) return;
   // One launch at a time: the pool and the __shared__ variables serve one
   // block, and a process may launch from several host threads.
   static std::mutex launch_mutex;
   std::lock_guard<std::mutex> one_launch(launch_mutex);
+  // The launch's dynamic shared memory, of exactly its size (16-byte granules):
+  // an access past it is out of bounds for the sanitizers, as on the device.
+  const std::size_t dynamic_bytes = (shared_bytes + 15) / 16 * 16;
+  std::unique_ptr<unsigned char, decltype(&std::free)> dynamic(
+      dynamic_bytes != 0 ? static_cast<unsigned char*>(std::aligned_alloc(16, dynamic_bytes))
+                         : nullptr,
+      &std::free);
+  dynamic_shared() = DynamicShared{dynamic.get(), dynamic_bytes};
+  struct Unset {
+    ~Unset() { dynamic_shared() = DynamicShared{}; }
+  } unset;
   const int threads = static_cast<int>(block_dim.x * block_dim.y * block_dim.z);
   const int warps = (threads + kWarpSize - 1) / kWarpSize;
   const std::uint64_t count = static_cast<std::uint64_t>(grid.x) * grid.y * grid.z;
@@ -949,6 +1065,7 @@ void run_grid(const dim3& grid, const dim3& block_dim, std::size_t shared_bytes,
   for (const int b : random_order(static_cast<int>(count))) {
     Block& block = *blocks[static_cast<std::size_t>(b)];
     poison_shared_memory();
+    poison_dynamic_shared();
     // Kept to the launch's end (freeing it is a write).
     char* const end = launch_end.get();
     block.job = [&block, end, &body](int t) {
@@ -1011,7 +1128,9 @@ struct Launch {
     // Converted once, as the launch would copy them into parameter space;
     // every thread then receives its own copies.
     const std::tuple<std::decay_t<Params>...> params(std::forward<Args>(args)...);
-    run_grid(grid, block, shared_bytes, [&] { std::apply(kernel, params); });
+    run_grid(grid, block, shared_bytes,
+             dynamic_shared_limit(reinterpret_cast<const void*>(kernel)),
+             [&] { std::apply(kernel, params); });
   }
 };
 
@@ -1088,5 +1207,12 @@ inline unsigned int __umulhi(unsigned int a, unsigned int b) {
 // atomics, so that the sanitizers see the hand-over within a block.
 #define NCDP_LOAD_ACQUIRE_GPU(ptr) __atomic_load_n((ptr), __ATOMIC_ACQUIRE)
 #define NCDP_STORE_RELEASE_GPU(ptr, value) __atomic_store_n((ptr), (value), __ATOMIC_RELEASE)
+// The launch's dynamic shared memory as an array of `type` (common/launch.cuh).
+#define NCDP_DYNAMIC_SHARED(type, name) \
+  type* const name = reinterpret_cast<type*>(::ncdp_emu::dynamic_shared().base)
+#define NCDP_CP_ASYNC16(shared_destination, global_source) \
+  ::ncdp_emu::cp_async16((shared_destination), (global_source))
+#define NCDP_CP_ASYNC_COMMIT() ::ncdp_emu::cp_async_commit()
+#define NCDP_CP_ASYNC_WAIT(pending) ::ncdp_emu::cp_async_wait(pending)
 #define NCDP_NAMED_BARRIER_SYNC(id, threads) ::ncdp_emu::named_barrier((id), (threads), true)
 #define NCDP_NAMED_BARRIER_ARRIVE(id, threads) ::ncdp_emu::named_barrier((id), (threads), false)

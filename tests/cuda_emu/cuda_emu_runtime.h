@@ -12,10 +12,13 @@
 // (NCDP_EMU_L2_BYTES, default 2 MiB) so that the kernels' L2-sized chunking
 // is reached by small shapes.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
@@ -50,6 +53,8 @@ struct cudaDeviceProp {
 };
 
 enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16, cudaDevAttrL2CacheSize = 89 };
+
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 
 #define cudaStreamLegacy (reinterpret_cast<cudaStream_t>(0x1))
 #define cudaStreamPerThread (reinterpret_cast<cudaStream_t>(0x2))
@@ -153,6 +158,41 @@ inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Ke
   (void)shared_bytes;
   if (block_threads <= 0 || block_threads > 1024) return ::ncdp_emu::record(cudaErrorInvalidValue);
   *blocks = 1;
+  return cudaSuccess;
+}
+
+namespace ncdp_emu {
+// Dynamic shared memory a launch may ask for: 48 KiB, or up to the sm_90
+// opt-in limit once cudaFuncSetAttribute raised the kernel's own (as on the
+// hardware, where a launch past its kernel's limit fails).
+constexpr std::size_t kDefaultDynamicShared = 48u * 1024u;
+constexpr std::size_t kMaxDynamicShared = 227u * 1024u;
+
+inline std::mutex& dynamic_shared_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+inline std::map<const void*, std::size_t>& dynamic_shared_limits() {
+  static std::map<const void*, std::size_t> limits;
+  return limits;
+}
+inline std::size_t dynamic_shared_limit(const void* kernel) {
+  std::lock_guard<std::mutex> lock(dynamic_shared_mutex());
+  const auto found = dynamic_shared_limits().find(kernel);
+  return found == dynamic_shared_limits().end() ? kDefaultDynamicShared : found->second;
+}
+}  // namespace ncdp_emu
+
+template <typename... Params>
+inline cudaError_t cudaFuncSetAttribute(void (*kernel)(Params...), cudaFuncAttribute attribute,
+                                        int value) {
+  if (attribute != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+      static_cast<std::size_t>(value) > ::ncdp_emu::kMaxDynamicShared) {
+    return ::ncdp_emu::record(cudaErrorInvalidValue);
+  }
+  std::lock_guard<std::mutex> lock(::ncdp_emu::dynamic_shared_mutex());
+  ::ncdp_emu::dynamic_shared_limits()[reinterpret_cast<const void*>(kernel)] =
+      std::max(::ncdp_emu::kDefaultDynamicShared, static_cast<std::size_t>(value));
   return cudaSuccess;
 }
 

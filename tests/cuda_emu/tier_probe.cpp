@@ -21,6 +21,22 @@
 //   shared_unwritten / shared_written one block leaves a shared slot unwritten
 //                          and reads it; exits 1 when the sum is not exact (the
 //                          poison must reach it) / every block writes every slot.
+//
+// Dynamic shared memory and cp.async (common/launch.cuh), each planted bug with
+// its correct variant:
+//   dynamic_unwritten / dynamic_written  as shared_*, in 64 KiB of dynamic
+//                          shared memory (the kernel's limit raised first).
+//   dynamic_limit          the same launch without raising the limit: must abort
+//                          as an invalid launch.
+//   async_unwaited / async_waited  each thread copies 16 bytes with cp.async and
+//                          reads its neighbour's after a __syncthreads, without /
+//                          with the wait: exits 1 when the data is not exact.
+//   async_early / async_pipeline   a three-stage pipeline over 8 tiles that
+//                          waits for one group too few / the right count.
+//   async_no_barrier       the wait but no __syncthreads before reading another
+//                          thread's copy: ThreadSanitizer must report the race.
+//   async_misaligned, async_global  a source 8 bytes off alignment, a
+//                          destination in global memory: must abort.
 #include <cstdio>
 #include <cstring>
 
@@ -94,6 +110,85 @@ __global__ void partly_written_shared(double* sums,  // [kSmallBlocks]
     for (int i = 0; i < kSmall; ++i) sum += slots[i];
     sums[blockIdx.x] = sum;
   }
+}
+
+// 64 KiB of dynamic shared memory: past the default 48 KiB.
+constexpr int kDynamicBytes = 64 * 1024;
+constexpr int kDynamicSlots = kDynamicBytes / static_cast<int>(sizeof(double));
+
+__global__ void partly_written_dynamic(double* sums,  // [kSmallBlocks]
+                                       int complete) {
+  NCDP_DYNAMIC_SHARED(double, slots);  // [kDynamicSlots]
+  for (int i = threadIdx.x; i < kDynamicSlots; i += kSmall) {
+    // Block 1 forgets the last slot.
+    if (complete || blockIdx.x != 1 || i != kDynamicSlots - 1) slots[i] = 1.0;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double sum = 0.0;
+    for (int i = 0; i < kDynamicSlots; ++i) sum += slots[i];
+    sums[blockIdx.x] = sum;
+  }
+}
+
+constexpr int kCopyThreads = 64;
+constexpr int kCopyFloats = 4 * kCopyThreads;  // a tile: 16 bytes a thread
+
+enum CopyMode { kWaited = 0, kUnwaited = 1, kNoBarrier = 2, kMisaligned = 3, kGlobal = 4 };
+
+// Thread t copies its 16 bytes of the block's tile into dynamic shared memory,
+// then writes thread t + 1's (a neighbour's copy: the barrier must order it).
+__global__ void neighbour_copy(const float* source,  // [blocks, kCopyFloats] (+ 2 spare)
+                               float* out,           // [blocks, kCopyFloats]
+                               int mode) {
+  NCDP_DYNAMIC_SHARED(float, tile);  // [kCopyFloats]
+  const int t = static_cast<int>(threadIdx.x);
+  const float* from = source + (blockIdx.x * kCopyFloats + 4 * t) + (mode == kMisaligned ? 2 : 0);
+  float* to = mode == kGlobal ? out + blockIdx.x * kCopyFloats + 4 * t : tile + 4 * t;
+  NCDP_CP_ASYNC16(to, from);
+  NCDP_CP_ASYNC_COMMIT();
+  if (mode != kUnwaited) NCDP_CP_ASYNC_WAIT(0);
+  if (mode != kNoBarrier) __syncthreads();
+  const int u = (t + 1) % kCopyThreads;
+  for (int q = 0; q < 4; ++q) out[blockIdx.x * kCopyFloats + 4 * t + q] = tile[4 * u + q];
+}
+
+constexpr int kStages = 3;
+constexpr int kTiles = 8;
+
+// sums[b * kCopyFloats + j] = sum over the kTiles tiles of value j (read by
+// thread j / 4 + 1's lane), tile i + 2 copied while tile i is read: at step i
+// groups i, i + 1 and i + 2 are committed, so waiting until 2 are pending
+// completes tile i; `early` waits until 3 are (none completes).
+__global__ void pipelined_sums(const float* source,  // [blocks, kTiles, kCopyFloats]
+                               float* sums,          // [blocks, kCopyFloats]
+                               int early) {
+  NCDP_DYNAMIC_SHARED(float, stages);  // [kStages, kCopyFloats]
+  const int t = static_cast<int>(threadIdx.x);
+  const float* tiles = source + static_cast<std::size_t>(blockIdx.x) * kTiles * kCopyFloats;
+  for (int i = 0; i < kStages - 1; ++i) {
+    NCDP_CP_ASYNC16(stages + i * kCopyFloats + 4 * t, tiles + i * kCopyFloats + 4 * t);
+    NCDP_CP_ASYNC_COMMIT();
+  }
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const int u = (t + 1) % kCopyThreads;
+  for (int i = 0; i < kTiles; ++i) {
+    const int ahead = i + kStages - 1;
+    if (ahead < kTiles) {
+      NCDP_CP_ASYNC16(stages + (ahead % kStages) * kCopyFloats + 4 * t,
+                      tiles + ahead * kCopyFloats + 4 * t);
+    }
+    NCDP_CP_ASYNC_COMMIT();  // an empty group past the last tile keeps the count
+    if (early) {
+      NCDP_CP_ASYNC_WAIT(kStages);
+    } else {
+      NCDP_CP_ASYNC_WAIT(kStages - 1);
+    }
+    __syncthreads();
+    for (int q = 0; q < 4; ++q) acc[q] += stages[(i % kStages) * kCopyFloats + 4 * u + q];
+    __syncthreads();  // stage i % kStages is refilled at step i + 1
+  }
+  for (int q = 0; q < 4; ++q) sums[blockIdx.x * kCopyFloats + 4 * t + q] = acc[q];
 }
 
 }  // namespace
@@ -174,9 +269,79 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+  if (std::strcmp(mode, "dynamic_unwritten") == 0 || std::strcmp(mode, "dynamic_written") == 0 ||
+      std::strcmp(mode, "dynamic_limit") == 0) {
+    if (std::strcmp(mode, "dynamic_limit") != 0 &&
+        cudaFuncSetAttribute(partly_written_dynamic, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             kDynamicBytes) != cudaSuccess) {
+      std::fprintf(stderr, "%s: cudaFuncSetAttribute failed\n", mode);
+      return 2;
+    }
+    double sums[kSmallBlocks] = {};
+    NCDP_LAUNCH(kSmallBlocks, kSmall, kDynamicBytes, nullptr, partly_written_dynamic)(
+        sums, std::strcmp(mode, "dynamic_unwritten") != 0);
+    for (int b = 0; b < kSmallBlocks; ++b) {
+      if (sums[b] != kDynamicSlots) {
+        std::fprintf(stderr, "%s: block %d read unwritten shared memory: sum %g, expected %d\n",
+                     mode, b, sums[b], kDynamicSlots);
+        return 1;
+      }
+    }
+    return 0;
+  }
+  const struct {
+    const char* name;
+    int mode;
+  } copies[] = {{"async_waited", kWaited},         {"async_unwaited", kUnwaited},
+                {"async_no_barrier", kNoBarrier},  {"async_misaligned", kMisaligned},
+                {"async_global", kGlobal}};
+  for (const auto& copy : copies) {
+    if (std::strcmp(mode, copy.name) != 0) continue;
+    alignas(16) static float source[kSmallBlocks * kCopyFloats + 4];
+    alignas(16) static float out[kSmallBlocks * kCopyFloats];
+    for (int i = 0; i < kSmallBlocks * kCopyFloats + 4; ++i) source[i] = static_cast<float>(i);
+    NCDP_LAUNCH(kSmallBlocks, kCopyThreads, kCopyFloats * sizeof(float), nullptr,
+                neighbour_copy)(source, out, copy.mode);
+    for (int b = 0; b < kSmallBlocks; ++b) {
+      for (int j = 0; j < kCopyFloats; ++j) {
+        const int from = b * kCopyFloats + (j + 4) % kCopyFloats;
+        if (out[b * kCopyFloats + j] != source[from]) {
+          std::fprintf(stderr, "%s: block %d value %d is %g, expected %g\n", mode, b, j,
+                       out[b * kCopyFloats + j], source[from]);
+          return 1;
+        }
+      }
+    }
+    return 0;
+  }
+  if (std::strcmp(mode, "async_pipeline") == 0 || std::strcmp(mode, "async_early") == 0) {
+    alignas(16) static float source[kSmallBlocks * kTiles * kCopyFloats];
+    alignas(16) static float sums[kSmallBlocks * kCopyFloats];
+    for (int i = 0; i < kSmallBlocks * kTiles * kCopyFloats; ++i) {
+      source[i] = static_cast<float>(i % 97);  // small integers: exact sums
+    }
+    NCDP_LAUNCH(kSmallBlocks, kCopyThreads, kStages * kCopyFloats * sizeof(float), nullptr,
+                pipelined_sums)(source, sums, std::strcmp(mode, "async_early") == 0);
+    for (int b = 0; b < kSmallBlocks; ++b) {
+      for (int j = 0; j < kCopyFloats; ++j) {
+        float expected = 0.0f;
+        for (int i = 0; i < kTiles; ++i) {
+          expected += source[(b * kTiles + i) * kCopyFloats + (j + 4) % kCopyFloats];
+        }
+        if (sums[b * kCopyFloats + j] != expected) {
+          std::fprintf(stderr, "%s: block %d sum %d is %g, expected %g\n", mode, b, j,
+                       sums[b * kCopyFloats + j], expected);
+          return 1;
+        }
+      }
+    }
+    return 0;
+  }
   std::fprintf(stderr,
                "usage: %s block_sum|divergent|mismatched|launch|blocks_racy|blocks_exact|"
-               "handoff_shuffle|handoff_barrier|shared_unwritten|shared_written\n",
+               "handoff_shuffle|handoff_barrier|shared_unwritten|shared_written|"
+               "dynamic_unwritten|dynamic_written|dynamic_limit|async_waited|async_unwaited|"
+               "async_no_barrier|async_misaligned|async_global|async_pipeline|async_early\n",
                argv[0]);
   return 2;
 }
