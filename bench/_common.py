@@ -105,10 +105,12 @@ def dense_torch_eager(g, C, sigma):
     return eager
 
 
-def dense_rows_launch(g, C, sigma, one_pass: bool):
+def dense_rows_launch(g, C, sigma, one_pass: bool, rows: int | None = None):
     """The dense op's CUDA launcher on g (B, p) in its other forms (a
     callable, holding its workspace): ``one_pass`` the one-pass kernel
-    (csrc/clip/dense_one_pass.cu, on as many blocks as the device holds), else
+    (csrc/clip/dense_one_pass.cu, on as many blocks as the device holds), with
+    row blocks of ``rows`` rows where given (the plan's l2_bytes set for them:
+    dense_traffic.one_pass_l2_for_rows), else of its device-L2 share; else
     rows in chunks of half the device's L2 (l2_bytes=-1: a pass from DRAM,
     one from L2)."""
     import torch
@@ -121,12 +123,17 @@ def dense_rows_launch(g, C, sigma, one_pass: bool):
     ws, ws_ptr = workspace(g, nbytes)
     out = torch.empty(p, dtype=g.dtype, device=g.device)
     norms = torch.empty(B, dtype=torch.float64, device=g.device)
+    l2_bytes = -1
+    if one_pass and rows is not None:
+        from dense_traffic import one_pass_l2_for_rows
+        l2_bytes = one_pass_l2_for_rows(p, g.element_size(), rows)
 
     def launch():
         # ws named here: the closure holds the workspace the pointer points into.
         lib.launch_clip_noise_rows(ptr(g), B, p, dtype, C, sigma * C, 1.0, 1, 0, ptr(out),
                                    ptr(norms), ws_ptr if ws is not None else 0, nbytes,
-                                   stream(g), l2_bytes=-1, one_pass_blocks=-1 if one_pass else 0)
+                                   stream(g), l2_bytes=l2_bytes,
+                                   one_pass_blocks=-1 if one_pass else 0)
         return out
     return launch
 

@@ -136,6 +136,49 @@ def one_pass(B: int, p: int, itemsize: int, l2: int = H100_L2_BYTES,
                 predicted_s=seconds, predicted_frac_of_read=data / READ_BYTES_PER_S / seconds)
 
 
+# Two readings of the one-pass kernel's measured time that predict differently
+# for larger row blocks (bench_clip_dense's "ncdp_one_pass_rows8" times the
+# kernel with 8-row blocks; a GPU run decides):
+# - chain: each block walks the row blocks in a chain of dependent round trips
+#   (the ready flag, the factors, then the rows' loads), a fixed latency a row
+#   block, fitted as the measured time less the bandwidth model above, over the
+#   512 row blocks of the measured plan; fewer, larger row blocks shorten it;
+# - L2 rate: no chain, the second read served by the L2 at the rate
+#   "l2_torch_sum" measured in the same run (not fitted: 1.288 ms at the
+#   measured shape, 22% under the measurement); the row blocks' size does not
+#   matter while they fit the L2.
+MEASURED_ONE_PASS = (1024, 409_600, 4, 1.662e-3)   # (B, p, itemsize, s): H200, 2026-11-30
+MEASURED_L2_BYTES_PER_S = 2.67e12                   # l2_torch_sum, the same run
+
+
+def one_pass_l2_for_rows(p: int, itemsize: int, rows: int) -> int:
+    """The launcher's ``l2_bytes`` at which the plan takes ``rows`` rows a row
+    block (capped at ONE_PASS_MAX_ROWS and B): the plan's rows are
+    l2 // (ONE_PASS_L2_SHARE * row bytes)."""
+    return rows * ONE_PASS_L2_SHARE * p * itemsize
+
+
+def chain_step_s() -> float:
+    """The chain reading's latency a row block, fitted to MEASURED_ONE_PASS."""
+    B, p, itemsize, measured = MEASURED_ONE_PASS
+    model = one_pass(B, p, itemsize)
+    return (measured - model["predicted_s"]) / model["plan"][3]
+
+
+def one_pass_readings(B: int, p: int, itemsize: int, rows: int | None = None) -> dict | None:
+    """Both readings' predicted seconds for the one-pass kernel, with the
+    device's L2 (``rows`` None) or ``rows``-row blocks: ``chain_s`` (the
+    bandwidth model plus a fitted latency a row block) and ``l2_rate_s`` (the
+    bandwidth model at the measured L2 rate); None where the plan declines."""
+    l2 = H100_L2_BYTES if rows is None else one_pass_l2_for_rows(p, itemsize, rows)
+    base = one_pass(B, p, itemsize, l2)
+    if base is None:
+        return None
+    slow_l2 = one_pass(B, p, itemsize, l2, l2_bytes_per_s=MEASURED_L2_BYTES_PER_S)
+    return dict(plan=base["plan"], chain_s=base["predicted_s"] + base["plan"][3] * chain_step_s(),
+                l2_rate_s=slow_l2["predicted_s"])
+
+
 SHAPES = [(64, 1_000_000), (256, 1_000_000), (1024, 100_000), (1024, 409_600), (512, 7680),
           (4096, 4096), (65536, 512)]
 
@@ -167,6 +210,19 @@ def main() -> None:
         print(f"| {B} | {p} | {runs[1]['plan']} | {runs[1]['dram_per_input_byte']:.3f} / "
               f"{runs[1]['l2_per_input_byte']:.3f} | {ms} | "
               f"{runs[1]['predicted_frac_of_read']:.2f} |")
+    print()
+    print(f"| B | p | one pass (fp32), predicted H200 ms by two readings of the "
+          f"{1e3 * MEASURED_ONE_PASS[3]:.3f} ms measured at {MEASURED_ONE_PASS[:2]}: chain "
+          f"(fitted: {1e6 * chain_step_s():.2f} us a row block) / L2 rate "
+          f"({MEASURED_L2_BYTES_PER_S / 1e12:.2f} TB/s, measured) | 8-row blocks |")
+    print("|---|---|---|---|")
+    for B, p in SHAPES:
+        now, eight = one_pass_readings(B, p, 4), one_pass_readings(B, p, 4, rows=8)
+        if now is None:
+            continue
+        print(f"| {B} | {p} | {1e3 * now['chain_s']:.3f} / {1e3 * now['l2_rate_s']:.3f} "
+              f"({now['plan'][2]} rows) | {1e3 * eight['chain_s']:.3f} / "
+              f"{1e3 * eight['l2_rate_s']:.3f} ({eight['plan'][2]} rows) |")
 
 
 if __name__ == "__main__":

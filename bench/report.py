@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from ncdp_fast._report import git_commit, machine, write_report  # noqa: E402
 from dense_traffic import one_pass as dense_one_pass  # noqa: E402
+from dense_traffic import one_pass_readings  # noqa: E402
 from dense_traffic import traffic as dense_traffic  # noqa: E402
 
 
@@ -105,6 +106,13 @@ def _one_pass_ms(B, p):
     return None if got is None else 1e3 * got["predicted_s"]
 
 
+def _readings_ms(B, p, rows):
+    """(chain, L2 rate) predicted ms of the one-pass kernel (dense_traffic's
+    two readings of its measured time), or (None, None)."""
+    got = one_pass_readings(B, p, 4, rows=rows)
+    return (None, None) if got is None else (1e3 * got["chain_s"], 1e3 * got["l2_rate_s"])
+
+
 def clip_dense(family):
     rows = []
     for w, ms in family.items():
@@ -124,12 +132,16 @@ def clip_dense(family):
                        one_pass_ms=1e3 * _t(ms, "ncdp_one_pass") if "ncdp_one_pass" in ms
                        else None,
                        predicted_one_pass_ms=_one_pass_ms(B, p),
+                       one_pass_rows8_ms=(1e3 * _t(ms, "ncdp_one_pass_rows8")
+                                          if "ncdp_one_pass_rows8" in ms else None),
                        l2_gbs=(_x(ms, "l2_torch_sum", "bytes") / _t(ms, "l2_torch_sum") / 1e9
                                if "l2_torch_sum" in ms else None),
                        speedup_vs_torch=peer / t, ncdp_gbs=nbytes / t / 1e9,
                        read_gbs=nbytes / read / 1e9, frac_of_read=read / t,
                        ncdp_mem_mb=_x(ms, "ncdp", "peak_extra_mb"),
                        torch_mem_mb=_x(ms, "torch_eager_f32norm", "peak_extra_mb"))
+            (row["chain_one_pass_ms"], row["l2_rate_one_pass_ms"]) = _readings_ms(B, p, None)
+            (row["chain_rows8_ms"], row["l2_rate_rows8_ms"]) = _readings_ms(B, p, 8)
         rows.append(row)
     return rows, (
         [("shape", "(B, p) float32", None), ("ncdp_ms", "ncdp ms", "{:.3f}"),
@@ -141,6 +153,11 @@ def clip_dense(family):
          ("predicted_chunked_ms", "predicted H200 ms (L2-chunked)", "{:.3f}"),
          ("one_pass_ms", "one-pass ms (GPU)", "{:.3f}"),
          ("predicted_one_pass_ms", "predicted H200 ms (one pass)", "{:.3f}"),
+         ("one_pass_rows8_ms", "one-pass ms, 8-row blocks (GPU)", "{:.3f}"),
+         ("chain_one_pass_ms", "chain reading ms (one pass)", "{:.3f}"),
+         ("l2_rate_one_pass_ms", "L2-rate reading ms (one pass)", "{:.3f}"),
+         ("chain_rows8_ms", "chain reading ms (8-row blocks)", "{:.3f}"),
+         ("l2_rate_rows8_ms", "L2-rate reading ms (8-row blocks)", "{:.3f}"),
          ("l2_gbs", "L2 read GB/s (torch.sum, GPU)", "{:.1f}"),
          ("ncdp_mem_mb", "ncdp peak extra MB", "{:.1f}"),
          ("torch_mem_mb", "torch peak extra MB", "{:.1f}"), ("error", "error", None)],
@@ -152,7 +169,13 @@ def clip_dense(family):
          "pass from DRAM and one from L2, 3 launches a chunk; one pass (GPU only): "
          "csrc/clip/dense_one_pass.cu, each row read from DRAM once and from the L2 once, "
          "predicted at an assumed L2 read rate of 7 TB/s (no run has measured it; the L2 "
-         "column measures it), blank where the rows do not fit its grid (two passes)",
+         "column measures it), blank where the rows do not fit its grid (two passes); "
+         "8-row blocks (GPU only): the same kernel with row blocks of 8 rows; the two "
+         "readings of its 1.662 ms measured at (1024, 409600) on the H200 (2026-11-30), "
+         "models: chain, a latency a row block fitted to that time, so fewer larger row "
+         "blocks run faster; L2 rate, the second read at the 2.67 TB/s that run's "
+         "l2_torch_sum measured, where the row blocks' size does not matter "
+         "(bench/dense_traffic.py)",
          "read limit: the faster of torch.sum and (CPU) a numba parallel sum of the same array",
          "targets: CPU >= 1.5x torch eager and >= 0.70 of the read limit; "
          "GPU >= 0.80 of the read limit"])

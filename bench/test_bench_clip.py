@@ -68,7 +68,8 @@ def CASES(size, device):
                 "bench_clip_dense", dense, ["ncdp", "torch_eager", "torch_eager_f32norm",
                                             "read_torch_sum"]
                 + (["read_numba_sum"] if device == "cpu"
-                   else ["ncdp_chunked", "ncdp_one_pass", "l2_torch_sum"])),
+                   else ["ncdp_chunked", "ncdp_one_pass", "ncdp_one_pass_rows8",
+                         "l2_torch_sum"])),
             "test_clip_step": cases("bench_clip_step", steps, STEP_METHODS, once=STEP_ONCE),
             "test_linear_norms": cases("bench_linear_norms", layers, norm_methods),
             "test_linear_sum": cases("bench_linear_sum", layers, sum_methods)}
@@ -249,15 +250,19 @@ def test_clip_dense(benchmark, case, bench_device):
     if method == "ncdp":
         def fn():
             return nf.clip_and_noise(arr, max_norm=C, noise_multiplier=sigma, seed=1).grad
-    elif method in ("ncdp_chunked", "ncdp_one_pass"):
+    elif method in ("ncdp_chunked", "ncdp_one_pass", "ncdp_one_pass_rows8"):
         # The same CUDA op in its other forms, so that a GPU run decides
         # between them (bench/dense_traffic.py predicts each; the op's
         # defaults in ncdp_fast/_cuda/clip.py, DENSE_L2_BYTES and
         # DENSE_ONE_PASS_BLOCKS, are one chunk, two passes over DRAM and 4
         # launches): chunked, rows in chunks of half the device's L2 (a pass
         # from DRAM, one from L2, 3 launches a chunk); one pass (one launch
-        # reads each row from DRAM once, on as many blocks as the device holds).
-        fn = dense_rows_launch(g, C, sigma, one_pass=method == "ncdp_one_pass")
+        # reads each row from DRAM once, on as many blocks as the device holds);
+        # with 8-row blocks, where bench/dense_traffic.py's two readings of its
+        # measured time part (a chain of round trips a row block: faster; the
+        # L2's read rate: no change).
+        fn = dense_rows_launch(g, C, sigma, one_pass=method != "ncdp_chunked",
+                               rows=8 if method == "ncdp_one_pass_rows8" else None)
     elif method == "l2_torch_sum":
         # The L2's read rate, which the one-pass prediction assumes: a 16 MB
         # slice read 64 times by one torch.sum (stride 0: no copy), so every

@@ -97,6 +97,8 @@ def test_report_one_pass_and_l2_columns(tmp_path):
     workload = "(1024, 409600) float32"
     extra = [(4.2e-4, {"method": "ncdp_one_pass", "round": r, "bytes": 1024 * 409600 * 4})
              for r in (1, 2)] + \
+            [(3.1e-4, {"method": "ncdp_one_pass_rows8", "round": r,
+                       "bytes": 1024 * 409600 * 4}) for r in (1, 2)] + \
             [(1.6e-4, {"method": "l2_torch_sum", "round": r, "bytes": 64 * (4 << 20) * 4})
              for r in (1, 2)]
     for b in doc["benchmarks"]:
@@ -115,6 +117,14 @@ def test_report_one_pass_and_l2_columns(tmp_path):
     assert row["read_gbs"] == pytest.approx(2048 / 1.797e-06 / 1e9)     # read_torch_sum's
     # dense_traffic's plan at this shape: 264 blocks, 2 rows a row block.
     assert 0.4 < row["predicted_one_pass_ms"] < 0.7
+    assert row["one_pass_rows8_ms"] == pytest.approx(0.31)
+    # The chain reading is fitted to the H200's 1.662 ms here; the L2-rate one
+    # is not (1.29 ms). With 8-row blocks (128 row blocks, not 512) the chain
+    # predicts about half that, the L2 rate the same.
+    assert row["chain_one_pass_ms"] == pytest.approx(1.662)
+    assert 1.2 < row["l2_rate_one_pass_ms"] < 1.4
+    assert 0.6 < row["chain_rows8_ms"] < 0.9
+    assert row["l2_rate_rows8_ms"] == pytest.approx(row["l2_rate_one_pass_ms"], rel=0.02)
 
 
 def test_report_marks_a_missing_method_as_an_error(tmp_path):
