@@ -22,10 +22,11 @@
 // more than 48 KiB fails unless cudaFuncSetAttribute raised its kernel's limit
 // (up to sm_90's 227 KiB), as on the hardware.
 //
-// cp.async (common/async_copy.cuh) is deferred as the hardware may defer it:
-// its 16 destination bytes are poisoned when the copy is issued (the source is
-// read then) and written when a cp_async_wait leaves at most N of the thread's
-// committed groups pending; copies not yet committed wait for their commit.
+// cp.async (NCDP_CP_ASYNC16, common/launch.cuh) is deferred as the hardware may
+// defer it: its 16 destination bytes are poisoned when the copy is issued (the
+// source is read then) and written when an NCDP_CP_ASYNC_WAIT leaves at most N
+// of the thread's committed groups pending; copies not yet committed wait for
+// their commit.
 // So a read of the destination before its wait sees the poison, and a read by
 // another thread without a __syncthreads after the wait is a data race.
 //
@@ -733,19 +734,23 @@ inline const std::vector<SharedVariable>& shared_variables() {
 // Fills every __shared__ variable of the program with kSharedPoison. Under
 // ThreadSanitizer the previous block's accesses are forgotten first: the next
 // block's memory is new, not shared with the blocks before it.
+NCDP_EMU_UNSANITIZED inline void poison_bytes(char* address, std::size_t bytes) {
+#if defined(NCDP_EMU_COOPERATIVE)
+  // No sanitizer in this mode: memset, at a fraction of the byte loop's cost
+  // (that loop was half the module's time on many-block launches).
+  std::memset(address, kSharedPoison, bytes);
+#else
+  forget_accesses(address, bytes);
+  // Volatile: a plain loop may become a call to memset, which the sanitizers
+  // intercept and check.
+  volatile unsigned char* byte = reinterpret_cast<volatile unsigned char*>(address);
+  for (std::size_t i = 0; i < bytes; ++i) byte[i] = kSharedPoison;
+#endif
+}
+
 NCDP_EMU_UNSANITIZED inline void poison_shared_memory() {
   for (const SharedVariable& variable : shared_variables()) {
-#if defined(NCDP_EMU_COOPERATIVE)
-    // No sanitizer in this mode: memset, at a fraction of the byte loop's cost
-    // (that loop was half the module's time on many-block launches).
-    std::memset(variable.address, kSharedPoison, variable.bytes);
-#else
-    forget_accesses(variable.address, variable.bytes);
-    // Volatile: a plain loop may become a call to memset, which the sanitizers
-    // intercept and check.
-    volatile unsigned char* byte = reinterpret_cast<volatile unsigned char*>(variable.address);
-    for (std::size_t i = 0; i < variable.bytes; ++i) byte[i] = kSharedPoison;
-#endif
+    poison_bytes(variable.address, variable.bytes);
   }
 }
 
@@ -763,16 +768,9 @@ inline DynamicShared& dynamic_shared() {
 }
 
 // Fills the launch's dynamic shared memory with kSharedPoison before a block.
-NCDP_EMU_UNSANITIZED inline void poison_dynamic_shared() {
+inline void poison_dynamic_shared() {
   const DynamicShared& memory = dynamic_shared();
-  if (memory.bytes == 0) return;
-#if defined(NCDP_EMU_COOPERATIVE)
-  std::memset(memory.base, kSharedPoison, memory.bytes);
-#else
-  forget_accesses(reinterpret_cast<char*>(memory.base), memory.bytes);
-  volatile unsigned char* byte = memory.base;
-  for (std::size_t i = 0; i < memory.bytes; ++i) byte[i] = kSharedPoison;
-#endif
+  if (memory.bytes != 0) poison_bytes(reinterpret_cast<char*>(memory.base), memory.bytes);
 }
 
 // Whether [address, address + bytes) is shared memory: the launch's dynamic

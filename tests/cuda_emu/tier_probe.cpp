@@ -191,6 +191,19 @@ __global__ void pipelined_sums(const float* source,  // [blocks, kTiles, kCopyFl
   for (int q = 0; q < 4; ++q) sums[blockIdx.x * kCopyFloats + 4 * t + q] = acc[q];
 }
 
+// 0 when every block's sum is `expected`; else says which block read
+// unwritten shared memory and returns 1.
+int check_block_sums(const char* mode, const double* sums, double expected) {
+  for (int b = 0; b < kSmallBlocks; ++b) {
+    if (sums[b] != expected) {
+      std::fprintf(stderr, "%s: block %d read unwritten shared memory: sum %g, expected %g\n",
+                   mode, b, sums[b], expected);
+      return 1;
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -259,15 +272,7 @@ int main(int argc, char** argv) {
     double sums[kSmallBlocks] = {};
     NCDP_LAUNCH(kSmallBlocks, kSmall, 0, nullptr, partly_written_shared)(
         sums, std::strcmp(mode, "shared_written") == 0);
-    const double expected = kSmall * (kSmall + 1) / 2.0;
-    for (int b = 0; b < kSmallBlocks; ++b) {
-      if (sums[b] != expected) {
-        std::fprintf(stderr, "%s: block %d read unwritten shared memory: sum %g, expected %g\n",
-                     mode, b, sums[b], expected);
-        return 1;
-      }
-    }
-    return 0;
+    return check_block_sums(mode, sums, kSmall * (kSmall + 1) / 2.0);
   }
   if (std::strcmp(mode, "dynamic_unwritten") == 0 || std::strcmp(mode, "dynamic_written") == 0 ||
       std::strcmp(mode, "dynamic_limit") == 0) {
@@ -280,14 +285,7 @@ int main(int argc, char** argv) {
     double sums[kSmallBlocks] = {};
     NCDP_LAUNCH(kSmallBlocks, kSmall, kDynamicBytes, nullptr, partly_written_dynamic)(
         sums, std::strcmp(mode, "dynamic_unwritten") != 0);
-    for (int b = 0; b < kSmallBlocks; ++b) {
-      if (sums[b] != kDynamicSlots) {
-        std::fprintf(stderr, "%s: block %d read unwritten shared memory: sum %g, expected %d\n",
-                     mode, b, sums[b], kDynamicSlots);
-        return 1;
-      }
-    }
-    return 0;
+    return check_block_sums(mode, sums, kDynamicSlots);
   }
   const struct {
     const char* name;
