@@ -7,6 +7,7 @@
 #include "common/capabilities.h"
 #ifdef NCDP_WITH_CUDA
 #include "clip/clip_noise.h"
+#include "common/cuda_check.h"
 #include "common/device_info.h"
 #include "common/launcher_probe.h"
 #include "mix/mix.h"
@@ -32,6 +33,8 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
   m.def("cuda_versions", &ncdp::cuda_versions, "(runtime, driver) versions.");
   m.def("cuda_l2_cache_bytes", &ncdp::l2_cache_bytes, "L2 bytes of a device (0 if unknown).",
         py::arg("device"));
+  m.def("cuda_stream_capturing", &ncdp::stream_capturing,
+        "Whether the stream (a handle) is capturing a CUDA graph.", py::arg("stream"));
   m.def("launch_fill_gaussian", &ncdp::launch_fill_gaussian,
         "out[j] = post * ([out[j] +] scale * normal(seed, offset + j)), j < count.",
         py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("seed"), py::arg("offset"),

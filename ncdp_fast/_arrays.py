@@ -79,6 +79,11 @@ def set_emulation(enabled: bool) -> bool:
     return before
 
 
+def emulation_on() -> bool:
+    """Whether CPU torch tensors are the emulated CUDA device's now."""
+    return _EMULATION
+
+
 def is_emulated(x: Any) -> bool:
     """Whether x is an array of the emulated CUDA device (a CPU torch tensor
     while the emulation is on)."""

@@ -164,6 +164,27 @@ def _same_tensor_place(x, device) -> bool:
     return _arrays.kind(x) == "torch" and x.device == device
 
 
+# Why a draw is refused while its stream captures a CUDA graph (also said by
+# ncdp_fast/torch/graphs.py, and by csrc/common/cuda_check.h for a launch).
+GRAPH_CAPTURE_WHY = (
+    "a replay of the graph would launch the draw again at the seed and offset fixed at "
+    "capture, drawing the same numbers every time (noise reused), and would run no Python, "
+    "so nothing would be accounted or checked")
+
+
+def refuse_graph_capture(be: Backend, x, what: str) -> None:
+    """Refuse (ValueError) an op that draws from the Philox stream while the
+    current stream of x's device captures a CUDA graph, before anything is
+    drawn or read back; x: the op's first device array (a host array: no
+    capture to ask about)."""
+    if be.name == "cuda" and _native.for_array(x).cuda_stream_capturing(
+            _arrays.current_stream(x)):
+        raise ValueError(
+            f"{what}: expected a current CUDA stream that is not capturing a graph, got one "
+            f"that is capturing: {GRAPH_CAPTURE_WHY}. Refused before anything was drawn; "
+            "call it outside the capture (eagerly)")
+
+
 @contextlib.contextmanager
 def emulated_cuda(enabled: bool = True):
     """Within the block, CPU torch tensors are the emulated CUDA device's

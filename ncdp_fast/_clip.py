@@ -65,6 +65,7 @@ def clip_and_noise(grads, *, max_norm, noise_multiplier, seed=None, offset=None,
     if len(shape) != 2:
         raise ValueError(f"grads: expected shape (B, p), got {shape}")
     be = _backend.select("clip", grads=grads)
+    _backend.refuse_graph_capture(be, grads, "clip_and_noise")
     dtype = be.check_float(grads, "grads")
     _check_noise_range(noise_std, inv_denom, dtype)
     B, p = shape

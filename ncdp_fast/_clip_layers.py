@@ -312,6 +312,8 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
     max_norm, noise_std, inv_denom = _check_common(
         max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy)
     be = _backend.select("clip", **arrays)
+    _backend.refuse_graph_capture(be, next(x for x in arrays.values() if x is not None),
+                                  "clip_and_noise_layers")
     plain = [k for k in arrays if not k.endswith(".sq_norms")]
     if plain:
         dtype = be.check_float(arrays[plain[0]], plain[0])

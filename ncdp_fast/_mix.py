@@ -160,6 +160,7 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
     sy = check_nonneg(noise_std_y, "noise_std_y")
     cx = 0.0 if clip_x is None else check_positive(clip_x, "clip_x")
     be = _backend.select("mix", features=features, labels=labels)
+    _backend.refuse_graph_capture(be, features, "mix")
     dtype = be.check_float(features, "features")
     xk = be.io.to_kernel(features)
     if not be.io.all_finite(xk):

@@ -80,8 +80,8 @@ def test_step_hooks_state_dict_and_copies():
     assert calls == ["pre", "post"]
     assert "ncdp_noise" in opt.state_dict()
     # Optimizer's own pickling keeps only the groups (a silently broken copy);
-    # the wrapper's is all of it, and the noise key refuses to be copied.
-    with pytest.raises(TypeError, match="never pickled"):
+    # the wrapper's is all of it, and the clipper (the noise key) refuses to be copied.
+    with pytest.raises(TypeError, match="GhostClipper: the clipper is not deep-copied"):
         copy.deepcopy(opt)
 
 

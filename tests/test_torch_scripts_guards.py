@@ -229,3 +229,81 @@ def test_one_token_sequences_are_exact(family):
             m.requires_grad_(False)
     report = check_exact(model, inputs, loss, rtol=1e-9)
     assert report.passed, report
+
+
+def _replica(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` made as torch.nn.parallel.replicate makes one a
+    GPU (``_replicate_for_data_parallel``: the hooks' dicts shared, children
+    replaced by their own replicas), its parameters the original tensors (the
+    broadcast copies need CUDA devices)."""
+    replica = module._replicate_for_data_parallel()
+    replica._parameters = dict(module._parameters)
+    for name, child in module._modules.items():
+        replica._modules[name] = _replica(child)
+    return replica
+
+
+@pytest.mark.parametrize("wrapped", ["after", "before"])
+def test_data_parallel_replicas_are_refused_before_anything_is_recorded(wrapped):
+    """nn.DataParallel on several GPUs runs a replica of the model a GPU, each in
+    its own thread, with the recorded modules' hooks: the model wrapped after the
+    clipper (its replica's model hook refuses) or the wrapper given to the
+    clipper (a replica layer's hook refuses), in either case before any record;
+    the original model then steps as if the replica had not run."""
+    model = _model()
+    root = nn.DataParallel(model) if wrapped == "before" else model
+    clipper = GhostClipper(root, max_grad_norm=1.0, noise_multiplier=0.0,
+                           expected_batch_size=16, seed=1)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    replica = _replica(model)
+    where = "the model" if wrapped == "after" else "layer 'module.0'"
+    with pytest.raises(RuntimeError, match=f"GhostClipper: {where} ran forward as a copy .*"
+                                           "nn.DataParallel"):
+        replica(x[:8])
+    nn.functional.cross_entropy(root(x), y).backward()
+    clipper.privatize_()
+    got = [p.grad.clone() for p in model.parameters()]
+    fresh = _model()
+    other = GhostClipper(fresh, max_grad_norm=1.0, noise_multiplier=0.0,
+                         expected_batch_size=16, seed=1)
+    nn.functional.cross_entropy(fresh(x), y).backward()
+    other.privatize_()
+    for a, b in zip(got, fresh.parameters()):
+        assert torch.equal(a, b.grad)
+
+
+def test_data_parallel_on_one_device_or_none_passes_through():
+    """Without several GPUs nn.DataParallel calls the model itself (no replica):
+    a clipper of the wrapper steps as one of the plain model does."""
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    grads = []
+    for wrap in (False, True):
+        model = _model()
+        root = nn.DataParallel(model) if wrap else model
+        clipper = GhostClipper(root, max_grad_norm=1.0, noise_multiplier=0.0,
+                               expected_batch_size=16, seed=1)
+        nn.functional.cross_entropy(root(x), y).backward()
+        clipper.privatize_()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_copying_or_saving_a_model_with_a_clipper_attached_is_refused_by_name():
+    """copy.deepcopy (an EMA or teacher copy) and torch.save of the module reach
+    the clipper through its hooks: refused naming the clipper and the ways out;
+    after clipper.remove() both work."""
+    import copy
+    import io
+    model = _model()
+    engine, pm, opt, loader = _private(model)
+    for call in (lambda: copy.deepcopy(model), lambda: copy.deepcopy(pm),
+                 lambda: torch.save(model, io.BytesIO())):
+        with pytest.raises(TypeError, match="GhostClipper: the clipper is not deep-copied or "
+                                            "pickled, nor is what holds it"):
+            call()
+    bare = _model()
+    clipper = GhostClipper(bare, max_grad_norm=1.0, noise_multiplier=1.0,
+                           expected_batch_size=16)
+    clipper.remove()
+    torch.save(copy.deepcopy(bare), io.BytesIO())

@@ -176,6 +176,7 @@ void launch_weighted_row_sum_noise(std::uintptr_t g, std::int64_t B, std::int64_
                                    std::uint64_t seed, std::uint64_t offset, std::uintptr_t out,
                                    std::uintptr_t workspace, std::int64_t workspace_bytes,
                                    std::uintptr_t stream, int out_dtype) {
+  refuse_graph_capture(stream, "weighted_row_sum_noise");
   const std::int64_t needed = weighted_row_sum_workspace_bytes(B, p, dtype);
   const std::size_t element = dtype_size(dtype);
   if (out_dtype == -1) out_dtype = dtype;
@@ -245,6 +246,7 @@ void launch_clip_noise_rows(std::uintptr_t g, std::int64_t B, std::int64_t p, in
                             std::uintptr_t norms, std::uintptr_t workspace,
                             std::int64_t workspace_bytes, std::uintptr_t stream,
                             std::int64_t l2_bytes, std::int64_t one_pass_blocks) {
+  refuse_graph_capture(stream, "clip_noise_rows");
   const std::int64_t needed = clip_noise_rows_workspace_bytes(B, p, dtype);
   const std::size_t element = dtype_size(dtype);
   require_pointer(g, B * p > 0, element, "g");
@@ -324,6 +326,7 @@ void launch_clipped_linear_sum(std::uintptr_t a, std::uintptr_t g, std::uintptr_
                                std::uint64_t offset, std::uintptr_t gw, std::uintptr_t gb,
                                std::uintptr_t stream, std::uintptr_t workspace,
                                std::int64_t workspace_bytes) {
+  refuse_graph_capture(stream, "clipped_linear_sum");
   // Validates B, T, d, K and dtype, and the size arithmetic below.
   clipped_linear_sum_workspace_bytes(B, T, d, K, dtype);
   const std::size_t element = dtype_size(dtype);

@@ -92,6 +92,32 @@ inline cudaStream_t as_stream(std::uintptr_t stream) {
   return reinterpret_cast<cudaStream_t>(stream);
 }
 
+// Whether `stream` is capturing a CUDA graph (an invalidated capture counts:
+// the capture is still open).
+inline bool stream_capturing(std::uintptr_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(as_stream(stream), &status), "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// A launcher that draws from the Philox stream (noise, subsampling) passes
+// its seed and offset by value: a graph that captured the launch would draw
+// the same numbers again at every replay -- noise reused, a privacy loss no
+// accountant sees, since no Python runs on a replay to account the step. So
+// such a launch is refused on a capturing stream, first, before its arguments
+// are read (docs/architecture.md, "CUDA graphs").
+inline void refuse_graph_capture(std::uintptr_t stream, const char* launcher) {
+  if (stream_capturing(stream)) {
+    throw std::invalid_argument(
+        std::string("ncdp_fast: ") + launcher +
+        ": stream: expected a stream that is not capturing a CUDA graph, got one that is "
+        "capturing: this launch draws from the Philox stream at a seed and offset fixed "
+        "when it is queued, so every replay of the graph would draw the same numbers again "
+        "(noise reused) and no replay would be accounted. Refused before this launch was "
+        "queued; run the op outside the capture (eagerly)");
+  }
+}
+
 // Makes the device that owns `ptr` current for the guard's lifetime and restores
 // the caller's device afterwards, so that a launch on a tensor of cuda:1 works
 // whatever device the Python thread had selected.

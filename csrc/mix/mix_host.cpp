@@ -41,6 +41,7 @@ void launch_sample_counts(std::uintptr_t group_ptr, std::uintptr_t members, std:
                           std::uintptr_t select_rate, std::uintptr_t walk_rate, std::int64_t rows,
                           std::int64_t row_stride, std::uint64_t seed, std::uint64_t offset,
                           std::uintptr_t counts, std::uintptr_t stream) {
+  refuse_graph_capture(stream, "sample_counts");
   require_non_negative(rows, "rows");
   require_non_negative(row_stride, "row_stride");
   const kernels::GroupSampling sampling =
@@ -57,6 +58,7 @@ void launch_sample_fill(std::uintptr_t group_ptr, std::uintptr_t members, std::i
                         std::uintptr_t select_rate, std::uintptr_t walk_rate, std::int64_t rows,
                         std::int64_t row_stride, std::uint64_t seed, std::uint64_t offset,
                         std::uintptr_t indptr, std::uintptr_t indices, std::uintptr_t stream) {
+  refuse_graph_capture(stream, "sample_fill");
   require_non_negative(rows, "rows");
   require_non_negative(row_stride, "row_stride");
   const kernels::GroupSampling sampling =
@@ -80,6 +82,7 @@ void launch_mix_rows(std::uintptr_t features, int dtype, std::int64_t n, std::in
                      std::uint64_t seed, std::uint64_t offset, double inv_m, double clip_x,
                      double noise_std_x, double noise_std_y, std::uintptr_t out_x,
                      std::uintptr_t out_y, std::uintptr_t counts, std::uintptr_t stream) {
+  refuse_graph_capture(stream, "mix_rows");
   require_non_negative(n, "n");
   require_non_negative(d, "d");
   require_non_negative(K, "K");

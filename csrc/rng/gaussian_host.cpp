@@ -9,6 +9,7 @@ namespace ncdp {
 void launch_fill_gaussian(std::uintptr_t out, std::int64_t count, int dtype, std::uint64_t seed,
                           std::uint64_t offset, double scale, bool accumulate, double post,
                           std::uintptr_t stream) {
+  refuse_graph_capture(stream, "fill_gaussian");
   require_non_negative(count, "count");
   const std::size_t element = dtype_size(dtype);
   require_pointer(out, count > 0, element, "out");
@@ -31,6 +32,7 @@ void launch_finish_gaussian_segments(const std::vector<std::uintptr_t>& dst,
                                      const std::vector<int>& src_dtype,
                                      const std::vector<int>& dst_dtype, std::uint64_t seed,
                                      double scale, double post, std::uintptr_t stream) {
+  refuse_graph_capture(stream, "finish_gaussian_segments");
   const std::size_t n = dst.size();
   if (src.size() != n || count.size() != n || offset.size() != n || src_dtype.size() != n ||
       dst_dtype.size() != n) {

@@ -11,6 +11,7 @@ from __future__ import annotations
 from .._clip import LayersClipResult
 from .memory import add_clipped, check_same_parameters, fold_in, refuse_across_ranks
 from .compiled import compiled_error
+from .graphs import refuse_graph_capture
 from .per_layer import clip_per_layer
 from .precision import overflow_error, overflowing
 from .taps import per_parameter, refuse_changed, step_entries
@@ -41,6 +42,7 @@ class PrivateStep:
         if one fails): ``(entries, grad_scale)``."""
         if self._compiled:
             raise compiled_error()
+        refuse_graph_capture("GhostClipper: the step")
         # On one process the loss's device checks ride with the clip op's own
         # read of its counts (one host wait a step, issue 36); across ranks the
         # reduction (ranks.reduce_clip_and_noise) takes none, so they are read here.

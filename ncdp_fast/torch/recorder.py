@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import tied
 from .compiled import compiled_error, compiling
+from .graphs import refuse_graph_capture
 from .coupling import refuse_whole_batch_loss_kwargs
 from .layers import HALF, Call
 from .layout import batch_dim, broadcast_rows, rows_error, to_batch_first
@@ -70,8 +71,35 @@ def _add_grad_hook(t: torch.Tensor, hook) -> None:
     hooks[key] = hook
 
 
+def replica_error(what: str) -> RuntimeError:
+    """The refusal of a forward that ran on a copy of a recorded module sharing
+    its hooks: nn.DataParallel's replicas (one a GPU, each run in its own
+    thread), or any shallow copy."""
+    return RuntimeError(
+        f"GhostClipper: {what} ran forward as a copy of the module the clipper was built on "
+        "(nn.DataParallel's replicas on several GPUs, or another copy sharing its hooks): "
+        "the copy's inputs, a share of the batch on another device and thread, would be "
+        "recorded as the module's own. Refused before anything was recorded; on several "
+        "GPUs run one process a GPU and pass the clipper (or make_private) group=, as "
+        "DistributedDataParallel would be used; on one GPU drop nn.DataParallel")
+
+
 class LayerRecorder:
     """The forward and backward hooks of :class:`~ncdp_fast.torch.GhostClipper`."""
+
+    def _refuse_copy(self, *_):
+        # Reached through the model's hooks or the private optimizer:
+        # copy.deepcopy or pickling either (torch.save of the module) comes
+        # here, and the noise stream's own refusal would not say which call did.
+        raise TypeError(
+            "GhostClipper: the clipper is not deep-copied or pickled, nor is what holds it "
+            "(a model it is attached to, through its hooks; the private optimizer): "
+            "copy.deepcopy, torch.save of the module or optimizer. Its noise stream and "
+            "records must not be duplicated. Copy or save the model before attaching, save "
+            "state_dict()s (the clipper's state: save_checkpoint), or call clipper.remove() "
+            "first")
+
+    __deepcopy__ = __reduce_ex__ = _refuse_copy
 
     def _capturing(self) -> bool:
         # As Opacus: nothing is recorded outside training mode (an evaluation
@@ -83,9 +111,15 @@ class LayerRecorder:
         if compiling():
             self._compiled = True
             return None
+        recording = self._capturing()
+        if recording:
+            # Before any state moves: the user may go on eagerly.
+            if module is not self.model:
+                raise replica_error("the model")
+            refuse_graph_capture("GhostClipper: the model's recorded forward")
         if not in_backward():
             self._pass += 1
-        if self._capturing():
+        if recording:
             if not in_backward():
                 self._loss.unstack()
                 self._layouts.new_forward()
@@ -116,6 +150,9 @@ class LayerRecorder:
                 if self.enabled and self.model.training:
                     tap.nograd = self._pass
                 return
+            if module is not tap.module:
+                tap.recording = False
+                raise replica_error(f"layer {tap.name!r}")
             active = trainable_now(tap)
             if not active and not tap.records:
                 # Every parameter frozen since attach: an ordinary frozen layer.

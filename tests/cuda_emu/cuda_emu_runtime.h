@@ -54,6 +54,12 @@ struct cudaDeviceProp {
 
 enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16, cudaDevAttrL2CacheSize = 89 };
 
+enum cudaStreamCaptureStatus {
+  cudaStreamCaptureStatusNone = 0,
+  cudaStreamCaptureStatusActive = 1,
+  cudaStreamCaptureStatusInvalidated = 2,
+};
+
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 
 #define cudaStreamLegacy (reinterpret_cast<cudaStream_t>(0x1))
@@ -234,3 +240,14 @@ inline cudaError_t cudaMemset(void* ptr, int value, std::size_t bytes) {
 
 // Launches run to completion before they return.
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+
+// The emulator's one queue never records a graph; NCDP_EMU_STREAM_CAPTURING=1
+// makes every stream report an active capture (read at each call, so a test
+// can set it around one op), to reach the launchers' refusal of a capturing
+// stream (common/cuda_check.h, refuse_graph_capture) without a GPU.
+inline cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus* status) {
+  const char* text = std::getenv("NCDP_EMU_STREAM_CAPTURING");
+  *status = text != nullptr && std::strcmp(text, "1") == 0 ? cudaStreamCaptureStatusActive
+                                                           : cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
