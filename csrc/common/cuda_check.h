@@ -96,7 +96,14 @@ inline cudaStream_t as_stream(std::uintptr_t stream) {
 // the capture is still open).
 inline bool stream_capturing(std::uintptr_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(as_stream(stream), &status), "cudaStreamIsCapturing");
+  const cudaError_t err = cudaStreamIsCapturing(as_stream(stream), &status);
+  if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice) {
+    // No driver or no device: nothing can be capturing, and a launcher's own
+    // argument checks, which follow, say what is wrong with its call.
+    (void)cudaGetLastError();
+    return false;
+  }
+  check_cuda(err, "cudaStreamIsCapturing");
   return status != cudaStreamCaptureStatusNone;
 }
 
