@@ -175,8 +175,8 @@ GRAPH_CAPTURE_WHY = (
 def refuse_graph_capture(be: Backend, x, what: str) -> None:
     """Refuse (ValueError) an op that draws from the Philox stream while the
     current stream of x's device captures a CUDA graph, before anything is
-    drawn or read back; x: the op's first device array (a host array: no
-    capture to ask about)."""
+    drawn or read back; x: the op's first array (unread where ``be`` is the
+    host's: no capture to ask about)."""
     if be.name == "cuda" and _native.for_array(x).cuda_stream_capturing(
             _arrays.current_stream(x)):
         raise ValueError(
