@@ -206,3 +206,26 @@ def test_noise_multiplier_that_leaves_the_count_nothing_is_refused_unchanged():
     popt.noise_multiplier = 3.0
     assert popt.noise_multiplier == 3.0
 
+
+
+def test_a_failing_bound_update_writes_no_gradient_and_records_no_step(monkeypatch):
+    """The bound update reads the norms to the host (on a GPU it can fail, e.g.
+    out of memory): if it raises, the step has written no gradient, so the
+    accountant, never called, misses no release; the next step goes through."""
+    engine, pm, popt, batches, _, _ = _setup(n=24, batch=24)
+    before = popt.max_grad_norm
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory (simulated)")
+
+    with monkeypatch.context() as m:
+        m.setattr(AdaptiveClip, "next_bound", fail)
+        with pytest.raises(RuntimeError, match="simulated"):
+            _step(pm, popt, batches)
+    assert all(p.grad is None for p in pm.parameters())
+    assert engine.accountant.history == []
+    assert popt.max_grad_norm == before
+    _step(pm, popt, batches)
+    assert all(p.grad is not None for p in pm.parameters())
+    assert engine.accountant.history == [(Z, 1.0, 1)]
+    assert popt.max_grad_norm != before

@@ -147,17 +147,23 @@ class PrivateStep:
         self._accumulated.clear()
         centered, self._centered = self._centered, 0.0
         self._refuse_overflow(writes)
+        bound = self.max_grad_norm
+        if self.adaptive is not None:
+            # After the step's noise, at the logical step: the next logical
+            # batch is clipped (and noised) at the new bound throughout.  Drawn
+            # before any gradient is written: the update reads the norms to the
+            # host and can fail (a device error), and a gradient written by a
+            # step that then raises would be released with the accountant (called
+            # after this returns) never told.
+            centered += self.adaptive.centered_count(result.norms, self.max_grad_norm)
+            bound = self.adaptive.next_bound(
+                centered, self.max_grad_norm, self.expected_batch_size, self._stream)
         wrote = self._released.wrote
         for _, _, p, g in writes:
             p.grad = g
             wrote(p, g)
         self.clear()
-        if self.adaptive is not None:
-            # After the step's noise, at the logical step: the next logical
-            # batch is clipped (and noised) at the new bound throughout.
-            centered += self.adaptive.centered_count(result.norms, self.max_grad_norm)
-            self.max_grad_norm = self.adaptive.next_bound(
-                centered, self.max_grad_norm, self.expected_batch_size, self._stream)
+        self.max_grad_norm = bound
         return result
 
     def _refuse_overflow(self, writes) -> None:
