@@ -1,5 +1,7 @@
 """Runner of the CPU emulation tier (tests/cuda_emu): builds the sanitizer drivers
-once per session and runs one typed CUDA launcher on NumPy buffers.
+once per session and runs one typed CUDA launcher on NumPy buffers, each
+variant's driver serving case after case in one process per test process
+(:class:`Server`, tests/cuda_emu/serve.h).
 
 The kernels' own ``.cu`` source, compiled by the host C++ compiler against
 ``tests/cuda_emu/cuda_emu.h``, runs under ThreadSanitizer ("tsan") or
@@ -9,11 +11,14 @@ fails the call with the driver's stderr.
 """
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import pathlib
 import shutil
 import subprocess
+import tempfile
+import threading
 
 import numpy as np
 import pytest
@@ -61,8 +66,96 @@ def run_program(args, *, timeout=600):
     return proc.returncode, proc.stderr
 
 
+class Server:
+    """``program --serve`` (tests/cuda_emu/serve.h): one process running case
+    after case, so that the emulator's threads and fibers are created once, not
+    per case (most of a ThreadSanitizer case's time). A case that fails ends the
+    process; the next call starts a fresh one."""
+
+    def __init__(self, program: pathlib.Path):
+        self.program = program
+        self.proc = None
+        self.log = None
+
+    def _start(self):
+        # stderr goes to a file the process shares with us; read with pread, so
+        # that our reads never move its write position.
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([str(self.program), "--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log,
+                                     env=dict(os.environ, **_SANITIZER_ENV))
+
+    def _log_size(self):
+        return os.fstat(self.log.fileno()).st_size
+
+    def call(self, line: str, *, timeout=600):
+        """Runs one case; returns (returncode, stderr) as :func:`run_program`
+        does: 0 and the case's stderr when it ran; else the exit status (-9 past
+        ``timeout``) and the stderr since the case began."""
+        if self.proc is None:
+            self._start()
+        start = self._log_size()
+        timer = threading.Timer(timeout, self.proc.kill)
+        timer.start()
+        printed = []   # anything on stdout but the answer (nothing, as written)
+        try:
+            self.proc.stdin.write(line.encode() + b"\n")
+            self.proc.stdin.flush()
+            while (answer := self.proc.stdout.readline()) not in (b"done\n", b""):
+                printed.append(answer.decode(errors="replace"))
+        except BrokenPipeError:
+            answer = b""
+        finally:
+            timer.cancel()
+        if answer == b"done\n":
+            return 0, "".join(printed) + self._stderr(start)
+        rc = self.proc.wait()
+        stderr = "".join(printed) + self._stderr(start)
+        self.close()
+        # A served program that ended its input early without a status is a failure too.
+        return (rc if rc != 0 else -1), stderr
+
+    def _stderr(self, start):
+        return os.pread(self.log.fileno(), self._log_size() - start, start).decode(
+            errors="replace")
+
+    def close(self):
+        """Ends the process (end of input) and forgets it."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self.log.close()
+        self.proc = None
+
+
+_SERVERS: dict[pathlib.Path, Server] = {}
+
+
+def server(program: pathlib.Path) -> Server:
+    """The process serving ``program`` in this test process (one per program)."""
+    if program not in _SERVERS:
+        _SERVERS[program] = Server(program)
+    return _SERVERS[program]
+
+
+@atexit.register
+def _close_servers():
+    for s in _SERVERS.values():
+        s.close()
+
+
 class Emulator:
-    """One sanitizer variant's driver, run in a fresh case directory per call."""
+    """One sanitizer variant's driver, served (:class:`Server`), with a fresh
+    case directory per call."""
 
     def __init__(self, variant: str, workdir: pathlib.Path):
         self.variant = variant
@@ -97,7 +190,7 @@ class Emulator:
             array.tofile(case / f"{name}.bin")
             lines.append(f"b {name} {name}.bin {misalign.get(name, 0)}")
         (case / "args.txt").write_text("\n".join(lines) + "\n")
-        rc, stderr = run_program([str(self.driver), str(case)])
+        rc, stderr = server(self.driver).call(str(case))
         problems = [m for m in _REPORT_MARKERS if m in stderr]
         if rc != 0 or problems:
             raise AssertionError(f"{op} under {self.variant}: exit status {rc}, "

@@ -26,7 +26,7 @@ import pytest
 
 from conftest import first_deep_pair, gamma, unit_roundoff
 from test_clip import NORM_AFFINE_SHAPES, assert_norm_affine_close, norm_affine_case
-from emulation import BUILD, EMU, VARIANTS, Emulator, build, run_program
+from emulation import BUILD, EMU, VARIANTS, Emulator, Server, build, run_program
 from ncdp_fast import reference as R
 from ncdp_fast._numba import rng as nrng
 from ncdp_fast._mix import _population
@@ -887,6 +887,40 @@ def test_tier_shows_cp_async_data_read_before_its_wait(built, variant, mode):
     rc, stderr = run_program([str(BUILD / f"tier-probe-{variant}"), mode], timeout=120)
     assert rc == 1 and " is -nan, expected " in stderr and "Sanitizer" not in stderr, \
         stderr[-3000:]
+
+
+def test_tier_reports_a_leak_at_exit(built):
+    rc, stderr = run_program([str(BUILD / "tier-probe-asan"), "leak"], timeout=120)
+    assert rc == 67 and "LeakSanitizer: detected memory leaks" in stderr, stderr[-3000:]
+
+
+@pytest.mark.parametrize("variant,clean,bad,status,report", [
+    ("tsan", ["blocks_exact", "handoff_barrier", "block_sum", "async_pipeline"],
+     "blocks_racy", 66, "ThreadSanitizer: data race"),
+    ("asan", ["blocks_exact", "handoff_barrier", "block_sum", "async_pipeline"],
+     "leak", 67, "LeakSanitizer: detected memory leaks"),
+    ("asan", ["blocks_exact", "shared_written"], "shared_unwritten", 1,
+     "read unwritten shared memory: sum -nan"),
+])
+def test_served_tier_reports_a_bug_after_clean_cases(built, variant, clean, bad, status,
+                                                      report):
+    """The driver serves many cases in one process (emulation.Server): a planted
+    bug after clean cases in that process still fails its own case (a leak at
+    the case's end, not at the process's exit, which no test reads), the clean
+    cases before it pass, and the next call runs in a fresh process."""
+    served = Server(BUILD / f"tier-probe-{variant}")
+    try:
+        for mode in clean:
+            rc, stderr = served.call(mode, timeout=120)
+            assert rc == 0 and "Sanitizer" not in stderr, (mode, stderr[-3000:])
+        first = served.proc.pid
+        rc, stderr = served.call(bad, timeout=120)
+        assert rc == status and report in stderr, stderr[-3000:]
+        assert served.proc is None
+        rc, stderr = served.call(clean[0], timeout=120)
+        assert rc == 0 and served.proc.pid != first, stderr[-3000:]
+    finally:
+        served.close()
 
 
 def test_cp_async_and_dynamic_shared_compile_for_the_device(tmp_path):

@@ -3,6 +3,7 @@
 // kernels' results with ncdp_fast/reference/.
 //
 //   emu-driver CASE_DIR
+//   emu-driver --serve           one CASE_DIR per line of stdin (serve.h)
 //
 // CASE_DIR/args.txt has one item per line:
 //   op NAME                      the launcher to run
@@ -30,6 +31,7 @@
 #include "mix/mix.h"
 #include "ntk/hadamard_gram.h"
 #include "rng/gaussian.h"
+#include "serve.h"
 
 namespace {
 
@@ -315,15 +317,10 @@ void run(const Case& c) {
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s CASE_DIR\n", argv[0]);
-    return 2;
-  }
+// One case: 0 when it ran and its buffers were written back.
+int run_case(const std::string& dir) {
   try {
-    const Case c = read_case(argv[1]);
+    const Case c = read_case(dir);
     run(c);
     write_back(c);
     for (const auto& item : c.buffers) std::free(item.second.base);
@@ -332,4 +329,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s CASE_DIR | --serve (case directories on stdin)\n", argv[0]);
+    return 2;
+  }
+  if (std::string(argv[1]) == "--serve") return ncdp_emu::serve(run_case);
+  return run_case(argv[1]);
 }

@@ -37,11 +37,20 @@
 //                          thread's copy: ThreadSanitizer must report the race.
 //   async_misaligned, async_global  a source 8 bytes off alignment, a
 //                          destination in global memory: must abort.
+//
+//   tier-probe leak        64 bytes allocated and lost: LeakSanitizer must
+//                          report them (at exit, or served at the case's end).
+//
+//   tier-probe --serve     modes on stdin, one per line, in one process
+//                          (serve.h): the tier's own check that a race is still
+//                          reported after clean cases in a long-lived process.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "common/block_reduce.cuh"
 #include "common/launch.cuh"
+#include "serve.h"
 
 namespace {
 
@@ -204,10 +213,20 @@ int check_block_sums(const char* mode, const double* sums, double expected) {
   return 0;
 }
 
+// Not inlined, so that no live frame still holds the pointer when it returns.
+__attribute__((noinline)) void lose_memory() {
+  char* volatile block = static_cast<char*>(std::malloc(64));
+  block[0] = 1;
+}
+
 }  // namespace
 
-int main(int argc, char** argv) {
-  const char* mode = argc > 1 ? argv[1] : "";
+// One mode: 0 when it ran as expected.
+int run_mode(const char* mode) {
+  if (std::strcmp(mode, "leak") == 0) {
+    lose_memory();
+    return 0;
+  }
   if (std::strcmp(mode, "block_sum") == 0) {
     static double values[2 * kThreads];
     double sums[4] = {0.0, 0.0, 0.0, 0.0};
@@ -339,7 +358,16 @@ int main(int argc, char** argv) {
                "usage: %s block_sum|divergent|mismatched|launch|blocks_racy|blocks_exact|"
                "handoff_shuffle|handoff_barrier|shared_unwritten|shared_written|"
                "dynamic_unwritten|dynamic_written|dynamic_limit|async_waited|async_unwaited|"
-               "async_no_barrier|async_misaligned|async_global|async_pipeline|async_early\n",
-               argv[0]);
+               "async_no_barrier|async_misaligned|async_global|async_pipeline|async_early|leak"
+               " | --serve (modes on stdin)\n",
+               "tier-probe");
   return 2;
+}
+
+int main(int argc, char** argv) {
+  const char* mode = argc > 1 ? argv[1] : "";
+  if (std::strcmp(mode, "--serve") == 0) {
+    return ncdp_emu::serve([](const std::string& line) { return run_mode(line.c_str()); });
+  }
+  return run_mode(mode);
 }
