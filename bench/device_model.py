@@ -23,7 +23,8 @@ The step's device time is the sum; the host's share is bench/host_step.py's.
 A row's GPU ratio is predicted as the larger of the two per method.  These are
 predictions from a model, not measurements: the next GPU run checks them.
 
-    python bench/device_model.py [--workloads bert,gpt2,linear,transformer,efficientnet]
+    python bench/device_model.py [--workloads bert,gpt2,linear,transformer,efficientnet,
+                                               bert_autocast]
                                  [--size full|quick|smallest] [--out bench/results]
 
 writes ``device_model-cpu-<date>.{json,md}`` (a row per workload and method:
@@ -54,7 +55,10 @@ NORMALS_PER_S = 109e9
 KERNEL_FLOOR_S = 2.5e-6
 SMS, TILE = 132, 128
 
-WORKLOADS = ("bert", "gpt2", "linear", "transformer", "efficientnet")
+WORKLOADS = ("bert", "gpt2", "linear", "transformer", "efficientnet", "bert_autocast")
+# bench_hf's workloads; bert_autocast: BERT's forward and loss under bfloat16
+# autocast (on the CPU tensors here, CPU autocast: the same products in bfloat16).
+HF_WORKLOADS = ("bert", "gpt2", "bert_autocast")
 METHODS = ("nonprivate", "ncdp_engine")
 # bench_hf's GPU-only method (gram_precision="float32"), modelled for its workloads.
 HF_GPU_METHODS = ("ncdp_engine_gram32",)
@@ -64,9 +68,11 @@ TOP = 14                    # operators listed a workload
 def _shapes(name, size):
     """The GPU run's shapes of ``size`` (bench_hf's GPU shapes, bench_finetune's;
     EfficientNet without its pretrained weights: the same layers)."""
-    if name in ("bert", "gpt2"):
+    if name in HF_WORKLOADS:
         import test_bench_hf as hf
-        return "hf", dict(hf.shapes(size, "cuda")[name], kind=name)
+        p = dict(hf.shapes(size, "cuda")[name])
+        p.setdefault("kind", name)
+        return "hf", p
     import test_bench_finetune as ft
     p = dict(ft.SHAPES[size][name], kind=name)
     if name == "efficientnet":
@@ -82,7 +88,7 @@ def _build(name, method, size="full"):
     if family == "hf":
         import test_bench_hf as hf
         step, release, _ = hf.build_step(p, method, "cpu")
-        return hf.workload_label(name, p), step, release
+        return hf.workload_label(p["kind"], p), step, release
     import test_bench_finetune as ft
     step, release, _ = ft.build_step(p, method, "cpu")
     return ft.workload_label(name, p), step, release

@@ -1351,7 +1351,11 @@ def hf(family, times):
                     if mem_x[k]:
                         row[col], row[col + "_rounds"] = _spread_text(mem_x[k])
                 _checks35(row, ms, m, row["ms"])
-                if m in ("ncdp_engine", "ncdp_engine_gram32"):
+                autocast = ms[m]["extra_info"].get("autocast")
+                if autocast and m in ("ncdp_engine", "ncdp_engine_gram32"):
+                    row["targets"] = (f"none ({autocast} autocast: measured beside issue "
+                                      "26/36's float32 rows)")
+                elif m in ("ncdp_engine", "ncdp_engine_gram32"):
                     verdicts = [("time", row.get("x_nonprivate"), tg["time"])] + [
                         (f"memory ({'CUDA allocator' if device == 'cuda' else what})", row.get(col),
                          tg["memory"])
@@ -1398,7 +1402,9 @@ def hf(family, times):
          "targets (issue 26) for ncdp_engine (and ncdp_engine_gram32): on the CPU <= "
          f"{HF_TARGETS['cpu']['time']}x non-private time, on a GPU <= "
          f"{HF_TARGETS['cuda']['time']}x; <= {HF_TARGETS['cpu']['memory']}x its peak memory, "
-         "judged on each memory number (medians over rounds)", CHECKS35_NOTE])
+         "judged on each memory number (medians over rounds); a workload marked "
+         "'bfloat16 autocast' (forward and loss of every method under torch.autocast, "
+         "float32 weights) has no target", CHECKS35_NOTE])
 
 
 FAMILIES["bench_hf"] = hf

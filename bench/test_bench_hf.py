@@ -15,6 +15,11 @@ does not depend on their values; dropout at the configs' default 0.1):
 2. ``BERT``: ``BertForSequenceClassification``, BERT-base's shape (d = 768, 12
    heads, feed-forward 3072, vocabulary 30522, 512 positions) with 2 layers,
    2 classes, T = 128, B = 8; cross entropy, mean over samples.
+3. ``BERT ..., bfloat16 autocast`` (GPU ``full`` and the ``smallest`` size
+   only): the BERT workload with the forward and the loss of every method under
+   ``torch.autocast(dtype=torch.bfloat16)``, float32 weights, no GradScaler (the
+   usual GPU fine-tuning mode; issue 36's goals are the float32 rows, this one is
+   measured with no target).
 
 On a GPU (``--bench-device cuda``, which ``make gpu-check`` runs when
 ``transformers`` is installed there) ``full`` is the models' own depth, 12
@@ -91,6 +96,16 @@ GPU_SHAPES = {
     "quick": SHAPES["full"],
     "smallest": SHAPES["smallest"],
 }
+# The common GPU fine-tuning mode, measured beside issue 36's float32 rows (no
+# target of its own): BERT-base's full shape with its forward and loss under
+# torch.autocast(dtype=torch.bfloat16), float32 weights, every method (the
+# non-private step included) the same way. At the smallest size also on the CPU,
+# so that the CI's run of every benchmark reaches it.
+AUTOCAST = "bfloat16"
+GPU_SHAPES["full"]["bert_autocast"] = dict(GPU_SHAPES["full"]["bert"], kind="bert",
+                                           autocast=AUTOCAST)
+SHAPES["smallest"]["bert_autocast"] = dict(SHAPES["smallest"]["bert"], kind="bert",
+                                           autocast=AUTOCAST)
 
 
 def shapes(size, device):
@@ -111,11 +126,13 @@ def workload_label(kind, s):
         return (f"GPT-2 LM {s['layers']}x(d={s['d']}, heads={s['heads']}), V={s['vocab']} "
                 f"tied, T={s['T']}, B={s['B']}")
     return (f"BERT cls {s['layers']}x(d={s['d']}, heads={s['heads']}, ff={s['ff']}), "
-            f"V={s['vocab']}, K={s['K']}, T={s['T']}, B={s['B']}")
+            f"V={s['vocab']}, K={s['K']}, T={s['T']}, B={s['B']}" +
+            (f", {s['autocast']} autocast" if s.get("autocast") else ""))
 
 
 def CASES(size, device):
-    work = [(workload_label(k, s), dict(s, kind=k)) for k, s in shapes(size, device).items()]
+    work = [(workload_label(s.get("kind", k), s), dict(s, kind=s.get("kind", k)))
+            for k, s in shapes(size, device).items()]
     methods = METHODS + (GPU_METHODS if device == "cuda" else [])
     return {"test_hf_step": cases("bench_hf", work, methods, once=ONCE)}
 
@@ -197,11 +214,18 @@ def build_step(p, method, device="cpu"):
     elif method != "nonprivate":
         raise ValueError(method)
 
+    autocast = p.get("autocast")
+
     def step():
         if draw is not None:
             draw()
         opt.zero_grad(set_to_none=True)
-        loss(model, crit).backward()
+        if autocast:
+            with torch.autocast(device_type=device, dtype=getattr(torch, autocast)):
+                value = loss(model, crit)
+        else:
+            value = loss(model, crit)
+        value.backward()
         opt.step()
 
     def release():
@@ -252,7 +276,9 @@ def test_hf_step(benchmark, case, bench_device, bench_size):
             record_memory(benchmark, step, bench_device, reset=release, calls=3)
         measure(benchmark, case, step, device=bench_device, repeats=REPEATS, warmup=0,
                 memory=False, first_call=False, weights_mb=weights_mb,
-                batch=case.params["B"], kind=case.params["kind"])
+                batch=case.params["B"], kind=case.params["kind"],
+                **({"autocast": case.params["autocast"]} if case.params.get("autocast")
+                   else {}))
         if timer is not None and not benchmark.disabled:
             benchmark.extra_info["checks35_ms"] = timer.ms_per_step()
     finally:

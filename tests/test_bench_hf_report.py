@@ -161,3 +161,26 @@ def test_hf_table_gpu_targets(tmp_path):
     rows = {r["method"]: r for r in json.loads(path.read_text())["rows"]}
     assert rows["ncdp_engine_gram32"]["targets"] == (
         "<= 1.15x time: met; <= 1.1x memory (CUDA allocator): met")
+
+
+def test_hf_table_autocast_workload_has_no_target(tmp_path):
+    """The bfloat16-autocast workload is measured beside the float32 rows with
+    no target: its ratio is in the table, its verdict says none, and it is not
+    counted met or not met; the float32 workload of the same run is judged."""
+    rows = []
+    for w, autocast in (("W32", None), ("W16", "bfloat16")):
+        benchmarks = [_b(w, "nonprivate", 1, 1.0, 100.0, device="cuda"),
+                      _b(w, "ncdp_engine", 1, 2.0, 105.0, device="cuda")]
+        if autocast:
+            for b in benchmarks:
+                b["extra_info"]["autocast"] = autocast
+        rows += benchmarks
+    doc = {"version": "5.3.1", "benchmarks": rows,
+           "ncdp": {"device": "test", "device_tag": "gpu", "size": "full", "rounds": 1,
+                    "commit": "abc1234", "date": "2026-12-01 19:00 UTC"}}
+    (path,) = report.write_tables(doc, tmp_path, quiet=True)
+    got = {(r["workload"], r["method"]): r for r in json.loads(path.read_text())["rows"]}
+    half, full = got[("W16", "ncdp_engine")], got[("W32", "ncdp_engine")]
+    assert half["x_nonprivate"] == pytest.approx(2.0)
+    assert half["targets"].startswith("none (bfloat16 autocast") and "targets_met" not in half
+    assert full["targets"].startswith("<= 1.15x time: NOT met") and full["targets_met"] is False
