@@ -15,8 +15,8 @@ does not depend on their values; dropout at the configs' default 0.1):
 2. ``BERT``: ``BertForSequenceClassification``, BERT-base's shape (d = 768, 12
    heads, feed-forward 3072, vocabulary 30522, 512 positions) with 2 layers,
    2 classes, T = 128, B = 8; cross entropy, mean over samples.
-3. ``BERT ..., bfloat16 autocast`` (GPU ``full`` and the ``smallest`` size
-   only): the BERT workload with the forward and the loss of every method under
+3. ``BERT ..., bfloat16 autocast`` (on a GPU at each size, on the CPU at the
+   ``smallest`` size only): the BERT workload with the forward and the loss of every method under
    ``torch.autocast(dtype=torch.bfloat16)``, float32 weights, no GradScaler (the
    usual GPU fine-tuning mode; issue 36's goals are the float32 rows, this one is
    measured with no target).
@@ -99,11 +99,13 @@ GPU_SHAPES = {
 # The common GPU fine-tuning mode, measured beside issue 36's float32 rows (no
 # target of its own): BERT-base's full shape with its forward and loss under
 # torch.autocast(dtype=torch.bfloat16), float32 weights, every method (the
-# non-private step included) the same way. At the smallest size also on the CPU,
-# so that the CI's run of every benchmark reaches it.
+# non-private step included) the same way; at each GPU size, and at the smallest
+# size also on the CPU, so that the CI's run of every benchmark reaches it.
 AUTOCAST = "bfloat16"
-GPU_SHAPES["full"]["bert_autocast"] = dict(GPU_SHAPES["full"]["bert"], kind="bert",
-                                           autocast=AUTOCAST)
+GPU_SHAPES["quick"] = dict(GPU_SHAPES["quick"])     # not the CPU's own full shapes
+for _size in ("full", "quick"):
+    GPU_SHAPES[_size]["bert_autocast"] = dict(GPU_SHAPES[_size]["bert"], kind="bert",
+                                              autocast=AUTOCAST)
 SHAPES["smallest"]["bert_autocast"] = dict(SHAPES["smallest"]["bert"], kind="bert",
                                            autocast=AUTOCAST)
 
