@@ -110,10 +110,20 @@ class Server:
         if answer == b"done\n":
             return 0, "".join(printed) + self._stderr(start)
         rc = self.proc.wait()
-        stderr = "".join(printed) + self._stderr(start)
+        stderr = (self._seed_line() if start else "") + "".join(printed) + self._stderr(start)
         self.close()
         # A served program that ended its input early without a status is a failure too.
         return (rc if rc != 0 else -1), stderr
+
+    def _seed_line(self):
+        """The process's block-order seed (printed at its first launch, maybe in
+        an earlier case's stderr), for a failure's message: the blocks of a case
+        ran in an order that also depends on the cases served before it."""
+        for text in self._stderr(0).splitlines():
+            if "block order seed" in text:
+                return (f"{text} [printed at this served process's first launch; the "
+                        "order of each case also depends on the cases before it]\n")
+        return ""
 
     def _stderr(self, start):
         return os.pread(self.log.fileno(), self._log_size() - start, start).decode(
