@@ -147,7 +147,6 @@ class PrivateStep:
         self._accumulated.clear()
         centered, self._centered = self._centered, 0.0
         self._refuse_overflow(writes)
-        bound = self.max_grad_norm
         if self.adaptive is not None:
             # After the step's noise, at the logical step: the next logical
             # batch is clipped (and noised) at the new bound throughout.  Drawn
@@ -163,7 +162,8 @@ class PrivateStep:
             p.grad = g
             wrote(p, g)
         self.clear()
-        self.max_grad_norm = bound
+        if self.adaptive is not None:
+            self.max_grad_norm = bound
         return result
 
     def _refuse_overflow(self, writes) -> None:
