@@ -91,6 +91,22 @@ def cuda_missing() -> str | None:
     return None
 
 
+_INPUT: dict = {}      # {key: value}: the last workload's input only
+
+
+def workload_input(key, make):
+    """``make()``'s value for ``key``, made once while consecutive tests ask for
+    the same key: a workload's methods and rounds run one after another, and
+    the previous workload's input is let go before the next is made (one
+    workload's input held at a time).  bench_clip_dense's (1024, 409600) draw
+    took 3.9 s on the CPU's generator (2-core VM), and it ran once a test: 16
+    times a GPU run.  Callers only read the value."""
+    if key not in _INPUT:
+        _INPUT.clear()
+        _INPUT[key] = make()
+    return _INPUT[key]
+
+
 def dense_torch_eager(g, C, sigma):
     """bench_clip_dense's torch peer on g (B, p): float64 norms, the factors in
     g's dtype, one einsum and torch.normal's noise (a callable)."""

@@ -293,7 +293,7 @@ def _layer_columns(route, more=(), after=()):
 # layers' norms, spreads and sizes summed in it); the direct route's chunks
 # are not grouped here.
 GROUP_LAUNCHES = GRAM_KERNEL_LAUNCHES
-GROUP_LAYERS = 12               # bench/test_bench_clip.py GROUP
+GROUP_LAYERS = 12               # bench/test_bench_linear.py GROUP
 GROUP_CHUNK_BYTES = 128 << 20   # ncdp_fast/_cuda/clip.py GROUP_CHUNK_BYTES
 
 
@@ -317,7 +317,7 @@ def predicted_group_norm_ms(B, T, d, K, layers=GROUP_LAYERS) -> float:
 
 
 def linear_norms(family):
-    """One row per layer shape of bench/test_bench_clip.py::test_linear_norms."""
+    """One row per layer shape of bench/test_bench_linear.py::test_linear_norms."""
     group = f"ncdp_group{GROUP_LAYERS}"
 
     def more(ms, t):
@@ -387,7 +387,7 @@ def predicted_sum_ms(B, T, d, K) -> float:
 
 
 def linear_sum(family):
-    """One row per layer shape of bench/test_bench_clip.py::test_linear_sum."""
+    """One row per layer shape of bench/test_bench_linear.py::test_linear_sum."""
     def more(ms, t):
         return dict(x_mm=t / _t(ms, "torch_mm_f32"),
                     balanced_ms=1e3 * _t(ms, "ncdp_balanced") if "ncdp_balanced" in ms else None)

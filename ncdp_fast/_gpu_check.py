@@ -28,6 +28,10 @@ has to show before a GPU claim of this project is believed.
    writes nothing. A benchmark the budget leaves no time for, or cuts short,
    is listed as not run: slowness is reported, not failed. After the six
    benchmarks of the goal rows (hf, finetune, clip, noise, mix, ntk),
+   ``bench/ncu_kernels.py`` reads Nsight Compute's counters on the noise, the
+   dense clip and the Gram kernel (``ncu_kernels`` report, rewritten after
+   every case, within 100 s of its own or what the budget leaves; a machine
+   without counters is reported in its rows, not failed), then
    ``bench/profile_step.py`` profiles one step of each of the hf and finetune
    workloads, private and not (``profile_step``, ``profile_ops`` and
    ``profile_extra`` reports: busy against wall time, kernels, host waits, the
@@ -35,10 +39,8 @@ has to show before a GPU claim of this project is believed.
    ``profile_idle``: the device's idle time in each host phase of the step), then
    ``bench/dmma_rate.py`` measures the FP64 tensor cores' rate per mma shape
    (``dmma_rate`` report: m8n8k4, sm_80's, against sm_90's m16n8 shapes, the
-   Gram kernel's m16n8k4 among them, seconds), then ``bench/ncu_kernels.py``
-   reads Nsight Compute's counters on the noise, the Gram kernel and the dense
-   clip (``ncu_kernels`` report, within 100 s of its own or what the budget
-   leaves; a machine without counters is reported in its rows, not failed); last,
+   Gram kernel's m16n8k4 among them, seconds), then the other benchmarks
+   (``linear``, a linear layer's norms and clipped sum, first); last,
    when the budget leaves time, ``bench/host_step.py --device cuda`` measures
    the host's share of a step on this machine's host (``host_step`` report).
 6. A summary of the phases in ``bench/results/gpu_check-gpu-<date>.{json,md}``.

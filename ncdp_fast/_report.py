@@ -55,6 +55,15 @@ def machine(torch_mod=None) -> dict:
     return info
 
 
+def _write_whole(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or keeps what it held: written beside it,
+    then renamed over it (a tool that rewrites its report as it goes may be
+    killed at a deadline, gpu-check's, and the report is then read).""" 
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(text)
+    os.replace(part, path)
+
+
 def write_report(name: str, out_dir: str, meta: dict, rows: list[dict], columns: list[tuple],
                  notes: list[str] = (), quiet: bool = False, md_rows: list[dict] | None = None
                  ) -> Path:
@@ -68,7 +77,7 @@ def write_report(name: str, out_dir: str, meta: dict, rows: list[dict], columns:
     meta = dict(dict(date=now.strftime("%Y-%m-%d %H:%M UTC"), commit=git_commit()), **meta)
     device = meta.get("device_tag", "cpu")
     stem = f"{name}-{device}-{now.strftime('%Y%m%d')}"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    _write_whole(out / f"{stem}.json", json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"# {name}", "",
              f"- device: {meta.get('device', '?')}",
              f"- commit: {meta['commit']}",
@@ -85,7 +94,7 @@ def write_report(name: str, out_dir: str, meta: dict, rows: list[dict], columns:
             v = r.get(key)
             cells.append("" if v is None else (fmt.format(v) if fmt else str(v)))
         lines.append("| " + " | ".join(cells) + " |")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    _write_whole(out / f"{stem}.md", "\n".join(lines) + "\n")
     if not quiet:
         print("\n".join(lines))
     return out / f"{stem}.json"

@@ -165,3 +165,28 @@ def test_finetune_table_same_round_ratios_of_issue_25(tmp_path):
     assert eng["r_opacus_ghost"] == pytest.approx(1.8 / 1.26)      # rounds 1.43, 1.50
     assert eng["targets25"].startswith("<= 1.03x ncdp_ghost time: met (rounds on both sides)")
     assert rows["ncdp_ghost"]["r_nonprivate"] == pytest.approx(1.2)
+
+
+def test_a_workload_input_is_made_once_and_let_go_at_the_next_workload():
+    import gc
+    import weakref
+
+    import _common as common     # bench/_common.py (bench/ is on the path, after tests/)
+    made = []
+
+    class Input:
+        pass
+
+    def make(tag):
+        def draw():
+            made.append(tag)
+            return Input()
+        return draw
+    first = common.workload_input(("w", 1), make(1))
+    assert common.workload_input(("w", 1), make(1)) is first       # its methods and rounds
+    gone = weakref.ref(first)
+    del first
+    second = common.workload_input(("w", 2), make(2))
+    gc.collect()
+    assert gone() is None and made == [1, 2]        # the last workload's alone is held
+    assert common.workload_input(("w", 2), make(2)) is second and made == [1, 2]

@@ -178,6 +178,75 @@ def test_no_ncu_and_a_hung_ncu_say_so(tmp_path):
                                            "not measured: the tool's budget of 2 s spent"]
 
 
+def test_a_budget_shorter_than_the_timeout_shortens_the_runs_not_skips_them(tmp_path,
+                                                                            monkeypatch):
+    # gpu-check hands the tool what its own budget leaves (40 s for 40 s of
+    # timeout on the 2026-11-30 run): every case used to be refused at once
+    # there (it waited for a whole timeout of room), so no counter was read.
+    ncu = bench_script("ncu_kernels")
+    fast = _fake_ncu(tmp_path, f"""
+case = args[args.index('--target') + 1]
+print({_details()!r}.replace('add_gaussian_kernel', case + '_kernel'))
+""")
+    saved = []
+    rows = ncu.measure(["noise_add", "dense_one_pass"], "smallest", str(fast), 40, budget=40,
+                       saved=lambda rows: saved.append([r["case"] for r in rows]))
+    assert [(r["case"], r["status"]) for r in rows] == [("noise_add", "measured"),
+                                                       ("dense_one_pass", "measured")]
+    assert saved == [["noise_add"], ["noise_add", "dense_one_pass"]]   # after every case
+    # A run is cut at the budget's end, not at its own timeout (the shortest
+    # run worth starting lowered to fit a test).
+    monkeypatch.setattr(ncu, "MIN_RUN_S", 1.0)
+    slow = _fake_ncu(tmp_path, "import time\ntime.sleep(30)\n", "slow_ncu")
+    rows = ncu.measure(["gram", "noise_add"], "smallest", str(slow), 60, budget=1.8)
+    assert [r["status"] for r in rows] == ["not measured: ncu timed out after 2 s",
+                                           "not measured: the tool's budget of 2 s spent"]
+
+
+def test_a_retry_the_budget_cannot_hold_is_not_started(tmp_path):
+    ncu = bench_script("ncu_kernels")
+    refusing = _fake_ncu(tmp_path, """
+import time
+time.sleep(1.0)
+print('==ERROR== Failed to find metric regex')
+sys.exit(1)
+""")
+    rows = ncu.measure(["noise_add"], "smallest", str(refusing), 2, budget=2.5)
+    assert len(_calls(tmp_path)) == 1
+    assert rows[0]["status"] == ("not measured: ==ERROR== Failed to find metric regex; the "
+                                 "tool's budget ended before a retry with fewer sections")
+
+
+def test_a_stopped_tool_leaves_the_cases_it_measured(tmp_path):
+    # gpu-check kills the tool at its own deadline: the report is written
+    # after every case, the cases not reached listed as such.
+    import subprocess
+    import time
+    ncu = bench_script("ncu_kernels")
+    fake = _fake_ncu(tmp_path, f"""
+import time
+case = args[args.index('--target') + 1]
+if case != 'noise_add':
+    time.sleep(60)
+print({_details()!r})
+""")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(ncu.__file__), "--out",
+                             str(out), "--cases", "noise_add,gram", "--ncu", str(fake), "--size",
+                             "smallest"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.monotonic()
+        # The Markdown follows the JSON, each written whole (renamed into place).
+        while not list(out.glob("ncu_kernels-*.md")) and time.monotonic() - t0 < 120:
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+    report = json.loads(next(out.glob("ncu_kernels-*.json")).read_text())
+    assert [(r["case"], r["status"]) for r in report["rows"]] == [
+        ("noise_add", "measured"), ("gram", ncu.NOT_REACHED)]
+
+
 def test_bad_arguments_are_refused_by_name(capsys):
     ncu = bench_script("ncu_kernels")
     with pytest.raises(SystemExit):
@@ -187,8 +256,8 @@ def test_bad_arguments_are_refused_by_name(capsys):
         ncu.main(["--timeout", "0"])
     assert "--timeout: expected seconds > 0, got 0.0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        ncu.main(["--budget", "10", "--timeout", "60"])
-    assert "--budget: expected at least --timeout (60 s), got 10.0" in capsys.readouterr().err
+        ncu.main(["--budget", "0"])
+    assert "--budget: expected seconds > 0, got 0.0" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
@@ -206,3 +275,28 @@ def test_the_dense_launch_forms_give_the_ops_bits(require_cuda):
     want = nf.clip_and_noise(g, max_norm=1.0, noise_multiplier=1.0, seed=1, offset=0).grad
     for one_pass in (False, True):
         assert torch.equal(ncu.dense_rows_launch(g, 1.0, 1.0, one_pass)(), want), one_pass
+
+
+def test_a_report_rewritten_in_place_is_whole_or_as_it_was(tmp_path, monkeypatch):
+    # The tool rewrites its report after every case and may be killed at
+    # gpu-check's deadline, which then reads it: a write cut short must leave
+    # the previous report, not a truncated JSON.
+    import os
+
+    from ncdp_fast import _report
+    cols = [("case", "case", None)]
+    first = _report.write_report("probe", str(tmp_path), {}, [dict(case="a")], cols, quiet=True)
+    _report.write_report("probe", str(tmp_path), {}, [dict(case="a"), dict(case="b")], cols,
+                         quiet=True)
+    assert [r["case"] for r in json.loads(first.read_text())["rows"]] == ["a", "b"]
+
+    def killed(src, dst):
+        raise KeyboardInterrupt     # stopped between the write and the rename
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _report.write_report("probe", str(tmp_path), {}, [dict(case="c")], cols, quiet=True)
+    assert [r["case"] for r in json.loads(first.read_text())["rows"]] == ["a", "b"]
+    monkeypatch.undo()
+    _report.write_report("probe", str(tmp_path), {}, [dict(case="d")], cols, quiet=True)
+    assert [r["case"] for r in json.loads(first.read_text())["rows"]] == ["d"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, first.with_suffix(".md").name]
