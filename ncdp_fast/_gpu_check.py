@@ -30,7 +30,7 @@ has to show before a GPU claim of this project is believed.
    benchmarks of the goal rows (hf, finetune, clip, noise, mix, ntk),
    ``bench/ncu_kernels.py`` reads Nsight Compute's counters on the noise, the
    dense clip and the Gram kernel (``ncu_kernels`` report, rewritten after
-   every case, within 100 s of its own or what the budget leaves; a machine
+   every case, within 80 s of its own or what the budget leaves; a machine
    without counters is reported in its rows, not failed), then
    ``bench/profile_step.py`` profiles one step of each of the hf and finetune
    workloads, private and not (``profile_step``, ``profile_ops`` and

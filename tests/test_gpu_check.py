@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import bench_script
 
 from ncdp_fast import _gpu_check_bench as gpu_bench
 from ncdp_fast import _gpu_check_env as gpu_env
@@ -309,6 +310,10 @@ def test_the_profile_phase_runs_bench_profile_step(tmp_path):
     ncu = gpu_bench._command("py", gpu_bench.NCU, tmp_path, ["--rounds", "2"])
     assert ncu[1].endswith("bench/ncu_kernels.py") and ncu[ncu.index("--size") + 1] == "full"
     assert float(ncu[ncu.index("--budget") + 1]) == gpu_bench.NCU_BUDGET_S
+    # The package's kernels, furthest from their goals first (the tool's order).
+    cases = ncu[ncu.index("--cases") + 1].split(",")
+    assert cases == ["noise_add", "dense_one_pass", "dense_clip", "gram"]
+    assert cases == list(bench_script("ncu_kernels").CASES)[:4]
     quick = gpu_bench._command("py", gpu_bench.NCU, tmp_path, ["--quick", "--rounds", "1"])
     assert quick[quick.index("--size") + 1] == "smallest"
     # Its budget within what the check's leaves, its report written before.
