@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -240,6 +242,36 @@ def summarize(case: str, kernels: list[dict]) -> list[dict]:
     return rows
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (Linux's /proc), children before theirs."""
+    children: dict = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:         # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill ``pid`` and every process under it: a run past its time takes
+    the process ncu profiles (which holds the device) with it, not ncu alone.
+    In ncu's process group, which is the tool's, not one of its own: gpu-check
+    kills the tool's group at its deadline, and that must take them too."""
+    for p in [pid] + _descendants(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def profile_case(ncu: str, case: str, size: str, timeout: float,
                  deadline: float = float("inf")) -> tuple[list[dict], str | None, str]:
     """(rows, why none were measured or None, the last run's output head):
@@ -254,13 +286,16 @@ def profile_case(ncu: str, case: str, size: str, timeout: float,
             return [], (f"{why}; the tool's budget ended before a retry with fewer sections"
                         if why else "the tool's budget ended before its first run"), head
         cmd = ncu_command(ncu, case, size, sections, metrics)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=allowed)
+            stdout, stderr = proc.communicate(timeout=allowed)
         except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            proc.communicate()
             return [], f"ncu timed out after {allowed:.0f} s", head
-        out = proc.stdout + "\n" + proc.stderr
+        out = stdout + "\n" + stderr
         head = out[:4000]
-        kernels = parse_details(proc.stdout)
+        kernels = parse_details(stdout)
         if proc.returncode == 0 and kernels:
             return summarize(case, kernels), None, head
         said = [ln.strip() for ln in out.splitlines() if "ERROR" in ln or "error" in ln]

@@ -203,6 +203,45 @@ print({_details()!r}.replace('add_gaussian_kernel', case + '_kernel'))
                                            "not measured: the tool's budget of 2 s spent"]
 
 
+def test_a_run_past_its_time_is_killed_with_the_process_it_profiles(tmp_path):
+    # ncu starts the profiled python as its child, which holds the device:
+    # killing ncu alone would leave it running into the next case.
+    import os
+    import time
+    ncu = bench_script("ncu_kernels")
+    pid_file = tmp_path / "child.pid"
+    hanging = _fake_ncu(tmp_path, f"""
+import subprocess, time
+child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+open({str(pid_file)!r}, 'w').write(str(child.pid))
+time.sleep(60)
+""")
+    def assert_gone(pid):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        return          # dead, not yet reaped
+            except FileNotFoundError:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"process {pid} outlived the kill")
+
+    rows = ncu.measure(["gram"], "smallest", str(hanging), 2)
+    assert rows[0]["status"] == "not measured: ncu timed out after 2 s"
+    assert_gone(int(pid_file.read_text()))
+    # gpu-check kills the tool's process group at its own deadline: ncu and
+    # the process it profiles are in it.
+    from ncdp_fast import _gpu_check_bench as gpu_bench
+    pid_file.unlink()
+    rc = gpu_bench._run_until([sys.executable, ncu.__file__, "--out", str(tmp_path / "out"),
+                               "--cases", "gram", "--ncu", str(hanging), "--size", "smallest"],
+                              time.monotonic() + 12.0)     # the tool starts in a few s
+    assert rc is None                   # killed at the deadline
+    assert_gone(int(pid_file.read_text()))
+
+
 def test_a_retry_the_budget_cannot_hold_is_not_started(tmp_path):
     ncu = bench_script("ncu_kernels")
     refusing = _fake_ncu(tmp_path, """
