@@ -11,7 +11,8 @@ has to show before a GPU claim of this project is believed.
    environment is never changed and nothing is downloaded. The fresh module
    must report CUDA kernels for them and see the GPU itself (its static CUDA
    runtime needs a driver at least as new).
-4. ``pytest -m gpu``, every GPU test, whatever the budget: fails on any
+4. ``pytest -m gpu``, every GPU test, whatever the budget (in four processes
+   where pytest-xdist is installed, each test file in one): fails on any
    failure or error, and when no GPU test ran or any was skipped for want of a
    device -- a GPU check that only skips proves nothing. Tests skipped because
    their peer (Opacus, dp-accounting) is not installed are named in the summary.
