@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ._gpu_check_env import ROOT, _python_json, _say
+from ._gpu_check_env import ROOT, _say, missing_modules
 
 # A benchmark is not started with less time than this left.
 MIN_BENCH_S = 20
@@ -41,13 +41,6 @@ BENCH_NEEDS = {"hf": ("transformers",), "profile": ("transformers",),
                "host": ("transformers",)}
 
 
-def missing_modules(python, names, env=None) -> list[str]:
-    """Those of ``names`` this interpreter cannot import."""
-    return _python_json(python, "import importlib.util, json; print(json.dumps([m for m in "
-                                f"{tuple(names)!r} if importlib.util.find_spec(m) is None]))",
-                        env=env)
-
-
 def missing_peers(python, env=None) -> list[str]:
     """The benchmarks' comparison peers this interpreter cannot import (their
     methods are skipped by the suite and missing from its tables)."""
@@ -70,19 +63,18 @@ THEN = ("linear", "tied", "conv", "norm")
 FIRST = GOALS + THEN
 
 
-# bench/ncu_kernels.py: Nsight Compute's counters on one launch of each kernel
-# the H200 runs left below its model (the noise, the dense clip's routes, the
-# Gram kernel) and of their torch peers, right after the goal rows, within its
-# own budget: NCU_BUDGET_S, or what the check's leaves less NCU_MARGIN_S (its
-# report, rewritten after every case, written before the check's deadline); a
-# machine without counters is reported in its rows, not failed.  First of the
-# tools: the two H200 runs so far gave it 59 s (the tool then refused every
-# case: it waited for a whole timeout's room, since mended) and none, and the
-# kernels furthest from their goals (noise 0.40x torch.randn, dense clip 0.42
-# of the read limit) are not understood without its stall reasons.
-# The check reads the package's four kernels (the tool's first cases), not the
-# torch peers, within 80 s: the profile after it is the other thing no run
-# has measured since its device-idle table was added (profile_idle).
+# bench/ncu_kernels.py: Nsight Compute's counters on one launch of each of
+# the package's four kernels the H200 runs left below their models (the
+# noise, the dense clip's two routes, the Gram kernel; the tool's first cases,
+# not its torch peers), right after the goal rows, within NCU_BUDGET_S or what
+# the check's budget leaves less NCU_MARGIN_S (its report, rewritten after
+# every case, written before the check's deadline); a machine without
+# counters is reported in its rows, not failed.  First of the tools: the two
+# H200 runs so far gave it 59 s (the tool then refused every case: it waited
+# for a whole timeout's room, since mended) and none, and the kernels furthest
+# from their goals (noise 0.40x torch.randn, dense clip 0.42 of the read
+# limit) are not understood without its stall reasons; 80 s leaves the
+# profile after it room (its device-idle table has never run).
 NCU = "ncu"
 NCU_CASES = ("noise_add", "dense_one_pass", "dense_clip", "gram")
 NCU_BUDGET_S = 80

@@ -107,6 +107,13 @@ def _python_json(python, code, env=None) -> dict | list:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def missing_modules(python, names, env=None) -> list[str]:
+    """Those of ``names`` this interpreter cannot import."""
+    return _python_json(python, "import importlib.util, json; print(json.dumps([m for m in "
+                                f"{tuple(names)!r} if importlib.util.find_spec(m) is None]))",
+                        env=env)
+
+
 def check_torch(python) -> dict:
     t = _python_json(python, "import json, torch; print(json.dumps(dict(version=torch.__version__, "
                              "cuda=torch.version.cuda, available=torch.cuda.is_available(), "

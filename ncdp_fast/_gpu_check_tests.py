@@ -8,7 +8,7 @@ import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from ._gpu_check_env import ROOT, CheckFailed, _python_json
+from ._gpu_check_env import ROOT, CheckFailed, missing_modules
 
 # require_cuda's skip reasons (tests/conftest.py): a GPU test skipped for these
 # did not test the GPU.
@@ -70,8 +70,7 @@ def test_command(python, junit: Path, env=None) -> list[str]:
     ``python`` has pytest-xdist, else in one."""
     cmd = [python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs",
            f"--junitxml={junit}"]
-    if _python_json(python, "import importlib.util, json; "
-                    "print(json.dumps(importlib.util.find_spec('xdist') is not None))", env=env):
+    if not missing_modules(python, ("xdist",), env):
         cmd += ["-n", str(GPU_TEST_WORKERS), "--dist", "loadfile"]
     return cmd + ["tests"]
 

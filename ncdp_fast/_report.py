@@ -58,7 +58,7 @@ def machine(torch_mod=None) -> dict:
 def _write_whole(path: Path, text: str) -> None:
     """``path`` holds ``text`` whole or keeps what it held: written beside it,
     then renamed over it (a tool that rewrites its report as it goes may be
-    killed at a deadline, gpu-check's, and the report is then read).""" 
+    killed at a deadline, gpu-check's, and the report is then read)."""
     part = path.with_name(f".{path.name}.part")
     part.write_text(text)
     os.replace(part, path)

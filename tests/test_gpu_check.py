@@ -125,7 +125,7 @@ def test_the_gpu_tests_run_in_several_processes_where_xdist_is_there(tmp_path, m
     assert cmd[-1] == "tests" and cmd[cmd.index("-m", 3) + 1] == "gpu"
     assert cmd[cmd.index("-n") + 1] == str(gpu_tests.GPU_TEST_WORKERS)     # make test has it
     assert cmd[cmd.index("--dist") + 1] == "loadfile"
-    monkeypatch.setattr(gpu_tests, "_python_json", lambda python, code, env=None: False)
+    monkeypatch.setattr(gpu_tests, "missing_modules", lambda python, names, env=None: ["xdist"])
     alone = gpu_tests.test_command(sys.executable, tmp_path / "j.xml")
     assert "-n" not in alone and "--dist" not in alone and alone[-1] == "tests"
 
