@@ -6,6 +6,7 @@ forwards); each is now refused before the model runs and before anything
 private is written (ncdp_fast/torch/tree.py)."""
 from __future__ import annotations
 
+import copy
 import importlib
 import sys
 import textwrap
@@ -430,3 +431,54 @@ def test_a_module_backward_hook_is_refused_before_the_model_runs(kind):
     model(torch.randn(6, 4)).sum().backward()
     clipper.privatize_()
     clipper.remove()
+
+
+def test_a_pruned_layer_is_refused_by_name_and_exact_once_the_pruning_is_removed():
+    """torch.nn.utils.prune recomputes ``weight`` from the trainable
+    ``weight_orig`` before each forward: Linear's rule gives per-sample
+    gradients of ``weight``, not of ``weight_orig``.  Refused when the clipper
+    is built, naming the layer, prune and the way out (it was refused only in
+    backward, by an internal consistency check that named neither); after
+    ``prune.remove`` the step equals per-sample clipping of the pruned model;
+    a frozen ``weight_orig`` leaves the layer's bias trainable and accepted."""
+    from torch.nn.utils import prune
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    model = make()
+    prune.l1_unstructured(model[0], name="weight", amount=0.5)
+    with pytest.raises(ValueError, match=r"layer '0' \(Linear\) is pruned with "
+                       r"torch\.nn\.utils\.prune: its 'weight' is recomputed from weight_orig "
+                       r"\* weight_mask .*torch\.nn\.utils\.prune\.remove\(module, 'weight'\)"):
+        GhostClipper(model, max_grad_norm=0.3, noise_multiplier=0.0, expected_batch_size=6)
+    with pytest.raises(ValueError, match="is pruned with torch.nn.utils.prune"):
+        PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(torch.randn(12, 5).double(),
+                                                 torch.randint(0, 3, (12,))), batch_size=6),
+            noise_multiplier=1.0, max_grad_norm=1.0, seed=3)
+    assert all(p.grad is None for p in model.parameters())
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=g)
+    model[0].weight_orig.requires_grad_(False)
+    clipper = GhostClipper(model, max_grad_norm=0.3, noise_multiplier=0.0, expected_batch_size=6)
+    F.cross_entropy(model(x), y).backward()
+    clipper.privatize_()
+    assert model[0].weight_orig.grad is None and model[0].bias.grad is not None
+    clipper.remove()
+
+    model[0].weight_orig.requires_grad_(True)
+    model.zero_grad(set_to_none=True)
+    prune.remove(model[0], "weight")
+    assert float((model[0].weight == 0).double().mean()) == pytest.approx(0.5, abs=0.03)
+    # A copy: prune.remove put weight after bias in the layer's parameters,
+    # the order _step_error compares them in.
+    reference = copy.deepcopy(model)
+    clipper = GhostClipper(model, max_grad_norm=0.3, noise_multiplier=0.0, expected_batch_size=6)
+    try:
+        assert _step_error(model, clipper, reference, x, y) < 1e-12
+    finally:
+        clipper.remove()
