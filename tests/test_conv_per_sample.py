@@ -53,6 +53,13 @@ CASES = [
     (nn.Conv2d, 6, 6, 5, 1, 1, 2, 6, "zeros", 1, 3, "forward"),        # one position: products
     (nn.Conv2d, 4, 6, 3, 2, 2, 2, 2, "zeros", 3, 2, "forward"),        # the same, dilated, 2 a group
     (nn.Conv1d, 4, 4, 3, 1, 1, 1, 4, "zeros", 1, 2, "forward"),
+    # Conv3d: the folded route whatever the groups and positions.
+    (nn.Conv3d, 3, 4, 3, 1, 1, 1, 1, "zeros", 5, 2, "folded"),
+    (nn.Conv3d, 4, 6, (3, 1, 2), (2, 1, 1), (1, 2, 1), 1, 2, "reflect", 6, 3, "folded"),
+    (nn.Conv3d, 4, 4, 3, 1, 1, 1, 4, "circular", 4, 2, "folded"),       # depthwise
+    (nn.Conv3d, 3, 2, (2, 3, 3), 1, 1, "same", 1, "zeros", 5, 2, "folded"),  # even kernel
+    (nn.Conv3d, 2, 3, 1, 2, 1, 0, 1, "zeros", 5, 1, "folded"),          # 1x1x1, strided
+    (nn.Conv3d, 3, 4, 3, 1, 1, 1, 1, "zeros", 4, 0, "folded"),          # B = 0
 ]
 
 
@@ -63,7 +70,7 @@ def test_conv_per_sample_gradient_within_the_rounding_bound(case, dtype, monkeyp
     torch.manual_seed(CASES.index(case))      # fixed per case (str hashes vary by process)
     module = cls(cin, cout, k, stride=s, dilation=d, padding=p, groups=G, padding_mode=mode)
     module = module.to(dtype)
-    shape = (B, cin, size, size) if cls is nn.Conv2d else (B, cin, size)
+    shape = (B, cin) + (size,) * {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[cls]
     x = torch.randn(shape, dtype=dtype)
     with torch.no_grad():
         g = torch.randn_like(module(x))
@@ -81,7 +88,8 @@ def test_conv_per_sample_gradient_within_the_rounding_bound(case, dtype, monkeyp
     assert got.dtype == dtype and tuple(got.shape) == (B, *module.weight.shape)
     if B:
         assert taken == ([] if route == "folded" else [route]), (route, taken)
-    assert (positions <= LIMIT) == (route != "folded" or G == 1)
+    if cls is not nn.Conv3d:
+        assert (positions <= LIMIT) == (route != "folded" or G == 1)
     expected = _reference(module, x, g)
     magnitudes = _reference(module, x.abs(), g.abs()) if B else expected
     assert_within_sum_bound(got.double().numpy(), expected.numpy(), magnitudes.numpy(),

@@ -192,6 +192,30 @@ class ZeroPadConvNet(nn.Module):
         return self.fc(torch.relu(self.g2(self.c3(h))).mean(2))
 
 
+class Conv3dNet(nn.Module):
+    """Volumes: Conv3d with each option its rule must reproduce (stride,
+    padding modes, a string padding with an even kernel, groups, dilation,
+    depthwise, no bias, one output position), after a group norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv3d(2, 4, 3, stride=2, padding=1)
+        self.g1 = nn.GroupNorm(2, 4)
+        self.c2 = nn.Conv3d(4, 4, (2, 3, 1), groups=2, dilation=(1, 2, 1), padding="same",
+                            padding_mode="reflect")
+        self.c3 = nn.Conv3d(4, 4, 3, groups=4, padding=1, padding_mode="circular", bias=False)
+        self.c4 = nn.Conv3d(4, 3, 1, stride=(1, 2, 1))
+        # One output position: where a 2-D layer's ghost norm would be the
+        # cheaper form (2 L^2 <= its weight's size); torch has no 3-D im2col.
+        self.c5 = nn.Conv3d(3, 3, (3, 2, 3))
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.g1(self.c1(x)))
+        h = torch.tanh(self.c3(torch.tanh(self.c2(h))))
+        return self.fc(self.c5(torch.relu(self.c4(h))).flatten(1))
+
+
 class TinyTransformer(nn.Module):
     """Embedding (padding_idx 0) -> 2-layer nn.TransformerEncoder -> mean -> head."""
 
@@ -221,6 +245,18 @@ def test_conv_groupnorm_net_equals_per_sample_clipping():
     torch.manual_seed(0)
     model = ConvNet().double()
     x, y = _images(4, (3, 9, 8), seed=1)
+    ps = per_sample_grads(model, ce, (x, y))
+    for dtype in (F32, F64):
+        for reduction in ("mean", "sum"):
+            check_exact(model, ce, (x, y), dtype=dtype, reduction=reduction, ps=ps)
+
+
+def test_conv3d_net_equals_per_sample_clipping():
+    """Conv3d layers (the convolution rule's folded route) after a group norm,
+    float32 and float64, mean and sum losses, against one float64 oracle."""
+    torch.manual_seed(4)
+    model = Conv3dNet().double()
+    x, y = _images(4, (2, 6, 7, 5), seed=5)
     ps = per_sample_grads(model, ce, (x, y))
     for dtype in (F32, F64):
         for reduction in ("mean", "sum"):

@@ -53,7 +53,7 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
         clipper.privatize_()              # p.grad <- clipped, noised, reduced
         optimizer.step()
 
-    Layers: ``nn.Linear`` (inputs of any leading shape), ``nn.Conv1d/2d``
+    Layers: ``nn.Linear`` (inputs of any leading shape), ``nn.Conv1d/2d/3d``
     (groups, stride, padding, dilation, padding modes), ``nn.Embedding``,
     ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, affine instance norms,
     ``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` works

@@ -144,8 +144,9 @@ def linear_rule(module: nn.Linear, calls, trainable):
 
 def _conv_input(module, x: torch.Tensor):
     """(input as the convolution reads it, 2-D form, padding still to apply): a
-    Conv1d becomes a Conv2d of height 1; non-zero padding modes and string
-    paddings are applied here, as the module's own _conv_forward does."""
+    Conv1d becomes a Conv2d of height 1 (a Conv3d stays 3-D); non-zero padding
+    modes and string paddings are applied here, as the module's own
+    _conv_forward does."""
     nd = len(module.kernel_size)
     two = (lambda v: (1,) + tuple(v)) if nd == 1 else tuple
     if module.padding_mode != "zeros" or isinstance(module.padding, str):
@@ -153,7 +154,7 @@ def _conv_input(module, x: torch.Tensor):
         # take a 3-D input with 2 pads, not a 4-D one.
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-        padding = (0, 0)
+        padding = (0,) * max(nd, 2)
     else:
         padding = (0,) + tuple(module.padding) if nd == 1 else tuple(module.padding)
     if nd == 1:
@@ -220,8 +221,9 @@ def _conv_per_sample_routes(module, x, g):
     G = module.groups
     if len(module.kernel_size) == 1:
         g = g.unsqueeze(-2)
-    L = g.shape[2] * g.shape[3]
-    route = per_sample_route(G, k, padding, L)
+    L = _positions(g)
+    # A Conv3d takes the folded route: the other two are written for 2-D.
+    route = "folded" if len(k) == 3 else per_sample_route(G, k, padding, L)
     if route == "gemm":
         if stride != (1, 1):
             x = x[:, :, ::stride[0], ::stride[1]]
@@ -230,7 +232,8 @@ def _conv_per_sample_routes(module, x, g):
     if route == "forward":
         return _conv_per_sample_forward(x, g, w, padding, k, stride, dil, G)
     shape = (B * w.shape[0], x.shape[1] // G, *k)
-    gw = torch.nn.grad.conv2d_weight(
+    weight_grad = torch.nn.grad.conv3d_weight if len(k) == 3 else torch.nn.grad.conv2d_weight
+    gw = weight_grad(
         x.reshape(1, B * x.shape[1], *x.shape[2:]), shape,
         g.reshape(1, B * g.shape[1], *g.shape[2:]), stride=stride, padding=padding,
         dilation=dil, groups=B * G)
@@ -263,14 +266,15 @@ def _conv_per_sample_forward(x, g, w, padding, k, stride, dil, G):
     return out.transpose(0, 1).reshape(B, *w.shape)
 
 
-@register_layer(nn.Conv1d, nn.Conv2d)
+@register_layer(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 def conv_rule(module, calls, trainable):
     """Convolution as a linear layer on its im2col columns: weight (C_out, C_in*k)
     against columns (B, L, C_in*k).  Mixed rule over all calls' L positions:
     one group and 2 L^2 <= C_out C_in k: the pair (ghost norm; the columns
     formed, free for a plain 1x1 convolution); otherwise (depthwise and other
     grouped convolutions, large L) the per-sample gradient (B, *weight.shape)
-    (:func:`_conv_per_sample`), whose size is that of the kernel, small."""
+    (:func:`_conv_per_sample`), whose size is that of the kernel, small.  A
+    Conv3d always takes the per-sample gradient (torch has no 3-D im2col)."""
     C_out = module.out_channels
     L = sum(math.prod(c.grad.shape[2:]) for c in calls)            # output positions
     B = calls[0].grad.shape[0]
@@ -283,7 +287,8 @@ def conv_rule(module, calls, trainable):
     if "weight" in trainable:
         bias = "bias" in trainable
         names = ("weight", "bias") if bias else ("weight",)
-        if module.groups == 1 and 2 * L * L <= module.weight.numel():
+        if module.groups == 1 and 2 * L * L <= module.weight.numel() \
+                and len(module.kernel_size) < 3:
             cols = _cat([_conv_columns(module, c.inputs[0]) for c in calls], dim=2)
             return [(names, (cols.transpose(1, 2), gs().transpose(1, 2), bias))]
         gw = None
