@@ -440,12 +440,22 @@ def test_a_pruned_layer_is_refused_by_name_and_exact_once_the_pruning_is_removed
     is built, naming the layer, prune and the way out (it was refused only in
     backward, by an internal consistency check that named neither); after
     ``prune.remove`` the step equals per-sample clipping of the pruned model;
-    a frozen ``weight_orig`` leaves the layer's bias trainable and accepted."""
+    a frozen ``weight_orig`` leaves the layer's bias trainable and accepted.
+    Pruned after the clipper was built: refused at the next forward (the
+    parameters changed), nothing written."""
     from torch.nn.utils import prune
 
     def make():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    late = make()
+    clipper = GhostClipper(late, max_grad_norm=0.3, noise_multiplier=1.0, expected_batch_size=6)
+    prune.l1_unstructured(late[0], name="weight", amount=0.5)
+    with pytest.raises(ValueError, match="parameters changed after the clipper was built"):
+        late(torch.randn(6, 5, dtype=torch.float64))
+    assert all(p.grad is None for p in late.parameters())
+    clipper.remove()
+
     model = make()
     prune.l1_unstructured(model[0], name="weight", amount=0.5)
     with pytest.raises(ValueError, match=r"layer '0' \(Linear\) is pruned with "

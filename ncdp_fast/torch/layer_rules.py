@@ -287,8 +287,8 @@ def conv_rule(module, calls, trainable):
     if "weight" in trainable:
         bias = "bias" in trainable
         names = ("weight", "bias") if bias else ("weight",)
-        if module.groups == 1 and 2 * L * L <= module.weight.numel() \
-                and len(module.kernel_size) < 3:
+        if len(module.kernel_size) < 3 and module.groups == 1 \
+                and 2 * L * L <= module.weight.numel():
             cols = _cat([_conv_columns(module, c.inputs[0]) for c in calls], dim=2)
             return [(names, (cols.transpose(1, 2), gs().transpose(1, 2), bias))]
         gw = None

@@ -146,7 +146,7 @@ def _inert(name: str) -> bool:
         "reset_parameters", "_reset_parameters", "extra_repr")
 
 
-def pruned_originals(module: nn.Module, params: dict) -> list[str]:
+def _pruned_originals(module: nn.Module, params: dict) -> list[str]:
     """The tensors of ``module`` that torch.nn.utils.prune recomputes before each
     forward (its pre-hooks) from an original among ``params``, the layer's
     trainable parameters by name."""
@@ -175,7 +175,7 @@ def layer_rule(name: str, module: nn.Module, params: dict):
                 f"of {base.__name__}, so {base.__name__}'s rule may not describe what it "
                 "computes; register a rule for its own type with "
                 "ncdp_fast.torch.register_layer")
-        pruned = pruned_originals(module, params)
+        pruned = _pruned_originals(module, params)
         if pruned:
             # Refused here, by name: at the step the rule's blocks (named for
             # the tensor the forward reads) and the trainable originals would
@@ -186,10 +186,9 @@ def layer_rule(name: str, module: nn.Module, params: dict):
                 f"torch.nn.utils.prune: its {t!r} is recomputed from {t}_orig * {t}_mask "
                 f"before each forward, so {base.__name__}'s rule gives per-sample gradients "
                 f"of {t!r}, not of the trainable {t}_orig; make the pruning permanent before "
-                "make_private with "
-                f"torch.nn.utils.prune.remove(module, {t!r}) (the pruned entries are then "
-                f"trained too unless the mask is applied again after each step), or freeze "
-                f"{t}_orig")
+                f"make_private with torch.nn.utils.prune.remove(module, {t!r}) (the pruned "
+                "entries are then trained too unless the mask is applied again after each "
+                f"step), or freeze {t}_orig")
     if rule is None and replacement(module):
         raise torch_rnn_error(name, module)
     if rule is None:
