@@ -289,6 +289,15 @@ def record_memory(benchmark, fn, device, reset=None, calls=1):
         benchmark.extra_info["peak_alloc_mb"] = alloc
 
 
+def record_step_memory(benchmark, step, release, device):
+    """A training step's :func:`record_memory` from a state without
+    gradients: ``step`` once first (lazy initialisation outside the
+    numbers), then ``release`` (its gradients freed), then one measured step."""
+    step()
+    release()
+    record_memory(benchmark, step, device)
+
+
 def _peak_once(fn, device) -> tuple[float, float | None]:
     if device == "cuda":
         import torch

@@ -1156,6 +1156,61 @@ def noise(family):
          "up or gains, not interchangeable noise"])
 
 
+# The bag step's model (bench/test_bench_bag.py): each aten operator about one
+# kernel launch of 5 us, plus the dense (V, D) float32 passes at the 4.0 TB/s
+# read limit the first GPU run measured -- non-private: the weight gradient's
+# zero-fill and scatter, SGD's read of weight and gradient and write of the
+# weight (4 passes); private: also the clipped sum's zero-fill and scatter
+# and the noise's read and write (8).  A model, not a measurement.
+BAG_LAUNCH_S, BAG_READ_BPS = 5e-6, 4.0e12
+
+
+def predicted_bag_ms(V, D, ops, private) -> float:
+    return 1e3 * (ops * BAG_LAUNCH_S + (8 if private else 4) * 4.0 * V * D / BAG_READ_BPS)
+
+
+def bag(family):
+    """One row per method of bench/test_bench_bag.py: a bag-of-tokens
+    classifier's step, non-private, ncdp and Opacus hooks."""
+    rows = []
+    for w, ms in family.items():
+        base, base_mem = _t(ms, "nonprivate"), _x(ms, "nonprivate", "peak_extra_mb")
+        for m in ("nonprivate", "ncdp", "opacus_hooks"):
+            row = dict(workload=w, method=m)
+            if m not in ms:
+                row["error"] = NO_RESULT
+            else:
+                t, mem, ops = _t(ms, m), _x(ms, m, "peak_extra_mb"), _x(ms, m, "ops")
+                row.update(ms=1e3 * t, x_nonprivate=t / base if base else None,
+                           x_opacus=(_t(ms, "opacus_hooks") / t if "opacus_hooks" in ms
+                                     else None),
+                           peak_extra_mb=mem,
+                           mem_x_nonprivate=mem / base_mem if mem is not None and base_mem
+                           else None, ops=ops,
+                           predicted_gpu_ms=(predicted_bag_ms(_x(ms, m, "V"), _x(ms, m, "D"),
+                                                              ops, m != "nonprivate")
+                                             if ops else None))
+            rows.append(row)
+    return rows, (
+        [("workload", "workload", None), ("method", "method", None),
+         ("ms", "ms/step", "{:.2f}"), ("x_nonprivate", "× non-private time", "{:.2f}"),
+         ("x_opacus", "Opacus hooks time ÷ this", "{:.1f}"),
+         ("peak_extra_mb", "peak extra MB", "{:.1f}"),
+         ("mem_x_nonprivate", "× non-private memory", "{:.2f}"),
+         ("ops", "aten ops a step", None),
+         ("predicted_gpu_ms", "predicted H200 ms", "{:.3f}"), ("error", "error", None)],
+        ["EmbeddingBag(V, D, mode='mean') -> Linear(D, 4), flat tokens with offsets, "
+         "cross-entropy (mean), SGD; noise multiplier 1, max_grad_norm 1, flat clipping "
+         "(bench/test_bench_bag.py)",
+         "ncdp: GhostClipper (the step's number of bags declared); opacus_hooks: Opacus "
+         "make_private(grad_sample_mode='hooks'), its EmbeddingBag grad sampler (timed in "
+         "round 1 only; not the same result where a bag repeats a row)",
+         "predicted H200 ms: a model, not a measurement: 5 us per aten operator (one launch "
+         "each) plus the dense (V, D) float32 passes at 4.0 TB/s (4 non-private, 8 private)",
+         "peak extra MB: resident-set growth during one step from a state with no gradients "
+         "(malloc_trim first), sampled every ms"])
+
+
 FAMILIES = {"bench_clip_dense": clip_dense, "bench_clip_step": clip_step,
             "bench_linear_norms": linear_norms, "bench_linear_sum": linear_sum,
             "bench_conv_grads": conv_grads, "bench_norm_affine": norm_affine,
@@ -1164,7 +1219,7 @@ FAMILIES = {"bench_clip_dense": clip_dense, "bench_clip_step": clip_step,
             "bench_release": release, "bench_train": train, "privacy": privacy,
              "bench_finetune": finetune, "bench_distributed_ntk": distributed_ntk,
              "bench_distributed_release": distributed_release, "bench_tied": tied,
-             "bench_noise": noise}
+             "bench_noise": noise, "bench_bag": bag}
 # Families whose table also reads every round's times (same-round ratios).
 ROUND_AWARE = {"bench_finetune"}
 

@@ -23,9 +23,8 @@ a state without gradients (``malloc_trim`` first).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 
-from _common import cases, measure, record_memory
+from _common import cases, measure, record_step_memory
 
 SHAPES = {"full": dict(V=16000, D=256, T=32, B=16),
           "quick": dict(V=4000, D=128, T=32, B=8),
@@ -100,12 +99,6 @@ def build_step(p, method, device="cpu"):
 def test_tied_step(benchmark, case, bench_device, bench_size):
     step, release = build_step(case.params, case.method, bench_device)
     if not benchmark.disabled:
-        step()                          # first call: lazy initialisation outside the numbers
-        release()
-        try:
-            ctypes.CDLL(None).malloc_trim(0)
-        except (AttributeError, OSError):
-            pass
-        record_memory(benchmark, step, bench_device)
+        record_step_memory(benchmark, step, release, bench_device)
     measure(benchmark, case, step, device=bench_device, repeats=3, warmup=0, memory=False,
             first_call=False, **{k: case.params[k] for k in ("V", "D", "T", "B")})

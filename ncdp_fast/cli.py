@@ -27,7 +27,7 @@ def _cmd_demo(args) -> int:
 # bench/test_bench_<name>.py, pytest-benchmark tests (bench/README.md).
 BENCHES = ["clip", "linear", "mix", "ntk", "privacy", "train", "release", "finetune",
            "distributed_ntk", "distributed_dpsgd", "distributed_release", "tied", "hf", "noise",
-           "conv", "norm"]
+           "conv", "norm", "bag"]
 # Accounting only, gloo ranks on the CPU, or CPU targets: no GPU part.
 CPU_ONLY_BENCHES = {"privacy", "distributed_ntk", "distributed_dpsgd", "distributed_release"}
 GPU_BENCHES = [b for b in BENCHES if b not in CPU_ONLY_BENCHES]

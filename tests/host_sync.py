@@ -22,6 +22,12 @@ _TO_HOST = {"cpu", "numpy", "tolist", "__array__"}
 _DATA_SHAPED = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"}
 
 
+def _mode_stack() -> list:
+    """The torch function modes active in this thread, innermost last."""
+    from torch.overrides import _get_current_function_mode_stack
+    return _get_current_function_mode_stack()
+
+
 def _is_bool_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype == torch.bool
 
@@ -76,11 +82,38 @@ def _caller() -> str:
 
 class HostSyncCounter(TorchFunctionMode):
     """Context manager: ``events`` lists (kind, torch function, where) of every
-    call that would synchronise a GPU with the host while it is active."""
+    call that would synchronise a GPU with the host while it is active.
+
+    The autograd engine does not carry torch function modes into backward
+    (a tensor hook's calls reach no mode), and the clipper's rules run
+    there: while active, the counter also enters itself around the
+    clipper's one backward entry point (``LayerRecorder._on_grad``, which
+    evaluates every rule), so a rule's waits are counted too."""
 
     def __init__(self):
         super().__init__()
         self.events: list[tuple[str, str, str]] = []
+
+    def __enter__(self):
+        from ncdp_fast.torch.recorder import LayerRecorder
+        self._plain = plain = LayerRecorder.__dict__["_on_grad"]
+        counter = self
+
+        def on_grad(recorder, *args, **kwargs):
+            if any(m is counter for m in _mode_stack()):
+                return plain(recorder, *args, **kwargs)
+            TorchFunctionMode.__enter__(counter)
+            try:
+                return plain(recorder, *args, **kwargs)
+            finally:
+                TorchFunctionMode.__exit__(counter, None, None, None)
+        LayerRecorder._on_grad = on_grad
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from ncdp_fast.torch.recorder import LayerRecorder
+        LayerRecorder._on_grad = self._plain
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -137,6 +137,30 @@ def test_report_marks_a_missing_method_as_an_error(tmp_path):
     assert row["error"].startswith("no result for torch_eager")
 
 
+def test_bag_table_ratios_and_prediction(tmp_path):
+    """bench_bag's rows: ratios to the non-private step and to Opacus, and the
+    predicted H200 time from the operator count and the dense passes."""
+    w, V, D = "bag", 1000, 8
+    doc = _recorded_doc()
+    doc["benchmarks"] = [
+        {"group": f"bench_bag {w} cpu", "name": f"test_bag_step[{w}|{m}|r1]",
+         "stats": {"median": t},
+         "extra_info": dict(family="bench_bag", workload=w, device="cpu", method=m, round=1,
+                            V=V, D=D, ops=ops, peak_extra_mb=mem)}
+        for m, t, ops, mem in (("nonprivate", 0.002, 30, 1.0), ("ncdp", 0.005, 100, 1.5),
+                               ("opacus_hooks", 0.5, 800, 40.0))]
+    report.write_tables(doc, tmp_path, quiet=True)
+    (path,) = tmp_path.glob("bench_bag*.json")
+    rows = {r["method"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["ncdp"]["x_nonprivate"] == pytest.approx(2.5)
+    assert rows["ncdp"]["x_opacus"] == pytest.approx(100.0)
+    assert rows["ncdp"]["mem_x_nonprivate"] == pytest.approx(1.5)
+    assert rows["ncdp"]["predicted_gpu_ms"] == pytest.approx(
+        1e3 * (100 * 5e-6 + 8 * 4 * V * D / 4e12))
+    assert rows["nonprivate"]["predicted_gpu_ms"] == pytest.approx(
+        1e3 * (30 * 5e-6 + 4 * 4 * V * D / 4e12))
+
+
 def test_finetune_table_same_round_ratios_of_issue_25(tmp_path):
     """The transformer's issue-25 columns come from same-round ratios (a helper
     of another table once shadowed the one they use and broke this table)."""

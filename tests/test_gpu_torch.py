@@ -268,6 +268,7 @@ def test_ghost_clipper_per_layer_on_the_device_equals_the_cpu_path(require_cuda)
 STEP_SYNCS = {
     "mlp": {("copy to the host", "_clip_results.py", "_accounting"): 1},
     "transformer": {("copy to the host", "_clip_results.py", "_accounting"): 1},
+    "embedding bag": {("copy to the host", "_clip_results.py", "_accounting"): 1},
 }
 # Hugging Face models through PrivacyEngine (3 embeddings in BERT, GPT-2's head
 # tied to its token embedding).  On the emulated device one more: GPT-2's own
@@ -319,6 +320,26 @@ def _clipper_step(require_cuda):
     def step():
         model.zero_grad()
         F.cross_entropy(model(idx), y).backward()
+        clipper.privatize_()
+    return step
+
+
+def _bag_step(require_cuda):
+    """One GhostClipper step of a bag classifier called twice a forward: flat
+    tokens with offsets (an empty bag), per-sample weights, a padding row."""
+    from ncdp_fast.torch import GhostClipper
+    from test_embedding_bag import BagNet, _batch
+    torch.manual_seed(0)
+    model = BagNet(twice=True, mode="sum", padding_idx=0).double().to(require_cuda)
+    idx, offsets, psw, y, _ = _batch("flat", 6, 3, psw=True, empty=True)
+    idx, offsets, psw, y = (t.to(require_cuda) for t in (idx, offsets, psw, y))
+    clipper = GhostClipper(model, max_grad_norm=0.3, noise_multiplier=0.5,
+                           expected_batch_size=6.0, seed=8)
+
+    def step():
+        model.zero_grad()
+        clipper.declare_batch_size(6)
+        F.cross_entropy(model(idx, offsets, psw), y).backward()
         clipper.privatize_()
     return step
 
@@ -375,7 +396,8 @@ def test_a_hugging_face_step_synchronises_the_host_only_where_documented(require
 
 @pytest.mark.parametrize("name", sorted(STEP_SYNCS))
 def test_a_private_step_synchronises_the_host_only_where_documented(require_cuda, name):
-    step = (_engine_step if name == "mlp" else _clipper_step)(require_cuda)
+    step = {"mlp": _engine_step, "transformer": _clipper_step,
+            "embedding bag": _bag_step}[name](require_cuda)
     with HostSyncCounter() as counter:
         step()
     assert _sync_sites(counter.in_library()) == STEP_SYNCS[name]
@@ -490,6 +512,43 @@ def test_the_sync_counter_sees_each_kind_of_host_wait(require_cuda):
     assert Counter(kinds) == {"scalar read": 2, "copy to the host": 3,
                               "data-dependent shape": 1, "boolean-mask index": 1}, kinds
     assert np.all(np.isfinite(t.cpu().numpy()))
+
+
+def test_the_sync_counter_sees_a_wait_inside_a_rule_in_backward(require_cuda):
+    """The rules run inside backward, where the autograd engine carries no
+    torch function mode: the counter enters itself there too.  A rule that
+    reads a scalar is counted (at the clipper's rule call, the innermost
+    frame of ncdp_fast); the same step with the plain rule counts only the
+    clip op's one transfer.  Before, such a read went unseen."""
+    from ncdp_fast.torch import GhostClipper
+    from ncdp_fast.torch import register_layer
+    from ncdp_fast.torch.layer_rules import linear_rule
+    from ncdp_fast.torch.layers import RULES
+
+    class Reading(nn.Linear):
+        pass
+
+    def reading_rule(module, calls, trainable):
+        float(calls[0].grad.abs().max())        # a wait the counter must see
+        return linear_rule(module, calls, trainable)
+    model = nn.Sequential(Reading(4, 3), nn.Linear(3, 2)).to(require_cuda)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0)).to(require_cuda)
+    y = torch.tensor([0, 1, 1, 0, 1], device=require_cuda)
+    counts = {}
+    for rule in (linear_rule, reading_rule):
+        register_layer(Reading)(rule)
+        clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0,
+                               expected_batch_size=5, seed=1)
+        try:
+            with HostSyncCounter() as counter:
+                F.cross_entropy(model(x), y).backward()
+                clipper.privatize_()
+        finally:
+            clipper.remove()
+            RULES.pop(Reading, None)
+        counts[rule.__name__] = Counter(kind for kind, _, _ in counter.in_library())
+    assert counts == {"linear_rule": {"copy to the host": 1},
+                      "reading_rule": {"copy to the host": 1, "scalar read": 1}}
 
 
 def test_settle_reads_device_value_checks_in_one_transfer_when_not_deferred(require_cuda):

@@ -740,7 +740,8 @@ def test_noise_is_the_documented_stream_slices_and_never_repeats(clipping):
 
 # ------------------------------------------------------------- properties
 
-KINDS = ("linear_seq", "conv", "conv_groups", "embedding", "layernorm", "groupnorm", "mha")
+KINDS = ("linear_seq", "conv", "conv_groups", "embedding", "embedding_bag", "layernorm",
+         "groupnorm", "mha")
 
 
 class Branches(nn.Module):
@@ -752,6 +753,7 @@ class Branches(nn.Module):
         mods = {"linear_seq": nn.Linear(4, 3), "conv": nn.Conv2d(2, 3, 2, padding=1),
                 "conv_groups": nn.Conv2d(2, 4, 2, groups=2, stride=2),
                 "embedding": nn.Embedding(5, 4), "layernorm": nn.LayerNorm(4),
+                "embedding_bag": nn.EmbeddingBag(5, 4, mode="sum"),
                 "groupnorm": nn.GroupNorm(1, 2), "mha": nn.MultiheadAttention(4, 2,
                                                                                batch_first=True)}
         self.layers = nn.ModuleDict({k: mods[k] for k in self.kinds})
@@ -765,6 +767,9 @@ class Branches(nn.Module):
                 outs.append(m(img))
             elif k == "embedding":
                 outs.append(m(idx))
+            elif k == "embedding_bag":      # weights of both signs, by keyword
+                w = torch.linspace(-1.0, 2.0, idx.shape[1], dtype=seq.dtype)
+                outs.append(m(idx, per_sample_weights=w.expand(idx.shape)))
             else:
                 outs.append(m(seq, seq, seq)[0])
         return torch.cat([o.reshape(o.shape[0], -1) for o in outs], 1)

@@ -66,6 +66,7 @@ from .losses import TokenCrossEntropyLoss, causal_lm_loss, per_sample_token_loss
 from .loss_graph import LossReductionWarning
 from .memory import BatchMemoryManager
 from .layer_rules import factored_or_instantiated  # (and registers the rules of torch's layers)
+from . import embedding_bag as _embedding_bag  # noqa: F401  (registers nn.EmbeddingBag's rule)
 from .layers import Call, register_layer
 from .optimizer import FusedDPOptimizer
 from .validators import ModuleValidator

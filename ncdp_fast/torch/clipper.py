@@ -55,7 +55,8 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
 
     Layers: ``nn.Linear`` (inputs of any leading shape), ``nn.Conv1d/2d/3d``
     (groups, stride, padding, dilation, padding modes), ``nn.Embedding``,
-    ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, affine instance norms,
+    ``nn.EmbeddingBag`` (sum and mean bags), ``nn.LayerNorm``, ``nn.RMSNorm``,
+    ``nn.GroupNorm``, affine instance norms,
     ``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` works
     unmodified), the layers of Hugging Face models (:mod:`.hf_layers`: GPT-2,
     BERT, RoBERTa, DistilBERT, ViT, LLaMA), and any type given a rule with
@@ -271,8 +272,12 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
                 # Its capture and its restore in one hook, the first of the
                 # layer's (a hook registered earlier may change the output:
                 # the capture must see the layer's own, tree.py holds it so).
-                handle = tap.module.register_forward_hook(self._forward_hook(tap),
-                                                          always_call=True, prepend=True)
+                # An embedding bag's offsets and per-sample weights may come
+                # by keyword: its hook sees the keywords (with_kwargs).
+                bag = isinstance(tap.module, nn.EmbeddingBag)
+                hook = self._bag_forward_hook(tap) if bag else self._forward_hook(tap)
+                handle = tap.module.register_forward_hook(hook, always_call=True, prepend=True,
+                                                          with_kwargs=bag)
                 self._handles.append(handle)
                 captures.append((tap.module, handle.id))
                 continue

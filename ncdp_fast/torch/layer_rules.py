@@ -23,7 +23,7 @@ from .._cuda.clip import scale_rows
 from .._cuda.gram import grams_f64
 from .._norm_affine import device_grads
 from .._clip import GhostBlock
-from .layers import _embedding_problem, accumulation_dtype, register_layer
+from .layers import accumulation_dtype, check_embedding_options, register_layer
 
 __all__ = ["factored_or_instantiated", "linear_rule", "conv_rule", "embedding_rule",
            "layer_norm_rule", "rms_norm_rule", "group_norm_rule", "instance_norm_rule"]
@@ -352,9 +352,7 @@ def embedding_rule(module: nn.Embedding, calls, trainable):
     nothing of size V*D per sample."""
     if "weight" not in trainable:
         return []
-    problem = _embedding_problem(module)
-    if problem is not None:
-        raise ValueError(f"nn.Embedding: {problem}")
+    check_embedding_options(module)
     V, D = module.weight.shape
     idx = _cat([_lead(c.inputs[0], 1) for c in calls])                 # (B, T)
     g = _cat([_flat_positions(c.grad, D) for c in calls])              # (B, T, D)

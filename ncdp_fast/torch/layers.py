@@ -184,8 +184,14 @@ def _twin_rule(t: type) -> Rule | None:
     return None
 
 
-def _embedding_problem(module: nn.Embedding) -> str | None:
-    """Why an embedding's options leave no exact per-sample gradient, or None."""
+def _embedding_problem(module: nn.Embedding | nn.EmbeddingBag) -> str | None:
+    """Why an embedding's (or an embedding bag's) options leave no exact
+    per-sample gradient, or None."""
+    if getattr(module, "mode", "sum") not in ("sum", "mean"):
+        return (f"mode={module.mode!r} sends each feature's gradient to the one row holding "
+                "the bag's maximum, found again from the weight at the step; its rule is not "
+                "written, so the layer is refused rather than clipped inexactly. Use "
+                "mode='sum' or mode='mean', or freeze the layer")
     if module.max_norm is not None:
         return ("max_norm renormalises rows in place during the forward; not supported for "
                 "private training (set max_norm=None)")
@@ -198,6 +204,15 @@ def _embedding_problem(module: nn.Embedding) -> str | None:
                 "noise is added to every row (a sparse one would reveal which rows the batch "
                 "used); set sparse=False and use a dense optimizer")
     return None
+
+
+def check_embedding_options(module: nn.Embedding | nn.EmbeddingBag) -> None:
+    """An embedding rule's check at each step (the options are mutable):
+    ValueError naming the class and the option :func:`_embedding_problem`
+    finds."""
+    problem = _embedding_problem(module)
+    if problem is not None:
+        raise ValueError(f"nn.{type(module).__name__}: {problem}")
 
 
 # Embeddings that transformers looks up with an index shared by the batch (a
@@ -225,11 +240,12 @@ def refuse_options(name: str, module: nn.Module, check) -> None:
     the model check before each forward passes the one found when the clipper
     was built (the classes cannot change while the module tree is unchanged),
     not a look-up a layer each forward (issue 36's host time)."""
-    if isinstance(module, nn.Embedding):
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
         problem = _embedding_problem(module)
         if problem is not None:
-            raise ValueError(f"GhostClipper: layer {name!r} (nn.Embedding): {problem}")
-        if name.rpartition(".")[2] in _SHARED_INDEX_TABLES:
+            raise ValueError(
+                f"GhostClipper: layer {name!r} (nn.{type(module).__name__}): {problem}")
+        if isinstance(module, nn.Embedding) and name.rpartition(".")[2] in _SHARED_INDEX_TABLES:
             raise ValueError(
                 f"GhostClipper: layer {name!r} (nn.Embedding) is a relative-position bias "
                 "table (T5, UMT5, LongT5, MPNet): it is looked up with a (T, T) table of "

@@ -119,7 +119,7 @@ def input_batch(args: tuple, kwargs: dict, batch_first: bool):
 def feature_dims(module: nn.Module) -> int | None:
     """How many trailing dimensions of the output are features (never the batch)
     for torch's layers that take any leading shape; None when unknown."""
-    if isinstance(module, (nn.Linear, nn.Embedding)):
+    if isinstance(module, (nn.Linear, nn.Embedding, nn.EmbeddingBag)):
         return 1
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return len(module.normalized_shape)
@@ -280,6 +280,12 @@ def rows_error(name: str, module: nn.Module, shape, dim: int, batch_first: bool,
                 "; Hugging Face's *ForMultipleChoice models fold each sample's choices so "
                 "and are refused")
     hint = "keep each sample's rows in a dimension of their own (a layer takes (B, k, d) as it is)"
+    if isinstance(module, nn.EmbeddingBag):
+        # Flat indices with offsets: the model's first tensor holds every
+        # bag's tokens, not one row a sample.
+        hint = ("an nn.EmbeddingBag has one row per bag: given flat indices with offsets, "
+                "declare each step's number of bags with clipper.declare_batch_size(n) "
+                "(model.clipper under make_private), or pass (B, L) indices")
     if layout == ARGUMENT and batch_first:
         hint += (", or, if the model's inputs and layers are sequence-first (T, B, ...), pass "
                  "batch_first=False")

@@ -21,6 +21,7 @@ from . import tied
 from .compiled import compiled_error, compiling
 from .graphs import refuse_graph_capture
 from .coupling import refuse_whole_batch_loss_kwargs
+from .embedding_bag import bag_arguments
 from .layers import HALF, Call
 from .layout import batch_dim, broadcast_rows, rows_error, to_batch_first
 from .precision import cast_block, upcast
@@ -388,6 +389,16 @@ class LayerRecorder:
             finally:
                 self._restore(tap)
             return None if out is output else out
+        return hook
+
+    def _bag_forward_hook(self, tap: Tap):
+        """:meth:`_forward_hook` of an ``nn.EmbeddingBag`` (``with_kwargs``):
+        the call recorded as its positional (input, offsets,
+        per_sample_weights), whichever were given by keyword."""
+        plain = self._forward_hook(tap)
+
+        def hook(module, args, kwargs, output):
+            return plain(module, bag_arguments(args, kwargs) if kwargs else args, output)
         return hook
 
     def _marker(self, tap: Tap):

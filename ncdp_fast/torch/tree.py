@@ -136,7 +136,7 @@ class ModelSnapshot:
         self.option_checks = {}
         for t in taps:
             check = option_check(t.module)
-            if check is not None or isinstance(t.module, nn.Embedding):
+            if check is not None or isinstance(t.module, (nn.Embedding, nn.EmbeddingBag)):
                 self.option_checks[id(t.module)] = check
         # The layers' forwards as they were, for the check's first pass over
         # all of them at once in C (maps over builtins): each layer's own
