@@ -1202,7 +1202,7 @@ def bag(family):
         ["EmbeddingBag(V, D, mode='mean') -> Linear(D, 4), flat tokens with offsets, "
          "cross-entropy (mean), SGD; noise multiplier 1, max_grad_norm 1, flat clipping "
          "(bench/test_bench_bag.py)",
-         "ncdp: GhostClipper (the step's number of bags declared); opacus_hooks: Opacus "
+         "ncdp: GhostClipper (the step's batch: the number of bags); opacus_hooks: Opacus "
          "make_private(grad_sample_mode='hooks'), its EmbeddingBag grad sampler (timed in "
          "round 1 only; not the same result where a bag repeats a row)",
          "predicted H200 ms: a model, not a measurement: 5 us per aten operator (one launch "

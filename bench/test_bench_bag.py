@@ -10,8 +10,8 @@ tokens with offsets; synthetic, seeded), cross-entropy (mean), plain SGD.
 Methods, interleaved in one process (bench/README.md):
 
 * ``nonprivate``: zero_grad, forward, loss, backward, SGD step.
-* ``ncdp``: :class:`ncdp_fast.torch.GhostClipper` (the step's number of bags
-  declared, as flat indices need), then SGD.
+* ``ncdp``: :class:`ncdp_fast.torch.GhostClipper` (the flat tokens are the
+  model's first input, so the step's batch is the number of bags), then SGD.
 * ``opacus_hooks``: Opacus ``PrivacyEngine.make_private(grad_sample_mode=
   "hooks")``, its EmbeddingBag grad sampler (a dense (B, V, D) per-sample
   gradient, a Python loop over the bags).  It is the speed a user of Opacus
@@ -76,12 +76,10 @@ def build_step(p, method, device="cpu"):
     B = p["B"]
     crit = nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    declare = None
     if method == "ncdp":
         from ncdp_fast.torch import GhostClipper
         clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=SIGMA,
                                expected_batch_size=float(B), seed=None)
-        declare = clipper.declare_batch_size
     elif method == "opacus_hooks":
         from opacus import PrivacyEngine
         # Opacus needs a loader only for its sample rate: one batch of B.
@@ -96,8 +94,6 @@ def build_step(p, method, device="cpu"):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        if declare is not None:
-            declare(B)
         crit(model(text, offsets), y).backward()
         if method == "ncdp":
             clipper.privatize_()

@@ -105,14 +105,12 @@ def _check(model64, batch, dtype, reduction="mean", device=None, by_keyword=Fals
             for t in (idx, offsets, psw)]
 
     def run(m):
-        if bags is not None:
-            # Flat indices: the model's first tensor is not the batch.
-            m_clipper.declare_batch_size(B)
+        # Flat indices: the model's first tensor is the bag's input, and the
+        # step's batch its number of bags (no declaration).
         out = m(*cast, by_keyword=by_keyword)
         return nn.functional.cross_entropy(out, y.to(dev), reduction=reduction)
     clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B,
                            loss_reduction=reduction, seed=0)
-    m_clipper = clipper
     try:
         run(model).backward()
         res = clipper.privatize_()
@@ -230,16 +228,70 @@ def test_embedding_bag_options_without_an_exact_rule_are_refused_by_name(opts, w
         clipper.remove()
 
 
-def test_flat_indices_without_a_declared_batch_are_refused_naming_the_layer():
-    """The model's first tensor (the flat indices) is not the batch: the bag's
-    rows are refused against it, loudly, not clipped as samples."""
-    model = BagNet(mode="sum")
+class CopiedTokens(BagNet):
+    """The bag reads a copy of the model's first tensor: the tokens are not
+    recognised as the bag's own, so the step's batch stays the token count."""
+
+    def forward(self, idx, offsets=None, psw=None, by_keyword=False):
+        return self.head(torch.tanh(self.bag(idx + 0, offsets)))
+
+
+class TokensFirst(BagNet):
+    """A layer records rows of every token before the bag: the tokens were
+    already checked as the samples, so the bags are not taken as the batch."""
+
+    def __init__(self, **bag):
+        super().__init__(**bag)
+        self.tok = nn.Linear(1, 1)
+
+    def forward(self, idx, offsets=None, psw=None, by_keyword=False):
+        w = torch.sigmoid(self.tok(idx.unsqueeze(1).to(self.tok.weight.dtype))).squeeze(1)
+        return self.head(torch.tanh(self.bag(idx, offsets, per_sample_weights=w)))
+
+
+@pytest.mark.parametrize("cls", [CopiedTokens, TokensFirst])
+def test_flat_indices_not_the_models_own_are_refused_unless_declared(cls):
+    """Flat indices give the batch (the number of bags) only as the model's
+    first input tensor itself, read by the first recorded layer; otherwise
+    the bag's rows are refused against the token count, loudly, naming the
+    way out, and a declared batch runs."""
+    model = cls(mode="sum")
     idx, offsets, _, y, _ = _batch("flat", 4, 1)
     clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0,
                            expected_batch_size=4, seed=0)
     try:
-        with pytest.raises(ValueError, match=r"'bag' \(EmbeddingBag\) has 4 rows.*declare"):
+        with pytest.raises(ValueError, match=r"'bag' \(EmbeddingBag\) has 4 rows.*"
+                                             r"first input tensor itself.*declare_batch_size"):
             model(idx, offsets)
+        clipper.clear()
+        if cls is TokensFirst:      # per-token rows before the bag: refused even declared
+            clipper.declare_batch_size(4)
+            with pytest.raises(ValueError, match=r"'tok' \(Linear\) has \d+ rows"):
+                model(idx, offsets)
+            return
+        clipper.declare_batch_size(4)
+        nn.functional.cross_entropy(model(idx, offsets), y).backward()
+        assert clipper.privatize_().num_clipped >= 0
+    finally:
+        clipper.remove()
+
+
+def test_the_batch_is_the_number_of_bags_in_every_forward_of_a_step():
+    """Two forwards of one step on the same flat tokens: the second keeps the
+    bags as the batch; a forward on other tokens in the same step is refused."""
+    torch.manual_seed(1)
+    model = BagNet(mode="mean")
+    idx, offsets, _, y, _ = _batch("flat", 4, 2)
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                           expected_batch_size=4, loss_reduction="sum", seed=0)
+    try:
+        loss = (nn.functional.cross_entropy(model(idx, offsets), y, reduction="sum")
+                + nn.functional.cross_entropy(model(idx, offsets), y, reduction="sum"))
+        loss.backward()
+        assert clipper.privatize_().num_clipped >= 0
+        model(idx, offsets)
+        with pytest.raises(ValueError, match="after one of"):
+            model(idx[:-1], offsets)
     finally:
         clipper.remove()
 
@@ -296,9 +348,9 @@ def _text_batch(rows):
 
 def test_make_private_trains_a_bag_classifier_with_offsets():
     """The drop-in loop a text classifier takes (flat tokens and offsets by
-    the tutorial's collate, each step's number of bags declared on
-    model.clipper): steps run, the bag's weight moves and stays finite, and
-    the accountant counts them."""
+    the tutorial's collate, nothing declared: the bags are the batch): steps
+    run, the bag's weight moves and stays finite, and the accountant counts
+    them."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(1, 6, (32,), generator=g)
@@ -313,9 +365,8 @@ def test_make_private_trains_a_bag_classifier_with_offsets():
     pm, popt, ploader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
                                             noise_multiplier=1.0, max_grad_norm=1.0, seed=2)
     steps = 0
-    for flat, offsets, y in ploader:
+    for flat, offsets, y in ploader:        # the tutorial's loop, unchanged
         popt.zero_grad()
-        pm.clipper.declare_batch_size(len(y))
         nn.functional.cross_entropy(pm(flat, offsets), y).backward()
         popt.step()
         steps += 1

@@ -338,7 +338,6 @@ def _bag_step(require_cuda):
 
     def step():
         model.zero_grad()
-        clipper.declare_batch_size(6)
         F.cross_entropy(model(idx, offsets, psw), y).backward()
         clipper.privatize_()
     return step

@@ -94,18 +94,19 @@ def _first_tensor(obj):
 
 
 def input_batch(args: tuple, kwargs: dict, batch_first: bool):
-    """(batch size, shape of the tensor it was read from) of a model call: dim 0
-    (dim 1 when not batch_first) of the first tensor among the positional
-    arguments, then the keyword ones (``input_ids=`` of HF-style models).
-    (None, None) when the call has no tensor; raises when that tensor has no
+    """(batch size, shape of the tensor it was read from, that tensor) of a
+    model call: dim 0 (dim 1 when not batch_first) of the first tensor among
+    the positional arguments, then the keyword ones (``input_ids=`` of
+    HF-style models).
+    (None, None, None) when the call has no tensor; raises when that tensor has no
     such dimension."""
     t = _first_tensor((args, kwargs))
     if t is None:
-        return None, None
+        return None, None, None
     if isinstance(t, PackedSequence):
         # Its data has one row per token; the samples are the sequences, as
         # many as the first step's batch (batch_first does not apply).
-        return int(t.batch_sizes[0]), tuple(t.data.shape)
+        return int(t.batch_sizes[0]), tuple(t.data.shape), t
     dim = 0 if batch_first else 1
     if t.dim() <= dim:
         raise ValueError(
@@ -113,7 +114,7 @@ def input_batch(args: tuple, kwargs: dict, batch_first: bool):
             f"its batch at dimension {dim} (batch_first={batch_first}); pass the batch "
             "first among the model's tensor arguments, or declare each step's batch size "
             "with clipper.declare_batch_size(n)")
-    return int(t.shape[dim]), tuple(t.shape)
+    return int(t.shape[dim]), tuple(t.shape), t
 
 
 def feature_dims(module: nn.Module) -> int | None:
@@ -189,20 +190,37 @@ class StepBatch:
     def clear(self) -> None:
         self.size = self.shape = self.declared = None
         self.model_ran = False
+        # The model's first input tensor and the size read from it; ``bags``:
+        # the layer whose number of bags is the step's batch instead.
+        self.first = self.read = self.bags = None
 
     def pre_hook(self, module, args, kwargs):
         """The model's forward pre-hook (``with_kwargs=True``)."""
         if not torch.is_grad_enabled() or self.declared is not None:
             return
-        b, shape = input_batch(args, kwargs, self.batch_first)
-        if self.model_ran and b != self.size:
+        b, shape, first = input_batch(args, kwargs, self.batch_first)
+        if self.model_ran and b != self.read:
             raise ValueError(
                 f"GhostClipper: the model ran forward on a batch of {b} samples (input shape "
-                f"{shape}) after one of {self.size} (input shape {self.shape}) in the same "
+                f"{shape}) after one of {self.read} (input shape {self.shape}) in the same "
                 "step; every forward of a step must see the same samples (call privatize_() "
                 "or clear() between batches)")
         self.model_ran = True
-        self.size, self.shape = b, shape
+        if self.bags is None:
+            self.size = b
+        self.read, self.shape, self.first = b, shape, first
+
+    def from_bags(self, name: str, x, bags: int, first_layer: bool) -> None:
+        """An ``nn.EmbeddingBag`` called with flat indices and offsets: where
+        those indices are the model's first input tensor itself (the text
+        classification tutorial's ``model(text, offsets)``), its dimension 0
+        counts every bag's tokens, and the step's batch is the layer's number
+        of bags -- taken so only when the layer is the first recorded in the
+        step (no layer's rows were checked against the tokens), batch-first,
+        with no size declared.  Anything else is left to the rows check."""
+        if (self.bags is None and self.declared is None and first_layer and self.batch_first
+                and x is self.first and x.dim() == 1):
+            self.size, self.bags = bags, name
 
     def of_step(self, taps) -> int:
         """The step's samples, from the layers the backward reached (each checked
@@ -252,19 +270,22 @@ class StepBatch:
                 ", so its rows cannot be checked against the samples. Call the model itself "
                 "on the batch, or declare the step's batch with clipper.declare_batch_size(n) "
                 "before backward (then clear() to discard this step)")
-        return self.size, _FirstInput(self.shape, self.batch_first)
+        return self.size, _FirstInput(self.shape, self.batch_first, self.bags)
 
 
 class _FirstInput:
     """Where a measured batch size comes from, formatted only if an error
     names it (every layer asks at every step: formatting a torch.Size each
     time cost host time, issue 36)."""
-    __slots__ = ("shape", "batch_first")
+    __slots__ = ("shape", "batch_first", "bags")
 
-    def __init__(self, shape, batch_first):
-        self.shape, self.batch_first = shape, batch_first
+    def __init__(self, shape, batch_first, bags=None):
+        self.shape, self.batch_first, self.bags = shape, batch_first, bags
 
     def __str__(self):
+        if self.bags is not None:
+            return (f"the number of bags of layer {self.bags!r}, whose flat indices are the "
+                    f"model's first input tensor, shape {self.shape}")
         dim = 0 if self.batch_first else 1
         return (f"dimension {dim} of the model's first input tensor, shape {self.shape}, "
                 f"batch_first={self.batch_first}")
@@ -283,8 +304,10 @@ def rows_error(name: str, module: nn.Module, shape, dim: int, batch_first: bool,
     if isinstance(module, nn.EmbeddingBag):
         # Flat indices with offsets: the model's first tensor holds every
         # bag's tokens, not one row a sample.
-        hint = ("an nn.EmbeddingBag has one row per bag: given flat indices with offsets, "
-                "declare each step's number of bags with clipper.declare_batch_size(n) "
+        hint = ("an nn.EmbeddingBag has one row per bag: its flat indices give the step's "
+                "batch (the number of bags) only where they are the model's first input "
+                "tensor itself and the bag is the first layer recorded; otherwise declare "
+                "each step's number of bags with clipper.declare_batch_size(n) "
                 "(model.clipper under make_private), or pass (B, L) indices")
     if layout == ARGUMENT and batch_first:
         hint += (", or, if the model's inputs and layers are sequence-first (T, B, ...), pass "

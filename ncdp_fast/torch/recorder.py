@@ -224,6 +224,10 @@ class LayerRecorder:
                 f"GhostClipper: layer {tap.name!r} runs forward again after a backward pass "
                 "reached it; call privatize_() (optimizer.step()) before the next forward "
                 "(batches are not accumulated: each step is one batch), or clear() to discard")
+        if isinstance(tap.module, nn.EmbeddingBag):
+            # model(text, offsets): the samples are the bags (layout.StepBatch).
+            self._batch.from_bags(tap.name, inputs[0], output.shape[0],
+                                  not any(t.records for t in self.taps))
         dim = batch_dim(tap.module, tap.batch_first, output)
         # The layout first: where the graph shows the samples, it names the cause.
         self._check_layout(tap, inputs, output, dim)
