@@ -134,6 +134,10 @@ CASES = {
                               dict(last=True, empty=True)),
     "sum flat weights padding last": (dict(mode="sum", padding_idx=0, include_last_offset=True),
                                       "flat", dict(psw=True, last=True)),
+    "max 2d": (dict(mode="max"), "2d", {}),
+    "max flat empty bag padding": (dict(mode="max", padding_idx=1), "flat", dict(empty=True)),
+    "max flat last offset": (dict(mode="max", include_last_offset=True), "flat",
+                             dict(last=True)),
 }
 
 
@@ -147,7 +151,7 @@ def test_embedding_bag_equals_per_sample_clipping(case, dtype):
 
 
 @pytest.mark.parametrize("form", ["2d", "flat"])
-@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 def test_embedding_bag_called_twice_and_by_keyword(form, mode):
     """Two calls a forward (K = 2: the Gram of the calls' output gradients,
     terms that may cancel), offsets and weights given by keyword, sum loss."""
@@ -207,7 +211,6 @@ def test_embedding_bag_empty_and_one_sample_batches(B):
 
 
 @pytest.mark.parametrize("opts, what", [
-    (dict(mode="max"), "mode='max'"),
     (dict(max_norm=1.0), "max_norm"),
     (dict(scale_grad_by_freq=True), "scale_grad_by_freq"),
     (dict(sparse=True), "sparse=True"),
@@ -248,6 +251,24 @@ class TokensFirst(BagNet):
     def forward(self, idx, offsets=None, psw=None, by_keyword=False):
         w = torch.sigmoid(self.tok(idx.unsqueeze(1).to(self.tok.weight.dtype))).squeeze(1)
         return self.head(torch.tanh(self.bag(idx, offsets, per_sample_weights=w)))
+
+
+@pytest.mark.parametrize("before, after", [("sum", "max"), ("max", "mean")])
+def test_a_mode_changed_between_forward_and_backward_is_refused(before, after):
+    """The forward's op ran in one mode; the rule would read another: refused
+    at the step's backward, nothing written."""
+    model = BagNet(mode=before)
+    idx, offsets, _, y, _ = _batch("flat", 4, 3)
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0,
+                           expected_batch_size=4, seed=0)
+    try:
+        out = model(idx, offsets)
+        model.bag.mode = after
+        with pytest.raises(ValueError, match=f"mode='{after}' now.*another mode"):
+            nn.functional.cross_entropy(out, y).backward()
+        assert model.bag.weight.grad is None
+    finally:
+        clipper.remove()
 
 
 @pytest.mark.parametrize("cls", [CopiedTokens, TokensFirst])
@@ -324,7 +345,8 @@ def test_every_clipped_contribution_is_at_most_C():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["sum 2d weights", "mean flat padding", "twice"])
+@pytest.mark.parametrize("case", ["sum 2d weights", "mean flat padding",
+                                  "max flat empty bag padding", "twice"])
 def test_embedding_bag_on_the_device(require_cuda, case):
     """The device route (scale_rows on the device, no unique): the same
     oracle on a GPU, or the emulated device in CI."""

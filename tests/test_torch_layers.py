@@ -740,8 +740,8 @@ def test_noise_is_the_documented_stream_slices_and_never_repeats(clipping):
 
 # ------------------------------------------------------------- properties
 
-KINDS = ("linear_seq", "conv", "conv_groups", "embedding", "embedding_bag", "layernorm",
-         "groupnorm", "mha")
+KINDS = ("linear_seq", "conv", "conv_groups", "embedding", "embedding_bag", "bag_max",
+         "layernorm", "groupnorm", "mha")
 
 
 class Branches(nn.Module):
@@ -754,6 +754,7 @@ class Branches(nn.Module):
                 "conv_groups": nn.Conv2d(2, 4, 2, groups=2, stride=2),
                 "embedding": nn.Embedding(5, 4), "layernorm": nn.LayerNorm(4),
                 "embedding_bag": nn.EmbeddingBag(5, 4, mode="sum"),
+                "bag_max": nn.EmbeddingBag(5, 4, mode="max"),
                 "groupnorm": nn.GroupNorm(1, 2), "mha": nn.MultiheadAttention(4, 2,
                                                                                batch_first=True)}
         self.layers = nn.ModuleDict({k: mods[k] for k in self.kinds})
@@ -765,7 +766,7 @@ class Branches(nn.Module):
                 outs.append(m(seq))
             elif k in ("conv", "conv_groups", "groupnorm"):
                 outs.append(m(img))
-            elif k == "embedding":
+            elif k in ("embedding", "bag_max"):
                 outs.append(m(idx))
             elif k == "embedding_bag":      # weights of both signs, by keyword
                 w = torch.linspace(-1.0, 2.0, idx.shape[1], dtype=seq.dtype)

@@ -55,7 +55,7 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
 
     Layers: ``nn.Linear`` (inputs of any leading shape), ``nn.Conv1d/2d/3d``
     (groups, stride, padding, dilation, padding modes), ``nn.Embedding``,
-    ``nn.EmbeddingBag`` (sum and mean bags), ``nn.LayerNorm``, ``nn.RMSNorm``,
+    ``nn.EmbeddingBag`` (sum, mean, max), ``nn.LayerNorm``, ``nn.RMSNorm``,
     ``nn.GroupNorm``, affine instance norms,
     ``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer`` works
     unmodified), the layers of Hugging Face models (:mod:`.hf_layers`: GPT-2,

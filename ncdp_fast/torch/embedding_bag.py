@@ -1,8 +1,8 @@
-"""The book-keeping rule of ``nn.EmbeddingBag`` in ``mode='sum'`` or ``'mean'``
-(with ``per_sample_weights``, ``padding_idx``, 2-D indices or flat indices with
-``offsets``, ``include_last_offset``), registered when this module is imported
-(``ncdp_fast.torch`` imports it).  ``mode='max'`` and the options that couple
-the samples are refused by name (``layers._embedding_problem``).
+"""The book-keeping rule of ``nn.EmbeddingBag`` (``mode`` ``'sum'``, ``'mean'``
+or ``'max'``; ``per_sample_weights``, ``padding_idx``, 2-D indices or flat
+indices with ``offsets``, ``include_last_offset``), registered when this module
+is imported (``ncdp_fast.torch`` imports it).  The options that couple the
+samples are refused by name (``layers._embedding_problem``).
 
 Each bag is a sample: its output row is ``y_b = sum_{j in b} w_j W[idx_j]``
 (``w_j`` = 1, the per-sample weight, or 1/(the bag's non-padding count); 0 for
@@ -21,6 +21,13 @@ row ``fl(f_b sum_k c_kbv g_kb)`` (formed in float64, rounded once) per
 distinct (bag, row), so a sample's contribution to each weight entry is one
 rounding of the value its squared norm was formed from.
 
+``mode='max'``: feature d of bag b is ``W[m_bd, d]``, m_bd the row holding the
+bag's maximum, so the gradient is ``g_bd`` at (m_bd, d) (nothing for a bag
+with no entry but padding) and ``||grad_b||^2 = sum_d g_bd^2`` (K calls:
+``sum_{k,k'} sum_d g_kbd g_k'bd [m_kbd = m_k'bd]``).  The rows m are the
+forward's own op's choice, taken at the forward (``bag_call``: the same kernel
+on the same weight, before any update could change the maxima).
+
 Opacus 1.6's grad sampler covers flat indices with offsets only, and writes
 ``g_b`` (or ``g_b / n``) once into a row a bag uses twice; here a repeated
 row counts as often as the bag uses it (the tests compare with per-sample
@@ -35,21 +42,37 @@ from .._clip import GhostBlock
 from .layer_rules import scaled_rows
 from .layers import accumulation_dtype, check_embedding_options, register_layer
 
-__all__ = ["embedding_bag_rule", "bag_arguments"]
+__all__ = ["embedding_bag_rule", "bag_call"]
 
 _ARGUMENTS = ("input", "offsets", "per_sample_weights")
+_MAX = 2        # torch.embedding_bag's code of mode='max'
 
 
-def bag_arguments(args: tuple, kwargs: dict) -> tuple:
-    """(input, offsets, per_sample_weights) of one ``EmbeddingBag.forward``
-    call, None where not given: a script may pass the last two by keyword,
-    which a forward hook sees only with ``with_kwargs`` (an unknown keyword
-    is left to the forward, which raises on it)."""
+def bag_call(module: nn.EmbeddingBag, args: tuple, kwargs: dict) -> tuple:
+    """What the rule reads of one ``EmbeddingBag.forward`` call: (input,
+    offsets, per_sample_weights), None where not given (a script may pass the
+    last two by keyword, which a forward hook sees only with ``with_kwargs``;
+    an unknown keyword is left to the forward, which raises on it), and in
+    ``mode='max'`` also (B, D) int64 the row of each bag's maximum of each
+    feature and (B,) int64 the bag's non-padding count, from the forward's own
+    op on the same weight (a bag with none gets no gradient)."""
     out = list(args[:3]) + [None] * (3 - len(args[:3]))
     for k, v in kwargs.items():
         if k in _ARGUMENTS:
             out[_ARGUMENTS.index(k)] = v
-    return tuple(out)
+    if module.mode != "max":
+        return tuple(out)
+    idx, offsets, _ = out
+    if idx.dim() == 2:          # as F.embedding_bag: rows of L, no last offset
+        L = idx.shape[1]
+        offsets = torch.arange(idx.shape[0], device=idx.device, dtype=idx.dtype) * L
+        idx, last = idx.reshape(-1), False
+    else:
+        last = module.include_last_offset
+    with torch.no_grad():
+        _, _, size, rows = torch.embedding_bag(module.weight, idx, offsets, False, _MAX, False,
+                                               None, last, module.padding_idx)
+    return (*out, rows, size)
 
 
 def _entries(module: nn.EmbeddingBag, inputs: tuple, B: int):
@@ -93,10 +116,10 @@ def _entries(module: nn.EmbeddingBag, inputs: tuple, B: int):
 
 @register_layer(nn.EmbeddingBag)
 def embedding_bag_rule(module: nn.EmbeddingBag, calls, trainable):
-    """``mode='sum'``/``'mean'`` bags, one a sample (module docstring): norms
-    from the (K, K) Grams of the output gradients and of each (bag, row)'s
-    coefficients, float64; clipped sum one index_add of one row per distinct
-    (bag, row)."""
+    """Bags, one a sample (module docstring): in ``mode='sum'``/``'mean'``
+    norms from the (K, K) Grams of the output gradients and of each (bag,
+    row)'s coefficients, float64, clipped sum one index_add of one row per
+    distinct (bag, row); in ``mode='max'`` :func:`_max_block`."""
     if "weight" not in trainable:
         return []
     check_embedding_options(module)
@@ -104,6 +127,12 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls, trainable):
     dtype = accumulation_dtype(module.weight.dtype)
     B, K = calls[0].grad.shape[0], len(calls)
     dev = calls[0].grad.device
+    if any((len(c.inputs) == 5) != (module.mode == "max") for c in calls):
+        # The forward's own op ran in another mode than the rule would read.
+        raise ValueError(f"nn.EmbeddingBag: mode={module.mode!r} now, but the layer ran "
+                         "forward in another mode in this step; change the mode between steps")
+    if module.mode == "max":
+        return [(("weight",), _max_block(calls, B, K, V, D, dtype))]
     keys, weights, which = [], [], []
     for k, c in enumerate(calls):
         bag, row, w = _entries(module, c.inputs, B)
@@ -158,3 +187,35 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls, trainable):
     return [(("weight",), GhostBlock(sq, clipped_sum, (V, D), terms, dtype=dtype,
                                      spread=spread, seq_len=K, reads=reads,
                                      unmasked_sum=lambda f: clipped_sum(f, masked=False)))]
+
+
+def _max_block(calls, B: int, K: int, V: int, D: int, dtype) -> GhostBlock:
+    """``mode='max'``: each call's gradient row g_kb lands feature by feature
+    at the rows of the bag's maxima (``bag_call``); squared norms in float64
+    (K > 1: features of two calls landing in one weight entry add first),
+    clipped sum one index_add of fl(f_b g_kbd) into the flattened weight."""
+    rows = torch.stack([c.inputs[3].to(torch.int64) for c in calls], 1)          # (B, K, D)
+    empty = torch.stack([c.inputs[4] == 0 for c in calls], 1).unsqueeze(2)       # (B, K, 1)
+    gs = torch.stack([c.grad.reshape(B, D) for c in calls], 1)                  # (B, K, D)
+    g64 = gs.to(torch.float64).masked_fill(empty, 0.0)
+    if K == 1:
+        sq = g64.square().sum((1, 2))
+        spread = None
+    else:
+        same = rows.unsqueeze(2) == rows.unsqueeze(1)                            # (B, K, K, D)
+        sq = (g64.unsqueeze(2) * g64.unsqueeze(1) * same).sum((1, 2, 3))
+        # Terms that may cancel, and up to K adds into one entry in the data
+        # dtype: the spread E = sum_k ||g_k|| bounds both.
+        spread = torch.linalg.vector_norm(g64, dim=2).sum(1)
+    cells = (rows * D + torch.arange(D, device=rows.device)).reshape(-1)       # into (V*D,)
+
+    def clipped_sum(factors, masked=True):
+        vals = scaled_rows(gs, factors, dtype, masked)                          # (B, K, D)
+        # A bag with no entry but padding adds nothing, dropped rows or not
+        # (its maxima's rows are 0, not rows it used).
+        vals.masked_fill_(empty, 0.0)
+        out = torch.zeros(V * D, dtype=dtype, device=gs.device)
+        return out.index_add_(0, cells, vals.reshape(-1)).reshape(V, D)
+    reads = tuple(x for c in calls for x in c.inputs[:3] if isinstance(x, torch.Tensor))
+    return GhostBlock(sq, clipped_sum, (V, D), D * K * K + 2, dtype=dtype, spread=spread,
+                      seq_len=K, reads=reads, unmasked_sum=lambda f: clipped_sum(f, masked=False))

@@ -187,11 +187,6 @@ def _twin_rule(t: type) -> Rule | None:
 def _embedding_problem(module: nn.Embedding | nn.EmbeddingBag) -> str | None:
     """Why an embedding's (or an embedding bag's) options leave no exact
     per-sample gradient, or None."""
-    if getattr(module, "mode", "sum") not in ("sum", "mean"):
-        return (f"mode={module.mode!r} sends each feature's gradient to the one row holding "
-                "the bag's maximum, found again from the weight at the step; its rule is not "
-                "written, so the layer is refused rather than clipped inexactly. Use "
-                "mode='sum' or mode='mean', or freeze the layer")
     if module.max_norm is not None:
         return ("max_norm renormalises rows in place during the forward; not supported for "
                 "private training (set max_norm=None)")

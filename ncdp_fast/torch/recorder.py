@@ -21,7 +21,7 @@ from . import tied
 from .compiled import compiled_error, compiling
 from .graphs import refuse_graph_capture
 from .coupling import refuse_whole_batch_loss_kwargs
-from .embedding_bag import bag_arguments
+from .embedding_bag import bag_call
 from .layers import HALF, Call
 from .layout import batch_dim, broadcast_rows, rows_error, to_batch_first
 from .precision import cast_block, upcast
@@ -397,12 +397,14 @@ class LayerRecorder:
 
     def _bag_forward_hook(self, tap: Tap):
         """:meth:`_forward_hook` of an ``nn.EmbeddingBag`` (``with_kwargs``):
-        the call recorded as its positional (input, offsets,
-        per_sample_weights), whichever were given by keyword."""
+        the call recorded as ``embedding_bag.bag_call`` gives it (offsets and
+        weights given by keyword; in ``mode='max'`` the rows of the maxima)."""
         plain = self._forward_hook(tap)
 
         def hook(module, args, kwargs, output):
-            return plain(module, bag_arguments(args, kwargs) if kwargs else args, output)
+            if (kwargs or module.mode == "max") and tap.recording and output is not None:
+                args = bag_call(module, args, kwargs)
+            return plain(module, args, output)
         return hook
 
     def _marker(self, tap: Tap):
