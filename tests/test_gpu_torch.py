@@ -95,8 +95,23 @@ class _Normalised(nn.Module):
         return self.head(h.flatten(1))
 
 
+class _Bags(nn.Module):
+    """Each sample's tokens in a sum bag (padding row 0) and in a max bag:
+    both bag rules in one step."""
+
+    def __init__(self, vocab=11, dim=6):
+        super().__init__()
+        self.sum = nn.EmbeddingBag(vocab, dim, mode="sum", padding_idx=0)
+        self.max = nn.EmbeddingBag(vocab, dim, mode="max")
+        self.head = nn.Linear(2 * dim, 3)
+
+    def forward(self, idx):
+        return self.head(torch.tanh(torch.cat([self.sum(idx), self.max(idx)], 1)))
+
+
 SCENARIOS = {
     # name: (model, data, make_private keyword arguments, physical batch of BatchMemoryManager)
+    "embedding_bags": (_Bags, dict(vocab=11, T=4), {}, None),
     "flat": (_mlp, {}, {}, None),
     "per_layer": (_mlp, {}, dict(clipping="per_layer", max_grad_norm=[0.5, 0.2, 0.3, 0.1,
                                                                       0.4, 0.2]), None),
