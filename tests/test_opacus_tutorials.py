@@ -11,6 +11,9 @@ Shapes of the tutorials, shrunk to a few steps on synthetic data:
   both libraries train unmodified is Embedding -> mean over tokens -> MLP
   (an LSTM is refused here, and Opacus needs DPMultiheadAttention for attention).
 * MLP with its first layer frozen, make_private(noise_multiplier=...).
+* bag classifier: PyTorch's text-classification tutorial (nn.EmbeddingBag over
+  flat tokens with offsets, its collate_batch and loop, clip_grad_norm_
+  included), made private with make_private.
 
 The two accountants ("prv" both; ncdp_fast's is dp-accounting's PLD) must give
 the same epsilon within 1%, and make_private_with_epsilon the same sigma within
@@ -141,7 +144,64 @@ def mlp_frozen_tutorial(lib):
     return optimizer.noise_multiplier, privacy_engine.get_epsilon(DELTA), losses
 
 
-TUTORIALS = {"cnn": cnn_tutorial, "text": text_tutorial, "mlp_frozen": mlp_frozen_tutorial}
+def bag_tutorial(lib):
+    """PyTorch's text-classification tutorial (EmbeddingBag over flat tokens
+    with offsets, its collate_batch, its loop with clip_grad_norm_) made
+    private the Opacus way."""
+    PrivacyEngine = lib.PrivacyEngine
+
+    class TextClassificationModel(nn.Module):
+        def __init__(self, vocab_size=50, embed_dim=16, num_class=4):
+            super().__init__()
+            self.embedding = nn.EmbeddingBag(vocab_size, embed_dim, sparse=False)
+            self.fc = nn.Linear(embed_dim, num_class)
+            initrange = 0.5
+            self.embedding.weight.data.uniform_(-initrange, initrange)
+            self.fc.weight.data.uniform_(-initrange, initrange)
+            self.fc.bias.data.zero_()
+
+        def forward(self, text, offsets):
+            embedded = self.embedding(text, offsets)
+            return self.fc(embedded)
+
+    def collate_batch(batch):
+        label_list, text_list, offsets = [], [], [0]
+        for _label, _text in batch:
+            label_list.append(_label)
+            processed_text = torch.tensor(_text, dtype=torch.int64)
+            text_list.append(processed_text)
+            offsets.append(processed_text.size(0))
+        label_list = torch.tensor(label_list, dtype=torch.int64)
+        offsets = torch.tensor(offsets[:-1]).cumsum(dim=0)
+        text_list = torch.cat(text_list)
+        return label_list, text_list, offsets
+
+    lengths = torch.randint(3, 11, (80,)).tolist()
+    dataset = [(int(t[0]) % 4, t.tolist()) for t in (torch.randint(0, 50, (n,)) for n in lengths)]
+    train_loader = DataLoader(dataset, batch_size=16, collate_fn=collate_batch)
+    model = TextClassificationModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    privacy_engine = PrivacyEngine()
+    model, optimizer, train_loader = privacy_engine.make_private(
+        module=model, optimizer=optimizer, data_loader=train_loader,
+        noise_multiplier=1.0, max_grad_norm=1.0)
+    criterion = nn.CrossEntropyLoss()
+    losses = []
+    for _ in range(2):
+        model.train()
+        for label, text, offsets in train_loader:
+            optimizer.zero_grad()
+            predicted_label = model(text, offsets)
+            loss = criterion(predicted_label, label)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            optimizer.step()
+            losses.append(loss.item())
+    return optimizer.noise_multiplier, privacy_engine.get_epsilon(DELTA), losses
+
+
+TUTORIALS = {"cnn": cnn_tutorial, "text": text_tutorial, "mlp_frozen": mlp_frozen_tutorial,
+             "bag": bag_tutorial}
 
 
 @functools.lru_cache(maxsize=None)
