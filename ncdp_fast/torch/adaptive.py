@@ -72,11 +72,15 @@ class AdaptiveClip:
         rest = z ** -2 - (2 * self.unclipped_num_std) ** -2
         return 1.0 / math.sqrt(rest)
 
-    def centered_count(self, norms, bound: float) -> float:
-        """sum_i (1[norm_i <= bound] - 1/2) over a batch's (B,) per-sample norms
-        (a non-finite norm counts as clipped)."""
-        norms = np.asarray(norms.cpu() if hasattr(norms, "cpu") else norms, dtype=np.float64)
-        return float(np.count_nonzero(norms <= bound)) - 0.5 * norms.size
+    def centered_count(self, result) -> float:
+        """sum_i (1[norm_i <= bound] - 1/2) over a batch's per-sample norms, from
+        a clip op's ``result`` at that bound: B less its counts of clipped rows
+        (norm > bound) and of dropped ones (a non-finite norm counts as
+        clipped), which the op formed on the host from its one transfer.
+        Reading the (B,) norms again would make the host wait for a device
+        twice more a step (issue 36)."""
+        B = result.norms.shape[0]
+        return float(B - result.num_clipped - result.num_nonfinite) - 0.5 * B
 
     def next_bound(self, centered: float, bound: float, expected_batch_size: float,
                    stream) -> float:

@@ -97,7 +97,7 @@ class PrivateStep:
             only = self._clip_only(blocks, scale, release=True)
             grads = only.grads
             if self.adaptive is not None:
-                self._centered += self.adaptive.centered_count(only.norms, self.max_grad_norm)
+                self._centered += self.adaptive.centered_count(only)
         else:
             results, entries = self._per_layer(entries, blocks, scale, noise=False)
             grads = [r.grads[0] for r in results]
@@ -154,7 +154,7 @@ class PrivateStep:
             # host and can fail (a device error), and a gradient written by a
             # step that then raises would be released with the accountant (called
             # after this returns) never told.
-            centered += self.adaptive.centered_count(result.norms, self.max_grad_norm)
+            centered += self.adaptive.centered_count(result)
             bound = self.adaptive.next_bound(
                 centered, self.max_grad_norm, self.expected_batch_size, self._stream)
         wrote = self._released.wrote
