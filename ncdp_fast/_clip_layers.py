@@ -16,7 +16,7 @@ import numpy as np
 from . import _arrays, _backend, _balance, _stream
 from ._clip_checks import _check_common, _check_noise_range
 from ._clip_results import (GhostBlock, LayersClipResult, LinearClipResult, _accounting,
-                            step_buffer)
+                            step_buffer, write_checks)
 from ._validate import check_choice, check_positive
 
 __all__ = ["clip_and_noise_linear", "clip_and_noise_layers"]
@@ -306,9 +306,57 @@ def _ghost_dtype(specs) -> np.dtype:
     return dt
 
 
-def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, reduction,
-                 expected_batch_size, nan_policy, grad_scale=1.0, release=False, checks=(),
-                 gram_precision="float64"):
+def _clip_layers(*args, **kwargs):
+    """:func:`_clip_layers_phases` run through (its buffer read by the op)."""
+    return PhasedClip(_clip_layers_phases(*args, **kwargs)).finish()
+
+
+class PhasedClip:
+    """A joint clip stopped at its one transfer: ``buf``, the (n,) float64
+    device (or host) array the transfer reads (factors, norms, check values,
+    operand sizes), ``io`` its array library, and :meth:`finish` the rest of
+    the op -- so that several ops (one a parameter, per-layer clipping) read
+    their buffers in one transfer (issue 36)."""
+
+    def __init__(self, phases, wrap=None):
+        self.io, self.buf, self._B, self._checks = next(phases)
+        self._phases, self._wrap, self._judged = phases, wrap, False
+
+    def ready(self):
+        """``buf`` complete for a read by the caller: the check values written."""
+        write_checks(self.buf, self._B, self._checks)
+        return self.buf
+
+    def judge(self, host=None) -> None:
+        """The op's counts judged from ``host``, the host copy of :meth:`ready`'s
+        ``buf`` (None: the op reads it): raises what the op raises at its
+        transfer (a non-finite row under nan_policy='raise', a failed check),
+        before it takes any noise range."""
+        self._judged = True
+        self._phases.send(host)
+
+    def finish(self, host=None):
+        """The op's ``(grads, acc)`` (or ``wrap`` of them): :meth:`judge` first
+        unless done (``host`` as there), then the noise range and the sums."""
+        if not self._judged:
+            self.judge(host)
+        phases, self._phases = self._phases, None
+        try:
+            next(phases)
+        except StopIteration as done:
+            return done.value if self._wrap is None else self._wrap(*done.value)
+        raise RuntimeError("PhasedClip.finish: the op did not end after its sums")
+
+
+def _clip_layers_phases(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
+                        reduction, expected_batch_size, nan_policy, grad_scale=1.0,
+                        release=False, checks=(), gram_precision="float64"):
+    """The joint clip as a generator: yields ``(io, buf, B, checks)`` once the
+    factors, norms and operand sizes are in ``buf``; sent ``buf``'s host copy
+    (its checks written, ``PhasedClip.ready``) or None (then read here), it
+    judges the counts (raising where the step is refused) and yields again;
+    resumed, it claims the noise range and forms the sums, returning
+    ``(grads, acc)``."""
     max_norm, noise_std, inv_denom = _check_common(
         max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy)
     be = _backend.select("clip", **arrays)
@@ -419,8 +467,9 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
         # dropping it frees its (B, T, d) and (B, T, K) arrays (drop_rows below
         # copies them, at their shapes).
         order = sorted(order, key=lambda i: layers[i].draws - layers[i].held())
+    host = yield be.io, buf, B, checks
     acc, host = _accounting(be, buf, B, max_norm, "zero" if gram32 else nan_policy, None, None,
-                            draws, by_factors=True, checks=checks)
+                            draws, by_factors=True, checks=checks, host=host)
     if gram32 and acc["num_nonfinite"]:
         # A float32 Gram overflows (|a_t|^2 past 3.4e38) where the float64 one
         # does not: a dropped row is judged, and dropped, on the float64 norms
@@ -442,6 +491,8 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset, 
             balance[i] = bool(flag)
         # The step's repeated weights, shared by its layers' GEMV biases.
         bias_gemv = {} if _balance.weights_in_range(host_weights) else None
+    # Judged: ops read together (PhasedClip) are all judged before any claims.
+    yield
     # Claimed once nothing can refuse any more: a refused step takes no range.
     seed, offset = _stream.claim(seed, offset, draws)
     acc.update(seed=seed, offset=offset)
@@ -566,7 +617,7 @@ def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier,
 def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=None, offset=None,
                           reduction="sum", expected_batch_size=None, nan_policy="raise",
                           grad_scale=1.0, release_blocks=False, gram_precision="float64",
-                          _checks=()) -> LayersClipResult:
+                          _checks=(), _phased=False) -> LayersClipResult:
     """Clip several parameter blocks jointly: one factor per sample from the total norm.
 
     Each element of ``layers`` is a dense per-sample gradient (B, ...)
@@ -632,8 +683,11 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
     if type(grad_scale) is not float or not 0.0 < grad_scale < math.inf:
         grad_scale = check_positive(grad_scale, "grad_scale")   # finite, > 0
     check_choice(gram_precision, "gram_precision", ("float64", "float32"))
-    grads, acc = _clip_layers(layers, arrays, max_norm, noise_multiplier, seed, offset, reduction,
-                              expected_batch_size, nan_policy, grad_scale,
-                              release=bool(release_blocks), checks=_checks,
-                              gram_precision=gram_precision)
-    return LayersClipResult(grads=grads, **acc)
+    phases = _clip_layers_phases(layers, arrays, max_norm, noise_multiplier, seed, offset,
+                                 reduction, expected_batch_size, nan_policy, grad_scale,
+                                 release=bool(release_blocks), checks=_checks,
+                                 gram_precision=gram_precision)
+    op = PhasedClip(phases, lambda grads, acc: LayersClipResult(grads=grads, **acc))
+    # _phased (internal, GhostClipper's per-layer step): the op stopped at its
+    # transfer, for the caller to read several ops' buffers at once.
+    return op if _phased else op.finish()

@@ -284,15 +284,14 @@ def test_ghost_clipper_per_layer_on_the_device_equals_the_cpu_path(require_cuda)
 # the training scenarios' steps joined the list then.  Adaptive clipping read
 # the (B,) norms again for its count (two more waits: .cpu() and the array);
 # it now forms the count from the op's own host counts.  Per-layer clipping
-# runs one clip op a parameter, each with its own transfer: 6 for the MLP's
-# six parameters (a known cost, issue 36: one transfer for all would need the
-# op split into a phase forming every parameter's factors and one forming the
-# sums).
+# runs one clip op a parameter, and each read its own buffer (6 waits on the
+# MLP, one per parameter); the ops now stop at their transfer and one read
+# serves all (_clip_layers.PhasedClip, per_layer._read_together).
 ONE = {("copy to the host", "_clip_results.py", "_accounting"): 1}
 STEP_SYNCS = {
     "mlp": ONE, "transformer": ONE, "embedding bag": ONE, "adaptive": ONE,
     "tied_weights": ONE, "dplstm": ONE, "norm_layers": ONE, "embedding_bags": ONE,
-    "per_layer": {("copy to the host", "_clip_results.py", "_accounting"): 6},
+    "per_layer": {("copy to the host", "torch/per_layer.py", "_read_together"): 1},
 }
 # Hugging Face models through PrivacyEngine (3 embeddings in BERT, GPT-2's head
 # tied to its token embedding).  On the emulated device one more: GPT-2's own
@@ -449,9 +448,10 @@ def test_a_device_loss_check_refuses_within_the_clip_ops_one_read(require_cuda, 
                            noise_multiplier=1.0, expected_batch_size=6, loss_reduction="mean",
                            clipping="per_layer" if mode == "per_layer" else "flat")
     step = clipper.accumulate_ if mode == "accumulate" else clipper.privatize_
-    # One transfer per clip op: the flat step and accumulate_ have one, the
-    # per-layer step one per parameter (the refused one stops at its first).
-    ops = 3 if mode == "per_layer" else 1
+    # One transfer a step: the flat step's and accumulate_'s clip op's; the
+    # per-layer step's ops (one a parameter) read theirs together.
+    site = (("copy to the host", "torch/per_layer.py", "_read_together") if mode == "per_layer"
+            else ("copy to the host", "_clip_results.py", "_accounting"))
     for target, refused in ((uneven, True), (labels, False)):
         logits = model(ids.to(require_cuda))
         F.cross_entropy(logits.reshape(-1, 5), target.to(require_cuda).reshape(-1),
@@ -463,8 +463,7 @@ def test_a_device_loss_check_refuses_within_the_clip_ops_one_read(require_cuda, 
                     step()
             else:
                 step()
-        assert _sync_sites(counter.in_library()) == {
-            ("copy to the host", "_clip_results.py", "_accounting"): 1 if refused else ops}
+        assert _sync_sites(counter.in_library()) == {site: 1}
         assert all(p.grad is None for p in model.parameters()) == (refused or
                                                                    mode == "accumulate")
         assert clipper.offset == before if refused or mode == "accumulate" else \

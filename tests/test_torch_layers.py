@@ -611,6 +611,43 @@ def test_per_layer_clipping_each_parameter_at_its_bound(dtype):
                        RTOL[dtype])
 
 
+class _Offset(nn.Module):
+    """Two linear layers, the second's input pushed to 1e200 for sample 0 by a
+    constant outside autograd: that sample's squared norm overflows for the
+    second weight alone (its first layer's gradient is not scaled)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        push = torch.zeros(x.shape[0], 4, dtype=x.dtype)
+        push[0] = 1e200
+        return self.b(torch.tanh(self.a(x)) + push)
+
+
+def test_a_per_layer_step_refused_at_its_read_takes_no_noise_range():
+    """clipping='per_layer' runs one clip op a parameter; their buffers are
+    read in one transfer and judged before any op takes a noise range, so a
+    non-finite norm in the third parameter's op (nan_policy='raise') refuses
+    the step with the stream where it was and no gradient written (before,
+    the first two ops had taken their ranges)."""
+    model = _Offset().double()
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0), dtype=F64)
+    clipper = GhostClipper(model, max_grad_norm=[1.0, 1.0, 1.0, 1.0], noise_multiplier=1.0,
+                           expected_batch_size=4, clipping="per_layer", nan_policy="raise",
+                           loss_reduction="sum", seed=3)
+    try:
+        model(x).sum().backward()
+        before = clipper.offset
+        with pytest.raises(ValueError, match=r"rows \[0\] \(1 of 4\) are not finite"):
+            clipper.privatize_()
+        assert clipper.offset == before
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        clipper.remove()
+
+
 def test_forward_outputs_unchanged_by_the_clipper():
     """Conv net, transformer (with masks) and the twice-called layers: the
     model's outputs with the clipper attached, in training mode with grad, are

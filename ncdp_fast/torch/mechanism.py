@@ -324,17 +324,18 @@ class ClippedGaussianStep(UsesNoiseStream):
                 "diverge unseen. Build the clipper (make_private) again with the new value")
 
     def _clip_only(self, blocks, grad_scale, max_norm=None, count=False,
-                   release=False) -> LayersClipResult:
+                   release=False, phased=False) -> LayersClipResult:
         """Clipped sum of ``blocks`` without noise and without the mean's division:
         the share of one physical batch in a logical step.  Noise std 0 adds
         exactly 0, so a throwaway key from the OS serves (seed=None: no ledger
         entry); the clipper's own stream is left for the step's single noise.
-        ``release``: the op consumes the list ``blocks`` (its ``release_blocks``)."""
+        ``release``: the op consumes the list ``blocks`` (its ``release_blocks``);
+        ``phased``: the op stopped at its transfer (``_clip_layers.PhasedClip``)."""
         return clip_and_noise_layers(
             blocks, max_norm=self.max_grad_norm if max_norm is None else max_norm,
             noise_multiplier=0.0, seed=None, reduction="sum",
             nan_policy=self.nan_policy, grad_scale=grad_scale, release_blocks=release,
-            gram_precision=self.gram_precision, _checks=self._take_checks())
+            gram_precision=self.gram_precision, _checks=self._take_checks(), _phased=phased)
 
     def _take_checks(self) -> list:
         """The deferred checks, for the first clip op of the step only."""
@@ -342,11 +343,13 @@ class ClippedGaussianStep(UsesNoiseStream):
         return checks
 
     def _clip_and_noise(self, blocks, grad_scale=1.0, max_norm=None,
-                        count=True, release=False) -> LayersClipResult:
+                        count=True, release=False, phased=False) -> LayersClipResult:
         """One private step over ``blocks`` (:func:`ncdp_fast.clip_and_noise_layers`),
         optionally with its own bound ``max_norm`` (per-layer clipping: the noise
         std stays ``noise_multiplier * max_grad_norm``).  ``release``: the op
-        consumes the list ``blocks`` (its ``release_blocks``; one process)."""
+        consumes the list ``blocks`` (its ``release_blocks``; one process);
+        ``phased`` (one process, not counted): the op stopped at its transfer
+        (``_clip_layers.PhasedClip``)."""
         c = self.max_grad_norm if max_norm is None else max_norm
         if self.group is not None:
             result = reduce_clip_and_noise(
@@ -362,8 +365,9 @@ class ClippedGaussianStep(UsesNoiseStream):
                 seed=self._stream, reduction=self.loss_reduction,
                 expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy,
                 grad_scale=grad_scale, release_blocks=release,
-                gram_precision=self.gram_precision, _checks=self._take_checks())
-        if not count:
+                gram_precision=self.gram_precision, _checks=self._take_checks(),
+                _phased=phased)
+        if not count or phased:
             return result
         self._steps += 1
         self.last_result = keep_result(result)
