@@ -209,9 +209,10 @@ def test_noise_multiplier_that_leaves_the_count_nothing_is_refused_unchanged():
 
 
 def test_a_failing_bound_update_writes_no_gradient_and_records_no_step(monkeypatch):
-    """The bound update reads the norms to the host (on a GPU it can fail, e.g.
-    out of memory): if it raises, the step has written no gradient, so the
-    accountant, never called, misses no release; the next step goes through."""
+    """The bound update (its normal drawn from the stream; on a GPU any call
+    can fail, e.g. out of memory): if it raises, the step has written no
+    gradient, so the accountant, never called, misses no release; the next
+    step goes through."""
     engine, pm, popt, batches, _, _ = _setup(n=24, batch=24)
     before = popt.max_grad_norm
 
