@@ -27,9 +27,12 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ncdp_fast.torch import GhostClipper, PrivacyEngine, register_layer  # noqa: E402
 from ncdp_fast.torch.layers import RULES  # noqa: E402
+from ncdp_fast.torch.loss_graph import LossRefused  # noqa: E402
 
 from test_torch_layers import (F64, RTOL, assert_factor_matters,  # noqa: E402
                                assert_grads_close, clipped_mean, low_bound)
+from test_embedding_bag import BagNet, D, V  # noqa: E402
+from test_embedding_bag import _batch as _bag_batch  # noqa: E402
 
 
 def _clipper(model, **kw):
@@ -466,3 +469,53 @@ def test_a_layout_turned_back_before_the_layer_is_exact(t, b):
     x = torch.randint(0, V, (b, t), generator=g)
     y = torch.randint(0, K, (b,), generator=g)
     _check_exact(model, x, y, 0)
+
+
+class TwoBagsASample(nn.Module):
+    """Two bags a sample (a title and a body), joined into one row after the
+    bag: taking the bags as the batch would clip each half as a sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(V, D, mode="sum")
+        self.head = nn.Linear(2 * D, 3).requires_grad_(False)
+
+    def forward(self, text, offsets):
+        return self.head(self.bag(text, offsets).reshape(-1, 2 * D))
+
+
+def test_two_bags_a_sample_are_refused_by_the_loss_check():
+    """The bags are taken as the step's samples only where flat indices are
+    the model's first input (test_embedding_bag.py); a model whose sample is
+    two bags, joined after the layer, is refused by the loss check, with
+    nothing written, rather than clipped per bag (sensitivity 2C)."""
+    model = TwoBagsASample()
+    idx, offsets, _, _, _ = _bag_batch("flat", 8, 5)
+    y = torch.randint(0, 3, (4,), generator=torch.Generator().manual_seed(0))
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0,
+                           expected_batch_size=4, seed=0)
+    try:
+        with pytest.raises(LossRefused, match=r"not a sum of per-sample terms.*mixes the samples"):
+            nn.functional.cross_entropy(model(idx, offsets), y).backward()
+            clipper.privatize_()
+        assert model.bag.weight.grad is None
+    finally:
+        clipper.remove()
+
+
+def test_bag_indices_changed_in_place_after_backward_are_refused():
+    """The bag's indices and offsets are read again at the step (its clipped
+    sum): a loader buffer refilled before the step is refused, nothing written."""
+    torch.manual_seed(0)
+    model = BagNet(mode="sum")
+    idx, offsets, _, y, _ = _bag_batch("flat", 4, 2)
+    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0,
+                           expected_batch_size=4, seed=0)
+    try:
+        nn.functional.cross_entropy(model(idx, offsets), y).backward()
+        idx.add_(1).remainder_(V)
+        with pytest.raises(RuntimeError, match=r"input of layer 'bag' was modified in place"):
+            clipper.privatize_()
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        clipper.remove()

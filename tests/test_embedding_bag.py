@@ -20,7 +20,6 @@ from torch import nn  # noqa: E402
 
 import ncdp_fast as nf  # noqa: E402
 from ncdp_fast.torch import GhostClipper  # noqa: E402
-from ncdp_fast.torch.loss_graph import LossRefused  # noqa: E402
 
 from test_torch_layers import (F32, F64, RTOL, assert_factor_matters,  # noqa: E402
                                assert_grads_close, clipped_mean, low_bound, private_grads)
@@ -398,30 +397,3 @@ def test_make_private_trains_a_bag_classifier_with_offsets():
     assert not torch.equal(model.bag.weight.detach(), before)
     assert engine.get_epsilon(1e-5) > 0
 
-
-class TwoBagsASample(nn.Module):
-    """Two bags a sample (a title and a body), joined into one row after the
-    bag: taking the bags as the batch would clip each half as a sample."""
-
-    def __init__(self):
-        super().__init__()
-        self.bag = nn.EmbeddingBag(V, D, mode="sum")
-        self.head = nn.Linear(2 * D, 3).requires_grad_(False)
-
-    def forward(self, text, offsets):
-        return self.head(self.bag(text, offsets).reshape(-1, 2 * D))
-
-
-def test_two_bags_a_sample_are_refused_by_the_loss_check():
-    model = TwoBagsASample()
-    idx, offsets, _, _, _ = _batch("flat", 8, 5)
-    y = torch.randint(0, 3, (4,), generator=torch.Generator().manual_seed(0))
-    clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=1.0,
-                           expected_batch_size=4, seed=0)
-    try:
-        with pytest.raises(LossRefused, match=r"not a sum of per-sample terms.*mixes the samples"):
-            nn.functional.cross_entropy(model(idx, offsets), y).backward()
-            clipper.privatize_()
-        assert model.bag.weight.grad is None
-    finally:
-        clipper.remove()

@@ -131,8 +131,11 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls, trainable):
         # The forward's own op ran in another mode than the rule would read.
         raise ValueError(f"nn.EmbeddingBag: mode={module.mode!r} now, but the layer ran "
                          "forward in another mode in this step; change the mode between steps")
+    # The indices, offsets and weights the sums read at the step (a change in
+    # place after the backward is refused, GhostBlock.reads).
+    reads = tuple(x for c in calls for x in c.inputs[:3] if isinstance(x, torch.Tensor))
     if module.mode == "max":
-        return [(("weight",), _max_block(calls, B, K, V, D, dtype))]
+        return [(("weight",), _max_block(calls, B, K, V, D, dtype, reads))]
     keys, weights, which = [], [], []
     for k, c in enumerate(calls):
         bag, row, w = _entries(module, c.inputs, B)
@@ -183,13 +186,12 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls, trainable):
                 rows.masked_fill_((scale == 0).all(1).unsqueeze(1), 0.0)
         # Unused slots (key 0: row 0) add rows of exact zeros.
         return out.index_add_(0, run_row, rows)
-    reads = tuple(x for c in calls for x in c.inputs[:3] if isinstance(x, torch.Tensor))
     return [(("weight",), GhostBlock(sq, clipped_sum, (V, D), terms, dtype=dtype,
                                      spread=spread, seq_len=K, reads=reads,
                                      unmasked_sum=lambda f: clipped_sum(f, masked=False)))]
 
 
-def _max_block(calls, B: int, K: int, V: int, D: int, dtype) -> GhostBlock:
+def _max_block(calls, B: int, K: int, V: int, D: int, dtype, reads: tuple) -> GhostBlock:
     """``mode='max'``: each call's gradient row g_kb lands feature by feature
     at the rows of the bag's maxima (``bag_call``); squared norms in float64
     (K > 1: features of two calls landing in one weight entry add first),
@@ -216,6 +218,5 @@ def _max_block(calls, B: int, K: int, V: int, D: int, dtype) -> GhostBlock:
         vals.masked_fill_(empty, 0.0)
         out = torch.zeros(V * D, dtype=dtype, device=gs.device)
         return out.index_add_(0, cells, vals.reshape(-1)).reshape(V, D)
-    reads = tuple(x for c in calls for x in c.inputs[:3] if isinstance(x, torch.Tensor))
     return GhostBlock(sq, clipped_sum, (V, D), D * K * K + 2, dtype=dtype, spread=spread,
                       seq_len=K, reads=reads, unmasked_sum=lambda f: clipped_sum(f, masked=False))
