@@ -396,11 +396,13 @@ def test_efficientnet_lite0_after_fix_batchnorm_equals_per_sample_clipping():
 class AttnNet(nn.Module):
     """Linear -> nn.MultiheadAttention -> head; cross-attention reads ``mem``."""
 
-    def __init__(self, E=8, H=2, kdim=None, vdim=None, batch_first=True, bias=True):
+    def __init__(self, E=8, H=2, kdim=None, vdim=None, batch_first=True, bias=True,
+                 add_bias_kv=False, add_zero_attn=False):
         super().__init__()
         self.inp = nn.Linear(5, E)
         self.mha = nn.MultiheadAttention(E, H, dropout=0.0, kdim=kdim, vdim=vdim,
-                                         batch_first=batch_first, bias=bias)
+                                         batch_first=batch_first, bias=bias,
+                                         add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn)
         self.head = nn.Linear(E, 3)
         self.batch_first = batch_first
 
@@ -432,6 +434,18 @@ ATTN_CASES = {
                                  dict(cross=True, value=True, mask="float", kpm="float")),
     "kdim_no_bias_weights": (dict(kdim=6, vdim=6, bias=False),
                              dict(cross=True, need_weights=True, kpm="bool")),
+    # add_bias_kv's learned key and value, add_zero_attn's zero ones: appended
+    # after the S keys, the masks padded as torch's function pads them
+    "bias_kv_seq_first_kpm_weights": (dict(batch_first=False, add_bias_kv=True),
+                                      dict(need_weights=True, kpm="bool")),
+    "bias_kv_no_bias_bool_mask": (dict(bias=False, add_bias_kv=True), dict(mask="bool")),
+    "zero_attn_cross_3d_mask": (dict(add_zero_attn=True),
+                                dict(cross=True, value=True, mask="bool3d", need_weights=True,
+                                     average=False)),
+    "bias_kv_zero_attn_kdim_float_masks": (dict(kdim=6, vdim=4, add_bias_kv=True,
+                                                add_zero_attn=True),
+                                           dict(cross=True, value=True, mask="float",
+                                                kpm="float")),
 }
 
 
@@ -518,6 +532,109 @@ def test_multihead_attention_variants(case):
     for dtype, reduction in ((F64, "mean"), (F32, "sum")):
         check_exact(net, loss_named, tuple(per_sample), dtype=dtype, reduction=reduction,
                     shared=shared)
+
+
+@pytest.mark.parametrize("extras", [{}, dict(add_bias_kv=True), dict(add_zero_attn=True),
+                                    dict(add_bias_kv=True, add_zero_attn=True)])
+def test_attention_is_causal_hint_as_torch(extras):
+    """``is_causal=True`` with a mask: where no key padding and no weights need
+    the mask, torch's function hands SDPA the causal hint in place of the mask
+    (causal over every key, the appended ones included); elsewhere the mask,
+    padded for appended keys.  The clipper's forward does the same: its
+    outputs equal the module's own (a float mask that is not causal tells the
+    two readings apart), and the step is exact."""
+    torch.manual_seed(3)
+    net = AttnNet(**extras).double()
+    x, _, _, _, _ = _attn_inputs(net, {})
+    g = torch.Generator().manual_seed(4)
+    T = x.shape[1]
+    causal = nn.Transformer.generate_square_subsequent_mask(T, dtype=F64)
+    other = torch.randn(T, T, generator=g, dtype=F64)       # not causal
+    kpm = torch.zeros(x.shape[0], T, dtype=F64)
+    kpm[1, -1] = -math.inf
+
+    def run(mask, pad, nw):
+        q = net.inp(x)
+        out, _ = net.mha(q, q, q, attn_mask=mask, key_padding_mask=pad, need_weights=nw,
+                         is_causal=True)
+        return out
+    for mask, pad, nw in ((causal, None, False), (other, None, False), (other, kpm, False),
+                          (other, None, True)):
+        before = run(mask, pad, nw)
+        clipper = GhostClipper(net, max_grad_norm=1.0, noise_multiplier=0.0,
+                               expected_batch_size=4)
+        with torch.no_grad():
+            after = run(mask, pad, nw)
+        clipper.remove()
+        bound = 4 * gamma(4 * (6 + 8), np.float64) * float(before.detach().abs().max())
+        assert float((after - before).detach().abs().max()) <= bound
+
+    y = torch.tensor([0, 1, 2, 1])
+
+    class Causal(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            q = self.inner.inp(x)
+            out, _ = self.inner.mha(q, q, q, attn_mask=other, need_weights=False,
+                                    is_causal=True)
+            return self.inner.head(out.mean(1))
+    check_exact(Causal(net), ce, (x, y), dtype=F64, reduction="mean")
+
+
+def test_attention_bias_kv_contributions_within_C():
+    """Each sample's clipped contribution, bias_k and bias_v included, has norm
+    <= C: the step's sum at B = 1 with no noise is one sample's clipped
+    gradient."""
+    torch.manual_seed(5)
+    net = AttnNet(add_bias_kv=True, add_zero_attn=True).double()
+    x, _, _, _, _ = _attn_inputs(net, {}, B=1)
+    with torch.no_grad():
+        net.mha.bias_k.mul_(1e3)                # a large gradient for the bias rows
+    clipper = GhostClipper(net, max_grad_norm=0.5, noise_multiplier=0.0,
+                           expected_batch_size=1, loss_reduction="sum")
+    nn.functional.cross_entropy(net(x), torch.tensor([2]), reduction="sum").backward()
+    clipper.privatize_()
+    grads = [p.grad for p in net.parameters()]
+    assert net.mha.bias_k.grad is not None and net.mha.bias_v.grad is not None
+    total = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+    assert total <= 0.5 * (1 + 1e-12)
+    clipper.remove()
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("extras", [dict(add_bias_kv=True),
+                                    dict(add_bias_kv=True, add_zero_attn=True)])
+def test_opacus_attention_sequence_bias(batch_first, extras):
+    """Opacus's DPMultiheadAttention with add_bias_kv: its SequenceBias modules
+    (run sequence-first whatever the attention's layout) have a rule, the last
+    position's gradient; the step equals per-sample clipping of gradients
+    computed one sample at a time (float64)."""
+    pytest.importorskip("opacus")
+    from opacus.layers import DPMultiheadAttention
+    from ncdp_fast.torch import check_exact as check_model
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.att = DPMultiheadAttention(8, 2, batch_first=batch_first, **extras)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            out, _ = self.att(x, x, x)
+            return self.head(out.mean(1 if batch_first else 0))
+    torch.manual_seed(9)
+    B, T = 5, 6
+    if batch_first:
+        x, y = torch.randn(B, T, 8), torch.randint(0, 3, (B,))
+    else:                       # the targets' batch in dimension 1 too: (1, B)
+        x, y = torch.randn(T, B, 8), torch.randint(0, 3, (1, B))
+    report = check_model(Net(), (x, y), lambda m, x, y: nn.functional.cross_entropy(
+        m(x), y.reshape(-1), reduction="sum"), batch_first=batch_first)
+    assert report.passed, report
+    assert report.max_rel_error <= 1e-10
 
 
 class Twice(nn.Module):

@@ -4,8 +4,9 @@ The module computes its projections with ``F.linear`` on its own weights, so no
 hook on ``out_proj`` ever fires (Opacus ships its own attention module for this
 reason).  The clipper instead gives each attention instance a forward that does
 the same arithmetic step by step (projections, scaled dot-product attention,
-output projection) and marks the two points whose inputs and output gradients
-the rule needs; the state dict, the parameters and the outputs are the module's
+output projection, with ``add_bias_kv``'s learned key and value and
+``add_zero_attn``'s zero ones appended as torch's function appends them) and
+marks the points whose inputs and output gradients the rule needs; the state dict, the parameters and the outputs are the module's
 own, and :meth:`GhostClipper.remove` restores the original forward.
 """
 from __future__ import annotations
@@ -17,18 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layer_rules import _cat, _flat_positions, factored_or_instantiated
-from .layers import register_layer
+from .layers import register_layer, register_layer_by_name
 
-__all__ = ["attention_forward", "check_attention"]
-
-
-def check_attention(name: str, module: nn.MultiheadAttention) -> None:
-    """Refuse what the step-by-step forward does not reproduce."""
-    if module.bias_k is not None:
-        raise ValueError(f"GhostClipper: attention {name!r} has add_bias_kv=True; not supported "
-                         "(construct it with add_bias_kv=False)")
-    if module.add_zero_attn:
-        raise ValueError(f"GhostClipper: attention {name!r} has add_zero_attn=True; not supported")
+__all__ = ["attention_forward"]
 
 
 def _additive_mask(mask, like):
@@ -71,17 +63,41 @@ def attention_forward(module: nn.MultiheadAttention, capture):
             q = capture("q", query, F.linear(query, module.q_proj_weight, bq))
             k = capture("k", key, F.linear(key, module.k_proj_weight, bk))
             v = capture("v", value, F.linear(value, module.v_proj_weight, bv))
+        if module.bias_k is not None:
+            # add_bias_kv: one learned key and value after each sample's S, as
+            # rows of their own (B, 1, E), so that each sample's gradient of
+            # the two biases is its own row's (the rule's dense blocks).  A
+            # view of the parameter is no sample input: the capture reads the
+            # samples' layout from the query.
+            bk = capture("bias_k", query, module.bias_k.reshape(1, 1, E).expand(B, 1, E))
+            bv = capture("bias_v", query, module.bias_v.reshape(1, 1, E).expand(B, 1, E))
+            k, v = torch.cat([k, bk], dim=1), torch.cat([v, bv], dim=1)
         q = q.reshape(B, T, H, hd).transpose(1, 2)
-        k = k.reshape(B, S, H, hd).transpose(1, 2)
-        v = v.reshape(B, S, H, hd).transpose(1, 2)
-        mask = _additive_mask(attn_mask, q)
-        if mask is not None:
-            mask = mask.reshape(B, H, T, S) if mask.dim() == 3 else mask
-        elif is_causal:
-            mask = _additive_mask(torch.ones(T, S, dtype=torch.bool, device=q.device).triu(1), q)
+        k = k.reshape(B, k.shape[1], H, hd).transpose(1, 2)
+        v = v.reshape(B, v.shape[1], H, hd).transpose(1, 2)
+        if module.add_zero_attn:
+            zeros = k.new_zeros((B, H, 1, hd))
+            k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
+        keys = k.shape[2]               # S and the keys the options appended
+        if is_causal and (attn_mask is None or (key_padding_mask is None and not need_weights)):
+            # torch's function hands the hint to SDPA in place of the mask
+            # where neither padding nor weights need the mask (is_causal over
+            # every key, the appended ones included); without a mask its
+            # module refuses, and this forward forms the same causal mask.
+            mask = _additive_mask(
+                torch.ones(T, keys, dtype=torch.bool, device=q.device).triu(1), q)
+        else:
+            # As torch's function pads them: a zero column (may attend) for
+            # each appended key.
+            mask = _additive_mask(attn_mask, q)
+            if mask is not None:
+                mask = mask.reshape(B, H, T, S) if mask.dim() == 3 else mask
+                mask = F.pad(mask, (0, keys - S)) if keys > S else mask
         kpm = _additive_mask(key_padding_mask, q)
         if kpm is not None:
             kpm = kpm.reshape(B, 1, 1, S)
+            kpm = F.pad(kpm, (0, keys - S)) if keys > S else kpm
+        if kpm is not None:
             mask = kpm if mask is None else mask + kpm
         p = module.dropout if module.training else 0.0
         weights = None
@@ -113,7 +129,9 @@ def attention_rule(module: nn.MultiheadAttention, calls, trainable):
     of one (3E, E) linear layer whose gradient is zero outside its third, so all
     of them form one pair (inputs concatenated along T, gradients padded to 3E).
     Separate q/k/v weights: one pair each, the packed bias from the three sums.
-    Output projection: a pair."""
+    Output projection: a pair.  ``bias_k`` and ``bias_v`` (add_bias_kv): dense
+    (B, 1, 1, E) blocks, each sample's gradient of its appended key or value
+    row."""
     E = module.embed_dim
     by = {}
     for c in calls:
@@ -152,4 +170,24 @@ def attention_rule(module: nn.MultiheadAttention, calls, trainable):
             out += factored_or_instantiated(a, g, names, "out_proj.bias" in trainable)
         else:
             out.append((("out_proj.bias",), g.sum(1)))
+    for name in ("bias_k", "bias_v"):
+        # Each call's appended row (B, 1, E): the sample's gradient of the
+        # (1, 1, E) bias, summed over the calls of the step.
+        parts = by.get(name, [])
+        if name in trainable and parts:
+            g = parts[0].grad
+            for c in parts[1:]:
+                g = g + c.grad
+            out.append(((name,), g.reshape(g.shape[0], 1, 1, E)))
     return out
+
+
+@register_layer_by_name("opacus.layers.dp_multihead_attention.SequenceBias")
+def sequence_bias_rule(module, calls, trainable):
+    """Opacus's SequenceBias (its DPMultiheadAttention with add_bias_kv=True)
+    appends its (E,) bias after each sample's sequence: the sample's gradient
+    is that last position's, summed over the calls of the step (dense (B, E))."""
+    g = calls[0].grad[:, -1]
+    for c in calls[1:]:
+        g = g + c.grad[:, -1]
+    return [(("bias",), g)]

@@ -19,7 +19,7 @@ from torch import nn
 from .._validate import check_bool, check_choice, check_int, check_nonneg
 from . import tied
 from .adaptive import AdaptiveClip, check_adaptive
-from .attention import attention_forward, check_attention
+from .attention import attention_forward
 from .compiled import check_not_compiled
 from .conv import conv_forward
 from .coupling import batch_dim_hooks, refuse_batch_mixing
@@ -334,7 +334,6 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
             params, alias = tied.layer_params(name, module, owner)
             if isinstance(module, nn.MultiheadAttention):
                 composite.update(id(m) for m in module.modules() if m is not module)
-                check_attention(name, module)
             if not params:
                 continue
             rule = layer_rule(name, module, params)

@@ -28,6 +28,12 @@ _BATCH_FIRST_ALWAYS = (nn.modules.conv._ConvNd, nn.GroupNorm,
                        nn.modules.instancenorm._InstanceNorm, nn.MultiheadAttention)
 
 
+# Layers of optional packages laid out by their own ``batch_first``, whatever
+# encloses them: Opacus's DPMultiheadAttention runs its SequenceBias modules
+# (add_bias_kv) sequence-first, built with the default batch_first=False.
+_OWN_LAYOUT_BY_NAME = frozenset({"opacus.layers.dp_multihead_attention.SequenceBias"})
+
+
 def module_batch_first(module: nn.Module) -> bool | None:
     """``batch_first`` of a torch transformer or attention module, as its forward
     uses it (the layers and stacks take it from their self-attention); None
@@ -56,6 +62,8 @@ def layer_batch_first(name: str, module: nn.Module, layouts: dict, batch_first: 
     attention; else the nearest enclosing module's own; else the model's."""
     if isinstance(module, _BATCH_FIRST_ALWAYS):
         return True, type(module).__name__
+    if f"{type(module).__module__}.{type(module).__qualname__}" in _OWN_LAYOUT_BY_NAME:
+        return bool(module.batch_first), f"{type(module).__name__}.batch_first"
     parts = name.split(".") if name else []
     for k in range(len(parts) - 1, -1, -1):
         prefix = ".".join(parts[:k])
