@@ -895,7 +895,7 @@ def test_noise_is_the_documented_stream_slices_and_never_repeats(clipping):
 # ------------------------------------------------------------- properties
 
 KINDS = ("linear_seq", "conv", "conv_groups", "embedding", "embedding_bag", "bag_max",
-         "layernorm", "groupnorm", "mha")
+         "layernorm", "groupnorm", "mha", "mha_bias_kv")
 
 
 class Branches(nn.Module):
@@ -910,7 +910,9 @@ class Branches(nn.Module):
                 "embedding_bag": nn.EmbeddingBag(5, 4, mode="sum"),
                 "bag_max": nn.EmbeddingBag(5, 4, mode="max"),
                 "groupnorm": nn.GroupNorm(1, 2), "mha": nn.MultiheadAttention(4, 2,
-                                                                               batch_first=True)}
+                                                                               batch_first=True),
+                "mha_bias_kv": nn.MultiheadAttention(4, 2, batch_first=True, add_bias_kv=True,
+                                                     add_zero_attn=True)}
         self.layers = nn.ModuleDict({k: mods[k] for k in self.kinds})
 
     def forward(self, seq, img, idx):
