@@ -12,7 +12,7 @@ here, and the next GPU run checks the prediction.
 
     python bench/host_step.py [--device emulated|cuda] [--launches run|stub]
                               [--workloads linear,transformer,bert,gpt2,efficientnet]
-                              [--rounds 15] [--out bench/results]
+                              [--rounds 15] [--clipping flat|per_layer] [--out bench/results]
 
 ``--launches stub`` (emulated device only) replaces every launch of ours but
 the clip factors' by a call that returns at once: no emulator work, so no
@@ -103,9 +103,9 @@ class LaunchClock:
             setattr(self._emu, name, fn)
 
 
-def _build(name, method, device):
+def _build(name, method, device, clipping="flat"):
     family, p = HOST_SHAPES[name]
-    p = dict(p, kind=name)
+    p = dict(p, kind=name, clipping=clipping)
     if family == "hf":
         import test_bench_hf as hf
         return hf.workload_label(name, p), hf.build_step(p, method, device)[0]
@@ -242,12 +242,13 @@ def _counts(step, clock):
     return Count.n, Count.kernels, calls, clock.launches, python_opcodes(step)
 
 
-def measure(names, rounds, device="emulated", launches="run"):
+def measure(names, rounds, device="emulated", launches="run", clipping="flat"):
     """The rows of the report: ``device`` "emulated" (CPU tensors on the
     emulated CUDA device, NCDP_CUDA_EMULATION=1 set before ncdp_fast was
     imported) or "cuda" (a GPU; each round synchronised at both ends);
     ``launches`` "run" (the emulator runs each kernel, its time taken out)
-    or "stub" (:class:`StubLaunches`)."""
+    or "stub" (:class:`StubLaunches`); ``clipping`` the private method's
+    ("flat" or "per_layer": each parameter on its own bound)."""
     import torch
     torch.set_num_threads(1)      # the host's own thread, as on a GPU
     cuda = device == "cuda"
@@ -258,7 +259,7 @@ def measure(names, rounds, device="emulated", launches="run"):
         for name in names:
             steps = {}
             for method in METHODS:
-                label, steps[method] = _build(name, method, "cuda" if cuda else "cpu")
+                label, steps[method] = _build(name, method, "cuda" if cuda else "cpu", clipping)
                 for _ in range(WARMUP):
                     steps[method]()
             per_round = {}
@@ -305,6 +306,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("emulated", "cuda"), default="emulated")
     ap.add_argument("--launches", choices=("run", "stub"), default="run")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--clipping", choices=("flat", "per_layer"), default="flat")
     names, args = workload_names(ap, list(HOST_SHAPES), argv)
     if args.rounds < 1:
         ap.error(f"--rounds: expected an integer >= 1, got {args.rounds}")
@@ -321,12 +323,14 @@ def main(argv=None) -> int:
     from report import run_meta
 
     from ncdp_fast._report import write_report
-    rows = measure(names, args.rounds, args.device, args.launches)
+    rows = measure(names, args.rounds, args.device, args.launches, args.clipping)
     meta = run_meta("cuda" if args.device == "cuda" else "cpu", "host", args.rounds)
     if args.device == "emulated":
         meta["device"] += " (the emulated CUDA device: NCDP_CUDA_EMULATION=1)"
         if args.launches == "stub":
             meta["device"] += ", launches of ours stubbed (--launches stub)"
+    if args.clipping != "flat":
+        meta["device"] += f", ncdp_engine with clipping={args.clipping!r}"
     write_report("host_step", args.out, meta, rows,
                  [("workload", "workload", None), ("method", "method", None),
                   ("host_ms_min", "host ms/step (fastest round)", "{:.3f}"),

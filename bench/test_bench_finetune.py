@@ -299,7 +299,8 @@ def build_step(p, method, device="cpu", engine_timer=None):
         engine = PrivacyEngine(accountant="prv")
         model, opt, ploader = engine.make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-            data_loader=_loader(x, y, torch), noise_multiplier=SIGMA, max_grad_norm=C, seed=1)
+            data_loader=_loader(x, y, torch), noise_multiplier=SIGMA, max_grad_norm=C, seed=1,
+            clipping=p.get("clipping", "flat"))       # host_step.py --clipping
         if engine_timer is not None:
             engine_timer.attach(model, opt)
         draw = whole_batch_draw(ploader, B)

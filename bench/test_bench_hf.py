@@ -196,7 +196,7 @@ def build_step(p, method, device="cpu"):
         from ncdp_fast.torch import PrivacyEngine
         model, opt, ploader = PrivacyEngine(accountant="prv").make_private(
             module=model, optimizer=opt, data_loader=loader, noise_multiplier=SIGMA,
-            max_grad_norm=C, seed=1,
+            max_grad_norm=C, seed=1, clipping=p.get("clipping", "flat"),    # host_step.py
             gram_precision="float32" if method == "ncdp_engine_gram32" else "float64")
         draw = whole_batch_draw(ploader, ids.shape[0])
     elif method in OPACUS:

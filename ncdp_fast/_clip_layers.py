@@ -15,8 +15,7 @@ import numpy as np
 
 from . import _arrays, _backend, _balance, _stream
 from ._clip_checks import _check_common, _check_noise_range
-from ._clip_results import (GhostBlock, LayersClipResult, LinearClipResult, _accounting,
-                            step_buffer, write_checks)
+from ._clip_results import GhostBlock, LayersClipResult, LinearClipResult, _accounting
 from ._validate import check_choice, check_positive
 
 __all__ = ["clip_and_noise_linear", "clip_and_noise_layers"]
@@ -306,57 +305,101 @@ def _ghost_dtype(specs) -> np.dtype:
     return dt
 
 
-def _clip_layers(*args, **kwargs):
-    """:func:`_clip_layers_phases` run through (its buffer read by the op)."""
-    return PhasedClip(_clip_layers_phases(*args, **kwargs)).finish()
+class _Group:
+    """The units that one factor a sample covers: every block of the op
+    (flat clipping) or one parameter's (per-layer clipping, ``bounds``).  Its
+    norms, factors and operand sizes lie in its region of the op's buffer."""
+
+    def __init__(self, units, max_norm, noise_std, start):
+        self.units, self.max_norm, self.noise_std = units, max_norm, noise_std
+        self.draws = sum(unit.draws for unit in units)
+        self.start = start          # its first draw's place in the op's range
+        self.t_max = max(unit.T for unit in units)
+        # Linear pairs of one shape form their norms together (on a device,
+        # one batched GEMM for several layers: launches saved); their operand
+        # sizes, read with the counts (one transfer), tell each clipped sum
+        # whether its rebalancing scan can be skipped.
+        self.shape_groups = {}
+        for i, unit in enumerate(units):
+            if unit.kind == "pair":
+                self.shape_groups.setdefault((unit.T, unit.d, unit.K, unit.bias), []).append(i)
+        self.pairs = [i for members in self.shape_groups.values() for i in members]
+        # Ghost blocks whose sum is one clipped GEMM (a tied head) decide its
+        # rebalancing from their operand sizes as the pairs do, after them.
+        self.gemms = [i for i, unit in enumerate(units)
+                      if unit.kind == "ghost" and unit.gemm is not None]
+        self.balanced = self.pairs + self.gemms
+        self.slot = {i: j for j, i in enumerate(self.balanced)}
+
+    def place(self, region, B, n_checks, sq, spread, weights, grad_terms):
+        """Its factors, norms and operand sizes as views of ``region``; ``sq``
+        its (B,) norm sums (not zeroed: the first block's norms are written,
+        the others' added), ``spread`` its (B,) zeros (None when no block has
+        T > 1), ``weights`` its (B,) sample weights (None: the factors)."""
+        self.region, self.factors, self.norms = region, region[:B], region[B:2 * B]
+        extra = region[2 * B + n_checks:]
+        self.sizes = extra.reshape(len(self.balanced), B, 2) if self.balanced else None
+        for i in self.gemms:
+            _arrays.assign(self.sizes[self.slot[i]], self.units[i].gemm[0])
+        self.terms = sum(unit.terms for unit in self.units) + grad_terms
+        self.sq = sq
+        self.spread = spread if self.t_max > 1 else None
+        self.weights = self.factors if weights is None else weights
+
+    def form_factors(self, be, dtype, grad_scale, gram32, again=False):
+        """The norms and factors into the region; whether a float32 Gram formed any."""
+        sq, spread, units = self.sq, self.spread, self.units
+        if again and spread is not None:        # a second pass: start from nothing
+            spread[...] = 0.0
+        used, first = False, True
+        for unit in units:
+            if unit.kind != "pair":
+                unit.add_sq_norms(be.kernels, sq, spread, be.io, float64=again,
+                                  accumulate=not first)
+                used |= unit.float32_grams() and not again
+                first = False
+        for (T, _, _, bias), members in self.shape_groups.items():
+            j = self.slot[members[0]]
+            used |= bool(be.kernels.linear_sq_norms_group(
+                [units[i].a for i in members], [units[i].g for i in members], bias, sq,
+                spread if T > 1 else None, self.sizes[j:j + len(members)], gram32,
+                accumulate=not first))
+            first = False
+        be.kernels.clip_factors(sq, spread, self.max_norm, self.terms, self.t_max,
+                                float(np.finfo(dtype).eps) / 2, self.factors, self.norms,
+                                grad_scale, None if self.weights is self.factors else self.weights)
+        return used
+
+    def shapes(self):
+        """Each balanced operand pair's values per sample (T d, T K) and whether
+        the factor goes to g (K <= d): _balance.layers_needing_balancing's.
+        The pairs' shapes only: a list of the units themselves would keep every
+        pair's operands alive through the sums, which free each unit's once its
+        own sum is formed (release)."""
+        if not self.balanced:
+            return [], [], []
+        units = self.units
+        shapes = ([(units[i].T, units[i].d, units[i].K) for i in self.pairs]
+                  + [units[i].gemm[1:] for i in self.gemms])
+        return ([T * d for T, d, _ in shapes], [T * K for T, _, K in shapes],
+                [K <= d for _, d, K in shapes])
 
 
-class PhasedClip:
-    """A joint clip stopped at its one transfer: ``buf``, the (n,) float64
-    device (or host) array the transfer reads (factors, norms, check values,
-    operand sizes), ``io`` its array library, and :meth:`finish` the rest of
-    the op -- so that several ops (one a parameter, per-layer clipping) read
-    their buffers in one transfer (issue 36)."""
+def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
+                 reduction, expected_batch_size, nan_policy, grad_scale=1.0,
+                 release=False, checks=(), gram_precision="float64", bounds=None):
+    """The joint clip: the factors, norms and operand sizes into one buffer,
+    read in the step's one transfer with the caller's ``checks``; the counts
+    judged (raising where the step is refused) before the noise range is
+    claimed; then the sums and the noise.  Returns ``(grads, acc)``.
 
-    def __init__(self, phases, wrap=None):
-        self.io, self.buf, self._B, self._checks = next(phases)
-        self._phases, self._wrap, self._judged = phases, wrap, False
-
-    def ready(self):
-        """``buf`` complete for a read by the caller: the check values written."""
-        write_checks(self.buf, self._B, self._checks)
-        return self.buf
-
-    def judge(self, host=None) -> None:
-        """The op's counts judged from ``host``, the host copy of :meth:`ready`'s
-        ``buf`` (None: the op reads it): raises what the op raises at its
-        transfer (a non-finite row under nan_policy='raise', a failed check),
-        before it takes any noise range."""
-        self._judged = True
-        self._phases.send(host)
-
-    def finish(self, host=None):
-        """The op's ``(grads, acc)`` (or ``wrap`` of them): :meth:`judge` first
-        unless done (``host`` as there), then the noise range and the sums."""
-        if not self._judged:
-            self.judge(host)
-        phases, self._phases = self._phases, None
-        try:
-            next(phases)
-        except StopIteration as done:
-            return done.value if self._wrap is None else self._wrap(*done.value)
-        raise RuntimeError("PhasedClip.finish: the op did not end after its sums")
-
-
-def _clip_layers_phases(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
-                        reduction, expected_batch_size, nan_policy, grad_scale=1.0,
-                        release=False, checks=(), gram_precision="float64"):
-    """The joint clip as a generator: yields ``(io, buf, B, checks)`` once the
-    factors, norms and operand sizes are in ``buf``; sent ``buf``'s host copy
-    (its checks written, ``PhasedClip.ready``) or None (then read here), it
-    judges the counts (raising where the step is refused) and yields again;
-    resumed, it claims the noise range and forms the sums, returning
-    ``(grads, acc)``."""
+    ``bounds`` (per-layer clipping): one bound a block, each block clipped on
+    its own factor from its own norm at its bound, with the noise of a
+    one-block op of that bound and ``noise_multiplier * max_norm / bound``
+    (std ``noise_multiplier * max_norm`` up to its rounding); returns
+    ``(grads, [acc of each block])``: the ranges, factors and sums of one such
+    op a block run in turn, with one buffer, one transfer, one claim and one
+    noise finish a distinct std."""
     max_norm, noise_std, inv_denom = _check_common(
         max_norm, noise_multiplier, reduction, expected_batch_size, nan_policy)
     be = _backend.select("clip", **arrays)
@@ -383,131 +426,129 @@ def _clip_layers_phases(layer_specs, arrays, max_norm, noise_multiplier, seed, o
         layer.index, layer.start = i, start
         start += layer.draws
     n_given = len(layers)
-    # From here on the op works on units: the layers, with the small dense
-    # blocks on a device joined into one (each keeps its own noise range).
-    if be.name == "cuda":
-        layers = _join_dense(layers)
-        for layer in layers:
-            if layer.kind == "dense":       # the kernels read rows one after another
-                layer.g = be.io.to_kernel(layer.g)
-    draws = sum(layer.draws for layer in layers)
-    t_max = max(layer.T for layer in layers)
-    # Not zeroed: the first block's norms are written, the others' added.
-    sq = be.io.empty((B,), _F64)
-    spread = be.io.zeros((B,), _F64) if t_max > 1 else None
-    # Linear pairs of one shape form their norms together (on a device, one
-    # batched GEMM for several layers: launches saved); their operand sizes,
-    # read with the counts (one transfer), tell each clipped sum whether its
-    # rebalancing scan can be skipped.
-    groups = {}
-    for i, layer in enumerate(layers):
-        if layer.kind == "pair":
-            groups.setdefault((layer.T, layer.d, layer.K, layer.bias), []).append(i)
+    if bounds is None:
+        parts = [(layers, max_norm, noise_std, 0)]
+    else:
+        if len(bounds) != n_given:
+            raise ValueError(f"bounds: expected one per block ({n_given}), got {len(bounds)}")
+        parts = []
+        for layer, c in zip(layers, bounds):
+            # A one-block op of bound c: its std noise_multiplier * max_norm,
+            # formed as that op forms it.
+            c, std, _ = _check_common(c, noise_multiplier * max_norm / c, reduction,
+                                      expected_batch_size, nan_policy)
+            _check_noise_range(std, inv_denom, dtype)
+            parts.append(([layer], c, std, layer.start))
     # The setup loops' name held their last layer, and with it its operands,
     # until the op returned (release: the op holds the only references).
-    del layer
-    pairs = [i for members in groups.values() for i in members]
-    # Ghost blocks whose sum is one clipped GEMM (a tied head) decide its
-    # rebalancing from their operand sizes as the pairs do, after them.
-    gemms = [i for i, unit in enumerate(layers) if unit.kind == "ghost" and unit.gemm is not None]
-    balanced = pairs + gemms
-    # Factors, norms, the checks' flags and those operand sizes side by side:
-    # the step's one transfer reads them all.
-    buf, factors, norms, extra = step_buffer(be.io, B, len(checks), 2 * len(balanced) * B)
-    sizes = extra.reshape(len(balanced), B, 2) if balanced else None
-    slot = {i: j for j, i in enumerate(balanced)}
-    for i in gemms:
-        _arrays.assign(sizes[slot[i]], layers[i].gemm[0])
-    terms = sum(layer.terms for layer in layers) + (2 if grad_scale != 1.0 else 0)
-    # The blocks hold gradients / s: the sample's norm is s times theirs and its
-    # weight in the sums s times its factor (two more float64 roundings, s^2 sq
-    # and f s, formed inside the factors' kernel).
-    weights = be.io.empty((B,), _F64) if grad_scale != 1.0 else factors
-
-    def form_factors(gram32, again=False):
-        """The norms and factors into buf; whether a float32 Gram formed any."""
-        if again and spread is not None:        # a second pass: start from nothing
-            spread[...] = 0.0
-        used, first = False, True
-        for layer in layers:
-            if layer.kind != "pair":
-                layer.add_sq_norms(be.kernels, sq, spread, be.io, float64=again,
-                                   accumulate=not first)
-                used |= layer.float32_grams() and not again
-                first = False
-        for (T, _, _, bias), members in groups.items():
-            j = slot[members[0]]
-            used |= bool(be.kernels.linear_sq_norms_group(
-                [layers[i].a for i in members], [layers[i].g for i in members], bias, sq,
-                spread if T > 1 else None, sizes[j:j + len(members)], gram32,
-                accumulate=not first))
-            first = False
-        be.kernels.clip_factors(sq, spread, max_norm, terms, t_max,
-                                float(np.finfo(dtype).eps) / 2, factors, norms, grad_scale,
-                                None if weights is factors else weights)
-        return used
-
-    gram32 = form_factors(gram_precision == "float32" and dtype == np.float32)
+    del layer, layers
+    # From here on the op works on units: the layers, with the small dense
+    # blocks of a group on a device joined into one (each keeps its own noise
+    # range).
+    if be.name == "cuda":
+        parts = [(_join_dense(units), *rest) for units, *rest in parts]
+        for units, *_ in parts:
+            for unit in units:
+                if unit.kind == "dense":    # the kernels read rows one after another
+                    unit.g = be.io.to_kernel(unit.g)
+    groups = [_Group(*part) for part in parts]
+    del parts
+    draws = sum(group.draws for group in groups)
+    # Every group's factors, norms and operand sizes, and the checks' flags,
+    # side by side: the step's one transfer reads them all.  The first
+    # group's region is _clip_results.step_buffer's layout (the checks after
+    # its norms).
+    lengths = [2 * B + 2 * len(group.balanced) * B for group in groups]
+    lengths[0] += len(checks)
+    buf = be.io.empty((sum(lengths),), _F64)
+    # The groups' norm sums, spreads and weights: one allocation each, a row
+    # a group.  The blocks hold gradients / s: the sample's norm is s times
+    # theirs and its weight in the sums s times its factor (two more float64
+    # roundings, s^2 sq and f s, formed inside the factors' kernel).
+    G = len(groups)
+    sqs = be.io.empty((G, B), _F64)
+    spreads = (be.io.zeros((G, B), _F64) if any(group.t_max > 1 for group in groups)
+               else [None] * G)
+    weights = be.io.empty((G, B), _F64) if grad_scale != 1.0 else [None] * G
+    grad_terms = 2 if grad_scale != 1.0 else 0
+    lo = 0
+    for k, (group, n) in enumerate(zip(groups, lengths)):
+        group.place(buf[lo:lo + n], B, len(checks) if k == 0 else 0, sqs[k], spreads[k],
+                    weights[k], grad_terms)
+        group.lo, group.hi = lo, lo + n
+        lo += n
+    gram = gram_precision == "float32" and dtype == np.float32
+    for group in groups:
+        group.gram32 = group.form_factors(be, dtype, grad_scale, gram)
     # What the sums need that the transfer does not bring, formed while the
     # device still works towards it: after the transfer the device waits for
     # the host until the first sum is launched (72 layers' order and shapes:
-    # some 0.15 ms of a BERT-base step on the 2-core VM).  The pairs' shapes
-    # only: a list of the layers themselves would keep every pair's operands
-    # alive through the sums below, which free each layer's once its own sum
-    # is formed (release).
-    shapes = ([(layers[i].T, layers[i].d, layers[i].K) for i in pairs]
-              + [layers[i].gemm[1:] for i in gemms])
-    # Each balanced operand pair's values per sample (T d, T K) and whether
-    # the factor goes to g (K <= d): _balance.layers_needing_balancing's.
-    dims = ([T * d for T, d, _ in shapes], [T * K for T, _, K in shapes],
-            [K <= d for _, d, K in shapes])
-    order = range(len(layers))
+    # some 0.15 ms of a BERT-base step on the 2-core VM).
+    dims = [group.shapes() for group in groups]
+    order = [(group, i) for group in groups for i in range(len(group.units))]
     if release:
-        # Most memory freed first: a layer's sum allocates `draws` values and
+        # Most memory freed first: a unit's sum allocates `draws` values and
         # dropping it frees its (B, T, d) and (B, T, K) arrays (drop_rows below
         # copies them, at their shapes).
-        order = sorted(order, key=lambda i: layers[i].draws - layers[i].held())
-    host = yield be.io, buf, B, checks
-    acc, host = _accounting(be, buf, B, max_norm, "zero" if gram32 else nan_policy, None, None,
-                            draws, by_factors=True, checks=checks, host=host)
-    if gram32 and acc["num_nonfinite"]:
-        # A float32 Gram overflows (|a_t|^2 past 3.4e38) where the float64 one
-        # does not: a dropped row is judged, and dropped, on the float64 norms
-        # (one more host wait, only in a step that drops a row).
-        gram32 = form_factors(False, again=True)
-        acc, host = _accounting(be, buf, B, max_norm, nan_policy, None, None, draws,
-                                by_factors=True)
-    host_factors = host[:B]
-    balance = [True] * len(layers)
-    bias_gemv = None
-    if balanced:
-        # The weights as the device formed them (one IEEE product each).
-        host_weights = host_factors * grad_scale if grad_scale != 1.0 else host_factors
-        need = _balance.layers_needing_balancing(
-            host_weights, host[2 * B + len(checks):].reshape(len(balanced), B, 2), *dims,
-            # A float32 Gram's zero trace may be an underflow, not a zero operand.
-            dtype == np.float32 and not gram32)
-        for i, flag in zip(balanced, need):
-            balance[i] = bool(flag)
-        # The step's repeated weights, shared by its layers' GEMV biases.
-        bias_gemv = {} if _balance.weights_in_range(host_weights) else None
-    # Judged: ops read together (PhasedClip) are all judged before any claims.
-    yield
+        order.sort(key=lambda gi: gi[0].units[gi[1]].draws - gi[0].units[gi[1]].held())
+    host = None
+    accs = []
+    for k, group in enumerate(groups):
+        # The first group's judgement reads the whole buffer (host None), its
+        # checks first; the others judge their regions of that copy.
+        g_checks = checks if k == 0 else ()
+        acc, copy = _accounting(be, buf if k == 0 else group.region, B, group.max_norm,
+                                "zero" if group.gram32 else nan_policy, None, None, group.draws,
+                                by_factors=True, checks=g_checks,
+                                host=host if k == 0 else host[group.lo:group.hi])
+        host = copy if k == 0 else host
+        g_host = host[group.lo:group.hi]
+        if group.gram32 and acc["num_nonfinite"]:
+            # A float32 Gram overflows (|a_t|^2 past 3.4e38) where the float64
+            # one does not: a dropped row is judged, and dropped, on the
+            # float64 norms (one more host wait, only in a step that drops a row).
+            group.gram32 = group.form_factors(be, dtype, grad_scale, False, again=True)
+            acc, g_host = _accounting(be, group.region, B, group.max_norm, nan_policy, None,
+                                      None, group.draws, by_factors=True)
+        group.host_factors = g_host[:B]
+        group.balance = [True] * len(group.units)
+        group.bias_gemv = None
+        if group.balanced:
+            # The weights as the device formed them (one IEEE product each).
+            host_weights = (group.host_factors * grad_scale if grad_scale != 1.0
+                            else group.host_factors)
+            need = _balance.layers_needing_balancing(
+                host_weights,
+                g_host[2 * B + len(g_checks):].reshape(len(group.balanced), B, 2), *dims[k],
+                # A float32 Gram's zero trace may be an underflow, not a zero operand.
+                dtype == np.float32 and not group.gram32)
+            for i, flag in zip(group.balanced, need):
+                group.balance[i] = bool(flag)
+            # The step's repeated weights, shared by its layers' GEMV biases.
+            group.bias_gemv = {} if _balance.weights_in_range(host_weights) else None
+        group.kept_all = not acc["num_nonfinite"]
+        accs.append(acc)
     # Claimed once nothing can refuse any more: a refused step takes no range.
     seed, offset = _stream.claim(seed, offset, draws)
-    acc.update(seed=seed, offset=offset)
-    if acc["num_nonfinite"]:
-        bad = np.flatnonzero(host_factors == 0)
-        for unit in layers:     # the sums' own name: rebound (let go) by their loop
-            unit.drop_rows(be.io, bad)
+    for group, acc in zip(groups, accs):
+        acc.update(seed=seed, offset=offset + group.start)
+        if not group.kept_all:
+            bad = np.flatnonzero(group.host_factors == 0)
+            for unit in group.units:    # the sums' own name: rebound (let go) by their loop
+                unit.drop_rows(be.io, bad)
     grads = [None] * n_given
-    finish, ghosts = [], []
-    with be.kernels.float32_gemm_scope(sq):
-        for i in order:
-            unit = layers[i]
-            got = unit.reduce(be, dtype, weights, noise_std, inv_denom, seed,
-                              offset + unit.start, balance[i], finish,
-                              kept_all=not acc["num_nonfinite"], bias_gemv=bias_gemv)
+    # Noise finishes by std: one for flat clipping, one a distinct bound's std
+    # under per-layer clipping (one when the bounds are equal, the default).
+    finishes = {}
+    for group in groups:
+        group.finish = finishes.setdefault(group.noise_std, [])
+    ghosts = []
+    with be.kernels.float32_gemm_scope(groups[0].sq):
+        for group, i in order:
+            unit = group.units[i]
+            got = unit.reduce(be, dtype, group.weights, group.noise_std, inv_denom, seed,
+                              offset + unit.start, group.balance[i], group.finish,
+                              kept_all=group.kept_all, bias_gemv=group.bias_gemv)
             if unit.members:
                 for m, g in zip(unit.members, got):
                     grads[m.index] = g
@@ -516,14 +557,15 @@ def _clip_layers_phases(layer_specs, arrays, max_norm, noise_multiplier, seed, o
             if unit.kind == "ghost":
                 ghosts.append((unit.finished, unit.index))
             if release:
-                layers[i] = None
+                group.units[i] = None
     _refuse_shared_ghost_outputs(ghosts)
     # Every ghost block's, linear pair's and joined dense block's noise at once
     # (on a device one launch for 48 of them, not one or two a layer): the
     # same draws at the same offsets as a finish of each in turn.
-    be.kernels.finish_gaussian_segments(finish, np.uint64(seed), float(noise_std),
-                                        float(inv_denom))
-    return grads, acc
+    for std, finish in finishes.items():
+        be.kernels.finish_gaussian_segments(finish, np.uint64(seed), float(std),
+                                            float(inv_denom))
+    return grads, (accs if bounds is not None else accs[0])
 
 
 def _refuse_shared_ghost_outputs(ghosts) -> None:
@@ -617,7 +659,7 @@ def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier,
 def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=None, offset=None,
                           reduction="sum", expected_batch_size=None, nan_policy="raise",
                           grad_scale=1.0, release_blocks=False, gram_precision="float64",
-                          _checks=(), _phased=False) -> LayersClipResult:
+                          _checks=(), _bounds=None) -> LayersClipResult:
     """Clip several parameter blocks jointly: one factor per sample from the total norm.
 
     Each element of ``layers`` is a dense per-sample gradient (B, ...)
@@ -655,6 +697,10 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
     its norms again in float64 before judging it.  Elsewhere (the CPU, float64
     data, T = 1, the direct route) nothing changes.
 
+    ``_bounds`` (internal, GhostClipper's per-layer step): one bound a block,
+    each block clipped on its own (``_clip_layers_phases``); returns a list of
+    one :class:`LayersClipResult` a block.
+
     ``_checks`` (internal, for GhostClipper): ``(0-d device tensor, refuse,
     passes)`` triples whose values are read with the step's counts in its one
     transfer; ``refuse()`` of a value failing ``passes`` raises before any
@@ -683,11 +729,10 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
     if type(grad_scale) is not float or not 0.0 < grad_scale < math.inf:
         grad_scale = check_positive(grad_scale, "grad_scale")   # finite, > 0
     check_choice(gram_precision, "gram_precision", ("float64", "float32"))
-    phases = _clip_layers_phases(layers, arrays, max_norm, noise_multiplier, seed, offset,
-                                 reduction, expected_batch_size, nan_policy, grad_scale,
-                                 release=bool(release_blocks), checks=_checks,
-                                 gram_precision=gram_precision)
-    op = PhasedClip(phases, lambda grads, acc: LayersClipResult(grads=grads, **acc))
-    # _phased (internal, GhostClipper's per-layer step): the op stopped at its
-    # transfer, for the caller to read several ops' buffers at once.
-    return op if _phased else op.finish()
+    grads, acc = _clip_layers(layers, arrays, max_norm, noise_multiplier, seed, offset,
+                              reduction, expected_batch_size, nan_policy, grad_scale,
+                              release=bool(release_blocks), checks=_checks,
+                              gram_precision=gram_precision, bounds=_bounds)
+    if _bounds is None:
+        return LayersClipResult(grads=grads, **acc)
+    return [LayersClipResult(grads=[g], **one) for g, one in zip(grads, acc)]

@@ -261,6 +261,92 @@ def test_ghost_clipper_per_layer_on_the_device_equals_the_cpu_path(require_cuda)
     torch.testing.assert_close(g_dev, g_host, rtol=1e-9, atol=1e-12)
 
 
+
+@pytest.mark.parametrize("case", ["equal bounds, mean", "mixed bounds, float32 Grams",
+                                  "a dropped row"])
+def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypatch):
+    """Per-layer clipping's one op (``clip_and_noise_layers(..., _bounds=)``,
+    one buffer, one transfer, one claim, one noise finish a distinct std)
+    gives each block what a one-block op of its bound gives, run in turn from
+    the same stream position: the same factors, counts, ranges and sums, bit
+    for bit, on the CPU path and on the device; on the device its noise is
+    one finish launch where the bounds are equal."""
+    from ncdp_fast import _stream, clip_and_noise_layers
+    from ncdp_fast._cuda import clip as device_clip
+    finishes = []
+    real = device_clip.finish_gaussian_segments
+    monkeypatch.setattr(device_clip, "finish_gaussian_segments",
+                        lambda *a, **k: (finishes.append(len(a[0])), real(*a, **k)))
+    dtype = torch.float32 if "float32" in case else torch.float64
+    reduction = "mean" if "mean" in case else "sum"
+
+    def blocks(device):
+        g = torch.Generator().manual_seed(3)
+        a3 = torch.randn(6, 4, 5, generator=g, dtype=dtype)
+        g3 = torch.randn(6, 4, 7, generator=g, dtype=dtype)
+        a2 = torch.randn(6, 7, generator=g, dtype=dtype) * 3
+        g2 = torch.randn(6, 2, generator=g, dtype=dtype)
+        dense = torch.randn(6, 3, 2, generator=g, dtype=dtype)
+        if "dropped" in case:
+            dense[4, 0, 1] = float("nan")
+        return [t.to(device) if isinstance(t, torch.Tensor) else t for t in
+                ((a3, g3, False), g3.sum(1), (a2, g2, True), dense, dense[:, 0] * 2)]
+
+    def as_device(block, device):
+        if isinstance(block, tuple):
+            return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in block)
+        return block.to(device)
+
+    # Mixed: 0.8 * 1.3 / 2.05 * 2.05 rounds to another std than the others'
+    # 1.04, so the op finishes the noise in two launches.
+    bounds = [0.7] * 5 if "equal" in case else [0.2, 2.05, 0.4, 1.3, 0.05]
+    kw = dict(noise_multiplier=0.8, reduction=reduction, expected_batch_size=5.0,
+              nan_policy="zero", grad_scale=6.0 if reduction == "mean" else 1.0,
+              gram_precision="float32" if "float32" in case else "float64")
+
+    def run(device):
+        total = 1.3
+        _stream._LEDGER.clear()
+        joint = clip_and_noise_layers([as_device(b, device) for b in blocks("cpu")],
+                                      max_norm=total, seed=7, offset=11, _bounds=bounds, **kw)
+        launches = list(finishes)
+        finishes.clear()
+        _stream._LEDGER.clear()
+        alone, offset = [], 11
+        for block, c in zip(blocks("cpu"), bounds):
+            one = clip_and_noise_layers([as_device(block, device)], max_norm=c, seed=7,
+                                        offset=offset, **dict(kw, noise_multiplier=0.8 * total / c))
+            alone.append(one)
+            offset = one.next_offset
+        finishes.clear()
+        return joint, alone, launches
+
+    with on_host(require_cuda):
+        host = run(torch.device("cpu"))
+    dev = run(require_cuda)
+    for joint, alone, launches in (host, dev):
+        assert len(joint) == len(alone) == 5
+        for j, a in zip(joint, alone):
+            assert (j.seed, j.offset, j.draws, j.num_clipped, j.num_nonfinite) == \
+                (a.seed, a.offset, a.draws, a.num_clipped, a.num_nonfinite)
+            assert torch.equal(torch.as_tensor(j.norms).nan_to_num(-1.0),
+                               torch.as_tensor(a.norms).nan_to_num(-1.0))
+            for x, y in zip(_flat_grads(j.grads[0]), _flat_grads(a.grads[0])):
+                assert torch.equal(x, y)
+        assert sum(j.num_clipped for j in joint) > 0
+    if "dropped" in case:
+        assert host[0][3].num_nonfinite == 1
+    # The device's noise finishes: one launch a distinct std (each block's
+    # formed as its own op forms it), one for equal bounds; the CPU path
+    # launches none.
+    assert host[2] == []
+    stds = {0.8 * 1.3 / c * c for c in bounds}
+    assert len(dev[2]) == len(stds) == (1 if "equal" in case else 2)
+
+
+def _flat_grads(g):
+    return [t.reshape(-1) for t in (g if isinstance(g, tuple) else (g,)) if t is not None]
+
 # ------------------------------------------------------------ host synchronisation
 
 # What one private step asks of the device that makes the host wait, by
@@ -284,14 +370,14 @@ def test_ghost_clipper_per_layer_on_the_device_equals_the_cpu_path(require_cuda)
 # the training scenarios' steps joined the list then.  Adaptive clipping read
 # the (B,) norms again for its count (two more waits: .cpu() and the array);
 # it now forms the count from the op's own host counts.  Per-layer clipping
-# runs one clip op a parameter, and each read its own buffer (6 waits on the
-# MLP, one per parameter); the ops now stop at their transfer and one read
-# serves all (_clip_layers.PhasedClip, per_layer._read_together).
+# ran one clip op a parameter, each reading its own buffer (6 waits on the
+# MLP, one per parameter); its parameters are now one op's blocks, each on its
+# own bound (_clip_layers._Group), with the op's one read.
 ONE = {("copy to the host", "_clip_results.py", "_accounting"): 1}
 STEP_SYNCS = {
     "mlp": ONE, "transformer": ONE, "embedding bag": ONE, "adaptive": ONE,
     "tied_weights": ONE, "dplstm": ONE, "norm_layers": ONE, "embedding_bags": ONE,
-    "per_layer": {("copy to the host", "torch/per_layer.py", "_read_together"): 1},
+    "per_layer": ONE,
 }
 # Hugging Face models through PrivacyEngine (3 embeddings in BERT, GPT-2's head
 # tied to its token embedding).  On the emulated device one more: GPT-2's own
@@ -448,10 +534,8 @@ def test_a_device_loss_check_refuses_within_the_clip_ops_one_read(require_cuda, 
                            noise_multiplier=1.0, expected_batch_size=6, loss_reduction="mean",
                            clipping="per_layer" if mode == "per_layer" else "flat")
     step = clipper.accumulate_ if mode == "accumulate" else clipper.privatize_
-    # One transfer a step: the flat step's and accumulate_'s clip op's; the
-    # per-layer step's ops (one a parameter) read theirs together.
-    site = (("copy to the host", "torch/per_layer.py", "_read_together") if mode == "per_layer"
-            else ("copy to the host", "_clip_results.py", "_accounting"))
+    # One transfer a step: the clip op's (flat, per-layer and accumulate_).
+    site = ("copy to the host", "_clip_results.py", "_accounting")
     for target, refused in ((uneven, True), (labels, False)):
         logits = model(ids.to(require_cuda))
         F.cross_entropy(logits.reshape(-1, 5), target.to(require_cuda).reshape(-1),

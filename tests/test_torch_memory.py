@@ -338,7 +338,8 @@ def test_every_clip_call_gets_the_only_references(clipping, monkeypatch):
     only references to the recorded tensors: the layers' records are cleared
     before it, and it consumes its list (release_blocks), so that it frees
     each layer's inputs and output gradients once its sum is formed (the
-    op's own test: tests/test_clip.py)."""
+    op's own test: tests/test_clip.py); per-layer clipping's one call holds a
+    block and a bound a parameter."""
     from ncdp_fast.torch.mechanism import ClippedGaussianStep
     seen = []
 
@@ -346,7 +347,8 @@ def test_every_clip_call_gets_the_only_references(clipping, monkeypatch):
         def call(self, blocks, grad_scale, **kw):
             held = [len(t.records) for t in self.taps]
             out = real(self, blocks, grad_scale, **kw)
-            seen.append((real.__name__, held, kw.get("release"), list(blocks)))
+            seen.append((real.__name__, held, kw.get("release"), list(blocks),
+                         kw.get("bounds")))
             return out
         return call
     for name in ("_clip_only", "_clip_and_noise"):
@@ -356,11 +358,13 @@ def test_every_clip_call_gets_the_only_references(clipping, monkeypatch):
                             optimizer=popt) as physical:
         _train(pm, popt, physical)
     assert {name for name, *_ in seen} == {"_clip_only", "_clip_and_noise"}
-    for name, held, release, left in seen:
+    params = sum(1 for p in pm.parameters() if p.requires_grad)
+    for name, held, release, left, bounds in seen:
         assert release is True and set(held) == {0}, name
         assert left and all(b is None for b in left), name
         if clipping == "per_layer":
-            assert len(left) == 1           # one parameter a call
+            # one call for every parameter, each on its own bound
+            assert len(left) == params and len(bounds) == params
 
 
 def _guarded_loop(pm, popt, physical):

@@ -324,18 +324,18 @@ class ClippedGaussianStep(UsesNoiseStream):
                 "diverge unseen. Build the clipper (make_private) again with the new value")
 
     def _clip_only(self, blocks, grad_scale, max_norm=None, count=False,
-                   release=False, phased=False) -> LayersClipResult:
+                   release=False, bounds=None) -> LayersClipResult:
         """Clipped sum of ``blocks`` without noise and without the mean's division:
         the share of one physical batch in a logical step.  Noise std 0 adds
         exactly 0, so a throwaway key from the OS serves (seed=None: no ledger
         entry); the clipper's own stream is left for the step's single noise.
         ``release``: the op consumes the list ``blocks`` (its ``release_blocks``);
-        ``phased``: the op stopped at its transfer (``_clip_layers.PhasedClip``)."""
+        ``bounds``: one bound a block (per-layer clipping; a result a block)."""
         return clip_and_noise_layers(
             blocks, max_norm=self.max_grad_norm if max_norm is None else max_norm,
             noise_multiplier=0.0, seed=None, reduction="sum",
             nan_policy=self.nan_policy, grad_scale=grad_scale, release_blocks=release,
-            gram_precision=self.gram_precision, _checks=self._take_checks(), _phased=phased)
+            gram_precision=self.gram_precision, _checks=self._take_checks(), _bounds=bounds)
 
     def _take_checks(self) -> list:
         """The deferred checks, for the first clip op of the step only."""
@@ -343,13 +343,14 @@ class ClippedGaussianStep(UsesNoiseStream):
         return checks
 
     def _clip_and_noise(self, blocks, grad_scale=1.0, max_norm=None,
-                        count=True, release=False, phased=False) -> LayersClipResult:
+                        count=True, release=False, bounds=None) -> LayersClipResult:
         """One private step over ``blocks`` (:func:`ncdp_fast.clip_and_noise_layers`),
         optionally with its own bound ``max_norm`` (per-layer clipping: the noise
         std stays ``noise_multiplier * max_grad_norm``).  ``release``: the op
         consumes the list ``blocks`` (its ``release_blocks``; one process);
-        ``phased`` (one process, not counted): the op stopped at its transfer
-        (``_clip_layers.PhasedClip``)."""
+        ``bounds`` (one process, not counted):
+        one bound a block, each block clipped on its own in one op (per-layer
+        clipping; a result a block), the std that of a one-block op of each."""
         c = self.max_grad_norm if max_norm is None else max_norm
         if self.group is not None:
             result = reduce_clip_and_noise(
@@ -359,15 +360,18 @@ class ClippedGaussianStep(UsesNoiseStream):
                 nan_policy=self.nan_policy, grad_scale=grad_scale,
                 refusal=getattr(self, "_rank_refusal", None))
         else:
+            # With bounds the op forms each block's multiplier as the line
+            # above forms one op's, from the total bound and the multiplier.
+            sigma = self._grad_noise_multiplier()
             result = clip_and_noise_layers(
                 blocks, max_norm=c,
-                noise_multiplier=self._grad_noise_multiplier() * self.max_grad_norm / c,
+                noise_multiplier=sigma if bounds is not None else sigma * self.max_grad_norm / c,
                 seed=self._stream, reduction=self.loss_reduction,
                 expected_batch_size=self.expected_batch_size, nan_policy=self.nan_policy,
                 grad_scale=grad_scale, release_blocks=release,
                 gram_precision=self.gram_precision, _checks=self._take_checks(),
-                _phased=phased)
-        if not count or phased:
+                _bounds=bounds)
+        if not count or bounds is not None:
             return result
         self._steps += 1
         self.last_result = keep_result(result)
