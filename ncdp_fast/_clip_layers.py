@@ -337,8 +337,8 @@ class _Group:
         the others' added), ``spread`` its (B,) zeros (None when no block has
         T > 1), ``weights`` its (B,) sample weights (None: the factors)."""
         self.region, self.factors, self.norms = region, region[:B], region[B:2 * B]
-        extra = region[2 * B + n_checks:]
-        self.sizes = extra.reshape(len(self.balanced), B, 2) if self.balanced else None
+        self.sizes = (region[2 * B + n_checks:].reshape(len(self.balanced), B, 2)
+                      if self.balanced else None)
         for i in self.gemms:
             _arrays.assign(self.sizes[self.slot[i]], self.units[i].gemm[0])
         self.terms = sum(unit.terms for unit in self.units) + grad_terms
