@@ -744,11 +744,11 @@ class _Offset(nn.Module):
 
 
 def test_a_per_layer_step_refused_at_its_read_takes_no_noise_range():
-    """clipping='per_layer' runs one clip op a parameter; their buffers are
-    read in one transfer and judged before any op takes a noise range, so a
-    non-finite norm in the third parameter's op (nan_policy='raise') refuses
-    the step with the stream where it was and no gradient written (before,
-    the first two ops had taken their ranges)."""
+    """clipping='per_layer' runs one clip op, a group a parameter; every
+    group is judged before the op takes its noise range, so a non-finite norm
+    in the third parameter's group (nan_policy='raise') refuses the step with
+    the stream where it was and no gradient written (when the parameters were
+    ops run in turn, the first two had taken their ranges)."""
     model = _Offset().double()
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0), dtype=F64)
     clipper = GhostClipper(model, max_grad_norm=[1.0, 1.0, 1.0, 1.0], noise_multiplier=1.0,
