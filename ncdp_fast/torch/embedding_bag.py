@@ -136,31 +136,29 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls, trainable):
     reads = tuple(x for c in calls for x in c.inputs[:3] if isinstance(x, torch.Tensor))
     if module.mode == "max":
         return [(("weight",), _max_block(calls, B, K, V, D, dtype, reads))]
-    keys, weights, which = [], [], []
-    for k, c in enumerate(calls):
-        bag, row, w = _entries(module, c.inputs, B)
-        keys.append(bag * V + row)
-        weights.append(w)
-        which.append(torch.full_like(bag, k))
-    key, w, which = torch.cat(keys), torch.cat(weights), torch.cat(which)
+    if K == 1:      # one call (the usual case): no call index, no (K, K) Grams
+        bag, row, w = _entries(module, calls[0].inputs, B)
+        key = bag * V + row
+    else:
+        keys, weights, which = [], [], []
+        for k, c in enumerate(calls):
+            bag, row, w = _entries(module, c.inputs, B)
+            keys.append(bag * V + row)
+            weights.append(w)
+            which.append(torch.full_like(bag, k))
+        key, w, which = torch.cat(keys), torch.cat(weights), torch.cat(which)
     N = key.numel()
     # Runs of equal (bag, row) keys after one sort; run r's coefficients
-    # coef[r, k] and key; the N - (number of runs) unused slots keep
-    # coefficient 0 (and key 0), so every shape is static (no host wait).
+    # coef[r, k] (K = 1: coef[r]) and key; the N - (number of runs) unused
+    # slots keep coefficient 0 (and key 0), so every shape is static (no host
+    # wait).
     sk, perm = torch.sort(key)
     start = torch.ones(N, dtype=torch.int64, device=dev)
     start[1:] = (sk[1:] != sk[:-1]).to(torch.int64)
     run = torch.cumsum(start, 0) - 1
-    coef = torch.zeros((N, K), dtype=torch.float64, device=dev)
-    coef.index_put_((run, which[perm]), w[perm], accumulate=True)
     run_key = torch.zeros(N, dtype=torch.int64, device=dev).scatter_(0, run, sk)
     run_bag = torch.div(run_key, V, rounding_mode="floor")
     run_row = run_key - run_bag * V
-    gs = torch.stack([c.grad.reshape(B, D) for c in calls], 1)          # (B, K, D)
-    g64 = gs.to(torch.float64)
-    M = torch.zeros((B, K, K), dtype=torch.float64, device=dev)
-    M.index_add_(0, run_bag, coef.unsqueeze(2) * coef.unsqueeze(1))
-    sq = (torch.bmm(g64, g64.transpose(1, 2)) * M).sum((1, 2))
     # Roundings in one sample's squared norm: D in each Gram entry of g, up to
     # N in a coefficient and in its Gram, the K^2 products' sum, the mean's
     # division.  With K = 1 every term is >= 0 (a relative error); with K > 1
@@ -168,7 +166,22 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls, trainable):
     # terms bounds the absolute error, and the float64 sum of K terms a row.
     terms = D + 2 * N + K * K + 2
     spread = None
-    if K > 1:
+    if K == 1:
+        # ||g_b||^2 sum_v c_bv^2: no call index, stack, outer products or
+        # batched GEMM (a mean bag and a linear head's step: 75 aten operators
+        # against 87 with the K-call form)
+        coef = torch.zeros(N, dtype=torch.float64, device=dev).index_add_(0, run, w[perm])
+        g1 = calls[0].grad.reshape(B, D)
+        c2 = torch.zeros(B, dtype=torch.float64, device=dev).index_add_(0, run_bag, coef * coef)
+        sq = g1.to(torch.float64).square().sum(1) * c2
+    else:
+        coef = torch.zeros((N, K), dtype=torch.float64, device=dev)
+        coef.index_put_((run, which[perm]), w[perm], accumulate=True)
+        gs = torch.stack([c.grad.reshape(B, D) for c in calls], 1)      # (B, K, D)
+        g64 = gs.to(torch.float64)
+        M = torch.zeros((B, K, K), dtype=torch.float64, device=dev)
+        M.index_add_(0, run_bag, coef.unsqueeze(2) * coef.unsqueeze(1))
+        sq = (torch.bmm(g64, g64.transpose(1, 2)) * M).sum((1, 2))
         A = torch.zeros((B, K), dtype=torch.float64, device=dev).index_add_(0, run_bag, coef.abs())
         spread = (A * torch.linalg.vector_norm(g64, dim=2)).sum(1)
 
@@ -176,11 +189,11 @@ def embedding_bag_rule(module: nn.EmbeddingBag, calls, trainable):
         out = torch.zeros((V, D), dtype=dtype, device=dev)
         if N == 0 or B == 0:
             return out
-        scale = coef * factors[run_bag].unsqueeze(1)                   # (N, K) float64
         if K == 1:
-            rows = scaled_rows(gs[:, 0][run_bag].unsqueeze(1), scale[:, 0], dtype, masked)
-            rows = rows.reshape(N, D)
+            scale = coef * factors[run_bag]                             # (N,) float64
+            rows = scaled_rows(g1[run_bag].unsqueeze(1), scale, dtype, masked).reshape(N, D)
         else:
+            scale = coef * factors[run_bag].unsqueeze(1)               # (N, K) float64
             rows = torch.einsum("nk,nkd->nd", scale, g64[run_bag]).to(dtype)
             if masked:      # 0 * NaN of a dropped sample is NaN: exact zeros
                 rows.masked_fill_((scale == 0).all(1).unsqueeze(1), 0.0)
