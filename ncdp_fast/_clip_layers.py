@@ -698,7 +698,7 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
     data, T = 1, the direct route) nothing changes.
 
     ``_bounds`` (internal, GhostClipper's per-layer step): one bound a block,
-    each block clipped on its own (``_clip_layers_phases``); returns a list of
+    each block clipped on its own (``_clip_layers._clip_layers``); returns a list of
     one :class:`LayersClipResult` a block.
 
     ``_checks`` (internal, for GhostClipper): ``(0-d device tensor, refuse,
