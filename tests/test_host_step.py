@@ -44,6 +44,7 @@ def test_host_step_reports_the_private_steps_extra_host_work(tmp_path):
                                         (["--rounds", "0"], "--rounds"),
                                         (["--device", "tpu"], "--device"),
                                         (["--launches", "none"], "--launches"),
+                                        (["--clipping", "adaptive"], "--clipping"),
                                         (["--launches", "stub", "--device", "cuda"],
                                          "--launches stub")])
 def test_host_step_refuses_bad_arguments(tmp_path, args, what):
@@ -89,6 +90,29 @@ def test_host_step_with_stubbed_launches_counts_what_a_step_runs(tmp_path):
         for key in ("operators", "kernel_operators", "launches"):
             assert run[key] == stub[key], key
         assert stub["host_ms_min"] > 0
+
+
+def test_host_step_measures_per_layer_clipping_when_asked(tmp_path):
+    """--clipping per_layer: the private step is PrivacyEngine's with
+    clipping='per_layer' (named in the report's device line), whose norms and
+    factors are formed a parameter at a time: more of our launches than the
+    flat step's on the same workload (the linear head's weight and bias)."""
+    pytest.importorskip("torch")
+    got = {}
+    for clipping in ("flat", "per_layer"):
+        out = tmp_path / clipping
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "linear", "--rounds",
+                               "1", "--clipping", clipping, "--out", str(out)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        (report,) = out.glob("host_step-cpu-*.json")
+        got[clipping] = json.loads(report.read_text())
+    assert "clipping='per_layer'" in got["per_layer"]["meta"]["device"]
+    assert "clipping=" not in got["flat"]["meta"]["device"]
+    flat, per_layer = (got[c]["rows"][1] for c in ("flat", "per_layer"))
+    assert per_layer["method"] == flat["method"] == "ncdp_engine"
+    assert per_layer["launches"] > flat["launches"]
+    assert got["flat"]["rows"][0]["launches"] == got["per_layer"]["rows"][0]["launches"] == 0
 
 
 def test_python_opcodes_counts_the_interpreters_work_and_restores_the_trace():
