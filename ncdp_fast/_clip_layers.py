@@ -491,17 +491,18 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
         # dropping it frees its (B, T, d) and (B, T, K) arrays (drop_rows below
         # copies them, at their shapes).
         order.sort(key=lambda gi: gi[0].units[gi[1]].draws - gi[0].units[gi[1]].held())
-    host = None
     accs = []
     for k, group in enumerate(groups):
-        # The first group's judgement reads the whole buffer (host None), its
-        # checks first; the others judge their regions of that copy.
+        # The first group's judgement reads the whole buffer (the op's one
+        # transfer), its checks first; the others judge their regions of it.
         g_checks = checks if k == 0 else ()
-        acc, copy = _accounting(be, buf if k == 0 else group.region, B, group.max_norm,
-                                "zero" if group.gram32 else nan_policy, None, None, group.draws,
-                                by_factors=True, checks=g_checks,
-                                host=host if k == 0 else host[group.lo:group.hi])
-        host = copy if k == 0 else host
+        policy = "zero" if group.gram32 else nan_policy
+        if k == 0:
+            acc, host = _accounting(be, buf, B, group.max_norm, policy, None, None, group.draws,
+                                    by_factors=True, checks=checks)
+        else:
+            acc, _ = _accounting(be, group.region, B, group.max_norm, policy, None, None,
+                                 group.draws, by_factors=True, host=host[group.lo:group.hi])
         g_host = host[group.lo:group.hi]
         if group.gram32 and acc["num_nonfinite"]:
             # A float32 Gram overflows (|a_t|^2 past 3.4e38) where the float64

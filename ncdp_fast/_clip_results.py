@@ -134,20 +134,6 @@ def step_buffer(io, B, n_checks=0, n_extra=0):
     return buf, buf[:B], buf[B:2 * B], buf[2 * B + n_checks:]
 
 
-def write_checks(buf, B, checks) -> None:
-    """The caller's device check values (:func:`_accounting`'s ``checks``)
-    written into ``buf`` after the factors and norms, before its transfer."""
-    if checks:
-        # GhostClipper's values are torch tensors, as its step buffer is; one
-        # on another device than the buffer's is moved to it.  The cat writes
-        # each value into the float64 buffer as it is (no promotion among
-        # them).
-        dev = buf.device
-        import torch
-        torch.cat([(v if v.device == dev else v.to(dev)).reshape(1) for v, _, _ in checks],
-                  out=buf[2 * B:2 * B + len(checks)])
-
-
 def _accounting(be, buf, B, max_norm, nan_policy, seed, offset, draws, by_factors, checks=(),
                 host=None):
     """The step's counts from ``buf`` (:func:`step_buffer`, its factors and
@@ -165,10 +151,18 @@ def _accounting(be, buf, B, max_norm, nan_policy, seed, offset, draws, by_factor
     counts are judged (GhostClipper's loss checks: one host wait a step, not
     two).  The counts are formed on the host from the transferred values: no
     device reduction a step (issue 36's host time).  ``host``: ``buf`` already
-    read (its checks written first, :func:`write_checks`), a slice of one
-    transfer several ops share (per-layer clipping); None: read here."""
+    read, without checks (a per-layer group's region of the op's one
+    transfer); None: read here."""
     if host is None:
-        write_checks(buf, B, checks)
+        if checks:
+            # GhostClipper's values are torch tensors, as its step buffer is;
+            # one on another device than the buffer's is moved to it.  The cat
+            # writes each value into the float64 buffer as it is (no promotion
+            # among them).
+            dev = buf.device
+            import torch
+            torch.cat([(v if v.device == dev else v.to(dev)).reshape(1) for v, _, _ in checks],
+                      out=buf[2 * B:2 * B + len(checks)])
         host = be.io.to_numpy(buf)
     for v, (_, refuse, passes) in zip(host[2 * B:2 * B + len(checks)], checks):
         if not passes(float(v)):

@@ -13,6 +13,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "host_step.py"
 
 
+def _report(out, *args) -> dict:
+    """The JSON report of one run of the script on the linear workload, one
+    round, with ``args``."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "linear", "--rounds", "1",
+                           *args, "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (report,) = out.glob("host_step-cpu-*.json")
+    return json.loads(report.read_text())
+
+
 def test_host_step_reports_the_private_steps_extra_host_work(tmp_path):
     pytest.importorskip("torch")
     proc = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "linear", "--rounds", "2",
@@ -75,15 +86,7 @@ def test_host_step_with_stubbed_launches_counts_what_a_step_runs(tmp_path):
     operators, calls and launches as without it), so the stand-in's zero
     fills are not counted as the step's kernels."""
     pytest.importorskip("torch")
-    got = {}
-    for mode in ("run", "stub"):
-        out = tmp_path / mode
-        proc = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "linear", "--rounds",
-                               "1", "--launches", mode, "--out", str(out)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        (report,) = out.glob("host_step-cpu-*.json")
-        got[mode] = json.loads(report.read_text())
+    got = {mode: _report(tmp_path / mode, "--launches", mode) for mode in ("run", "stub")}
     assert "stubbed" in got["stub"]["meta"]["device"]
     assert "stubbed" not in got["run"]["meta"]["device"]
     for run, stub in zip(got["run"]["rows"], got["stub"]["rows"]):
@@ -98,15 +101,7 @@ def test_host_step_measures_per_layer_clipping_when_asked(tmp_path):
     factors are formed a parameter at a time: more of our launches than the
     flat step's on the same workload (the linear head's weight and bias)."""
     pytest.importorskip("torch")
-    got = {}
-    for clipping in ("flat", "per_layer"):
-        out = tmp_path / clipping
-        proc = subprocess.run([sys.executable, str(SCRIPT), "--workloads", "linear", "--rounds",
-                               "1", "--clipping", clipping, "--out", str(out)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        (report,) = out.glob("host_step-cpu-*.json")
-        got[clipping] = json.loads(report.read_text())
+    got = {c: _report(tmp_path / c, "--clipping", c) for c in ("flat", "per_layer")}
     assert "clipping='per_layer'" in got["per_layer"]["meta"]["device"]
     assert "clipping=" not in got["flat"]["meta"]["device"]
     flat, per_layer = (got[c]["rows"][1] for c in ("flat", "per_layer"))

@@ -353,6 +353,9 @@ class ClippedGaussianStep(UsesNoiseStream):
         clipping; a result a block), the std that of a one-block op of each."""
         c = self.max_grad_norm if max_norm is None else max_norm
         if self.group is not None:
+            if bounds is not None:      # the reduction has no groups: never ignored
+                raise RuntimeError("_clip_and_noise: bounds are one process's (per_layer.py "
+                                   "runs an op a parameter across ranks)")
             result = reduce_clip_and_noise(
                 blocks, group=self.group, stream=self._stream, max_norm=c,
                 noise_multiplier=self._grad_noise_multiplier() * self.max_grad_norm / c,

@@ -75,17 +75,16 @@ def clip_per_layer(clipper, entries, blocks, grad_scale, noise=True):
     split, parts = _split(entries, blocks)
     bounds = dict(zip(clipper.param_names, clipper.layer_norms))
     mine = [bounds[t.full(n[0])] for t, n, _ in split]
+    clip = clipper._clip_and_noise if noise else clipper._clip_only
     if clipper.group is None:
         # One op for every parameter (issue 36): one buffer, one host wait,
         # one claim of the step's range and one noise finish, where an op a
         # parameter had each of its own (about 0.3 ms of host time a
         # parameter on the 2-core VM); each parameter's factors, range and
         # sum are those of its own op.
-        clip = clipper._clip_and_noise if noise else clipper._clip_only
         results = clip(parts, grad_scale, count=False, release=True, bounds=mine)
     else:
         # Across ranks each parameter's op is its own reduction.
-        clip = clipper._clip_and_noise if noise else clipper._clip_only
         results = []
         for i, c in enumerate(mine):
             one, parts[i] = [parts[i]], None
