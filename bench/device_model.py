@@ -218,7 +218,7 @@ def _ours(name, kw) -> tuple[float, int]:
     if name == "launch_clip_noise_rows":
         b = 2 * kw["B"] * kw["p"] * _ITEMSIZE[kw["dtype"]]
         return b / BYTES_PER_S + kw["p"] / NORMALS_PER_S, b
-    if name == "launch_clip_factors":
+    if name == "launch_clip_factor_groups":
         return 0.0, 0
     if name == "launch_scale_rows":
         # x read once and the products written once (16-byte accesses), the

@@ -120,7 +120,7 @@ class StubLaunches:
     puts the real launches back (the counting pass: its operators would
     otherwise include the zero fills)."""
 
-    KEEP = ("launch_clip_factors",)     # the factors the step's host reads
+    KEEP = ("launch_clip_factor_groups",)     # the factors the step's host reads
 
     def __init__(self):
         import torch

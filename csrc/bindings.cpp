@@ -67,13 +67,14 @@ PYBIND11_MODULE(NCDP_MODULE_NAME, m) {
         py::arg("v_length"), py::arg("sq"), py::arg("accumulate"),
         py::arg("spread"), py::arg("sizes"), py::arg("workspace"), py::arg("workspace_bytes"),
         py::arg("stream"));
-  m.def("launch_clip_factors", &ncdp::launch_clip_factors,
-        "norms = sqrt(scale^2 sq); factors by the rounding-aware rule of "
-        "reference.clip_factors on scale^2 sq and scale spread (float64 [B]; spread 0 for "
-        "E = 0); weights = factors scale where given (0: not formed).",
-        py::arg("sq"), py::arg("spread"), py::arg("B"), py::arg("max_norm"), py::arg("terms"),
-        py::arg("seq_len"), py::arg("unit"), py::arg("factors"), py::arg("norms"),
-        py::arg("stream"), py::arg("scale") = 1.0, py::arg("weights") = 0);
+  m.def("launch_clip_factor_groups", &ncdp::launch_clip_factor_groups,
+        "For group g, sample i: out[g stride + B + i] = sqrt(scale^2 sq[g, i]), out[g stride + "
+        "i] its factor by the rounding-aware rule of reference.clip_factors with group g's "
+        "(max_norm, terms, seq_len) on scale^2 sq and scale spread (float64 [groups, B]; spread "
+        "0 for E = 0); weights = factors scale where given (0: not formed).",
+        py::arg("sq"), py::arg("spread"), py::arg("groups"), py::arg("B"), py::arg("max_norm"),
+        py::arg("terms"), py::arg("seq_len"), py::arg("unit"), py::arg("out"),
+        py::arg("stride"), py::arg("stream"), py::arg("scale") = 1.0, py::arg("weights") = 0);
   m.def("weighted_row_sum_workspace_bytes", &ncdp::weighted_row_sum_workspace_bytes,
         "Workspace bytes of launch_weighted_row_sum_noise.", py::arg("B"), py::arg("p"),
         py::arg("dtype"));

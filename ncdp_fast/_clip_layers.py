@@ -332,22 +332,28 @@ class _Group:
         self.slot = {i: j for j, i in enumerate(self.balanced)}
 
     def place(self, region, B, n_checks, sq, spread, weights, grad_terms):
-        """Its factors, norms and operand sizes as views of ``region``; ``sq``
-        its (B,) norm sums (not zeroed: the first block's norms are written,
-        the others' added), ``spread`` its (B,) zeros (None when no block has
-        T > 1), ``weights`` its (B,) sample weights (None: the factors)."""
+        """Its factors, norms and operand sizes as views of ``region`` (the
+        operand sizes after ``n_checks`` places, the first group's checks in
+        every group's region: one layout, one stride); ``sq`` its (B,) norm
+        sums (not zeroed: the first block's norms are written, the others'
+        added), ``spread`` its (B,) zeros (None when no block has T > 1),
+        ``weights`` its (B,) sample weights (None: the factors)."""
         self.region, self.factors, self.norms = region, region[:B], region[B:2 * B]
-        self.sizes = (region[2 * B + n_checks:].reshape(len(self.balanced), B, 2)
-                      if self.balanced else None)
+        self.sizes_at = 2 * B + n_checks
+        self.sizes = (region[self.sizes_at:self.sizes_at + 2 * len(self.balanced) * B]
+                      .reshape(len(self.balanced), B, 2) if self.balanced else None)
         for i in self.gemms:
             _arrays.assign(self.sizes[self.slot[i]], self.units[i].gemm[0])
         self.terms = sum(unit.terms for unit in self.units) + grad_terms
+        self.rule = (self.max_norm, self.terms, self.t_max)
         self.sq = sq
         self.spread = spread if self.t_max > 1 else None
         self.weights = self.factors if weights is None else weights
 
-    def form_factors(self, be, dtype, grad_scale, gram32, again=False):
-        """The norms and factors into the region; whether a float32 Gram formed any."""
+    def form_norms(self, be, gram32, again=False):
+        """Its norm sums (and spreads) into its rows; whether a float32 Gram
+        formed any.  The factors are formed from them for every group at
+        once (``clip_factor_groups``)."""
         sq, spread, units = self.sq, self.spread, self.units
         if again and spread is not None:        # a second pass: start from nothing
             spread[...] = 0.0
@@ -365,9 +371,6 @@ class _Group:
                 spread if T > 1 else None, self.sizes[j:j + len(members)], gram32,
                 accumulate=not first))
             first = False
-        be.kernels.clip_factors(sq, spread, self.max_norm, self.terms, self.t_max,
-                                float(np.finfo(dtype).eps) / 2, self.factors, self.norms,
-                                grad_scale, None if self.weights is self.factors else self.weights)
         return used
 
     def shapes(self):
@@ -455,31 +458,34 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
     del parts
     draws = sum(group.draws for group in groups)
     # Every group's factors, norms and operand sizes, and the checks' flags,
-    # side by side: the step's one transfer reads them all.  The first
-    # group's region is _clip_results.step_buffer's layout (the checks after
-    # its norms).
-    lengths = [2 * B + 2 * len(group.balanced) * B for group in groups]
-    lengths[0] += len(checks)
-    buf = be.io.empty((sum(lengths),), _F64)
+    # side by side, a region of L values a group: the step's one transfer
+    # reads them all, and one launch forms every group's factors into their
+    # regions.  The first group's region is _clip_results.step_buffer's layout
+    # (the checks after its norms); the others leave those places unused.
+    n_checks = len(checks)
+    L = 2 * B + n_checks + 2 * max(len(group.balanced) for group in groups) * B
+    G = len(groups)
+    buf = be.io.empty((G * L,), _F64)
     # The groups' norm sums, spreads and weights: one allocation each, a row
     # a group.  The blocks hold gradients / s: the sample's norm is s times
     # theirs and its weight in the sums s times its factor (two more float64
     # roundings, s^2 sq and f s, formed inside the factors' kernel).
-    G = len(groups)
     sqs = be.io.empty((G, B), _F64)
     spreads = (be.io.zeros((G, B), _F64) if any(group.t_max > 1 for group in groups)
-               else [None] * G)
-    weights = be.io.empty((G, B), _F64) if grad_scale != 1.0 else [None] * G
+               else None)
+    weights = be.io.empty((G, B), _F64) if grad_scale != 1.0 else None
     grad_terms = 2 if grad_scale != 1.0 else 0
-    lo = 0
-    for k, (group, n) in enumerate(zip(groups, lengths)):
-        group.place(buf[lo:lo + n], B, len(checks) if k == 0 else 0, sqs[k], spreads[k],
-                    weights[k], grad_terms)
-        group.lo, group.hi = lo, lo + n
-        lo += n
+    for k, group in enumerate(groups):
+        group.place(buf[k * L:(k + 1) * L], B, n_checks, sqs[k],
+                    None if spreads is None else spreads[k],
+                    None if weights is None else weights[k], grad_terms)
+        group.k, group.lo, group.hi = k, k * L, (k + 1) * L
     gram = gram_precision == "float32" and dtype == np.float32
     for group in groups:
-        group.gram32 = group.form_factors(be, dtype, grad_scale, gram)
+        group.gram32 = group.form_norms(be, gram)
+    unit = float(np.finfo(dtype).eps) / 2
+    be.kernels.clip_factor_groups(sqs, spreads, [group.rule for group in groups], unit, buf, L,
+                                  grad_scale, weights)
     # What the sums need that the transfer does not bring, formed while the
     # device still works towards it: after the transfer the device waits for
     # the host until the first sum is launched (72 layers' order and shapes:
@@ -495,7 +501,6 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
     for k, group in enumerate(groups):
         # The first group's judgement reads the whole buffer (the op's one
         # transfer), its checks first; the others judge their regions of it.
-        g_checks = checks if k == 0 else ()
         policy = "zero" if group.gram32 else nan_policy
         if k == 0:
             acc, host = _accounting(be, buf, B, group.max_norm, policy, None, None, group.draws,
@@ -508,7 +513,11 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
             # A float32 Gram overflows (|a_t|^2 past 3.4e38) where the float64
             # one does not: a dropped row is judged, and dropped, on the
             # float64 norms (one more host wait, only in a step that drops a row).
-            group.gram32 = group.form_factors(be, dtype, grad_scale, False, again=True)
+            group.gram32 = group.form_norms(be, False, again=True)
+            one = slice(group.k, group.k + 1)
+            be.kernels.clip_factor_groups(sqs[one], None if spreads is None else spreads[one],
+                                          [group.rule], unit, group.region, L, grad_scale,
+                                          None if weights is None else weights[one])
             acc, g_host = _accounting(be, group.region, B, group.max_norm, nan_policy, None,
                                       None, group.draws, by_factors=True)
         group.host_factors = g_host[:B]
@@ -520,7 +529,8 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
                             else group.host_factors)
             need = _balance.layers_needing_balancing(
                 host_weights,
-                g_host[2 * B + len(g_checks):].reshape(len(group.balanced), B, 2), *dims[k],
+                g_host[group.sizes_at:group.sizes_at + 2 * len(group.balanced) * B]
+                .reshape(len(group.balanced), B, 2), *dims[k],
                 # A float32 Gram's zero trace may be an underflow, not a zero operand.
                 dtype == np.float32 and not group.gram32)
             for i, flag in zip(group.balanced, need):

@@ -615,6 +615,37 @@ def test_numba_clip_factors_fold_the_grad_scale_as_the_device(scale, with_spread
     assert np.array_equal(sq_in, sq, equal_nan=True)       # the caller's norms untouched
 
 
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+@pytest.mark.parametrize("with_spread", [False, True])
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_numba_clip_factor_groups_give_each_group_its_rule(scale, with_spread, with_weights):
+    """The CPU twin of the groups' factors launch (per-layer clipping): each
+    group's rows on its own rule, its factors and norms at its place of the
+    output, what lies between left as it was -- the reference's, bit for bit,
+    as tests/test_cuda_emulation.py holds the device kernel to."""
+    from ncdp_fast._numba import clip as nclip
+    base = np.array([0.0, 0.25, 1.0, 4.0, 1e300, np.inf, np.nan, 1e-300, 7.0])
+    B = base.size
+    rules = [(2.0, 37, 4), (0.5, 3, 1), (7.0, 1000, 0)]
+    sq = np.stack([base * (1.0 + 0.5 * k) for k in range(len(rules))])
+    spread = np.abs(np.random.default_rng(2).standard_normal(sq.shape)) * 3
+    unit, stride = 2.0 ** -53, 2 * B + 3
+    out = np.full(len(rules) * stride, -1.0)
+    weights = np.full(sq.shape, -1.0) if with_weights else None
+    nclip.clip_factor_groups(sq, spread if with_spread else None, rules, unit, out, stride,
+                             scale, weights)
+    out = out.reshape(len(rules), stride)
+    for g, (C, terms, seq_len) in enumerate(rules):
+        want, want_norms = R.clip_factors(sq[g] * (scale * scale), C, unit=unit, terms=terms,
+                                          spread=spread[g] * scale if with_spread else None,
+                                          seq_len=seq_len)
+        assert np.array_equal(out[g, :B], want)
+        assert np.array_equal(out[g, B:2 * B], want_norms, equal_nan=True)
+        assert np.all(out[g, 2 * B:] == -1.0)
+        if with_weights:
+            assert np.array_equal(weights[g], want * scale)
+
+
 # ------------------------------------- normalisation layers' affine gradients
 
 # (B, rows, n, run): LayerNorm rows (run 0: one row, one value, no rows, n past

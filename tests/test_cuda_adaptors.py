@@ -112,19 +112,24 @@ def test_native_gram_needs_one_flag_per_term(native):
 
 def test_native_clip_factors_validates_the_rule(native):
     # Checked before any CUDA call, so these run without a GPU.
-    args = dict(sq=0, spread=0, B=0, max_norm=1.0, terms=3, seq_len=1, unit=2.0 ** -24,
-                factors=0, norms=0, stream=0)
-    native.launch_clip_factors(**args)  # B = 0: nothing to do
+    args = dict(sq=0, spread=0, groups=1, B=0, max_norm=[1.0], terms=[3], seq_len=[1],
+                unit=2.0 ** -24, out=0, stride=0, stream=0)
+    native.launch_clip_factor_groups(**args)  # B = 0: nothing to do
+    native.launch_clip_factor_groups(**dict(args, groups=0, max_norm=[], terms=[], seq_len=[]))
     # seq_len 0 (a sequence block with no positions) is valid, as on the CPU path.
-    native.launch_clip_factors(**dict(args, seq_len=0))
+    native.launch_clip_factor_groups(**dict(args, seq_len=[0]))
     with pytest.raises(ValueError, match="seq_len must be non-negative, got -1"):
-        native.launch_clip_factors(**dict(args, seq_len=-1))
+        native.launch_clip_factor_groups(**dict(args, seq_len=[-1]))
     with pytest.raises(ValueError, match="unit must be a unit roundoff in"):
-        native.launch_clip_factors(**dict(args, unit=1.0))
+        native.launch_clip_factor_groups(**dict(args, unit=1.0))
     with pytest.raises(ValueError, match="terms must be non-negative, got -1"):
-        native.launch_clip_factors(**dict(args, terms=-1))
+        native.launch_clip_factor_groups(**dict(args, terms=[-1]))
+    with pytest.raises(ValueError, match="one entry a group \\(2\\), got 1, 2 and 2"):
+        native.launch_clip_factor_groups(**dict(args, groups=2, terms=[3, 3], seq_len=[1, 1]))
+    with pytest.raises(ValueError, match="stride must be at least 2 B = 4, got 3"):
+        native.launch_clip_factor_groups(**dict(args, B=2, stride=3))
     with pytest.raises(ValueError, match="sq is a null pointer but the buffer is not empty"):
-        native.launch_clip_factors(**dict(args, B=2))
+        native.launch_clip_factor_groups(**dict(args, B=2, stride=4))
 
 
 def test_native_linear_sq_norms_forms_sizes_at_rank_one_only(native):

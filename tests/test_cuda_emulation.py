@@ -466,31 +466,44 @@ def test_linear_norms_from_float32_grams_match_the_reference(emu, B, layers, T, 
 
 @pytest.mark.parametrize("with_spread", [False, True])
 @pytest.mark.parametrize("scale", [None, 1.0, 3.0, 0.1])
-def test_clip_factors_match_the_reference_rule(emu, with_spread, scale):
+@pytest.mark.parametrize("groups", [1, 3])
+def test_clip_factors_match_the_reference_rule(emu, with_spread, scale, groups):
     # The rule of clip/clip_rule.cuh is reference.clip_bound operation for operation:
     # factors agree bit for bit, including overflowing, zero and non-finite rows.
     # With a grad_scale s: the rule on s^2 sq and s spread, weights = factors s,
     # each product rounded once (the element-wise ops the kernel replaced);
-    # None: the launcher's default (1, no weights).
-    sq = np.array([0.0, 0.25, 1.0, 1.0 + 2.0 ** -40, 4.0, 1e300, np.inf, np.nan, 1e-300,
-                   3.65e22 ** 2, 7.0])
-    spread = np.abs(np.random.default_rng(0).standard_normal(sq.size)) * 3
-    spread[3] = 1e200  # (sqrt(g) E)^2 must not overflow where g E^2 would
-    terms, seq_len, unit, C = 37, 4, 2.0 ** -24, 2.0
-    scalars = dict(B=sq.size, max_norm=C, terms=terms, seq_len=seq_len, unit=unit)
+    # None: the launcher's default (1, no weights).  Groups (per-layer
+    # clipping): each group's rows on its own rule, its factors and norms at
+    # its place of the output (stride past 2 B: what lies between is left).
+    base = np.array([0.0, 0.25, 1.0, 1.0 + 2.0 ** -40, 4.0, 1e300, np.inf, np.nan, 1e-300,
+                     3.65e22 ** 2, 7.0])
+    B = base.size
+    sq = np.stack([base * (1.0 + 0.5 * k) for k in range(groups)])
+    spread = np.abs(np.random.default_rng(0).standard_normal((groups, B))) * 3
+    spread[:, 3] = 1e200  # (sqrt(g) E)^2 must not overflow where g E^2 would
+    rules = [(2.0, 37, 4), (0.5, 3, 1), (7.0, 1000, 0)][:groups]
+    unit, stride = 2.0 ** -24, 2 * B + 5
+    scalars = dict(B=B, groups=groups, unit=unit, stride=stride)
     buffers = {"sq": sq, "spread": spread if with_spread else None,
-               "factors": np.full(sq.size, -1.0), "norms": np.full(sq.size, -1.0)}
+               "max_norm": np.array([c for c, _, _ in rules]),
+               "terms": np.array([t for _, t, _ in rules], dtype=np.int64),
+               "seq_len": np.array([T for _, _, T in rules], dtype=np.int64),
+               "out": np.full(groups * stride, -1.0)}
     if scale is not None:
         scalars["scale"] = scale
-        buffers["weights"] = np.full(sq.size, -1.0)
+        buffers["weights"] = np.full((groups, B), -1.0)
     res = emu.run("clip_factors", scalars, buffers)
     s = 1.0 if scale is None else scale
-    factors, norms = R.clip_factors(sq * (s * s), C, unit=unit, terms=terms,
-                                    spread=spread * s if with_spread else None, seq_len=seq_len)
-    assert np.array_equal(res["factors"], factors)
-    assert np.array_equal(res["norms"], norms, equal_nan=True)
-    if scale is not None:
-        assert np.array_equal(res["weights"], factors * s)
+    out = res["out"].reshape(groups, stride)
+    for g, (C, terms, seq_len) in enumerate(rules):
+        factors, norms = R.clip_factors(sq[g] * (s * s), C, unit=unit, terms=terms,
+                                        spread=spread[g] * s if with_spread else None,
+                                        seq_len=seq_len)
+        assert np.array_equal(out[g, :B], factors)
+        assert np.array_equal(out[g, B:2 * B], norms, equal_nan=True)
+        assert np.all(out[g, 2 * B:] == -1.0)
+        if scale is not None:
+            assert np.array_equal(res["weights"].reshape(groups, B)[g], factors * s)
 
 
 @pytest.mark.parametrize("dtype,magnitudes", [

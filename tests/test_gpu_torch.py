@@ -263,20 +263,26 @@ def test_ghost_clipper_per_layer_on_the_device_equals_the_cpu_path(require_cuda)
 
 
 @pytest.mark.parametrize("case", ["equal bounds, mean", "mixed bounds, float32 Grams",
-                                  "a dropped row"])
+                                  "a dropped row", "many blocks"])
 def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypatch):
     """Per-layer clipping's one op (``clip_and_noise_layers(..., _bounds=)``,
-    one buffer, one transfer, one claim, one noise finish a distinct std)
-    gives each block what a one-block op of its bound gives, run in turn from
-    the same stream position: the same factors, counts, ranges and sums, bit
-    for bit, on the CPU path and on the device; on the device its noise is
-    one finish launch where the bounds are equal."""
+    one buffer, one factors call, one transfer, one claim, one noise finish a
+    distinct std) gives each block what a one-block op of its bound gives,
+    run in turn from the same stream position: the same factors, counts,
+    ranges and sums, bit for bit, on the CPU path and on the device; on the
+    device its noise is one finish launch where the bounds are equal.  "many
+    blocks": 131 blocks of five widths (five rules), past the 128 groups of
+    one factors launch."""
     from ncdp_fast import _stream, clip_and_noise_layers
     from ncdp_fast._cuda import clip as device_clip
-    finishes = []
+    finishes, factor_calls = [], []
     real = device_clip.finish_gaussian_segments
     monkeypatch.setattr(device_clip, "finish_gaussian_segments",
                         lambda *a, **k: (finishes.append(len(a[0])), real(*a, **k)))
+    real_factors = device_clip.clip_factor_groups
+    monkeypatch.setattr(device_clip, "clip_factor_groups",
+                        lambda *a, **k: (factor_calls.append(a[0].shape[0]),
+                                         real_factors(*a, **k)))
     dtype = torch.float32 if "float32" in case else torch.float64
     reduction = "mean" if "mean" in case else "sum"
 
@@ -289,6 +295,9 @@ def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypa
         dense = torch.randn(6, 3, 2, generator=g, dtype=dtype)
         if "dropped" in case:
             dense[4, 0, 1] = float("nan")
+        if "many" in case:
+            return [torch.randn(6, 1 + k % 5, generator=g, dtype=dtype) * (0.05 * (k % 7) + 0.01)
+                    for k in range(131)]
         return [t.to(device) if isinstance(t, torch.Tensor) else t for t in
                 ((a3, g3, False), g3.sum(1), (a2, g2, True), dense, dense[:, 0] * 2)]
 
@@ -299,7 +308,8 @@ def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypa
 
     # Mixed: 0.8 * 1.3 / 2.05 * 2.05 rounds to another std than the others'
     # 1.04, so the op finishes the noise in two launches.
-    bounds = [0.7] * 5 if "equal" in case else [0.2, 2.05, 0.4, 1.3, 0.05]
+    bounds = ([0.7] * 5 if "equal" in case else [0.09] * 131 if "many" in case
+              else [0.2, 2.05, 0.4, 1.3, 0.05])
     kw = dict(noise_multiplier=0.8, reduction=reduction, expected_batch_size=5.0,
               nan_policy="zero", grad_scale=6.0 if reduction == "mean" else 1.0,
               gram_precision="float32" if "float32" in case else "float64")
@@ -309,8 +319,9 @@ def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypa
         _stream._LEDGER.clear()
         joint = clip_and_noise_layers([as_device(b, device) for b in blocks("cpu")],
                                       max_norm=total, seed=7, offset=11, _bounds=bounds, **kw)
-        launches = list(finishes)
+        launches, factors = list(finishes), list(factor_calls)
         finishes.clear()
+        factor_calls.clear()
         _stream._LEDGER.clear()
         alone, offset = [], 11
         for block, c in zip(blocks("cpu"), bounds):
@@ -319,13 +330,14 @@ def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypa
             alone.append(one)
             offset = one.next_offset
         finishes.clear()
-        return joint, alone, launches
+        factor_calls.clear()
+        return joint, alone, launches, factors
 
     with on_host(require_cuda):
         host = run(torch.device("cpu"))
     dev = run(require_cuda)
-    for joint, alone, launches in (host, dev):
-        assert len(joint) == len(alone) == 5
+    for joint, alone, _, _ in (host, dev):
+        assert len(joint) == len(alone) == len(bounds)
         for j, a in zip(joint, alone):
             assert (j.seed, j.offset, j.draws, j.num_clipped, j.num_nonfinite) == \
                 (a.seed, a.offset, a.draws, a.num_clipped, a.num_nonfinite)
@@ -341,7 +353,10 @@ def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypa
     # launches none.
     assert host[2] == []
     stds = {0.8 * 1.3 / c * c for c in bounds}
-    assert len(dev[2]) == len(stds) == (1 if "equal" in case else 2)
+    assert len(dev[2]) == len(stds) == (2 if "equal" not in case and "many" not in case else 1)
+    # One factors call for every block's rule on the device (one launch a 128
+    # groups); the CPU path forms them with the numba twin.
+    assert host[3] == [] and dev[3] == [len(bounds)]
 
 
 def _flat_grads(g):

@@ -202,32 +202,45 @@ __global__ void __launch_bounds__(kBlockThreads) linear_norms_from_partials_kern
   }
 }
 
-// norms[i] = sqrt(sq_i), sq_i = scale^2 sum_s sq_partials[i, s] (segments
-// summed in order), factors[i] its clip factor (clip/clip_rule.cuh, with
-// scale spread[i] or 0), weights[i] = factors[i] scale where given. `scale`
-// is the clip op's grad_scale (blocks holding gradients / s: each sample's
-// norm is s times theirs); each product is rounded on its own, as the
-// element-wise ops it replaces were (two kernels of host time a step, issue
-// 36), and scale 1 leaves every value as it is.
+// One rule for every row (the dense op's factors).
+struct OneClipRule {
+  ClipRule rule;
+  NCDP_HOST_DEVICE const ClipRule& operator()(std::int64_t) const { return rule; }
+};
+
+// For row r = g B + i (sample i of group g): norms[g * group_stride + i] =
+// sqrt(sq_r), sq_r = scale^2 sum_s sq_partials[r, s] (segments summed in
+// order), factors[g * group_stride + i] its clip factor (clip/clip_rule.cuh,
+// group g's rule, with scale spread[r] or 0), weights[r] = that factor times
+// scale where given. `scale` is the clip op's grad_scale (blocks holding
+// gradients / s: each sample's norm is s times theirs); each product is
+// rounded on its own, as the element-wise ops it replaces were (two kernels
+// of host time a step, issue 36), and scale 1 leaves every value as it is.
+// Rules: OneClipRule, or ClipRuleTable (per-layer clipping: a parameter's
+// rule a group, one launch for all, not one a parameter).
+template <typename Rules>
 __global__ void __launch_bounds__(kBlockThreads) clip_factors_kernel(
-    const double* __restrict__ sq_partials,  // [B, segments]
-    const double* __restrict__ spread,       // [B] or nullptr
-    std::int64_t B, std::int64_t segments, ClipRule rule, double scale,
-    double* __restrict__ factors,  // [B]
-    double* __restrict__ norms,    // [B]
-    double* __restrict__ weights) {  // [B] or nullptr
+    const double* __restrict__ sq_partials,  // [rows, segments]
+    const double* __restrict__ spread,       // [rows] or nullptr
+    std::int64_t B, std::int64_t rows, std::int64_t segments, Rules rules, double scale,
+    double* __restrict__ factors,  // group g's [B] at factors + g * group_stride
+    double* __restrict__ norms,    // group g's [B] at norms + g * group_stride
+    std::int64_t group_stride,
+    double* __restrict__ weights) {  // [rows] or nullptr
   const double scale_sq = philox::detail::mul(scale, scale);
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < B;
-       i += stride) {
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       r < rows; r += stride) {
+    const std::int64_t g = r / B;
+    const std::int64_t at = g * group_stride + (r - g * B);
     double sq = 0.0;
-    for (std::int64_t s = 0; s < segments; ++s) sq += sq_partials[i * segments + s];
+    for (std::int64_t s = 0; s < segments; ++s) sq += sq_partials[r * segments + s];
     sq = philox::detail::mul(sq, scale_sq);
-    norms[i] = sqrt(sq);
-    const double e = spread != nullptr ? philox::detail::mul(spread[i], scale) : 0.0;
-    const double factor = clip_factor(sq, e, rule);
-    factors[i] = factor;
-    if (weights != nullptr) weights[i] = philox::detail::mul(factor, scale);
+    norms[at] = sqrt(sq);
+    const double e = spread != nullptr ? philox::detail::mul(spread[r], scale) : 0.0;
+    const double factor = clip_factor(sq, e, rules(g));
+    factors[at] = factor;
+    if (weights != nullptr) weights[r] = philox::detail::mul(factor, scale);
   }
 }
 
@@ -706,11 +719,14 @@ NCDP_INSTANTIATE_NORMS_FROM_GRAMS(double)
 #undef NCDP_INSTANTIATE_NORMS_FROM_GRAMS
 
 void launch_clip_factors(const double* sq, const double* spread, std::int64_t B,
-                         const ClipRule& rule, double scale, double* factors, double* norms,
-                         double* weights, cudaStream_t stream) {
-  if (B <= 0) return;
-  NCDP_LAUNCH(grid_blocks(B, kBlockThreads), kBlockThreads, 0, stream, clip_factors_kernel)(
-      sq, spread, B, /*segments=*/1, rule, scale, factors, norms, weights);
+                         const ClipRuleTable& rules, double scale, double* factors,
+                         double* norms, std::int64_t group_stride, double* weights,
+                         cudaStream_t stream) {
+  const std::int64_t rows = static_cast<std::int64_t>(rules.count) * B;
+  if (rows <= 0) return;
+  NCDP_LAUNCH(grid_blocks(rows, kBlockThreads), kBlockThreads, 0, stream,
+              clip_factors_kernel<ClipRuleTable>)(
+      sq, spread, B, rows, /*segments=*/1, rules, scale, factors, norms, group_stride, weights);
 }
 
 std::int64_t weighted_row_sum_slabs(std::int64_t B, std::int64_t p) {
@@ -802,9 +818,11 @@ void launch_clip_noise_rows(const Real* grads, std::int64_t B, std::int64_t p, d
         row_sq_norms_kernel<Real>)(
             grads + r0 * p, rows, p, layout.norm_segments, kDenseNormSegment,
             sq_partials + r0 * layout.norm_segments, /*accumulate=*/false);
-    NCDP_LAUNCH(grid_blocks(rows, kBlockThreads), kBlockThreads, 0, stream, clip_factors_kernel)(
-        sq_partials + r0 * layout.norm_segments, nullptr, rows, layout.norm_segments, rule,
-        /*scale=*/1.0, factors + r0, norms + r0, /*weights=*/nullptr);
+    NCDP_LAUNCH(grid_blocks(rows, kBlockThreads), kBlockThreads, 0, stream,
+                clip_factors_kernel<OneClipRule>)(
+        sq_partials + r0 * layout.norm_segments, nullptr, rows, rows, layout.norm_segments,
+        OneClipRule{rule}, /*scale=*/1.0, factors + r0, norms + r0, /*group_stride=*/0,
+        /*weights=*/nullptr);
     if (p > 0) {
       launch_weighted_row_sum_partials(grads + r0 * p, factors + r0, rows, p, slabs, partials,
                                        /*accumulate=*/r0 > 0, stream);

@@ -69,19 +69,25 @@ void launch_linear_norms_from_grams(std::uintptr_t w,  // [(shared_w ? 1 : layer
                                     std::uintptr_t workspace,  // ..._workspace_bytes
                                     std::int64_t workspace_bytes, std::uintptr_t stream);
 
-// With s = scale (the clip op's grad_scale: the blocks hold gradients / s) and
-// each product rounded on its own: norms[i] = sqrt(s^2 sq[i]); factors[i] =
-// clip_factor(s^2 sq[i], s spread[i]) of clip/clip_rule.cuh with (max_norm,
-// terms, seq_len, unit); weights[i] = factors[i] s where weights is given.
-// scale 1 gives the rule on sq and spread as they are.
-void launch_clip_factors(std::uintptr_t sq,      // [B] float64
-                         std::uintptr_t spread,  // [B] float64, or 0 for E = 0
-                         std::int64_t B, double max_norm, std::int64_t terms,
-                         std::int64_t seq_len, double unit,
-                         std::uintptr_t factors,  // [B] float64
-                         std::uintptr_t norms,    // [B] float64
-                         std::uintptr_t stream, double scale,
-                         std::uintptr_t weights);  // [B] float64, or 0
+// Groups of rows, each with its own rule (per-layer clipping: a group a
+// parameter, its own bound and rounding terms; flat clipping: one group), in
+// one launch a kMaxClipGroups groups. With s = scale (the clip op's
+// grad_scale: the blocks hold gradients / s) and each product rounded on its
+// own, for group g and sample i: the norm sqrt(s^2 sq[g, i]) at
+// out[g * stride + B + i], the factor clip_factor(s^2 sq[g, i], s spread[g, i])
+// of clip/clip_rule.cuh with (max_norm[g], terms[g], seq_len[g], unit) at
+// out[g * stride + i], and weights[g, i] = that factor times s where weights
+// is given. scale 1 gives the rule on sq and spread as they are.
+void launch_clip_factor_groups(std::uintptr_t sq,      // [groups, B] float64
+                               std::uintptr_t spread,  // [groups, B] float64, or 0 for E = 0
+                               std::int64_t groups, std::int64_t B,
+                               const std::vector<double>& max_norm,       // [groups]
+                               const std::vector<std::int64_t>& terms,    // [groups]
+                               const std::vector<std::int64_t>& seq_len,  // [groups]
+                               double unit,
+                               std::uintptr_t out,  // [groups, stride] float64, stride >= 2 B
+                               std::int64_t stride, std::uintptr_t stream, double scale,
+                               std::uintptr_t weights);  // [groups, B] float64, or 0
 
 std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p, int dtype);
 
@@ -252,12 +258,30 @@ void launch_linear_norms_from_grams(const Gram* w,  // [(shared_w ? 1 : layers) 
                                     void* workspace,  // linear_norms_from_grams_workspace_bytes
                                     cudaStream_t stream);
 
-void launch_clip_factors(const double* sq,      // [B]
-                         const double* spread,  // [B] or nullptr (E = 0)
-                         std::int64_t B, const ClipRule& rule, double scale,
-                         double* factors,  // [B]
-                         double* norms,    // [B]
-                         double* weights,  // [B] or nullptr
+// The rules of up to kMaxClipGroups groups of rows: one launch's by-value
+// argument (3 kB of the 4 kB of kernel parameters), so a step's per-layer
+// rules need no upload to the device (a host wait, issue 36).
+constexpr int kMaxClipGroups = 128;
+struct ClipRuleTable {
+  int count;    // groups used, <= kMaxClipGroups
+  double unit;  // the data dtype's, shared
+  double max_norm[kMaxClipGroups];
+  std::int64_t terms[kMaxClipGroups];
+  std::int64_t seq_len[kMaxClipGroups];
+  NCDP_HOST_DEVICE ClipRule operator()(std::int64_t g) const {
+    return ClipRule{max_norm[g], terms[g], seq_len[g], unit};
+  }
+};
+
+// launch_clip_factor_groups for one table: group g's factors at factors + g *
+// group_stride, its norms at norms + g * group_stride.
+void launch_clip_factors(const double* sq,      // [rules.count, B]
+                         const double* spread,  // [rules.count, B] or nullptr (E = 0)
+                         std::int64_t B, const ClipRuleTable& rules, double scale,
+                         double* factors,  // group g's [B] at factors + g * group_stride
+                         double* norms,    // group g's [B] at norms + g * group_stride
+                         std::int64_t group_stride,
+                         double* weights,  // [rules.count, B] or nullptr
                          cudaStream_t stream);
 
 // Rows of a weighted row sum are split into this many slabs, each summed into

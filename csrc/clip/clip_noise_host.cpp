@@ -2,6 +2,7 @@
 // guard, dtype dispatch and launch error checks. Shapes are in clip_noise.h.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -131,36 +132,67 @@ void launch_linear_norms_from_grams(std::uintptr_t w, std::uintptr_t v, std::int
   check_launch("linear_norms_from_grams");
 }
 
-void launch_clip_factors(std::uintptr_t sq, std::uintptr_t spread, std::int64_t B,
-                         double max_norm, std::int64_t terms, std::int64_t seq_len, double unit,
-                         std::uintptr_t factors, std::uintptr_t norms, std::uintptr_t stream,
-                         double scale, std::uintptr_t weights) {
+void launch_clip_factor_groups(std::uintptr_t sq, std::uintptr_t spread, std::int64_t groups,
+                               std::int64_t B, const std::vector<double>& max_norm,
+                               const std::vector<std::int64_t>& terms,
+                               const std::vector<std::int64_t>& seq_len, double unit,
+                               std::uintptr_t out, std::int64_t stride, std::uintptr_t stream,
+                               double scale, std::uintptr_t weights) {
+  require_non_negative(groups, "groups");
   require_non_negative(B, "B");
-  require_non_negative(terms, "terms");
+  const auto n = static_cast<std::size_t>(groups);
+  if (max_norm.size() != n || terms.size() != n || seq_len.size() != n) {
+    throw std::invalid_argument(
+        "ncdp_fast: clip_factor_groups: max_norm, terms and seq_len must have one entry a "
+        "group (" + std::to_string(groups) + "), got " + std::to_string(max_norm.size()) +
+        ", " + std::to_string(terms.size()) + " and " + std::to_string(seq_len.size()));
+  }
+  for (std::size_t g = 0; g < n; ++g) {
+    require_non_negative(terms[g], "terms");
+    // 0 is a sequence block with no positions (every gradient zero), as the
+    // CPU path and reference.clip_factors take it; the rule reads seq_len + 2.
+    require_non_negative(seq_len[g], "seq_len");
+  }
   if (!(std::isfinite(scale) && scale > 0.0)) {
     throw std::invalid_argument("ncdp_fast: scale must be finite and positive, got " +
                                 std::to_string(scale));
   }
-  // 0 is a sequence block with no positions (every gradient zero), as the CPU
-  // path and reference.clip_factors take it; the rule reads seq_len + 2.
-  require_non_negative(seq_len, "seq_len");
   if (!(unit > 0.0 && unit < 1.0)) {
     throw std::invalid_argument("ncdp_fast: unit must be a unit roundoff in (0, 1), got " +
                                 std::to_string(unit));
   }
-  require_pointer(sq, B > 0, sizeof(double), "sq");
+  // Each group's factors and norms side by side, the groups apart: nothing
+  // written twice.
+  if (stride < 2 * B) {
+    throw std::invalid_argument("ncdp_fast: clip_factor_groups: stride must be at least 2 B = " +
+                                std::to_string(2 * B) + ", got " + std::to_string(stride));
+  }
+  const bool any = groups > 0 && B > 0;
+  require_pointer(sq, any, sizeof(double), "sq");
   require_pointer(spread, false, sizeof(double), "spread");
-  require_pointer(factors, B > 0, sizeof(double), "factors");
-  require_pointer(norms, B > 0, sizeof(double), "norms");
+  require_pointer(out, any, sizeof(double), "out");
   require_pointer(weights, false, sizeof(double), "weights");
-  if (B == 0) return;
+  if (!any) return;
   DeviceGuard guard(sq, "sq");
-  kernels::launch_clip_factors(typed<const double>(sq), typed<const double>(spread), B,
-                               ClipRule{max_norm, terms, seq_len, unit}, scale,
-                               typed<double>(factors), typed<double>(norms),
-                               weights != 0 ? typed<double>(weights) : nullptr,
-                               as_stream(stream));
-  check_launch("clip_factors");
+  const double* sq_rows = typed<const double>(sq);
+  const double* spread_rows = spread != 0 ? typed<const double>(spread) : nullptr;
+  double* outs = typed<double>(out);
+  double* weight_rows = weights != 0 ? typed<double>(weights) : nullptr;
+  kernels::ClipRuleTable table{};
+  table.unit = unit;
+  for (std::int64_t g0 = 0; g0 < groups; g0 += kernels::kMaxClipGroups) {
+    table.count = static_cast<int>(std::min<std::int64_t>(kernels::kMaxClipGroups, groups - g0));
+    for (int k = 0; k < table.count; ++k) {
+      table.max_norm[k] = max_norm[g0 + k];
+      table.terms[k] = terms[g0 + k];
+      table.seq_len[k] = seq_len[g0 + k];
+    }
+    const std::int64_t row0 = g0 * B;
+    kernels::launch_clip_factors(sq_rows + row0, spread_rows ? spread_rows + row0 : nullptr, B,
+                                 table, scale, outs + g0 * stride, outs + g0 * stride + B, stride,
+                                 weight_rows ? weight_rows + row0 : nullptr, as_stream(stream));
+    check_launch("clip_factor_groups");
+  }
 }
 
 std::int64_t weighted_row_sum_workspace_bytes(std::int64_t B, std::int64_t p, int dtype) {

@@ -188,11 +188,23 @@ void probe_gram_rows_f64(Probe& probe) {
 
 void probe_clip_factors(Probe& probe) {
   const std::int64_t B = 3;
-  kernels::launch_clip_factors(probe.buffer<double>(B), probe.buffer<double>(B), B,
-                               ClipRule{1.0, 4, 2, 0x1p-24}, /*scale=*/3.0,
-                               probe.buffer<double>(B), probe.buffer<double>(B),
-                               probe.buffer<double>(B), kLegacyStream);
-  probe.check(sizes({{"B", B}}));
+  // One group and a full table (the most a launch takes).
+  for (const int groups : {1, kernels::kMaxClipGroups}) {
+    kernels::ClipRuleTable rules{};
+    rules.count = groups;
+    rules.unit = 0x1p-24;
+    for (int g = 0; g < groups; ++g) {
+      rules.max_norm[g] = 1.0;
+      rules.terms[g] = 4;
+      rules.seq_len[g] = 2;
+    }
+    double* out = probe.buffer<double>(groups * 2 * B);
+    kernels::launch_clip_factors(probe.buffer<double>(groups * B),
+                                 probe.buffer<double>(groups * B), B, rules, /*scale=*/3.0, out,
+                                 out + B, 2 * B, probe.buffer<double>(groups * B),
+                                 kLegacyStream);
+    probe.check(sizes({{"B", B}, {"groups", groups}}));
+  }
 }
 
 // p % 4 != 0 and p % 4 == 0 take the scalar and the vector kernel; B = 0 the

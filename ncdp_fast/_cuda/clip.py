@@ -45,13 +45,18 @@ def linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes, layers,
                                      nbytes, stream(sq))
 
 
-def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms, scale=1.0,
-                 weights=None):
-    # The rule of reference.clip_factors, in the kernel (clip/clip_rule.cuh), on
-    # scale^2 sq and scale spread; weights = factors scale where given.
-    native(sq).launch_clip_factors(ptr(sq), opt_ptr(spread), sq.shape[0], float(max_norm),
-                                   int(terms), int(t_max), float(unit), ptr(factors), ptr(norms),
-                                   stream(sq), scale=float(scale), weights=opt_ptr(weights))
+def clip_factor_groups(sq, spread, rules, unit, out, stride, scale=1.0, weights=None):
+    # The rule of reference.clip_factors, in the kernel (clip/clip_rule.cuh),
+    # on scale^2 sq and scale spread, each group g of rows (sq[g]) on its own
+    # rule, rules[g] = (max_norm, terms, t_max), its factors at out[g stride:
+    # g stride + B] and norms after them; weights = factors scale where given.
+    # sq, spread (or None), weights (or None): (G, B) float64 C-contiguous;
+    # out: float64 contiguous.  One launch a 128 groups (the launcher's table).
+    G, B = sq.shape
+    native(sq).launch_clip_factor_groups(
+        ptr(sq), opt_ptr(spread), G, B, [float(c) for c, _, _ in rules],
+        [int(t) for _, t, _ in rules], [int(T) for _, _, T in rules], float(unit), ptr(out),
+        int(stride), stream(sq), scale=float(scale), weights=opt_ptr(weights))
 
 
 # The dense op's rows in one chunk (0), not in chunks of half the L2 (-1): the

@@ -94,6 +94,38 @@ def clip_factors(sq, spread, max_norm, terms, t_max, unit, factors, norms, scale
         np.multiply(factors, scale, out=weights)
 
 
+@sized_kernel(lambda sq, *_: 64 * sq.size)
+def _clip_factor_groups(sq, spread, has_spread, max_norms, terms, t_maxes, unit, out, stride,
+                        scale, weights, has_weights):
+    G, B = sq.shape
+    for r in prange(G * B):
+        g, i = r // B, r % B
+        out[g * stride + B + i] = math.sqrt(sq[g, i])
+        e = spread[g, i] if has_spread else 0.0
+        f = safe_factor(sq[g, i], e, max_norms[g], terms[g], t_maxes[g], unit)
+        out[g * stride + i] = f
+        if has_weights:
+            weights[g, i] = f * scale
+
+
+def clip_factor_groups(sq, spread, rules, unit, out, stride, scale=1.0, weights=None):
+    """:func:`clip_factors` for G groups of rows in one call (the device's
+    ``launch_clip_factor_groups``): group g's rows sq[g] on its own rule
+    rules[g] = (max_norm, terms, t_max), its factors at out[g stride: g stride
+    + B] and its norms after them; weights[g] = its factors times ``scale``
+    where given.  sq, spread (or None), weights (or None): (G, B) float64;
+    out: 1-D float64, stride >= 2 B."""
+    if scale != 1.0:
+        sq = sq * (scale * scale)
+        spread = None if spread is None else spread * scale
+    has, has_w = spread is not None, weights is not None
+    _clip_factor_groups(sq, spread if has else sq, has,
+                        np.array([c for c, _, _ in rules], dtype=np.float64),
+                        np.array([t for _, t, _ in rules], dtype=np.float64),
+                        np.array([T for _, _, T in rules], dtype=np.float64), float(unit), out,
+                        int(stride), float(scale), weights if has_w else sq, has_w)
+
+
 @sized_kernel(lambda g, *_: g.size, fastmath=_FM)
 def row_sq_norms(g, sq, accumulate):
     """sq[i] (=|+=) sum_j g[i, j]^2 in float64.  g: [B, p]; sq: [B] float64."""

@@ -264,11 +264,20 @@ void run(const Case& c) {
     kernels::launch_gram_rows_f64(src, c.i("n"), c.i("T"), c.i("d"), c.ptr<double>("out"),
                                   ws.data, stream);
   } else if (c.op == "clip_factors") {
-    kernels::launch_clip_factors(
-        c.ptr<double>("sq"), c.ptr<double>("spread"), c.i("B"),
-        ClipRule{c.f("max_norm"), c.i("terms"), c.i("seq_len"), c.f("unit")},
-        c.floats.count("scale") ? c.f("scale") : 1.0, c.ptr<double>("factors"),
-        c.ptr<double>("norms"), c.ptr<double>("weights"), stream);
+    // Group g's rule from max_norm[g], terms[g], seq_len[g] (float64, int64,
+    // int64 [groups]); its factors and norms at out[g stride], out[g stride + B].
+    kernels::ClipRuleTable rules{};
+    rules.count = static_cast<int>(c.i("groups"));
+    rules.unit = c.f("unit");
+    for (int g = 0; g < rules.count; ++g) {
+      rules.max_norm[g] = c.ptr<double>("max_norm")[g];
+      rules.terms[g] = c.ptr<std::int64_t>("terms")[g];
+      rules.seq_len[g] = c.ptr<std::int64_t>("seq_len")[g];
+    }
+    double* out = c.ptr<double>("out");
+    kernels::launch_clip_factors(c.ptr<double>("sq"), c.ptr<double>("spread"), c.i("B"), rules,
+                                 c.floats.count("scale") ? c.f("scale") : 1.0, out,
+                                 out + c.i("B"), c.i("stride"), c.ptr<double>("weights"), stream);
   } else if (c.op == "linear_norms_from_grams") {
     Workspace ws(kernels::linear_norms_from_grams_workspace_bytes(c.i("B"), c.i("layers"),
                                                                   c.i("T")));
