@@ -331,17 +331,24 @@ class _Group:
         self.balanced = self.pairs + self.gemms
         self.slot = {i: j for j, i in enumerate(self.balanced)}
 
-    def place(self, region, B, n_checks, sq, spread, weights, grad_terms):
-        """Its factors, norms and operand sizes as views of ``region`` (the
-        operand sizes after ``n_checks`` places, the first group's checks in
-        every group's region: one layout, one stride); ``sq`` its (B,) norm
-        sums (not zeroed: the first block's norms are written, the others'
-        added), ``spread`` its (B,) zeros (None when no block has T > 1),
-        ``weights`` its (B,) sample weights (None: the factors)."""
+    def pair_key(self):
+        """(T, d, K, bias) of a group that is one linear pair (per-layer
+        clipping's weight), else None: such groups of one key form their norms
+        together, a row each (``linear_sq_norms_group(rows=True)``)."""
+        if len(self.units) != 1 or self.units[0].kind != "pair":
+            return None
+        unit = self.units[0]
+        return (unit.T, unit.d, unit.K, unit.bias)
+
+    def place(self, region, sizes, B, sq, spread, weights, grad_terms):
+        """Its factors and norms as views of ``region``, its operand sizes
+        ``sizes`` ((len(balanced), B, 2), None without balanced units); ``sq``
+        its (B,) norm sums (not zeroed: the first block's norms are written,
+        the others' added), ``spread`` its (B,) zeros (None when no block has
+        T > 1), ``weights`` its (B,) sample weights (None: the factors)."""
         self.region, self.factors, self.norms = region, region[:B], region[B:2 * B]
-        self.sizes_at = 2 * B + n_checks
-        self.sizes = (region[self.sizes_at:self.sizes_at + 2 * len(self.balanced) * B]
-                      .reshape(len(self.balanced), B, 2) if self.balanced else None)
+        self.sizes = sizes
+        self.normed = False         # its norms formed with other groups' (form_norms)
         for i in self.gemms:
             _arrays.assign(self.sizes[self.slot[i]], self.units[i].gemm[0])
         self.terms = sum(unit.terms for unit in self.units) + grad_terms
@@ -355,6 +362,8 @@ class _Group:
         formed any.  The factors are formed from them for every group at
         once (``clip_factor_groups``)."""
         sq, spread, units = self.sq, self.spread, self.units
+        if self.normed and not again:
+            return self.gram32
         if again and spread is not None:        # a second pass: start from nothing
             spread[...] = 0.0
         used, first = False, True
@@ -457,15 +466,23 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
     groups = [_Group(*part) for part in parts]
     del parts
     draws = sum(group.draws for group in groups)
-    # Every group's factors, norms and operand sizes, and the checks' flags,
-    # side by side, a region of L values a group: the step's one transfer
-    # reads them all, and one launch forms every group's factors into their
-    # regions.  The first group's region is _clip_results.step_buffer's layout
-    # (the checks after its norms); the others leave those places unused.
+    # Every group's factors and norms (a region of L values a group, the
+    # checks' flags in the first group's: _clip_results.step_buffer's layout),
+    # then every group's operand sizes: the step's one transfer reads them
+    # all, and one launch forms every group's factors into their regions.
+    # The groups' rows (their regions, norm sums and sizes) put the one-pair
+    # groups of one shape side by side, which form their norms together
+    # (per-layer clipping's weights); the first group keeps the first row.
     n_checks = len(checks)
-    L = 2 * B + n_checks + 2 * max(len(group.balanced) for group in groups) * B
+    L = 2 * B + n_checks
     G = len(groups)
-    buf = be.io.empty((G * L,), _F64)
+    runs = {}
+    for group in groups:
+        key = group.pair_key()
+        runs.setdefault(id(group) if key is None else key, []).append(group)
+    rows = [group for run in runs.values() for group in run]
+    n_sizes = 2 * B * sum(len(group.balanced) for group in groups)
+    buf = be.io.empty((G * L + n_sizes,), _F64)
     # The groups' norm sums, spreads and weights: one allocation each, a row
     # a group.  The blocks hold gradients / s: the sample's norm is s times
     # theirs and its weight in the sums s times its factor (two more float64
@@ -475,16 +492,34 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
                else None)
     weights = be.io.empty((G, B), _F64) if grad_scale != 1.0 else None
     grad_terms = 2 if grad_scale != 1.0 else 0
-    for k, group in enumerate(groups):
-        group.place(buf[k * L:(k + 1) * L], B, n_checks, sqs[k],
-                    None if spreads is None else spreads[k],
+    at = G * L
+    for k, group in enumerate(rows):
+        n = 2 * B * len(group.balanced)
+        group.place(buf[k * L:(k + 1) * L],
+                    buf[at:at + n].reshape(len(group.balanced), B, 2) if group.balanced
+                    else None, B,
+                    sqs[k], None if spreads is None else spreads[k],
                     None if weights is None else weights[k], grad_terms)
-        group.k, group.lo, group.hi = k, k * L, (k + 1) * L
+        group.k, group.lo, group.hi, group.sizes_lo, group.sizes_hi = k, k * L, (k + 1) * L, at, at + n
+        at += n
     gram = gram_precision == "float32" and dtype == np.float32
+    k = 0
+    for run in runs.values():
+        if len(run) > 1:
+            # One-pair groups of one shape: one stacked call, a norm row each.
+            T, bias = run[0].units[0].T, run[0].units[0].bias
+            used = bool(be.kernels.linear_sq_norms_group(
+                [group.units[0].a for group in run], [group.units[0].g for group in run], bias,
+                sqs[k:k + len(run)], None if spreads is None or T == 1 else spreads[k:k + len(run)],
+                buf[run[0].sizes_lo:run[-1].sizes_hi].reshape(len(run), B, 2), gram,
+                accumulate=False, rows=True))
+            for group in run:
+                group.gram32, group.normed = used, True
+        k += len(run)
     for group in groups:
         group.gram32 = group.form_norms(be, gram)
     unit = float(np.finfo(dtype).eps) / 2
-    be.kernels.clip_factor_groups(sqs, spreads, [group.rule for group in groups], unit, buf, L,
+    be.kernels.clip_factor_groups(sqs, spreads, [group.rule for group in rows], unit, buf, L,
                                   grad_scale, weights)
     # What the sums need that the transfer does not bring, formed while the
     # device still works towards it: after the transfer the device waits for
@@ -518,8 +553,10 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
             be.kernels.clip_factor_groups(sqs[one], None if spreads is None else spreads[one],
                                           [group.rule], unit, group.region, L, grad_scale,
                                           None if weights is None else weights[one])
-            acc, g_host = _accounting(be, group.region, B, group.max_norm, nan_policy, None,
-                                      None, group.draws, by_factors=True)
+            host = be.io.to_numpy(buf)
+            acc, _ = _accounting(be, group.region, B, group.max_norm, nan_policy, None,
+                                 None, group.draws, by_factors=True, host=host[group.lo:group.hi])
+            g_host = host[group.lo:group.hi]
         group.host_factors = g_host[:B]
         group.balance = [True] * len(group.units)
         group.bias_gemv = None
@@ -529,8 +566,8 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
                             else group.host_factors)
             need = _balance.layers_needing_balancing(
                 host_weights,
-                g_host[group.sizes_at:group.sizes_at + 2 * len(group.balanced) * B]
-                .reshape(len(group.balanced), B, 2), *dims[k],
+                host[group.sizes_lo:group.sizes_hi].reshape(len(group.balanced), B, 2),
+                *dims[k],
                 # A float32 Gram's zero trace may be an underflow, not a zero operand.
                 dtype == np.float32 and not group.gram32)
             for i, flag in zip(group.balanced, need):

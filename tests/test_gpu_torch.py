@@ -263,7 +263,8 @@ def test_ghost_clipper_per_layer_on_the_device_equals_the_cpu_path(require_cuda)
 
 
 @pytest.mark.parametrize("case", ["equal bounds, mean", "mixed bounds, float32 Grams",
-                                  "a dropped row", "many blocks"])
+                                  "a dropped row", "many blocks", "pairs of one shape",
+                                  "pairs of one shape, float32 Grams, mean"])
 def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypatch):
     """Per-layer clipping's one op (``clip_and_noise_layers(..., _bounds=)``,
     one buffer, one factors call, one transfer, one claim, one noise finish a
@@ -272,7 +273,9 @@ def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypa
     ranges and sums, bit for bit, on the CPU path and on the device; on the
     device its noise is one finish launch where the bounds are equal.  "many
     blocks": 131 blocks of five widths (five rules), past the 128 groups of
-    one factors launch."""
+    one factors launch.  "pairs of one shape": linear pairs of one shape
+    (three reading one input, on the Gram route; two on the direct route),
+    whose norms one stacked call forms, a row each."""
     from ncdp_fast import _stream, clip_and_noise_layers
     from ncdp_fast._cuda import clip as device_clip
     finishes, factor_calls = [], []
@@ -283,6 +286,15 @@ def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypa
     monkeypatch.setattr(device_clip, "clip_factor_groups",
                         lambda *a, **k: (factor_calls.append(a[0].shape[0]),
                                          real_factors(*a, **k)))
+    # The device's norm calls of the joint op: stacked runs (their layers,
+    # a row each) and layers alone.
+    norm_calls = []
+    real_group, real_alone = device_clip.linear_sq_norms_group, device_clip.linear_sq_norms
+    monkeypatch.setattr(device_clip, "linear_sq_norms_group",
+                        lambda *a, **k: (norm_calls.append((len(a[0]), k.get("rows", False))),
+                                         real_group(*a, **k))[1])
+    monkeypatch.setattr(device_clip, "linear_sq_norms",
+                        lambda *a, **k: (norm_calls.append("alone"), real_alone(*a, **k))[1])
     dtype = torch.float32 if "float32" in case else torch.float64
     reduction = "mean" if "mean" in case else "sum"
 
@@ -298,6 +310,15 @@ def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypa
         if "many" in case:
             return [torch.randn(6, 1 + k % 5, generator=g, dtype=dtype) * (0.05 * (k % 7) + 0.01)
                     for k in range(131)]
+        if "one shape" in case:
+            gram = [(a3, torch.randn(6, 4, 7, generator=g, dtype=dtype) * (k + 1), False)
+                    for k in range(3)]
+            gram.append((torch.randn(6, 4, 5, generator=g, dtype=dtype),
+                         torch.randn(6, 4, 7, generator=g, dtype=dtype), False))
+            direct = [(torch.randn(6, 6, 3, generator=g, dtype=dtype),
+                       torch.randn(6, 6, 2, generator=g, dtype=dtype) * 2, False)
+                      for _ in range(2)]
+            return gram[:2] + [g3.sum(1)] + direct[:1] + gram[2:] + direct[1:] + [dense]
         return [t.to(device) if isinstance(t, torch.Tensor) else t for t in
                 ((a3, g3, False), g3.sum(1), (a2, g2, True), dense, dense[:, 0] * 2)]
 
@@ -309,7 +330,7 @@ def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypa
     # Mixed: 0.8 * 1.3 / 2.05 * 2.05 rounds to another std than the others'
     # 1.04, so the op finishes the noise in two launches.
     bounds = ([0.7] * 5 if "equal" in case else [0.09] * 131 if "many" in case
-              else [0.2, 2.05, 0.4, 1.3, 0.05])
+              else [0.6] * 8 if "one shape" in case else [0.2, 2.05, 0.4, 1.3, 0.05])
     kw = dict(noise_multiplier=0.8, reduction=reduction, expected_batch_size=5.0,
               nan_policy="zero", grad_scale=6.0 if reduction == "mean" else 1.0,
               gram_precision="float32" if "float32" in case else "float64")
@@ -319,7 +340,7 @@ def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypa
         _stream._LEDGER.clear()
         joint = clip_and_noise_layers([as_device(b, device) for b in blocks("cpu")],
                                       max_norm=total, seed=7, offset=11, _bounds=bounds, **kw)
-        launches, factors = list(finishes), list(factor_calls)
+        launches, factors, norms = list(finishes), list(factor_calls), list(norm_calls)
         finishes.clear()
         factor_calls.clear()
         _stream._LEDGER.clear()
@@ -331,12 +352,13 @@ def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypa
             offset = one.next_offset
         finishes.clear()
         factor_calls.clear()
-        return joint, alone, launches, factors
+        norm_calls.clear()
+        return joint, alone, launches, factors, norms
 
     with on_host(require_cuda):
         host = run(torch.device("cpu"))
     dev = run(require_cuda)
-    for joint, alone, _, _ in (host, dev):
+    for joint, alone, *_ in (host, dev):
         assert len(joint) == len(alone) == len(bounds)
         for j, a in zip(joint, alone):
             assert (j.seed, j.offset, j.draws, j.num_clipped, j.num_nonfinite) == \
@@ -353,10 +375,14 @@ def test_per_layer_op_is_one_op_a_block_run_in_turn(require_cuda, case, monkeypa
     # launches none.
     assert host[2] == []
     stds = {0.8 * 1.3 / c * c for c in bounds}
-    assert len(dev[2]) == len(stds) == (2 if "equal" not in case and "many" not in case else 1)
+    assert len(dev[2]) == len(stds) == (2 if "mixed" in case or "dropped" in case else 1)
     # One factors call for every block's rule on the device (one launch a 128
     # groups); the CPU path forms them with the numba twin.
     assert host[3] == [] and dev[3] == [len(bounds)]
+    if "one shape" in case:
+        # The Gram route's four pairs in one stacked call, the direct route's
+        # two in another, their norms a row each; no pair alone.
+        assert dev[4] == [(4, True), (2, True)]
 
 
 def _flat_grads(g):

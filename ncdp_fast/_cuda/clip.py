@@ -184,11 +184,14 @@ def gram32_applies(a, T, d, K):
 
 
 def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False,
-                          accumulate=True):
+                          accumulate=True, rows=False):
     """linear_sq_norms for L layers of one shape: sq (+= with ``accumulate``,
     else =: the step's first norms, no zeroed buffer) the sum of the layers'
     squared norms, spread += each one's (T > 1, where given), sizes[l] =
-    layer l's operands' squared norms.
+    layer l's operands' squared norms.  ``rows`` (per-layer clipping, each
+    layer its own factor): sq and spread (L, B) C-contiguous, layer l's norms
+    into row l (=, ``accumulate`` ignored) and its spread added to row l; no
+    input's Gram is shared (the stacked samples are the layers' rows).
 
     a_list: L arrays (B, T, d), g_list: L arrays (B, T, K) (torch or CuPy, one
     device); sq, spread: (B,) float64; sizes: (L, B, 2) float64, contiguous.
@@ -213,33 +216,41 @@ def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False,
     if alone:
         used = False
         for l in range(L):
-            used |= linear_sq_norms(a_list[l], g_list[l], bias, sq, accumulate or l > 0,
-                                    spread if T > 1 else None, sizes[l], gram32)
+            used |= linear_sq_norms(a_list[l], g_list[l], bias, sq[l] if rows else sq,
+                                    (accumulate or l > 0) and not rows,
+                                    None if T == 1 or spread is None else
+                                    spread[l] if rows else spread, sizes[l], gram32)
         return used
-    for l0, l1, shared in _group_chunks(a_list, a_bytes, g_bytes, stack, budget):
-        n, acc = l1 - l0, accumulate or l0 > 0
+    # Rows: a chunk's stacked samples are its layers' rows, one layer of n B
+    # samples whose norms land in the chunk's rows of sq as they lie.
+    for l0, l1, shared in _group_chunks(a_list, a_bytes, g_bytes, stack and not rows, budget):
+        n = l1 - l0
+        acc, layers = (False, 1) if rows else (accumulate or l0 > 0, n)
+        sq_c = sq[l0:l1].reshape(n * B) if rows else sq
+        spread_c = spread[l0:l1].reshape(n * B) if rows and spread is not None else spread
         if gram32:
-            _gram32_rows(a_list[l0:l1], g_list[l0:l1], shared, bias, sq, spread,
-                         sizes[l0:l1].reshape(n * B, 2), acc)
+            _gram32_rows(a_list[l0:l1], g_list[l0:l1], shared, bias, sq_c, spread_c,
+                         sizes[l0:l1].reshape(n * B, 2), acc, layers)
         elif 2 * T * T <= K * d:
             # A shared run (only on the Gram route: q, k and v of an attention
             # block) forms its one input's Gram once: n - 1 products fewer.
             a_to = l0 + 1 if shared else l1
             linear_norms_from_grams(grams_f64(a_list[l0:a_to], _part(a_route, l0, a_to)),
-                                    grams_f64(g_list[l0:l1], _part(g_route, l0, l1)), bias, sq,
-                                    acc, spread, sizes[l0:l1].reshape(n * B, 2), n,
+                                    grams_f64(g_list[l0:l1], _part(g_route, l0, l1)), bias,
+                                    sq_c, acc, spread_c, sizes[l0:l1].reshape(n * B, 2), layers,
                                     shared_w=shared)
         else:
             _norm_rows(_arrays.cat_float64(a_list[l0:l1]), _arrays.cat_float64(g_list[l0:l1]),
-                       bias, sq, acc, spread, sizes[l0:l1].reshape(n * B, 2), n)
+                       bias, sq_c, acc, spread_c, sizes[l0:l1].reshape(n * B, 2), layers)
     return gram32
 
 
-def _gram32_rows(a_list, g_list, shared, bias, sq, spread, sizes, accumulate=True):
+def _gram32_rows(a_list, g_list, shared, bias, sq, spread, sizes, accumulate=True, layers=None):
     """The float32 route of a run of layers, as the float64 one without its
     upcasts: the layers' operands stacked along the batch in float32 (the
     input once when they share it), two batched GEMMs, then
-    linear_norms_from_grams' upper bounds; sq (=|+=) and spread (+=)."""
+    linear_norms_from_grams' upper bounds; sq (=|+=) and spread (+=) summed
+    over the layers (``layers`` None), or over 1: a norm a stacked sample."""
     n, (B, T, d), K = len(a_list), a_list[0].shape, g_list[0].shape[2]
     _refuse_cupy_tf32(a_list[0])
     a = a_list[0] if shared or n == 1 else _arrays.cat_rows(a_list)
@@ -247,8 +258,9 @@ def _gram32_rows(a_list, g_list, shared, bias, sq, spread, sizes, accumulate=Tru
     with ieee_float32_matmul():
         w = _arrays.bmm(a, a.swapaxes(1, 2))
         v = _arrays.bmm(g, g.swapaxes(1, 2))
-    linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes, n,
-                            shared_w=shared and n > 1, lengths=(d, K))
+    linear_norms_from_grams(w, v, bias, sq, accumulate, spread, sizes,
+                            n if layers is None else layers, shared_w=shared and n > 1,
+                            lengths=(d, K))
 
 
 def _part(route, lo, hi):

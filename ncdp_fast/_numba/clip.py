@@ -283,17 +283,19 @@ def linear_sq_norms(a, g, bias, sq, accumulate, spread=None, sizes=None):
 
 
 def linear_sq_norms_group(a_list, g_list, bias, sq, spread, sizes, gram32=False,
-                          accumulate=True):
+                          accumulate=True, rows=False):
     """linear_sq_norms for L layers of one shape (the device twin stacks them
     to save launches; here each layer runs as it is): sq (+= with
     ``accumulate``, else =) the sum of the layers' squared norms, spread +=
     each one's (T > 1, where given), sizes[l] (L, B, 2) = layer l's operands'
-    squared norms.  ``gram32`` (the device twin's float32 Grams) changes
-    nothing here: these norms are float64 sums of exact products, within the
-    rule's ``terms``.  Returns False: no norm came from float32 Grams."""
+    squared norms; ``rows``: sq, spread (L, B), layer l's into row l (=).
+    ``gram32`` (the device twin's float32 Grams) changes nothing here: these
+    norms are float64 sums of exact products, within the rule's ``terms``.
+    Returns False: no norm came from float32 Grams."""
     for l, (a, g) in enumerate(zip(a_list, g_list)):
-        linear_sq_norms(a, g, bias, sq, accumulate or l > 0,
-                        spread if a.shape[1] > 1 else None, sizes[l])
+        linear_sq_norms(a, g, bias, sq[l] if rows else sq, (accumulate or l > 0) and not rows,
+                        None if a.shape[1] == 1 or spread is None else
+                        spread[l] if rows else spread, sizes[l])
     return False
 
 
