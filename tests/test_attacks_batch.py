@@ -165,10 +165,50 @@ def test_layer_outside_the_model_forward_is_refused():
 
 def test_two_forwards_of_different_batches_in_one_step_are_refused():
     model = nn.Linear(4, 2).double()
-    _clipper(model)
+    _clipper(model, forwards_per_step=2)
     model(torch.randn(3, 4, dtype=F64))
     with pytest.raises(ValueError, match="batch of 5 samples .* after one of 3"):
         model(torch.randn(5, 4, dtype=F64))
+
+
+def _paired_release(x1, x2, forwards_per_step=2):
+    """GhostClipper's release (noise 0, C = 1) of a linear model x -> w.x
+    (each sample's gradient its input) over two forwards of one step."""
+    model = nn.Linear(6, 1, bias=False).double()
+    clipper = _clipper(model, forwards_per_step=forwards_per_step, max_grad_norm=1.0,
+                       noise_multiplier=0.0, loss_reduction="sum")
+    (model(x1).sum() + model(x2).sum()).backward()
+    clipper.privatize_()
+    clipper.remove()
+    return model.weight.grad.reshape(-1)
+
+
+def test_a_second_forward_of_as_many_samples_is_refused_unless_stated():
+    """The audit of 2026-12-02: two batches of one size forwarded before one
+    step were clipped row by row as one batch of paired samples -- one sample
+    b = -3 a (a of norm 2 in the other batch's row) moved the release by 2C.
+    A step's second forward is now refused by default, before anything is
+    recorded; ``forwards_per_step=2`` states that both see the same samples
+    (two views of each), and then row i of both is sample i's: the release is
+    the clipped sum of the rows' summed gradients, as stated."""
+    torch.manual_seed(1)
+    x1 = torch.randn(4, 6, dtype=F64)
+    x1[0] = x1[0] / x1[0].norm() * 2.0
+    x2 = torch.randn(4, 6, dtype=F64)
+    x2[0] = -3 * x1[0]
+    model = nn.Linear(6, 1, bias=False).double()
+    clipper = _clipper(model)
+    model(x1)
+    with pytest.raises(ValueError, match=r"ran forward 2 times in one step \(this one on 4 "
+                                         r"samples\), past forwards_per_step=1.*2 max_grad_norm"):
+        model(x2)
+    assert all(not r for t in clipper.taps for r in [t.records[1:]])
+    clipper.remove()
+    # Stated: two views of each sample, each row's gradients summed, then clipped.
+    got = _paired_release(x1, x2)
+    rows = x1 + x2
+    want = (rows * torch.clamp(1.0 / rows.norm(dim=1, keepdim=True), max=1.0)).sum(0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_batch_first_must_be_a_bool():

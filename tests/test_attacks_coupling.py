@@ -16,6 +16,7 @@ from torch.nn import functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ncdp_fast.torch import (GhostClipper, PrivacyEngine, TokenCrossEntropyLoss,  # noqa: E402
+                             check_exact,
                              per_sample_token_loss)
 
 D, V = 3, 2          # token features, classes
@@ -187,8 +188,10 @@ def test_ghost_criterion_refuses_ignored_targets_under_a_mean_before_the_step():
                                          r"CrossEntropyLoss\(reduction='mean'\)"):
         crit(pm(x), y).backward()
     assert torch.equal(model.weight, before) and pm.clipper.steps == 0
+    pm.clipper.clear()                            # the refused step's forward discarded
     loss = crit(pm(x), y.clamp(min=0))            # no padding: the plain batch mean
-    assert loss == F.cross_entropy(pm(x), y.clamp(min=0))
+    with torch.no_grad():
+        assert loss == F.cross_entropy(pm(x), y.clamp(min=0))
 
 
 def test_ghost_token_criterion_is_accepted_and_exact():
@@ -287,6 +290,70 @@ class _SharedTable(nn.Module):
 
     def forward(self, x):
         return self.lin(x + self.norm(self.table).sum(0))
+
+
+class _Between(nn.Module):
+    """A function of the first layer's (B, 8) output before the second layer."""
+    def __init__(self, fn):
+        super().__init__()
+        self.a, self.b, self.fn = nn.Linear(6, 8), nn.Linear(8, 3), fn
+
+    def forward(self, x):
+        return self.b(self.fn(torch.tanh(self.a(x))))
+
+
+# Operations between layers that the graph check took as unknown, and so
+# accepted (the audit of 2026-12-02: F.batch_norm(training=True) moved one
+# sample's release by 3.15 C): each now refused by what it does.
+_MIXING_BETWEEN = {
+    "F.batch_norm(training=True)": lambda h: F.batch_norm(h, None, None, training=True),
+    "sort(0)": lambda h: h.sort(0).values,
+    "topk along the batch": lambda h: h.topk(6, 0).values,
+    "median(0)": lambda h: h - h.median(0).values,
+    "median of everything": lambda h: h - h.median(),
+    "cummax(0)": lambda h: h.cummax(0).values,
+    "cumprod(0)": lambda h: torch.cumprod(h, 0),
+    "kthvalue(0)": lambda h: h - h.kthvalue(2, 0).values,
+    "renorm of columns": lambda h: h.renorm(2, 1, 0.5),
+    "group_norm over the batch in one row": lambda h: F.group_norm(h.reshape(1, -1),
+                                                                   1).reshape(h.shape),
+}
+# Their per-sample counterparts: exact, as before.
+_PER_SAMPLE_BETWEEN = {
+    "F.batch_norm(training=False)": lambda h: F.batch_norm(
+        h, torch.zeros(8, dtype=h.dtype), torch.ones(8, dtype=h.dtype), training=False),
+    "sort(1)": lambda h: h.sort(1).values,
+    "topk along the features": lambda h: h.topk(8, 1).values,
+    "median(1)": lambda h: h - h.median(1, keepdim=True).values,
+    "cummax(1)": lambda h: h.cummax(1).values,
+    "renorm of rows": lambda h: h.renorm(2, 0, 0.5),
+    "group_norm a group a sample": lambda h: F.group_norm(h.reshape(1, -1),
+                                                          h.shape[0]).reshape(h.shape),
+    "instance_norm": lambda h: F.instance_norm(h.unsqueeze(1)).squeeze(1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_MIXING_BETWEEN))
+def test_statistics_orders_and_norms_over_the_batch_between_layers_are_refused(name):
+    torch.manual_seed(0)
+    model = _Between(_MIXING_BETWEEN[name]).double()
+    x, y = torch.randn(6, 6, dtype=torch.float64) * 3, torch.randint(0, 3, (6,))
+    with GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                      expected_batch_size=6) as clipper:
+        with pytest.raises(ValueError, match=r"layer 'b' gets an input \(shape \(6, 8\)\) "
+                                             r"that combines the samples"):
+            F.cross_entropy(model(x), y).backward()
+            clipper.privatize_()
+        assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(_PER_SAMPLE_BETWEEN))
+def test_the_same_operations_within_each_sample_stay_exact(name):
+    torch.manual_seed(0)
+    model = _Between(_PER_SAMPLE_BETWEEN[name])
+    x, y = torch.randn(6, 6) * 3, torch.randint(0, 3, (6,))
+    report = check_exact(model, (x, y), lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"))
+    assert report.passed, (name, report)
 
 
 @pytest.mark.parametrize("case", ["centred", "positions", "shared table"])

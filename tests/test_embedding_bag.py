@@ -304,7 +304,8 @@ def test_the_batch_is_the_number_of_bags_in_every_forward_of_a_step():
     model = BagNet(mode="mean")
     idx, offsets, _, y, _ = _batch("flat", 4, 2)
     clipper = GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
-                           expected_batch_size=4, loss_reduction="sum", seed=0)
+                           expected_batch_size=4, loss_reduction="sum", seed=0,
+                           forwards_per_step=2)
     try:
         loss = (nn.functional.cross_entropy(model(idx, offsets), y, reduction="sum")
                 + nn.functional.cross_entropy(model(idx, offsets), y, reduction="sum"))

@@ -605,7 +605,9 @@ def test_a_device_loss_check_refuses_within_the_clip_ops_one_read(require_cuda, 
     ("sum / B (int)", lambda o, y, n, dev: F.cross_entropy(o, y, reduction="sum")
      / torch.tensor(n, dtype=torch.int64, device=dev), True),
     ("mean * 2^16", lambda o, y, n, dev: F.cross_entropy(o, y)
-     * torch.tensor(2.0 ** 16, device=dev), True),
+     * torch.tensor(2.0 ** 16, device=dev), False),
+    ("mean * 1", lambda o, y, n, dev: F.cross_entropy(o, y) * torch.tensor(1.0, device=dev),
+     True),
     ("sum / (B - 2)", lambda o, y, n, dev: F.cross_entropy(o, y, reduction="sum")
      / torch.tensor(n - 2, device=dev), False),
     ("mean * 0.3", lambda o, y, n, dev: F.cross_entropy(o, y) * torch.tensor(0.3, device=dev),
@@ -621,7 +623,8 @@ def test_a_device_scalar_in_the_loss_is_judged_from_the_one_transfer(require_cud
     batch count) and a mean's count of valid targets are judged on the host
     from the value that travels with the clip op's one transfer: the step
     launches no comparison of its own, accepts the batch size, the number of
-    terms and a power of two >= 1, and refuses anything else before writing."""
+    terms and a scale of 1, and refuses anything else (a GradScaler's power of
+    two among them) before writing."""
     from ncdp_fast.torch import GhostClipper
     from ncdp_fast.torch.loss_graph import LossRefused
     torch.manual_seed(0)

@@ -276,7 +276,8 @@ def test_reentrant_region_after_a_recorded_forward_of_the_step_is_refused():
     torch.manual_seed(0)
     model = MLP(mode=None).double()
     x, y = _mlp_batch()
-    GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=6)
+    GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=6,
+                 forwards_per_step=2)
     first = ce(model, x, y, "mean")
     model.mode = "reentrant"
     with pytest.raises(RuntimeError, match=r"'mid'.*inside backward.*use_reentrant=True"):

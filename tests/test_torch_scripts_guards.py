@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ncdp_fast.torch import GhostClipper, PrivacyEngine, check_exact  # noqa: E402
 from ncdp_fast.torch.grad_norm import GradientNotFormedWarning  # noqa: E402
+from ncdp_fast.torch.loss_graph import LossRefused  # noqa: E402
 
 
 def _model():
@@ -92,6 +93,38 @@ def test_compiling_after_make_private_is_refused_before_anything_is_written(how,
     assert _unchanged(model, before)
 
 
+@pytest.mark.parametrize("where", ["between layers", "the loss"])
+def test_a_compiled_function_in_the_forward_or_the_loss_is_refused(where):
+    """The audit of 2026-12-02: torch.compile of a plain function (not a
+    module) called between two layers hid its graph from the check --
+    ``h - h.mean(0)`` compiled with aot_eager was accepted (relative error
+    0.29).  Its node is now refused by name, wherever it sits, before
+    anything is written; the same function run eagerly is judged as before."""
+    torch._dynamo.reset()
+    center = torch.compile(lambda h: torch.tanh(h) - 0.5, backend="aot_eager")
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(center(h) if where == "between layers" else h)
+
+    torch.manual_seed(0)
+    model = Model()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    loss = torch.compile(lambda o, y: nn.functional.cross_entropy(o, y), backend="aot_eager") \
+        if where == "the loss" else nn.functional.cross_entropy
+    with GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                      expected_batch_size=5) as clipper:
+        with pytest.raises(ValueError, match=r"torch\.compile'd function"):
+            loss(model(x), y).backward()
+            clipper.privatize_()
+        assert all(p.grad is None for p in model.parameters())
+
+
 def test_an_eager_model_is_not_marked_compiled():
     """The guard itself: an uncompiled model steps, and its weights change."""
     model = _model()
@@ -104,11 +137,14 @@ def test_an_eager_model_is_not_marked_compiled():
 
 
 # ---------------------------------------------------------------- GradScaler
-def test_grad_scaler_is_refused_by_name_and_a_plain_step_then_works():
+def test_grad_scaler_is_refused_by_name_and_the_scaled_backward_never_steps():
     """Before: torch's "No inf checks were recorded for this optimizer" from
-    scaler.step (the private gradient does not exist before the step).  Now
-    the step refuses naming the GradScaler, nothing written, and the scaler's
-    attributes are gone, so the same batch then steps without it."""
+    scaler.step (the private gradient does not exist before the step).  Then
+    the step refused naming the GradScaler -- but a plain step on the same
+    scaled backward went through, every sample clipped at C as if its
+    gradient were S times larger (the audit of 2026-12-02).  Now the scaled
+    loss itself is refused by the loss check at that step, nothing written,
+    nothing drawn, nothing accounted; an unscaled backward then steps."""
     model = _model()
     engine, pm, opt, loader = _private(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -117,12 +153,85 @@ def test_grad_scaler_is_refused_by_name_and_a_plain_step_then_works():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = nn.functional.cross_entropy(pm(x), y)
     scaler.scale(loss).backward()
+    offset = opt.clipper.offset
     with pytest.raises(TypeError, match=r"GradScaler.*bfloat16.*no GradScaler"):
         scaler.step(opt)
     assert _unchanged(model, before)
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    with pytest.raises(LossRefused, match=r"scalar tensor other than 1: a GradScaler's scale"):
+        opt.step()
+    assert _unchanged(model, before)
+    assert opt.clipper.offset == offset and len(engine.accountant) == 0
+    opt.zero_grad()
+    nn.functional.cross_entropy(pm(x), y).backward()
     opt.step()
     assert not _unchanged(model, before)
+    assert len(engine.accountant) == 1
+
+
+def test_a_scaled_loss_is_refused_on_every_path_and_fused_under_a_scaler():
+    """The audit of 2026-12-02: scaler.scale(loss).backward() then a step
+    that no scaler refuses -- GhostClipper with a plain torch optimizer
+    (scaler.step unscales what the clipper released: clipped at C / S), or
+    make_private's optimizer stepped directly -- and FusedDPOptimizer under
+    scaler.step (it clipped the scaled grad_sample, never unscaled).  Each is
+    refused by name before a draw; a tensor scale of exactly 1
+    (backward(gradient=tensor(1.))) is not a scale and still steps."""
+    from ncdp_fast.torch import FusedDPOptimizer, GhostClipper
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    ce = nn.functional.cross_entropy
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    clipper = GhostClipper(model, max_grad_norm=0.5, noise_multiplier=1.0,
+                           expected_batch_size=6, seed=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(ce(model(x), y)).backward()
+    with pytest.raises(LossRefused, match=r"GradScaler's scale \(scaler.scale\(loss\)\)"):
+        clipper.privatize_()
+    assert clipper.offset == 0 and all(p.grad is None for p in model.parameters())
+    clipper.clear()
+    ce(model(x), y).backward(torch.tensor(1.0))
+    clipper.privatize_()
+    assert clipper.offset > 0
+    clipper.remove()
+
+    _, pm, opt, loader = _private(_model())
+    xb, yb = _batch(loader)
+    scaler.scale(ce(pm(xb), yb)).backward()
+    offset = opt.clipper.offset         # the Poisson sampler's draws share the stream
+    with pytest.raises(LossRefused, match="GradScaler"):
+        opt.step()
+    assert opt.clipper.offset == offset
+
+    opacus = pytest.importorskip("opacus")
+    inner = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    gsm = opacus.GradSampleModule(inner, loss_reduction="sum")
+    fused = FusedDPOptimizer(torch.optim.SGD(inner.parameters(), lr=1.0), noise_multiplier=1.0,
+                             max_grad_norm=0.5, expected_batch_size=6, loss_reduction="sum",
+                             seed=3)
+    before = [p.detach().clone() for p in inner.parameters()]
+    scaler.scale(ce(gsm(x), y, reduction="sum")).backward()
+    with pytest.raises(TypeError, match=r"FusedDPOptimizer.step: called through a torch "
+                                        r"GradScaler"):
+        scaler.step(fused)
+    assert all(torch.equal(a, b) for a, b in zip(before, inner.parameters()))
+    assert fused.offset == 0
+
+
+def test_step_with_a_closure_returns_its_loss():
+    """torch's contract: optimizer.step(closure) returns the closure's loss
+    (the audit of 2026-12-02 found None)."""
+    model = _model()
+    _, pm, opt, loader = _private(model)
+    x, y = _batch(loader)
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(pm(x), y)
+        loss.backward()
+        return loss
+    out = opt.step(closure)
+    assert isinstance(out, torch.Tensor) and out.dim() == 0
 
 
 def test_grad_scaler_after_unscale_is_refused_too():

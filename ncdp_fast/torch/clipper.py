@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from .._validate import check_bool, check_choice, check_int, check_nonneg
+from .._validate import check_bool, check_choice, check_int, check_nonneg, check_pos_int
 from . import tied
 from .adaptive import AdaptiveClip, check_adaptive
 from .attention import attention_forward
@@ -153,6 +153,15 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
     ``torch.nn.utils.clip_grad_norm_`` called between backward and the step
     warns: the gradients do not exist yet (:mod:`.grad_norm`).
 
+    ``forwards_per_step`` (default 1): the most forwards of the model one
+    step may hold.  A step's forwards are summed row by row, row i of each
+    taken as sample i's: right for several augmentations or views of each
+    sample (pass K), wrong for different samples of one size (two loader
+    batches under one step: each row of one clipped with the other's row of
+    its index, up to 2C for one sample), which nothing can tell apart; a
+    forward past the number is refused before anything is written.  A
+    checkpoint's recomputation inside backward is not a forward.
+
     ``gram_precision``: ``"float64"`` (default) or ``"float32"``: how the
     per-sample norms of float32 linear layers on a CUDA device form their
     Grams (:func:`ncdp_fast.clip_and_noise_layers`): "float32" skips the
@@ -174,7 +183,7 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
                  clipping: str = "flat", seed=None, offset: int | None = None,
                  nan_policy: str = "raise", group=None, batch_first: bool = True,
                  adaptive: AdaptiveClip | None = None, check_loss: bool = True,
-                 gram_precision: str = "float64"):
+                 gram_precision: str = "float64", forwards_per_step: int = 1):
         check_choice(clipping, "clipping", ("flat", "per_layer", "adaptive"))
         check_not_ddp(model, "GhostClipper")
         check_not_compiled(model, "GhostClipper")
@@ -214,7 +223,8 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
         self._loss.reduction = self.loss_reduction
         # Each layer's batch dimension, where the graph from earlier layers shows it.
         self._layouts = LayoutByGraph()
-        self._batch = StepBatch(self.batch_first)
+        self._batch = StepBatch(self.batch_first,
+                                check_pos_int(forwards_per_step, "forwards_per_step"))
         # False while PrivateModule.disable_hooks() holds: nothing is recorded.
         self.enabled = True
         # Why a forward under grad since the last step was not recorded

@@ -261,9 +261,10 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
     @torch.optim.Optimizer.profile_hook_step
     def step(self, closure=None):
         refuse_grad_scaler(self)
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure()
+                loss = closure()
         if self._managed and self._awaiting is None:
             raise RuntimeError(
                 "step(): inside BatchMemoryManager with no physical batch awaiting its step "
@@ -277,7 +278,7 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
             self._consume_decision()
             self._pending += self.clipper._last_batch
             self._is_last_step_skipped = True
-            return None
+            return loss
         # The wrapped optimizer's parameters are checked too: one added by
         # add_param_group, or never in the model, would otherwise step raw.
         queued = self._queued and not self._managed
@@ -304,7 +305,9 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
         self._consume_decision()
         self._is_last_step_skipped = False
         self._on_step()
-        return self.original_optimizer.step()
+        # torch's contract: step(closure) returns the closure's loss.
+        out = self.original_optimizer.step()
+        return loss if closure is not None else out
 
     def _noise_source(self):
         return self.clipper

@@ -128,7 +128,8 @@ class PrivacyEngine:
                      poisson_sampling: bool = True, clipping: str = "flat",
                      noise_generator=None, grad_sample_mode: str = "hooks",
                      wrap_model: bool = True, seed=None, group=None,
-                     check_loss: bool = True, gram_precision: str = "float64", **kwargs):
+                     check_loss: bool = True, gram_precision: str = "float64",
+                     forwards_per_step: int = 1, **kwargs):
         """Make a model, optimizer and loader private (Opacus's signature).
 
         Args:
@@ -181,6 +182,12 @@ class PrivacyEngine:
                 (:class:`GhostClipper`'s argument; float32 trades clipping
                 tighter by the float32 GEMMs' rounding bound for the float64
                 copies and GEMMs, docs/privacy.md).
+            forwards_per_step: the most forwards of the model one step may
+                hold, each on the same samples row for row (K augmentations
+                of each sample: K); a forward past it is refused
+                (:class:`GhostClipper`'s argument).  Default 1: two loader
+                batches forwarded before one step would otherwise be clipped
+                row by row as one batch of paired samples.
 
         Returns ``(module, optimizer, data_loader)`` (``(module, optimizer,
         criterion, data_loader)`` with ``grad_sample_mode="ghost"``).
@@ -219,7 +226,8 @@ class PrivacyEngine:
                                expected_batch_size=sample_rate * n,
                                loss_reduction=loss_reduction, clipping=clipping, seed=stream,
                                group=group, batch_first=batch_first, adaptive=adaptive,
-                               check_loss=check_loss, gram_precision=gram_precision)
+                               check_loss=check_loss, gram_precision=gram_precision,
+                               forwards_per_step=forwards_per_step)
         self.sample_rate = sample_rate
 
         def on_step():

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from .recompute import in_backward
+
 __all__ = ["StepBatch", "module_batch_first", "enclosing_batch_first", "layer_batch_first",
            "set_layouts", "batch_dim", "to_batch_first", "rows_error", "broadcast_rows"]
 
@@ -189,22 +191,33 @@ def broadcast_rows(module: nn.Module, inputs: tuple, output, batch_first: bool,
 
 class StepBatch:
     """The number of samples of the current step: read from each forward of the
-    model (under grad) or declared; every layer's rows are checked against it."""
+    model (under grad) or declared; every layer's rows are checked against it.
+    ``forwards``: the most forwards of the model a step may hold, each on the
+    same samples row for row (GhostClipper's ``forwards_per_step``)."""
 
-    def __init__(self, batch_first: bool):
+    def __init__(self, batch_first: bool, forwards: int = 1):
         self.batch_first = batch_first
+        self.limit = forwards
         self.clear()
 
     def clear(self) -> None:
         self.size = self.shape = self.declared = None
         self.model_ran = False
+        self.forwards = 0
         # The model's first input tensor and the size read from it; ``bags``:
         # the layer whose number of bags is the step's batch instead.
         self.first = self.read = self.bags = None
 
-    def pre_hook(self, module, args, kwargs):
-        """The model's forward pre-hook (``with_kwargs=True``)."""
-        if not torch.is_grad_enabled() or self.declared is not None:
+    def pre_hook(self, module, args, kwargs, taps=()):
+        """The model's forward pre-hook (``with_kwargs=True``); ``taps``: the
+        recorded layers, read only to name a refusal's cause."""
+        if not torch.is_grad_enabled():
+            return
+        if not in_backward():           # a checkpoint's recomputation is no new forward
+            self.forwards += 1
+            if self.forwards > self.limit:
+                self._refuse_forward(args, kwargs, taps)
+        if self.declared is not None:
             return
         b, shape, first = input_batch(args, kwargs, self.batch_first)
         if self.model_ran and b != self.read:
@@ -217,6 +230,36 @@ class StepBatch:
         if self.bags is None:
             self.size = b
         self.read, self.shape, self.first = b, shape, first
+
+    def _refuse_forward(self, args, kwargs, taps) -> None:
+        # Rows are summed across a step's forwards, row i of each as sample
+        # i's: right for views of the same samples (augmentations), but two
+        # batches of one size under one step would clip each row of the
+        # second with the first's row of its index as one sample, up to 2C
+        # for one sample (the audit of 2026-12-02), and nothing can tell them
+        # apart.  Hence a stated number, and a refusal past it.
+        self.forwards = self.limit
+        if any(r.got for tap in taps for r in tap.records):
+            raise RuntimeError(
+                "GhostClipper: the model runs forward again after a backward pass reached it; "
+                "call privatize_() (optimizer.step()) before the next forward (batches are not "
+                "accumulated: each step is one batch), or clear() to discard")
+        if self.declared is not None:
+            size = f"{self.declared} samples (declared)"
+        else:
+            size = f"{input_batch(args, kwargs, self.batch_first)[0]} samples"
+        raise ValueError(
+            f"GhostClipper: the model ran forward {self.limit + 1} times in one step (this "
+            f"one on {size}), past forwards_per_step={self.limit}. The clipper sums each "
+            "row's gradient over a step's forwards as one sample's: right when every forward "
+            "sees the same samples row for row (several augmentations or views of each "
+            "sample), wrong for different samples (two loader batches under one step: each "
+            "row of one would be clipped with the other's row of its index, one sample's "
+            "contribution up to 2 max_grad_norm), and the two cannot be told apart. "
+            "Refused, nothing written: step once per batch (optimizer.step() or "
+            "privatize_(), or clear(), between batches), or, when every forward of a step "
+            "sees the same samples row for row, pass forwards_per_step=K to make_private / "
+            "GhostClipper")
 
     def from_bags(self, name: str, x, bags: int, first_layer: bool) -> None:
         """An ``nn.EmbeddingBag`` called with flat indices and offsets: where

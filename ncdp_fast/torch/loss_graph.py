@@ -57,6 +57,14 @@ class SamplesMixed(LossRefused):
         self.why = why
 
 
+class CompiledRegion(SamplesMixed):
+    """A torch.compile'd function's node (``CompiledFunctionBackward``): its
+    graph cannot be read, so whether it combines the samples cannot be
+    told; torch.compile is refused (compiled.py), here too, whether the
+    function sits in the loss or between two layers (the audit of
+    2026-12-02: a compiled ``h - h.mean(0)`` between layers was accepted)."""
+
+
 class Out(NamedTuple):
     dim: int        # the dimension running over samples
     k: int = 1      # index j of that dimension belongs to sample (j // k) % B
@@ -104,8 +112,8 @@ def _one_of(allowed) -> Callable[[float], bool]:
     return lambda v: v in allowed
 
 
-def _power_of_two_at_least_one(v: float) -> bool:
-    return v >= 1 and math.frexp(v)[0] == 0.5
+def _exactly_one(v: float) -> bool:
+    return v == 1.0
 
 
 def on_host(t: torch.Tensor) -> bool:
@@ -156,7 +164,17 @@ _ALONG = {"SoftmaxBackward0", "LogSoftmaxBackward0", "SafeSoftmaxBackward0",
           "FlipBackward0", "RollBackward0", "CumsumBackward0", "LogcumsumexpBackward0",
           "LinalgVectorNormBackward0", "NormBackward1", "LogsumexpBackward0", "AmaxBackward0",
           "AminBackward0", "MaxBackward0", "MinBackward0", "ProdBackward1", "StdBackward0",
-          "VarBackward0", "MaxBackward1", "MinBackward1"}
+          "VarBackward0", "MaxBackward1", "MinBackward1",
+          # Orders and selections along a dimension (the audit of 2026-12-02
+          # found h.sort(0) between layers accepted as an unknown operation).
+          "SortBackward0", "TopkBackward0", "KthvalueBackward0", "MedianBackward0",
+          "MedianBackward1", "NanmedianBackward0", "NanmedianBackward1", "ModeBackward0",
+          "CummaxBackward0", "CumminBackward0", "CumprodBackward0"}
+# Batch norms, whose training-mode statistics run over every dimension but
+# the channels (1): between layers F.batch_norm(training=True) moved one
+# sample's release by 3.15 C (the audit of 2026-12-02).
+_BATCH_NORMS = {"NativeBatchNormBackward0", "CudnnBatchNormBackward0",
+                "MiopenBatchNormBackward0", "NativeBatchNormLegitBackward0"}
 # Operations on (N, C, *spatial) inputs that keep each of the N rows its own:
 # the batch must be dimension 0.
 _PER_ROW = {"ConvolutionBackward0", "NativeGroupNormBackward0", "AvgPool1DBackward0",
@@ -222,6 +240,12 @@ class _Walk:
     # ----------------------------------------------------------------- rules
     def _node_value(self, node):
         name = type(node).__name__
+        if name.startswith("CompiledFunctionBackward"):
+            raise CompiledRegion(
+                _message(node, "a torch.compile'd function, whose graph cannot be read"),
+                f"{name}: a torch.compile'd function, whose graph cannot be read (whether it "
+                "combines the samples cannot be checked); torch.compile is refused: call the "
+                "function eagerly")
         if name == "AccumulateGrad":
             return Interior(name) if node.variable is self.anchor else None
         edges = node.next_functions
@@ -301,6 +325,24 @@ class _Walk:
             return v
         if name == "IndexBackward0":
             return self._index(node, v, in_shape, out_shape)
+        if name in _BATCH_NORMS:
+            # Without the flag (another backend's node), taken as training.
+            if getattr(node, "_saved_training", True) and b != 1:
+                _mixed(node, "a batch norm in training mode normalises over the batch")
+            return v
+        if name == "NativeGroupNormBackward0" and b == 1:
+            # The samples along the channels (a (B, C) batch reshaped to (1, B C)):
+            # each group must lie within one sample's channels.
+            size = node._saved_C // max(node._saved_group, 1)
+            if v.k % size:
+                _mixed(node, "a group norm's groups span several samples")
+            return v
+        if name == "RenormBackward0":
+            # Each slice along the dimension is renormalised whole: every
+            # sample's part of it, unless the slices are the samples.
+            if _signed(node._saved_dim) % len(in_shape) != b:
+                _mixed(node, "renorm rescales slices that hold several samples")
+            return v
         if name in _PER_ROW:
             if b != 0 or v.k != 1:
                 _refuse(node, "an operation that keeps rows of dimension 0 apart gets the "
@@ -518,11 +560,19 @@ class _Walk:
     def _scalar_factor(self, node, name, data, v):
         x = data.detach().reshape(())
         if name == "MulBackward0":
-            # GradScaler's scale: a power of two >= 1 (init 2^16, halved or
-            # doubled); a count from the batch would divide, not multiply.
-            ok = ValueCheck(x, _power_of_two_at_least_one)
-            why = ("scales by a scalar tensor that is not a power of two >= 1 (a "
-                   "GradScaler's scale is): it may be computed from the batch")
+            # A scale the user wrote is a Python number (a constant of the
+            # loss).  A scalar tensor other than 1 is a GradScaler's scale
+            # (scaler.scale(loss)) or one computed from the batch: with a
+            # scaler, each sample would be clipped at max_grad_norm as if its
+            # gradient were S times larger and the release later divided by S
+            # (clipped at C / S: the audit of 2026-12-02), so it is refused
+            # before anything is formed.  1 is backward(gradient=tensor(1.)).
+            ok = ValueCheck(x, _exactly_one)
+            why = ("scales by a scalar tensor other than 1: a GradScaler's scale "
+                   "(scaler.scale(loss)), whose per-sample gradients would be clipped at "
+                   "max_grad_norm as if S times larger, or one computed from the batch; "
+                   "GradScaler is refused: use torch.autocast(..., dtype=torch.bfloat16) with "
+                   "no GradScaler, and scale a loss by a Python number")
         else:
             allowed = [self.batch] + ([v.terms] if isinstance(v, Summed) and v.terms else [])
             ok = ValueCheck(x, _one_of(allowed))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .._clip import LayersClipResult
+from .amp import refuse_grad_scaler
 from .mechanism import (CheckpointsNoise, ClippedGaussianStep, ReleasedGrads,
                         foreign_grad_error, optimizer_params)
 
@@ -53,6 +54,9 @@ class FusedDPOptimizer(CheckpointsNoise, ClippedGaussianStep):
                  loss_reduction: str = "mean", seed=None, offset: int | None = None,
                  nan_policy: str = "raise", group=None):
         self.original_optimizer = optimizer
+        # GradScaler then hands the step its scale as attributes instead of
+        # unscaling p.grad alone: refused by name (amp.py).
+        self._step_supports_amp_scaling = True
         self.params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         self._released = ReleasedGrads()
         super().__init__(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
@@ -130,14 +134,20 @@ class FusedDPOptimizer(CheckpointsNoise, ClippedGaussianStep):
         return result
 
     def step(self, closure=None):
+        # A GradScaler stepping this optimizer would have unscaled p.grad
+        # only: the grad_sample it clips carries the scale (clipped at C / S
+        # of the true gradients, the audit of 2026-12-02); refused by name.
+        refuse_grad_scaler(self, "FusedDPOptimizer.step")
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure()
+                loss = closure()
         if self._active():
             self.privatize_()
         else:
             self._refuse_foreign([])
-        return self.original_optimizer.step()
+        out = self.original_optimizer.step()
+        return loss if closure is not None else out
 
     def __repr__(self):
         return (f"FusedDPOptimizer(noise_multiplier={self.noise_multiplier}, "

@@ -126,7 +126,7 @@ class LayerRecorder:
                 self._layouts.new_forward()
             self._snapshot.check(self.model, self.taps)
             refuse_whole_batch_loss_kwargs(module, kwargs)
-            return self._batch.pre_hook(module, args, kwargs)
+            return self._batch.pre_hook(module, args, kwargs, self.taps)
         if torch.is_grad_enabled():
             self._uncaptured.add("disabled" if not self.enabled else "eval")
         return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .loss_graph import LossRefused, Out, SamplesMixed, Summed, walker
+from .loss_graph import CompiledRegion, LossRefused, Out, SamplesMixed, Summed, walker
 
 __all__ = ["LayoutByGraph"]
 
@@ -56,6 +56,10 @@ class LayoutByGraph:
                 self._walk = walker(sources, batch, anchor)
             try:
                 v = self._walk.value(x.grad_fn, x.output_nr)
+            except CompiledRegion as e:
+                raise ValueError(
+                    f"GhostClipper: layer {name!r} gets an input (shape {tuple(x.shape)}) "
+                    f"computed by a torch.compile'd function ({e.why})") from None
             except SamplesMixed as e:
                 if self.strict:
                     raise self.mixed(name, x, e.why) from None
