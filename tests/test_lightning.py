@@ -286,6 +286,11 @@ def test_other_refusals():
     with pytest.raises(ValueError, match=r"clipping: expected one of \['flat', 'per_layer'\], "
                                          r"got 'adaptive'"):
         _callback(clipping="adaptive")
+    with pytest.raises(ValueError, match=r"forwards_per_step: expected an integer >= 1, got 0"):
+        _callback(forwards_per_step=0)
+    # A second forward of the network in one training_step (two batches under
+    # one step) is refused by make_private's default; the number passes through.
+    assert _callback(forwards_per_step=3)._args["forwards_per_step"] == 3
     # A batch skipped (training_step returns None, as one might for an empty
     # batch): the step would release nothing yet draw the next batch's noise.
     cb = _callback()

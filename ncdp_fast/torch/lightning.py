@@ -22,7 +22,8 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .._validate import check_bool, check_choice, check_delta, check_nonneg, check_positive
+from .._validate import (check_bool, check_choice, check_delta, check_nonneg, check_pos_int,
+                         check_positive)
 from .engine import PrivacyEngine
 
 __all__ = ["DPLightningCallback"]
@@ -53,7 +54,7 @@ class DPLightningCallback(Callback):
             batch ("mean": the private gradient is divided by the expected
             batch size, never the realized one).
         clipping: "flat" or "per_layer" (:meth:`PrivacyEngine.make_private`'s).
-        batch_first, check_loss: :meth:`PrivacyEngine.make_private`'s.
+        batch_first, check_loss, forwards_per_step: :meth:`PrivacyEngine.make_private`'s.
         accountant: the engine's ("prv", "pld", "rdp", "gdp").
         seed: the key of the one stream the batches and the noise are drawn
             from (default: the OS).  A fixed seed is for tests; a resumed run
@@ -73,7 +74,7 @@ class DPLightningCallback(Callback):
     def __init__(self, *, noise_multiplier, max_grad_norm, delta, module: str | None = None,
                  loss_reduction: str = "mean", clipping: str = "flat", batch_first: bool = True,
                  check_loss: bool = True, accountant: str = "prv", seed=None,
-                 log_name: str = "epsilon"):
+                 log_name: str = "epsilon", forwards_per_step: int = 1):
         if module is not None and not isinstance(module, str):
             raise TypeError(f"module: expected None or the name of the LightningModule's "
                             f"attribute holding the network, got {type(module).__name__}")
@@ -91,7 +92,9 @@ class DPLightningCallback(Callback):
         self._args = dict(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                           loss_reduction=loss_reduction, clipping=clipping,
                           batch_first=check_bool(batch_first, "batch_first"),
-                          check_loss=check_bool(check_loss, "check_loss"), seed=seed)
+                          check_loss=check_bool(check_loss, "check_loss"), seed=seed,
+                          forwards_per_step=check_pos_int(forwards_per_step,
+                                                          "forwards_per_step"))
         self.engine = PrivacyEngine(accountant=accountant)
         self.optimizer = self.loader = self._net = None
         # The engine state of the checkpoint Lightning resumes from, restored
