@@ -34,7 +34,8 @@ from pathlib import Path
 
 from . import _stream, _validate
 
-__all__ = ["ENV", "ledger_dir", "claim_range", "record_used", "claim_resume"]
+__all__ = ["ENV", "ledger_dir", "claim_range", "record_used", "claim_resume",
+           "recorded_overlap"]
 
 ENV = "NCDP_FAST_LEDGER_DIR"
 _VERSION = 1
@@ -216,3 +217,21 @@ def claim_resume(seed: int, position: int, *, directory: Path | None = None) -> 
     key recorded (:func:`record_used`): the noise from ``position`` on was
     drawn by another continuation of the run."""
     return _update(seed, position, position + 1, directory)
+
+
+def recorded_overlap(seed: int, start: int, draws: int, *,
+                     directory: Path | None = None) -> bool:
+    """Whether [start, start+draws) of ``seed``'s stream meets a range the
+    ledger holds; read only, and False without a ledger file (nothing was
+    ever recorded there: no salt is made, no tag computed)."""
+    directory = ledger_dir() if directory is None else Path(directory)
+    if not (directory / "ranges.json").exists():
+        return False
+    with _locked(directory):
+        salt, keys = _open_ledger(directory)
+        if not keys:
+            return False
+        tag = _tag(seed, salt)
+        if tag not in keys:
+            return False
+        return _stream._Ledger({tag: keys[tag]}).overlaps(tag, start, max(draws, 1))

@@ -71,9 +71,15 @@ class _Ledger:
     def __init__(self, used: dict | None = None):
         self._lock = threading.Lock()
         self._used: dict = {} if used is None else used
+        # Explicit keys whose across-runs ledger was read in this process
+        # (NoiseStream.take: once a key, at its process-wide stream's first draw).
+        self.disk_checked: set = set()
 
     def clear(self):
-        """Forget every recorded range (the test suite: each test is its own run)."""
+        """Forget every recorded range (the test suite: each test is its own run,
+        and an oracle inside a test redraws a key's noise).  The keys whose
+        across-runs ledger was read stay read (``disk_checked``: a new process
+        starts with none)."""
         with self._lock:
             self._used.clear()
 
@@ -160,6 +166,8 @@ class NoiseStream:
         self._lock = threading.Lock()
         # Copied into a forked child with an explicit key: its next use warns.
         self._inherited = False
+        # Its state handed out (state()): its later draws are recorded (take).
+        self._exported = False
         _LIVE.add(self)
 
     def _forked(self) -> None:
@@ -201,6 +209,8 @@ class NoiseStream:
         draws = _validate.check_uint64(draws, "draws")
         self._check_inherited()
         if self._pos is None:
+            if draws and self._seed not in _LEDGER.disk_checked:
+                _check_earlier_runs(self._seed, draws)
             start = _LEDGER.take_next(self._seed, draws)
             _validate.check_draw_range(start, draws)
             return start
@@ -208,12 +218,23 @@ class NoiseStream:
             start = self._pos
             _validate.check_draw_range(start, draws)
             self._pos = start + draws
-        if self._explicit and _LEDGER.record(self._seed, start, draws):
+        # A position of the caller's (an explicit offset, a restored
+        # checkpoint: load_noise_state asks the ledger itself): this process
+        # continues the key from here on, its later process-wide draws too.
+        _LEDGER.disk_checked.add(self._seed)
+        # An explicit key's draws are recorded, and an OS key's once its state
+        # left the object (noise_state, state_dict): a checkpoint restores it
+        # as an explicit key, and a second continuation in this process -- a
+        # rollback, or a load while the first run goes on -- must meet what
+        # the first drew (the fifth audit: repeated silently under OS keys).
+        # A one-shot op's OS key is never recorded: no entry a call.
+        if (self._explicit or self._exported) and _LEDGER.record(self._seed, start, draws):
             _warn_reuse(self._seed, start, draws)
         return start
 
     def state(self) -> dict:
         """``{"seed", "offset"}`` for a private checkpoint (never publish it)."""
+        self._exported = True
         return {"seed": self._seed, "offset": self.position}
 
     @classmethod
@@ -242,9 +263,41 @@ if hasattr(os, "register_at_fork"):
 
 
 def _warn_reuse(seed, start, draws):
-    warnings.warn(f"seed/offset: draws [{start}, {start + draws}) of this explicit seed were "
-                  "already used in this process; the noise repeats (pass no offset to "
-                  "continue the stream, or a NoiseStream)", NoiseReuseWarning, stacklevel=4)
+    warnings.warn(f"seed/offset: draws [{start}, {start + draws}) of this key were already "
+                  "used in this process (an explicit seed and offset given again, or a "
+                  "checkpoint's stream continued twice: a rollback, or a second load while "
+                  "the first run went on); the noise repeats, and two outputs drawn with it "
+                  "cancel it in their difference (pass no offset to continue the stream, a "
+                  "NoiseStream, or seed=None)", NoiseReuseWarning, stacklevel=4)
+
+
+def _check_earlier_runs(seed, draws) -> None:
+    """The first draw of an explicit key's process-wide stream in this
+    process starts at 0 (or where this process left it): where the key
+    ledger holds ranges of that key that a checkpointed run recorded (an
+    earlier process), the noise repeats that run's -- a run redone with
+    ``seed=S``, or resumed Opacus-style from state dicts without the noise
+    state (the fifth audit: the accountant then reported 6 steps whose last
+    3 reused the first 3's noise).  Warned, not refused: reproducing a run
+    with its seed is legitimate as long as only one of the two is released.
+    Read only where the ledger has a file (one scrypt tag a key a process)."""
+    from . import _key_ledger
+    _LEDGER.disk_checked.add(seed)
+    start = _LEDGER.next_free(seed)
+    try:
+        found = _key_ledger.recorded_overlap(seed, start, draws)
+    except (OSError, ValueError):
+        # An unreadable or damaged ledger: a checkpoint refuses it by name;
+        # a run that writes none is not stopped by it.
+        return
+    if found:
+        warnings.warn(
+            f"seed: draws [{start}, {start + draws}) of this explicit seed were used by an "
+            f"earlier run that wrote a private checkpoint (the key ledger "
+            f"{_key_ledger.ledger_dir()}): this run repeats that run's noise, and outputs of "
+            "both cancel it in their difference. Resume a run with its checkpoint "
+            "(load_checkpoint / load_state_dict continue the stream), or use a new key "
+            "(seed=None)", NoiseReuseWarning, stacklevel=5)
 
 
 def resolve(seed: Any = None, offset: Any = None) -> NoiseStream:

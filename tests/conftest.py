@@ -144,6 +144,7 @@ def _fresh_noise_ledger():
     raises NoiseReuseWarning (an error under pyproject's filterwarnings)."""
     from ncdp_fast import _stream
     _stream._LEDGER.clear()
+    _stream._LEDGER.disk_checked.clear()    # as in a new process: each key's ledger read once
     yield
 
 

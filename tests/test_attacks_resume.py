@@ -104,3 +104,88 @@ def test_an_unwritable_key_ledger_fails_the_checkpoint_by_name(tmp_path, monkeyp
                                            "NCDP_FAST_LEDGER_DIR"):
         engine.save_checkpoint(path=tmp_path / "a.pt", module=pm, optimizer=popt)
     assert not (tmp_path / "a.pt").exists()
+
+
+# ------------------------------------- the fifth audit (2026-12-02): reuse unseen
+
+def test_a_second_continuation_in_the_same_process_warns_under_an_os_key(tmp_path):
+    """Run A (key from the OS) checkpoints at step 3 and goes on to step 4
+    with no later checkpoint; run B, in the same process, loads that
+    checkpoint and takes step 4 (one record changed): both drew step 4's
+    noise at one offset, and the two releases differed by the changed
+    record's clipped contributions alone (residual 3e-8 against a noise std
+    of 0.2), with no warning -- the in-process ledger kept explicit keys
+    only.  Every key's draws are recorded now: B's step warns."""
+    engine, pm, popt, ploader = _training(seed=None)
+    path = tmp_path / "ckpt.pt"
+    for i, (x, y) in enumerate(ploader):      # one pass: steps 1-4, the checkpoint after 3
+        popt.zero_grad()
+        F.cross_entropy(pm(x), y).backward()
+        popt.step()
+        if i == 2:
+            engine.save_checkpoint(path=path, module=pm, optimizer=popt)
+    first = pm.clipper.last_result.offset
+    engine2, pm2, popt2, ploader2 = _load(path)
+    with pytest.warns(NoiseReuseWarning, match=r"already used in this process .*a checkpoint's "
+                                               r"stream continued twice"):
+        _train(pm2, popt2, ploader2, 1)
+    assert pm2.clipper.last_result.offset == first
+
+
+@pytest.mark.parametrize("how", ["a second optimizer", "a rollback"])
+def test_a_fused_optimizer_state_continued_twice_warns_under_an_os_key(how):
+    """FusedDPOptimizer with its key from the OS: its state_dict after 2 steps,
+    2 more steps, then the state loaded into a second optimizer, or back into
+    the same one, repeated the noise of steps 3-4 silently (with an explicit
+    seed it warned).  Both warn now."""
+    from ncdp_fast.torch import FusedDPOptimizer
+
+    def make():
+        p = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
+        return p, FusedDPOptimizer(torch.optim.SGD([p], lr=1.0), noise_multiplier=1.0,
+                                   max_grad_norm=1.0, expected_batch_size=None,
+                                   loss_reduction="sum")
+
+    def step(p, opt):
+        p.grad_sample = torch.zeros(2, 5, dtype=torch.float64)    # p.grad: the noise alone
+        opt.step()
+        return p.grad.detach().clone()
+
+    p, opt = make()
+    for _ in range(2):
+        step(p, opt)
+    state = opt.state_dict()
+    later = step(p, opt)
+    if how == "a rollback":
+        p2, opt2 = p, opt
+        opt2.load_state_dict(state)
+    else:
+        p2, opt2 = make()
+        opt2.load_state_dict(state)
+    with pytest.warns(NoiseReuseWarning, match="already used in this process"):
+        again = step(p2, opt2)
+    assert torch.equal(again, later)        # what the warning is about
+
+
+def test_a_new_run_with_the_seed_of_a_checkpointed_run_warns(tmp_path):
+    """A run with an explicit seed writes a checkpoint (the key ledger records
+    its draws); a new run with the same seed -- redone, or resumed
+    Opacus-style from the model's and optimizer's state dicts without the
+    noise state -- started at draw 0 again, silently, while the accountant
+    counted its steps as new ones.  Its first draw now meets the ledger's
+    record and warns, naming it; a resume through load_checkpoint does not."""
+    engine, pm, popt, ploader = _training(SEED)
+    _train(pm, popt, ploader, 3)
+    engine.save_checkpoint(path=tmp_path / "ckpt.pt", module=pm, optimizer=popt)
+    # A new process: nothing drawn, no key's ledger read yet.
+    _stream._LEDGER.clear()
+    _stream._LEDGER.disk_checked.clear()
+    engine2, pm2, popt2, ploader2 = _training(SEED)
+    with pytest.warns(NoiseReuseWarning, match=r"used by an earlier run that wrote a private "
+                                               r"checkpoint \(the key ledger"):
+        _train(pm2, popt2, ploader2, 1)
+    # The run resumed through its checkpoint continues the stream: no warning.
+    _stream._LEDGER.clear()
+    _stream._LEDGER.disk_checked.clear()
+    engine3, pm3, popt3, ploader3 = _load(tmp_path / "ckpt.pt")
+    _train(pm3, popt3, ploader3, 1)

@@ -242,7 +242,8 @@ def test_resume_continues_epsilon_the_noise_stream_and_the_pass(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("gradient_accumulation_steps", 2), ("max_grad_norm", 1.0), ("fp16", True),
+    ("gradient_accumulation_steps", 2), ("max_grad_norm", 1.0), ("max_grad_norm", None),
+    ("fp16", True),
     ("torch_compile", True), ("label_smoothing_factor", 0.1), ("neftune_noise_alpha", 5.0),
     ("dataloader_drop_last", True), ("train_sampling_strategy", "group_by_length"),
     ("data_seed", 3), ("auto_find_batch_size", True), ("ignore_data_skip", True),
@@ -289,6 +290,29 @@ def test_a_model_without_a_per_sample_loss_is_refused_unless_given_one(tmp_path)
     with pytest.raises(ValueError, match="BertForTokenClassification.*compute_loss_func"):
         DPTrainer(**kw)
     DPTrainer(**kw, compute_loss_func=lambda out, y, num_items_in_batch=None: 0)
+
+
+def test_a_causal_lm_whose_own_loss_does_not_shift_labels_is_refused(tmp_path):
+    """The audit of 2026-12-02: DPTrainer applied the shifted causal_lm_loss
+    to every class of the causal-LM mapping, but Marian's (Pegasus's, XLM's,
+    ...) own loss reads the labels as given: another objective, silently
+    (relative error 0.58 against the model's own).  Refused by name unless a
+    compute_loss_func is given; the shifting classes are taken as before."""
+    from ncdp_fast.torch.hf_trainer import _shifts_labels
+    torch.manual_seed(0)
+    model = transformers.MarianForCausalLM(transformers.MarianConfig(
+        vocab_size=V, d_model=16, decoder_layers=1, decoder_attention_heads=2,
+        decoder_ffn_dim=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32,
+        max_position_embeddings=16, pad_token_id=0, decoder_start_token_id=0))
+    kw = dict(model=model, args=_args(tmp_path), train_dataset=_lm_data(4), max_grad_norm=1.0,
+              noise_multiplier=1.0, target_delta=DELTA)
+    with pytest.raises(ValueError, match=r"MarianForCausalLM computes its own language-modelling "
+                                         r"loss on the labels as given.*compute_loss_func"):
+        DPTrainer(**kw)
+    DPTrainer(**kw, compute_loss_func=lambda out, y, num_items_in_batch=None: 0)
+    assert _shifts_labels(transformers.GPT2LMHeadModel)
+    assert _shifts_labels(transformers.LlamaForCausalLM)
+    assert not _shifts_labels(transformers.XLMWithLMHeadModel)
 
 
 def test_an_iterable_dataset_or_a_batch_without_labels_is_refused(tmp_path):

@@ -261,6 +261,19 @@ def test_settings_that_change_the_mechanism_are_refused(trainer_kwargs, model_cl
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_a_loss_reduction_that_does_not_match_the_loss_warns_through_lightning():
+    """The audit of 2026-12-02: Lightning divides each training_step's loss by
+    accumulate_grad_batches (1), which the loss check took as a factor that
+    may turn a mean into a sum, so loss_reduction="sum" with a mean loss gave
+    no LossReductionWarning (the update 0.51 off the declared sum's); a plain
+    GhostClipper loop warned.  A factor of exactly 1 is no scaling now."""
+    from ncdp_fast.torch import LossReductionWarning
+    with pytest.warns(LossReductionWarning, match="loss_reduction='sum', but the loss is the "
+                                                  "mean"):
+        _trainer([_callback(loss_reduction="sum")], max_steps=1).fit(
+            Classifier(), DataLoader(_data(), batch_size=BATCH))
+
+
 def test_other_refusals():
     # Several devices: checked in setup, before Lightning would launch ranks.
     cb = _callback()

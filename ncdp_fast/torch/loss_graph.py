@@ -601,6 +601,18 @@ _SCALING = {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "Div
             "DivBackward3"}
 
 
+def _scales(node) -> bool:
+    """A product or division that may turn a sum into a mean (or back); one by a
+    number read on the host as exactly 1 does not (Lightning divides every
+    training_step's loss by accumulate_grad_batches, 1: the fifth audit found
+    the reduction's warning lost under DPLightningCallback)."""
+    if type(node).__name__ not in _SCALING:
+        return False
+    other = getattr(node, "_saved_other", None)
+    return not (isinstance(other, torch.Tensor) and other.numel() == 1 and on_host(other)
+                and float(other) == 1.0)
+
+
 def _reduction_of(walk, node) -> tuple[str, str] | None:
     """``("mean" or "sum", the node's name)``: how the loss at ``node`` reduces the
     per-sample terms over the batch, where the graph shows it with nothing
@@ -609,7 +621,8 @@ def _reduction_of(walk, node) -> tuple[str, str] | None:
     taken on trust, as before).  :func:`analyse` also trusts it where any
     product or division (``_SCALING``) lies between the layers' outputs and
     the loss: ``(l / B).sum()`` is a mean written as a sum."""
-    while type(node).__name__ in _UNSCALED:
+    while type(node).__name__ in _UNSCALED or (type(node).__name__ in _SCALING and
+                                               not _scales(node)):
         edges = [(nf, nr) for nf, nr in node.next_functions if nf is not None]
         if len(edges) != 1:
             return None
@@ -665,7 +678,7 @@ def analyse(roots, outputs: dict, batch: int, anchor, constants=frozenset(),
             # The graph's nodes are scanned for a factor only on a mismatch: the
             # common step, whose reduction agrees, pays for the walk up the root.
             if found is not None and found[0] != reduction and \
-                    not any(type(n).__name__ in _SCALING for n in walk.memo):
+                    not any(_scales(n) for n in walk.memo):
                 # Privacy holds either way (each clipped contribution stays <= C):
                 # a warning, not a refusal -- but the step is not the one asked for.
                 kind, at = found
