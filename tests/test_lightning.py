@@ -274,6 +274,30 @@ def test_a_loss_reduction_that_does_not_match_the_loss_warns_through_lightning()
             Classifier(), DataLoader(_data(), batch_size=BATCH))
 
 
+@pytest.mark.parametrize("tuner", ["LearningRateFinder", "BatchSizeFinder"])
+def test_a_tuner_callback_is_refused_before_any_step(tuner):
+    """The audit of 2026-12-02: a LearningRateFinder next to the callback ran 4
+    training steps on the private data with ordinary gradients (no clipping,
+    no noise, nothing accounted) before the loader check refused at
+    on_train_start.  Tuners are refused at setup now, before any step."""
+    from lightning.pytorch import callbacks
+
+    class Tuned(Classifier):            # the batch-size finder tunes the module's own loader
+        batch_size = BATCH
+
+        def train_dataloader(self):
+            return DataLoader(_data(), batch_size=self.batch_size)
+
+    finder = getattr(callbacks, tuner)()
+    model = Tuned()
+    before = [p.detach().clone() for p in model.parameters()]
+    cb = _callback()
+    with pytest.raises(ValueError, match=rf"callbacks: expected no tuner, got \['{tuner}'\]"):
+        _trainer([finder, cb]).fit(model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert cb.engine.accountant.total_steps == 0
+
+
 def test_other_refusals():
     # Several devices: checked in setup, before Lightning would launch ranks.
     cb = _callback()

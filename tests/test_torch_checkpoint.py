@@ -130,6 +130,19 @@ def test_mismatched_or_misplaced_loads_are_refused_and_write_nothing(tmp_path):
              r"path: expected a checkpoint written by PrivacyEngine.save_checkpoint")
     _refused(*_training(None)[:3], path, TypeError, r"noise_scheduler: expected a scheduler with",
              noise_scheduler=object())
+    # Another kind of optimizer (the fifth audit: a bare KeyError after the
+    # module's weights were written): refused by name, nothing written.
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 4, generator=g), torch.randint(0, 3, (20,), generator=g)
+    torch.manual_seed(0)
+    other = torch.nn.Linear(4, 3)
+    e = PrivacyEngine()
+    m, o, _ = e.make_private(module=other, optimizer=torch.optim.Adam(other.parameters()),
+                             data_loader=DataLoader(TensorDataset(x, y), batch_size=5),
+                             noise_multiplier=1.0, max_grad_norm=1.0)
+    _refused(e, m, o, path, ValueError, r"optimizer: the state in .* does not load into this "
+                                        r"Adam .*Nothing was written")
+    assert o.original_optimizer.state_dict()["state"] == {}
     with pytest.raises(RuntimeError, match=r"load_checkpoint: expected an engine after "
                                            r"make_private"):
         PrivacyEngine().load_checkpoint(path=path, module=pm._module)

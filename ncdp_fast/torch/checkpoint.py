@@ -338,11 +338,28 @@ def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
     if optimizer is not None and _OPTIMIZER not in ckpt:
         raise ValueError(f"optimizer: expected None, since {path!r} holds no optimizer state "
                          "(save_checkpoint was given none)")
-    # Everything checked: only now is anything written.
-    module.load_state_dict(ckpt[_MODULE], **_kwargs(module_load_dict_kwargs,
-                                                    "module_load_dict_kwargs"))
+    # Everything checked: only now is anything written.  The optimizer's
+    # state first, the module's after it, each put back as it was if the
+    # other fails: an SGD checkpoint loaded into Adam failed with a bare
+    # KeyError after the module's weights were written (the fifth audit).
     if optimizer is not None:
-        optimizer.original_optimizer.load_state_dict(ckpt[_OPTIMIZER])
+        inner = optimizer.original_optimizer
+        kept = inner.state_dict()
+        try:
+            inner.load_state_dict(ckpt[_OPTIMIZER])
+        except (KeyError, ValueError, RuntimeError, TypeError) as e:
+            inner.load_state_dict(kept)
+            raise ValueError(
+                f"optimizer: the state in {path!r} does not load into this "
+                f"{type(inner).__name__} ({type(e).__name__}: {e}); pass an optimizer of the "
+                "kind and parameter groups the run was saved with. Nothing was written") from e
+    try:
+        module.load_state_dict(ckpt[_MODULE], **_kwargs(module_load_dict_kwargs,
+                                                        "module_load_dict_kwargs"))
+    except Exception:
+        if optimizer is not None:
+            inner.load_state_dict(kept)
+        raise
     # The next step's sigma and C, as scheduled; checked together above (through
     # the setters one at a time, the first could meet the other's old value).
     if "noise_multiplier" in scheduled:

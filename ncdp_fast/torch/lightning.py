@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import BatchSizeFinder, Callback, LearningRateFinder
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader
@@ -142,6 +142,18 @@ class DPLightningCallback(Callback):
                 f"got {type(trainer.strategy).__name__} on {trainer.num_devices} device(s) x "
                 f"{trainer.num_nodes} node(s); DDP would average unnoised gradients across "
                 "ranks (ncdp_fast's group= is not wired to Lightning)")
+        tuners = [type(c).__name__ for c in trainer.callbacks
+                  if isinstance(c, (BatchSizeFinder, LearningRateFinder))]
+        if tuners:
+            # They run training steps of their own on the private data inside
+            # fit, before the private loop is wired (the fifth audit: a
+            # LearningRateFinder took 4 unclipped, unnoised steps before the
+            # loader check refused), and pick a setting from it.
+            raise ValueError(
+                f"callbacks: expected no tuner, got {tuners}: it trains on the private data "
+                "inside fit with ordinary gradients (no clipping, no noise, not accounted) and "
+                "picks a setting from them. Tune on public or synthetic data, then fit with "
+                "the chosen setting")
         if trainer.overfit_batches not in (0, 0.0):
             raise ValueError(f"overfit_batches: expected 0, got {trainer.overfit_batches!r}; "
                              "it replaces the sampler, so the batches would not be Poisson")
