@@ -258,6 +258,34 @@ def test_adaptive_resume_continues_the_uninterrupted_run_exactly(tmp_path):
         assert torch.equal(a.detach(), b.detach())
 
 
+def test_adaptive_resume_through_state_dicts_keeps_the_bound():
+    """Opacus's way -- the model's, optimizer's (which carries the noise
+    stream) and accountant's state dicts, a whole pass taken -- went back to
+    the first step's bound C_0 (the fifth audit: 0.70 back to 5.0, the
+    parameters diverged; epsilon did not).  The optimizer's state now holds
+    the bound, and the resumed run equals the uninterrupted one."""
+    engine, pm, popt, ploader = _adaptive(SEED)
+    _train(pm, popt, ploader, 4)                  # one whole pass
+    saved = {"m": pm._module.state_dict(), "o": popt.state_dict(),
+             "a": engine.accountant.state_dict()}
+    bound = popt.max_grad_norm
+    assert bound != 5.0 and saved["o"]["ncdp_noise"]["clip_bound"] == bound
+    _stream._LEDGER.clear()
+    engine_r, pm_r, popt_r, ploader_r = _adaptive(None)
+    pm_r._module.load_state_dict(saved["m"])
+    engine_r.accountant.load_state_dict(saved["a"])
+    popt_r.load_state_dict(saved["o"])
+    assert popt_r.max_grad_norm == bound
+    _train(pm_r, popt_r, ploader_r, 4)
+    _stream._LEDGER.clear()
+    engine_u, pm_u, popt_u, ploader_u = _adaptive(SEED)
+    _train(pm_u, popt_u, ploader_u, 8)
+    assert popt_r.max_grad_norm == popt_u.max_grad_norm
+    assert engine_r.get_epsilon(DELTA) == engine_u.get_epsilon(DELTA)
+    for a, b in zip(pm_r.parameters(), pm_u.parameters()):
+        assert torch.equal(a.detach(), b.detach())
+
+
 @pytest.mark.parametrize("name", sorted(ADA))
 def test_adaptive_resume_with_other_arguments_is_refused(tmp_path, name):
     engine, pm, popt, ploader = _adaptive(SEED)

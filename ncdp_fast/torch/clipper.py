@@ -310,6 +310,26 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
         check_bound_kept(self._accumulated, self.max_grad_norm, value)
         ClippedGaussianStep.max_grad_norm.fset(self, value)
 
+    def noise_state(self) -> dict:
+        """:meth:`UsesNoiseStream.noise_state`, and with adaptive clipping the
+        bound the next step clips at (``"clip_bound"``): a run resumed from
+        the optimizer's ``state_dict`` (Opacus's way) went back to the first
+        step's bound before (the fifth audit: 0.70 back to 5.0; the
+        parameters diverged, epsilon did not)."""
+        state = super().noise_state()
+        if self.adaptive is not None:
+            state["clip_bound"] = float(self.max_grad_norm)
+        return state
+
+    def load_noise_state(self, state: dict) -> None:
+        bound = state.get("clip_bound") if isinstance(state, dict) else None
+        if self.adaptive is not None and bound is not None and not (
+                isinstance(bound, float) and math.isfinite(bound) and bound > 0):
+            raise ValueError(f"state: expected clip_bound as a finite float > 0, got {bound!r}")
+        super().load_noise_state(state)
+        if self.adaptive is not None and bound is not None:
+            self._max_grad_norm = bound
+
     # ------------------------------------------------------------ construction
     # Kept on the class, as the tests reach it (adaptive.py holds the check).
     _check_adaptive = staticmethod(check_adaptive)
