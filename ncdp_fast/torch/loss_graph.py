@@ -153,10 +153,22 @@ _ELEMENTWISE = {"AbsBackward0", "ExpBackward0", "Exp2Backward0", "Expm1Backward0
                 "MaskedFillBackward0", "NanToNumBackward0", "SquareBackward0",
                 "XlogyBackward1", "NativeDropoutBackward0", "HardswishBackward0",
                 "HardsigmoidBackward0", "LeakyReluBackward1", "EluBackward1", "CeluBackward0",
-                "SeluBackward0", "Atan2Backward0"}
+                "SeluBackward0", "Atan2Backward0",
+                # More of torch's pointwise functions: an unknown one between two
+                # layers hid the mixing after it (the fifth audit: atan(h), then
+                # z - z.mean(0), accepted with relative error 0.43).
+                "AtanBackward0", "AsinBackward0", "AcosBackward0", "TanBackward0",
+                "SinhBackward0", "CoshBackward0", "AsinhBackward0", "AcoshBackward0",
+                "AtanhBackward0", "ErfcBackward0", "ErfinvBackward0", "FracBackward0",
+                "TruncBackward0", "CeilBackward0", "DigammaBackward0", "LgammaBackward0",
+                "LogitBackward0", "SincBackward0", "SoftshrinkBackward0", "HardshrinkBackward0",
+                "I0Backward0", "PolygammaBackward0", "MvlgammaBackward0",
+                "FmodBackward0", "RemainderBackward0"}
 _BINARY = {"AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0", "WhereBackward0",
            "MaximumBackward0", "MinimumBackward0", "PowBackward1", "XlogyBackward0",
-           "RsubBackward0"}
+           "RsubBackward0", "LerpBackward0", "LerpBackward1", "HypotBackward0",
+           "FmaxBackward0", "FminBackward0", "CopysignBackward0", "FmodBackward1",
+           "RemainderBackward1"}
 _VIEWS = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
           "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
           "SqueezeBackward3", "SqueezeBackward4"}
@@ -268,12 +280,12 @@ class _Walk:
             return self._binary(node, name, ins, edges)
         if isinstance(v0, Summed):
             if name in ("SumBackward0", "SumBackward1", "MeanBackward0", "MeanBackward1",
-                        "ExpandBackward0") or name in _VIEWS:
+                        "NansumBackward0", "ExpandBackward0") or name in _VIEWS:
                 return Summed()
             _mixed(node, "a value summed over the batch goes through an operation that is not "
                           "linear")
         if len(live) > 1 and name not in ("CatBackward0", "StackBackward0", "MmBackward0",
-                                          "AddmmBackward0") and \
+                                          "AddmmBackward0", "CdistBackward0") and \
                 name not in _ELEMENT_LOSSES and name not in _BATCHED:
             _refuse(node, "an operation of several per-sample tensors that the check does not "
                           "know")
@@ -283,11 +295,19 @@ class _Walk:
         b, out_shape = v.dim, _shape(node)
         if name in ("SumBackward0", "MeanBackward0"):
             return Summed(math.prod(in_shape) if name == "SumBackward0" else None)
-        if name in ("SumBackward1", "MeanBackward1"):
+        if name in ("SumBackward1", "MeanBackward1", "NansumBackward0"):
             dims = _dims(node, len(in_shape)) or tuple(range(len(in_shape)))
             if b in dims:
                 return Summed(math.prod(in_shape) if name == "SumBackward1" else None)
             return Out(b if node._saved_keepdim else b - sum(d < b for d in dims), v.k)
+        if name == "CdistBackward0":
+            # Distances between the rows of two (..., P, M) inputs: per sample
+            # only where the samples index a leading (batch) dimension.
+            if b >= len(in_shape) - 2:
+                _mixed(node, "a pairwise distance between rows runs across the samples")
+            return v
+        if name == "IndexSelectBackward0" and _signed(node._saved_dim) % len(in_shape) == b:
+            return self._rows_in_order(node, v, node._saved_index, in_shape, out_shape)
         if name in _VIEWS:
             return self._reshape(node, v, in_shape, out_shape)
         if name == "ExpandBackward0":
@@ -344,6 +364,10 @@ class _Walk:
                 _mixed(node, "renorm rescales slices that hold several samples")
             return v
         if name in _PER_ROW:
+            if b >= 2:
+                # Samples along a spatial dimension: pooled, convolved or
+                # padded across (the fifth audit: avg_pool1d over the batch).
+                _mixed(node, "a pooling, convolution or padding runs across the samples")
             if b != 0 or v.k != 1:
                 _refuse(node, "an operation that keeps rows of dimension 0 apart gets the "
                               "samples elsewhere")
@@ -356,17 +380,20 @@ class _Walk:
             lives = {(x.dim, x.k) for x in ins if isinstance(x, Out)}
             last = 2 if name in _ATTENTION else 1
             if len(lives) != 1 or any(isinstance(x, Summed) for x in ins) or \
-                    b >= len(in_shape) - last or (name not in _ATTENTION and b != 0):
-                _refuse(node, "a batched matrix product or attention mixes the samples")
+                    b >= len(in_shape) - last:
+                # Samples inside the matrices, or on different dimensions of
+                # two operands: products across samples (an einsum of h with
+                # h, the fifth audit).
+                _mixed(node, "a batched matrix product or attention mixes the samples")
+            if name not in _ATTENTION and b != 0:
+                _refuse(node, "a batched matrix product gets the samples off dimension 0")
             return v
         if name in _SPLITS:
             d = _signed(node._saved_dim) % len(in_shape)
             if d == b:
                 _refuse(node, "the batch dimension is split")
             return Out(b - (d < b), v.k) if name == "UnbindBackward0" else v
-        if name == "IndexSelectBackward0":
-            if _signed(node._saved_dim) % len(in_shape) == b:
-                _refuse(node, "an index selects along the batch dimension")
+        if name == "IndexSelectBackward0":      # off the batch (along it: above)
             return v
         if name == "RepeatBackward0":
             reps = tuple(node._saved_repeats)
@@ -443,7 +470,7 @@ class _Walk:
             inner = math.prod(out_shape[d + 1:])
             if unit % inner == 0 and math.prod(out_shape[d:]) % period == 0:
                 return Out(d, unit // inner)
-        _refuse(node, f"a reshape {in_shape} -> {out_shape} mixes the samples' elements")
+        _mixed(node, f"a reshape {in_shape} -> {out_shape} mixes the samples' elements")
 
     def _broadcast(self, node, v, in_shape, out_shape):
         d = v.dim + len(out_shape) - len(in_shape)
@@ -461,12 +488,22 @@ class _Walk:
         if not at or (at[0] > v.dim and at == list(range(at[0], at[-1] + 1))):
             return v
         rows = idx[v.dim] if v.dim < len(idx) else None
-        if at[0] == v.dim and at == list(range(at[0], at[-1] + 1)) and \
-                isinstance(rows, torch.Tensor) and rows.ndim == 1 and \
-                not rows.is_floating_point() and rows.dtype != torch.bool and \
-                rows.shape[0] == in_shape[v.dim] and out_shape[v.dim] == rows.shape[0]:
+        if at[0] == v.dim and at == list(range(at[0], at[-1] + 1)):
             # x[arange(B), j]: one entry of each sample, in order (the pooled
             # logits of a decoder's sequence classifier), if the rows are arange.
+            return self._rows_in_order(node, v, rows, in_shape, out_shape)
+        _refuse(node, "an index (a mask or index tensor) selects along the batch "
+                      "dimension: which rows remain depends on every sample")
+
+    def _rows_in_order(self, node, v, rows, in_shape, out_shape):
+        """An index along the batch dimension (``x[rows]``, ``index_select``):
+        the samples as they were where ``rows`` is 0, 1, ..., B-1, a condition
+        on the values read with the step's checks; a permutation or a
+        repetition of samples otherwise (the fifth audit: ``h[perm]`` before
+        a layer moved one sample's release by 2.05 C)."""
+        if isinstance(rows, torch.Tensor) and rows.ndim == 1 and \
+                not rows.is_floating_point() and rows.dtype != torch.bool and \
+                rows.shape[0] == in_shape[v.dim] and out_shape[v.dim] == rows.shape[0]:
             self.pending.append((
                 (rows == torch.arange(rows.shape[0], device=rows.device)).all(),
                 f"{node.name()}: the index along the batch dimension is not 0, 1, ..., B-1: "
@@ -507,8 +544,14 @@ class _Walk:
         a, w = ins[-2], ins[-1]
         if isinstance(a, Out) and a.dim == 0 and w is None and (len(ins) == 2 or ins[0] is None):
             return a
-        _refuse(node, "a matrix product contracts over the batch dimension or multiplies "
-                      "per-sample tensors together")
+        if (isinstance(a, Out) and a.dim == 1) or (isinstance(w, Out) and w.dim == 0) or \
+                (isinstance(a, Out) and isinstance(w, Out)):
+            # The samples along the contracted dimension (ones(B, B) @ h, an
+            # einsum over the others), or two per-sample operands (h @ h.T).
+            _mixed(node, "a matrix product contracts over the batch dimension or multiplies "
+                         "per-sample tensors together")
+        _refuse(node, "a matrix product whose samples the check cannot place (a weight-first "
+                      "W @ x.T keeps them apart)")
 
     # ---------------------------------------------------------------- binary
     def _binary(self, node, name, ins, edges):

@@ -301,6 +301,8 @@ class LayerRecorder:
             self._check_rows(tap, output, rule)
             tap.recording = False
             raise
+        if self._layouts.pending:
+            self._loss.pending += self._layouts.take_pending()
         if found is not None and found != rule:
             tap.recording = False
             raise self._layouts.error(tap.name, tap.module, x, found, rule, tap.batch_first)

@@ -29,9 +29,16 @@ class LayoutByGraph:
         # False (check_exact's clipper, which measures instead of refusing):
         # samples proven combined below a layer are left to the measurement.
         self.strict = True
+        self.pending: list = []     # value conditions for the step's checks (take_pending)
         self._seen: dict = {}       # (layer, call, input shape, batch) -> sample dim or None
         self._walk = None
         self._calls: dict = {}      # layer name -> calls in this forward
+
+    def take_pending(self) -> list:
+        """The value conditions the walks since the last call found (the loss
+        watch's form: ``(condition, why)``), handed over once."""
+        pending, self.pending = self.pending, []
+        return pending
 
     def new_forward(self) -> None:
         """At the model's forward: a fresh walk (its memo holds this forward's nodes)."""
@@ -54,6 +61,7 @@ class LayoutByGraph:
         if key not in self._seen:
             if self._walk is None:
                 self._walk = walker(sources, batch, anchor)
+            held = len(self._walk.pending)
             try:
                 v = self._walk.value(x.grad_fn, x.output_nr)
             except CompiledRegion as e:
@@ -68,6 +76,19 @@ class LayoutByGraph:
                 v = None
             if isinstance(v, Summed) and self.strict:
                 raise self.mixed(name, x, "it is a value summed over the batch")
+            if self.strict and isinstance(v, Out):
+                # Conditions on values (an index along the batch must be 0..B-1)
+                # of a walk that placed the samples (one that met an operation it
+                # does not know -- a PackedSequence's sort and unsort -- left
+                # the layer to its checks, conditions and all),
+                # judged with the step's checks in its one transfer (before, never
+                # judged below a layer: h[perm] was accepted, the fifth audit).
+                conditions = self._walk.pending[held:]
+                if conditions:
+                    # Values, not shapes: judged again at every forward (no cache).
+                    self.pending += [(ok, f"layer {name!r}'s input: {why}")
+                                     for ok, why in conditions]
+                    return v.dim if v.k == 1 else None
             self._seen[key] = v.dim if isinstance(v, Out) and v.k == 1 else None
         return self._seen[key]
 
