@@ -492,3 +492,25 @@ def test_a_pruned_layer_is_refused_by_name_and_exact_once_the_pruning_is_removed
         assert _step_error(model, clipper, reference, x, y) < 1e-12
     finally:
         clipper.remove()
+
+
+@pytest.mark.parametrize("fn", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("layer", ["Linear", "Conv2d", "Embedding"])
+def test_the_old_weight_and_spectral_norm_hooks_are_refused_by_name(fn, layer):
+    """The hook-based torch.nn.utils.weight_norm / spectral_norm recompute
+    ``weight`` before each forward from other trainable parameters (weight_g
+    and weight_v, weight_orig), as pruning does.  They were refused only at
+    the step, by the rule's blocks ("returned blocks for ['bias'], expected
+    ... 'weight_g', 'weight_v'"), naming neither (the fifth audit); now when
+    the clipper is built, with the way out; removed, the layer is exact."""
+    make = {"Linear": lambda: nn.Linear(4, 3), "Conv2d": lambda: nn.Conv2d(2, 3, 3),
+            "Embedding": lambda: nn.Embedding(5, 3)}[layer]
+    torch.manual_seed(0)
+    module = getattr(torch.nn.utils, fn)(make())
+    with pytest.raises(ValueError, match=rf"layer '0' \({layer}\) uses torch\.nn\.utils\.{fn}: "
+                                         rf"its 'weight' is recomputed .*remove_{fn}"):
+        GhostClipper(nn.Sequential(module), max_grad_norm=1.0, noise_multiplier=0.0,
+                     expected_batch_size=4)
+    getattr(torch.nn.utils, f"remove_{fn}")(module)
+    GhostClipper(nn.Sequential(module), max_grad_norm=1.0, noise_multiplier=0.0,
+                 expected_batch_size=4).remove()

@@ -156,6 +156,20 @@ def _pruned_originals(module: nn.Module, params: dict) -> list[str]:
             and f"{hook._tensor_name}_orig" in params]
 
 
+def _reparametrized(module: nn.Module, params: dict) -> tuple[str, str] | None:
+    """``(function, tensor)`` where the old hook-based ``torch.nn.utils.weight_norm``
+    or ``spectral_norm`` recomputes a tensor of ``module`` before each forward
+    from trainable parameters among ``params`` (weight_g/weight_v, weight_orig)."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, WeightNorm) and f"{hook.name}_v" in params:
+            return "weight_norm", hook.name
+        if isinstance(hook, SpectralNorm) and f"{hook.name}_orig" in params:
+            return "spectral_norm", hook.name
+    return None
+
+
 def layer_rule(name: str, module: nn.Module, params: dict):
     """The per-sample gradient rule of layer ``name`` (``params``: its trainable
     parameters), refusing a layer without one and a subclass whose forward
@@ -189,6 +203,17 @@ def layer_rule(name: str, module: nn.Module, params: dict):
                 f"make_private with torch.nn.utils.prune.remove(module, {t!r}) (the pruned "
                 "entries are then trained too unless the mask is applied again after each "
                 f"step), or freeze {t}_orig")
+        hooked = _reparametrized(module, params)
+        if hooked is not None:
+            # The same disagreement, refused here rather than at the step
+            # (whose message named neither, the fifth audit).
+            fn, t = hooked
+            raise ValueError(
+                f"GhostClipper: layer {name!r} ({type(module).__name__}) uses "
+                f"torch.nn.utils.{fn}: its {t!r} is recomputed from other trainable "
+                f"parameters before each forward, so {base.__name__}'s rule gives per-sample "
+                f"gradients of {t!r}, not of the parameters trained; remove it before "
+                f"make_private (torch.nn.utils.remove_{fn}), or freeze the layer")
     if rule is None and replacement(module):
         raise torch_rnn_error(name, module)
     if rule is None:
