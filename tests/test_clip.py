@@ -635,15 +635,13 @@ def test_numba_clip_factor_groups_give_each_group_its_rule(scale, with_spread, w
     nclip.clip_factor_groups(sq, spread if with_spread else None, rules, unit, out, stride,
                              scale, weights)
     out = out.reshape(len(rules), stride)
-    for g, (C, terms, seq_len) in enumerate(rules):
-        want, want_norms = R.clip_factors(sq[g] * (scale * scale), C, unit=unit, terms=terms,
-                                          spread=spread[g] * scale if with_spread else None,
-                                          seq_len=seq_len)
-        assert np.array_equal(out[g, :B], want)
-        assert np.array_equal(out[g, B:2 * B], want_norms, equal_nan=True)
-        assert np.all(out[g, 2 * B:] == -1.0)
-        if with_weights:
-            assert np.array_equal(weights[g], want * scale)
+    want, want_norms, want_weights = R.clip_factor_groups(
+        sq, rules, unit=unit, spread=spread if with_spread else None, scale=scale)
+    assert np.array_equal(out[:, :B], want)
+    assert np.array_equal(out[:, B:2 * B], want_norms, equal_nan=True)
+    assert np.all(out[:, 2 * B:] == -1.0)
+    if with_weights:
+        assert np.array_equal(weights, want_weights)
 
 
 # ------------------------------------- normalisation layers' affine gradients

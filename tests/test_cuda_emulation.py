@@ -495,15 +495,13 @@ def test_clip_factors_match_the_reference_rule(emu, with_spread, scale, groups):
     res = emu.run("clip_factors", scalars, buffers)
     s = 1.0 if scale is None else scale
     out = res["out"].reshape(groups, stride)
-    for g, (C, terms, seq_len) in enumerate(rules):
-        factors, norms = R.clip_factors(sq[g] * (s * s), C, unit=unit, terms=terms,
-                                        spread=spread[g] * s if with_spread else None,
-                                        seq_len=seq_len)
-        assert np.array_equal(out[g, :B], factors)
-        assert np.array_equal(out[g, B:2 * B], norms, equal_nan=True)
-        assert np.all(out[g, 2 * B:] == -1.0)
-        if scale is not None:
-            assert np.array_equal(res["weights"].reshape(groups, B)[g], factors * s)
+    factors, norms, weights = R.clip_factor_groups(
+        sq, rules, unit=unit, spread=spread if with_spread else None, scale=s)
+    assert np.array_equal(out[:, :B], factors)
+    assert np.array_equal(out[:, B:2 * B], norms, equal_nan=True)
+    assert np.all(out[:, 2 * B:] == -1.0)
+    if scale is not None:
+        assert np.array_equal(res["weights"].reshape(groups, B), weights)
 
 
 @pytest.mark.parametrize("dtype,magnitudes", [

@@ -15,8 +15,8 @@ used on a hot path.  One module per kernel family, every name re-exported here
 from __future__ import annotations
 
 from .clip import (U64, clip_and_noise, clip_and_noise_layers, clip_and_noise_linear, clip_bound,
-                   clip_factors, gram32_error, gram32_root_bound, gram32_rounding,
-                   gram_rows_f64, linear_norms_from_grams, linear_spread, linear_terms,
+                   clip_factor_groups, clip_factors, gram32_error, gram32_root_bound,
+                   gram32_rounding, gram_rows_f64, linear_norms_from_grams, linear_spread, linear_terms,
                    norm_affine_grads, per_sample_linear_grads, unit_roundoff)
 from .mix import (TWO_POW_53, Uniforms, mix_from_groups, sample_groups, sampler_log,
                   sampler_log1p, substream_words)
@@ -35,7 +35,8 @@ __all__ = ["MASK32", "PHILOX_M0", "PHILOX_M1", "PHILOX_W0", "PHILOX_W1", "TWO_PO
            "finish_gaussian_segments", "pair_uniforms", "uniforms_of_words",
            "COMPANION_BLOCK", "DEEP_BLOCK", "DEEP_BELOW",
            "GAUSSIAN_TAIL_BOUND", "GAUSSIAN_TRUNCATION_MASS",
-           "U64", "unit_roundoff", "clip_bound", "clip_factors", "linear_norms_from_grams",
+           "U64", "unit_roundoff", "clip_bound", "clip_factors", "clip_factor_groups",
+           "linear_norms_from_grams",
            "gram32_rounding", "gram32_root_bound", "gram32_error",
            "gram_rows_f64", "linear_spread", "linear_terms", "norm_affine_grads",
            "clip_and_noise", "per_sample_linear_grads", "clip_and_noise_linear",

@@ -56,6 +56,23 @@ def clip_factors(sq_norms, max_norm, *, unit=U64, terms=0, spread=None, seq_len=
     return factors, norms
 
 
+def clip_factor_groups(sq_norms, rules, *, unit=U64, spread=None, scale=1.0):
+    """:func:`clip_factors` for G groups of rows, each on its own rule (the
+    kernels' ``clip_factor_groups``: per-layer clipping, a group a parameter).
+
+    sq_norms: (G, B) float64; rules: G ``(max_norm, terms, seq_len)``; spread:
+    (G, B) or None; ``scale`` s (the op's grad_scale) applied as the kernels do,
+    s^2 sq and s spread, each product rounded once.  Returns ``(factors, norms,
+    weights)``, each (G, B) float64, weights = factors s."""
+    sq = np.asarray(sq_norms, dtype=np.float64) * (scale * scale)
+    e = None if spread is None else np.asarray(spread, dtype=np.float64) * scale
+    factors, norms = np.empty_like(sq), np.empty_like(sq)
+    for g, (c, terms, seq_len) in enumerate(rules):
+        factors[g], norms[g] = clip_factors(sq[g], c, unit=unit, terms=terms,
+                                            spread=None if e is None else e[g], seq_len=seq_len)
+    return factors, norms, factors * scale
+
+
 def linear_spread(activations, backprops, bias=True):
     """E_i = sum_t ||g_it|| (||a_it|| + [bias]) of a factored sequence block
     (:func:`clip_bound`), zeros when T == 1 (no sum over positions)."""
