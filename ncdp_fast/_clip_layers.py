@@ -500,22 +500,22 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
                     else None, B,
                     sqs[k], None if spreads is None else spreads[k],
                     None if weights is None else weights[k], grad_terms)
-        group.k, group.lo, group.hi, group.sizes_lo, group.sizes_hi = k, k * L, (k + 1) * L, at, at + n
+        # Its row, and its places in the buffer (in the op's one host copy too).
+        group.k, group.span, group.sizes_span = k, slice(k * L, (k + 1) * L), slice(at, at + n)
         at += n
     gram = gram_precision == "float32" and dtype == np.float32
-    k = 0
     for run in runs.values():
         if len(run) > 1:
             # One-pair groups of one shape: one stacked call, a norm row each.
             T, bias = run[0].units[0].T, run[0].units[0].bias
+            mine = slice(run[0].k, run[-1].k + 1)
             used = bool(be.kernels.linear_sq_norms_group(
                 [group.units[0].a for group in run], [group.units[0].g for group in run], bias,
-                sqs[k:k + len(run)], None if spreads is None or T == 1 else spreads[k:k + len(run)],
-                buf[run[0].sizes_lo:run[-1].sizes_hi].reshape(len(run), B, 2), gram,
-                accumulate=False, rows=True))
+                sqs[mine], None if spreads is None or T == 1 else spreads[mine],
+                buf[run[0].sizes_span.start:run[-1].sizes_span.stop].reshape(len(run), B, 2),
+                gram, accumulate=False, rows=True))
             for group in run:
                 group.gram32, group.normed = used, True
-        k += len(run)
     for group in groups:
         group.gram32 = group.form_norms(be, gram)
     unit = float(np.finfo(dtype).eps) / 2
@@ -542,8 +542,8 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
                                     by_factors=True, checks=checks)
         else:
             acc, _ = _accounting(be, group.region, B, group.max_norm, policy, None, None,
-                                 group.draws, by_factors=True, host=host[group.lo:group.hi])
-        g_host = host[group.lo:group.hi]
+                                 group.draws, by_factors=True, host=host[group.span])
+        g_host = host[group.span]
         if group.gram32 and acc["num_nonfinite"]:
             # A float32 Gram overflows (|a_t|^2 past 3.4e38) where the float64
             # one does not: a dropped row is judged, and dropped, on the
@@ -555,8 +555,8 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
                                           None if weights is None else weights[one])
             host = be.io.to_numpy(buf)
             acc, _ = _accounting(be, group.region, B, group.max_norm, nan_policy, None,
-                                 None, group.draws, by_factors=True, host=host[group.lo:group.hi])
-            g_host = host[group.lo:group.hi]
+                                 None, group.draws, by_factors=True, host=host[group.span])
+            g_host = host[group.span]
         group.host_factors = g_host[:B]
         group.balance = [True] * len(group.units)
         group.bias_gemv = None
@@ -566,7 +566,7 @@ def _clip_layers(layer_specs, arrays, max_norm, noise_multiplier, seed, offset,
                             else group.host_factors)
             need = _balance.layers_needing_balancing(
                 host_weights,
-                host[group.sizes_lo:group.sizes_hi].reshape(len(group.balanced), B, 2),
+                host[group.sizes_span].reshape(len(group.balanced), B, 2),
                 *dims[k],
                 # A float32 Gram's zero trace may be an underflow, not a zero operand.
                 dtype == np.float32 and not group.gram32)
