@@ -514,3 +514,17 @@ def test_the_old_weight_and_spectral_norm_hooks_are_refused_by_name(fn, layer):
     getattr(torch.nn.utils, f"remove_{fn}")(module)
     GhostClipper(nn.Sequential(module), max_grad_norm=1.0, noise_multiplier=0.0,
                  expected_batch_size=4).remove()
+
+
+@pytest.mark.parametrize("layer", ["LazyLinear", "LazyConv2d"])
+def test_an_uninitialized_lazy_layer_is_refused_by_name(layer):
+    """A lazy layer before its first forward has no shape: torch's own error
+    (at the clipper's gradient hooks) named neither the layer nor the fix
+    (2026-12-02).  Materialized by one forward, it trains as its base layer."""
+    module = nn.LazyLinear(3) if layer == "LazyLinear" else nn.LazyConv2d(3, 3)
+    model = nn.Sequential(module, nn.Flatten(), nn.LazyLinear(2))
+    with pytest.raises(ValueError, match=rf"layer '0' \({layer}\) has uninitialized lazy "
+                                         r"parameter\(s\) \['weight', 'bias'\].*run one forward"):
+        GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4)
+    model(torch.randn(2, 2, 4, 4) if layer == "LazyConv2d" else torch.randn(2, 5))
+    GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=4).remove()

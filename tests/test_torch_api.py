@@ -309,3 +309,26 @@ def test_step_after_an_eval_mode_backward_is_refused_naming_eval(wrap_model):
     clipper.clear()
     _step(pm, popt, xb, yb)
     assert len(engine.accountant) == 1
+
+
+def test_an_eval_mode_gradient_zeroed_in_place_is_not_refused():
+    """zero_grad(set_to_none=False) discards an eval-mode backward's gradient
+    as surely as set_to_none=True: the next training step goes through (it was
+    refused until 2026-12-02, a false positive), and its gradient is the
+    batch's clipped mean alone (sigma 0: a clipper of its own on a copy)."""
+    model, _, _, loader = _setup()
+    twin = copy.deepcopy(model)
+    engine, pm, popt, ploader = _private(model, loader, sigma=0.0)
+    xb, yb = next(loader_batches(ploader))
+    pm.eval()
+    nn.functional.cross_entropy(pm(xb), yb).backward()
+    pm.train()
+    popt.zero_grad(set_to_none=False)
+    nn.functional.cross_entropy(pm(xb), yb).backward()
+    popt.step()
+    assert len(engine.accountant) == 1
+    clipper = GhostClipper(twin, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=N * Q)
+    nn.functional.cross_entropy(twin(xb), yb).backward()
+    clipper.privatize_()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)

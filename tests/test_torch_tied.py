@@ -180,6 +180,35 @@ def test_shared_linear_weight_on_sequences_in_the_instantiated_form():
     _check(model, loss, (x, y))
 
 
+class TiedConvs(nn.Module):
+    """One Conv2d weight in two convolutions; the second's output is small
+    (stride 2 without padding on 5x5: one position; or 2x2 positions on 7x7),
+    so its rule takes the pair on im2col columns while the first forms its
+    per-sample gradient: two uses laid out differently, summed as the weight."""
+
+    def __init__(self, stride):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 3, 3, padding=1)
+        self.c2 = nn.Conv2d(3, 3, 3, stride=stride)
+        self.c2.weight = self.c1.weight
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.out(self.c2(torch.tanh(self.c1(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("size, stride", [(5, 2), (7, 2), (3, 1), (9, 1)])
+def test_two_convolutions_sharing_a_weight_equal_per_sample_clipping(size, stride):
+    """Until 2026-12-02 a small second use (a pair, (B, out, in*k*k)) was added
+    to the other's (B, out, in, k, k) and failed with a raw shape error."""
+    torch.manual_seed(7)
+    model = TiedConvs(stride).double()
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(B, 3, size, size, generator=g, dtype=F64)
+    y = torch.randint(0, 2, (B,), generator=g)
+    _check(model, _ce, (x, y))
+
+
 def test_per_layer_clipping_gives_the_shared_weight_one_bound(form):
     model = _lm()
     idx, y = _tokens()

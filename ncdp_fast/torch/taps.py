@@ -203,6 +203,15 @@ def layer_rule(name: str, module: nn.Module, params: dict):
                 f"make_private with torch.nn.utils.prune.remove(module, {t!r}) (the pruned "
                 "entries are then trained too unless the mask is applied again after each "
                 f"step), or freeze {t}_orig")
+        lazy = [n for n, p in params.items() if isinstance(p, nn.parameter.UninitializedParameter)]
+        if lazy:
+            # Its shape is not known yet: no rule can be laid out for it (torch's
+            # own error then names neither the layer nor the fix).
+            raise ValueError(
+                f"GhostClipper: layer {name!r} ({type(module).__name__}) has uninitialized "
+                f"lazy parameter(s) {lazy}: expected materialized parameters; run one "
+                "forward of the model on a batch of public or dummy data before "
+                "make_private / GhostClipper")
         hooked = _reparametrized(module, params)
         if hooked is not None:
             # The same disagreement, refused here rather than at the step

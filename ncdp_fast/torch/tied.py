@@ -212,8 +212,10 @@ def combine(uses, shape: tuple, dtype: torch.dtype, batch: int, gram32: bool = F
 
 def _dense(use, shape, batch):
     if isinstance(use, PairUse):
+        # A convolution's pair is on im2col columns: its (B, out, in*k*k)
+        # product is laid out as the weight, (B, out, in, k, k).
         with ieee_float32_products(use.a):
-            return torch.bmm(use.g.transpose(1, 2), use.a)
+            return torch.bmm(use.g.transpose(1, 2), use.a).reshape(batch, *shape)
     if isinstance(use, IndexUse):
         V, D = shape
         sample = torch.arange(batch, device=use.idx.device).unsqueeze(1)

@@ -36,9 +36,11 @@ def refuse_uncaptured(taps, param_names: list, causes: set, grads: dict) -> None
         return
     params = {t.full(n): p for t in taps
               for n, p in t.owned.items()}
-    # A gradient zeroed since (zero_grad) is gone: only one still held counts.
+    # A gradient discarded since (zero_grad, to None or to zeros) is gone:
+    # only one still held counts.  An all-zero .grad adds nothing to the step
+    # whatever wrote it (a read of the device, on this rare path only).
     held = [n for n in param_names
-            if n in grads and params[n].grad is not None]
+            if n in grads and params[n].grad is not None and bool(params[n].grad.any())]
     if not held:
         return
     shown = []
