@@ -22,18 +22,27 @@ class _Accounting:
     subtract the noise.  It is an init-only argument kept on the object alone:
     not a field, so not in ``repr``/``str``, ``==``, ``dataclasses.asdict``/
     ``astuple``, and dropped by ``pickle`` and ``copy`` (a copy's ``seed`` is
-    None).  ``offset``/``draws`` are public: they reveal nothing without it."""
-    norms: Any           # (B,) float64 pre-clip per-sample norms, caller's array type/device
-    num_clipped: int     # samples whose norm exceeded max_norm (their gradient was scaled down)
-    num_nonfinite: int   # samples dropped under nan_policy="zero"
+    None).  ``offset``/``draws`` are public: they reveal nothing without it.
+
+    ``norms``, ``num_clipped`` and ``num_nonfinite`` are the private data's,
+    without noise: readable on the result in the process that made it, held
+    off the object the same way (:class:`ncdp_fast._stream.Unreleased`), so a
+    result that is logged, pickled or copied carries only the released
+    gradient and the draw range (a copy's are None)."""
+    norms: InitVar[Any]          # (B,) float64 pre-clip per-sample norms, caller's array type/device
+    num_clipped: InitVar[int]    # samples whose norm exceeded max_norm (scaled down)
+    num_nonfinite: InitVar[int]  # samples dropped under nan_policy="zero"
     offset: int          # first draw of the stream this call used
     draws: int           # draws consumed: the next call should start at offset + draws
     seed: InitVar[Any] = None
 
-    def __post_init__(self, seed):
+    def __post_init__(self, norms, num_clipped, num_nonfinite, seed):
         # Not in __dict__: a pickled, copied or logged result may be shared,
-        # never with the key.
+        # never with the key or the data's own values.
         _SEED.put(self, seed)
+        for name, value in (("norms", norms), ("num_clipped", num_clipped),
+                            ("num_nonfinite", num_nonfinite)):
+            _UNRELEASED[name].hold(self, value)
 
     @property
     def next_offset(self) -> int:
@@ -44,6 +53,17 @@ class _Accounting:
 _SEED = _stream.SecretSlot()
 _Accounting.seed = property(lambda self: _SEED.get(self),
                             doc="The secret Philox key of this call (None on a copy).")
+_UNRELEASED = {
+    "norms": _stream.Unreleased("(B,) float64 pre-clip per-sample norms (private; None on a "
+                                "copy)"),
+    "num_clipped": _stream.Unreleased("samples whose norm exceeded the bound (private; None on "
+                                      "a copy)"),
+    "num_nonfinite": _stream.Unreleased("samples dropped under nan_policy='zero' (private; None "
+                                        "on a copy)"),
+}
+for _name, _attr in _UNRELEASED.items():
+    _attr.__set_name__(_Accounting, _name)
+    setattr(_Accounting, _name, _attr)
 
 
 @dataclass(frozen=True)

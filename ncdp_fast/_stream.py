@@ -34,7 +34,7 @@ import numpy as np
 
 from . import _validate
 
-__all__ = ["NoiseStream", "NoiseReuseWarning", "claim", "resolve", "SecretSlot"]
+__all__ = ["NoiseStream", "NoiseReuseWarning", "claim", "resolve", "SecretSlot", "Unreleased"]
 
 
 class SecretSlot:
@@ -55,6 +55,37 @@ class SecretSlot:
 
     def get(self, owner):
         return self._held.get(id(owner))
+
+    def drop(self, owner) -> None:
+        self._held.pop(id(owner), None)
+
+
+class Unreleased:
+    """An attribute computed from the private data without noise (how many
+    rows a step clipped, each sample's norm): the data holder reads it on the
+    object in the process that computed it, but it is not part of what the
+    object releases.  Held in a :class:`SecretSlot`, so that the pickle, copy,
+    ``vars()``, ``repr`` and ``dataclasses.asdict`` of an object documented as
+    publishable never carry it (the sixth audit: a pickled NoisyGD estimator's
+    exact per-step clip counts revealed a record's presence at any epsilon)."""
+
+    def __init__(self, doc: str = ""):
+        self._slot = SecretSlot()
+        self.__doc__ = doc
+
+    def __set_name__(self, owner, name):
+        self._name = name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else self._slot.get(obj)
+
+    def __set__(self, obj, value):
+        self.hold(obj, value)
+
+    def hold(self, obj, value) -> None:
+        """Set it on ``obj`` (a frozen dataclass's ``__post_init__`` calls this)."""
+        self._slot.drop(obj)
+        self._slot.put(obj, value)
 
 _END = 2 ** 64
 

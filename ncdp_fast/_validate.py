@@ -148,17 +148,33 @@ def check_bool(value: Any, name: str) -> bool:
 
 # ----------------------------------------------------------------------- arrays
 
-def as_matrix(x: Any, name: str, d: int | None = None) -> np.ndarray:
-    """x as a finite (n, d) float64 host NumPy array (``d``: the columns required, if given)."""
+def as_matrix(x: Any, name: str, d: int | None = None, min_rows: int = 0) -> np.ndarray:
+    """x as a finite (n, d) float64 host NumPy array (``d``: the columns required, if
+    given; at least ``min_rows`` rows: a fit's data)."""
     x = np.asarray(_arrays.to_numpy(x), dtype=np.float64)
     if x.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D array (n, d), got shape {x.shape}")
+    if x.shape[0] < min_rows:
+        raise ValueError(f"{name}: expected at least {min_rows} row(s), got {x.shape[0]}")
     if d is not None and x.shape[1] != d:
         raise ValueError(f"{name}: expected {d} columns (the training dimension), "
                          f"got shape {x.shape}")
     if not np.all(np.isfinite(x)):
         raise ValueError(f"{name}: expected finite values, got NaN or Inf")
     return x
+
+
+def check_square_sums(sq: np.ndarray, name: str) -> None:
+    """Refuse rows whose float64 sum of squares overflowed (``sq`` (n,), each
+    row's): a clip rule cannot bound such a row, and would silently scale it to
+    nothing (or, times a zero residual, to NaN).  The rows' indices are the
+    data holder's to see; their values are not shown."""
+    bad = np.flatnonzero(~np.isfinite(sq))
+    if bad.size:
+        shown = ", ".join(str(i) for i in bad[:10]) + (", ..." if bad.size > 10 else "")
+        raise ValueError(f"{name}: rows [{shown}] have squared norms beyond float64's range "
+                         "(entries near sqrt(max_float64 / d) or above); no clip can bound "
+                         "them: rescale the rows")
 
 
 def as_targets(y: Any, n: int, name: str = "y") -> np.ndarray:
@@ -210,9 +226,11 @@ def check_labels(y: Any, n: int, num_classes: Any = None, name: str = "y"):
     else:
         K = int(a.max()) + 1 if a.size else 0
         if K < 2:
-            raise ValueError(f"{name}: expected labels of at least 2 classes 0..K-1, got max "
-                             f"{K - 1}")
+            raise ValueError(f"{name}: expected labels of at least 2 classes 0..K-1, got "
+                             "fewer (values not shown: labels are private)")
     if a.size and (a.min() < 0 or a.max() >= K):
-        raise ValueError(f"{name}: expected integers in [0, {K}), got min {a.min()} max "
-                         f"{a.max()}")
+        # The values are private: the message may reach a log (the sixth
+        # audit; the release's check already held them back).
+        raise ValueError(f"{name}: expected integers in [0, {K}), got values outside it "
+                         "(not shown: labels are private)")
     return a, K

@@ -63,7 +63,8 @@ class DPGDRegressor:
 
     After ``fit``: theta_ (p,), privacy_ (dict: rho_zcdp, epsilon_zcdp, epsilon_pld,
     epsilon_moments (the slides' bound), delta, noise_multiplier_per_step
-    sigma/sqrt(eta)), num_clipped_ (per step), offset_/next_offset_, rf_seed_.
+    sigma/sqrt(eta)), num_clipped_ (per step; the private data's, unnoised: in the
+    fitting process only), offset_/next_offset_, rf_seed_.
     """
 
     def __init__(self, *, features="rf", num_features=None, activation="tanh", scale=1.0,
@@ -91,6 +92,11 @@ class DPGDRegressor:
         self.sigma = check_nonneg(sigma, "sigma")
         self.epsilon, self.delta = epsilon, delta
         self.seed, self.offset = seed, offset
+
+    # The rows each step clipped: the private data's, without noise.
+    num_clipped_ = _stream.Unreleased(
+        "rows clipped at each step, without noise: readable in the fitting process, never "
+        "in the estimator's pickle, copy or vars() (it is the private data's)")
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -131,7 +137,7 @@ class DPGDRegressor:
     def fit(self, x, y, *, callback=None):
         """Run T steps from theta_0 = 0.  callback(t, theta) after each step (e.g.
         to record a test risk; it sees only the private iterate)."""
-        x = as_matrix(x, "x")
+        x = as_matrix(x, "x", min_rows=1)
         y = as_targets(y, x.shape[0])
         n = x.shape[0]
         stream = _stream.resolve(self.seed, self.offset)

@@ -13,13 +13,13 @@ constants are in docs/theory.md, section 3.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
 from . import _stream
 from ._rng import gaussian
-from ._validate import as_matrix, as_targets, check_nonneg, check_pos_int, check_positive
+from ._validate import as_matrix, as_targets, check_square_sums, check_nonneg, check_pos_int, check_positive
 
 __all__ = ["SCHEDULES", "schedule_lr", "sigma_tilde_sq", "noise_schedule", "realized_rho",
            "check_schedule_args", "DPSGDResult", "dpsgd_linear_regression"]
@@ -99,18 +99,36 @@ class DPSGDResult:
     clip_fraction: fraction of steps whose gradient was clipped; offset,
     next_offset: the noise stream's draws used, [offset, next_offset).  The key
     is not kept: whoever holds it subtracts the noise from ``theta``.
+
+    ``contractive``, ``clip_fraction`` and ``excess_risk`` are the private
+    data's without noise (the excess risk of the intermediate iterates, which
+    carry no noise under ``schedule="output"``): readable on the result in the
+    process that ran it, held off it (:class:`ncdp_fast._stream.Unreleased`),
+    so that its repr, ``asdict``, pickle and copies carry only the released
+    ``theta``, the public schedules and the draw range.
     """
     theta: np.ndarray
     eta: np.ndarray
     sigma: np.ndarray
     rho: float
-    contractive: bool
     clip_norm: float
     offset: int
     next_offset: int
-    clip_fraction: float
     times: np.ndarray = field(default_factory=lambda: np.empty(0))
-    excess_risk: np.ndarray = field(default_factory=lambda: np.empty(0))
+    contractive: InitVar[bool] = None
+    clip_fraction: InitVar[float] = None
+    excess_risk: InitVar[np.ndarray] = None
+
+    def __post_init__(self, contractive, clip_fraction, excess_risk):
+        self.contractive, self.clip_fraction = contractive, clip_fraction
+        self.excess_risk = np.empty(0) if excess_risk is None else excess_risk
+
+
+# After the class is made: a descriptor named like an InitVar would be its default.
+for _name in ("contractive", "clip_fraction", "excess_risk"):
+    _attr = _stream.Unreleased(f"{_name}: the private data's, without noise (None on a copy)")
+    _attr.__set_name__(DPSGDResult, _name)
+    setattr(DPSGDResult, _name, _attr)
 
 
 def check_schedule_args(clip, rho, schedule, lr0):
@@ -161,7 +179,7 @@ def dpsgd_linear_regression(x, y, *, clip, schedule, rho, seed=None, offset=None
             every ``record_every`` steps (default n // 100); evaluation only.
     Returns a :class:`DPSGDResult`.
     """
-    x = as_matrix(x, "x")
+    x = as_matrix(x, "x", min_rows=1)
     n, d = x.shape
     y = as_targets(y, n)
     c, rho, lr0 = check_schedule_args(clip, rho, schedule, lr0)
@@ -171,6 +189,7 @@ def dpsgd_linear_regression(x, y, *, clip, schedule, rho, seed=None, offset=None
     stream = _stream.resolve(seed, offset)
     first = stream.position
     sq = np.einsum("ij,ij->i", x, x)
+    check_square_sums(sq, "x")
     contractive = bool(np.max(eta * sq) <= 2.0)
     track = theta_star is not None
     if track:

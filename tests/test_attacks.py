@@ -590,3 +590,46 @@ def test_no_noise_key_in_the_dict_of_a_result_or_a_release():
     assert not any(isinstance(v, dict) and "seed" in v for v in vars(rel).values())
     assert str(rel._noise_key["seed"]) not in repr(vars(rel))
     assert pickle.loads(pickle.dumps(rel))._noise_key is None
+
+
+def test_unnoised_values_of_the_data_stay_off_publishable_objects():
+    """The sixth audit: fitted estimators, DPSGDResult and the clip ops' results
+    (each documented as publishable) carried exact, noise-free counts of the
+    private data -- num_clipped_ per step, clip_fraction, contractive, the
+    excess risk of unnoised iterates, per-sample norms.  A record scaled x400
+    gave num_clipped_ [2, 3, 2] with it and [0, 0, 0] without, through a
+    pickle: its presence at any epsilon.  Now they are read on the object in
+    the fitting process only: no pickle, copy, vars() or asdict carries them."""
+    import copy
+    import dataclasses
+    import pickle
+    from ncdp_fast.theory import DPGDRegressor, dpsgd_linear_regression
+    from ncdp_fast.train import NoisyGDClassifier, NoisySGDClassifier
+    rng = np.random.default_rng(3)
+    X = 0.01 * rng.standard_normal((30, 4))
+    X[0] *= 400.0                                   # the record whose presence is at stake
+    y = np.arange(30) % 2
+    fits = {
+        "num_clipped_": [NoisyGDClassifier(rho=0.5, num_classes=2, steps=3).fit(X, y),
+                         NoisySGDClassifier(epsilon=1.0, delta=1e-5, sample_rate=1.0, epochs=2,
+                                            num_classes=2).fit(X, y),
+                         DPGDRegressor(features="raw", clip=0.01, lr=0.5, steps=3,
+                                       sigma=1.0).fit(X, y.astype(float))],
+    }
+    reg = dpsgd_linear_regression(X, y.astype(float), clip=0.01, schedule="output", rho=1.0,
+                                  lr0=0.5, theta_star=np.zeros(4))
+    res = nf.clip_and_noise(X, max_norm=0.05, noise_multiplier=1.0)
+    private = {"num_clipped_": fits["num_clipped_"],
+               "clip_fraction": [reg], "contractive": [reg], "excess_risk": [reg],
+               "norms": [res], "num_clipped": [res], "num_nonfinite": [res]}
+    for name, objs in private.items():
+        for obj in objs:
+            value = getattr(obj, name)
+            assert value is not None and np.size(value) > 0, (name, obj)   # read in process
+            assert name not in vars(obj), (name, obj)
+            for out in (pickle.loads(pickle.dumps(obj)), copy.copy(obj), copy.deepcopy(obj)):
+                assert getattr(out, name) is None, (name, type(obj).__name__)
+            if dataclasses.is_dataclass(obj):
+                assert name not in dataclasses.asdict(obj) and name not in repr(obj)
+    assert np.sum(fits["num_clipped_"][0].num_clipped_) >= 1      # the record was clipped
+    assert reg.clip_fraction > 0 and res.num_clipped >= 1

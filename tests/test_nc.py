@@ -143,7 +143,8 @@ def test_metrics_nc1_matches_explicit_formula():
 
 def test_metrics_bad_input():
     X = np.zeros((6, 3))
-    with pytest.raises(ValueError, match=r"labels: expected integers in \[0, 2\), got min 0 max 5"):
+    with pytest.raises(ValueError, match=r"labels: expected integers in \[0, 2\), "
+                       r"got values outside it \(not shown: labels are private\)"):
         nc.metrics(X, np.array([0, 1, 5, 0, 1, 0]), num_classes=2)
     with pytest.raises(ValueError, match="labels"):
         nc.metrics(X, np.array([0, 1, -1, 0, 1, 0]))
@@ -176,6 +177,11 @@ def test_preprocessing_refuses_undeclared_or_private(cls):
         cls().fit_private(X, rho=0.0, clip=1.0)
     with pytest.raises(ValueError, match="rho"):
         cls().fit_private(X, rho=float("inf"), clip=1.0)
+    # A row whose squared norm overflows float64: refused by both (PCA's clip
+    # gave it the factor 0, a silent drop, until the sixth audit).
+    X[3] = 1e200
+    with pytest.raises(ValueError, match=r"rows \[3\] .*(beyond float64|not finite)"):
+        cls().fit_private(X, rho=1.0, clip=1.0)
 
 
 def test_centering_public_and_private_exact_noise():

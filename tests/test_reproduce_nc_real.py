@@ -249,3 +249,23 @@ def test_real_main_smoke_on_digits(tmp_path):
     for name in ("spiked", "fig3b_summary", "fig4_summary", "metrics"):
         assert list(tmp_path.glob(f"nc_real_{name}-*.md"))
     assert list(tmp_path.glob("nc_real_pca-*.png"))
+
+
+def test_the_class_count_is_the_data_sets_schema_not_read_from_the_labels(monkeypatch):
+    """The sixth audit: load_split took K = max(y) + 1 over training rows that
+    include the private split, so removing the last class's records changed K
+    (and the classifier's shape).  K is now the data set's schema."""
+    import ncdp_fast.datasets as datasets
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((60, 5))
+    y = np.arange(60) % 9                          # no record of class 9
+
+    def fake(dataset, extractor, split, resolution):
+        return (X, y) if split == "train" else (X[:10], y[:10])
+    monkeypatch.setattr(datasets, "load_features", fake)
+    F = real_data.load_split("mnist", "pixels", resolution=96, public_pool=20, seed=1)
+    assert F.K == datasets.NUM_CLASSES["mnist"] == 10
+    monkeypatch.setattr(datasets, "load_features",
+                        lambda *a, **k: (X, np.r_[y[:-1], 10]))
+    with pytest.raises(ValueError, match=r"expected integers in \[0, 10\)"):
+        real_data.load_split("mnist", "pixels", resolution=96, public_pool=20, seed=1)

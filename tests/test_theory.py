@@ -182,6 +182,19 @@ def test_dpgd_clipped_contributions_bounded(seed, clip, scale):
 
 # ---------------------------------------------------------------- bad input
 
+def test_a_row_beyond_float64s_range_is_refused_not_released_as_nan():
+    """The sixth audit: a row of 1e160 entries (finite, accepted) has a squared
+    norm of inf; with a zero residual its clip factor was 0 * inf = NaN, and
+    theta came out NaN on D but finite on its neighbour (an epsilon = inf
+    distinguisher).  Refused by name now, as the other private fits do."""
+    x = np.random.default_rng(0).standard_normal((20, 3))
+    x[4] = 1e160
+    with pytest.raises(ValueError, match=r"x: rows \[4\] have squared norms beyond float64"):
+        T.dpsgd_linear_regression(x, np.zeros(20), clip=1.0, schedule="output", rho=1.0,
+                                  lr0=0.5)
+
+
+
 def test_bad_input_errors():
     x = np.random.default_rng(0).standard_normal((20, 3))
     y = np.zeros(20)
@@ -207,6 +220,11 @@ def test_bad_input_errors():
         T.DPGDRegressor(features="raw", clip=1.0, lr=0.1, steps=2, epsilon=1.0, delta=1.5)
     with pytest.raises(ValueError, match="y: expected shape"):
         T.DPGDRegressor(features="raw", clip=1.0, lr=0.1, steps=2, sigma=1.0).fit(x, y[:3])
+    # Zero rows: a bare ZeroDivisionError until 2026-12-02 (the sixth audit).
+    with pytest.raises(ValueError, match=r"x: expected at least 1 row\(s\), got 0"):
+        T.DPGDRegressor(features="raw", clip=1.0, lr=0.1, steps=2, sigma=1.0).fit(x[:0], y[:0])
+    with pytest.raises(ValueError, match=r"x: expected at least 1 row\(s\), got 0"):
+        T.dpsgd_linear_regression(x[:0], y[:0], clip=1.0, schedule="optimal", rho=1.0)
     with pytest.raises(ValueError, match="rho"):
         T.dpsgd_risk_ode(d=3, n=20, clip=1.0, schedule="optimal", rho=0, noise_std=0.1,
                          initial_risk=0.5)

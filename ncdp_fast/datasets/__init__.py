@@ -32,6 +32,8 @@ from ._scatter import group_normalize, scattering_features
 from ._sotu import load_sotu
 
 DATASETS = ("mnist", "fashion-mnist", "digits")
+# Each data set's label schema 0..K-1: public, never read from the labels.
+NUM_CLASSES = {"mnist": 10, "fashion-mnist": 10, "digits": 10}
 FEATURE_EXTRACTORS = ("scatter", "efficientnet-lite0", "pixels")
 SPLITS = ("train", "test")
 # EfficientNet-Lite0 input side for the cached features: chosen by measured
@@ -46,7 +48,7 @@ _ROOT = Path(__file__).resolve().parent.parent.parent
 __all__ = ["data_dir", "load_mnist", "load_fashion_mnist", "load_digits", "load_features",
            "scattering_features", "efficientnet_features", "group_normalize", "feature_dim",
            "fetch_main", "load_sotu", "read_idx", "parse_idx", "write_idx", "verify_md5",
-           "IdxFormatError", "ChecksumError", "DATASETS", "FEATURE_EXTRACTORS", "SPLITS", "DEFAULT_RESOLUTION",
+           "IdxFormatError", "ChecksumError", "DATASETS", "NUM_CLASSES", "FEATURE_EXTRACTORS", "SPLITS", "DEFAULT_RESOLUTION",
            "MD5"]
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from .. import _arrays, _backend, _rng, _stream
 from .._clip import clip_and_noise
 from .._arrays import to_host
-from .._validate import check_features, check_int, check_positive
+from .._validate import check_features, check_int, check_positive, check_square_sums
 
 __all__ = ["Centering", "PCAProjector"]
 
@@ -141,6 +141,9 @@ def _clipped_rows(X: np.ndarray, clip: float) -> np.ndarray:
     Analyze-Gauss's released triangle stayed within clip^2 there)."""
     m, p = X.shape
     sq = np.einsum("ij,ij->i", X, X)
+    # A row beyond float64's range would get the factor 0: dropped silently
+    # (the sixth audit), where the other private fits refuse it.
+    check_square_sums(sq, "X")
     factors, norms = np.empty(m), np.empty(m)
     _backend.host("clip").kernels.clip_factors(sq, None, clip, p, 1, 2.0 ** -53, factors, norms)
     return X * factors[:, None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _arrays
+from .. import _arrays, _stream
 from .._validate import check_choice, check_features, check_int, check_labels, check_positive
 from .steps import ArrayOps, float_features, to_lib
 
@@ -28,6 +28,11 @@ def prior_rho(preprocessing):
 
 class LinearClassifierBase:
     """fit / predict / score / decision_function shared by both estimators."""
+
+    # How many rows each step clipped: the private data's, without noise.
+    num_clipped_ = _stream.Unreleased(
+        "rows clipped over the fit, without noise: readable in the fitting process, never "
+        "in the estimator's pickle, copy or vars() (it is the private data's)")
 
     def _validate_common(self):
         check_choice(self.loss, "loss", LOSSES)

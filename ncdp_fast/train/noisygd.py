@@ -45,7 +45,8 @@ class NoisyGDClassifier(LinearClassifierBase):
     preprocessing zCDP events and T Gaussian steps of sample rate 1),
     ``epsilon_``/``delta_`` (the accountant's epsilon at delta under zCDP; None when
     only rho was given), ``offset_``/``next_offset_`` (the draws used),
-    ``num_clipped_``.
+    ``num_clipped_`` (the private data's, without noise: read it in the fitting
+    process; no pickle or copy carries it).
     """
 
     def __init__(self, *, epsilon=None, delta=None, rho=None, steps=1, lr=1.0, loss="ce",

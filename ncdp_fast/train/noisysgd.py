@@ -63,7 +63,8 @@ class NoisySGDClassifier(LinearClassifierBase):
     ``epsilon_`` (the accountant's epsilon at ``delta_`` -- "rdp" when private
     preprocessing is present; PLD when "gdp" was asked for), ``epsilon_gdp_`` (CLT
     approximation, "gdp" only), ``delta_``, ``steps_``, ``offset_``/``next_offset_``,
-    ``num_clipped_``.
+    ``num_clipped_`` (the private data's, without noise: read it in the fitting
+    process; no pickle or copy carries it).
     """
 
     def __init__(self, *, epsilon, delta, sample_rate, epochs, lr=1.0, loss="ce",

@@ -108,13 +108,18 @@ class SplitFeatures:
 def load_split(dataset, extractor, *, resolution, public_pool, seed, max_private=None):
     """Load cached features (``ncdp_fast.datasets.load_features``), split the training
     rows (:func:`split_rows`) and normalise every row to unit norm."""
-    from ...datasets import load_features
+    from ...datasets import NUM_CLASSES, load_features
+    from ..._validate import check_labels
     Xtr, ytr = load_features(dataset, extractor, "train", resolution=resolution)
     Xte, yte = load_features(dataset, extractor, "test", resolution=resolution)
     ytr, yte = np.asarray(ytr), np.asarray(yte)
     pub, priv = split_rows(len(ytr), min(public_pool, len(ytr) // 2), seed, max_private)
     priv = np.sort(priv)
-    K = int(ytr.max()) + 1           # the label schema 0..9: public
+    # The data set's schema, not max(y) + 1 of rows that include the private
+    # split (which would tell whether a record of the last class is present).
+    K = NUM_CLASSES[dataset]
+    check_labels(ytr, len(ytr), K)
+    check_labels(yte, len(yte), K, "yte")
     return SplitFeatures(tag=f"{dataset}/{extractor}",
                          Xpriv=normalize(np.ascontiguousarray(Xtr[priv], dtype=np.float32)),
                          ypriv=ytr[priv],
