@@ -1031,6 +1031,44 @@ def test_register_layer_extension_is_exact(custom_rules, cls):
             check_exact(model, ce, (x, y), dtype=dtype, reduction=reduction)
 
 
+class OwnLinear(nn.Linear):
+    """A Linear given a user's rule that returns its pair without a position
+    dimension: a (B, d), g (B, K)."""
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_a_users_pair_of_one_position_is_exact_in_both_clippings(clipping):
+    """Flat clipping took a (B, d), (B, K) pair; per-layer clipping summed its
+    bias over a dimension it lacked and failed with a message about the op's
+    block index (the sixth audit).  Taken as one position (T = 1) by both."""
+    saved = dict(RULES)
+
+    @register_layer(OwnLinear)
+    def rule(module, calls, trainable):
+        (c,) = calls
+        return [(("weight", "bias"), (c.inputs[0], c.grad, True))]
+    try:
+        torch.manual_seed(19)
+        model = nn.Sequential(OwnLinear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+        g = torch.Generator().manual_seed(20)
+        x, y = torch.randn(6, 4, generator=g, dtype=F64), torch.tensor([0, 1, 2, 0, 1, 2])
+        ps = per_sample_grads(model, ce, (x, y))
+        if clipping == "flat":
+            C = low_bound(ps)
+            expected = clipped_mean(ps, C, 1)
+        else:
+            norms = {k: v.reshape(6, -1).norm(dim=1) for k, v in ps.items()}
+            C = [float(n.median()) for n in norms.values()]
+            expected = {k: torch.einsum("i,i...->...", (c / norms[k]).clamp(max=1.0), v)
+                        for (k, v), c in zip(ps.items(), C)}
+        got, _, _ = private_grads(copy.deepcopy(model), lambda m: ce(m, x, y, reduction="sum"),
+                                  C=C, E=6, reduction="sum", clipping=clipping)
+        assert_grads_close(got, expected, RTOL[F64])
+    finally:
+        RULES.clear()
+        RULES.update(saved)
+
+
 def test_rules_must_cover_every_trainable_parameter_exactly_once(custom_rules):
     class Odd(nn.Module):
         def __init__(self):

@@ -274,3 +274,34 @@ def test_autocast_half_gradients_of_float32_layers_are_taken_in_float32():
         assert got.dtype == torch.float32
         assert_within_sum_bound(got.double().numpy(), expected.numpy(), magnitude.numpy(), n,
                                 np.float32)
+
+
+@pytest.mark.parametrize("clipping, C", [("flat", 1.0), ("per_layer", [0.5] * 4)])
+def test_float32_and_float64_layers_in_one_model_are_refused_naming_them(clipping, C):
+    """One clip op takes one dtype: its refusal named an internal block index
+    ("activations[1]", "activations[2]" under per_layer), not the layers (the
+    sixth audit).  Now the step names them by dtype; nothing written or drawn,
+    and a bfloat16 layer beside float32 ones still steps (its dtype is float32's)."""
+    class Mixed(nn.Module):
+        def __init__(self, other):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3).to(other)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)).to(self.b.weight.dtype))
+
+    model = Mixed(torch.float64)
+    clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=1.0, expected_batch_size=3,
+                           clipping=clipping)
+    model(torch.randn(3, 4)).sum().backward()
+    offset = clipper.offset
+    with pytest.raises(TypeError, match=r"different dtypes \(float32: \['a\.weight'\]; "
+                                        r"float64: \['b\.weight'\]\)"):
+        clipper.privatize_()
+    assert clipper.offset == offset and model.a.weight.grad is None
+    model = Mixed(torch.bfloat16)
+    clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=1.0, expected_batch_size=3,
+                           clipping=clipping)
+    model(torch.randn(3, 4)).float().sum().backward()
+    clipper.privatize_()
+    assert model.b.weight.grad.dtype == torch.bfloat16

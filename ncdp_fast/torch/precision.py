@@ -9,7 +9,7 @@ import torch
 from .._clip import GhostBlock
 from .layers import HALF, accumulation_dtype
 
-__all__ = ["upcast", "cast_block", "overflowing", "overflow_error"]
+__all__ = ["upcast", "cast_block", "overflowing", "overflow_error", "refuse_mixed_dtypes"]
 
 
 def upcast(x):
@@ -23,6 +23,12 @@ def cast_block(tap, names, block):
     dtype = accumulation_dtype(tap.params[names[0]].dtype)
     if isinstance(block, tuple):
         a, g, bias = block
+        if a.ndim == 2 and g.ndim == 2:
+            # A user's rule giving a pair of one position, (B, d) and (B, K):
+            # the (B, T, .) layout every consumer of pairs reads, T = 1 (the
+            # per-layer split summed the bias over a dimension it lacked).
+            a, g = a.unsqueeze(1), g.unsqueeze(1)
+            block = (a, g, bias)
         if a.dtype == dtype and g.dtype == dtype:
             return block        # the usual case: no .to() calls (host time a layer)
         return (a.to(dtype), g.to(dtype), bias)
@@ -37,6 +43,30 @@ def cast_block(tap, names, block):
             f"dtype={dtype} and a clipped_sum returning {dtype} (call clear() to discard "
             "this step)")
     return block
+
+
+def refuse_mixed_dtypes(entries) -> None:
+    """Refuse a step whose parameters' accumulation dtypes differ (float32 and
+    float64 layers in one model): one clip op takes one dtype, and the op's own
+    refusal named its internal block index, not the layers (the sixth audit).
+    ``entries``: ``[(tap, names, block)]`` of the step."""
+    dtypes = {tap.params[names[0]].dtype for tap, names, _ in entries}
+    if len({accumulation_dtype(d) for d in dtypes}) <= 1:
+        return          # the usual step (names formed only for the refusal)
+    seen: dict = {}
+    for tap, names, _ in entries:
+        seen.setdefault(accumulation_dtype(tap.params[names[0]].dtype), []).append(
+            tap.full(names[0]))
+    if len(seen) > 1:
+        shown = "; ".join(f"{str(d).replace('torch.', '')}: {ns[:3]}"
+                          + (f" and {len(ns) - 3} more" if len(ns) > 3 else "")
+                          for d, ns in seen.items())
+        raise TypeError(
+            f"GhostClipper: the trainable parameters have different dtypes ({shown}); "
+            "expected one (float16/bfloat16 count as float32): the step clips and noises "
+            "every parameter in one dtype. Convert the model to one dtype (model.float() "
+            "or model.double()) or freeze the odd layers; call clear() to discard this "
+            "step (nothing was written or drawn)")
 
 
 def overflowing(writes):

@@ -13,7 +13,7 @@ from .memory import add_clipped, check_same_parameters, fold_in, refuse_across_r
 from .compiled import compiled_error
 from .graphs import refuse_graph_capture
 from .per_layer import clip_per_layer
-from .precision import overflow_error, overflowing
+from .precision import overflow_error, overflowing, refuse_mixed_dtypes
 from .taps import per_parameter, refuse_changed, step_entries
 from .unprivatized import refuse_uncaptured
 
@@ -68,6 +68,7 @@ class PrivateStep:
         self._refuse_outside_terms()
         entries = step_entries(self.taps, self._tied, batch,
                                self.group is None and self.gram_precision == "float32")
+        refuse_mixed_dtypes(entries)
         self._refuse_foreign({id(tap.params[n]) for tap, names, _ in entries for n in names},
                              optimizer)
         check_same_parameters(self._accumulated, entries)
