@@ -152,6 +152,20 @@ def test_mismatched_or_misplaced_loads_are_refused_and_write_nothing(tmp_path):
         e.save_checkpoint(path=path, module=m, optimizer=o.original_optimizer)
 
 
+def test_a_stored_optimizer_state_left_unrestored_is_said(tmp_path):
+    """load_checkpoint(optimizer=None) on a checkpoint with an optimizer state
+    starts the optimizer afresh (momentum here): allowed, as Opacus, but it
+    was silent until 2026-12-02; now a UserWarning naming the argument."""
+    engine, pm, popt, ploader = _training(seed=None)
+    _train(pm, popt, ploader, 2)
+    engine.save_checkpoint(path=tmp_path / "c.pt", module=pm, optimizer=popt)
+    engine, pm, popt, ploader = _training(seed=None)
+    with pytest.warns(UserWarning, match=r"optimizer: .* holds an optimizer state that is not "
+                                         r"restored \(optimizer=None\)"):
+        engine.load_checkpoint(path=tmp_path / "c.pt", module=pm)
+    assert len(engine.accountant) == 1
+
+
 def test_returned_entries_carry_no_key(tmp_path):
     engine, pm, popt, ploader = _training(SEED)
     _train(pm, popt, ploader, 1)

@@ -179,6 +179,23 @@ def test_make_private_with_epsilon_meets_the_target(accountant):
                                                    ACCOUNTANT[accountant])
 
 
+def test_make_private_with_epsilon_on_an_engine_with_history_says_the_target_is_exceeded():
+    """As Opacus, the target covers the new run's steps alone; the engine's
+    epsilon composes both runs and ends above it.  Silent until 2026-12-02."""
+    model, opt, loader = _setup(n=24, batch_size=6)
+    engine = PrivacyEngine(accountant="rdp")
+    pm, popt, ploader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
+                                            noise_multiplier=1.0, max_grad_norm=1.0)
+    assert len(_train(pm, popt, ploader, epochs=1)) == 4
+    spent = engine.get_epsilon(1e-5)
+    model, opt, loader = _setup(n=24, batch_size=6)
+    with pytest.warns(UserWarning, match=rf"accounted 4 step\(s\) already \(epsilon "
+                                         rf"{spent:.4g} at delta 1e-05\).*above the target"):
+        engine.make_private_with_epsilon(module=model, optimizer=opt, data_loader=loader,
+                                         target_epsilon=3.0, target_delta=1e-5, epochs=1,
+                                         max_grad_norm=1.0)
+
+
 def test_get_epsilon_prv_is_the_pld_accountant_for_the_steps_taken():
     """Opacus's default accountant name "prv" is answered by the PLD accountant,
     for the steps actually taken (one epoch of a two-epoch plan)."""

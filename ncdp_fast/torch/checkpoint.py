@@ -338,6 +338,14 @@ def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
     if optimizer is not None and _OPTIMIZER not in ckpt:
         raise ValueError(f"optimizer: expected None, since {path!r} holds no optimizer state "
                          "(save_checkpoint was given none)")
+    if optimizer is None and _OPTIMIZER in ckpt:
+        # Legitimate (a fresh optimizer by choice, as Opacus allows), but a run
+        # resumed without its momentum or Adam moments no longer equals the
+        # uninterrupted one: said, not silent.
+        warnings.warn(f"optimizer: {path!r} holds an optimizer state that is not restored "
+                      "(optimizer=None): the resumed run starts the optimizer afresh (momentum, "
+                      "Adam moments, step counts); pass the DPOptimizer make_private returned "
+                      "to continue it", UserWarning, stacklevel=3)
     # Everything checked: only now is anything written.  The optimizer's
     # state first, the module's after it, each put back as it was if the
     # other fails: an SGD checkpoint loaded into Adam failed with a bare

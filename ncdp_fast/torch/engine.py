@@ -3,6 +3,8 @@ accountants.  Swapping ``from opacus import PrivacyEngine`` for ``from
 ncdp_fast.torch import PrivacyEngine`` is the whole migration of a training loop."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -253,6 +255,18 @@ class PrivacyEngine:
         if not isinstance(data_loader, DataLoader) or len(data_loader) == 0:
             self._poisson_loader(data_loader, None)      # raises the clear error
         q = 1.0 / len(data_loader)
+        if len(self.accountant):
+            # As Opacus: the target is this run's alone.  The engine's epsilon
+            # composes every run it accounted, so it will end above the target.
+            spent = self.accountant.get_epsilon(target_delta)
+            steps = sum(h[2] for h in self.accountant.history)
+            warnings.warn(
+                f"make_private_with_epsilon: this engine has accounted {steps} step(s) "
+                f"already (epsilon {spent:.4g} at delta {target_delta:g}); the noise "
+                f"multiplier is calibrated for target_epsilon={target_epsilon:g} over the new "
+                "run's steps alone, and get_epsilon will report the composition of both, above "
+                "the target. Use a new PrivacyEngine for an independent run, or lower the "
+                "target by what was spent", UserWarning, stacklevel=2)
         sigma = privacy.calibrate_noise_multiplier(
             target_epsilon, target_delta, q, epochs * len(data_loader),
             accountant=dp_accounting_name(self.accountant_name))
