@@ -283,7 +283,8 @@ def test_frozen_state_is_broadcast_under_torchrun(tmp_path):
                                     "Poisson loader make_private returned"), wrong
             assert f"got a batch of {S.N}" in wrong, wrong
         else:
-            assert wrong.startswith("the step was refused on 1 other rank(s) of the 2"), wrong
+            assert wrong.startswith("GhostClipper: the step was refused on 1 other rank(s) of the "
+                                    "2"), wrong
         refusals = {k.split(":", 1)[1]: str(got[k]) for k in got.files if k.startswith("refusal:")}
         assert len(refusals) == 4, refusals
         for key, msg in refusals.items():
@@ -311,3 +312,110 @@ def test_per_layer_clipping_across_ranks_under_torchrun(tmp_path):
         assert sorted(got.files) == sorted(ref)
         for k, v in ref.items():
             np.testing.assert_allclose(got[k], v, rtol=0, atol=tol, err_msg=f"rank {rank} {k}")
+
+
+def _one_rank_refuses(rank, world, case):
+    """Each rank steps on its shard; one rank's step is refused ("outside": an
+    L2 penalty on rank 1; "accumulate": rank 0 skips its step, accumulating,
+    while rank 1 steps; "mixed": rank 1's layer is float64).  Returns every
+    rank's message, then the parameters after a clean step taken together."""
+    import torch.distributed as dist
+    x, y = _data()
+    model = _model()
+    clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=SIGMA, expected_batch_size=6,
+                           seed=0x5EED0200, offset=0, group=dist.group.WORLD)
+    shard = slice(3 * rank, 3 * rank + 3)
+    loss = nn.functional.cross_entropy(model(x[shard]), y[shard])
+    if case == "outside" and rank == 1:
+        loss = loss + 1e-3 * model[0].weight.square().sum()
+    loss.backward()
+    try:
+        if case == "accumulate" and rank == 0:
+            clipper.accumulate_()
+        else:
+            clipper.privatize_()
+        said = None
+    except Exception as e:            # noqa: BLE001 -- the test reads every rank's message
+        said = f"{type(e).__name__}: {e}"
+    clipper.clear()
+    model.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(model(x[shard]), y[shard]).backward()
+    clipper.privatize_()
+    return said, [p.grad.numpy().copy() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("case, refusing, named", [
+    ("outside", 1, r"got a gradient from outside the layer's forward"),
+    ("accumulate", 0, r"accumulate_ \(a skipped step, BatchMemoryManager\) with group="),
+])
+def test_a_step_refused_on_one_rank_is_raised_on_every_rank(case, refusing, named):
+    """The sixth audit: refusals checked before the step's reduction (a
+    gradient from outside a layer, a loss refused on one rank's data, an
+    accumulation across ranks under Opacus's BatchMemoryManager) were raised
+    on one rank only: the other waited in the reduction until the group's
+    timeout, or got a raw gloo error when the first exited.  Now each rank
+    raises within the test's bound, the refusing one its own reason, the others
+    the count; nothing drawn, so the next step taken together goes through and
+    the ranks stay equal."""
+    import re
+    outs = spawn_outcomes(_one_rank_refuses, 2, case, timeout=90, pg_timeout=30)
+    assert all(o.status == "ok" for o in outs), [(o.status, o.error) for o in outs]
+    for o in outs:
+        said, grads = o.value
+        if o.rank == refusing:
+            assert said is not None and re.search(named, said), said
+        else:
+            assert said.startswith("RuntimeError: GhostClipper: the step was refused on 1 "
+                                   "other rank(s) of the 2"), said
+    for a, b in zip(outs[0].value[1], outs[1].value[1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def _engine_run(group=None, seed=None):
+    """A make_private run on 16 samples, 4 Poisson batches a pass."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from ncdp_fast.torch import PrivacyEngine
+    x, y = _data()
+    model = _model()
+    engine = PrivacyEngine(accountant="rdp")
+    pm, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=DataLoader(TensorDataset(x[:16], y[:16]), batch_size=4),
+        noise_multiplier=SIGMA, max_grad_norm=C, seed=seed, group=group)
+    return engine, pm, opt, loader
+
+
+def _load_on_ranks(rank, world, paths):
+    import torch.distributed as dist
+    engine, pm, opt, _ = _engine_run(group=dist.group.WORLD)
+    try:
+        engine.load_checkpoint(path=paths[rank], module=pm, optimizer=opt)
+    except ValueError as e:
+        return str(e), len(engine.accountant)
+    return None, len(engine.accountant)
+
+
+def test_ranks_loading_different_checkpoints_are_refused_together(tmp_path):
+    """The sixth audit: rank 0 resumed a run's first checkpoint and rank 1 its
+    second (a stale copy on one node); both went on, apart, with epsilon 11.62
+    and 13.70.  Now the ranks compare an HMAC of the checkpoints' integrity
+    tags before anything is written, and every rank refuses; one checkpoint
+    (written by one process) loads on both."""
+    engine, pm, opt, loader = _engine_run(seed=nf.NoiseStream(0x5EED0300, 0))
+    for k, (xb, yb) in enumerate(loader):
+        opt.zero_grad()
+        nn.functional.cross_entropy(pm(xb), yb).backward()
+        opt.step()
+        if k in (1, 3):
+            engine.save_checkpoint(path=tmp_path / f"c{k}.pt", module=pm, optimizer=opt)
+    paths = [tmp_path / "c1.pt", tmp_path / "c3.pt"]
+    outs = spawn_outcomes(_load_on_ranks, 2, paths, timeout=90, pg_timeout=30)
+    assert all(o.status == "ok" for o in outs), [(o.status, o.error) for o in outs]
+    for o in outs:
+        said, accounted = o.value
+        assert said is not None and said.startswith(
+            "load_checkpoint: expected the same configuration on all 2 ranks, got differing "
+            "checkpoint (secret, values not shown"), said
+        assert accounted == 0                                  # nothing restored
+    outs = spawn_outcomes(_load_on_ranks, 2, [paths[1], paths[1]], timeout=90, pg_timeout=30)
+    assert [o.value for o in outs] == [(None, 1), (None, 1)], [(o.status, o.error) for o in outs]

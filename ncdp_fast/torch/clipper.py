@@ -240,9 +240,6 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
         # before anything is written (its logical-batch check); the size kept.
         self._step_check = None
         self._last_batch = 0
-        # Across ranks, a refusal of the step check is raised by every rank
-        # together, in the reduction (ranks.reduce_clip_and_noise).
-        self._rank_refusal = None
         # Registered before the layers' hooks: the batch is known before any
         # layer (the model itself may be one) records.
         self._handles = [model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True)]

@@ -53,7 +53,7 @@ class PoissonBatchSampler(ResumesPass, UsesNoiseStream):
     def __iter__(self):
         for hook in self._pass_hooks:
             hook()
-        self._drawn.clear()
+        self._begin_drawn(self._drawn)
         self._steps += 1
         replayed, self._replayed = self._replayed, 0
         for batch in self._pass(self.n):

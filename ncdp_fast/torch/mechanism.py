@@ -360,8 +360,7 @@ class ClippedGaussianStep(UsesNoiseStream):
                 blocks, group=self.group, stream=self._stream, max_norm=c,
                 noise_multiplier=self._grad_noise_multiplier() * self.max_grad_norm / c,
                 reduction=self.loss_reduction, expected_batch_size=self.expected_batch_size,
-                nan_policy=self.nan_policy, grad_scale=grad_scale,
-                refusal=getattr(self, "_rank_refusal", None))
+                nan_policy=self.nan_policy, grad_scale=grad_scale)
         else:
             # With bounds the op forms each block's multiplier as the line
             # above forms one op's, from the total bound and the multiplier.

@@ -15,7 +15,7 @@ from .._validate import check_pos_int, check_positive
 from .data import PoissonBatchSampler, loader_settings
 from .taps import per_parameter
 
-__all__ = ["BatchMemoryManager", "refuse_across_ranks", "check_bound_kept", "check_same_parameters",
+__all__ = ["BatchMemoryManager", "across_ranks_error", "check_bound_kept", "check_same_parameters",
            "add_clipped", "fold_in"]
 
 
@@ -153,14 +153,13 @@ _UNSTEPPED = (
     "depend on the batch. The logical batch was discarded, nothing of it released")
 
 
-def refuse_across_ranks(group) -> None:
-    """Accumulation is one process only."""
-    if group is not None:
-        raise ValueError(
-            "GhostClipper: accumulate_ (a skipped step, BatchMemoryManager) with group=: "
-            "expected one process; the ranks' shards of a logical batch split into "
-            "different numbers of physical batches, so their steps would not pair. Train "
-            "across ranks without BatchMemoryManager, or with a smaller logical batch")
+def across_ranks_error() -> ValueError:
+    """The refusal of accumulation across ranks (one process only)."""
+    return ValueError(
+        "GhostClipper: accumulate_ (a skipped step, BatchMemoryManager) with group=: "
+        "expected one process; the ranks' shards of a logical batch split into "
+        "different numbers of physical batches, so their steps would not pair. Train "
+        "across ranks without BatchMemoryManager, or with a smaller logical batch")
 
 
 def check_bound_kept(accumulated: dict, bound: float, value) -> None:

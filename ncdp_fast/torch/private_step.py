@@ -9,11 +9,12 @@ physical batch kept for its logical batch (:meth:`accumulate_`).
 from __future__ import annotations
 
 from .._clip import LayersClipResult
-from .memory import add_clipped, check_same_parameters, fold_in, refuse_across_ranks
+from .memory import add_clipped, across_ranks_error, check_same_parameters, fold_in
 from .compiled import compiled_error
 from .graphs import refuse_graph_capture
 from .per_layer import clip_per_layer
 from .precision import overflow_error, overflowing, refuse_mixed_dtypes
+from .ranks import refuse_with_ranks
 from .taps import per_parameter, refuse_changed, step_entries
 from .unprivatized import refuse_uncaptured
 
@@ -39,7 +40,19 @@ class PrivateStep:
 
     def _step_entries(self, optimizer):
         """The checks before a step or an accumulation (nothing written or drawn
-        if one fails): ``(entries, grad_scale)``."""
+        if one fails): ``(entries, grad_scale)``.  Across ranks a rank's refusal
+        is raised by every rank together: the refusing rank joins the step's
+        first collective with it (ranks.refuse_with_ranks), instead of leaving
+        the others waiting there (the sixth audit: a loss or penalty refused on
+        one rank hung the other, or reached it as a raw gloo error)."""
+        if self.group is None:
+            return self._checked_entries(optimizer)
+        try:
+            return self._checked_entries(optimizer)
+        except Exception as refusal:
+            refuse_with_ranks(self.group, refusal)
+
+    def _checked_entries(self, optimizer):
         if self._compiled:
             raise compiled_error()
         refuse_graph_capture("GhostClipper: the step")
@@ -54,15 +67,8 @@ class PrivateStep:
                 "skip the step")
         refuse_uncaptured(self.taps, self.param_names, self._uncaptured, self._uncaptured_grads)
         batch = self._batch.of_step(self.taps)
-        self._rank_refusal = None
         if self._step_check is not None:
-            try:
-                self._step_check(batch)
-            except RuntimeError as refusal:
-                if self.group is None:
-                    raise
-                # Raised with the other ranks in the reduction, before any noise.
-                self._rank_refusal = refusal
+            self._step_check(batch)
         self._last_batch = batch
         refuse_changed(self._kept)
         self._refuse_outside_terms()
@@ -91,7 +97,11 @@ class PrivateStep:
         mean-reduced loss the physical batch's mean is undone by its realized
         size, and the step divides by ``expected_batch_size`` (the logical
         one) once."""
-        refuse_across_ranks(self.group)
+        if self.group is not None:
+            # Refused on every rank together: a rank whose shard split into
+            # more physical batches skips its step while the others step
+            # (Opacus's BatchMemoryManager; the sixth audit saw them hang).
+            refuse_with_ranks(self.group, across_ranks_error())
         entries, scale = self._step_entries(optimizer)
         blocks, entries = self._hand_over(entries)
         if self.clipping != "per_layer":

@@ -46,7 +46,7 @@ from ..distributed._group import check_same_config, rank_world, resolve_group, s
 from .checkpoint import ResumesPass
 
 __all__ = ["DistributedPoissonBatchSampler", "agree_stream", "broadcast_state", "state_tensors",
-           "check_not_ddp", "reduce_clip_and_noise"]
+           "check_not_ddp", "reduce_clip_and_noise", "refuse_with_ranks"]
 
 
 def _dist():
@@ -147,7 +147,7 @@ class DistributedPoissonBatchSampler(ResumesPass):
 
     def __iter__(self):
         self.passes += 1
-        self._drawn.clear()
+        self._begin_drawn(self._drawn)
         for batch in self._pass(self.n):
             shard = batch[(batch >= self.lo) & (batch < self.hi)].tolist()
             self._drawn.append(len(shard))
@@ -181,33 +181,44 @@ def _unflatten(flat, like) -> list:
     return out
 
 
+def refuse_with_ranks(group, refusal: Exception):
+    """Raise this rank's ``refusal`` of its step on every rank of ``group``: it
+    joins the step's first collective (the count reduction of
+    :func:`reduce_clip_and_noise`) with its refusal flag set, so each other
+    rank raises there too, naming the count, instead of waiting for this one
+    until the group's timeout.  Never returns."""
+    counts = torch.tensor([0, 0, 1], dtype=torch.int64)
+    _dist().all_reduce(counts, group=group)
+    raise refusal
+
+
 def reduce_clip_and_noise(blocks, *, group, stream, max_norm, noise_multiplier, reduction,
-                          expected_batch_size, nan_policy, grad_scale,
-                          refusal: Exception | None = None) -> LayersClipResult:
+                          expected_batch_size, nan_policy, grad_scale) -> LayersClipResult:
     """One private step of a sharded batch: this rank's ``blocks`` (its samples)
     clipped and summed locally, the sums all-reduced, the noise of the one-process
     step added slice by slice (rank r draws entries [lo_r, hi_r) of the flattened
     gradient, at the one-process draws ``offset + lo_r ...``), the slices gathered.
     Norms are this rank's samples'; ``num_clipped``/``num_nonfinite`` are global.
 
-    ``refusal``: this rank's reason to refuse the step, raised on every rank
-    (another rank's reason named by count) before any noise is drawn, so that
-    no rank waits on one that left the step."""
+    A rank that refuses its step (here, or before: :func:`refuse_with_ranks`)
+    makes every rank raise at the count reduction, before any noise is drawn,
+    so that no rank waits on one that left the step."""
     dist = _dist()
     rank, world = rank_world(group)
-    local = clip_and_noise_layers(blocks, max_norm=max_norm, noise_multiplier=0.0,
-                                  seed=_stream.NoiseStream(), reduction="sum",
-                                  nan_policy="zero", grad_scale=grad_scale)
-    parts = _flatten(local.grads)
-    flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-    counts = torch.tensor([local.num_clipped, local.num_nonfinite, refusal is not None],
-                          dtype=torch.int64)
+    try:
+        local = clip_and_noise_layers(blocks, max_norm=max_norm, noise_multiplier=0.0,
+                                      seed=_stream.NoiseStream(), reduction="sum",
+                                      nan_policy="zero", grad_scale=grad_scale)
+        parts = _flatten(local.grads)
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+    except Exception as refusal:
+        refuse_with_ranks(group, refusal)
+    counts = torch.tensor([local.num_clipped, local.num_nonfinite, 0], dtype=torch.int64)
     dist.all_reduce(counts, group=group)
     if counts[2] > 0:
-        if refusal is not None:
-            raise refusal
-        raise RuntimeError(f"the step was refused on {int(counts[2])} other rank(s) of the "
-                           f"{world} (each raised why); nothing was written or drawn")
+        raise RuntimeError(f"GhostClipper: the step was refused on {int(counts[2])} other "
+                           f"rank(s) of the {world} (each raised why); nothing was written "
+                           "or drawn")
     if nan_policy == "raise" and counts[1] > 0:
         raise ValueError(f"per-sample gradients of {int(counts[1])} samples (over all {world} "
                          "ranks) are not finite; fix the model or pass nan_policy='zero'")
