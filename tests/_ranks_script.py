@@ -109,6 +109,55 @@ def wrong_batch(group):
     return message, pm.clipper.offset == position, engine.accountant.total_steps
 
 
+def _run(group=None, seed=None):
+    from ncdp_fast.torch import PrivacyEngine
+    x, y = data()
+    m = model(0)
+    engine = PrivacyEngine(accountant="rdp")
+    pm, opt, loader = engine.make_private(
+        module=m, optimizer=torch.optim.SGD([p for p in m.parameters() if p.requires_grad],
+                                            lr=0.1),
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
+                                                batch_size=4),
+        noise_multiplier=SIGMA, max_grad_norm=C, group=group, seed=seed)
+    return engine, pm, opt, loader
+
+
+def penalty_and_checkpoints(group, directory):
+    """Rank 1 adds an L2 penalty to its loss (refused on it: a gradient from
+    outside a layer); then each rank resumes its own checkpoint of one run,
+    after 1 and 2 steps (refused on both).  Returns the two messages."""
+    import torch.distributed as dist
+    import ncdp_fast as nf
+    rank = dist.get_rank(group)
+    engine, pm, opt, loader = _run(group)
+    xb, yb = next(iter(loader))
+    loss = nn.functional.cross_entropy(pm(xb), yb)
+    if rank == 1:
+        loss = loss + 1e-3 * sum(p.square().sum() for p in pm.parameters() if p.requires_grad)
+    loss.backward()
+    try:
+        opt.step()
+        penalty = "stepped"
+    except RuntimeError as e:
+        penalty = str(e)
+    one, one_pm, one_opt, one_loader = _run(seed=nf.NoiseStream(SEED[1] + 7, 0))
+    for k, (xb, yb) in enumerate(one_loader):
+        one_opt.zero_grad()
+        nn.functional.cross_entropy(one_pm(xb), yb).backward()
+        one_opt.step()
+        if k == rank:
+            one.save_checkpoint(path=f"{directory}/c{rank}.pt", module=one_pm, optimizer=one_opt)
+            break
+    engine, pm, opt, _ = _run(group)
+    try:
+        engine.load_checkpoint(path=f"{directory}/c{rank}.pt", module=pm, optimizer=opt)
+        resumed = "loaded"
+    except ValueError as e:
+        resumed = str(e)
+    return penalty, resumed
+
+
 def main():
     import torch.distributed as dist
     from ncdp_fast.torch import DistributedPoissonBatchSampler, GhostClipper
@@ -126,7 +175,9 @@ def main():
         else:
             state = train(model(100 + rank), sampler, group)
             message, unmoved, accounted = wrong_batch(group)
-            np.savez(f"{sys.argv[2]}/rank{rank}.npz", **state,
+            penalty, resumed = penalty_and_checkpoints(group, sys.argv[2])
+            np.savez(f"{sys.argv[2]}/rank{rank}.npz", **state, penalty=np.array(penalty),
+                     resumed=np.array(resumed),
                      **{f"refusal:{k}": np.array(v) for k, v in refusals(group).items()},
                      wrong_batch=np.array(message), wrong_batch_unmoved=np.array(unmoved),
                      wrong_batch_accounted=np.array(accounted))

@@ -260,7 +260,9 @@ def test_frozen_state_is_broadcast_under_torchrun(tmp_path):
     wrapped in DDP is refused by GhostClipper and make_private alike, with or
     without group=.  A make_private step with rank 1 on a batch its loader did
     not draw is refused on both ranks together (each would otherwise be
-    accounted as the Poisson batch), before any noise is drawn."""
+    accounted as the Poisson batch), before any noise is drawn; so is rank 1's
+    step over an L2 penalty in its loss, and ranks resuming different
+    checkpoints of one run are refused together (the sixth audit)."""
     import _ranks_script as S
     from _distributed import torchrun
     assert not torch.equal(S.model(100)[1].weight, S.model(101)[1].weight)  # differ per rank
@@ -285,6 +287,14 @@ def test_frozen_state_is_broadcast_under_torchrun(tmp_path):
         else:
             assert wrong.startswith("GhostClipper: the step was refused on 1 other rank(s) of the "
                                     "2"), wrong
+        penalty, resumed = str(got["penalty"]), str(got["resumed"])
+        if rank == 1:
+            assert "got a gradient from outside the layer's forward" in penalty, penalty
+        else:
+            assert penalty.startswith("GhostClipper: the step was refused on 1 other rank(s)"), \
+                penalty
+        assert resumed.startswith("load_checkpoint: expected the same configuration on all 2 "
+                                  "ranks, got differing checkpoint"), resumed
         refusals = {k.split(":", 1)[1]: str(got[k]) for k in got.files if k.startswith("refusal:")}
         assert len(refusals) == 4, refusals
         for key, msg in refusals.items():
