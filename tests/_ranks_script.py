@@ -80,35 +80,6 @@ def refusals(group):
     return out
 
 
-def wrong_batch(group):
-    """make_private across the ranks, rank 1 stepping on the whole data set
-    (more rows than any shard of its loader's batch): every rank refuses the
-    step together, before any noise is drawn, and nothing is accounted.
-    Returns (message, stream position unchanged, steps accounted)."""
-    import torch.distributed as dist
-    from ncdp_fast.torch import PrivacyEngine
-    x, y = data()
-    m = model(0)
-    engine = PrivacyEngine(accountant="rdp")
-    pm, opt, loader = engine.make_private(
-        module=m, optimizer=torch.optim.SGD([p for p in m.parameters() if p.requires_grad],
-                                            lr=0.1),
-        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
-                                                batch_size=4),
-        noise_multiplier=SIGMA, max_grad_norm=C, group=group)
-    xb, yb = next(iter(loader))
-    if dist.get_rank(group) == 1:
-        xb, yb = x, y
-    position = pm.clipper.offset
-    try:
-        nn.functional.cross_entropy(pm(xb), yb).backward()
-        opt.step()
-        message = "stepped"
-    except RuntimeError as e:
-        message = str(e)
-    return message, pm.clipper.offset == position, engine.accountant.total_steps
-
-
 def _run(group=None, seed=None):
     from ncdp_fast.torch import PrivacyEngine
     x, y = data()
@@ -121,6 +92,27 @@ def _run(group=None, seed=None):
                                                 batch_size=4),
         noise_multiplier=SIGMA, max_grad_norm=C, group=group, seed=seed)
     return engine, pm, opt, loader
+
+
+def wrong_batch(group):
+    """make_private across the ranks, rank 1 stepping on the whole data set
+    (more rows than any shard of its loader's batch): every rank refuses the
+    step together, before any noise is drawn, and nothing is accounted.
+    Returns (message, stream position unchanged, steps accounted)."""
+    import torch.distributed as dist
+    x, y = data()
+    engine, pm, opt, loader = _run(group)
+    xb, yb = next(iter(loader))
+    if dist.get_rank(group) == 1:
+        xb, yb = x, y
+    position = pm.clipper.offset
+    try:
+        nn.functional.cross_entropy(pm(xb), yb).backward()
+        opt.step()
+        message = "stepped"
+    except RuntimeError as e:
+        message = str(e)
+    return message, pm.clipper.offset == position, engine.accountant.total_steps
 
 
 def penalty_and_checkpoints(group, directory):
