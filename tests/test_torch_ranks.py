@@ -429,3 +429,34 @@ def test_ranks_loading_different_checkpoints_are_refused_together(tmp_path):
         assert accounted == 0                                  # nothing restored
     outs = spawn_outcomes(_load_on_ranks, 2, [paths[1], paths[1]], timeout=90, pg_timeout=30)
     assert [o.value for o in outs] == [(None, 1), (None, 1)], [(o.status, o.error) for o in outs]
+
+
+def _make_private_apart(rank, world, what):
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+    from ncdp_fast.torch import PrivacyEngine
+    x, y = _data()
+    model = _model()
+    lr = 0.5 + 0.1 * rank if what == "lr" else 0.5
+    engine = PrivacyEngine(accountant=("rdp", "prv")[rank] if what == "accountant" else "rdp")
+    try:
+        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                            data_loader=DataLoader(TensorDataset(x, y), batch_size=4),
+                            noise_multiplier=SIGMA, max_grad_norm=C, group=dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("what, shown", [("lr", r"param_groups \(rank 0: \[\{'lr': 0\.5"),
+                                         ("accountant", r"accountant \(rank 0: 'rdp', "
+                                                        r"rank 1: 'prv'\)")])
+def test_ranks_with_their_own_learning_rate_or_accountant_are_refused(what, shown):
+    """The sixth audit: a learning rate of one rank's own stepped the ranks
+    apart, and an accountant of its own reported another epsilon, silently."""
+    import re
+    outs = spawn_outcomes(_make_private_apart, 2, what, timeout=90, pg_timeout=30)
+    for o in outs:
+        assert o.status == "ok" and o.value is not None, (o.status, o.error)
+        assert o.value.startswith("make_private: expected the same configuration on all 2 "
+                                  "ranks") and re.search(shown, o.value), o.value

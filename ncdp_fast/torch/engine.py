@@ -19,7 +19,7 @@ from .fix import fix_batchnorm, fix_recurrent
 from .compiled import check_not_compiled
 from .coupling import CheckedCriterion
 from .dp_optimizer import DPOptimizer, PrivateModule
-from ..distributed._group import resolve_group
+from ..distributed._group import check_same_config, resolve_group
 from .data import PoissonBatchSampler, collate_with_empty, loader_settings
 from .ranks import DistributedPoissonBatchSampler, agree_stream, check_not_ddp
 
@@ -220,6 +220,15 @@ class PrivacyEngine:
             criterion = CheckedCriterion(criterion, loss_reduction)
         # One stream for the batches and the noise: each takes the next disjoint
         # range as it goes, so neither ever reuses the other's draws.
+        if group is not None:
+            # What each rank keeps to itself must agree too: an accountant or a
+            # learning rate of its own reports another epsilon or steps the
+            # parameters apart, silently (the sixth audit).
+            check_same_config({"accountant": self.accountant_name,
+                               "optimizer": type(optimizer).__name__,
+                               "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                for g in optimizer.param_groups]},
+                              resolve_group(group), "make_private")
         stream = _stream.resolve(seed) if group is None else \
             agree_stream(seed, None, resolve_group(group), "PrivacyEngine")
         loader, sample_rate, n = self._poisson_loader(data_loader, stream, group)
