@@ -85,6 +85,22 @@ def test_accountant_answers_opacus_calls():
         acc.get_epsilon(2.0)
 
 
+def test_opacus_attributes_scripts_read_and_its_optimizer_constructor():
+    """Opacus's examples read data_loader.sample_rate and
+    optimizer.loss_reduction (missing until 2026-12-02, the sixth audit); its
+    DPOptimizer(optimizer, noise_multiplier=..., ...) met a bare TypeError and
+    is now refused naming make_private."""
+    from ncdp_fast.torch import DPOptimizer
+    model, _, _, loader = _setup()
+    engine, pm, popt, ploader = _private(model, loader)
+    assert ploader.sample_rate == Q and popt.loss_reduction == "mean"
+    with pytest.raises(TypeError, match=r"DPOptimizer: expected \(optimizer, clipper: "
+                                        r"GhostClipper, on_step\).*\['expected_batch_size', "
+                                        r"'max_grad_norm', 'noise_multiplier'\].*make_private"):
+        DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                    max_grad_norm=1.0, expected_batch_size=4)
+
+
 def test_gaussian_events_read_as_opacus_history_tuples():
     acc = privacy.Accountant().step(noise_multiplier=1.1, sample_rate=0.01, steps=250)
     assert acc.history == ((1.1, 0.01, 250),)

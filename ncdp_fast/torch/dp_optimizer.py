@@ -71,8 +71,20 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
     next step that is not skipped noises the whole logical batch once and is
     the one step the accountant records."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, clipper: GhostClipper, on_step,
-                 samplers=(), engine=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, clipper: GhostClipper = None,
+                 on_step=None, samplers=(), engine=None, **opacus_kwargs):
+        if opacus_kwargs or not isinstance(clipper, GhostClipper):
+            # Opacus's DPOptimizer(optimizer, noise_multiplier=, max_grad_norm=,
+            # expected_batch_size=, ...) clips the grad_sample its hooks wrote;
+            # here the clipper is what holds the per-sample state (the sixth
+            # audit met torch's bare TypeError at that call).
+            given = sorted(opacus_kwargs) or [f"clipper={type(clipper).__name__}"]
+            raise TypeError(
+                f"DPOptimizer: expected (optimizer, clipper: GhostClipper, on_step), as "
+                f"PrivacyEngine.make_private builds it, got {given}: Opacus's DPOptimizer(optimizer, "
+                "noise_multiplier=..., max_grad_norm=..., expected_batch_size=...) over a "
+                "GradSampleModule has no counterpart; use make_private (or, without an "
+                "engine, ncdp_fast.torch.FusedDPOptimizer / GhostClipper)")
         # A torch Optimizer to whatever checks (LR schedulers, isinstance), as
         # Opacus's: Optimizer.__init__ is not run -- the parameter groups, state
         # and defaults are the wrapped optimizer's (properties below); only the
@@ -238,6 +250,8 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
     max_grad_norm = property(lambda self: self.clipper.max_grad_norm,
                              lambda self, value: setattr(self.clipper, "max_grad_norm", value))
     expected_batch_size = property(lambda self: self.clipper.expected_batch_size)
+    # Opacus's attribute ("mean" or "sum"), read by its scripts' logging.
+    loss_reduction = property(lambda self: self.clipper.loss_reduction)
     param_groups = property(lambda self: self.original_optimizer.param_groups)
     state = property(lambda self: self.original_optimizer.state)
     defaults = property(lambda self: self.original_optimizer.defaults)

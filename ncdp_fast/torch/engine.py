@@ -122,6 +122,8 @@ class PrivacyEngine:
         loader = DataLoader(dataset, batch_sampler=sampler,
                             collate_fn=collate_with_empty(dataset, data_loader.collate_fn),
                             **loader_settings(data_loader))
+        # Opacus's DPDataLoader attribute, read by its scripts (public: q).
+        loader.sample_rate = sample_rate
         return loader, sample_rate, n
 
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
