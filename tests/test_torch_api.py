@@ -348,3 +348,44 @@ def test_an_eval_mode_gradient_zeroed_in_place_is_not_refused():
     clipper.privatize_()
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_discriminator_on_a_real_and_a_fake_batch_pairs_their_rows_with_two_forwards():
+    """Opacus's dcgan.py runs D on the real batch and on a fake one before one
+    backward; refused by default (two forwards a step), with
+    forwards_per_step=2 real row i and fake row i are clipped as one sample,
+    as Opacus's per-sample gradients sum them (docs/torch.md's table)."""
+    torch.manual_seed(0)
+    disc = nn.Sequential(nn.Linear(4, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1)).double()
+    g = torch.Generator().manual_seed(1)
+    real, fake = (torch.randn(5, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    bce = nn.BCEWithLogitsLoss(reduction="sum")
+
+    def loss(m, r, f):
+        return (bce(m(r).squeeze(1), torch.ones(len(r), dtype=torch.float64))
+                + bce(m(f).squeeze(1), torch.zeros(len(f), dtype=torch.float64)))
+    bound = 1.0
+    expected = [torch.zeros_like(p) for p in disc.parameters()]
+    clipped = 0
+    for i in range(5):
+        m = copy.deepcopy(disc)
+        loss(m, real[i:i + 1], fake[i:i + 1]).backward()
+        grads = [p.grad for p in m.parameters()]
+        f = min(1.0, bound / float(torch.sqrt(sum(x.square().sum() for x in grads))))
+        clipped += f < 1
+        expected = [e + f * x for e, x in zip(expected, grads)]
+    assert 0 < clipped < 5
+    m = copy.deepcopy(disc)
+    clipper = GhostClipper(m, max_grad_norm=bound, noise_multiplier=0.0, expected_batch_size=1,
+                           loss_reduction="sum")
+    with pytest.raises(RuntimeError, match="forwards_per_step"):
+        loss(m, real, fake).backward()
+        clipper.privatize_()
+    clipper.remove()
+    m = copy.deepcopy(disc)
+    clipper = GhostClipper(m, max_grad_norm=bound, noise_multiplier=0.0, expected_batch_size=1,
+                           loss_reduction="sum", forwards_per_step=2)
+    loss(m, real, fake).backward()
+    clipper.privatize_()
+    for p, e in zip(m.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-10, atol=0)
