@@ -137,6 +137,10 @@ def test_gpt2_steps_are_the_engine_steps_and_epsilon_is_logged(tmp_path):
         assert eps == privacy.epsilon_poisson_gaussian(1.0, 0.25, step, DELTA, "rdp") > 0
     assert trainer.privacy_engine.get_epsilon(DELTA) == logged[4]
     assert "grad_norm" not in trainer.state.log_history[0]   # no non-private norm
+    # The Trainer's FLOP count summed each batch's tokens (the realized batch
+    # sizes, unnoised) into total_flos: 0 here (the sixth audit).
+    assert trainer.state.total_flos == 0
+    assert all(h.get("total_flos", 0) == 0 for h in trainer.state.log_history)
     batch = transformers.default_data_collator(data[:4])
     with torch.no_grad():
         lg = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -248,6 +252,7 @@ def test_resume_continues_epsilon_the_noise_stream_and_the_pass(tmp_path):
     ("dataloader_drop_last", True), ("train_sampling_strategy", "group_by_length"),
     ("data_seed", 3), ("auto_find_batch_size", True), ("ignore_data_skip", True),
     ("use_liger_kernel", True), ("deepspeed", {"zero_optimization": {}}),
+    ("optim", "lomo"), ("optim", "adalomo"), ("optim", "galore_adamw_layerwise"),
     ("fsdp", ["full_shard"]), ("n_gpu", 2), ("world_size", 2)])
 def test_training_arguments_it_cannot_honour_are_refused(tmp_path, monkeypatch, field, value):
     args = _args(tmp_path)

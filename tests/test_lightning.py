@@ -274,6 +274,20 @@ def test_a_loss_reduction_that_does_not_match_the_loss_warns_through_lightning()
             Classifier(), DataLoader(_data(), batch_size=BATCH))
 
 
+def test_a_gradient_accumulation_schedule_is_refused_before_any_step():
+    """The sixth audit: GradientAccumulationScheduler({1: 2}) left epoch 0 at
+    accumulate_grad_batches 1, so setup's check passed, and epoch 1 met the
+    clipper's second-forward refusal, which named neither.  Refused at setup."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+    model = Classifier()
+    cb = _callback()
+    with pytest.raises(ValueError, match=r"callbacks: expected no GradientAccumulationScheduler "
+                                         r"accumulating batches, got scheduling \{1: 2"):
+        _trainer([GradientAccumulationScheduler({1: 2}), cb], max_epochs=3).fit(
+            model, DataLoader(_data(), batch_size=BATCH))
+    assert cb.engine.accountant.total_steps == 0
+
+
 @pytest.mark.parametrize("tuner", ["LearningRateFinder", "BatchSizeFinder"])
 def test_a_tuner_callback_is_refused_before_any_step(tuner):
     """The audit of 2026-12-02: a LearningRateFinder next to the callback ran 4

@@ -58,6 +58,11 @@ _REFUSED = (
      "'random': the batches are Poisson-sampled from the noise stream"),
     ("data_seed", lambda a: a.data_seed is not None,
      "None: the batches come from the noise stream, keyed by DPTrainer(noise_seed=...)"),
+    ("optim", lambda a: any(w in str(getattr(a.optim, "value", a.optim))
+                            for w in ("lomo", "layerwise")),
+     "an optimizer stepped by optimizer.step(): LOMO/AdaLomo and the layer-wise GaLore/APOLLO "
+     "update each parameter from its gradient hook inside backward, where no private "
+     "gradient exists yet"),
     ("auto_find_batch_size", lambda a: a.auto_find_batch_size,
      "False: a smaller batch mid-run changes the sample rate of an accounted run"),
     ("ignore_data_skip", lambda a: a.ignore_data_skip,
@@ -229,6 +234,13 @@ class DPTrainer(transformers.Trainer):
             self._eps_cache = (steps, self.privacy_engine.get_epsilon(self.target_delta))
         return self._eps_cache[1]
 
+    def floating_point_ops(self, inputs) -> int:
+        """0: the Trainer's count, 6 x parameters x the batch's tokens summed over
+        the run into ``total_flos`` (logs, metrics, trainer_state.json), would
+        release the realized Poisson batch sizes (and, with dynamic padding,
+        each batch's longest sample) without noise (the sixth audit)."""
+        return 0
+
     def log(self, logs, *args, **kwargs):
         if self._private_loader is not None:
             logs["epsilon"] = self.epsilon()
@@ -269,7 +281,12 @@ class DPTrainer(transformers.Trainer):
         saved, skip = sampler._resume, step % len(sampler)
         if (saved is None and skip) or (saved is not None and saved[1] < skip):
             raise ValueError(f"resume_from_checkpoint: the loader's pass in {ENGINE_FILE} "
-                             f"({saved!r}) does not reach the Trainer's step {step}")
+                             f"({saved!r}) does not reach the Trainer's step {step}"
+                             + (": with dataloader_num_workers the workers had drawn the "
+                                "pass to its end when the checkpoint was saved (a checkpoint "
+                                "in a pass's last workers x prefetch_factor steps cannot be "
+                                "resumed); save with dataloader_num_workers=0, or at other "
+                                "steps" if self.args.dataloader_num_workers else ""))
         if saved is not None:
             sampler.resume_pass({"plan_offset": saved[0], "done": 0})
             # Stepped on and accounted before the checkpoint: the optimizer's

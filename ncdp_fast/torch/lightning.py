@@ -17,7 +17,8 @@ from __future__ import annotations
 import io
 
 import torch
-from lightning.pytorch.callbacks import BatchSizeFinder, Callback, LearningRateFinder
+from lightning.pytorch.callbacks import (BatchSizeFinder, Callback,
+                                         GradientAccumulationScheduler, LearningRateFinder)
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader
@@ -126,6 +127,18 @@ class DPLightningCallback(Callback):
                 f"accumulate_grad_batches: expected 1, got {trainer.accumulate_grad_batches}; "
                 "several Poisson batches summed into one step are not a Poisson batch of the "
                 "accounted rate (raise the DataLoader's batch_size instead)")
+        scheduled = [c.scheduling for c in trainer.callbacks
+                     if isinstance(c, GradientAccumulationScheduler)
+                     and any(v != 1 for v in c.scheduling.values())]
+        if scheduled:
+            # It sets accumulate_grad_batches at an epoch's start: a later epoch
+            # would sum Poisson batches into one step (the sixth audit met the
+            # clipper's second-forward refusal there, naming neither).
+            raise ValueError(
+                f"callbacks: expected no GradientAccumulationScheduler accumulating batches, "
+                f"got scheduling {scheduled[0]!r}: accumulate_grad_batches must stay 1 (several "
+                "Poisson batches summed into one step are not a Poisson batch of the accounted "
+                "rate); raise the DataLoader's batch_size instead")
         if trainer.gradient_clip_val not in (None, 0):
             raise ValueError(
                 f"gradient_clip_val: expected None, got {trainer.gradient_clip_val!r}; "
