@@ -56,9 +56,6 @@ class SecretSlot:
     def get(self, owner):
         return self._held.get(id(owner))
 
-    def drop(self, owner) -> None:
-        self._held.pop(id(owner), None)
-
 
 class Unreleased:
     """An attribute computed from the private data without noise (how many
@@ -69,23 +66,32 @@ class Unreleased:
     publishable never carry it (the sixth audit: a pickled NoisyGD estimator's
     exact per-step clip counts revealed a record's presence at any epsilon)."""
 
+    # One dict an object for all its such attributes: one finalizer an
+    # object (a clip result is made every step).
+    _values = SecretSlot()
+
     def __init__(self, doc: str = ""):
-        self._slot = SecretSlot()
         self.__doc__ = doc
 
     def __set_name__(self, owner, name):
         self._name = name
 
     def __get__(self, obj, owner=None):
-        return self if obj is None else self._slot.get(obj)
+        if obj is None:
+            return self
+        held = self._values.get(obj)
+        return None if held is None else held.get(self._name)
 
     def __set__(self, obj, value):
         self.hold(obj, value)
 
     def hold(self, obj, value) -> None:
         """Set it on ``obj`` (a frozen dataclass's ``__post_init__`` calls this)."""
-        self._slot.drop(obj)
-        self._slot.put(obj, value)
+        held = self._values.get(obj)
+        if held is None:
+            held = {}
+            self._values.put(obj, held)
+        held[self._name] = value
 
 _END = 2 ** 64
 
