@@ -40,9 +40,8 @@ class _Accounting:
         # Not in __dict__: a pickled, copied or logged result may be shared,
         # never with the key or the data's own values.
         _SEED.put(self, seed)
-        for name, value in (("norms", norms), ("num_clipped", num_clipped),
-                            ("num_nonfinite", num_nonfinite)):
-            _UNRELEASED[name].hold(self, value)
+        _stream.Unreleased.hold_all(self, {"norms": norms, "num_clipped": num_clipped,
+                                           "num_nonfinite": num_nonfinite})
 
     @property
     def next_offset(self) -> int:

@@ -85,8 +85,14 @@ class Unreleased:
     def __set__(self, obj, value):
         self.hold(obj, value)
 
+    @classmethod
+    def hold_all(cls, obj, values: dict) -> None:
+        """Set several on a new ``obj`` at once (a frozen dataclass's
+        ``__post_init__``: one entry, not one a value)."""
+        cls._values.put(obj, values)
+
     def hold(self, obj, value) -> None:
-        """Set it on ``obj`` (a frozen dataclass's ``__post_init__`` calls this)."""
+        """Set it on ``obj``."""
         held = self._values.get(obj)
         if held is None:
             held = {}

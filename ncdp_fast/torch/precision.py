@@ -51,7 +51,7 @@ def refuse_mixed_dtypes(entries) -> None:
     refusal named its internal block index, not the layers (the sixth audit).
     ``entries``: ``[(tap, names, block)]`` of the step."""
     dtypes = {tap.params[names[0]].dtype for tap, names, _ in entries}
-    if len({accumulation_dtype(d) for d in dtypes}) <= 1:
+    if len(dtypes) <= 1 or len({accumulation_dtype(d) for d in dtypes}) <= 1:
         return          # the usual step (names formed only for the refusal)
     seen: dict = {}
     for tap, names, _ in entries:
