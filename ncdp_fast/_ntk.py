@@ -128,6 +128,15 @@ def _check_network(x_shape, weights, biases, activation_name, parameterization, 
                 raise ValueError(f"biases[{l}]: expected shape {want}, got {got}")
 
 
+def check_finite_network(named) -> None:
+    """Refuse NaN or Inf in the network's arrays ``named`` [(name, array or
+    None)]: the Gram would come out NaN without a word (the sixth audit: an
+    input row of NaN made all 144 entries NaN).  One read of each array."""
+    for name, a in named:
+        if a is not None and not _arrays.all_finite(a):
+            raise ValueError(f"{name}: expected finite values, got NaN or Inf")
+
+
 def iter_ntk_factors(x, weights, biases, activation_name, parameterization, ns, matmul):
     """The Gram's terms as (f, b) factor pairs, last layer first, f None for a
     constant 1: K = sum (f f'^T) o (b b'^T), one term per layer.  Arrays of x's
@@ -243,6 +252,7 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
         if sh is not None and (len(sh) != 2 or sh[0] == 0):
             raise ValueError(f"{nm}: expected shape (n, d) with n >= 1 rows, got {sh}")
     _check_network(xs, weights, biases, activation, parameterization, be, dtype, x2s)
+    check_finite_network(arrays.items())
     if be.name == "cuda" and be.io.lib != "torch":
         raise TypeError("x: on the GPU ntk_gram takes torch CUDA tensors")
     # Factors are computed by the caller's own library: torch tensors (CPU or

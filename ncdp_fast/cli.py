@@ -9,6 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ._validate import (check_delta, check_nonneg, check_pos_int, check_positive, check_uint64,
+                        cli_type)
+
 
 def _cmd_info(args) -> int:
     from . import info
@@ -120,12 +123,13 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="what this installation can do").set_defaults(fn=_cmd_info)
     demo = sub.add_parser("demo", help="private linear probe on scikit-learn's digits")
-    demo.add_argument("--epochs", type=int, default=20)
-    demo.add_argument("--noise-multiplier", type=float, default=3.0)
-    demo.add_argument("--max-grad-norm", type=float, default=1.0)
-    demo.add_argument("--batch-size", type=int, default=256, help="expected (Poisson) batch size")
-    demo.add_argument("--delta", type=float, default=1e-5)
-    demo.add_argument("--seed", type=int, default=None,
+    demo.add_argument("--epochs", type=cli_type(int, check_pos_int), default=20)
+    demo.add_argument("--noise-multiplier", type=cli_type(float, check_nonneg), default=3.0)
+    demo.add_argument("--max-grad-norm", type=cli_type(float, check_positive), default=1.0)
+    demo.add_argument("--batch-size", type=cli_type(int, check_pos_int), default=256,
+                      help="expected (Poisson) batch size")
+    demo.add_argument("--delta", type=cli_type(float, check_delta), default=1e-5)
+    demo.add_argument("--seed", type=cli_type(int, check_uint64), default=None,
                       help="seed for data split, sampling and noise (default: from the OS); "
                       "the demo's data is public, so no key ledger is kept (unlike release)")
     demo.set_defaults(fn=_cmd_demo)
@@ -138,7 +142,7 @@ def main(argv=None) -> int:
     bench.add_argument("--device", default="all", choices=["cpu", "cuda", "all"],
                        help="cuda: the GPU benchmarks only, failing without a GPU "
                        "(reports *-gpu-<date>.{json,md})")
-    bench.add_argument("--rounds", type=int, default=None,
+    bench.add_argument("--rounds", type=cli_type(int, check_pos_int), default=None,
                        help="interleaved rounds of the compared methods (default: 3)")
     bench.set_defaults(fn=_cmd_bench)
     # Its options (--full, --budget, --no-build, ...; --help) go to _gpu_check.run.

@@ -33,3 +33,27 @@ def test_audit_command_refuses_unknown_audit(capsys):
     with pytest.raises(SystemExit):
         main(["audit", "--only", "nothing"])
     assert "--only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, shown", [
+    (["demo", "--batch-size", "0"], "argument --batch-size: expected an integer >= 1, got 0"),
+    (["demo", "--seed", "-1"], "argument --seed: expected an integer in [0, 2**64), got -1"),
+    (["demo", "--epochs", "-1"], "argument --epochs: expected an integer >= 1, got -1"),
+    (["demo", "--delta", "1"], "argument --delta: expected a number in (0, 1), got 1.0"),
+    (["audit", "--seeds", "0"], "argument --seeds: expected an integer >= 1, got 0"),
+    (["audit", "--confidence", "1.5"], "argument --confidence: expected a number in (0, 1)"),
+    (["bench", "--rounds", "0"], "argument --rounds: expected an integer >= 1, got 0"),
+])
+def test_bad_command_line_numbers_are_usage_errors_naming_the_option(argv, shown, capsys):
+    """The sixth audit: demo --batch-size 0 was a ZeroDivisionError traceback,
+    --seed -1 NumPy's, audit --seeds 0 a reduction over an empty array; each is
+    argparse's usage error now (exit 2), before anything runs."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and shown in capsys.readouterr().err
+
+
+def test_audit_out_that_is_a_file_is_refused_before_the_runs(tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    assert main(["audit", "--seeds", "1", "--out", str(tmp_path / "f")]) == 2
+    assert "--out: expected a directory" in capsys.readouterr().err

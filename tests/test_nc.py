@@ -141,6 +141,20 @@ def test_metrics_nc1_matches_explicit_formula():
     np.testing.assert_allclose(m.beta, np.abs(X - mu[y]).max(1), atol=1e-12)
 
 
+def test_metrics_chunks_and_adversarial_shift_inputs_are_checked():
+    """The sixth audit: chunk_rows=-1 gave all-zero means, negative labels
+    wrapped around in adversarial_shift and a NaN coef gave NaN shifts."""
+    X, y = np.random.default_rng(0).standard_normal((10, 3)), np.arange(10) % 2
+    with pytest.raises(ValueError, match="chunk_rows: expected an integer >= 1, got -1"):
+        nc.metrics(X, y, chunk_rows=-1)
+    W = np.random.default_rng(1).standard_normal((2, 3))
+    with pytest.raises(ValueError, match=r"labels: expected a 1-D array of classes in \[0, 2\)"):
+        nc.adversarial_shift(np.array([-1, 0]), W, 0.1)
+    with pytest.raises(ValueError, match="coef: expected a finite"):
+        nc.adversarial_shift(np.arange(2), W * np.nan, 0.1)
+    assert nc.adversarial_shift(np.arange(2), W, 0.1).shape == (2, 2, 3)
+
+
 def test_metrics_bad_input():
     X = np.zeros((6, 3))
     with pytest.raises(ValueError, match=r"labels: expected integers in \[0, 2\), "

@@ -244,3 +244,25 @@ def test_cuda_gram_of_an_input_of_width_zero(require_cuda):
     got = nf.ntk_gram(x.to(require_cuda), [w.to(require_cuda) for w in weights],
                       biases=[None, biases[1].to(require_cuda)], activation="tanh")
     torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=1e-12)
+
+
+def test_non_finite_networks_and_unknown_choices_are_refused():
+    """The sixth audit: NaN or Inf in x, a weight or V made every Gram entry
+    NaN without a word; ntk_matvec took parameterization='bogus'."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 3))
+    W = [rng.standard_normal((4, 3)), rng.standard_normal((2, 4))]
+    bad = x.copy()
+    bad[2, 1] = np.nan
+    with pytest.raises(ValueError, match=r"^x: expected finite values"):
+        ntk.ntk_gram(bad, W)
+    with pytest.raises(ValueError, match=r"^weights\[1\]: expected finite values"):
+        ntk.ntk_gram(x, [W[0], W[1] * np.inf])
+    with pytest.raises(ValueError, match=r"^x: expected finite values"):
+        ntk.ntk_matvec(bad, W, np.ones(6))
+    with pytest.raises(ValueError, match=r"^parameterization: expected one of"):
+        ntk.ntk_matvec(x, W, np.ones(6), parameterization="bogus")
+    with pytest.raises(ValueError, match=r"^V: expected finite values"):
+        ntk.rf_gram(x, np.full((5, 3), np.inf))
+    with pytest.raises(ValueError, match=r"^V: expected shape \(N, 3\), got \(5,\)"):
+        ntk.rf_gram(x, np.ones(5))

@@ -815,3 +815,21 @@ def test_runs_whose_one_step_passes_the_truncation_edge_are_inf_without_a_pld():
     from ncdp_fast.privacy.subsampled import _pld_epsilon_of, gaussian_event
     of = _pld_epsilon_of(gaussian_event(dpa, 0.1, 1.0, 1), 1e-4)
     assert beyond_truncation([(0.1, 1.0)], 1e-5) and epsilon_with_truncation(of, 1e-5) == math.inf
+
+
+def test_search_and_truncation_arguments_are_checked():
+    """The sixth audit: sigma0=NaN looped forever in the bracketing, a
+    closed-form sigma0 of -1 or 'a' came back as the answer, and
+    epsilon_with_truncation took delta 1.5, True or '0.1' (answering 1.0)."""
+    from ncdp_fast.privacy import epsilon_with_truncation, search_noise_multiplier
+    for sigma0, closed in ((float("nan"), False), (-1.0, True), (float("inf"), False)):
+        with pytest.raises(ValueError, match="sigma0: expected"):
+            search_noise_multiplier(lambda s: 1.0 / s, 1.0, sigma0, closed_form=closed)
+    with pytest.raises(TypeError, match="sigma0: expected a real number"):
+        search_noise_multiplier(lambda s: 1.0 / s, 1.0, "a", closed_form=True)
+    with pytest.raises(TypeError, match="epsilon_of: expected a function"):
+        search_noise_multiplier(None, 1.0, 1.0)
+    for delta, error in ((1.5, ValueError), (-0.1, ValueError), (float("nan"), ValueError),
+                         (True, TypeError), ("0.1", TypeError)):
+        with pytest.raises(error, match="delta: expected"):
+            epsilon_with_truncation(lambda d: 1.0, delta)

@@ -271,3 +271,11 @@ def test_diverging_square_loss_raises_not_nan(grouped):
     kw = dict(counts=np.ones(8, dtype=np.int64)) if grouped else {}
     with pytest.raises(ValueError, match="not finite"):
         NoisyGDClassifier(num_classes=3, rho=1.0, loss="square", lr=1e200, steps=3, seed=0).fit(X, y, **kw)
+
+
+def test_a_fit_whose_noise_cannot_fit_the_stream_is_refused_before_any_step():
+    """steps=10**30 ran for minutes before the stream refused (the sixth audit)."""
+    X, y = np.random.default_rng(0).standard_normal((10, 3)), np.arange(10) % 2
+    with pytest.raises(ValueError, match=r"steps: expected steps x 6 draws a step to fit in "
+                                         r"the noise stream's 2\*\*64 draws"):
+        NoisyGDClassifier(rho=1.0, num_classes=2, steps=10**30).fit(X, y)

@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 
+from .._validate import check_delta, check_pos_int, check_positive, check_uint64, cli_type
+
 # (name, audit, keyword arguments): each row of the table.
 CONFIGS = [
     ("dpsgd dirac, q=1, each step", "dpsgd", dict(canary="dirac", batches=1, epochs=5)),
@@ -26,15 +28,19 @@ def add_audit_parser(sub) -> None:
     p = sub.add_parser("audit", help="one-run empirical epsilon lower bounds of the package's "
                        "DP-SGD path and NeuroMixGDP release (ncdp_fast.audit)",
                        description=__doc__)
-    p.add_argument("--canaries", type=int, default=1000, help="m canaries per run (1000)")
-    p.add_argument("--epsilon", type=float, default=4.0, help="claimed epsilon (4)")
-    p.add_argument("--delta", type=float, default=1e-5, help="delta (1e-5)")
-    p.add_argument("--seeds", type=int, default=3, help="runs per configuration (3)")
-    p.add_argument("--seed", type=int, default=None,
+    p.add_argument("--canaries", type=cli_type(int, check_pos_int), default=1000,
+                   help="m canaries per run (1000)")
+    p.add_argument("--epsilon", type=cli_type(float, check_positive), default=4.0,
+                   help="claimed epsilon (4)")
+    p.add_argument("--delta", type=cli_type(float, check_delta), default=1e-5,
+                   help="delta (1e-5)")
+    p.add_argument("--seeds", type=cli_type(int, check_pos_int), default=3,
+                   help="runs per configuration (3)")
+    p.add_argument("--seed", type=cli_type(int, check_uint64), default=None,
                    help="first seed (run i uses seed + i); default: each run from the OS")
     p.add_argument("--only", choices=["dpsgd", "release"], default=None,
                    help="one audit only (default: both)")
-    p.add_argument("--confidence", type=float, default=0.95)
+    p.add_argument("--confidence", type=cli_type(float, check_delta), default=0.95)
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--out", default=None, help="write audit-cpu-<date>.{json,md} into this "
                    "directory (e.g. bench/results)")
@@ -47,7 +53,14 @@ def _span(values) -> str:
 
 
 def run(args) -> int:
+    from pathlib import Path
+
     from . import audit_dpsgd, audit_release
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        # Checked before the runs (minutes), not at the write after them.
+        print(f"ncdp-fast audit: error: --out: expected a directory, got the file "
+              f"{args.out!r}", file=sys.stderr)
+        return 2
     rows = []
     for name, kind, kw in CONFIGS:
         if args.only and kind != args.only:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._arrays import to_host
-from .._validate import check_features, check_labels
+from .._validate import check_features, check_labels, check_pos_int
 
 __all__ = ["metrics", "NCMetrics"]
 
@@ -69,6 +69,7 @@ def metrics(features, labels, *, num_classes=None, chunk_rows=8192) -> NCMetrics
     """
     n, p = check_features(features, "features")
     y, K = check_labels(labels, n, num_classes, "labels")
+    chunk_rows = check_pos_int(chunk_rows, "chunk_rows")
     counts = np.bincount(y, minlength=K)
     if np.any(counts == 0):
         raise ValueError(f"labels: every class 0..{K - 1} must occur, classes "

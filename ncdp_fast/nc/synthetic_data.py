@@ -103,8 +103,16 @@ def adversarial_shift(labels, coef, beta) -> np.ndarray:
         j = y entry is zero).
     """
     W = to_host(coef, "coef", dtype=np.float64)
+    if W.ndim != 2 or not np.isfinite(W).all():
+        raise ValueError(f"coef: expected a finite (K, p) matrix, got shape {W.shape}"
+                         + ("" if W.ndim != 2 else " with NaN or Inf"))
     beta = check_nonneg(beta, "beta")
-    lab = np.asarray(labels, dtype=np.int64)
+    lab = np.asarray(labels)
+    if lab.ndim != 1 or (lab.size and (lab.dtype.kind not in "iu" or lab.min() < 0
+                                       or lab.max() >= W.shape[0])):
+        raise ValueError(f"labels: expected a 1-D array of classes in [0, {W.shape[0]}) "
+                         "(the rows of coef)")
+    lab = lab.astype(np.int64)
     out = np.zeros((lab.size, W.shape[0], W.shape[1]))
     for a, y in enumerate(lab):
         for j in range(W.shape[0]):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _arrays
-from .._ntk import ACTIVATIONS, namespace, activation, ntk_factors, ntk_gram
+from .._ntk import ACTIVATIONS, namespace, activation, check_finite_network, ntk_factors, ntk_gram
+from .._validate import check_choice
 from .regress import (RF_ACTIVATIONS, NTKRegressor, RandomFeatures, RFRegressor, random_features,
                       sensitivity)
 from ._eig import cholesky_solver, smallest_by_block_lanczos
@@ -80,12 +81,18 @@ def ntk_matvec(x, weights, v, *, biases=None, activation="relu", parameterizatio
     pairs (f, b): per term one (a x b) matrix f^T diag(v) b and a row-wise
     contraction, cost O(n * #params * K_out).  x, v: NumPy (CPU).
     """
+    check_choice(parameterization, "parameterization", ("standard", "ntk"))
+    check_choice(activation, "activation", ACTIVATIONS)
     x = np.asarray(x)
+    if x.ndim != 2 or x.dtype.kind != "f":
+        raise ValueError(f"x: expected a float (n, d) array, got shape {x.shape} dtype {x.dtype}")
     v = np.asarray(v, dtype=x.dtype)
     if v.shape != (x.shape[0],):
         raise ValueError(f"v: expected shape ({x.shape[0]},), got {v.shape}")
     weights = [np.asarray(w) for w in weights]
     biases = None if biases is None else [None if b is None else np.asarray(b) for b in biases]
+    check_finite_network([("x", x), ("v", v)] + [(f"weights[{i}]", w) for i, w in enumerate(weights)]
+                         + [(f"biases[{i}]", b) for i, b in enumerate(biases or ())])
     terms = ntk_factors(x, weights, biases, activation, parameterization, namespace("numpy"),
                         np.matmul)
     return _matvec_terms(terms, v)
@@ -213,9 +220,14 @@ def rf_gram(x, V, activation_name="relu"):
     of f(x) = a^T phi(V x) alone: ntk_gram with weights [V, a] minus the
     first-layer term.
     """
+    check_choice(activation_name, "activation_name", ACTIVATIONS)
     is_t = _arrays.is_torch(x)
     ns = namespace("torch" if is_t else "numpy")
-    if x.shape[1] != V.shape[1]:
-        raise ValueError(f"V: expected shape (N, {x.shape[1]}), got {tuple(V.shape)}")
+    xs, vs = _arrays.shape(x, "x"), _arrays.shape(V, "V")
+    if len(xs) != 2:
+        raise ValueError(f"x: expected shape (n, d), got {xs}")
+    if len(vs) != 2 or vs[1] != xs[1]:
+        raise ValueError(f"V: expected shape (N, {xs[1]}), got {vs}")
+    check_finite_network([("x", x), ("V", V)])
     Phi, _ = activation(activation_name, x @ V.T, ns)
     return Phi @ Phi.T

@@ -276,7 +276,12 @@ def search_noise_multiplier(
     Returns:
         sigma with ``epsilon_of(sigma) <= target_epsilon`` (an evaluated point).
     """
+    if not callable(epsilon_of):
+        raise TypeError(f"epsilon_of: expected a function sigma -> epsilon, got "
+                        f"{type(epsilon_of).__name__}")
     e_t = check_positive(target_epsilon, "target_epsilon")
+    # A NaN start never brackets (the search looped forever: the sixth audit).
+    sigma0 = check_positive(sigma0, "sigma0")
     rtol = check_epsilon_rtol(epsilon_rtol)
     problem = f"target_epsilon={e_t!r}" if problem is None else problem
     under = f" under {accountant!r}" if accountant else ""

@@ -111,7 +111,10 @@ def epsilon_with_truncation(epsilon_of, delta, pairs=None, *, mass=None) -> floa
     The answer e satisfies ideal delta(e) + truncation_delta(e) <= delta, so the
     implemented sampler is (e, delta)-DP; ``inf`` when no such e is found.
     """
-    d = float(delta)
+    if not callable(epsilon_of):
+        raise TypeError(f"epsilon_of: expected a function delta -> epsilon, got "
+                        f"{type(epsilon_of).__name__}")
+    d = check_delta(delta)
 
     def fits(e):
         """epsilon_of(delta - charge(e)) when that is <= e (then e is valid), else None."""

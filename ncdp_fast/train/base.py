@@ -61,6 +61,16 @@ class LinearClassifierBase:
         labels, K = check_labels(y, n, self.num_classes)
         return X, labels, n, p, K
 
+    def _check_draws(self, stream, steps: int, K: int, p: int) -> None:
+        """The fit's noise must fit in the key's 2**64 draws: checked before the
+        first step (steps=10**30 ran for minutes before the stream refused: the
+        sixth audit)."""
+        draws = K * p + (K if self.fit_intercept else 0)
+        if stream.position + steps * draws > 2**64:
+            raise ValueError(f"steps: expected steps x {draws} draws a step to fit in the noise "
+                             f"stream's 2**64 draws from offset {stream.position}, got "
+                             f"{steps} steps")
+
     def _set_fitted(self, W, b, K, p):
         self.coef_, self.intercept_ = W, b
         self.classes_ = np.arange(K)

@@ -101,6 +101,7 @@ class NoisyGDClassifier(LinearClassifierBase):
         X, labels, n, p, K = self._prepare(X, y)
         cnt = check_counts(counts, n)
         stream = _stream.resolve(self.seed, self.offset)
+        self._check_draws(stream, T, K, p)
         self.offset_ = stream.position
         C = float(self.max_grad_norm)
         sigma = noisygd_sigma(rho_train, T, sensitivity=C)

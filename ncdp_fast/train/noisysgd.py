@@ -117,6 +117,7 @@ class NoisySGDClassifier(LinearClassifierBase):
         ebs = q * n if self.expected_batch_size is None else \
             check_positive(self.expected_batch_size, "expected_batch_size")
         stream = _stream.resolve(self.seed, self.offset)
+        self._check_draws(stream, T, K, p)
         self.offset_ = stream.position
         z, acc_name = self._calibrate(eps, delta, q, T, spent)
         plan = poisson_batches(n, sample_rate=q, steps=T, seed=stream)
