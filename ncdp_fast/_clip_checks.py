@@ -52,6 +52,10 @@ def _checked_common(max_norm, noise_multiplier, reduction, expected_batch_size, 
                              "would leak it, so it is never used")
         inv_denom = 1.0 / check_positive(expected_batch_size, "expected_batch_size")
     else:
+        # Not used by a sum, but a bad value is still a bad argument (0, -1, NaN
+        # and True went through unseen: the sixth audit).
+        if expected_batch_size is not None:
+            check_positive(expected_batch_size, "expected_batch_size")
         inv_denom = 1.0
     check_choice(nan_policy, "nan_policy", ("raise", "zero"))
     return max_norm, noise_multiplier * max_norm, inv_denom

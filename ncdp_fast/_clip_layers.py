@@ -16,7 +16,7 @@ import numpy as np
 from . import _arrays, _backend, _balance, _stream
 from ._clip_checks import _check_common, _check_noise_range
 from ._clip_results import GhostBlock, LayersClipResult, LinearClipResult, _accounting
-from ._validate import check_choice, check_positive
+from ._validate import check_bool, check_choice, check_positive
 
 __all__ = ["clip_and_noise_linear", "clip_and_noise_layers"]
 
@@ -696,6 +696,7 @@ def clip_and_noise_linear(activations, backprops, *, max_norm, noise_multiplier,
     ``grad_bias`` (K,) or None.
     """
     _as_pair(activations, backprops)
+    bias = check_bool(bias, "bias")
     grads, acc = _clip_layers([(activations, backprops, bias)],
                               dict(activations=activations, backprops=backprops), max_norm,
                               noise_multiplier, seed, offset, reduction, expected_batch_size,
@@ -779,7 +780,8 @@ def clip_and_noise_layers(layers: Sequence, *, max_norm, noise_multiplier, seed=
     check_choice(gram_precision, "gram_precision", ("float64", "float32"))
     grads, acc = _clip_layers(layers, arrays, max_norm, noise_multiplier, seed, offset,
                               reduction, expected_batch_size, nan_policy, grad_scale,
-                              release=bool(release_blocks), checks=_checks,
+                              release=check_bool(release_blocks, "release_blocks"),
+                              checks=_checks,
                               gram_precision=gram_precision, bounds=_bounds)
     if _bounds is None:
         return LayersClipResult(grads=grads, **acc)

@@ -19,7 +19,8 @@ import numpy as np
 
 from . import _stream
 from ._rng import gaussian
-from ._validate import as_matrix, as_targets, check_square_sums, check_nonneg, check_pos_int, check_positive
+from ._validate import (as_matrix, as_targets, check_choice, check_nonneg, check_pos_int,
+                        check_positive, check_square_sums)
 
 __all__ = ["SCHEDULES", "schedule_lr", "sigma_tilde_sq", "noise_schedule", "realized_rho",
            "check_schedule_args", "DPSGDResult", "dpsgd_linear_regression"]
@@ -39,14 +40,18 @@ def schedule_lr(t, schedule, *, lr0=None, gamma=None, rho=None, c1=2.0, c2=4.0, 
     c1 = 2 makes 2 c1 mu_c > 2 for the mu_c >= 0.5 of the experiments (so the DP
     term integrates to O(gamma^2/rho^2)), c2 = 2 c1 keeps eta~(0) gamma <= 1/2
     inside the stability region eta~ < 2/gamma."""
+    check_choice(schedule, "schedule", SCHEDULES)
     t = np.asarray(t, dtype=np.float64)
-    if schedule == "output":
-        return np.full_like(t, lr0)
-    if schedule == "constant":
-        return lr0 * np.sqrt(np.maximum(1.0 - t, 0.0))
-    if schedule == "optimal":
-        return c1 / (t + _optimal_offset(gamma, rho, c2, c3))
-    raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    if t.size and not (np.all(np.isfinite(t)) and t.min() >= 0.0 and t.max() <= 1.0):
+        raise ValueError("t: expected times in [0, 1]")
+    if schedule != "optimal":
+        # The sixth audit: lr0 of -1 or NaN gave negative or NaN rates.
+        lr0 = check_positive(lr0, "lr0")
+        return np.full_like(t, lr0) if schedule == "output" else \
+            lr0 * np.sqrt(np.maximum(1.0 - t, 0.0))
+    for name, value in (("gamma", gamma), ("rho", rho), ("c1", c1), ("c2", c2), ("c3", c3)):
+        check_positive(value, name)
+    return c1 / (t + _optimal_offset(gamma, rho, c2, c3))
 
 
 def sigma_tilde_sq(t, schedule, lr0, gamma, rho, c1, c2, c3):
@@ -80,7 +85,14 @@ def realized_rho(eta, sigma):
     """rho = max_k eta_k / sqrt(sum_{j>=k} sigma_j^2): the output is (rho^2/2)-zCDP
     (amplification by iteration; requires eta_k ||x_k||^2 <= 2)."""
     eta = np.asarray(eta, np.float64)
-    tail = np.cumsum((np.asarray(sigma, np.float64) ** 2)[::-1])[::-1]
+    sigma = np.asarray(sigma, np.float64)
+    if eta.ndim != 1 or eta.shape != sigma.shape or not eta.size:
+        raise ValueError(f"eta, sigma: expected two non-empty 1-D arrays of one length, got "
+                         f"shapes {eta.shape} and {sigma.shape}")
+    if not (np.all(np.isfinite(eta)) and np.all(eta > 0) and np.all(np.isfinite(sigma))
+            and np.all(sigma >= 0)):
+        raise ValueError("eta, sigma: expected finite step sizes > 0 and noise stds >= 0")
+    tail = np.cumsum((sigma ** 2)[::-1])[::-1]
     with np.errstate(divide="ignore"):
         return float(np.max(np.where(tail > 0, eta / np.sqrt(tail), np.inf)))
 

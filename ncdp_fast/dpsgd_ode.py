@@ -36,11 +36,16 @@ def clip_factors(c, excess_risk, noise_std):
     excess_risk.
     """
     from scipy.special import erf, erfc
+    if isinstance(c, (str, bool)) or c is None:
+        raise TypeError(f"c: expected a number > 0 (inf for no clipping), got {c!r}")
     c = float(c)
     if not c > 0:
         raise ValueError(f"c: expected > 0 (inf for no clipping), got {c!r}")
     R = np.asarray(excess_risk, dtype=np.float64)
-    s = np.sqrt(np.maximum(2.0 * R + float(noise_std) ** 2, 1e-300))
+    if not (np.all(np.isfinite(R)) and np.all(R >= 0)):
+        raise ValueError("excess_risk: expected finite values >= 0")
+    tau = check_nonneg(noise_std, "noise_std")
+    s = np.sqrt(np.maximum(2.0 * R + tau ** 2, 1e-300))
     if math.isinf(c):
         return np.ones_like(s), np.ones_like(s)
     u = c / s

@@ -330,6 +330,10 @@ def test_nonfinite_rows_dropped_with_zero_policy(B):
     (dict(reduction="avg"), ValueError, "reduction"),
     (dict(reduction="mean"), ValueError, "expected_batch_size"),
     (dict(reduction="mean", expected_batch_size=0), ValueError, "expected_batch_size"),
+    # Not used by a sum, still checked (the sixth audit: 0, -1, NaN went through).
+    (dict(expected_batch_size=0), ValueError, "expected_batch_size"),
+    (dict(expected_batch_size=float("nan")), ValueError, "expected_batch_size"),
+    (dict(expected_batch_size=True), TypeError, "expected_batch_size"),
     (dict(nan_policy="ignore"), ValueError, "nan_policy"),
     (dict(seed=-3), ValueError, "seed"),
     (dict(offset=2**64 - 2), ValueError, "offset"),
@@ -362,6 +366,14 @@ def test_dense_bad_arrays(grads, err, match):
 def test_linear_bad_shapes(a, g, match):
     with pytest.raises(ValueError, match=match):
         nf.clip_and_noise_linear(a, g, max_norm=1.0, noise_multiplier=1.0, seed=0)
+
+
+def test_linear_bias_flag_must_be_a_bool():
+    """bias='x' or 2 passed as true (the sixth audit)."""
+    for bias in ("x", 2, None):
+        with pytest.raises(TypeError, match="bias: expected a bool"):
+            nf.clip_and_noise_linear(np.ones((2, 3)), np.ones((2, 1)), max_norm=1.0,
+                                     noise_multiplier=0.0, bias=bias)
 
 
 def test_linear_mixed_dtypes_refused():

@@ -234,3 +234,26 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="theta_star"):
         T.dpsgd_risk_ode(d=3, n=20, clip=1.0, schedule="optimal", rho=1, noise_std=0.1,
                          theta_star=np.ones(4))
+
+
+def test_the_schedules_and_clip_factors_check_their_arguments():
+    """The sixth audit: lr0 -1 or NaN gave negative or NaN rates, gamma -1 an
+    all-zero schedule, excess_risk NaN a NaN factor and noise_std -1 a number;
+    realized_rho took a negative step size."""
+    for kw, match in ((dict(schedule="output", lr0=-1.0), "lr0"),
+                      (dict(schedule="constant", lr0=float("nan")), "lr0"),
+                      (dict(schedule="optimal", gamma=-1.0, rho=1.0), "gamma"),
+                      (dict(schedule="optimal", gamma=0.1, rho=float("nan")), "rho"),
+                      (dict(schedule="cosine", lr0=1.0), "schedule")):
+        with pytest.raises(ValueError, match=f"^{match}: expected"):
+            T.schedule_lr(0.5, **kw)
+    with pytest.raises(ValueError, match=r"^t: expected times in \[0, 1\]"):
+        T.schedule_lr(None, "output", lr0=1.0)
+    with pytest.raises(ValueError, match="^excess_risk: expected finite values >= 0"):
+        T.clip_factors(1.0, float("nan"), 0.1)
+    with pytest.raises(ValueError, match="^noise_std: expected"):
+        T.clip_factors(1.0, 0.1, -1.0)
+    with pytest.raises(TypeError, match="^c: expected a number"):
+        T.clip_factors("1", 0.1, 0.1)
+    with pytest.raises(ValueError, match="^eta, sigma: expected finite step sizes"):
+        T.realized_rho(np.array([-1.0]), np.array([1.0]))
