@@ -282,6 +282,13 @@ class NoiseStream:
 
     @classmethod
     def restore(cls, state: dict) -> "NoiseStream":
+        if not isinstance(state, dict) or not {"seed", "offset"} <= set(state):
+            # A KeyError 'seed' named neither the argument nor the format (the
+            # sixth audit); the values themselves are checked by the constructor.
+            raise ValueError("state: expected NoiseStream.state()'s dict {'seed', 'offset'}, "
+                             f"got {type(state).__name__}"
+                             + (f" with keys {sorted(map(str, state))}"
+                                if isinstance(state, dict) else ""))
         return cls(state["seed"], state["offset"])
 
     def __repr__(self):

@@ -833,3 +833,14 @@ def test_search_and_truncation_arguments_are_checked():
                          (True, TypeError), ("0.1", TypeError)):
         with pytest.raises(error, match="delta: expected"):
             epsilon_with_truncation(lambda d: 1.0, delta)
+
+
+def test_restoring_a_stream_or_an_accountant_from_a_damaged_state_names_it():
+    """The sixth audit: NoiseStream.restore({}) raised KeyError 'seed' and
+    Accountant.from_json('{') a bare JSONDecodeError."""
+    from ncdp_fast import NoiseStream
+    for state in ({}, None, {"seed": 1}):
+        with pytest.raises(ValueError, match=r"state: expected NoiseStream\.state\(\)'s dict"):
+            NoiseStream.restore(state)
+    with pytest.raises(ValueError, match=r"s: expected the JSON of Accountant\.to_json"):
+        P.Accountant.from_json("{")

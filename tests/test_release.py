@@ -463,3 +463,22 @@ def test_neuromix_reproduction_driver(tmp_path, monkeypatch):
     for mem, non in seen["pairs"]:
         key = lambda a: {tuple(np.round(v, 5)) for v in a}   # noqa: E731
         assert not key(mem) & key(non)
+
+
+def test_the_soft_label_classifier_refuses_non_finite_features_and_bad_labels():
+    """The sixth audit: NaN features gave NaN probabilities, and score() with
+    y None, shifted or string labels answered 0.0."""
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((20, 3)), np.arange(20) % 2
+    clf = SoftLabelClassifier(loss="squared").fit(X, y)
+    bad = X.copy()
+    bad[3, 1] = np.nan
+    with pytest.raises(ValueError, match="X: expected finite values"):
+        clf.predict_proba(bad)
+    with pytest.raises(TypeError, match="y: expected integer class labels"):
+        clf.score(X, None)
+    for wrong in (y[:5], y.astype(str)):
+        with pytest.raises(ValueError, match="y: expected integer class labels of shape"):
+            clf.score(X, wrong)
+    assert 0.0 <= clf.score(X, y) <= 1.0

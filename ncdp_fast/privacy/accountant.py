@@ -385,4 +385,9 @@ class Accountant:
         """Rebuild an accountant from :meth:`to_json` output."""
         if not isinstance(s, (str, bytes, bytearray)):
             raise TypeError(f"s: expected a JSON string, got {type(s).__name__}")
-        return cls.from_dict(json.loads(s))
+        try:
+            data = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"s: expected the JSON of Accountant.to_json, got text that does "
+                             f"not parse ({e})") from None
+        return cls.from_dict(data)

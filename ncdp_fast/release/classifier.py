@@ -92,6 +92,9 @@ class SoftLabelClassifier:
             raise ValueError(f"X: expected shape (n, d), got {tuple(X.shape)}")
         if hasattr(self, "n_features_in_") and X.shape[1] != self.n_features_in_:
             raise ValueError(f"X: expected {self.n_features_in_} features, got {X.shape[1]}")
+        if not bool(torch.isfinite(X).all()):
+            # NaN scores came out without a word (the sixth audit).
+            raise ValueError("X: expected finite values, got NaN or Inf")
         if clip and self.clip_x is not None:
             # Same clipping as the release: x * min(1, C / ||x||).
             norms = torch.linalg.vector_norm(X, dim=1, keepdim=True)
@@ -281,8 +284,15 @@ class SoftLabelClassifier:
 
     def score(self, X, y) -> float:
         """Accuracy on integer labels y (n,)."""
+        pred = self.predict(X)
+        if y is None:
+            raise TypeError("y: expected integer class labels (n,), got None")
         y = to_numpy(y)
-        return float(np.mean(self.predict(X) == y))
+        if y.shape != pred.shape or y.dtype.kind not in "iu":
+            # Mismatched or string labels scored 0.0 without a word (the sixth audit).
+            raise ValueError(f"y: expected integer class labels of shape {pred.shape}, got "
+                             f"shape {y.shape} dtype {y.dtype}")
+        return float(np.mean(pred == y))
 
 
 def _column_std(X, mean):
