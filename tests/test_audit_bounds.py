@@ -241,3 +241,24 @@ def test_each_result_says_which_analysis_can_detect_a_break_of_the_claim():
     assert perfect.epsilon_lower_bound == pytest.approx(perfect.epsilon_reachable)
     assert bound_from_scores(mem * 3.0, mem, delta=1e-5, k=(50, 50)).can_detect() == \
         {"eps_delta": None, "gdp": None}
+
+
+def test_guess_helpers_check_their_arguments():
+    """The sixth audit: guess_grid(0 / -1 / 2.5 / NaN) answered (1,), plan_k
+    took mu NaN or -1 and delta 0, and subsampled_gaussian_score sigma -1 or
+    q 0 / 1.5 / NaN."""
+    from ncdp_fast.audit.guess import guess_grid, plan_k, subsampled_gaussian_score
+    for m in (0, -1):
+        with pytest.raises(ValueError, match="m: expected an integer >= 1"):
+            guess_grid(m)
+    with pytest.raises(TypeError, match="m: expected"):
+        guess_grid(2.5)
+    for kw, match in ((dict(mu=float("nan"), delta=1e-5), "mu"), (dict(mu=-1.0, delta=1e-5), "mu"),
+                      (dict(mu=1.0, delta=0.0), "delta")):
+        with pytest.raises(ValueError, match=f"{match}: expected"):
+            plan_k(100, **kw)
+    g = np.zeros((2, 3))
+    for sigma, q, match in ((-1.0, 0.5, "sigma"), (1.0, 1.5, "q"), (1.0, float("nan"), "q"),
+                            (1.0, 0.0, "q")):
+        with pytest.raises(ValueError, match=f"{match}: expected"):
+            subsampled_gaussian_score(g, sigma, q)

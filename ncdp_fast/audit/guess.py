@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from .._validate import check_int, check_probability
+from .._validate import check_delta, check_int, check_nonneg, check_pos_int, check_probability
 from .bounds import one_run_bound, one_run_bound_gdp
 
 __all__ = ["AuditResult", "bound_from_scores", "guess_grid", "plan_k", "subsampled_gaussian_score"]
@@ -99,6 +99,9 @@ def subsampled_gaussian_score(g, sigma: float, q: float) -> np.ndarray:
     statistic of each step; (m,) float64.  sigma = 0 has no likelihood ratio:
     the plain sum is returned."""
     g = np.asarray(g, dtype=np.float64)
+    # The sixth audit: sigma -1, q 0, 1.5 or NaN gave numbers or NaN.
+    sigma = check_nonneg(sigma, "sigma")
+    q = check_probability(q, "q")
     if sigma == 0:
         return g.sum(axis=0)
     a = (g - 0.5) / sigma ** 2
@@ -110,6 +113,7 @@ def subsampled_gaussian_score(g, sigma: float, q: float) -> np.ndarray:
 def guess_grid(m: int) -> tuple:
     """The k tried for m canaries: fractions 1, 2, 5, 10, 20, 50 % of m (at least 1,
     distinct)."""
+    m = check_pos_int(m, "m")
     return tuple(sorted({max(1, int(round(f * m))) for f in _GRID_FRACTIONS if f * m >= 0.5}
                         or {1}))
 
@@ -126,6 +130,10 @@ def plan_k(m: int, mu: float, *, delta, confidence=0.95, games: int = 12, rng=No
         delta, confidence: those of the audit.  games: simulated games.
         rng: a numpy Generator (None: fresh OS entropy); the plan is not secret.
     """
+    mu = check_nonneg(mu, "mu")
+    delta = check_delta(delta)
+    confidence = check_delta(confidence, "confidence")
+    games = check_pos_int(games, "games")
     rng = np.random.default_rng() if rng is None else rng
     grid = tuple(g for g in guess_grid(m) if g <= m // 2)
     dp = np.zeros(len(grid))
