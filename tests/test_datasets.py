@@ -321,3 +321,20 @@ def test_fetch_main_rejects_bad_options(capsys):
     with pytest.raises(SystemExit):
         ds.fetch_main(["--resolution", "16"])
     assert "--resolution: expected an integer >= 32" in capsys.readouterr().err
+
+
+def test_feature_dim_and_group_normalize_check_their_arguments():
+    """The sixth audit: feature_dim("scatter", (-1, 28)) gave -567 and (2.5, 28)
+    0.0; group_normalize's eps 0 / -1 / NaN made its output NaN, groups 0 a
+    ZeroDivisionError."""
+    from ncdp_fast.datasets import feature_dim, group_normalize
+    with pytest.raises(ValueError, match="image_shape: expected an integer >= 1, got -1"):
+        feature_dim("scatter", (-1, 28))
+    with pytest.raises(TypeError, match="image_shape: expected an integer >= 1"):
+        feature_dim("pixels", (2.5, 28))
+    x = np.ones((2, 4, 3), np.float32)
+    for eps in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="eps: expected a finite number > 0"):
+            group_normalize(x, groups=2, eps=eps)
+    with pytest.raises(ValueError, match="groups: expected an integer >= 1, got 0"):
+        group_normalize(x, groups=0)

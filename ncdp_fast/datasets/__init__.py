@@ -103,7 +103,11 @@ def load_digits(split: str):
 
 def feature_dim(extractor: str, image_shape) -> int:
     """Feature dimension of ``extractor`` for images of shape (H, W)."""
-    h, w = image_shape
+    from .._validate import check_pos_int
+    if not isinstance(image_shape, (tuple, list)) or len(image_shape) != 2:
+        raise ValueError(f"image_shape: expected (H, W), got {image_shape!r}")
+    # The sixth audit: (-1, 28) gave -567 and (2.5, 28) 0.0.
+    h, w = (check_pos_int(v, "image_shape") for v in image_shape)
     if extractor == "scatter":
         return 81 * (h // 4) * (w // 4)
     if extractor == "efficientnet-lite0":

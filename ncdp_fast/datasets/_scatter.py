@@ -15,6 +15,8 @@ import functools
 
 import numpy as np
 
+from .._validate import check_pos_int, check_positive
+
 GN_EPS = 1e-5   # torch.nn.GroupNorm's default, as in Tramer & Boneh's code
 GN_GROUPS = 27
 
@@ -43,6 +45,9 @@ def group_normalize(features: np.ndarray, groups: int = GN_GROUPS, eps: float = 
     if x.ndim < 2:
         raise ValueError(f"features: expected shape (n, C, ...), got {x.shape}")
     n, c = x.shape[:2]
+    groups = check_pos_int(groups, "groups")
+    # eps 0 on a constant group, or NaN / negative, made the output NaN.
+    eps = check_positive(eps, "eps")
     if c % groups:
         raise ValueError(f"groups: expected a divisor of the {c} channels, got {groups}")
     g = x.reshape(n, groups, -1).astype(np.float64)
