@@ -482,3 +482,14 @@ def test_the_soft_label_classifier_refuses_non_finite_features_and_bad_labels():
         with pytest.raises(ValueError, match="y: expected integer class labels of shape"):
             clf.score(X, wrong)
     assert 0.0 <= clf.score(X, y) <= 1.0
+
+
+def test_resolve_and_noise_check_n_and_num_classes():
+    """The sixth audit: num_classes 0, -1 or None and n = 2.5 were taken."""
+    r = NeuroMixGDP(epsilon=2.0, delta=1e-5, mixup_degree=4)
+    for n, k, err, match in ((100, 0, ValueError, "num_classes"), (100, None, TypeError,
+                                                                    "num_classes"),
+                             (2.5, 3, TypeError, "n")):
+        with pytest.raises(err, match=f"^{match}: expected an integer >= 1"):
+            r.noise(n, k)
+    assert len(r.noise(100, 3)) == 3

@@ -46,7 +46,8 @@ from .. import _arrays, _stream
 from .._mix import mix
 from ..privacy import (DEFAULT_VALUE_DISCRETIZATION_INTERVAL, dp_to_gdp, hs_noise_multiplier,
                        neuromix_noise, optimal_mixup_degree)
-from .._validate import check_choice, check_delta, check_pos_int, check_positive, check_real
+from .._validate import (check_choice, check_delta, check_pos_int, check_positive,
+                         check_real)
 from .._arrays import to_numpy
 from .released import Released
 from .report import PrivacyReport, privacy_report
@@ -171,6 +172,9 @@ class NeuroMixGDP:
     def resolve(self, n: int, num_classes: int) -> dict:
         """The (m, T, p_k) a release of n examples with ``num_classes`` classes would
         use (no data touched)."""
+        # The sixth audit: num_classes 0, -1 or None and n = 2.5 were taken.
+        n = check_pos_int(n, "n")
+        check_pos_int(num_classes, "num_classes")
         T = n if self.num_samples is None else self.num_samples
         if self.mixup_degree == "auto":
             m = float(max(1, round(optimal_mixup_degree(dp_to_gdp(self.epsilon, self.delta),
