@@ -169,6 +169,7 @@ class DPGDRegressor:
         exact PLD epsilon of T Gaussian mechanisms of noise multiplier
         sigma/sqrt(eta), and the slides' moments-accountant epsilon
         sqrt(8 eta T log(1/delta))/sigma (valid while < 8 log(1/delta))."""
+        delta = check_delta(delta)
         if self.sigma == 0:
             return dict(rho_zcdp=math.inf, epsilon_zcdp=math.inf, epsilon_pld=math.inf,
                         epsilon_moments=math.inf, delta=delta, noise_multiplier_per_step=0.0)

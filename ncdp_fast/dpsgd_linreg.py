@@ -204,6 +204,8 @@ def dpsgd_linear_regression(x, y, *, clip, schedule, rho, seed=None, offset=None
     check_square_sums(sq, "x")
     contractive = bool(np.max(eta * sq) <= 2.0)
     track = theta_star is not None
+    if record_every is not None:
+        record_every = check_pos_int(record_every, "record_every")
     if track:
         theta_star = np.asarray(theta_star, np.float64)
         if theta_star.shape != (d,):
@@ -211,6 +213,10 @@ def dpsgd_linear_regression(x, y, *, clip, schedule, rho, seed=None, offset=None
         S = np.eye(d) if cov is None else np.asarray(cov, np.float64)
         if S.shape != (d, d):
             raise ValueError(f"cov: expected shape ({d}, {d}), got {S.shape}")
+        if not (np.all(np.isfinite(S)) and np.allclose(S, S.T)
+                and np.linalg.eigvalsh(S).min() >= -1e-12 * max(1.0, np.abs(S).max())):
+            # The sixth audit: -I or NaN gave a negative or NaN excess risk.
+            raise ValueError("cov: expected a finite symmetric positive semi-definite matrix")
         every = max(1, n // 100) if record_every is None else \
             check_pos_int(record_every, "record_every")
 

@@ -266,3 +266,18 @@ def test_non_finite_networks_and_unknown_choices_are_refused():
         ntk.rf_gram(x, np.full((5, 3), np.inf))
     with pytest.raises(ValueError, match=r"^V: expected shape \(N, 3\), got \(5,\)"):
         ntk.rf_gram(x, np.ones(5))
+
+
+def test_lambda_min_checks_its_matrix_and_tolerances():
+    """The sixth audit: a non-symmetric K gave an eigenvalue whose residual was
+    1.26, a (0, 0) K an IndexError, and tol -1 / NaN or maxiter 0 were ignored."""
+    K = np.array([[2.0, 1.0], [0.0, 2.0]])
+    with pytest.raises(ValueError, match="K: expected a finite symmetric matrix"):
+        ntk.lambda_min(K)
+    with pytest.raises(ValueError, match="K: expected a non-empty square matrix"):
+        ntk.lambda_min(np.zeros((0, 0)))
+    S = np.array([[2.0, 1.0], [1.0, 2.0]])
+    for kw in (dict(tol=-1.0), dict(tol=float("nan")), dict(maxiter=0)):
+        with pytest.raises((ValueError, TypeError), match="(tol|maxiter): expected"):
+            ntk.lambda_min(S, **kw)
+    assert ntk.lambda_min(S).value == pytest.approx(1.0, rel=1e-12)

@@ -257,3 +257,20 @@ def test_the_schedules_and_clip_factors_check_their_arguments():
         T.clip_factors("1", 0.1, 0.1)
     with pytest.raises(ValueError, match="^eta, sigma: expected finite step sizes"):
         T.realized_rho(np.array([-1.0]), np.array([1.0]))
+
+
+def test_the_risk_path_and_the_regressors_privacy_check_their_arguments():
+    """The sixth audit: cov -I or NaN and record_every 0 / -1 / 'x' were taken;
+    DPGDRegressor.privacy(delta=0) divided by zero and 1.5 hit a math domain error."""
+    x = np.random.default_rng(0).standard_normal((20, 3))
+    kw = dict(clip=1.0, schedule="optimal", rho=1.0, theta_star=np.ones(3))
+    for cov in (-np.eye(3), np.full((3, 3), np.nan)):
+        with pytest.raises(ValueError, match="cov: expected a finite symmetric positive"):
+            T.dpsgd_linear_regression(x, np.zeros(20), cov=cov, **kw)
+    for every, err in ((0, ValueError), (-1, ValueError), ("x", TypeError)):
+        with pytest.raises(err, match="record_every: expected"):
+            T.dpsgd_linear_regression(x, np.zeros(20), record_every=every, **kw)
+    reg = T.DPGDRegressor(features="raw", clip=1.0, lr=0.1, steps=2, sigma=1.0)
+    for delta in (0.0, 1.5):
+        with pytest.raises(ValueError, match="delta: expected"):
+            reg.privacy(delta)

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _arrays
 from .._ntk import ACTIVATIONS, namespace, activation, check_finite_network, ntk_factors, ntk_gram
-from .._validate import check_choice
+from .._validate import check_choice, check_pos_int, check_positive
 from .regress import (RF_ACTIVATIONS, NTKRegressor, RandomFeatures, RFRegressor, random_features,
                       sensitivity)
 from ._eig import cholesky_solver, smallest_by_block_lanczos
@@ -152,8 +152,12 @@ def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxite
     terms = None
     if K is not None:
         K = np.asarray(_arrays.to_numpy(K), dtype=np.float64)
-        if K.ndim != 2 or K.shape[0] != K.shape[1]:
-            raise ValueError(f"K: expected a square matrix, got shape {K.shape}")
+        if K.ndim != 2 or K.shape[0] != K.shape[1] or K.shape[0] == 0:
+            raise ValueError(f"K: expected a non-empty square matrix, got shape {K.shape}")
+        # The sixth audit: a non-symmetric K gave an eigenvalue with residual 1.26.
+        if not np.all(np.isfinite(K)) or not np.allclose(
+                K, K.T, rtol=0.0, atol=1e-12 * max(float(np.abs(K).max()), 1e-300)):
+            raise ValueError("K: expected a finite symmetric matrix (a Gram)")
         n = K.shape[0]
     else:
         if weights is None:
@@ -167,6 +171,9 @@ def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxite
                             network.get("parameterization", "standard"), namespace("numpy"),
                             np.matmul)
         n = x.shape[0]
+    tol = check_positive(tol, "tol")
+    if maxiter is not None:
+        maxiter = check_pos_int(maxiter, "maxiter")
     if method == "auto":
         method = "eigh" if n <= 4000 else "shift-invert"
     if method in ("eigh", "shift-invert") and K is None:
