@@ -52,17 +52,10 @@ class _Accounting:
 _SEED = _stream.SecretSlot()
 _Accounting.seed = property(lambda self: _SEED.get(self),
                             doc="The secret Philox key of this call (None on a copy).")
-_UNRELEASED = {
-    "norms": _stream.Unreleased("(B,) float64 pre-clip per-sample norms (private; None on a "
-                                "copy)"),
-    "num_clipped": _stream.Unreleased("samples whose norm exceeded the bound (private; None on "
-                                      "a copy)"),
-    "num_nonfinite": _stream.Unreleased("samples dropped under nan_policy='zero' (private; None "
-                                        "on a copy)"),
-}
-for _name, _attr in _UNRELEASED.items():
-    _attr.__set_name__(_Accounting, _name)
-    setattr(_Accounting, _name, _attr)
+_stream.Unreleased.install(_Accounting, {
+    "norms": "(B,) float64 pre-clip per-sample norms (private; None on a copy)",
+    "num_clipped": "samples whose norm exceeded the bound (private; None on a copy)",
+    "num_nonfinite": "samples dropped under nan_policy='zero' (private; None on a copy)"})
 
 
 @dataclass(frozen=True)

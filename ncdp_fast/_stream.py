@@ -86,6 +86,15 @@ class Unreleased:
         self.hold(obj, value)
 
     @classmethod
+    def install(cls, owner, docs: dict) -> None:
+        """Put one on dataclass ``owner`` per ``{name: doc}``, after the class is
+        made (a descriptor named like an ``InitVar`` would be its default)."""
+        for name, doc in docs.items():
+            attr = cls(doc)
+            attr.__set_name__(owner, name)
+            setattr(owner, name, attr)
+
+    @classmethod
     def hold_all(cls, obj, values: dict) -> None:
         """Set several on a new ``obj`` at once (a frozen dataclass's
         ``__post_init__``: one entry, not one a value)."""

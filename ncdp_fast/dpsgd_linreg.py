@@ -136,11 +136,9 @@ class DPSGDResult:
         self.excess_risk = np.empty(0) if excess_risk is None else excess_risk
 
 
-# After the class is made: a descriptor named like an InitVar would be its default.
-for _name in ("contractive", "clip_fraction", "excess_risk"):
-    _attr = _stream.Unreleased(f"{_name}: the private data's, without noise (None on a copy)")
-    _attr.__set_name__(DPSGDResult, _name)
-    setattr(DPSGDResult, _name, _attr)
+_stream.Unreleased.install(DPSGDResult, {
+    name: f"{name}: the private data's, without noise (None on a copy)"
+    for name in ("contractive", "clip_fraction", "excess_risk")})
 
 
 def check_schedule_args(clip, rho, schedule, lr0):
@@ -217,8 +215,7 @@ def dpsgd_linear_regression(x, y, *, clip, schedule, rho, seed=None, offset=None
                 and np.linalg.eigvalsh(S).min() >= -1e-12 * max(1.0, np.abs(S).max())):
             # The sixth audit: -I or NaN gave a negative or NaN excess risk.
             raise ValueError("cov: expected a finite symmetric positive semi-definite matrix")
-        every = max(1, n // 100) if record_every is None else \
-            check_pos_int(record_every, "record_every")
+        every = max(1, n // 100) if record_every is None else record_every
 
         def risk(th):
             e = th - theta_star

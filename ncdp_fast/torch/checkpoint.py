@@ -19,6 +19,7 @@ import torch
 from .._mix import poisson_batches
 from .._stream import NoiseReuseWarning
 from .._validate import check_positive
+from ..distributed._group import check_same_config
 from . import mechanism as _mechanism    # imports this module: used at call time
 from .accounting import EngineAccountant
 
@@ -378,7 +379,6 @@ def load(engine, *, path, module, optimizer=None, noise_scheduler=None,
         # every rank before anything is written (the sixth audit: two ranks
         # loading consecutive checkpoints went on apart, epsilon 11.62 on one
         # and 13.70 on the other).  Only an HMAC of each rank's tag crosses.
-        from ..distributed._group import check_same_config
         check_same_config({}, group, "load_checkpoint", error=error,
                           secret={"checkpoint": "" if error else eng.get("tag")})
     # Everything checked: only now is anything written.  The optimizer's

@@ -220,19 +220,20 @@ class PrivacyEngine:
         # Checked before anything is built: a refused criterion leaves no hooks behind.
         if grad_sample_mode == "ghost" and criterion is not None:
             criterion = CheckedCriterion(criterion, loss_reduction)
-        # One stream for the batches and the noise: each takes the next disjoint
-        # range as it goes, so neither ever reuses the other's draws.
         if group is not None:
             # What each rank keeps to itself must agree too: an accountant or a
             # learning rate of its own reports another epsilon or steps the
             # parameters apart, silently (the sixth audit).
+            ranks = resolve_group(group)
             check_same_config({"accountant": self.accountant_name,
                                "optimizer": type(optimizer).__name__,
                                "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                                 for g in optimizer.param_groups]},
-                              resolve_group(group), "make_private")
+                              ranks, "make_private")
+        # One stream for the batches and the noise: each takes the next disjoint
+        # range as it goes, so neither ever reuses the other's draws.
         stream = _stream.resolve(seed) if group is None else \
-            agree_stream(seed, None, resolve_group(group), "PrivacyEngine")
+            agree_stream(seed, None, ranks, "PrivacyEngine")
         loader, sample_rate, n = self._poisson_loader(data_loader, stream, group)
         clipper = GhostClipper(module, max_grad_norm=max_grad_norm,
                                noise_multiplier=noise_multiplier,

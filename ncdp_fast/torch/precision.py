@@ -57,16 +57,15 @@ def refuse_mixed_dtypes(entries) -> None:
     for tap, names, _ in entries:
         seen.setdefault(accumulation_dtype(tap.params[names[0]].dtype), []).append(
             tap.full(names[0]))
-    if len(seen) > 1:
-        shown = "; ".join(f"{str(d).replace('torch.', '')}: {ns[:3]}"
-                          + (f" and {len(ns) - 3} more" if len(ns) > 3 else "")
-                          for d, ns in seen.items())
-        raise TypeError(
-            f"GhostClipper: the trainable parameters have different dtypes ({shown}); "
-            "expected one (float16/bfloat16 count as float32): the step clips and noises "
-            "every parameter in one dtype. Convert the model to one dtype (model.float() "
-            "or model.double()) or freeze the odd layers; call clear() to discard this "
-            "step (nothing was written or drawn)")
+    shown = "; ".join(f"{str(d).replace('torch.', '')}: {ns[:3]}"
+                      + (f" and {len(ns) - 3} more" if len(ns) > 3 else "")
+                      for d, ns in seen.items())
+    raise TypeError(
+        f"GhostClipper: the trainable parameters have different dtypes ({shown}); "
+        "expected one (float16/bfloat16 count as float32): the step clips and noises "
+        "every parameter in one dtype. Convert the model to one dtype (model.float() "
+        "or model.double()) or freeze the odd layers; call clear() to discard this "
+        "step (nothing was written or drawn)")
 
 
 def overflowing(writes):

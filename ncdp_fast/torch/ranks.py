@@ -181,14 +181,19 @@ def _unflatten(flat, like) -> list:
     return out
 
 
+def _step_counts(clipped: int, nonfinite: int, refused: int):
+    """The step's first collective's tensor (summed over ranks): clipped and
+    non-finite samples, ranks refusing the step."""
+    return torch.tensor([clipped, nonfinite, refused], dtype=torch.int64)
+
+
 def refuse_with_ranks(group, refusal: Exception):
     """Raise this rank's ``refusal`` of its step on every rank of ``group``: it
     joins the step's first collective (the count reduction of
     :func:`reduce_clip_and_noise`) with its refusal flag set, so each other
     rank raises there too, naming the count, instead of waiting for this one
     until the group's timeout.  Never returns."""
-    counts = torch.tensor([0, 0, 1], dtype=torch.int64)
-    _dist().all_reduce(counts, group=group)
+    _dist().all_reduce(_step_counts(0, 0, 1), group=group)
     raise refusal
 
 
@@ -213,7 +218,7 @@ def reduce_clip_and_noise(blocks, *, group, stream, max_norm, noise_multiplier, 
         flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
     except Exception as refusal:
         refuse_with_ranks(group, refusal)
-    counts = torch.tensor([local.num_clipped, local.num_nonfinite, 0], dtype=torch.int64)
+    counts = _step_counts(local.num_clipped, local.num_nonfinite, 0)
     dist.all_reduce(counts, group=group)
     if counts[2] > 0:
         raise RuntimeError(f"GhostClipper: the step was refused on {int(counts[2])} other "
