@@ -126,6 +126,9 @@ class _Ledger:
         # Explicit keys whose across-runs ledger was read in this process
         # (NoiseStream.take: once a key, at its process-wide stream's first draw).
         self.disk_checked: set = set()
+        # In a forked child: the keys the parent had drawn from, whose
+        # process-wide streams the child continues from the parent's position.
+        self.forked: set = set()
 
     def clear(self):
         """Forget every recorded range (the test suite: each test is its own run,
@@ -239,13 +242,7 @@ class NoiseStream:
     def _check_inherited(self) -> None:
         if self._inherited:
             self._inherited = False
-            warnings.warn(
-                "NoiseStream: a stream with an explicit key was copied into this forked process "
-                "(created before os.fork / a multiprocessing Pool with the fork start method): "
-                "the parent and every child draw the same noise from here, and outputs released "
-                "by two of them cancel it in their difference. Create the stream in each "
-                "process with its own key (seed=None), or give each process its own offset "
-                "range", NoiseReuseWarning, stacklevel=4)
+            _warn_forked("a stream with an explicit key was copied into this forked process")
 
     @property
     def seed(self) -> int:
@@ -261,6 +258,10 @@ class NoiseStream:
         draws = _validate.check_uint64(draws, "draws")
         self._check_inherited()
         if self._pos is None:
+            if draws and self._seed in _LEDGER.forked:
+                _LEDGER.forked.discard(self._seed)
+                _warn_forked("an explicit seed the parent had drawn from continues its "
+                             "stream in this forked process")
             if draws and self._seed not in _LEDGER.disk_checked:
                 _check_earlier_runs(self._seed, draws)
             start = _LEDGER.take_next(self._seed, draws)
@@ -315,6 +316,20 @@ _LIVE: "weakref.WeakSet[NoiseStream]" = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for stream in list(_LIVE):
         stream._forked()
+    # An int seed's stream lives in the ledger, not in an object: the parent's
+    # draws before the fork put parent and child at one position (the seventh
+    # audit: clip_and_noise(seed=S) drew identical noise in both, unwarned).
+    _LEDGER._lock = threading.Lock()
+    _LEDGER.forked = set(_LEDGER._used)
+
+
+def _warn_forked(what: str) -> None:
+    warnings.warn(
+        f"NoiseStream: {what} (os.fork / a multiprocessing Pool with the fork start "
+        "method): the parent and every child draw the same noise from here, and outputs "
+        "released by two of them cancel it in their difference. Create the key in each "
+        "process (seed=None), or give each process its own offset range",
+        NoiseReuseWarning, stacklevel=5)
 
 
 if hasattr(os, "register_at_fork"):

@@ -422,3 +422,41 @@ def test_an_explicit_key_used_in_a_forked_child_warns():
     p.join(timeout=60)
     assert start == 0 and len(warned) == 1 and "forked process" in warned[0]
     assert stream.take(3) == 0                  # the parent's own stream is unchanged
+
+
+def _op_in_child(seed, queue):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = nf.clip_and_noise(np.zeros((1, 4)), max_norm=1.0, noise_multiplier=1.0,
+                                  seed=seed)
+        second = nf.clip_and_noise(np.zeros((1, 4)), max_norm=1.0, noise_multiplier=1.0,
+                                   seed=seed)
+    queue.put((first.offset, second.offset,
+               [str(w.message) for w in caught if issubclass(w.category, nf.NoiseReuseWarning)]))
+
+
+def test_an_int_seed_the_parent_drew_from_warns_in_a_forked_child():
+    """The seventh audit: an int seed's stream lives in the process's ledger, not
+    in a NoiseStream object, so the fork hook left it alone; after the parent's
+    clip_and_noise(seed=S) took draws [0, 4), parent and child both took [4, 8)
+    and added identical noise, unwarned.  The child's first draw from such a key
+    now warns (once), naming the fork."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    seed = SEED + 17
+    nf.clip_and_noise(np.zeros((1, 4)), max_norm=1.0, noise_multiplier=1.0, seed=seed)
+    queue = ctx.Queue()
+    p = ctx.Process(target=_op_in_child, args=(seed, queue))
+    p.start()
+    first, second, warned = queue.get(timeout=120)
+    p.join(timeout=60)
+    assert p.exitcode == 0
+    assert (first, second) == (4, 8)
+    assert len(warned) == 1 and "forked process" in warned[0]
+    # A key the parent never drew from is not the parent's stream: no warning.
+    p = ctx.Process(target=_op_in_child, args=(SEED + 18, queue))
+    p.start()
+    first, second, warned = queue.get(timeout=120)
+    p.join(timeout=60)
+    assert (first, second, warned) == (0, 4, [])
