@@ -338,8 +338,9 @@ def test_every_report_charges_truncation(loud_tails):
     mu = privacy.poisson_gdp_mu(sigma, q, T)
     assert _gdp_ok(mu, privacy.epsilon_poisson_gaussian(sigma, q, T, d, "gdp"), d, loud_tails)
     event = S.gaussian_event(import_dp_accounting(), sigma, q, T)
-    for acc, ideal in (("pld", S._pld_epsilon_of(event, S.DEFAULT_VALUE_DISCRETIZATION_INTERVAL)),
-                       ("rdp", S._rdp_epsilon_of(event))):
+    for acc, ideal in (("pld", S.dpa_epsilon_of(event, "pld", S.DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+                                                 "steps")),
+                       ("rdp", S.dpa_epsilon_of(event, "rdp", 1.0, "steps"))):
         e = privacy.epsilon_poisson_gaussian(sigma, q, T, d, acc)
         charge = loud_tails(e)
         assert 1e-7 < charge < d

@@ -812,8 +812,8 @@ def test_runs_whose_one_step_passes_the_truncation_edge_are_inf_without_a_pld():
         assert acc.epsilon(1e-5, "pld") == math.inf
     assert not beyond_truncation([(1.0, 0.1)], 1e-5)
     dpa = pytest.importorskip("dp_accounting")
-    from ncdp_fast.privacy.subsampled import _pld_epsilon_of, gaussian_event
-    of = _pld_epsilon_of(gaussian_event(dpa, 0.1, 1.0, 1), 1e-4)
+    from ncdp_fast.privacy.subsampled import dpa_epsilon_of, gaussian_event
+    of = dpa_epsilon_of(gaussian_event(dpa, 0.1, 1.0, 1), "pld", 1e-4, "steps")
     assert beyond_truncation([(0.1, 1.0)], 1e-5) and epsilon_with_truncation(of, 1e-5) == math.inf
 
 
@@ -844,3 +844,71 @@ def test_restoring_a_stream_or_an_accountant_from_a_damaged_state_names_it():
             NoiseStream.restore(state)
     with pytest.raises(ValueError, match=r"s: expected the JSON of Accountant\.to_json"):
         P.Accountant.from_json("{")
+
+
+def test_extreme_noise_multipliers_and_step_counts_answer_bounds_or_refuse_by_name():
+    """The sixth audit's leftovers: sigma 1e-300 raised ZeroDivisionError (rdp,
+    gdp), sigma 1e300 OverflowError (pld, rdp), 1e30 steps a C-size
+    OverflowError from inside the PLD, and the Accountant's zcdp_rho divided
+    by zero.  Now: below 1e-100 the answer is inf (a valid bound); above 1e100
+    sigma is accounted at 1e100 (more noise is a post-processing of it, so
+    the capped epsilon bounds the true one); a PLD that cannot be built is
+    refused naming the steps."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)       # "gdp" on q < 1 warns
+        for acc in ("pld", "rdp", "gdp"):
+            for q in (0.5, 1.0):
+                assert epsilon_poisson_gaussian(1e-300, q, 10, 1e-5, acc) == math.inf
+                assert epsilon_poisson_gaussian(1e300, q, 10, 1e-5, acc) == \
+                    epsilon_poisson_gaussian(1e100, q, 10, 1e-5, acc)
+                assert epsilon_poisson_gaussian(1e300, q, 10, 1e-5, acc) <= \
+                    epsilon_poisson_gaussian(10.0, q, 10, 1e-5, acc)
+                tiny = Accountant().step(noise_multiplier=1e-300, sample_rate=q, steps=3)
+                huge = Accountant().step(noise_multiplier=1e300, sample_rate=q, steps=3)
+                assert tiny.epsilon(1e-5, acc) == math.inf
+                assert huge.epsilon(1e-5, acc) == \
+                    Accountant().step(noise_multiplier=1e100, sample_rate=q, steps=3).epsilon(
+                        1e-5, acc)
+    assert Accountant().step(noise_multiplier=1e-300, sample_rate=1.0).zcdp_rho() == math.inf
+    with pytest.raises(ValueError, match=r"steps: the PLD accountant cannot compose this many "
+                                         r"steps.*accountant='rdp'"):
+        epsilon_poisson_gaussian(1.0, 0.001, 10 ** 30, 1e-5, "pld")
+    with pytest.raises(ValueError, match=r"the history: the PLD accountant cannot compose"):
+        Accountant().step(noise_multiplier=1.0, sample_rate=0.001, steps=10 ** 30).epsilon(1e-5)
+    assert epsilon_poisson_gaussian(1.0, 0.001, 10 ** 30, 1e-5, "rdp") == math.inf
+
+
+def test_conversions_at_the_ends_of_the_float_range():
+    """gaussian_zcdp(1, 1e-200) raised OverflowError, gdp_to_dp(1e160) failed to
+    converge, dp_to_zcdp(1e100) found no sign change (the CKS order's bracket
+    rounded to g(u_hi) = 0).  Now: inf where the answer passes the largest float,
+    and the conversions round-trip at the top of the range."""
+    assert P.gaussian_zcdp(1.0, 1e-200) == math.inf
+    assert P.gaussian_zcdp(1e-200, 1e200) == 0.0
+    assert P.gdp_to_dp(1.4e154, 1e-5) == math.inf and P.gdp_to_dp(1e300, 1e-5) == math.inf
+    # mu^2/2 dominates the exact epsilon mu^2/2 + mu z(delta) + ... near the top.
+    assert P.gdp_to_dp(1.3e154, 1e-5) == pytest.approx(1.3e154 ** 2 / 2, rel=1e-12)
+    for eps in (1e20, 1e100, 1e300, 1.7e308):
+        rho = P.dp_to_zcdp(eps, 1e-5)
+        # rho = eps - 2 sqrt(eps log(1/delta)) + ...: 6.8e-10 relative below eps at 1e20.
+        assert rho <= eps * (1 + 1e-15) and rho == pytest.approx(eps, rel=1e-9)
+        assert P.zcdp_to_dp(rho, 1e-5) == pytest.approx(eps, rel=1e-12)
+
+
+def test_every_gdp_answer_on_subsampled_steps_warns_that_it_is_an_approximation():
+    """The seventh audit: the CLT answers away from q = 1 were silent except in
+    calibration.  One step at sigma 0.5, q 0.01 has a GDP epsilon of 0.284 at
+    delta 1e-6 and a PLD epsilon of 4.29; a PrivacyEngine(accountant='gdp')
+    reported such numbers with no warning.  q = 1 is exact and stays quiet."""
+    with pytest.warns(UserWarning, match="central limit theorem"):
+        gdp = epsilon_poisson_gaussian(0.5, 0.01, 1, 1e-6, "gdp")
+    pld = epsilon_poisson_gaussian(0.5, 0.01, 1, 1e-6, "pld")
+    assert gdp == pytest.approx(0.2844, abs=1e-4) and pld == pytest.approx(4.285, abs=1e-3)
+    acc = Accountant().step(noise_multiplier=0.5, sample_rate=0.01)
+    with pytest.warns(UserWarning, match=r"Accountant.epsilon\(accountant='gdp'\) with "
+                                         r"sample_rate=0.01 < 1"):
+        assert acc.epsilon(1e-6, "gdp") == gdp
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        epsilon_poisson_gaussian(0.5, 1.0, 4, 1e-6, "gdp")
+        Accountant().step(noise_multiplier=0.5, sample_rate=1.0).epsilon(1e-6, "gdp")

@@ -179,6 +179,20 @@ def test_make_private_with_epsilon_meets_the_target(accountant):
                                                    ACCOUNTANT[accountant])
 
 
+def test_a_gdp_engine_says_at_get_epsilon_that_its_answer_is_an_approximation():
+    """The seventh audit: PrivacyEngine(accountant='gdp') (Opacus's name) reported
+    the CLT epsilon of Poisson-subsampled steps with no warning, 4.00 for 200
+    steps whose PLD epsilon is 7.94; only the calibration warned."""
+    model, opt, loader = _setup(n=24, batch_size=6)
+    engine = PrivacyEngine(accountant="gdp")
+    pm, popt, ploader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
+                                            noise_multiplier=1.0, max_grad_norm=1.0)
+    _train(pm, popt, ploader, epochs=1)
+    with pytest.warns(UserWarning, match=r"sample_rate=0.25 < 1 uses the central limit theorem"):
+        eps = engine.get_epsilon(1e-5)
+    assert eps == engine.accountant.epsilon(1e-5, "gdp")
+
+
 def test_make_private_with_epsilon_on_an_engine_with_history_says_the_target_is_exceeded():
     """As Opacus, the target covers the new run's steps alone; the engine's
     epsilon composes both runs and ends above it.  Silent until 2026-12-02."""

@@ -40,8 +40,11 @@ from typing import NamedTuple, Union
 from .._validate import (check_bool, check_choice, check_delta, check_nonneg, check_pos_int,
                          check_positive, check_probability)
 from ._validate import check_discretization_interval, import_dp_accounting
+from .gdp import warn_clt
 from .subsampled import (
     DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+    accountable_groups,
+    dpa_epsilon_of,
     gaussian_event,
 )
 from . import truncation
@@ -209,8 +212,11 @@ class Accountant:
     def dp_event(self):
         """The history as one dp-accounting ``ComposedDpEvent`` (zCDP events as
         ``ZCDpEvent``), for use with any dp-accounting accountant."""
+        return self._dp_event(self._grouped_gaussian())
+
+    def _dp_event(self, groups):
         dpa = import_dp_accounting()
-        events = [gaussian_event(dpa, s, q, t) for (s, q), t in self._grouped_gaussian().items()]
+        events = [gaussian_event(dpa, s, q, t) for (s, q), t in groups.items()]
         rho_total = sum(e.rho * e.count for e in self._zcdp_events())
         if rho_total > 0.0:
             events.append(dpa.ZCDpEvent(rho_total))
@@ -228,7 +234,8 @@ class Accountant:
             if isinstance(e, ZCDPEvent):
                 rho += e.rho * e.count
             elif e.sample_rate == 1.0:
-                rho += e.steps / (2.0 * e.noise_multiplier**2)
+                s2 = e.noise_multiplier * e.noise_multiplier      # 0 below ~1e-162
+                rho += e.steps / (2.0 * s2) if s2 > 0.0 else math.inf
             else:
                 raise ValueError(
                     "zcdp_rho() is defined only without subsampling; the history has a "
@@ -281,12 +288,15 @@ class Accountant:
                 "record Gaussian steps with step(noise_multiplier=..., sample_rate=1.0)"
             )
         if accountant == "gdp":
+            subsampled = [q for (_, q) in self._grouped_gaussian() if q < 1.0]
+            if subsampled:
+                warn_clt("Accountant.epsilon(accountant='gdp')", min(subsampled))
             mu2 = 0.0
             for (s, q), t in self._grouped_gaussian().items():
+                x = 1.0 / (s * s) if s * s > 0.0 else math.inf
                 if q == 1.0:
-                    mu2 += t / (s * s)
+                    mu2 += t * x
                 else:
-                    x = 1.0 / (s * s)
                     if x > 700.0:
                         return math.inf
                     mu2 += q * q * t * math.expm1(x)
@@ -294,15 +304,11 @@ class Accountant:
         if accountant == "pld" and beyond_truncation(self._grouped_gaussian(), d,
                                                      self._noise_pairs()):
             return math.inf      # before a PLD that would not fit in memory
-        dpa = import_dp_accounting()
-        rel = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
-        if accountant == "pld":
-            acc = dpa.pld.PLDAccountant(neighboring_relation=rel, value_discretization_interval=interval)
-        else:
-            acc = dpa.rdp.RdpAccountant(neighboring_relation=rel)
-        acc.compose(self.dp_event())
-        return epsilon_with_truncation(lambda dd: float(acc.get_epsilon(dd)), d,
-                                       self._noise_pairs())
+        groups = accountable_groups(self._grouped_gaussian())
+        if groups is None:
+            return math.inf
+        of = dpa_epsilon_of(self._dp_event(groups), accountant, interval, "the history")
+        return epsilon_with_truncation(of, d, self._noise_pairs())
 
     # -- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict:

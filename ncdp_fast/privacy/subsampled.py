@@ -35,11 +35,10 @@ sensitivity of one record's contribution (the clipping norm for DP-SGD).
 from __future__ import annotations
 
 import math
-import warnings
 
 from .._validate import check_choice, check_delta, check_pos_int, check_positive, check_probability
 from ._validate import check_discretization_interval, check_epsilon_rtol, import_dp_accounting
-from .gdp import clt_noise_multiplier, dp_to_gdp, poisson_gdp_mu
+from .gdp import clt_noise_multiplier, dp_to_gdp, poisson_gdp_mu, warn_clt
 from .truncation import beyond_truncation, epsilon_with_truncation, gdp_epsilon, ideal_delta
 
 __all__ = [
@@ -74,20 +73,45 @@ def gaussian_event(dpa, sigma: float, q: float, steps: int):
     return dpa.SelfComposedDpEvent(inner, steps)
 
 
-def _pld_epsilon_of(event, interval: float):
-    dpa = import_dp_accounting()
-    acc = dpa.pld.PLDAccountant(
-        neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE,
-        value_discretization_interval=interval,
-    )
-    acc.compose(event)
-    return lambda delta: float(acc.get_epsilon(delta))
+# dp-accounting squares the noise multiplier in its loss and order formulas: past
+# these bounds a float overflows (OverflowError) or a division by zero raises.
+_SIGMA_CAP = 1e100
+_SIGMA_FLOOR = 1e-100
 
 
-def _rdp_epsilon_of(event):
+def accountable_groups(groups):
+    """``{(sigma, q): steps}`` as dp-accounting can take it, or None when a sigma
+    lies below 1e-100 (the answer is then reported as inf, a valid bound).  A
+    sigma above 1e100 is accounted at 1e100: its output is the capped
+    mechanism's plus independent noise (post-processing), so the cap's epsilon
+    bounds it from above."""
+    out: dict = {}
+    for (s, q), t in groups.items():
+        if s < _SIGMA_FLOOR:
+            return None
+        key = (min(s, _SIGMA_CAP), q)
+        out[key] = out.get(key, 0) + t
+    return out
+
+
+def dpa_epsilon_of(event, accountant: str, interval: float, what: str):
+    """delta -> epsilon of a dp-accounting event by its PLD or RDP accountant;
+    a composition too large for memory is refused naming ``what``."""
     dpa = import_dp_accounting()
-    acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    acc.compose(event)
+    rel = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+    if accountant == "pld":
+        acc = dpa.pld.PLDAccountant(neighboring_relation=rel,
+                                    value_discretization_interval=interval)
+    else:
+        acc = dpa.rdp.RdpAccountant(neighboring_relation=rel)
+    try:
+        acc.compose(event)
+    except (MemoryError, OverflowError) as exc:
+        # 1e12 steps asked a 38 GiB PLD, 1e30 overflowed a C size (sixth audit).
+        raise ValueError(
+            f"{what}: the {accountant.upper()} accountant cannot compose this many steps "
+            f"({type(exc).__name__}: {exc}); accountant='rdp' composes any number in "
+            "constant memory") from exc
     return lambda delta: float(acc.get_epsilon(delta))
 
 
@@ -99,10 +123,12 @@ def _epsilon(sigma, q, steps, delta, accountant, interval) -> float:
         return gdp_epsilon(mu, delta)
     if accountant == "pld" and beyond_truncation([(sigma, q)], delta):
         return math.inf          # before a PLD that would not fit in memory
-    dpa = import_dp_accounting()
-    event = gaussian_event(dpa, sigma, q, steps)
-    of = _pld_epsilon_of(event, interval) if accountant == "pld" else _rdp_epsilon_of(event)
-    return epsilon_with_truncation(of, delta)
+    groups = accountable_groups({(sigma, q): steps})
+    if groups is None:
+        return math.inf
+    ((s, _),) = groups
+    event = gaussian_event(import_dp_accounting(), s, q, steps)
+    return epsilon_with_truncation(dpa_epsilon_of(event, accountant, interval, "steps"), delta)
 
 
 def epsilon_poisson_gaussian(
@@ -141,7 +167,14 @@ def epsilon_poisson_gaussian(
     Returns:
         epsilon >= 0 (``inf`` when the accountant finds no finite epsilon), with the
         sampler's truncated tails charged: the accountant's delta at it plus
-        :func:`~ncdp_fast.privacy.truncation_delta` is at most ``delta``.
+        :func:`~ncdp_fast.privacy.truncation_delta` is at most ``delta``.  A noise
+        multiplier above 1e100 is accounted at 1e100 (an upper bound); below
+        1e-100 the answer is ``inf`` (dp-accounting's arithmetic overflows there).
+
+    Raises:
+        ValueError: a PLD too large to build (``steps`` around 1e12 asked 38 GiB);
+            ``accountant="rdp"`` answers in constant memory.
+        UserWarning: ``"gdp"`` with ``sample_rate < 1`` (the CLT, not a bound).
     """
     s = check_positive(noise_multiplier, "noise_multiplier")
     q = check_probability(sample_rate, "sample_rate")
@@ -149,6 +182,8 @@ def epsilon_poisson_gaussian(
     d = check_delta(delta)
     check_choice(accountant, "accountant", _ACCOUNTANTS)
     interval = check_discretization_interval(value_discretization_interval)
+    if accountant == "gdp" and q < 1.0:
+        warn_clt("epsilon_poisson_gaussian(accountant='gdp')", q)
     return _epsilon(s, q, t, d, accountant, interval)
 
 
@@ -213,14 +248,8 @@ def calibrate_noise_multiplier(
     interval = check_discretization_interval(value_discretization_interval)
 
     if accountant == "gdp" and q < 1.0:
-        # The issue-35 audit: the CLT sigma for a target of 8 had a PLD epsilon
-        # of 10.26. The CLT is a limit, not a bound, away from q = 1.
-        warnings.warn(
-            f"calibrate_noise_multiplier(accountant='gdp') with sample_rate={q!r} < 1 uses the "
-            "central limit theorem of Poisson-subsampled Gaussian steps, an approximation that "
-            "can understate epsilon (a target of 8 calibrated this way measured 10.26 under the "
-            "PLD accountant); calibrate with accountant='pld' for a guarantee",
-            UserWarning, stacklevel=2)
+        # The issue-35 audit: the CLT sigma for a target of 8 had a PLD epsilon of 10.26.
+        warn_clt("calibrate_noise_multiplier(accountant='gdp')", q)
     # The start (the closed form for "gdp") leaves room for the truncation charge.
     mu = dp_to_gdp(e_t, ideal_delta(d, e_t))
     sigma0 = math.sqrt(t) / mu if q == 1.0 else clt_noise_multiplier(mu, q, t)

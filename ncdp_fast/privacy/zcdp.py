@@ -32,6 +32,7 @@ all :math:`\alpha > 1` and all neighbours. Facts used here:
 from __future__ import annotations
 
 import math
+import sys
 
 from scipy.optimize import brentq
 
@@ -47,7 +48,9 @@ def _cks_epsilon(rho: float, log_delta: float) -> float:
     """CKS conversion at the optimal order (rho > 0, log_delta < 0). May be < 0."""
     # Optimal order alpha = 1 + u solves g(u) = rho*u^2 + log1p(u) + log_delta = 0,
     # g(0) = log_delta < 0 and g(u_hi) > 0 for u_hi = sqrt(-log_delta / rho).
-    u_hi = math.sqrt(-log_delta / rho)
+    # The margin keeps g(u_hi) > 0 after rounding: at rho = 1e100 the exact bound
+    # gave g(u_hi) = 0 in floats and the bracket had no sign change.
+    u_hi = math.sqrt(-log_delta / rho) * (1.0 + 1e-6)
     u = brentq(
         lambda v: rho * v * v + math.log1p(v) + log_delta,
         0.0,
@@ -133,7 +136,7 @@ def dp_to_zcdp(epsilon, delta, method: str = "tight") -> float:
     lo = rho_std
     while f(lo) > 0.0:  # not expected (tight <= standard); kept as a safeguard
         lo *= 0.5
-    hi = 2.0 * lo
+    hi = min(2.0 * lo, sys.float_info.max)   # rho <= epsilon, so the cap brackets
     while f(hi) <= 0.0:
         lo, hi = hi, 2.0 * hi
     return brentq(f, lo, hi, xtol=1e-300, rtol=_RTOL, maxiter=500)
@@ -154,11 +157,13 @@ def gaussian_zcdp(sensitivity, sigma) -> float:
             corresponds to ``sigma = z * sensitivity``).
 
     Returns:
-        :math:`\rho` of one release. T releases compose to :math:`T\rho`.
+        :math:`\rho` of one release (``inf`` when it overflows a float: no
+        guarantee). T releases compose to :math:`T\rho`.
     """
     s = check_positive(sensitivity, "sensitivity")
     sg = check_positive(sigma, "sigma")
-    return (s / sg) ** 2 / 2.0
+    ratio = s / sg
+    return ratio * ratio / 2.0      # a product overflows to inf; ** raised OverflowError
 
 
 def noisygd_sigma(rho_total, steps, sensitivity=1.0) -> float:
