@@ -230,3 +230,20 @@ def test_a_failing_bound_update_writes_no_gradient_and_records_no_step(monkeypat
     assert all(p.grad is not None for p in pm.parameters())
     assert engine.accountant.history == [(Z, 1.0, 1)]
     assert popt.max_grad_norm != before
+
+
+def test_a_count_noise_that_overflows_the_update_gives_the_clamped_bound():
+    """The seventh audit: unclipped_num_std=1e6 made math.exp overflow in the
+    bound's update, after the count's normal was drawn (the step raised
+    OverflowError).  Past exp's range the bound is the clamp either way."""
+    ada = AdaptiveClip(**dict(ADA, unclipped_num_std=1e6))
+    stream = nf.NoiseStream(None)
+    got = set()
+    for _ in range(40):     # both clamps unseen: probability 2 * 0.51^40 < 1e-11
+        z = float(nf.gaussian(1, seed=stream.seed, offset=stream.position, dtype=np.float64)[0])
+        c = ada.next_bound(0.0, 1.0, 6.0, stream)
+        # x = -0.2 * 1e6 z / 6: past +-709 for |z| > 0.0213.
+        if abs(z) > 0.03:
+            assert c == (ADA["max_clipbound"] if z < 0 else ADA["min_clipbound"])
+            got.add(c)
+    assert got == {ADA["max_clipbound"], ADA["min_clipbound"]}

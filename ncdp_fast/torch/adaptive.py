@@ -89,8 +89,10 @@ class AdaptiveClip:
         start = stream.take(1)
         z = float(gaussian(1, seed=stream.seed, offset=start, dtype=np.float64)[0])
         unclipped = (centered + self.unclipped_num_std * z) / expected_batch_size + 0.5
-        c = bound * math.exp(-self.clipbound_learning_rate *
-                             (unclipped - self.target_unclipped_quantile))
+        x = -self.clipbound_learning_rate * (unclipped - self.target_unclipped_quantile)
+        # math.exp raises past 709 (unclipped_num_std 1e6 did, after the draw:
+        # the seventh audit); the bound is max_clipbound there either way.
+        c = bound * math.exp(min(x, 709.0))
         return min(max(c, self.min_clipbound), self.max_clipbound)
 
 
