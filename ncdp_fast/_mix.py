@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from . import _arrays, _backend, _stream
-from ._validate import check_int, check_nonneg, check_positive, check_probability, check_real
+from ._validate import (check_bool, check_int, check_nonneg, check_positive, check_probability,
+                        check_real)
 
 __all__ = ["BatchPlan", "MixResult", "mix", "poisson_batches"]
 
@@ -203,6 +204,7 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
     else:
         raise ValueError(f"labels: expected shape (n,) or (n, K), got {sl}")
 
+    return_groups = check_bool(return_groups, "return_groups")     # before the draw
     draws = T * (d + K)
     seed, offset = _stream.claim(seed, offset, draws)
     # The population description goes where the kernels run (a no-op on the CPU).
@@ -269,7 +271,7 @@ def poisson_batches(n, *, sample_rate, steps, seed=None, offset=None) -> BatchPl
     sub-stream ``1 + offset + s``; the plan's ``next_offset`` is ``offset +
     steps``.  CPU arrays (NumPy int64).
     """
-    n = check_int(n, "n", 1)
+    n = check_int(n, "n", 1, 2**63 - 1)            # the plan's int64 indices
     q = check_probability(sample_rate, "sample_rate")
     steps = check_int(steps, "steps", 0)
     seed, offset = _stream.claim(seed, offset, steps)

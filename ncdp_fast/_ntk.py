@@ -24,7 +24,7 @@ import numpy as np
 
 from . import _arrays, _backend
 from ._cuda.ntk import ieee_float32_matmul
-from ._validate import check_choice
+from ._validate import check_bool, check_choice
 
 __all__ = ["ACTIVATIONS", "ntk_gram", "ntk_factors", "namespace", "activation", "accumulate_gram"]
 
@@ -269,6 +269,8 @@ def ntk_gram(x, weights, *, biases=None, activation="relu", x2=None, parameteriz
     def view(a):                                          # a factor as the kernels take it
         return None if a is None else be.io.to_kernel(a)
 
+    diagonal = check_bool(diagonal, "diagonal")
+    accumulate_f64 = check_bool(accumulate_f64, "accumulate_f64")
     n = xs[0]
     n2 = n if x2 is None else x2s[0]
     if diagonal and n2 != n:

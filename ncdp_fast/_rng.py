@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _backend
+from . import _arrays, _backend
 from ._validate import check_draw_range, check_int, check_uint64
 # The largest |z| gaussian (and every noisy op) can produce before rounding to
 # the output dtype: sqrt(-2 ln 2^-129) ~ 13.37 (the least Box-Muller radius uniform).
@@ -37,6 +37,11 @@ def gaussian(count, *, seed, offset=0, dtype=np.float32, like=None):
     dt = np.dtype(dtype)
     if dt not in _backend.FLOAT_DTYPES:
         raise TypeError(f"dtype: expected float32 or float64, got {dt}")
+    if like is not None and not (isinstance(like, np.ndarray)
+                                 or _arrays.kind(like) in ("torch", "cupy")):
+        # A string or list fell through to NumPy silently (the sixth audit).
+        raise TypeError("like: expected a NumPy array, torch tensor or CuPy array whose "
+                        f"library and device the result takes, got {type(like).__name__}")
     be = _backend.host("rng") if like is None else _backend.select("rng", like=like)
     _backend.refuse_graph_capture(be, like, "gaussian")     # a host draw: nothing to ask
     out = be.io.empty((int(count),), dt)

@@ -91,13 +91,17 @@ def check_nonneg(value: Any, name: str) -> float:
     return x
 
 
-def check_int(value: Any, name: str, minimum: int | None = None) -> int:
-    """An integer (Python or NumPy; not bool, not float), optionally >= minimum, as an int."""
+def check_int(value: Any, name: str, minimum: int | None = None,
+              maximum: int | None = None) -> int:
+    """An integer (Python or NumPy; not bool, not float), optionally in
+    [minimum, maximum], as an int."""
     what = "an integer" if minimum is None else f"an integer >= {minimum}"
+    if maximum is not None:
+        what += f" and <= {maximum}"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise _type_error(value, name, what)
     v = int(value)
-    if minimum is not None and v < minimum:
+    if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
         raise ValueError(f"{name}: expected {what}, got {v}")
     return v
 
@@ -156,8 +160,11 @@ def check_choice(value: Any, name: str, choices) -> Any:
     return value
 
 
-def check_bool(value: Any, name: str) -> bool:
-    """A bool (Python or NumPy); an integer 0/1 is a TypeError, not a guess."""
+def check_bool(value: Any, name: str, *, none: bool = False) -> bool | None:
+    """A bool (Python or NumPy); an integer 0/1 is a TypeError, not a guess.
+    ``none``: None is accepted too (a default decided elsewhere)."""
+    if none and value is None:
+        return None
     if not isinstance(value, (bool, np.bool_)):
         raise _type_error(value, name, "a bool (True or False)")
     return bool(value)
@@ -165,14 +172,17 @@ def check_bool(value: Any, name: str) -> bool:
 
 # ----------------------------------------------------------------------- arrays
 
-def as_matrix(x: Any, name: str, d: int | None = None, min_rows: int = 0) -> np.ndarray:
+def as_matrix(x: Any, name: str, d: int | None = None, min_rows: int = 0,
+              min_cols: int = 0) -> np.ndarray:
     """x as a finite (n, d) float64 host NumPy array (``d``: the columns required, if
-    given; at least ``min_rows`` rows: a fit's data)."""
+    given; at least ``min_rows`` rows: a fit's data; at least ``min_cols`` columns)."""
     x = np.asarray(_arrays.to_numpy(x), dtype=np.float64)
     if x.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D array (n, d), got shape {x.shape}")
     if x.shape[0] < min_rows:
         raise ValueError(f"{name}: expected at least {min_rows} row(s), got {x.shape[0]}")
+    if x.shape[1] < min_cols:
+        raise ValueError(f"{name}: expected at least {min_cols} column(s), got shape {x.shape}")
     if d is not None and x.shape[1] != d:
         raise ValueError(f"{name}: expected {d} columns (the training dimension), "
                          f"got shape {x.shape}")

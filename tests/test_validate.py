@@ -159,3 +159,62 @@ def test_one_convention_across_the_package():
         epsilon_poisson_gaussian(-1.0, 0.1, 10, 1e-5)
     with pytest.raises(TypeError, match=r"^seed: expected an integer in \[0, 2\*\*64\)"):
         ncdp_fast.NoiseStream(seed=1.5)
+
+
+def test_flags_and_sizes_across_the_package_are_checked_before_use():
+    """The sixth audit's leftovers: truthy strings passed as bool flags were
+    taken as True (compress='no' compressed, overwrite='no' overwrote a
+    release, fit_intercept='no' fitted a bias), like='x' fell through to NumPy,
+    an n past int64 raised a bare OverflowError, a model without predict_proba
+    an AttributeError, x with 0 columns a ZeroDivisionError, J='2' a bare
+    comparison TypeError.  Each is now refused by name before anything is drawn
+    or written."""
+    import ncdp_fast as nf
+    from ncdp_fast.audit import membership_auc
+    from ncdp_fast.datasets._idx import write_idx
+    from ncdp_fast.datasets._scatter import scattering_features
+    from ncdp_fast.ntk.regress import random_features
+    from ncdp_fast.release._directory import DirectoryWriter
+    from ncdp_fast.release.classifier import SoftLabelClassifier
+    from ncdp_fast.train import NoisyGDClassifier
+    X = np.random.default_rng(0).standard_normal((6, 3))
+    y = np.arange(6) % 2
+    W = [np.ones((4, 3)), np.ones((1, 4))]
+    stream = nf.NoiseStream()
+    bool_cases = [
+        ("diagonal", lambda: nf.ntk_gram(X, W, diagonal="no")),
+        ("accumulate_f64", lambda: nf.ntk_gram(X, W, accumulate_f64=1)),
+        ("return_groups", lambda: nf.mix(X, y, num_samples=2, mixup_degree=2, noise_std_x=1.0,
+                                         noise_std_y=1.0, num_classes=2, return_groups="no",
+                                         seed=stream)),
+        ("fit_intercept", lambda: NoisyGDClassifier(rho=1.0, num_classes=2,
+                                                    fit_intercept="no", seed=stream).fit(X, y)),
+        ("standardize", lambda: SoftLabelClassifier(standardize="no")),
+        ("compress", lambda: write_idx("/nonexistent/x.idx", np.ones(3, np.float32),
+                                       compress="no")),
+        ("overwrite", lambda: DirectoryWriter("/nonexistent/out", overwrite="no")),
+    ]
+    for name, call in bool_cases:
+        with pytest.raises(TypeError, match=rf"^{name}: expected a bool \(True or False\), got"):
+            call()
+    assert stream.position == 0                     # nothing drawn by a refused call
+    with pytest.raises(TypeError, match=r"^like: expected a NumPy array, torch tensor or CuPy "
+                                        r"array .* got str"):
+        nf.gaussian(3, seed=1, like="x")
+    with pytest.raises(ValueError, match=r"^n: expected an integer >= 1 and <= "
+                                         r"9223372036854775807, got 10+$"):
+        nf.poisson_batches(10 ** 30, sample_rate=0.1, steps=1, seed=stream)
+    with pytest.raises(TypeError, match=r"^model: expected a fitted classifier with "
+                                        r"predict_proba.*got NoneType"):
+        membership_auc(None, (X, y), (X, y))
+    with pytest.raises(ValueError, match=r"^x: expected at least 1 column\(s\), got shape "
+                                         r"\(3, 0\)"):
+        random_features(np.ones((3, 0)), 4)
+    with pytest.raises(TypeError, match=r"^J: expected an integer >= 1, got str '2'"):
+        scattering_features(np.ones((2, 8, 8)), J="2")
+    with pytest.raises(TypeError, match=r"^L: expected an integer >= 1, got float 2.0"):
+        scattering_features(np.ones((2, 8, 8)), L=2.0)
+    assert stream.position == 0
+    assert v.check_bool(None, "f", none=True) is None
+    with pytest.raises(ValueError, match=r"^k: expected an integer >= 0 and <= 3, got 4$"):
+        v.check_int(4, "k", 0, 3)

@@ -15,6 +15,9 @@ __all__ = ["membership_auc", "membership_losses", "loss_scores"]
 def membership_losses(model, features, labels) -> np.ndarray:
     """Per-example cross-entropy -log p_model(y | x) (n,), float64; probabilities are
     floored at 1e-300 so a confident mistake gives a large finite loss."""
+    if not callable(getattr(model, "predict_proba", None)):
+        raise TypeError("model: expected a fitted classifier with predict_proba(X) -> (n, K), "
+                        f"got {type(model).__name__}")
     y = to_numpy(labels)
     if y.ndim != 1 or y.dtype.kind not in "iu":
         raise ValueError(f"labels: expected integer class ids of shape (n,), got dtype "

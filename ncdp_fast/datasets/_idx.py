@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._validate import check_bool
+
 # type byte -> big-endian NumPy dtype (the format's table).
 IDX_DTYPES = {
     0x08: np.dtype(">u1"),
@@ -102,7 +104,7 @@ def write_idx(path, array, compress: bool | None = None) -> Path:
     code = _CODES[key]
     body = (bytes([0, 0, code, arr.ndim]) + np.asarray(arr.shape, ">u4").tobytes()
             + arr.astype(IDX_DTYPES[code], copy=False).tobytes())
-    if compress is None:
+    if check_bool(compress, "compress", none=True) is None:
         compress = path.suffix == ".gz"
     path.write_bytes(gzip.compress(body, mtime=0) if compress else body)
     return path

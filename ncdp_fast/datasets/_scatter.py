@@ -96,8 +96,8 @@ def scattering_features(images, J: int = 2, L: int = 8, groups: int | None = GN_
     """
     x = _as_unit_images(images)
     n, h, w = x.shape
-    if J < 1:
-        raise ValueError(f"J: expected a positive integer, got {J}")
+    J = check_pos_int(J, "J")
+    L = check_pos_int(L, "L")
     if h % 2 ** J or w % 2 ** J:
         raise ValueError(f"images: expected H and W divisible by 2**J = {2 ** J}, got {h}x{w}")
     if chunk < 1:

@@ -133,7 +133,7 @@ def random_features(x, num_features, *, activation="relu", scale=1.0, seed=None,
 
     Returns (n, p) float64, or a :class:`RandomFeatures`.
     """
-    x = as_matrix(x, "x")
+    x = as_matrix(x, "x", min_cols=1)
     p = check_pos_int(num_features, "num_features")
     scale = check_nonneg(scale, "scale")
     if scale == 0:

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._validate import check_bool
+
 __all__ = ["DirectoryWriter", "read_directory", "abort_all", "FILES", "MANIFEST", "LOCK"]
 
 FILES = ("x.npy", "y.npy", "report.json")
@@ -100,7 +102,7 @@ class DirectoryWriter:
     def __init__(self, out, *, overwrite: bool = False, name: str = "out_dir",
                  overwrite_hint: str = "overwrite=True (ncdp-fast release: --overwrite)"):
         self.out = Path(out)
-        self.overwrite = bool(overwrite)
+        self.overwrite = check_bool(overwrite, "overwrite")     # 'no' was true
         self.name, self.hint = name, overwrite_hint       # for messages
         self.notes: list[str] = []
         self._parts: list[Path] = []

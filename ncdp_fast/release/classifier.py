@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from .. import _arrays, _backend
-from .._validate import check_choice, check_nonneg, check_pos_int, check_positive
+from .._validate import check_bool, check_choice, check_nonneg, check_pos_int, check_positive
 from .._arrays import require_torch, to_numpy
 from .released import Released
 
@@ -63,7 +63,7 @@ class SoftLabelClassifier:
                  epochs=20, batch_size=1024, lr=1e-3, clip_x=None, standardize=False,
                  device="cpu", dtype="float32", seed=None):
         self.loss = check_choice(loss, "loss", ("kl", "squared"))
-        self.standardize = bool(standardize)
+        self.standardize = check_bool(standardize, "standardize")
         hidden = None if hidden is None else check_pos_int(hidden, "hidden")
         if hidden is not None and loss == "squared":
             raise ValueError("hidden: the squared loss is solved in closed form for a linear "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _arrays, _stream
-from .._validate import check_choice, check_features, check_int, check_labels, check_positive
+from .._validate import check_bool, check_choice, check_features, check_int, check_labels, check_positive
 from .steps import ArrayOps, float_features, to_lib
 
 __all__ = ["LOSSES", "prior_rho", "LinearClassifierBase"]
@@ -45,6 +45,7 @@ class LinearClassifierBase:
                              "private labels as max(y) + 1 would reveal whether a record of "
                              "the largest class is present")
         check_int(self.num_classes, "num_classes", 2)
+        check_bool(self.fit_intercept, "fit_intercept")
 
     def __getstate__(self):
         # The noise key is secret: a pickled estimator (a model one may publish)
