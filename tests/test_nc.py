@@ -306,3 +306,15 @@ def test_pca_truncate_is_nested_fit_and_keeps_cost():
     assert priv.privacy == dict(fitted_on="private", rho=1.0)
     with pytest.raises(ValueError, match="n_components"):
         big.truncate(7)
+
+
+def test_centering_fit_private_widens_half_precision_as_pca_does():
+    """float16 rows reached the clip op, whose error named its own argument
+    'grads'; PCAProjector.fit_private widened them.  Both widen exactly now:
+    the same key gives the float64 input's mean."""
+    X = np.random.default_rng(3).standard_normal((7, 4)).astype(np.float16)
+    a = nc.Centering().fit_private(X, rho=1.0, clip=2.0, seed=nf.NoiseStream(991, 0))
+    with pytest.warns(nf.NoiseReuseWarning):                 # the same draws, on purpose
+        b = nc.Centering().fit_private(X.astype(np.float64), rho=1.0, clip=2.0,
+                                    seed=nf.NoiseStream(991, 0))
+    np.testing.assert_array_equal(a.mean_, b.mean_)

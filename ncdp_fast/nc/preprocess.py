@@ -116,8 +116,11 @@ class Centering(_Preprocessor):
         n, p = check_features(X)
         stream = _stream.resolve(seed, offset)
         z = 1.0 / math.sqrt(rho)
-        Xk = X if _arrays.is_torch(X) else np.ascontiguousarray(X, dtype=np.float64) \
-            if np.asarray(X).dtype.kind != "f" else X
+        # Integers and half precision are widened exactly, as PCAProjector does
+        # (float16 reached the clip op, whose error named its own 'grads').
+        Xk = X if _arrays.is_torch(X) else np.asarray(X)
+        if _arrays.numpy_dtype(Xk) not in _backend.FLOAT_DTYPES:
+            Xk = Xk.double() if _arrays.is_torch(Xk) else Xk.astype(np.float64)
         s = clip_and_noise(Xk, max_norm=clip, noise_multiplier=z, seed=stream)
         total = to_host(s.grad, "sum", dtype=np.float64)
         at = stream.take(1)
