@@ -99,14 +99,18 @@ def ntk_matvec(x, weights, v, *, biases=None, activation="relu", parameterizatio
 
 
 def _matvec_terms(terms, v):
-    out = np.zeros(v.shape[0], dtype=np.result_type(v, np.float64))
+    """K v for v (n,) or a block (n, m): LOBPCG passes (n, 1) columns, which
+    broadcast against an (n,) sum to (n, n) (the seventh audit's crash)."""
+    V = v.reshape(v.shape[0], -1)
+    out = np.zeros(V.shape, dtype=np.result_type(v, np.float64))
     for f, b in terms:
         if f is None:
-            out += b @ (b.T @ v)
+            out += b @ (b.T @ V)
         else:
-            M = f.T @ (v[:, None] * b)                  # (a, b)
-            out += np.einsum("ia,ia->i", f @ M, b)
-    return out
+            for j in range(V.shape[1]):
+                M = f.T @ (V[:, j, None] * b)           # (a, b)
+                out[:, j] += np.einsum("ia,ia->i", f @ M, b)
+    return out.reshape(v.shape)
 
 
 class EigResult(tuple):
@@ -202,8 +206,16 @@ def lambda_min(K=None, *, x=None, weights=None, method="auto", tol=1e-10, maxite
     elif method in ("lanczos", "lobpcg"):
         op = LinearOperator((n, n), matvec=mv, dtype=np.float64)
         if method == "lanczos":
-            w, U = eigsh(op, k=1, which="SA", tol=tol, ncv=min(n, 64),
-                         maxiter=maxiter or 100 * n)
+            from scipy.sparse.linalg import ArpackNoConvergence
+            try:
+                w, U = eigsh(op, k=1, which="SA", tol=tol, ncv=min(n, 64),
+                             maxiter=maxiter or 100 * n)
+            except ArpackNoConvergence as exc:
+                # ARPACK's own error named neither the method nor a way out.
+                raise RuntimeError(
+                    f"lambda_min(method='lanczos'): ARPACK did not converge ({exc}); Krylov "
+                    "iterations on K itself are slow when lambda_min is small against ||K||: "
+                    "use method='shift-invert' (or 'auto', or a larger tol / maxiter)") from exc
         else:
             diag = np.array([float(K[i, i]) for i in range(n)]) if K is not None else \
                 sum((b * b).sum(1) * (1.0 if f is None else (f * f).sum(1)) for f, b in terms)

@@ -72,7 +72,9 @@ def smallest_by_block_lanczos(solve, matvec, n, *, tau=0.0, block=32, tol=1e-10,
     """
     from scipy.linalg import eigh
     b = max(1, min(block, n))
-    max_blocks = max_blocks or max(2, min(n // b, 200))
+    # ceil: a last partial block completes the space (n // b left 32 < n < 64
+    # at the random start block alone: lambda 165x to 53 000x too large).
+    max_blocks = max_blocks or max(2, min(-(-n // b), 200))
     rng = np.random.default_rng(seed)
     Q, _ = np.linalg.qr(rng.standard_normal((n, b)))
     V = np.empty((n, (max_blocks + 1) * b))         # orthonormal Krylov basis
@@ -81,14 +83,15 @@ def smallest_by_block_lanczos(solve, matvec, n, *, tau=0.0, block=32, tol=1e-10,
     k, mu, u, converged, steps = 0, None, None, False, 0
     knorm = None
     for steps in range(1, max_blocks + 1):
-        V[:, k:k + b] = Q
-        AV[:, k:k + b] = solve(Q)
-        k += b
+        w = Q.shape[1]                              # this block's width (b, or the last's)
+        V[:, k:k + w] = Q
+        AV[:, k:k + w] = solve(Q)
+        k += w
         Vk, AVk = V[:, :k], AV[:, :k]
-        H[:k, k - b:k] = Vk.T @ AVk[:, k - b:]
-        H[k - b:k, :k] = H[:k, k - b:k].T
+        H[:k, k - w:k] = Vk.T @ AVk[:, k - w:]
+        H[k - w:k, :k] = H[:k, k - w:k].T
         Hk = H[:k, :k]
-        Hk[k - b:, k - b:] = 0.5 * (Hk[k - b:, k - b:] + Hk[k - b:, k - b:].T)
+        Hk[k - w:, k - w:] = 0.5 * (Hk[k - w:, k - w:] + Hk[k - w:, k - w:].T)
         theta, S = eigh(Hk, subset_by_index=[k - 1, k - 1])    # the top Ritz pair only
         mu = float(theta[0])
         y = S[:, 0]
@@ -99,19 +102,20 @@ def smallest_by_block_lanczos(solve, matvec, n, *, tau=0.0, block=32, tol=1e-10,
             Kq = matvec(V[:, :b])
             knorm = float(np.linalg.eigvalsh(V[:, :b].T @ Kq)[-1])
         lam = 1.0 / mu - tau
-        if r <= tol * mu or abs(lam) <= n * np.finfo(np.float64).eps * knorm:
-            converged = True
+        if r <= tol * mu or abs(lam) <= n * np.finfo(np.float64).eps * knorm or k == n:
+            converged = True                        # k == n: the Ritz pair is exact
             break
-        if k + b > V.shape[1] or k + b > n:
+        nxt = min(b, n - k, V.shape[1] - k)
+        if nxt == 0:
             break
         # Next block: A times the newest block, orthogonalised twice against the basis.
-        Z = AV[:, k - b:k].copy()
+        Z = AV[:, k - w:k][:, :nxt].copy()
         for _ in range(2):
             Z -= Vk @ (Vk.T @ Z)
         Q, R = np.linalg.qr(Z)
         if np.abs(np.diag(R)).min() <= 1e-12 * max(1.0, np.abs(np.diag(R)).max()):
             # Invariant subspace (or lost rank): restart the deficient columns randomly.
-            Z = rng.standard_normal((n, b))
+            Z = rng.standard_normal((n, nxt))
             for _ in range(2):
                 Z -= Vk @ (Vk.T @ Z)
             Q, _ = np.linalg.qr(Z)
