@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 import warnings
@@ -912,3 +913,84 @@ def test_every_gdp_answer_on_subsampled_steps_warns_that_it_is_an_approximation(
         warnings.simplefilter("error")
         epsilon_poisson_gaussian(0.5, 1.0, 4, 1e-6, "gdp")
         Accountant().step(noise_multiplier=0.5, sample_rate=1.0).epsilon(1e-6, "gdp")
+
+
+def test_a_pld_that_would_not_fit_in_memory_is_refused_before_it_is_allocated(monkeypatch):
+    """The seventh audit: q = 1e-6, sigma = 0.01, 10 steps grew dp-accounting's
+    PLD until the operating system killed the process, with no message.  The
+    PLD stage whose forecast exceeds the memory available is now refused by
+    name; the one-step forecast comes before anything is built."""
+    from ncdp_fast.privacy import pld as PLDM
+    dist = dpa.pld.privacy_loss_distribution
+    built = []
+    real_build = dist.from_gaussian_mechanism
+    monkeypatch.setattr(dist, "from_gaussian_mechanism",
+                        lambda *a, **k: built.append(k) or real_build(*a, **k))
+    monkeypatch.setattr(PLDM, "available_memory", lambda: 64 * 2 ** 20)
+    # One step's grid: 1.34e6 points at sigma 0.1, q 1e-6 (268 MB forecast).
+    with pytest.raises(ValueError, match=r"steps: the PLD accountant cannot compose this many "
+                       r"steps at noise multiplier 0\.1 and sample rate 1e-06 \(one step's "
+                       r"privacy loss distribution would not fit in memory\); "
+                       r"accountant='rdp'.*\(forecast 0\.\d+ GiB, available 0\.0625 GiB\)"):
+        epsilon_poisson_gaussian(0.1, 1e-6, 100, 1e-5, "pld")
+    assert built == []
+    # One step fits (56 541 points); 1000 steps' FFT (250 000 points) does not.
+    monkeypatch.setattr(PLDM, "available_memory", lambda: 20 * 2 ** 20)
+    with pytest.raises(ValueError, match=r"the history: .* \(the composition of 1000 steps "
+                                         r"would not fit in memory\)"):
+        Accountant().step(noise_multiplier=1.0, sample_rate=0.01, steps=1000).epsilon(1e-5)
+    assert len(built) == 1
+    # With the memory there the same runs answer, and RDP never asks.
+    monkeypatch.setattr(PLDM, "available_memory", lambda: None)
+    assert Accountant().step(noise_multiplier=1.0, sample_rate=0.01, steps=1000).epsilon(
+        1e-5) == pytest.approx(_dpa_pld(_ev(1.0, 0.01, 1000), 1e-5), rel=1e-9)
+    monkeypatch.setattr(PLDM, "available_memory", lambda: 0)
+    assert math.isfinite(epsilon_poisson_gaussian(1.0, 0.01, 1000, 1e-5, "rdp"))
+
+
+def test_available_memory_is_what_the_kernel_reports():
+    from ncdp_fast.privacy.pld import available_memory
+    got = available_memory()
+    try:
+        total = int(next(ln for ln in open("/proc/meminfo") if ln.startswith("MemTotal:"))
+                    .split()[1]) * 1024
+    except OSError:
+        pytest.skip("no /proc/meminfo on this system: the forecast is not checked there")
+    assert isinstance(got, int) and 0 < got <= total
+
+
+def test_the_pld_memory_forecast_bounds_the_memory_dp_accounting_takes():
+    """The forecast (bytes per point measured at sigma 0.01 to 1, docs/privacy.md)
+    is checked against the peak resident memory the same composition takes in a
+    fresh process, at a size where the PLD dominates the process's own noise:
+    q = 1e-5, sigma 0.15, 20 steps (one step about 6e5 grid points).  The peak
+    is the kernel's VmHWM, which an exec resets (ru_maxrss keeps the forking
+    parent's)."""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("no /proc/self/status on this system: the forecast is not checked there")
+    code = (
+        "import dp_accounting as dpa\n"
+        "from ncdp_fast.privacy import pld as M\n"
+        "from ncdp_fast.privacy.subsampled import gaussian_event\n"
+        "s, q, t, iv = 0.15, 1e-5, 20, 1e-4\n"
+        "M.pld_epsilon_of(gaussian_event(dpa, 1.0, 0.5, 2), iv, 'w')(1e-5)\n"
+        "def hwm():\n"
+        "    with open('/proc/self/status') as f:\n"
+        "        return next(int(x.split()[1]) for x in f if x.startswith('VmHWM')) * 1024\n"
+        "before = hwm()\n"
+        "dist = dpa.pld.privacy_loss_distribution\n"
+        "g = dist.from_gaussian_mechanism(s, value_discretization_interval=iv,"
+        " sampling_prob=q, neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)\n"
+        "build = M._BUILD_BYTES_PER_POINT * (M._grid_points(dpa, s, q) / iv + 1)\n"
+        "compose = M._COMPOSE_BYTES_PER_POINT * M._fft_points(g, t)\n"
+        "del g\n"
+        "M.pld_epsilon_of(gaussian_event(dpa, s, q, t), iv, 'w')(1e-5)\n"
+        "peak = hwm() - before\n"
+        "print(peak, build, compose)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    peak, build, compose = map(float, out.stdout.split()[-3:])
+    assert peak > 50e6                       # the PLD, not the interpreter, is measured
+    assert peak <= build + compose
+    assert peak <= 1.5 * max(build, compose)

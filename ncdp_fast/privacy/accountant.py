@@ -13,7 +13,8 @@ Two kinds of event are recorded:
 How :meth:`Accountant.epsilon` composes them:
 
 * ``"pld"`` (default): all Gaussian events composed in one dp-accounting
-  :class:`~dp_accounting.pld.PLDAccountant` (pessimistic discretisation). A bare
+  :class:`~dp_accounting.pld.PLDAccountant` composition (pessimistic
+  discretisation; stage by stage, each stage's memory forecast first). A bare
   rho-zCDP guarantee does not determine a privacy loss distribution, so a history
   with zCDP events raises ``ValueError`` here; record NoisyGD steps as Gaussian events
   (``step(noise_multiplier=..., sample_rate=1.0)``) to get PLD accounting for them.
@@ -254,7 +255,7 @@ class Accountant:
     ) -> float:
         r"""epsilon of everything recorded so far, at the given delta.
 
-        Accountant: ``"pld"`` (default; dp-accounting PLDAccountant, pessimistic,
+        Accountant: ``"pld"`` (default; dp-accounting's PLD composition, pessimistic,
         Gaussian events only), ``"rdp"`` (dp-accounting RdpAccountant; zCDP events
         as RDP curves :math:`\rho\alpha`), ``"gdp"`` (:math:`\mu^2` adds; CLT for
         q < 1, an approximation; Gaussian events only) or ``"zcdp"`` (CKS conversion

@@ -3,8 +3,9 @@ r"""Poisson-subsampled Gaussian mechanism (DP-SGD, NeuroMixGDP): epsilon and cal
 Accountants:
 
 * ``"pld"`` -- privacy loss distributions, dp-accounting's
-  :class:`dp_accounting.pld.PLDAccountant` (Koskela et al.; Doroshenko et al. 2022,
-  "Connect the dots"). The event is ``SelfComposedDpEvent(PoissonSampledDpEvent(q,
+  :class:`dp_accounting.pld.PLDAccountant` composition, taken stage by stage with
+  each stage's memory forecast first (:mod:`.pld`) (Koskela et al.; Doroshenko et al.
+  2022, "Connect the dots"). The event is ``SelfComposedDpEvent(PoissonSampledDpEvent(q,
   GaussianDpEvent(sigma)), T)`` (``GaussianDpEvent(sigma)`` self-composed when q = 1).
   Discretisation is *pessimistic*: dp-accounting's connect-the-dots construction with
   ``pessimistic_estimate=True`` and truncated tail mass counted as infinite privacy
@@ -39,6 +40,7 @@ import math
 from .._validate import check_choice, check_delta, check_pos_int, check_positive, check_probability
 from ._validate import check_discretization_interval, check_epsilon_rtol, import_dp_accounting
 from .gdp import clt_noise_multiplier, dp_to_gdp, poisson_gdp_mu, warn_clt
+from .pld import pld_epsilon_of
 from .truncation import beyond_truncation, epsilon_with_truncation, gdp_epsilon, ideal_delta
 
 __all__ = [
@@ -95,23 +97,14 @@ def accountable_groups(groups):
 
 
 def dpa_epsilon_of(event, accountant: str, interval: float, what: str):
-    """delta -> epsilon of a dp-accounting event by its PLD or RDP accountant;
-    a composition too large for memory is refused naming ``what``."""
-    dpa = import_dp_accounting()
-    rel = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+    """delta -> epsilon of a dp-accounting event by its PLD (:mod:`.pld`, which
+    forecasts the memory first) or RDP accountant; a composition too large is
+    refused naming ``what``."""
     if accountant == "pld":
-        acc = dpa.pld.PLDAccountant(neighboring_relation=rel,
-                                    value_discretization_interval=interval)
-    else:
-        acc = dpa.rdp.RdpAccountant(neighboring_relation=rel)
-    try:
-        acc.compose(event)
-    except (MemoryError, OverflowError) as exc:
-        # 1e12 steps asked a 38 GiB PLD, 1e30 overflowed a C size (sixth audit).
-        raise ValueError(
-            f"{what}: the {accountant.upper()} accountant cannot compose this many steps "
-            f"({type(exc).__name__}: {exc}); accountant='rdp' composes any number in "
-            "constant memory") from exc
+        return pld_epsilon_of(event, interval, what)
+    dpa = import_dp_accounting()
+    acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    acc.compose(event)
     return lambda delta: float(acc.get_epsilon(delta))
 
 
