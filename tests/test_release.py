@@ -129,6 +129,39 @@ def test_hs_with_all_classes_kept_is_poisson():
     assert clt == pytest.approx(gdp_to_dp(poisson_gdp_mu(0.8, 0.01, 2000), 1e-5), rel=1e-12)
 
 
+
+def test_hs_accounting_at_extreme_noise_and_memory_answers_bounds_or_refuses_by_name(
+        monkeypatch):
+    """The seventh audit: hs_epsilon had none of the Poisson accountant's guards.
+    sigma 1e-300 and 1e300 raised OverflowError, 1e-3 a MemoryError (38 GiB
+    asked for), 0.05 took 62 s to build a PLD whose answer was inf.  Now: below
+    1e-100 inf, above 1e100 accounted at 1e100 (more noise is post-processing),
+    a row past the truncation edge inf in closed form (the class selection
+    multiplies its one-step delta by p), a PLD stage past the memory refused
+    naming num_samples."""
+    from ncdp_fast.privacy import pld as PLDM
+    dist = PLDM.import_dp_accounting().pld.privacy_loss_distribution
+    kw = dict(mixup_degree=8, n=1000, num_samples=101, delta=1e-5, class_rates=[0.5, 1.0])
+    real_build = dist.from_gaussian_mechanism
+    built = []
+    monkeypatch.setattr(dist, "from_gaussian_mechanism",
+                        lambda *a, **k: built.append(k) or real_build(*a, **k))
+    for sigma in (1e-300, 1e-3, 0.05):
+        assert hs_epsilon(sigma, **kw) == math.inf
+    assert built == []
+    assert hs_epsilon(1e300, **kw) == hs_epsilon(1e100, **kw) <= hs_epsilon(10.0, **kw)
+    monkeypatch.setattr(PLDM, "available_memory", lambda: 2 ** 20)
+    with pytest.raises(ValueError, match=r"num_samples: the PLD accountant cannot compose this "
+                       r"many steps at noise multiplier 0\.8.*one step's privacy loss "
+                       r"distribution would not fit in memory.*accountant="):
+        hs_epsilon(0.8, **dict(kw, num_samples=103))
+    # The closed-form edge with keep = p agrees with the PLD where both answer.
+    from ncdp_fast.privacy.truncation import beyond_truncation
+    q = 8 / (1000 * 0.5)
+    assert beyond_truncation([(0.05, q)], 1e-5, keep=0.5)
+    assert not beyond_truncation([(0.8, q)], 1e-5, keep=0.5)
+    assert beyond_truncation([(0.05, q)], 1e-5, keep=1e-30) is False
+
 @pytest.mark.parametrize("change, error, match", [
     (dict(num_samples=0.29 * 100), TypeError, "num_samples: expected an integer >= 1, got float"),
     (dict(num_samples="29"), TypeError, "num_samples: expected an integer"),

@@ -38,11 +38,12 @@ import math
 import numpy as np
 
 from .._validate import check_choice, check_delta, check_pos_int, check_positive
-from ._validate import check_discretization_interval, import_dp_accounting
+from ._validate import check_discretization_interval
 from .gdp import dp_to_gdp
-from .truncation import epsilon_with_truncation, gdp_epsilon, ideal_delta
+from .pld import PLDStages
+from .truncation import beyond_truncation, epsilon_with_truncation, gdp_epsilon, ideal_delta
 from .subsampled import DEFAULT_EPSILON_RTOL, DEFAULT_VALUE_DISCRETIZATION_INTERVAL, \
-    search_noise_multiplier
+    accountable_groups, search_noise_multiplier
 
 __all__ = ["hs_epsilon", "hs_noise_multiplier"]
 
@@ -60,15 +61,21 @@ def _hs_rates(class_rates, m: float, n: int) -> tuple[float, float]:
 @functools.lru_cache(maxsize=256)
 def _hs_pld_epsilon(sigma: float, p: float, q: float, steps: int, delta: float,
                     interval: float) -> float:
-    dpa = import_dp_accounting()
-    pld_mod = dpa.pld.privacy_loss_distribution
-    one = pld_mod.from_gaussian_mechanism(sigma, value_discretization_interval=interval,
-                                          sampling_prob=q, pessimistic_estimate=True)
+    # The subsampled accountant's guards: extreme sigma (accountable_groups),
+    # the truncation edge before any PLD, each PLD stage's memory forecast.
+    groups = accountable_groups({(sigma, q): steps})
+    if groups is None:
+        return math.inf
+    ((s, _),) = groups
+    if beyond_truncation([(s, q)], delta, keep=p):
+        return math.inf
+    stages = PLDStages(interval, "num_samples")
+    one = stages.one_step(s, q, named=sigma)
     if p < 1.0:
         # Revealed class selection: with probability 1 - p the row is independent of
         # the record (privacy loss exactly 0).
-        one = one.compute_mixture(pld_mod.identity(interval, pessimistic_estimate=True), p)
-    composed = one.self_compose(steps)
+        one = one.compute_mixture(stages.dist.identity(interval, pessimistic_estimate=True), p)
+    composed = stages.self_compose(one, steps, sigma, q)
     return epsilon_with_truncation(lambda d: float(composed.get_epsilon_for_delta(d)), delta)
 
 

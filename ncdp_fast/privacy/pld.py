@@ -25,7 +25,7 @@ import os
 
 from ._validate import import_dp_accounting
 
-__all__ = ["pld_epsilon_of", "available_memory"]
+__all__ = ["PLDStages", "pld_epsilon_of", "available_memory"]
 
 # Forecast bytes per point, a margin above the largest measured (docstring).
 _BUILD_BYTES_PER_POINT = 260
@@ -118,53 +118,81 @@ def _length(pld) -> int:
     return max(len(getattr(p, "_probs", ())) for p in (pld._pmf_remove, pld._pmf_add))
 
 
+class PLDStages:
+    """Builds and composes Gaussian PLDs (dp-accounting's, add-or-remove-one,
+    pessimistic connect-the-dots) with each stage's memory forecast first: a
+    stage past :func:`available_memory` raises ``ValueError`` naming ``what``
+    (the caller's argument) before it allocates."""
+
+    def __init__(self, interval: float, what: str):
+        self.dpa = import_dp_accounting()
+        self.dist = self.dpa.pld.privacy_loss_distribution
+        self.interval, self.what = interval, what
+        self.avail = available_memory()
+
+    def refuse(self, sigma, q, why, need=None):
+        raise ValueError(
+            f"{self.what}: the PLD accountant cannot compose this many steps at noise "
+            f"multiplier {sigma!r} and sample rate {q!r} ({why}); accountant='rdp' composes "
+            "any number in constant memory, a coarser value_discretization_interval shrinks "
+            "the PLD" + ("" if need is None else f" (forecast {need / 2 ** 30:.3g} GiB, "
+                                                  f"available {self.avail / 2 ** 30:.3g} GiB)"))
+
+    def _check(self, sigma, q, need, stage):
+        if self.avail is not None and need > self.avail:
+            self.refuse(sigma, q, f"{stage} would not fit in memory", need)
+
+    def one_step(self, sigma: float, q: float, named=None):
+        """One step's PLD: sigma's Gaussian, Poisson-subsampled at rate q (q = 1:
+        not); errors name the noise multiplier ``named`` (default sigma)."""
+        named = sigma if named is None else named
+        self._check(named, q, _BUILD_BYTES_PER_POINT
+                    * (_grid_points(self.dpa, sigma, q) / self.interval + 1),
+                    "one step's privacy loss distribution")
+        kw = {} if q == 1.0 else {"sampling_prob": q}
+        try:
+            return self.dist.from_gaussian_mechanism(
+                standard_deviation=sigma, value_discretization_interval=self.interval,
+                neighboring_relation=self.dpa.NeighboringRelation.ADD_OR_REMOVE_ONE, **kw)
+        except (MemoryError, OverflowError) as exc:
+            self.refuse(named, q, f"{type(exc).__name__}: {exc}")
+
+    def self_compose(self, pld, steps: int, sigma: float, q: float):
+        """``pld`` composed with itself ``steps`` times (sigma, q name it in errors)."""
+        try:
+            self._check(sigma, q, _COMPOSE_BYTES_PER_POINT * _fft_points(pld, steps),
+                        f"the composition of {steps} steps")
+            return pld.self_compose(steps)
+        except (MemoryError, OverflowError) as exc:
+            # 1e12 steps asked a 38 GiB PLD, 1e30 overflowed a C size (sixth audit).
+            self.refuse(sigma, q, f"{type(exc).__name__}: {exc}")
+
+    def gaussian(self, sigma: float, q: float, steps: int):
+        """T steps of the Gaussian at rate q, as dp-accounting's PLDAccountant builds them."""
+        if q == 1.0:
+            # T Gaussian steps are one Gaussian of sigma / sqrt(T).
+            return self.one_step(sigma / math.sqrt(steps), 1.0, named=sigma)
+        return self.self_compose(self.one_step(sigma, q), steps, sigma, q)
+
+    def compose(self, a, b, sigma: float, q: float):
+        try:
+            self._check(sigma, q, _COMPOSE_BYTES_PER_POINT * (_length(a) + _length(b)),
+                        "the composition with the history's other steps")
+            return a.compose(b)
+        except (MemoryError, OverflowError) as exc:
+            self.refuse(sigma, q, f"{type(exc).__name__}: {exc}")
+
+
 def pld_epsilon_of(event, interval: float, what: str):
     """delta -> epsilon of ``event`` (Gaussian steps) by dp-accounting's PLD,
-    add-or-remove-one; a stage whose memory forecast exceeds
-    :func:`available_memory` is refused before it allocates, naming ``what``."""
-    dpa = import_dp_accounting()
-    PLD = dpa.pld.privacy_loss_distribution
-    relation = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
-    avail = available_memory()
-
-    def refuse(sigma, q, need, why):
-        raise ValueError(
-            f"{what}: the PLD accountant cannot compose this many steps at noise multiplier "
-            f"{sigma!r} and sample rate {q!r} ({why}); accountant='rdp' composes any number "
-            "in constant memory, a coarser value_discretization_interval shrinks the PLD"
-            + ("" if need is None else
-               f" (forecast {need / 2 ** 30:.3g} GiB, available {avail / 2 ** 30:.3g} GiB)"))
-
-    def check(sigma, q, need, stage):
-        if avail is not None and need > avail:
-            refuse(sigma, q, need, f"{stage} would not fit in memory")
-
-    total = PLD.identity(value_discretization_interval=interval)
-    for sigma, q, steps in _gaussian_groups(dpa, event):
+    add-or-remove-one, composed as its PLDAccountant composes it, each stage's
+    memory forecast first (:class:`PLDStages`)."""
+    stages = PLDStages(interval, what)
+    total = stages.dist.identity(value_discretization_interval=interval)
+    for sigma, q, steps in _gaussian_groups(stages.dpa, event):
         if q == 0.0:
             continue
         if sigma == 0.0:
             return lambda delta: math.inf
-        one_sigma = sigma / math.sqrt(steps) if q == 1.0 else sigma
-        check(sigma, q, _BUILD_BYTES_PER_POINT * (_grid_points(dpa, one_sigma, q) / interval + 1),
-              "one step's privacy loss distribution")
-        try:
-            if q == 1.0:
-                # T Gaussian steps are one Gaussian of sigma / sqrt(T), as dp-accounting does.
-                group = PLD.from_gaussian_mechanism(
-                    standard_deviation=one_sigma, value_discretization_interval=interval,
-                    neighboring_relation=relation)
-            else:
-                group = PLD.from_gaussian_mechanism(
-                    standard_deviation=sigma, value_discretization_interval=interval,
-                    sampling_prob=q, neighboring_relation=relation)
-                check(sigma, q, _COMPOSE_BYTES_PER_POINT * _fft_points(group, steps),
-                      f"the composition of {steps} steps")
-                group = group.self_compose(steps)
-            check(sigma, q, _COMPOSE_BYTES_PER_POINT * (_length(total) + _length(group)),
-                  "the composition with the history's other steps")
-            total = total.compose(group)
-        except (MemoryError, OverflowError) as exc:
-            # 1e12 steps asked a 38 GiB PLD, 1e30 overflowed a C size (sixth audit).
-            refuse(sigma, q, None, f"{type(exc).__name__}: {exc}")
+        total = stages.compose(total, stages.gaussian(sigma, q, steps), sigma, q)
     return lambda delta: float(total.get_epsilon_for_delta(delta))

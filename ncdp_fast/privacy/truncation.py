@@ -186,7 +186,7 @@ def _one_step_delta(sigma: float, q: float, epsilon: float) -> float:
     return q * -math.exp(a) * math.expm1(min(b - a, 0.0))
 
 
-def beyond_truncation(steps, delta, pairs=None, *, mass=None) -> bool:
+def beyond_truncation(steps, delta, pairs=None, *, mass=None, keep=1.0) -> bool:
     """Whether the answer at ``delta`` is ``inf`` whatever the composition:
     some step (sigma, q) of ``steps`` alone has an ideal delta above ``delta``
     at the epsilon where the truncation charge reaches ``delta`` (so no
@@ -194,7 +194,9 @@ def beyond_truncation(steps, delta, pairs=None, *, mass=None) -> bool:
     such a run (sigma 0.05 at q = 1, or 1e-3) filled the memory before its
     answer, inf, came (the fifth audit).  Checked with a factor 2 margin on
     the closed form's own rounding; a run near the edge is left to the
-    accountant."""
+    accountant.  ``keep``: each step takes place with this probability,
+    independently of the data and revealed (NeuroMixGDP-HS's class
+    selection), which multiplies its delta by ``keep``."""
     tau = truncation_mass(pairs, mass)
     if tau >= 1.0:
         return True
@@ -202,5 +204,5 @@ def beyond_truncation(steps, delta, pairs=None, *, mass=None) -> bool:
     if not ratio > 0.0:
         return True
     edge = math.log(ratio)        # truncation_delta(edge) == delta
-    return any(_one_step_delta(float(s), float(q), edge) > 2.0 * float(delta)
+    return any(keep * _one_step_delta(float(s), float(q), edge) > 2.0 * float(delta)
                for s, q in steps if s > 0)
