@@ -245,6 +245,10 @@ def test_gram_from_torch_refuses_unsupported():
     with pytest.raises(ValueError, match="one activation"):
         ntk.gram_from_torch(nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3), nn.Tanh(),
                                           nn.Linear(3, 1)), torch.ones(2, 3))
+    for model in (None, "mlp", [nn.Linear(3, 1)]):     # was "unsupported module NoneType"
+        with pytest.raises(TypeError, match=r"model: expected an nn\.Sequential of nn\.Linear "
+                           rf"layers \(or one nn\.Linear\), got {type(model).__name__}"):
+            ntk.gram_from_torch(model, torch.ones(2, 3))
 
 
 def test_lambda_min_of_a_singular_ntk_is_zero_to_rounding():

@@ -33,6 +33,9 @@ _TORCH_ACTIVATIONS = {"ReLU": "relu", "Tanh": "tanh", "GELU": "gelu", "Softplus"
 def _parse_sequential(model):
     """(weights, biases, activation) of Linear / activation / Linear / ... models."""
     from torch import nn
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Sequential of nn.Linear layers (or one "
+                        f"nn.Linear), got {type(model).__name__}")
     mods = [m for m in model.modules() if not isinstance(m, nn.Sequential)] \
         if isinstance(model, nn.Sequential) else [model]
     weights, biases, acts = [], [], set()
