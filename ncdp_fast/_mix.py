@@ -82,7 +82,12 @@ def _population(labels_host, n, K, m, class_rate):
     if class_rate is None:
         q = m / n
         return (np.array([0, n], dtype=np.int64), None, None, np.array([q]))
-    p = np.asarray(class_rate, dtype=np.float64)
+    raw = np.asarray(class_rate)
+    if raw.dtype.kind not in "iuf":
+        # '1' and True converted to 1.0 and were taken as rates (the seventh audit's scan).
+        raise TypeError(f"class_rate: expected a float or an array of floats, got "
+                        f"{type(class_rate).__name__} of dtype {raw.dtype}")
+    p = raw.astype(np.float64)
     if p.ndim == 0:
         p = np.full(K, float(p))
     if p.shape != (K,):

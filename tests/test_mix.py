@@ -244,6 +244,12 @@ def test_memory_far_below_a_dense_mask():
     (dict(class_rate=0.01), ValueError, r"q_k = m / \(n p_k\)"),
     (dict(class_rate=[0.5, 0.5]), ValueError, "class_rate"),
     (dict(class_rate=1.5), ValueError, "class_rate"),
+    # '1' and True were taken as rate 1.0, 'abc' raised NumPy's conversion error.
+    (dict(class_rate="1"), TypeError, "class_rate: expected a float or an array of floats, "
+                                      "got str"),
+    (dict(class_rate=True), TypeError, "class_rate: expected a float or an array of floats, "
+                                       "got bool"),
+    (dict(class_rate=["0.5", "abc"]), TypeError, "class_rate: expected a float or an array"),
     (dict(num_classes=None), ValueError, "num_classes"),
     (dict(num_classes=2), ValueError, "labels: class ids"),
     (dict(noise_std_x=-1.0), ValueError, "noise_std_x"),

@@ -169,7 +169,11 @@ def test_hs_accounting_at_extreme_noise_and_memory_answers_bounds_or_refuses_by_
     (dict(n=1000.5), TypeError, "n: expected an integer"),
     (dict(mixup_degree=-1.0), ValueError, "mixup_degree"),
     (dict(value_discretization_interval=5.0), ValueError, "value_discretization_interval"),
-    (dict(value_discretization_interval=0.0), ValueError, "value_discretization_interval")])
+    (dict(value_discretization_interval=0.0), ValueError, "value_discretization_interval"),
+    # '1' and True were read as rate 1.0, 'abc' raised NumPy's conversion error.
+    (dict(class_rates="1"), TypeError, "class_rates: expected a list of floats, got str"),
+    (dict(class_rates=[True, True]), TypeError, "class_rates: expected a list of floats, got list"),
+    (dict(class_rates=["0.5", "abc"]), TypeError, "class_rates: expected a list of floats")])
 def test_hs_accounting_refuses_counts_it_would_truncate(change, error, match):
     """The fifth audit: int(num_samples) made 0.29 * 100 = 28.999999999999996
     rows into 28 (epsilon 1.8417 reported for 29 rows' 1.8583), and a string or

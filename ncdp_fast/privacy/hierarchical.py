@@ -50,7 +50,12 @@ __all__ = ["hs_epsilon", "hs_noise_multiplier"]
 
 def _hs_rates(class_rates, m: float, n: int) -> tuple[float, float]:
     """(p_min, q at p_min): the worst class (smallest p_k has the largest q_k)."""
-    rates = np.asarray(class_rates, dtype=np.float64)
+    raw = np.asarray(class_rates)
+    if raw.dtype.kind not in "iuf":
+        # '1' and True were read as rate 1.0, 'abc' raised NumPy's conversion error.
+        raise TypeError(f"class_rates: expected a list of floats, got "
+                        f"{type(class_rates).__name__} of dtype {raw.dtype}")
+    rates = raw.astype(np.float64)
     if rates.ndim != 1 or rates.size == 0 or not np.all((rates > 0) & (rates <= 1)):
         raise ValueError(f"class_rates: expected a non-empty list of class keep probabilities "
                          f"in (0, 1], got {np.asarray(class_rates).tolist()!r}")
@@ -104,7 +109,7 @@ def hs_epsilon(noise_multiplier, *, mixup_degree, n, num_samples, class_rates, d
     check_choice(accountant, "accountant", ("pld", "clt"))
     # Checked, never truncated: int(0.29 * 100) counted 28 of 29 rows (the fifth audit).
     m, n, T = _hs_counts(mixup_degree, n, num_samples)
-    p, q = _hs_rates(np.asarray(class_rates, dtype=np.float64), m, n)
+    p, q = _hs_rates(class_rates, m, n)
     if not (0 < q <= 1):
         raise ValueError(f"class_rates: expected q = m/(n p_min) in (0, 1], got {q!r}")
     if accountant == "clt":
@@ -138,7 +143,7 @@ def hs_noise_multiplier(epsilon, delta, *, mixup_degree, n, num_samples, class_r
     d = check_delta(delta)
     check_choice(accountant, "accountant", ("pld", "clt"))
     m, n, T = _hs_counts(mixup_degree, n, num_samples)
-    p, _ = _hs_rates(np.asarray(class_rates, dtype=np.float64), m, n)
+    p, _ = _hs_rates(class_rates, m, n)
     # The start (the closed form for "clt") leaves room for the truncation charge.
     mu = dp_to_gdp(e, ideal_delta(d, e))
     sigma0 = 1.0 / math.sqrt(math.log1p(mu * mu * p * n * n / (m * m * T)))
