@@ -285,6 +285,10 @@ def test_bad_release_input():
         g.release(X, lab.astype(float), num_classes=K)
     with pytest.raises(ValueError, match="mixup_degree: expected m <= n = 200, got 500"):
         NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=500).release(X, lab, num_classes=K)
+    for hc in ("1", ["0.5", "abc"]):       # '1' read as 1.0, 'abc' NumPy's conversion error
+        with pytest.raises(TypeError, match="hierarchical_classes: expected a number or an "
+                                            "array of class rates, got"):
+            NeuroMixGDP(epsilon=1.0, delta=1e-5, hierarchical_classes=hc)
     with pytest.raises(ValueError, match=r"hierarchical_classes: q_k = m/\(n p_k\)"):
         NeuroMixGDP(epsilon=1.0, delta=1e-5, mixup_degree=100,
                     hierarchical_classes=1).release(X, lab, num_classes=K)

@@ -131,7 +131,13 @@ class NeuroMixGDP:
         self.clip_x = check_positive(clip_x, "clip_x")
         self.clip_y = check_positive(clip_y, "clip_y")
         if hierarchical_classes is not None and not isinstance(hierarchical_classes, numbers.Real):
-            hc = np.asarray(hierarchical_classes, dtype=np.float64)
+            raw = np.asarray(hierarchical_classes)
+            if raw.dtype.kind not in "iuf":
+                # '1' read as rate 1.0, 'abc' raised NumPy's conversion error.
+                raise TypeError(f"hierarchical_classes: expected a number or an array of class "
+                                f"rates, got {type(hierarchical_classes).__name__} of dtype "
+                                f"{raw.dtype}")
+            hc = raw.astype(np.float64)
             if hc.ndim != 1:
                 raise ValueError(f"hierarchical_classes: expected a number or a (K,) array of "
                                  f"class rates, got shape {hc.shape}")
