@@ -250,6 +250,10 @@ def test_refusals_name_the_argument_or_module():
         _make(lin, noise_generator=torch.Generator())
     with pytest.raises(TypeError, match="batch_first: expected a bool"):
         _make(lin, batch_first=0)
+    # A truthy string read as True for these two (the seventh audit's scan).
+    for flag in ("poisson_sampling", "wrap_model"):
+        with pytest.raises(TypeError, match=f"{flag}: expected a bool"):
+            _make(lin, **{flag: "no"})
     with pytest.raises(ValueError, match="grad_sample_mode"):
         _make(lin, grad_sample_mode="magic")
     with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['foo'\]"):

@@ -196,13 +196,15 @@ class PrivacyEngine:
         Returns ``(module, optimizer, data_loader)`` (``(module, optimizer,
         criterion, data_loader)`` with ``grad_sample_mode="ghost"``).
         """
-        if not poisson_sampling:
+        # A truthy string passed for any flag here read as True (the seventh audit's scan).
+        if not check_bool(poisson_sampling, "poisson_sampling"):
             raise ValueError("poisson_sampling: expected True; a shuffled fixed-size batch has "
                              "no accountant here (Opacus accounts it as Poisson, which it is not)")
         if noise_generator is not None:
             raise ValueError("noise_generator: expected None; noise comes from a Philox stream "
                              "keyed by the OS (pass seed= to fix the key)")
         batch_first = check_bool(batch_first, "batch_first")
+        wrap_model = check_bool(wrap_model, "wrap_model")
         check_choice(grad_sample_mode, "grad_sample_mode", _GRAD_SAMPLE_MODES)
         check_not_ddp(module, "make_private")
         check_not_compiled(module, "make_private")
