@@ -215,6 +215,44 @@ def test_reductions_are_accepted_only_when_they_sum_per_sample_terms(loss, accep
             assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("divisor, accepted", [(lambda n: n, True), (lambda n: n + 1, False),
+                                               (lambda n: n // 2, False)])
+def test_a_token_sum_divided_by_its_number_of_terms_is_accepted(divisor, accepted):
+    """docs/torch.md accepts a division by the number of terms summed; for a
+    cross-entropy sum over (B*T, V) token rows that count was not known (the
+    seventh audit: refused as 'neither the batch size nor the number of terms
+    summed').  Accepted, it equals the token mean's step exactly."""
+    torch.manual_seed(0)
+    V, T = 7, 5
+    x = torch.randint(0, V, (B, T))
+    model = nn.Sequential(nn.Embedding(V, 6), nn.Tanh(), nn.Linear(6, V))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = []
+    for how in ("sum", "mean"):
+        model.load_state_dict(state)
+        with GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0,
+                          expected_batch_size=B) as clipper:
+            out = model(x).reshape(-1, V)
+            if how == "mean":
+                F.cross_entropy(out, x.reshape(-1)).backward()
+                clipper.privatize_()
+            elif accepted:
+                (F.cross_entropy(out, x.reshape(-1), reduction="sum")
+                 / torch.tensor(divisor(B * T))).backward()
+                clipper.privatize_()
+            else:
+                with pytest.raises(LossRefused, match="neither the batch size nor the number of "
+                                                      "terms summed"):
+                    (F.cross_entropy(out, x.reshape(-1), reduction="sum")
+                     / torch.tensor(divisor(B * T))).backward()
+                    clipper.privatize_()
+                assert all(p.grad is None for p in model.parameters())
+                return
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
 def test_check_loss_false_is_the_documented_opt_out():
     model = _llama()
     with GhostClipper(model, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=B,
