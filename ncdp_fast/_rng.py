@@ -26,7 +26,8 @@ def gaussian(count, *, seed, offset=0, dtype=np.float32, like=None):
         count: number of normals (>= 0); consumes ``count`` draws.
         seed: 64-bit key (required: a stream accessor has no default key).
         offset: first draw, in [0, 2**64 - count].
-        dtype: float32 or float64 (computed in float64, rounded once).
+        dtype: float32 or float64, NumPy's or torch's (computed in float64,
+            rounded once).
         like: an array whose library and device the result should share
             (NumPy by default; a torch CPU/CUDA tensor or a CuPy array).
     """
@@ -34,9 +35,17 @@ def gaussian(count, *, seed, offset=0, dtype=np.float32, like=None):
     seed = check_uint64(seed, "seed")
     offset = check_uint64(offset, "offset")
     check_draw_range(offset, count)
-    dt = np.dtype(dtype)
-    if dt not in _backend.FLOAT_DTYPES:
-        raise TypeError(f"dtype: expected float32 or float64, got {dt}")
+    try:
+        # (None would read as NumPy's float64, against the float32 default.)
+        if dtype is None:
+            raise TypeError
+        # torch's dtypes too: torch.float32 with a torch ``like`` raised NumPy's
+        # "Cannot interpret 'torch.float32' as a data type" (the seventh audit).
+        dt = _arrays.as_numpy_dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt not in _backend.FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected float32 or float64 (NumPy's or torch's), got {dtype!r}")
     if like is not None and not (isinstance(like, np.ndarray)
                                  or _arrays.kind(like) in ("torch", "cupy")):
         # A string or list fell through to NumPy silently (the sixth audit).

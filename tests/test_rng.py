@@ -183,6 +183,16 @@ def test_gaussian_returns_like_type():
     t = nf.gaussian(5, seed=3, like=torch.zeros(1))
     assert isinstance(t, torch.Tensor) and t.dtype == torch.float32
     assert np.array_equal(t.numpy(), nf.gaussian(5, seed=3))
+    # torch's dtypes name the same results (torch.float32 raised NumPy's
+    # "Cannot interpret 'torch.float32' as a data type", the seventh audit).
+    for tdt, ndt in ((torch.float32, np.float32), (torch.float64, np.float64)):
+        t = nf.gaussian(5, seed=3, dtype=tdt, like=torch.zeros(1))
+        assert t.dtype == tdt and np.array_equal(t.numpy(), nf.gaussian(5, seed=3, dtype=ndt))
+        assert nf.gaussian(5, seed=3, dtype=tdt).dtype == ndt
+    for bad in (torch.bfloat16, torch.int32, "abc", None):     # None read as float64
+        with pytest.raises(TypeError, match=r"dtype: expected float32 or float64 \(NumPy's or "
+                                            r"torch's\), got"):
+            nf.gaussian(5, seed=3, dtype=bad)
 
 
 @pytest.mark.parametrize("kwargs,err", [
