@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from . import _arrays, _backend, _stream
-from ._validate import (check_bool, check_int, check_nonneg, check_positive, check_probability,
-                        check_real)
+from ._validate import (as_real_array, check_bool, check_int, check_nonneg, check_positive,
+                        check_probability, check_real)
 
 __all__ = ["BatchPlan", "MixResult", "mix", "poisson_batches"]
 
@@ -82,12 +82,7 @@ def _population(labels_host, n, K, m, class_rate):
     if class_rate is None:
         q = m / n
         return (np.array([0, n], dtype=np.int64), None, None, np.array([q]))
-    raw = np.asarray(class_rate)
-    if raw.dtype.kind not in "iuf":
-        # '1' and True converted to 1.0 and were taken as rates (the seventh audit's scan).
-        raise TypeError(f"class_rate: expected a float or an array of floats, got "
-                        f"{type(class_rate).__name__} of dtype {raw.dtype}")
-    p = raw.astype(np.float64)
+    p = as_real_array(class_rate, "class_rate", "a float or an array of floats")
     if p.ndim == 0:
         p = np.full(K, float(p))
     if p.shape != (K,):

@@ -27,7 +27,7 @@ __all__ = [
     "check_real", "check_finite", "check_positive", "check_nonneg", "check_int",
     "check_pos_int", "check_uint64", "check_draw_range", "check_probability", "check_delta",
     "check_choice", "check_bool", "cli_type",
-    "as_matrix", "as_targets", "check_features", "check_labels",
+    "as_matrix", "as_targets", "as_real_array", "check_features", "check_labels",
 ]
 
 
@@ -64,6 +64,17 @@ def check_real(value: Any, name: str) -> float:
     if math.isnan(x):
         raise ValueError(f"{name}: expected a real number, got nan")
     return x
+
+
+def as_real_array(value: Any, name: str, expected: str) -> np.ndarray:
+    """``value`` as a float64 array when its values are real numbers (not bool,
+    not strings, which NumPy would convert: '1' and True read as 1.0); else
+    TypeError naming ``name`` and what was ``expected``."""
+    raw = np.asarray(value)
+    if raw.dtype.kind not in "iuf":
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} of dtype "
+                        f"{raw.dtype}")
+    return raw.astype(np.float64)
 
 
 def check_finite(value: Any, name: str) -> float:

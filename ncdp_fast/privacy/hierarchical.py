@@ -37,7 +37,7 @@ import math
 
 import numpy as np
 
-from .._validate import check_choice, check_delta, check_pos_int, check_positive
+from .._validate import as_real_array, check_choice, check_delta, check_pos_int, check_positive
 from ._validate import check_discretization_interval
 from .gdp import dp_to_gdp
 from .pld import PLDStages
@@ -50,12 +50,7 @@ __all__ = ["hs_epsilon", "hs_noise_multiplier"]
 
 def _hs_rates(class_rates, m: float, n: int) -> tuple[float, float]:
     """(p_min, q at p_min): the worst class (smallest p_k has the largest q_k)."""
-    raw = np.asarray(class_rates)
-    if raw.dtype.kind not in "iuf":
-        # '1' and True were read as rate 1.0, 'abc' raised NumPy's conversion error.
-        raise TypeError(f"class_rates: expected a list of floats, got "
-                        f"{type(class_rates).__name__} of dtype {raw.dtype}")
-    rates = raw.astype(np.float64)
+    rates = as_real_array(class_rates, "class_rates", "a list of floats")
     if rates.ndim != 1 or rates.size == 0 or not np.all((rates > 0) & (rates <= 1)):
         raise ValueError(f"class_rates: expected a non-empty list of class keep probabilities "
                          f"in (0, 1], got {np.asarray(class_rates).tolist()!r}")

@@ -46,7 +46,7 @@ from .. import _arrays, _stream
 from .._mix import mix
 from ..privacy import (DEFAULT_VALUE_DISCRETIZATION_INTERVAL, dp_to_gdp, hs_noise_multiplier,
                        neuromix_noise, optimal_mixup_degree)
-from .._validate import (check_choice, check_delta, check_pos_int, check_positive,
+from .._validate import (as_real_array, check_choice, check_delta, check_pos_int, check_positive,
                          check_real)
 from .._arrays import to_numpy
 from .released import Released
@@ -131,13 +131,8 @@ class NeuroMixGDP:
         self.clip_x = check_positive(clip_x, "clip_x")
         self.clip_y = check_positive(clip_y, "clip_y")
         if hierarchical_classes is not None and not isinstance(hierarchical_classes, numbers.Real):
-            raw = np.asarray(hierarchical_classes)
-            if raw.dtype.kind not in "iuf":
-                # '1' read as rate 1.0, 'abc' raised NumPy's conversion error.
-                raise TypeError(f"hierarchical_classes: expected a number or an array of class "
-                                f"rates, got {type(hierarchical_classes).__name__} of dtype "
-                                f"{raw.dtype}")
-            hc = raw.astype(np.float64)
+            hc = as_real_array(hierarchical_classes, "hierarchical_classes",
+                               "a number or an array of class rates")
             if hc.ndim != 1:
                 raise ValueError(f"hierarchical_classes: expected a number or a (K,) array of "
                                  f"class rates, got shape {hc.shape}")
