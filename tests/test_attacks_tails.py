@@ -27,7 +27,6 @@ from ncdp_fast.reference import rng as RR
 from ncdp_fast._numba import rng as M
 from ncdp_fast.privacy import subsampled as S
 from ncdp_fast.privacy import truncation
-from ncdp_fast.privacy._validate import import_dp_accounting
 
 from _host_cpp import build
 from conftest import first_deep_pair, gamma
@@ -337,10 +336,10 @@ def test_every_report_charges_truncation(loud_tails):
     d, sigma, q, T = 1e-5, 1.0, 0.01, 200
     mu = privacy.poisson_gdp_mu(sigma, q, T)
     assert _gdp_ok(mu, privacy.epsilon_poisson_gaussian(sigma, q, T, d, "gdp"), d, loud_tails)
-    event = S.gaussian_event(import_dp_accounting(), sigma, q, T)
-    for acc, ideal in (("pld", S.dpa_epsilon_of(event, "pld", S.DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+    groups = {(sigma, q): T}
+    for acc, ideal in (("pld", S.dpa_epsilon_of(groups, "pld", S.DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
                                                  "steps")),
-                       ("rdp", S.dpa_epsilon_of(event, "rdp", 1.0, "steps"))):
+                       ("rdp", S.dpa_epsilon_of(groups, "rdp", 1.0, "steps"))):
         e = privacy.epsilon_poisson_gaussian(sigma, q, T, d, acc)
         charge = loud_tails(e)
         assert 1e-7 < charge < d

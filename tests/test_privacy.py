@@ -812,9 +812,8 @@ def test_runs_whose_one_step_passes_the_truncation_edge_are_inf_without_a_pld():
         acc.step(noise_multiplier=sigma, sample_rate=q, steps=steps)
         assert acc.epsilon(1e-5, "pld") == math.inf
     assert not beyond_truncation([(1.0, 0.1)], 1e-5)
-    dpa = pytest.importorskip("dp_accounting")
-    from ncdp_fast.privacy.subsampled import dpa_epsilon_of, gaussian_event
-    of = dpa_epsilon_of(gaussian_event(dpa, 0.1, 1.0, 1), "pld", 1e-4, "steps")
+    from ncdp_fast.privacy.subsampled import dpa_epsilon_of
+    of = dpa_epsilon_of({(0.1, 1.0): 1}, "pld", 1e-4, "steps")
     assert beyond_truncation([(0.1, 1.0)], 1e-5) and epsilon_with_truncation(of, 1e-5) == math.inf
 
 
@@ -971,9 +970,8 @@ def test_the_pld_memory_forecast_bounds_the_memory_dp_accounting_takes():
     code = (
         "import dp_accounting as dpa\n"
         "from ncdp_fast.privacy import pld as M\n"
-        "from ncdp_fast.privacy.subsampled import gaussian_event\n"
         "s, q, t, iv = 0.15, 1e-5, 20, 1e-4\n"
-        "M.pld_epsilon_of(gaussian_event(dpa, 1.0, 0.5, 2), iv, 'w')(1e-5)\n"
+        "M.pld_epsilon_of({(1.0, 0.5): 2}, iv, 'w')(1e-5)\n"
         "def hwm():\n"
         "    with open('/proc/self/status') as f:\n"
         "        return next(int(x.split()[1]) for x in f if x.startswith('VmHWM')) * 1024\n"
@@ -984,7 +982,7 @@ def test_the_pld_memory_forecast_bounds_the_memory_dp_accounting_takes():
         "build = M._BUILD_BYTES_PER_POINT * (M._grid_points(dpa, s, q) / iv + 1)\n"
         "compose = M._COMPOSE_BYTES_PER_POINT * M._fft_points(g, t)\n"
         "del g\n"
-        "M.pld_epsilon_of(gaussian_event(dpa, s, q, t), iv, 'w')(1e-5)\n"
+        "M.pld_epsilon_of({(s, q): t}, iv, 'w')(1e-5)\n"
         "peak = hwm() - before\n"
         "print(peak, build, compose)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

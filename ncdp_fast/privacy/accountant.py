@@ -46,7 +46,7 @@ from .subsampled import (
     DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
     accountable_groups,
     dpa_epsilon_of,
-    gaussian_event,
+    history_event,
 )
 from . import truncation
 from .truncation import beyond_truncation, epsilon_with_truncation, gdp_epsilon, zcdp_epsilon
@@ -216,12 +216,10 @@ class Accountant:
         return self._dp_event(self._grouped_gaussian())
 
     def _dp_event(self, groups):
-        dpa = import_dp_accounting()
-        events = [gaussian_event(dpa, s, q, t) for (s, q), t in groups.items()]
-        rho_total = sum(e.rho * e.count for e in self._zcdp_events())
-        if rho_total > 0.0:
-            events.append(dpa.ZCDpEvent(rho_total))
-        return dpa.ComposedDpEvent(events)
+        return history_event(import_dp_accounting(), groups, self._zcdp_rho_total())
+
+    def _zcdp_rho_total(self) -> float:
+        return sum(e.rho * e.count for e in self._zcdp_events())
 
     def zcdp_rho(self) -> float:
         r"""Total zCDP :math:`\rho` of the history.
@@ -308,7 +306,7 @@ class Accountant:
         groups = accountable_groups(self._grouped_gaussian())
         if groups is None:
             return math.inf
-        of = dpa_epsilon_of(self._dp_event(groups), accountant, interval, "the history")
+        of = dpa_epsilon_of(groups, accountant, interval, "the history", self._zcdp_rho_total())
         return epsilon_with_truncation(of, d, self._noise_pairs())
 
     # -- serialisation -------------------------------------------------------------

@@ -67,24 +67,6 @@ def available_memory():
     return min(found) if found else None
 
 
-def _gaussian_groups(dpa, event, count=1):
-    """(sigma, q, steps) of each Gaussian group of ``event``, the events this
-    package builds (subsampled.gaussian_event, composed)."""
-    if isinstance(event, dpa.ComposedDpEvent):
-        for e in event.events:
-            yield from _gaussian_groups(dpa, e, count)
-    elif isinstance(event, dpa.SelfComposedDpEvent):
-        yield from _gaussian_groups(dpa, event.event, count * event.count)
-    elif isinstance(event, dpa.PoissonSampledDpEvent) and \
-            isinstance(event.event, dpa.GaussianDpEvent):
-        yield float(event.event.noise_multiplier), float(event.sampling_probability), count
-    elif isinstance(event, dpa.GaussianDpEvent):
-        yield float(event.noise_multiplier), 1.0, count
-    else:
-        raise TypeError(f"event: expected Gaussian steps (Poisson-subsampled or not), "
-                        f"got {type(event).__name__}")
-
-
 def _grid_points(dpa, sigma: float, q: float) -> float:
     """Grid points of one step's PLD at interval 1 (divide by the interval):
     the connect-the-dots loss range, closed form, both directions."""
@@ -160,8 +142,13 @@ class PLDStages:
     def self_compose(self, pld, steps: int, sigma: float, q: float):
         """``pld`` composed with itself ``steps`` times (sigma, q name it in errors)."""
         try:
-            self._check(sigma, q, _COMPOSE_BYTES_PER_POINT * _fft_points(pld, steps),
-                        f"the composition of {steps} steps")
+            # Untruncated, the FFT is at most steps x the grid (next_fast_len adds
+            # well under 5 %); only past that is dp-accounting's Chernoff bound,
+            # which self_compose computes again, worth its pass here.
+            if self.avail is not None and \
+                    1.05 * _COMPOSE_BYTES_PER_POINT * _length(pld) * steps > self.avail:
+                self._check(sigma, q, _COMPOSE_BYTES_PER_POINT * _fft_points(pld, steps),
+                            f"the composition of {steps} steps")
             return pld.self_compose(steps)
         except (MemoryError, OverflowError) as exc:
             # 1e12 steps asked a 38 GiB PLD, 1e30 overflowed a C size (sixth audit).
@@ -183,13 +170,14 @@ class PLDStages:
             self.refuse(sigma, q, f"{type(exc).__name__}: {exc}")
 
 
-def pld_epsilon_of(event, interval: float, what: str):
-    """delta -> epsilon of ``event`` (Gaussian steps) by dp-accounting's PLD,
-    add-or-remove-one, composed as its PLDAccountant composes it, each stage's
-    memory forecast first (:class:`PLDStages`)."""
+def pld_epsilon_of(groups, interval: float, what: str):
+    """delta -> epsilon of the Gaussian groups ``{(sigma, q): steps}`` by
+    dp-accounting's PLD, add-or-remove-one, composed as its PLDAccountant
+    composes their events, each stage's memory forecast first
+    (:class:`PLDStages`)."""
     stages = PLDStages(interval, what)
     total = stages.dist.identity(value_discretization_interval=interval)
-    for sigma, q, steps in _gaussian_groups(stages.dpa, event):
+    for (sigma, q), steps in groups.items():
         if q == 0.0:
             continue
         if sigma == 0.0:

@@ -96,15 +96,25 @@ def accountable_groups(groups):
     return out
 
 
-def dpa_epsilon_of(event, accountant: str, interval: float, what: str):
-    """delta -> epsilon of a dp-accounting event by its PLD (:mod:`.pld`, which
-    forecasts the memory first) or RDP accountant; a composition too large is
-    refused naming ``what``."""
+def history_event(dpa, groups, rho: float = 0.0):
+    """The Gaussian groups ``{(sigma, q): steps}`` (and a rho-zCDP term) as one
+    dp-accounting ``ComposedDpEvent``."""
+    events = [gaussian_event(dpa, s, q, t) for (s, q), t in groups.items()]
+    if rho > 0.0:
+        events.append(dpa.ZCDpEvent(rho))
+    return dpa.ComposedDpEvent(events)
+
+
+def dpa_epsilon_of(groups, accountant: str, interval: float, what: str, rho: float = 0.0):
+    """delta -> epsilon of the Gaussian groups ``{(sigma, q): steps}`` by
+    dp-accounting's PLD (:mod:`.pld`, which forecasts the memory first; no
+    zCDP term) or RDP accountant (plus a rho-zCDP term); a composition too
+    large is refused naming ``what``."""
     if accountant == "pld":
-        return pld_epsilon_of(event, interval, what)
+        return pld_epsilon_of(groups, interval, what)
     dpa = import_dp_accounting()
     acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    acc.compose(event)
+    acc.compose(history_event(dpa, groups, rho))
     return lambda delta: float(acc.get_epsilon(delta))
 
 
@@ -119,9 +129,7 @@ def _epsilon(sigma, q, steps, delta, accountant, interval) -> float:
     groups = accountable_groups({(sigma, q): steps})
     if groups is None:
         return math.inf
-    ((s, _),) = groups
-    event = gaussian_event(import_dp_accounting(), s, q, steps)
-    return epsilon_with_truncation(dpa_epsilon_of(event, accountant, interval, "steps"), delta)
+    return epsilon_with_truncation(dpa_epsilon_of(groups, accountant, interval, "steps"), delta)
 
 
 def epsilon_poisson_gaussian(
