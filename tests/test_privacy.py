@@ -958,6 +958,27 @@ def test_available_memory_is_what_the_kernel_reports():
     assert isinstance(got, int) and 0 < got <= total
 
 
+def test_available_memory_without_proc_meminfo_asks_psutil(monkeypatch):
+    """Where /proc/meminfo cannot be read (macOS), psutil's available memory
+    is the forecast's limit; without psutil either, None (no check)."""
+    import builtins
+    import types
+    from ncdp_fast.privacy import pld as PLDM
+    real_open = builtins.open
+
+    def no_meminfo(path, *args, **kwargs):
+        if str(path).startswith(("/proc/meminfo", "/sys/fs/cgroup")):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", no_meminfo)
+    fake = types.SimpleNamespace(virtual_memory=lambda: types.SimpleNamespace(
+        available=123 * 2 ** 20))
+    monkeypatch.setitem(sys.modules, "psutil", fake)
+    assert PLDM.available_memory() == 123 * 2 ** 20
+    monkeypatch.setitem(sys.modules, "psutil", None)      # import psutil raises
+    assert PLDM.available_memory() is None
+
+
 def test_the_pld_memory_forecast_bounds_the_memory_dp_accounting_takes():
     """The forecast (bytes per point measured at sigma 0.01 to 1, docs/privacy.md)
     is checked against the peak resident memory the same composition takes in a

@@ -47,8 +47,10 @@ def _read_int(path: str):
 
 def available_memory():
     """Bytes this process may still allocate: the smaller of the kernel's
-    MemAvailable and the headroom under a cgroup (v2 or v1) limit; None where
-    neither can be read (then no forecast is checked)."""
+    MemAvailable (psutil's available memory where /proc/meminfo cannot be
+    read, as on macOS, if psutil is installed) and the headroom under a
+    cgroup (v2 or v1) limit; None where none can be read (then no forecast
+    is checked)."""
     found = []
     try:
         with open("/proc/meminfo") as f:
@@ -58,6 +60,12 @@ def available_memory():
                     break
     except (OSError, ValueError, IndexError):
         pass
+    if not found:
+        try:
+            import psutil
+            found.append(int(psutil.virtual_memory().available))
+        except Exception:    # not installed, or no reading on this system
+            pass
     for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                          ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                           "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
