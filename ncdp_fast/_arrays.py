@@ -11,6 +11,7 @@ array of it has arrived.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,9 @@ def kind(x: Any) -> str:
     if known is not None:
         return known
     module = _type_module(x)
-    if module == "torch" and hasattr(x, "device"):
+    torch = sys.modules.get("torch")
+    if (module == "torch" and hasattr(x, "device")) or \
+            (torch is not None and isinstance(x, torch.Tensor)):     # a user's subclass too
         found = "torch"
     elif hasattr(x, "__cuda_array_interface__"):
         found = "cupy" if module == "cupy" else "cuda"
@@ -105,6 +108,9 @@ def shape(x: Any, name: str, where: str = "") -> tuple[int, ...]:
     except AttributeError:
         raise TypeError(f"{name}{where}: expected an array (NumPy, torch or CuPy), "
                         f"got {type(x).__name__}") from None
+    except RuntimeError:         # torch's nested tensors have no one shape
+        raise TypeError(f"{name}{where}: expected a dense array, got a tensor with no single "
+                        "shape (a nested tensor)") from None
 
 
 def describe(x: Any) -> str:
@@ -181,7 +187,9 @@ class TorchCpuIO(NumpyIO):
     place = ("torch", "cpu")
 
     def to_kernel(self, x):
-        return np.ascontiguousarray(x.detach().resolve_conj().numpy())
+        # resolve_neg: a negative view (torch._neg_view, a conjugate's .imag)
+        # has no NumPy view of its values.
+        return np.ascontiguousarray(x.detach().resolve_conj().resolve_neg().numpy())
 
     def dtype_of(self, x):
         return _torch_to_numpy_dtype(x.dtype)
@@ -210,7 +218,13 @@ class TorchCudaIO:
     def to_kernel(self, x):
         # .contiguous() copies only when the layout is not row-major (documented
         # cost); a tensor outside autograd needs no detached alias (an op each).
-        return (x.detach() if x.requires_grad else x).contiguous()
+        x = x.detach() if x.requires_grad else x
+        if x.is_neg():
+            # A negative view (torch._neg_view, a conjugate's .imag) stores -x:
+            # .contiguous() keeps a row-major one as it is, and a kernel reading
+            # its pointer would read the negated values (the eighth audit).
+            x = x.resolve_neg()
+        return x.contiguous()
 
     def to_operand(self, x):
         # torch's operations read any strides: a layer's output gradient that

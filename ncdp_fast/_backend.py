@@ -132,6 +132,9 @@ def select(family: str, **arrays) -> Backend:
             continue
         if first_device is not None and _same_tensor_place(x, first_device):
             continue        # a private step passes some 70 tensors of one device
+        # (the first tensor of a call is checked here, its fellows on that path
+        # are not: a sparse or nested one fails loudly in torch's own calls.)
+        _validate.check_plain(x, name)
         io = _arrays.io_for(x)
         if first is None:
             first = (name, io)

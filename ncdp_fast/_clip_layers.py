@@ -78,7 +78,16 @@ class _Layer:
             self.sq = be.io.to_kernel(spec.sq_norms)
             self.param_shape = tuple(int(n) for n in spec.shape)
             self.B, self.T = s[0], int(spec.seq_len)
-            self.spread = None if spec.spread is None else be.io.to_kernel(spec.spread)
+            self.spread = None
+            if spec.spread is not None:
+                # Each sample's own rounding margin: a (1,) spread would be
+                # broadcast over the batch, sample 0's for all (the eighth audit).
+                got = _arrays.shape(spec.spread, f"layers{where}.spread")
+                if got != (self.B,) or be.io.dtype_of(spec.spread) != _F64:
+                    raise ValueError(f"layers{where}.spread: expected a ({self.B},) float64 "
+                                     f"array (each sample's), got {got} "
+                                     f"{be.io.dtype_of(spec.spread)}")
+                self.spread = be.io.to_kernel(spec.spread)
             self.draws = math.prod(self.param_shape)
             self.terms = int(spec.terms)
             self.gemm = None
@@ -97,7 +106,7 @@ class _Layer:
                 raise ValueError(f"layers{where}: expected a (B, ...) array or a tuple "
                                  f"(activations, backprops[, bias]), got a tuple of {len(spec)}")
             a, g = spec[0], spec[1]
-            self.bias = bool(spec[2]) if len(spec) == 3 else True
+            self.bias = check_bool(spec[2], f"layers{where}[2] (bias)") if len(spec) == 3 else True
             sa, sg = _as_pair(a, g, where)
             for name, x in (("activations", a), ("backprops", g)):
                 _check_dtype(be, x, dtype, name, where)
@@ -217,6 +226,9 @@ class _Layer:
                                  f"{tuple(_arrays.shape(out, 'clipped_sum()'))}")
             if be.io.dtype_of(out) != dtype:
                 raise TypeError(f"clipped_sum(): expected dtype {dtype}, got {be.io.dtype_of(out)}")
+            if not _arrays.is_torch(out) and not out.flags.writeable:
+                raise ValueError("clipped_sum(): expected a freshly allocated, writable array "
+                                 "(the op adds the noise into it in place), got a read-only one")
             flat = be.io.to_kernel(out).reshape(-1)
             finish.append((flat, flat, offset))
             self.finished = flat

@@ -206,10 +206,13 @@ def mix(features, labels, *, num_samples, mixup_degree, noise_std_x, noise_std_y
 
     return_groups = check_bool(return_groups, "return_groups")     # before the draw
     draws = T * (d + K)
+    # class_rate's refusals before the draw's range is claimed: a corrected
+    # call at the same explicit offset is then no reuse (the eighth audit).
+    population = _population(labels_host, n, K, m, class_rate)
     seed, offset = _stream.claim(seed, offset, draws)
     # The population description goes where the kernels run (a no-op on the CPU).
     group_ptr, members, select, walk = (None if a is None else be.io.from_host(a)
-                                        for a in _population(labels_host, n, K, m, class_rate))
+                                        for a in population)
     lab = be.io.from_host(labels_host if labels_host is not None else np.zeros(1, dtype=np.int64))
     out_x = be.io.empty((T, d), dtype)
     out_y = be.io.empty((T, K), dtype)

@@ -126,6 +126,8 @@ def _check_network(x_shape, weights, biases, activation_name, parameterization, 
             want, got = (_arrays.shape(weights[l], "w")[0],), _arrays.shape(b, f"biases[{l}]")
             if got != want:
                 raise ValueError(f"biases[{l}]: expected shape {want}, got {got}")
+            if be.check_float(b, f"biases[{l}]") != dtype:
+                raise TypeError(f"biases[{l}]: dtype {be.io.dtype_of(b)} differs from x's {dtype}")
 
 
 def check_finite_network(named) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Any
 
 import numpy as np
@@ -66,11 +67,35 @@ def check_real(value: Any, name: str) -> float:
     return x
 
 
+def check_plain(x: Any, name: str) -> None:
+    """Refuse arrays whose values are more than their elements, which the
+    conversions would read as plain (the eighth audit): a NumPy masked array
+    (np.asarray drops the mask: the masked entries would be used), a sparse
+    or nested torch tensor.  Two attribute reads a tensor: a private step
+    checks the first array of each op this way."""
+    if type(x) is np.ndarray:
+        return
+    if _arrays.is_torch(x):
+        if x.is_nested or x.layout is not sys.modules["torch"].strided:
+            raise TypeError(f"{name}: expected a dense (strided) tensor, got "
+                            f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}; "
+                            "pass x.to_dense()")
+    elif isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name}: expected a plain array, got a NumPy masked array: its mask "
+                        "would be ignored and the masked entries used; pass "
+                        "np.ma.filled(x, value) or only the entries to use")
+
+
 def as_real_array(value: Any, name: str, expected: str) -> np.ndarray:
     """``value`` as a float64 array when its values are real numbers (not bool,
     not strings, which NumPy would convert: '1' and True read as 1.0); else
     TypeError naming ``name`` and what was ``expected``."""
-    raw = np.asarray(value)
+    check_plain(value, name)
+    if _arrays.is_torch(value) and value.is_floating_point():
+        # Any float dtype (bfloat16 has no NumPy twin), autograd's or not.
+        import torch
+        value = value.detach().to(device="cpu", dtype=torch.float64)
+    raw = np.asarray(_arrays.to_numpy(value) if _arrays.is_torch(value) else value)
     if raw.dtype.kind not in "iuf":
         raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} of dtype "
                         f"{raw.dtype}")
@@ -187,6 +212,7 @@ def as_matrix(x: Any, name: str, d: int | None = None, min_rows: int = 0,
               min_cols: int = 0) -> np.ndarray:
     """x as a finite (n, d) float64 host NumPy array (``d``: the columns required, if
     given; at least ``min_rows`` rows: a fit's data; at least ``min_cols`` columns)."""
+    check_plain(x, name)
     x = np.asarray(_arrays.to_numpy(x), dtype=np.float64)
     if x.ndim != 2:
         raise ValueError(f"{name}: expected a 2-D array (n, d), got shape {x.shape}")
@@ -217,6 +243,7 @@ def check_square_sums(sq: np.ndarray, name: str) -> None:
 
 def as_targets(y: Any, n: int, name: str = "y") -> np.ndarray:
     """y as finite (n,) float64 host NumPy real labels."""
+    check_plain(y, name)
     y = np.asarray(_arrays.to_numpy(y), dtype=np.float64)
     if y.shape != (n,):
         raise ValueError(f"{name}: expected shape ({n},) (one real label per row of x), "
@@ -228,6 +255,7 @@ def as_targets(y: Any, n: int, name: str = "y") -> np.ndarray:
 
 def check_features(X: Any, name: str = "X") -> tuple[int, ...]:
     """A (n, p) real feature array (NumPy, torch or CuPy) without NaN/Inf; returns (n, p)."""
+    check_plain(X, name)
     shape = _arrays.shape(X, name)
     if len(shape) != 2:
         raise ValueError(f"{name}: expected shape (n, p), got {shape}")
@@ -249,6 +277,7 @@ def check_labels(y: Any, n: int, num_classes: Any = None, name: str = "y"):
 
     ``num_classes=None`` takes K = max(y) + 1: the label set is then treated as the
     task's public schema (pass ``num_classes`` to avoid reading it from the data)."""
+    check_plain(y, name)
     a = _arrays.to_host(y, name)
     if a.ndim != 1 or a.shape[0] != n:
         raise ValueError(f"{name}: expected shape ({n},) matching the features, got {a.shape}")

@@ -492,7 +492,7 @@ def scale_rows(x, f):
         # The step's common case, read from the tensor directly (issue 36's
         # host time: a launch a linear layer).
         if not ((x.is_cuda or _arrays.is_emulated(x)) and x.is_contiguous()
-                and f.is_contiguous()):
+                and f.is_contiguous() and not x.is_neg()):
             return _arrays.scale_rows(x, f)
         # empty_like: x is row-major here, and it is the cheapest allocation
         # (1.2 us against new_empty's 4.0 on the 2-core VM).
