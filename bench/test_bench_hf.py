@@ -19,7 +19,9 @@ does not depend on their values; dropout at the configs' default 0.1):
    ``smallest`` size only): the BERT workload with the forward and the loss of every method under
    ``torch.autocast(dtype=torch.bfloat16)``, float32 weights, no GradScaler (the
    usual GPU fine-tuning mode; issue 36's goals are the float32 rows, this one is
-   measured with no target).
+   measured with no target); cross entropy summed over samples and
+   ``loss_reduction="sum"`` for every method (a mean's 1/B rounded into the
+   bfloat16 gradients is refused by ncdp_fast: docs/torch.md, "Half precision").
 
 On a GPU (``--bench-device cuda``, which ``make gpu-check`` runs when
 ``transformers`` is installed there) ``full`` is the models' own depth, 12
@@ -170,9 +172,14 @@ def _model(p, per_row_positions=False, device="cpu"):
         num_attention_heads=p["heads"], intermediate_size=p["ff"], num_labels=p["K"],
         max_position_embeddings=max(512, T)))
     target = torch.randint(0, p["K"], (B,))
-    crit = torch.nn.CrossEntropyLoss()
+    crit = torch.nn.CrossEntropyLoss(reduction=_reduction(p))
     on = target.to(device)
     return model.to(device), ids, target, crit, lambda m, c: c(m(**kw).logits, on)
+
+
+def _reduction(p) -> str:
+    """The loss's reduction over samples: a sum under autocast (module docstring)."""
+    return "sum" if p.get("autocast") else "mean"
 
 
 def build_step(p, method, device="cpu"):
@@ -197,7 +204,8 @@ def build_step(p, method, device="cpu"):
         model, opt, ploader = PrivacyEngine(accountant="prv").make_private(
             module=model, optimizer=opt, data_loader=loader, noise_multiplier=SIGMA,
             max_grad_norm=C, seed=1, clipping=p.get("clipping", "flat"),    # host_step.py
-            gram_precision="float32" if method == "ncdp_engine_gram32" else "float64")
+            gram_precision="float32" if method == "ncdp_engine_gram32" else "float64",
+            loss_reduction=_reduction(p))
         draw = whole_batch_draw(ploader, ids.shape[0])
     elif method in OPACUS:
         from opacus import PrivacyEngine
@@ -206,7 +214,7 @@ def build_step(p, method, device="cpu"):
         if errors:
             raise RuntimeError(f"ModuleValidator.validate: {errors}")
         kw = dict(module=model, optimizer=opt, data_loader=loader, noise_multiplier=SIGMA,
-                  max_grad_norm=C)
+                  max_grad_norm=C, loss_reduction=_reduction(p))
         if method == "opacus_hooks":
             model, opt, _ = PrivacyEngine(accountant="prv").make_private(
                 **kw, grad_sample_mode="hooks")

@@ -189,3 +189,39 @@ def test_a_new_run_with_the_seed_of_a_checkpointed_run_warns(tmp_path):
     _stream._LEDGER.disk_checked.clear()
     engine3, pm3, popt3, ploader3 = _load(tmp_path / "ckpt.pt")
     _train(pm3, popt3, ploader3, 1)
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_an_accountant_resumed_without_its_stream_is_refused_under_an_explicit_seed(
+        with_optimizer):
+    """Opacus-style resume of the model's and the accountant's states only, in
+    a new process with the same explicit seed: the stream restarted at the
+    first run's draws (offsets 4, 19, 34, 49 drawn again; nothing warned: the
+    eighth audit).  The step is refused before it draws; with the optimizer's
+    state loaded after the accountant's (it carries the stream) the run goes
+    on; with seed=None the key is new and nothing repeats."""
+    engine, pm, popt, ploader = _training(SEED)
+    _train(pm, popt, ploader, 4)
+    model_state = {k: v.clone() for k, v in pm.state_dict().items()}
+    states = engine.accountant.state_dict(), popt.state_dict()
+    # (the optimizer's state carries SEED's stream: loaded once only)
+    for seed in (SEED,) if with_optimizer else (SEED, None):
+        _stream._LEDGER.clear()                 # as in a new process
+        engine, pm, popt, ploader = _training(seed)
+        pm.load_state_dict(model_state)
+        engine.accountant.load_state_dict(states[0])
+        if with_optimizer:
+            popt.load_state_dict(states[1])
+        x, y = next(iter(ploader))
+        offset = pm.clipper.offset
+        popt.zero_grad()
+        F.cross_entropy(pm(x), y).backward()
+        if seed is not None and not with_optimizer:
+            with pytest.raises(RuntimeError, match=r"accountant's history was loaded with 4 "
+                                                   r"step\(s\) but the noise stream, keyed by "
+                                                   r"an explicit seed, has released 0"):
+                popt.step()
+            assert engine.accountant.total_steps == 4 and pm.clipper.offset == offset
+        else:
+            popt.step()
+            assert engine.accountant.total_steps == 5

@@ -130,7 +130,7 @@ def test_conv_under_autocast_is_the_sum_of_its_per_sample_gradients(layer):
         output.register_hook(lambda g: seen.update(g=g))
     conv.register_forward_hook(keep_grad)
     clipper = GhostClipper(model, max_grad_norm=1e6, noise_multiplier=0.0,
-                           expected_batch_size=float(B), seed=3)
+                           expected_batch_size=float(B), loss_reduction="sum", seed=3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x)
     nn.functional.cross_entropy(out.float(), y, reduction="sum").backward()

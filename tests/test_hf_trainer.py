@@ -247,7 +247,7 @@ def test_resume_continues_epsilon_the_noise_stream_and_the_pass(tmp_path):
 
 @pytest.mark.parametrize("field, value", [
     ("gradient_accumulation_steps", 2), ("max_grad_norm", 1.0), ("max_grad_norm", None),
-    ("fp16", True),
+    ("fp16", True), ("bf16", True),
     ("torch_compile", True), ("label_smoothing_factor", 0.1), ("neftune_noise_alpha", 5.0),
     ("dataloader_drop_last", True), ("train_sampling_strategy", "group_by_length"),
     ("data_seed", 3), ("auto_find_batch_size", True), ("ignore_data_skip", True),

@@ -312,6 +312,27 @@ def test_adaptive_resume_with_other_arguments_is_refused(tmp_path, name):
              rf"adaptive: the checkpoint was taken with adaptive=.*'{name}': {ADA[name]!r}")
 
 
+def test_adaptive_checkpoint_resumed_with_flat_clipping_names_the_mode(tmp_path):
+    """The mode switched was reported as 'max_grad_norm ... None, this run has
+    5.0' though 5.0 was passed both times (the eighth audit)."""
+    engine, pm, popt, ploader = _adaptive(SEED)
+    _train(pm, popt, ploader, 1)
+    path = tmp_path / "ada.pt"
+    engine.save_checkpoint(path=path, module=pm, optimizer=popt)
+    _stream._LEDGER.clear()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (24,), generator=g)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    flat = PrivacyEngine(accountant="rdp")
+    fm, fopt, _ = flat.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=6), noise_multiplier=1.0,
+        max_grad_norm=5.0, seed=None)
+    _refused(flat, fm, fopt, path, ValueError,
+             r"adaptive: the checkpoint was taken with adaptive=\{.*\}, this run has None")
+
+
 def test_adaptive_checkpoint_with_a_damaged_bound_is_refused(tmp_path):
     engine, pm, popt, ploader = _adaptive(SEED)
     _train(pm, popt, ploader, 1)

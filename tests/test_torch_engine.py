@@ -433,3 +433,22 @@ def test_a_step_without_noise_stays_in_the_history_and_the_state_dict():
     with pytest.raises(ValueError, match=r"events\[1\].noise_multiplier: 0 .* not marked "
                                          "unbounded"):
         other.accountant.load_state_dict(dict(state, unbounded=False))
+
+
+def test_an_optimizer_over_another_modules_parameters_is_refused():
+    """make_private with an optimizer built over another module: the private
+    gradients were written where it never reads them, the model never moved
+    and epsilon was spent (4.21 after one pass; the eighth audit).  Refused
+    before anything is built; an optimizer over part of the model is fine."""
+    model, _, loader = _setup()
+    other = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=r"optimizer: expected a torch optimizer over the "
+                                         r"module's trainable parameters, got one holding "
+                                         r"none of them \(2 parameter"):
+        PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(
+            other.parameters(), lr=0.1), data_loader=loader, noise_multiplier=1.0,
+            max_grad_norm=1.0)
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    first = next(iter(model.parameters()))
+    PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD([first], lr=0.1),
+                                 data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)

@@ -252,7 +252,7 @@ def test_autocast_half_gradients_of_float32_layers_are_taken_in_float32():
             output.register_hook(lambda g: seen.update({name + ".g": g}))
         return hook
     clipper = GhostClipper(model, max_grad_norm=1e6, noise_multiplier=0.0,
-                           expected_batch_size=float(B), seed=5)
+                           expected_batch_size=float(B), loss_reduction="sum", seed=5)
     # After the clipper's own hooks: its output is the one the gradient reaches.
     lin.register_forward_hook(keep("lin"))
     norm.register_forward_hook(keep("norm"))
@@ -301,7 +301,86 @@ def test_float32_and_float64_layers_in_one_model_are_refused_naming_them(clippin
     assert clipper.offset == offset and model.a.weight.grad is None
     model = Mixed(torch.bfloat16)
     clipper = GhostClipper(model, max_grad_norm=C, noise_multiplier=1.0, expected_batch_size=3,
-                           clipping=clipping)
+                           clipping=clipping, loss_reduction="sum")
     model(torch.randn(3, 4)).float().sum().backward()
     clipper.privatize_()
     assert model.b.weight.grad.dtype == torch.bfloat16
+
+
+def _clipped_sum_of_copies(B, dtype, reduction, model_half):
+    """The clipped sum (sigma 0, C = 0.05: every sample clipped) of B copies
+    of one sample through a linear layer, its forward in ``dtype`` (autocast,
+    or the model converted), times the expected batch size for a mean."""
+    torch.manual_seed(1)
+    model = nn.Linear(8, 4)
+    x = torch.randn(1, 8, generator=torch.Generator().manual_seed(3)).repeat(B, 1) * 0.5
+    if model_half:
+        model, x = model.to(dtype), x.to(dtype)
+    clipper = GhostClipper(model, max_grad_norm=0.05, noise_multiplier=0.0,
+                           expected_batch_size=64.0, loss_reduction=reduction, seed=None)
+    with torch.autocast("cpu", dtype=dtype, enabled=not model_half):
+        out = model(x)
+    nn.functional.cross_entropy(out.float(), torch.full((B,), 2), reduction=reduction).backward()
+    try:
+        clipper.privatize_()
+    finally:
+        clipper.remove()
+    return torch.cat([p.grad.double().flatten() for p in model.parameters()]) * (
+        64.0 if reduction == "mean" else 1.0)
+
+
+@pytest.mark.parametrize("model_half", [False, True], ids=["autocast", "half-model"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_batch_mean_with_half_gradients_is_refused_a_sum_is_exact(dtype, model_half):
+    """A mean loss's 1/B was rounded into each sample's half gradient, to a
+    value that depends on B: removing one of B = 999 copies of a sample moved
+    the clipped sum by 1.42 C under bfloat16 autocast (1.65 C at B = 4096
+    under float16; the eighth audit).  Refused at the step, before any draw;
+    the summed loss's half gradients do not depend on B: under autocast
+    (float32 parameters) removing one copy moves the clipped sum by C (every
+    copy clipped), within float32 rounding of the 999-term sum; a half model's
+    sum is then rounded to its dtype, post-processing whose error (up to
+    2^-8 of a 50 C sum in bfloat16) hides that C, so the sum is run there only
+    to show it is not refused."""
+    with pytest.raises(ValueError, match=rf"layer '<model>''s output gradient arrived in "
+                                         rf"{dtype} .* loss_reduction='mean'.* Use a summed loss"):
+        _clipped_sum_of_copies(999, dtype, "mean", model_half)
+    moved = (_clipped_sum_of_copies(999, dtype, "sum", model_half)
+             - _clipped_sum_of_copies(998, dtype, "sum", model_half)).norm() / 0.05
+    if not model_half:
+        assert abs(float(moved) - 1.0) < 999 * 2.0 ** -23
+
+
+def test_float16_overflow_in_the_engine_is_accounted_and_its_batch_consumed():
+    """A step refused for a float16 overflow has drawn its noise (the refusal
+    reads the noised gradient): the engine accounted nothing (epsilon 0 after
+    it, and a checkpoint then refused as 'released 1 step, history 0') and
+    the next batch was refused as one left without its step (the eighth
+    audit).  Now the step is accounted, its batch consumed, and the run goes
+    on.  Noise std 1e6 at sigma 1e6: an entry of the 15 overflows 65504 but
+    with probability 0.052^15 (fixed seed)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ncdp_fast.torch import PrivacyEngine
+    from ncdp_fast.torch.precision import SpentStepError
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 4), torch.randint(0, 3, (40,))
+    model = nn.Linear(4, 3).half()
+    engine = PrivacyEngine()
+    pm, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-9),
+        data_loader=DataLoader(TensorDataset(x.half(), y), batch_size=10),
+        noise_multiplier=1e6, max_grad_norm=1.0, loss_reduction="sum", seed=7)
+    batches = iter(loader)
+    xb, yb = next(batches)
+    nn.functional.cross_entropy(pm(xb).float(), yb, reduction="sum").backward()
+    with pytest.raises(SpentStepError, match="overflows torch.float16.*accounts the step"):
+        opt.step()
+    assert engine.accountant.total_steps == 1 == pm.clipper.steps
+    assert model.weight.grad is None
+    opt.noise_multiplier = 1.0
+    opt.zero_grad()
+    xb, yb = next(batches)
+    nn.functional.cross_entropy(pm(xb).float(), yb, reduction="sum").backward()
+    opt.step()
+    assert engine.accountant.total_steps == 2 == pm.clipper.steps

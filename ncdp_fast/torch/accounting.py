@@ -81,6 +81,9 @@ class EngineAccountant(privacy.Accountant):
         parsed = privacy.Accountant.from_dict(state_dict, allow_unbounded=True)
         self._events = list(parsed._events)
         self.unbounded = bool(state_dict.get("unbounded", False))
+        # The steps of a run resumed Opacus-style: its private optimizer checks
+        # that its noise stream was restored with them (DPOptimizer.step).
+        self.loaded_steps = self.total_steps
 
     def get_epsilon(self, delta) -> float:
         """epsilon at ``delta`` of the steps recorded (0 before the first; inf

@@ -231,6 +231,9 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
         # ("eval", "disabled"), and the parameters a backward then gave an
         # ordinary gradient: a step over those is refused, naming the cause.
         self._uncaptured: set[str] = set()
+        # The first layer whose output gradient arrived in half precision, and
+        # its dtype: a batch mean's 1/B rounded into it is refused at the step.
+        self._half_grads: dict = {}
         self._uncaptured_grads: dict[str, str] = {}
         # (tensor, its _version at the backward, layer name) of the layers'
         # inputs their blocks read at the step (recorder._evaluate): one changed
@@ -401,6 +404,7 @@ class GhostClipper(LayerRecorder, PrivateStep, ClippedGaussianStep):
         self._outside.clear()
         self._uncaptured.clear()
         self._uncaptured_grads.clear()
+        self._half_grads.clear()
         self._batch.clear()
         self._loss.clear()
 

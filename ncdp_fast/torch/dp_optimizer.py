@@ -15,6 +15,7 @@ from .._validate import check_bool
 from .amp import refuse_grad_scaler
 from .clipper import GhostClipper
 from .mechanism import CheckpointsNoise
+from .precision import SpentStepError
 
 __all__ = ["PrivateModule", "DPOptimizer"]
 
@@ -308,20 +309,51 @@ class DPOptimizer(CheckpointsNoise, torch.optim.Optimizer):
                 "BatchMemoryManager: the release could hold several Poisson batches while "
                 "the accountant records one step. Use ncdp_fast.torch.BatchMemoryManager for "
                 "physical batches; the accumulated sums were discarded, nothing released")
+        self._check_stream_resumed()
         self.clipper._step_check = None if drawn is None else self._check_logical
         try:
             self.clipper.privatize_(self.original_optimizer)
+        except SpentStepError:
+            # Refused after the noise was drawn (the refusal reads the noised
+            # gradient): the step is accounted and its batch consumed, as a
+            # step; nothing is written and the wrapped optimizer does not step.
+            # (Before the eighth audit neither: epsilon stayed 0 after such a
+            # step, and the next batch was refused as one left without a step.)
+            self._finish_step(drawn)
+            raise
         finally:
             self.clipper._step_check = None
+        self._finish_step(drawn)
+        # torch's contract: step(closure) returns the closure's loss.
+        out = self.original_optimizer.step()
+        return loss if closure is not None else out
+
+    def _check_stream_resumed(self) -> None:
+        """Refuse a step of a run resumed Opacus-style with only the
+        accountant's state: under an explicit seed the noise stream restarts
+        at the first run's draws (the eighth audit: offsets 4, 19, 34, 49
+        drawn again in a new process, nothing warned).  The optimizer's state
+        dict carries the stream; with seed=None the key is new and nothing
+        repeats."""
+        loaded = getattr(self._engine.accountant, "loaded_steps", 0) if self._engine else 0
+        if loaded and self.clipper.steps < loaded and self.clipper._stream._explicit:
+            raise RuntimeError(
+                f"DPOptimizer.step: the accountant's history was loaded with {loaded} step(s) "
+                f"but the noise stream, keyed by an explicit seed, has released "
+                f"{self.clipper.steps}: it would draw the first run's noise again. Load the "
+                "optimizer's state_dict() too (it carries the stream; after the accountant's), "
+                "resume with PrivacyEngine.save_checkpoint / load_checkpoint, or pass seed=None "
+                "(a new key) to make_private")
+
+    def _finish_step(self, drawn) -> None:
+        """The step's book-keeping once its noise is drawn: its Poisson batch
+        consumed, the logical batch closed, the accountant told."""
         if drawn:
             drawn.popleft()
         self._pending = 0
         self._consume_decision()
         self._is_last_step_skipped = False
         self._on_step()
-        # torch's contract: step(closure) returns the closure's loss.
-        out = self.original_optimizer.step()
-        return loss if closure is not None else out
 
     def _noise_source(self):
         return self.clipper

@@ -32,6 +32,22 @@ _ADAPTIVE_ARGS = ("target_unclipped_quantile", "clipbound_learning_rate", "max_c
                   "min_clipbound", "unclipped_num_std")
 
 
+def _check_optimizer_trains(module, optimizer) -> None:
+    """Refuse an optimizer holding none of the module's trainable parameters
+    (one built over another module's): every step would write the private
+    gradients where the optimizer never reads them, spending epsilon on a
+    model that never changes (the eighth audit: 4.21 spent, no weight moved)."""
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    held = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
+    if trainable and not any(id(p) in trainable for p in held):
+        raise ValueError(
+            "optimizer: expected a torch optimizer over the module's trainable parameters, "
+            f"got one holding none of them ({len(held)} parameter(s) of something else): the "
+            "private gradients would be written where it never reads them and every step's "
+            "privacy spent on a model that does not change. Build it from "
+            "module.parameters() (the module passed to make_private)")
+
+
 class PrivacyEngine:
     """Opacus's ``PrivacyEngine``: ``make_private`` / ``make_private_with_epsilon``
     return (module, optimizer, data_loader) for an unchanged training loop, and
@@ -208,6 +224,7 @@ class PrivacyEngine:
         check_choice(grad_sample_mode, "grad_sample_mode", _GRAD_SAMPLE_MODES)
         check_not_ddp(module, "make_private")
         check_not_compiled(module, "make_private")
+        _check_optimizer_trains(module, optimizer)
         adaptive = None
         if clipping == "adaptive":
             missing = [k for k in _ADAPTIVE_ARGS if k not in kwargs]

@@ -46,6 +46,10 @@ _REFUSED = (
      "and clipping the noised one would shrink every update by the noise's norm; the "
      "per-sample bound is DPTrainer(max_grad_norm=...)"),
     ("fp16", lambda a: a.fp16, "False: the GradScaler needs gradients before the step"),
+    ("bf16", lambda a: a.bf16,
+     "False: DPTrainer's loss is a batch mean, and under bfloat16 autocast its 1/B is rounded "
+     "into each sample's gradient to a value that depends on the batch size (removing one "
+     "sample moved the clipped sum by 1.42 C at B = 999; docs/torch.md, 'Half precision')"),
     ("torch_compile", lambda a: a.torch_compile, "False: the clipper's hooks run eagerly"),
     ("label_smoothing_factor", lambda a: a.label_smoothing_factor != 0,
      "0: the LabelSmoother averages over the whole batch's tokens"),

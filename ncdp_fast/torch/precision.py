@@ -9,7 +9,8 @@ import torch
 from .._clip import GhostBlock
 from .layers import HALF, accumulation_dtype
 
-__all__ = ["upcast", "cast_block", "overflowing", "overflow_error", "refuse_mixed_dtypes"]
+__all__ = ["upcast", "cast_block", "overflowing", "overflow_error", "refuse_mixed_dtypes",
+           "SpentStepError", "half_mean_error"]
 
 
 def upcast(x):
@@ -68,6 +69,23 @@ def refuse_mixed_dtypes(entries) -> None:
         "step (nothing was written or drawn)")
 
 
+def half_mean_error(layer: str, dtype: torch.dtype) -> ValueError:
+    """The refusal of a batch-mean loss whose output gradients reached layer
+    ``layer`` in ``dtype`` (float16 or bfloat16): the mean's 1/B is rounded
+    into each sample's gradient there, to a value that depends on B."""
+    return ValueError(
+        f"GhostClipper: layer {layer or '<model>'!r}'s output gradient arrived in {dtype} "
+        "(torch.autocast or a half-precision model) with loss_reduction='mean': the batch "
+        f"mean's 1/B is rounded into every sample's {dtype} gradient, and how it rounds "
+        "depends on the batch size, so one sample's presence moves every other sample's "
+        "clipped contribution (the eighth audit: removing one sample moved the clipped sum "
+        "by 1.42 C at B = 999 under bfloat16, 1.65 C at B = 4096 under float16). Use a "
+        "summed loss (the criterion's reduction='sum' and loss_reduction='sum'; the mean's "
+        "step is the learning rate divided by the expected batch size), or float32. "
+        "Nothing was drawn; optimizer.zero_grad() (or the clipper's clear()) discards this "
+        "step")
+
+
 def overflowing(writes):
     """The first of ``writes`` ``[(tap, name, parameter, gradient)]`` whose
     gradient is not finite in a half dtype, as ``(full name, dtype)``, or None:
@@ -79,14 +97,22 @@ def overflowing(writes):
     return None
 
 
+class SpentStepError(ValueError):
+    """A step refused after its noise was drawn (a half gradient overflowing
+    on its rounding): nothing was written, but the release happened -- the
+    refusal itself depends on the noised gradient -- so the step is spent: the
+    private optimizer accounts it and consumes its batch before raising."""
+
+
 def overflow_error(name: str, dtype: torch.dtype, noise_std: float) -> ValueError:
     """The refusal of parameter ``name``'s overflowing gradient; ``noise_std``
     is the step's, before the division by the batch."""
-    return ValueError(
+    return SpentStepError(
         f"GhostClipper: the private gradient of parameter {name!r} overflows "
         f"{dtype} (largest {torch.finfo(dtype).max:g}) when rounded from "
         "float32; expected a gradient within its range (noise std "
         f"{noise_std:g} before the "
         "division by the batch). Keep the parameters in float32 and run the "
         "forward under torch.autocast, or use bfloat16. Nothing was written; this "
-        "step's noise is spent")
+        "step's noise is spent (the private optimizer accounts the step and its batch is "
+        "discarded: go on with the next one)")

@@ -13,7 +13,7 @@ from .memory import add_clipped, across_ranks_error, check_same_parameters, fold
 from .compiled import compiled_error
 from .graphs import refuse_graph_capture
 from .per_layer import clip_per_layer
-from .precision import overflow_error, overflowing, refuse_mixed_dtypes
+from .precision import half_mean_error, overflow_error, overflowing, refuse_mixed_dtypes
 from .ranks import refuse_with_ranks
 from .taps import per_parameter, refuse_changed, step_entries
 from .unprivatized import refuse_uncaptured
@@ -66,6 +66,8 @@ class PrivateStep:
                 f"built ({self.param_names}); nothing would be trained. Unfreeze some, or "
                 "skip the step")
         refuse_uncaptured(self.taps, self.param_names, self._uncaptured, self._uncaptured_grads)
+        if self._half_grads and self.loss_reduction == "mean":
+            raise half_mean_error(*next(iter(self._half_grads.items())))
         batch = self._batch.of_step(self.taps)
         if self._step_check is not None:
             self._step_check(batch)

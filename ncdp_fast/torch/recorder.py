@@ -345,6 +345,8 @@ class LayerRecorder:
             # handed to them with its batch moved there.
             rec.inputs, rec.grad = to_batch_first(rec.inputs, rec.grad, dim)
             if tap.half or rec.grad.dtype in HALF:
+                if rec.grad.dtype in HALF and not self._half_grads:
+                    self._half_grads[tap.name] = rec.grad.dtype    # refused at a mean's step
                 # The rule computes in float32 from here on: the half values
                 # are exact in float32, so nothing but the final rounding of
                 # the private gradient to the parameter's dtype is in half.
