@@ -201,6 +201,10 @@ def test_skip_protocol_refusals_leave_nothing_behind(tmp_path):
     with pytest.raises(ValueError, match="inside a logical batch"):
         engine.save_checkpoint(path=tmp_path / "c.pt", module=pm, optimizer=popt)
     assert not (tmp_path / "c.pt").exists()
+    # Opacus-style, likewise (its state was taken without the accumulated sums
+    # until the eighth audit)
+    with pytest.raises(ValueError, match="state_dict: expected a state between logical steps"):
+        popt.state_dict()
     with pytest.raises(TypeError, match="optimizer: expected the DPOptimizer"):
         BatchMemoryManager(data_loader=ploader, max_physical_batch_size=2,
                            optimizer=popt.original_optimizer)

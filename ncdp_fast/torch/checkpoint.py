@@ -224,6 +224,11 @@ def _kwargs(value, name) -> dict:
     return value
 
 
+# The start of save()'s warning for a state left out (its callers that store
+# the optimizer themselves, Lightning's and the HF Trainer's, filter it).
+OPTIMIZER_LEFT_OUT = "optimizer: not passed to save_checkpoint"
+
+
 def save(engine, *, path, module, optimizer=None, noise_scheduler=None,
          grad_clip_scheduler=None, checkpoint_dict=None, module_state_dict_kwargs=None,
          torch_save_kwargs=None) -> None:
@@ -248,6 +253,13 @@ def save(engine, *, path, module, optimizer=None, noise_scheduler=None,
     if optimizer is not None:
         # The stream goes once, under _ENGINE, whichever optimizer is passed.
         state[_OPTIMIZER] = optimizer.original_optimizer.state_dict()
+    elif run.optimizer.original_optimizer.state:
+        # The load's warning needs a stored state to see: without one a
+        # momentum restarted with no word (the eighth audit).
+        warnings.warn(OPTIMIZER_LEFT_OUT + ", so the optimizer's state "
+                      "(momentum or moment buffers) is left out of the file and a resumed run "
+                      "starts it afresh; pass optimizer= to continue it", UserWarning,
+                      stacklevel=3)
     for name, value in schedulers.items():
         if value is not None:
             state[_SCHEDULERS[name][0]] = _scheduler_state(value)

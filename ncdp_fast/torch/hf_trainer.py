@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import warnings
 
 import torch
 from torch.nn import functional as F
@@ -22,6 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .. import privacy
 from .._validate import check_delta, check_nonneg, check_positive
 from .accounting import dp_accounting_name
+from .checkpoint import OPTIMIZER_LEFT_OUT as _OPTIMIZER_LEFT_OUT
 from .data import loader_settings
 from .engine import PrivacyEngine
 from .losses import causal_lm_loss
@@ -256,9 +258,12 @@ class DPTrainer(transformers.Trainer):
             folder = os.path.join(self._get_output_dir(trial=trial),
                                   f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             os.makedirs(folder, exist_ok=True)
-            self.privacy_engine.save_checkpoint(
-                path=os.path.join(folder, ENGINE_FILE), module=self.model,
-                checkpoint_dict={"global_step": self.state.global_step})
+            with warnings.catch_warnings():
+                # The Trainer stores the optimizer's state itself.
+                warnings.filterwarnings("ignore", message=_OPTIMIZER_LEFT_OUT)
+                self.privacy_engine.save_checkpoint(
+                    path=os.path.join(folder, ENGINE_FILE), module=self.model,
+                    checkpoint_dict={"global_step": self.state.global_step})
         super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):

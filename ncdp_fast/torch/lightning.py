@@ -15,6 +15,7 @@ is refused and why.
 from __future__ import annotations
 
 import io
+import warnings
 
 import torch
 from lightning.pytorch.callbacks import (BatchSizeFinder, Callback,
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from .._validate import (check_bool, check_choice, check_delta, check_nonneg, check_pos_int,
                          check_positive)
+from .checkpoint import OPTIMIZER_LEFT_OUT as _OPTIMIZER_LEFT_OUT
 from .engine import PrivacyEngine
 
 __all__ = ["DPLightningCallback"]
@@ -244,7 +246,10 @@ class DPLightningCallback(Callback):
         if self.optimizer is None:
             return {}
         buf = io.BytesIO()
-        self.engine.save_checkpoint(path=buf, module=self._net)
+        with warnings.catch_warnings():
+            # Lightning stores the optimizer's state itself.
+            warnings.filterwarnings("ignore", message=_OPTIMIZER_LEFT_OUT)
+            self.engine.save_checkpoint(path=buf, module=self._net)
         state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
         del state[_MODULE]
         return {"engine": state}

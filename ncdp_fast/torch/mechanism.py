@@ -128,6 +128,15 @@ class CheckpointsNoise:
         """Called before anything of a state with a noise stream is loaded."""
 
     def state_dict(self):
+        if getattr(self._noise_source(), "_accumulated", None):
+            # As save_checkpoint: the logical batch's clipped sums so far are not
+            # in the state, and a run resumed from it would noise the batch
+            # without them (accepted, silently, until the eighth audit).
+            raise ValueError(
+                "state_dict: expected a state between logical steps, got one inside a logical "
+                "batch (BatchMemoryManager: physical batches accumulated, its step not taken "
+                "yet); take it after a step that was not skipped "
+                "(optimizer._is_last_step_skipped is False)")
         state = self.original_optimizer.state_dict()
         state["ncdp_noise"] = self._noise_source().noise_state()
         return state
