@@ -55,6 +55,11 @@ def test_membership_attack_has_one_implementation_and_the_old_path():
     x = np.array([[0.9], [0.25], [1.0]])
     np.testing.assert_allclose(loss_scores(Fixed(), x, np.array([0, 1, 0])),
                                np.log([0.9, 0.75, 1.0]), rtol=1e-15)
+    # Labels outside the model's classes are refused without their values (the
+    # members' labels are private).
+    with pytest.raises(ValueError, match=r"labels: expected integers in \[0, 2\)") as e:
+        membership.membership_losses(Fixed(), x, np.array([0, 7, 0]))
+    assert "7" not in str(e.value) and "not shown" in str(e.value)
 
 
 @pytest.mark.parametrize("kw,name", [(dict(canaries=1), "canaries"),

@@ -137,8 +137,12 @@ def test_scattering_shapes():
 def test_scattering_input_checks():
     with pytest.raises(ValueError, match="images: expected H and W divisible by 2\\*\\*J = 4"):
         ds.scattering_features(_images(1, 10, 12))
-    with pytest.raises(ValueError, match=r"images: expected floats in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"images: expected floats in \[0, 1\]") as e:
         ds.scattering_features(np.full((1, 8, 8), 2.0))
+    # The pixels are usually private: the message shows no value of them.
+    assert "2.0" not in str(e.value) and "not shown" in str(e.value)
+    with pytest.raises(ValueError, match="non-finite values") as e:
+        ds.scattering_features(np.full((1, 8, 8), np.nan))
     with pytest.raises(ValueError, match="images: expected shape"):
         ds.scattering_features(np.zeros((8, 8), np.uint8))
     with pytest.raises(ValueError, match="groups: expected a divisor of the 81"):

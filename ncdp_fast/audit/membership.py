@@ -26,8 +26,10 @@ def membership_losses(model, features, labels) -> np.ndarray:
     if P.shape[0] != y.shape[0]:
         raise ValueError(f"labels: length {y.shape[0]} differs from features' {P.shape[0]} rows")
     if y.size and (y.min() < 0 or y.max() >= P.shape[1]):
-        raise ValueError(f"labels: expected integers in [0, {P.shape[1]}), got min {y.min()} "
-                         f"and max {y.max()}")
+        # The labels may be the private training set's (members): their values stay
+        # out of a message that may reach a log.
+        raise ValueError(f"labels: expected integers in [0, {P.shape[1]}), got values "
+                         "outside it (not shown: labels may be private)")
     return -np.log(np.maximum(P[np.arange(y.shape[0]), y], 1e-300))
 
 

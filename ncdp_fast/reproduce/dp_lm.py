@@ -46,6 +46,11 @@ Perplexity: exp of the mean next-byte cross-entropy (nats) over
 bits per byte = that mean / ln 2.  A curve of it on a quarter of them every
 ``--eval-every`` steps is plotted.
 
+This is a reproduction on a public corpus, not a private release: its report records
+the master seed (the key of every arm's noise) and its progress lines print each
+step's training loss without noise.  Run on private text, both would need the
+care ``docs/privacy.md`` gives a noise key and a noise-free value.
+
 Options: --out, --quick, --seed (default from the OS, recorded), --eps, --delta,
 --context, --width, --layers, --heads, --steps, --batch, --lr, --max-grad-norm,
 --accountant, --eval-chunks, --eval-every, --threads, --corpus (a JSON list of {"text": ...}
